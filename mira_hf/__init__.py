@@ -1,0 +1,35 @@
+"""mira-hf: run Mixture-of-Experts transformers models on one GPU that cannot hold all their experts."""
+
+from .config import CacheConfig, LoaderConfig, MiraConfig
+from .errors import (
+    BudgetError,
+    ConcurrencyError,
+    ConfigError,
+    DeviceError,
+    IncompatibleFileError,
+    LoaderError,
+    MiraError,
+    MissingDependencyError,
+    UnsupportedModelError,
+)
+from .manager import ExpertManager
+from .model import MiraMoEModel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BudgetError",
+    "CacheConfig",
+    "ConcurrencyError",
+    "ConfigError",
+    "DeviceError",
+    "ExpertManager",
+    "IncompatibleFileError",
+    "LoaderConfig",
+    "LoaderError",
+    "MiraConfig",
+    "MiraError",
+    "MiraMoEModel",
+    "MissingDependencyError",
+    "UnsupportedModelError",
+]

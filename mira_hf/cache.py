@@ -1,0 +1,154 @@
+"""`ExpertCache`: which expert sits in which device slot, in which tier, and who goes next.
+
+It knows nothing about models or devices: keys are `(layer, expert)`, slots are indices into a
+pool's arena (allocated by the manager), and a policy picks victims. Two tiers share a pool:
+- HOT: experts that were used and earned their place (at most `n_hot` slots);
+- STAGE: experts in flight, prefetched and not yet used, or demoted from HOT; evicted first.
+A prefetch may only take a free or STAGE slot: a guess never pushes out a HOT expert.
+Pinned slots (in use by the block being computed) are never evicted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+HOT, STAGE = "hot", "stage"
+Key = tuple[int, int]  # (MoE layer ordinal, expert index)
+
+
+class CachePolicy(Protocol):
+    """Ranks resident experts for eviction. One instance per slot pool."""
+
+    name: str
+
+    def inserted(self, key: Key, staged: bool) -> None: ...
+    def used(self, key: Key) -> None: ...
+    def removed(self, key: Key) -> None: ...
+    def victim(self, candidates: Iterable[Key]) -> Key | None: ...
+
+
+@dataclass(frozen=True)
+class Eviction:
+    key: Key
+    wasted_prefetch: bool  # it was prefetched and never used
+
+
+@dataclass
+class Slot:
+    index: int
+    key: Key | None = None
+    tier: str = STAGE
+    pins: int = 0
+    used_since_load: bool = False
+    prefetched: bool = False
+    ready: object = None  # device event: the copy into this slot is done (None on CPU / when done)
+    free: object = None  # device event: the last compute that read this slot is done
+
+
+@dataclass
+class SlotPool:
+    """Slots of one byte size (one per distinct expert-record geometry)."""
+
+    slot_bytes: int
+    n_slots: int
+    n_stage: int
+    policy: CachePolicy
+    slots: list[Slot] = field(default_factory=list)
+    where: dict[Key, Slot] = field(default_factory=dict)
+    hot_count: int = 0
+
+    def __post_init__(self) -> None:
+        self.slots = [Slot(i) for i in range(self.n_slots)]
+        self._free = list(range(self.n_slots - 1, -1, -1))
+
+    @property
+    def n_hot(self) -> int:
+        return self.n_slots - self.n_stage
+
+    @property
+    def resident_bytes(self) -> int:
+        return len(self.where) * self.slot_bytes
+
+
+class ExpertCache:
+    """Maps keys to slots across pools; the single source of truth of residency."""
+
+    def __init__(self, pools: dict[Hashable, SlotPool], pool_of_layer: dict[int, Hashable]) -> None:
+        self.pools = pools
+        self.pool_of_layer = pool_of_layer
+
+    def pool(self, layer: int) -> SlotPool:
+        return self.pools[self.pool_of_layer[layer]]
+
+    def lookup(self, key: Key) -> Slot | None:
+        return self.pool(key[0]).where.get(key)
+
+    def allocate(self, key: Key, staged: bool) -> tuple[Slot | None, Eviction | None]:
+        """Give `key` a slot: a free one, else the policy's victim. Returns (slot, what was evicted).
+
+        A prefetch (`staged`) only takes a free or unpinned STAGE slot; a demand load may evict HOT too.
+        Returns (None, None) when nothing can be evicted.
+        """
+        pool = self.pool(key[0])
+        assert key not in pool.where, key
+        evicted = None
+        if pool._free:
+            slot = pool.slots[pool._free.pop()]
+        else:
+            stage = [s.key for s in pool.slots if s.pins == 0 and s.tier == STAGE]
+            victim = pool.policy.victim(stage)
+            if victim is None and not staged:
+                victim = pool.policy.victim([s.key for s in pool.slots if s.pins == 0])
+            if victim is None:
+                return None, None
+            slot = pool.where.pop(victim)
+            pool.policy.removed(victim)
+            if slot.tier == HOT:
+                pool.hot_count -= 1
+            evicted = Eviction(victim, slot.prefetched and not slot.used_since_load)
+        slot.key, slot.tier, slot.pins = key, STAGE, 0
+        slot.used_since_load, slot.prefetched = False, staged
+        pool.where[key] = slot
+        pool.policy.inserted(key, staged)
+        return slot, evicted
+
+    def use(self, slot: Slot) -> None:
+        """Record a use: the expert joins HOT, demoting HOT's victim to STAGE if HOT is full."""
+        pool = self.pool(slot.key[0])
+        pool.policy.used(slot.key)
+        slot.used_since_load = True
+        if slot.tier == HOT:
+            return
+        slot.tier = HOT
+        pool.hot_count += 1
+        if pool.hot_count > pool.n_hot:
+            victim = pool.policy.victim([s.key for s in pool.slots if s.tier == HOT and s is not slot])
+            if victim is not None:
+                pool.where[victim].tier = STAGE
+                pool.hot_count -= 1
+
+    def remove(self, key: Key) -> None:
+        """Forget `key` (its copy failed or was abandoned); its slot becomes free."""
+        pool = self.pool(key[0])
+        slot = pool.where.pop(key, None)
+        if slot is None:
+            return
+        pool.policy.removed(key)
+        if slot.tier == HOT:
+            pool.hot_count -= 1
+        slot.key, slot.tier, slot.pins, slot.ready = None, STAGE, 0, None
+        pool._free.append(slot.index)
+
+    def resident(self, layer: int | None = None) -> list[Key]:
+        keys = [k for p in self.pools.values() for k in p.where]
+        return sorted(k for k in keys if layer is None or k[0] == layer)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(p.resident_bytes for p in self.pools.values())
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(p.n_slots * p.slot_bytes for p in self.pools.values())

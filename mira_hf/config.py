@@ -1,0 +1,162 @@
+"""`MiraConfig`: the few knobs that matter, frozen and validated when built.
+
+The five that matter sit at the top (`gpu_budget`, `device`, `policy`, `predictor`, `quantization`);
+tuning parameters of one mechanism live in that mechanism's own small dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Union
+
+from .errors import ConfigError
+
+Budget = Union[int, float, str, None]
+
+POLICIES = ("lru",)
+PREDICTORS: tuple[str | None, ...] = (None,)
+QUANTIZATIONS: tuple[str | None, ...] = (None,)
+HOST_MEMORY_KINDS = ("auto", "pinned", "pageable")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | str, what: str) -> int:
+    """Parse `12GiB`, `500MB`, `1.5 GB` or an int into bytes (GB = 10**9, GiB = 2**30)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}={value!r}: expected bytes as an int or a string such as '12GiB'.")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ConfigError(f"{what}={value}: must be a positive number of bytes.")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ConfigError(
+                f"{what}={value!r} is not a size. Use bytes as an int or a string such as "
+                f"'12GiB', '500MB' (units: {', '.join(u for u in _UNITS if u)})."
+            )
+        n = int(float(m.group(1)) * _UNITS[unit])
+        if n <= 0:
+            raise ConfigError(f"{what}={value!r}: must be a positive size.")
+        return n
+    raise ConfigError(f"{what}={value!r} ({type(value).__name__}): expected an int or a string such as '12GiB'.")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the GPU expert arena is split between tiers."""
+
+    # Share of slots reserved for experts in flight or prefetched (STAGE); the rest hold resident
+    # experts (HOT). The design's default: a quarter of the arena.
+    stage_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.stage_fraction < 1.0:
+            raise ConfigError(f"stage_fraction={self.stage_fraction}: must be in [0, 1).")
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """How experts cross from host memory to the device."""
+
+    # Pinned staging ring used by a pageable store and by the disk tier (the design's "DMA buffer").
+    staging_ring_bytes: int = 128 * 2**20
+    # Seconds a caller waits for a background copy before it raises instead of hanging.
+    copy_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.staging_ring_bytes, int) or self.staging_ring_bytes < 2**20:
+            raise ConfigError(f"staging_ring_bytes={self.staging_ring_bytes!r}: must be an int ≥ 1 MiB.")
+        if not self.copy_timeout_s > 0:
+            raise ConfigError(f"copy_timeout_s={self.copy_timeout_s!r}: must be > 0.")
+
+
+def _check_choice(name: str, value: object, allowed: tuple, hint: str) -> None:
+    if value not in allowed:
+        shown = ", ".join(repr(a) for a in allowed)
+        raise ConfigError(f"{name}={value!r} is not supported. Supported: {shown}. {hint}")
+
+
+@dataclass(frozen=True)
+class MiraConfig:
+    """Settings of one wrapped model. Frozen: build a new one with `dataclasses.replace` to change it.
+
+    gpu_budget: device bytes for routed experts. An int (bytes), a string such as `"12GiB"`, or a
+        float in (0, 1] meaning that fraction of all routed-expert bytes. `None` = all experts if
+        they fit in 90% of the device's free memory, else that much.
+    device: `"cuda"`, `"cuda:N"` or `"cpu"`; `None` picks cuda when available.
+    policy: cache eviction policy (`"lru"`).
+    predictor: expert predictor used to stage experts ahead of the router (`None`: no prefetch).
+    quantization: expert transfer format (`None`: the checkpoint's dtype, bit-exact).
+    host_memory: `"pinned"` (fastest copies; pinning takes ~0.5 s per GB at load), `"pageable"`
+        (instant load, copies go through a pinned staging ring) or `"auto"` (pinned on CUDA).
+    host_budget: host bytes for the expert store; experts beyond it are read from disk
+        (`offload_dir`) through the staging ring. `None`: no limit.
+    offload_dir: where experts beyond `host_budget` are written, memory-mapped and read back.
+    expert_layer_path: for models without an adapter, a glob of the routed-experts modules,
+        e.g. `"model.layers.*.mlp.experts"` (fused 3-D expert tensors, as transformers 5 builds them).
+    """
+
+    gpu_budget: Budget = None
+    device: str | None = None
+    policy: str = "lru"
+    predictor: str | None = None
+    quantization: str | None = None
+    host_memory: str = "auto"
+    host_budget: int | str | None = None
+    offload_dir: str | None = None
+    expert_layer_path: str | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+
+    def __post_init__(self) -> None:
+        b = self.gpu_budget
+        if isinstance(b, bool) or not (b is None or isinstance(b, (int, float, str))):
+            raise ConfigError(
+                f"gpu_budget={b!r}: expected bytes (int), a size string such as '12GiB', "
+                "or a float in (0, 1] (a fraction of all routed-expert bytes)."
+            )
+        if isinstance(b, float) and not 0.0 < b <= 1.0:
+            raise ConfigError(
+                f"gpu_budget={b}: a float is a fraction of all routed-expert bytes and must be in (0, 1]. "
+                "For bytes pass an int or a string such as '12GiB'."
+            )
+        if isinstance(b, (int, str)) and not isinstance(b, float):
+            parse_bytes(b, "gpu_budget")
+        if self.device is not None:
+            if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+                raise ConfigError(f"device={self.device!r}: supported are 'cpu', 'cuda' and 'cuda:N'.")
+        _check_choice("policy", self.policy, POLICIES, "Pick one of those in MiraConfig(policy=...).")
+        _check_choice("predictor", self.predictor, PREDICTORS, "Pick one of those in MiraConfig(predictor=...).")
+        _check_choice("quantization", self.quantization, QUANTIZATIONS, "Pick one of those in MiraConfig(quantization=...).")
+        _check_choice("host_memory", self.host_memory, HOST_MEMORY_KINDS, "")
+        if self.host_budget is not None:
+            parse_bytes(self.host_budget, "host_budget")
+            if self.offload_dir is None:
+                raise ConfigError(
+                    "host_budget is set but offload_dir is not: experts beyond the host budget are written "
+                    "to disk. Pass MiraConfig(host_budget=..., offload_dir='/path/with/space')."
+                )
+        if self.expert_layer_path is not None and (not isinstance(self.expert_layer_path, str) or "." not in self.expert_layer_path):
+            raise ConfigError(
+                f"expert_layer_path={self.expert_layer_path!r}: expected a module glob such as 'model.layers.*.mlp.experts'."
+            )
+        if not isinstance(self.cache, CacheConfig) or not isinstance(self.loader, LoaderConfig):
+            raise ConfigError("cache and loader must be CacheConfig and LoaderConfig instances.")
+
+    def replace(self, **changes: object) -> MiraConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def host_budget_bytes(self) -> int | None:
+        return None if self.host_budget is None else parse_bytes(self.host_budget, "host_budget")

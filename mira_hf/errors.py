@@ -1,0 +1,43 @@
+"""The errors mira-hf raises. Each subclasses a built-in so callers can catch either.
+
+Messages say what was given, what is supported and what to do, and they are raised before any
+state changes: a model is never left half-converted.
+"""
+
+from __future__ import annotations
+
+
+class MiraError(Exception):
+    """Base class of every error mira-hf raises on purpose."""
+
+
+class ConfigError(MiraError, ValueError):
+    """A `MiraConfig` value (or a sub-config value) is invalid."""
+
+
+class UnsupportedModelError(MiraError, ValueError):
+    """The model has no adapter, no sparse-MoE block, or an expert layout mira-hf cannot serve."""
+
+
+class BudgetError(MiraError, ValueError):
+    """The GPU budget is below the minimum working set or above what the device can give."""
+
+
+class DeviceError(MiraError, RuntimeError):
+    """The requested device is not available."""
+
+
+class MissingDependencyError(MiraError, ImportError):
+    """An optional dependency is needed for the requested feature."""
+
+
+class IncompatibleFileError(MiraError, ValueError):
+    """A predictor, packed store or trace file was made for another model or format, or is corrupt."""
+
+
+class LoaderError(MiraError, RuntimeError):
+    """Copying an expert to the device failed; the cache was left consistent."""
+
+
+class ConcurrencyError(MiraError, RuntimeError):
+    """Two threads tried to run the same wrapped model at once."""

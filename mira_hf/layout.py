@@ -1,0 +1,90 @@
+"""Byte layout of one expert record: every tensor of one expert in one contiguous buffer.
+
+One expert = one record = one host→device copy. The runtime moves records; a codec says how the
+tensors of an expert are laid out in a record and how to get them back on the device. The identity
+codec (the default) keeps the checkpoint's dtype, so decoding is a set of zero-copy views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+# Offsets inside a record are multiples of this, so every view is aligned for any dtype and for DMA.
+ALIGN_BYTES = 256
+
+
+def align(n: int, to: int = ALIGN_BYTES) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # bytes from the start of the record
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class RawLayout:
+    """Layout of an uncompressed expert record: the tensors back to back, each aligned."""
+
+    tensors: tuple[TensorSpec, ...]
+    nbytes: int
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def signature(self) -> tuple:
+        return tuple((t.name, t.shape, t.dtype) for t in self.tensors)
+
+
+class ExpertCodec(Protocol):
+    """How expert tensors become a record and come back. Implemented by `IdentityCodec` and `mira_hf.quant`."""
+
+    name: str
+
+    def plan(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]): ...
+
+    def encode(self, tensors: Mapping[str, torch.Tensor], layout, out: torch.Tensor) -> None: ...
+
+    def decode(self, record: torch.Tensor, layout, dtype: torch.dtype, out=None) -> dict[str, torch.Tensor]: ...
+
+
+class IdentityCodec:
+    """Records hold the checkpoint's bytes unchanged: exact, and decoding is free (views)."""
+
+    name = "none"
+
+    def plan(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> RawLayout:
+        offset, tensors = 0, []
+        for name, (shape, dtype) in specs.items():
+            spec = TensorSpec(name, tuple(shape), dtype, offset)
+            tensors.append(spec)
+            offset = align(offset + spec.nbytes)
+        return RawLayout(tuple(tensors), max(offset, ALIGN_BYTES))
+
+    def encode(self, tensors: Mapping[str, torch.Tensor], layout: RawLayout, out: torch.Tensor) -> None:
+        for spec in layout.tensors:
+            self.view(out, spec).copy_(tensors[spec.name])
+
+    def decode(self, record: torch.Tensor, layout: RawLayout, dtype: torch.dtype | None = None, out=None) -> dict[str, torch.Tensor]:
+        return {spec.name: self.view(record, spec) for spec in layout.tensors}
+
+    @staticmethod
+    def view(record: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+        """A typed view of one tensor inside a uint8 record (no copy)."""
+        return record[spec.offset : spec.offset + spec.nbytes].view(spec.dtype).view(spec.shape)

@@ -1,0 +1,117 @@
+"""`Loader`: host→device copies of expert records, on their own CUDA stream, ordered by events.
+
+On CUDA, copies run on a dedicated stream so they overlap compute; the compute stream waits only on
+the event of the expert it is about to use, and that wait is timed with CUDA events (`stall_s`).
+Sources that are not page-locked (a pageable or disk-backed store) go through a small pinned staging
+ring: the CPU copies a piece into a ring chunk, the copy engine moves the chunk. On CPU the same calls
+run synchronously and the "device" arena is host memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import LoaderError
+
+
+class Loader:
+    def __init__(self, device: torch.device, ring_bytes: int = 128 * 2**20, ring_chunks: int = 4) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._ring_bytes = ring_bytes
+        self._ring_chunks = ring_chunks
+        self._ring: list[torch.Tensor] | None = None
+        self._ring_events: list[torch.cuda.Event] = []
+        self._ring_next = 0
+        self._stalls: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._stall_by_layer: dict[int, float] = {}  # resolved stall seconds per MoE layer
+
+    # -- copies ---------------------------------------------------------------------------------
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, src_pinned: bool, after: object = None) -> object:
+        """Copy a host record into a device slot. Returns the event that marks it done (None on CPU).
+
+        `after`: an event the copy must wait for (the last compute that read the slot).
+        """
+        try:
+            if not self.cuda:
+                dst.copy_(src)
+                return None
+            with torch.cuda.stream(self.stream):
+                if after is not None:
+                    self.stream.wait_event(after)
+                if src_pinned:
+                    dst.copy_(src, non_blocking=True)
+                else:
+                    self._copy_through_ring(dst, src)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                return done
+        except Exception as exc:  # a CUDA OOM, a bad page in a memory-mapped file, ...
+            raise LoaderError(
+                f"copying an expert record ({src.numel()} bytes) to {self.device} failed: {exc}. "
+                "The cache was left consistent; the next call retries the copy."
+            ) from exc
+
+    def _copy_through_ring(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._ring is None:
+            chunk = max(self._ring_bytes // self._ring_chunks, 1)
+            self._ring = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(self._ring_chunks)]
+            self._ring_events = [torch.cuda.Event() for _ in self._ring]
+            for ev in self._ring_events:
+                ev.record(self.stream)
+        chunk_bytes = self._ring[0].numel()
+        for start in range(0, src.numel(), chunk_bytes):
+            n = min(chunk_bytes, src.numel() - start)
+            i = self._ring_next
+            self._ring_next = (i + 1) % len(self._ring)
+            self._ring_events[i].synchronize()  # the chunk's previous copy has left it
+            self._ring[i][:n].copy_(src[start : start + n])
+            dst[start : start + n].copy_(self._ring[i][:n], non_blocking=True)
+            self._ring_events[i].record(self.stream)
+
+    # -- waiting --------------------------------------------------------------------------------
+    def wait(self, ready: object, layer: int) -> None:
+        """Make the compute stream wait for a copy; time the wait if it is not done yet."""
+        if ready is None or ready.query():
+            return
+        compute = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(compute)
+        compute.wait_event(ready)
+        end.record(compute)
+        self._stalls.append((layer, start, end))
+        if len(self._stalls) > 512:  # keep the list bounded; old events are long done
+            self._resolve(len(self._stalls) - 256)
+
+    def mark_free(self, slot_free_event: object) -> object:
+        """Record, on the compute stream, that the last read of a slot is enqueued."""
+        if not self.cuda:
+            return None
+        ev = slot_free_event if slot_free_event is not None else torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def add_stall(self, layer: int, seconds: float) -> None:
+        """Count a stall measured on the host (CPU device: a synchronous demand copy)."""
+        self._stall_by_layer[layer] = self._stall_by_layer.get(layer, 0.0) + seconds
+
+    def _resolve(self, n: int | None = None) -> None:
+        n = len(self._stalls) if n is None else n
+        for layer, start, end in self._stalls[:n]:
+            end.synchronize()
+            self.add_stall(layer, start.elapsed_time(end) / 1e3)
+        del self._stalls[:n]
+
+    def stalls(self) -> dict[int, float]:
+        """Stall seconds per MoE layer so far (resolves pending CUDA timings: syncs)."""
+        self._resolve()
+        return dict(self._stall_by_layer)
+
+    def reset_stalls(self) -> None:
+        self._resolve()
+        self._stall_by_layer.clear()
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            self.stream.synchronize()

@@ -1,0 +1,268 @@
+"""`ExpertManager`: store + cache + loader, behind a few verbs the proxies call.
+
+Per block call the proxy does `plan = begin(layer, experts)`, then for each expert in `plan.order`
+(resident experts first, misses in the order their copies were issued) `acquire` → compute →
+`release`, and finally `end(plan)`. A miss is copied into a slot as soon as one can be taken, so
+copies overlap the compute of experts already resident. `prefetch` (for predictors) stages experts
+into STAGE slots ahead of the router.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import STAGE, ExpertCache, Key, Slot, SlotPool
+from .errors import BudgetError
+from .loader import Loader
+from .policies import make_policy
+from .store import ExpertStore
+from .telemetry import Telemetry
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What the manager knows of one MoE layer."""
+
+    ordinal: int  # 0..L-1 over MoE layers, in model order: the key used everywhere
+    name: str  # module path of the routed experts, e.g. "model.layers.3.mlp.experts"
+    num_experts: int
+    top_k: int
+
+
+@dataclass
+class BlockPlan:
+    """State of one block call: which experts, in which order, which copies are still to issue."""
+
+    layer: int
+    order: list[int]
+    pending: deque = field(default_factory=deque)  # misses not yet given a slot
+    slots: dict[int, Slot] = field(default_factory=dict)  # expert -> slot pinned by this plan
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """How a byte budget becomes slots. Computed (and validated) before anything changes."""
+
+    budget_bytes: int
+    pool_of_layer: dict[int, Hashable]
+    slot_bytes: dict[Hashable, int]
+    n_slots: dict[Hashable, int]
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(self.n_slots[g] * self.slot_bytes[g] for g in self.n_slots)
+
+
+def plan_budget(layers: Sequence[LayerInfo], record_bytes: dict[int, int], budget_bytes: int) -> BudgetPlan:
+    """Split `budget_bytes` into slots, one pool per distinct record size, in proportion to each
+    pool's share of all expert bytes. Raises `BudgetError` below the minimum working set: the top-k
+    experts of one layer in every pool."""
+    pool_of_layer = {li.ordinal: record_bytes[li.ordinal] for li in layers}
+    total = {g: 0 for g in set(pool_of_layer.values())}
+    experts = dict.fromkeys(total, 0)
+    top_k = dict.fromkeys(total, 0)
+    for li in layers:
+        g = pool_of_layer[li.ordinal]
+        total[g] += li.num_experts * g
+        experts[g] += li.num_experts
+        top_k[g] = max(top_k[g], li.top_k)
+    all_bytes = sum(total.values())
+    n_slots = {}
+    for g in total:
+        share = budget_bytes * total[g] // all_bytes
+        n_slots[g] = min(experts[g], share // g)
+    minimum = sum(top_k[g] * g for g in total)
+    if any(n_slots[g] < top_k[g] for g in total):
+        raise BudgetError(
+            f"gpu_budget of {budget_bytes:,} bytes is below the minimum working set of this model: "
+            f"{minimum:,} bytes (the top-k experts of one layer; {all_bytes:,} bytes hold every expert). "
+            f"Give MiraConfig(gpu_budget=...) at least {minimum:,} bytes, e.g. a fraction ≥ {minimum / all_bytes:.3f}."
+        )
+    return BudgetPlan(budget_bytes, pool_of_layer, {g: g for g in total}, n_slots)
+
+
+class ExpertManager:
+    """Shared by every proxy of one model (`model.mira`)."""
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        layers: Sequence[LayerInfo],
+        budget: BudgetPlan,
+        device: torch.device,
+        policy: str = "lru",
+        stage_fraction: float = 0.25,
+        ring_bytes: int = 128 * 2**20,
+    ) -> None:
+        self.store = store
+        self.layers = {li.ordinal: li for li in layers}
+        self.budget = budget
+        self.device = device
+        self.loader = Loader(device, ring_bytes)
+        self.telemetry = Telemetry()
+        self._lock = threading.RLock()
+        pools = {}
+        self._arena: dict[Hashable, torch.Tensor] = {}
+        for g, n in budget.n_slots.items():
+            n_stage = int(n * stage_fraction)
+            pools[g] = SlotPool(budget.slot_bytes[g], n, n_stage, make_policy(policy))
+            # One allocation per pool, made once: slots are views, so the budget is never exceeded.
+            self._arena[g] = torch.empty((n, budget.slot_bytes[g]), dtype=torch.uint8, device=device)
+        self.cache = ExpertCache(pools, budget.pool_of_layer)
+        self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (layer, slot) -> tensors
+        self._last_layer = -1
+
+    # -- the verbs ------------------------------------------------------------------------------
+    def begin(self, layer: int, experts: Sequence[int], hidden: torch.Tensor | None = None) -> BlockPlan:
+        """Start a block call needing `experts` of `layer`: count hits and misses, pin what is
+        resident, and issue copies for misses while slots can be taken."""
+        with self._lock:
+            if layer <= self._last_layer:
+                self.telemetry.end_step()
+            self._last_layer = layer
+            stats = self.telemetry.layer(layer)
+            ready, in_flight, misses = [], [], []
+            plan = BlockPlan(layer, [])
+            for e in experts:
+                slot = self.cache.lookup((layer, e))
+                if slot is None:
+                    misses.append(e)
+                    continue
+                if slot.tier == STAGE:
+                    stats.stage_hits += 1
+                else:
+                    stats.hot_hits += 1
+                slot.pins += 1
+                plan.slots[e] = slot
+                (in_flight if slot.ready is not None and not slot.ready.query() else ready).append(e)
+            stats.misses += len(misses)
+            self.telemetry.count_uses(len(experts) - len(misses), len(experts))
+            plan.order = ready + in_flight + misses
+            plan.pending.extend(misses)
+            self._issue(plan)
+            return plan
+
+    def acquire(self, plan: BlockPlan, expert: int) -> dict[str, torch.Tensor]:
+        """The device tensors of `expert`, once its copy is done (the compute stream waits on it)."""
+        with self._lock:
+            slot = plan.slots.get(expert)
+            if slot is None:
+                self._issue(plan)
+                slot = plan.slots[expert]
+            self.loader.wait(slot.ready, plan.layer)
+            if slot.prefetched and not slot.used_since_load:
+                self.telemetry.layer(plan.layer).prefetch_used += 1
+            self.cache.use(slot)
+            return self._slot_views(plan.layer, slot)
+
+    def release(self, plan: BlockPlan, expert: int) -> None:
+        """The block has enqueued its last read of `expert`: its slot may be reused after that."""
+        with self._lock:
+            slot = plan.slots.pop(expert)
+            slot.free = self.loader.mark_free(slot.free)
+            slot.pins -= 1
+            self._issue(plan)
+
+    def end(self, plan: BlockPlan) -> None:
+        """Unpin whatever the plan still holds (normal end, or an exception mid-block)."""
+        with self._lock:
+            for slot in plan.slots.values():
+                slot.free = self.loader.mark_free(slot.free)
+                slot.pins -= 1
+            plan.slots.clear()
+            plan.pending.clear()
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+        """Stage `experts` of `layer` into STAGE slots ahead of need; returns how many copies started.
+        Never evicts a HOT or pinned expert; stops when no STAGE slot can be taken."""
+        with self._lock:
+            started = 0
+            for e in experts:
+                if self.cache.lookup((layer, e)) is not None:
+                    continue
+                slot = self._load((layer, e), staged=True)
+                if slot is None:
+                    break
+                started += 1
+            return started
+
+    # -- internals ------------------------------------------------------------------------------
+    def _issue(self, plan: BlockPlan) -> None:
+        while plan.pending:
+            e = plan.pending[0]
+            slot = self._load((plan.layer, e), staged=False)
+            if slot is None:
+                return  # every slot is pinned by this block: the next release makes room
+            plan.pending.popleft()
+            slot.pins += 1
+            plan.slots[e] = slot
+
+    def _load(self, key: Key, staged: bool) -> Slot | None:
+        slot, evicted = self.cache.allocate(key, staged)
+        if slot is None:
+            return None
+        layer = key[0]
+        stats = self.telemetry.layer(layer)
+        if evicted is not None:
+            ev_stats = self.telemetry.layer(evicted.key[0])
+            ev_stats.evictions += 1
+            ev_stats.prefetch_wasted += evicted.wasted_prefetch
+        src = self.store.record(*key)
+        dst = self._arena[self.cache.pool_of_layer[layer]][slot.index]
+        t0 = time.perf_counter()
+        try:
+            slot.ready = self.loader.copy(dst, src, self.store.tier(layer) == "pinned", after=slot.free)
+        except Exception:
+            self.cache.remove(key)
+            raise
+        if not self.loader.cuda and not staged:
+            self.loader.add_stall(layer, time.perf_counter() - t0)
+        stats.loads += 1
+        stats.bytes_h2d += src.numel()
+        if staged:
+            stats.prefetches += 1
+        return slot
+
+    def _slot_views(self, layer: int, slot: Slot) -> dict[str, torch.Tensor]:
+        g = self.cache.pool_of_layer[layer]
+        key = (g, slot.index)
+        views = self._views.get(key)
+        if views is None:
+            views = self.store.codec.decode(self._arena[g][slot.index], self.store.layout(layer), self.store.dtype(layer))
+            self._views[key] = views
+        return views
+
+    # -- telemetry ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters so far: hits, misses, hit_rate, loads, evictions, bytes_h2d, stall_s, per_layer, ..."""
+        with self._lock:
+            stalls = self.loader.stalls()
+            for layer, s in stalls.items():
+                self.telemetry.layer(layer).stall_s = s
+            out = self.telemetry.summary()
+            out.update(
+                budget_bytes=self.budget.budget_bytes,
+                capacity_bytes=self.cache.capacity_bytes,
+                resident_bytes=self.cache.resident_bytes,
+                slots=sum(self.budget.n_slots.values()),
+                device=str(self.device),
+            )
+            return out
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self.loader.reset_stalls()
+            self.telemetry.reset()
+            self._last_layer = -1
+
+    def close(self) -> None:
+        """Release the device arena (after unload)."""
+        self.loader.synchronize()
+        self._arena.clear()
+        self._views.clear()

@@ -1,0 +1,311 @@
+"""`MiraMoEModel`: load or wrap a transformers MoE model so its routed experts live in host memory.
+
+The returned object *is* the transformers model (e.g. `MixtralForCausalLM`): `__call__`, `generate`,
+`.config`, `.generation_config` and `.device` behave as usual. Its routed-experts modules are replaced,
+per instance, by `MiraExperts` proxies; `model.mira` is the shared `ExpertManager`; `model.unload()`
+gives back an ordinary model; `model.save_pretrained()` writes an ordinary checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from model_adapters import MoEAdapter, generic_adapter, get_adapter, registered_model_types
+
+from .config import MiraConfig, parse_bytes
+from .errors import BudgetError, ConfigError, DeviceError, UnsupportedModelError
+from .layout import IdentityCodec
+from .manager import ExpertManager, LayerInfo, plan_budget
+from .proxy import KNOWN_EXPERT_TENSORS, MiraExperts
+from .store import ExpertStore
+
+_HOW_TO_ADD = (
+    "Pass MiraConfig(expert_layer_path='model.layers.*.mlp.experts') (the glob of its routed-experts modules), "
+    "or register an adapter: model_adapters.register_adapter(MoEAdapter(name=..., model_types=(...,), experts_globs=(...,)))."
+)
+
+
+@dataclass
+class _Target:
+    """One routed-experts module to replace, found and validated before anything changes."""
+
+    name: str
+    parent: nn.Module
+    attr: str
+    module: nn.Module
+    ordinal: int
+    tensors: dict[str, torch.Tensor]
+    requires_grad: dict[str, bool]
+
+
+class MiraMoEModel:
+    """Entry points. Not instantiated: `from_pretrained` and `wrap` return the transformers model."""
+
+    def __init__(self) -> None:
+        raise TypeError("Use MiraMoEModel.from_pretrained(...) or MiraMoEModel.wrap(model, mira_config).")
+
+    @staticmethod
+    def from_pretrained(name_or_path: str | os.PathLike, mira_config: MiraConfig | None = None, *, progress: bool = True, **hf_kwargs):
+        """Load a causal-LM MoE checkpoint (local directory or hub id already in the local cache).
+
+        `hf_kwargs` go to `AutoModelForCausalLM.from_pretrained` (`dtype`, `revision`, `trust_remote_code`, ...),
+        except `device_map`: mira-hf places weights itself (non-experts on `mira_config.device`, experts in host memory).
+        """
+        from transformers import AutoModelForCausalLM
+
+        cfg = _check_config(mira_config)
+        if "device_map" in hf_kwargs:
+            raise ConfigError(
+                f"device_map={hf_kwargs['device_map']!r} was given, but mira-hf places weights itself: non-expert weights "
+                "on MiraConfig.device, routed experts in host memory. Drop device_map and set MiraConfig(device=...)."
+            )
+        device = _resolve_device(cfg.device)
+        trust = bool(hf_kwargs.get("trust_remote_code", False))
+        config_dict = _raw_config(name_or_path, hf_kwargs)
+        if "auto_map" in config_dict and not trust:
+            raise UnsupportedModelError(
+                f"{name_or_path!s} defines its own modeling code (auto_map in config.json). mira-hf runs it only if you "
+                "trust it: pass trust_remote_code=True to MiraMoEModel.from_pretrained."
+            )
+        _resolve_adapter(config_dict.get("model_type"), cfg)  # fail before loading any weight
+        hf_kwargs.setdefault("dtype", "auto")
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs)
+        return MiraMoEModel._wrap(model, cfg, device, progress)
+
+    @staticmethod
+    def wrap(model: nn.Module, mira_config: MiraConfig | None = None, *, progress: bool = False):
+        """Wrap a model already in CPU memory (e.g. in a notebook). Idempotent: wrapping a wrapped model
+        with the same config returns it unchanged."""
+        cfg = _check_config(mira_config)
+        manager = getattr(model, "mira", None)
+        if isinstance(manager, ExpertManager):
+            if model._mira_config == cfg:
+                return model
+            raise ConfigError(
+                "this model is already wrapped with another MiraConfig. Call model.unload() first, then wrap it again."
+            )
+        return MiraMoEModel._wrap(model, cfg, _resolve_device(cfg.device), progress)
+
+    @staticmethod
+    def _wrap(model: nn.Module, cfg: MiraConfig, device: torch.device, progress: bool):
+        config = getattr(model, "config", None)
+        adapter = _resolve_adapter(getattr(config, "model_type", None), cfg)
+        targets = _find_targets(model, adapter)
+        codec = IdentityCodec()
+        layers = [LayerInfo(t.ordinal, t.name, t.module.num_experts, _top_k(model, t)) for t in targets]
+        record_bytes = {
+            t.ordinal: codec.plan({n: (tuple(p.shape[1:]), p.dtype) for n, p in t.tensors.items()}).nbytes for t in targets
+        }
+        all_bytes = sum(record_bytes[li.ordinal] * li.num_experts for li in layers)
+        budget_bytes = _budget_bytes(cfg.gpu_budget, all_bytes, device, model)
+        budget = plan_budget(layers, record_bytes, budget_bytes)
+        _check_device_memory(budget.capacity_bytes, device, model)
+
+        # Validation done: from here on, any failure rolls back to the untouched model.
+        pinned = device.type == "cuda" and cfg.host_memory in ("auto", "pinned")
+        store = ExpertStore(codec, pinned=pinned, host_budget_bytes=cfg.host_budget_bytes, offload_dir=cfg.offload_dir)
+        stripped: list[_Target] = []
+        try:
+            for t in _progress(targets, progress, "storing experts"):
+                store.add_layer(t.ordinal, t.tensors)
+                for n in t.tensors:
+                    t.module.register_parameter(n, None)
+                stripped.append(t)
+            manager = ExpertManager(
+                store, layers, budget, device, policy=cfg.policy,
+                stage_fraction=cfg.cache.stage_fraction, ring_bytes=cfg.loader.staging_ring_bytes,
+            )
+        except BaseException:
+            for t in stripped:
+                _restore_tensors(t, store)
+            store.close()
+            raise
+        for t in targets:
+            t.tensors = {}  # the store holds them now
+            setattr(t.parent, t.attr, MiraExperts(t.module, manager, t.ordinal))
+        model.to(device)
+        model.mira = manager
+        model._mira_config = cfg
+        model._mira_targets = targets
+        model.unload = types.MethodType(_unload, model)
+        model.save_pretrained = types.MethodType(_save_pretrained, model)
+        return model
+
+    @staticmethod
+    def unload(model: nn.Module) -> nn.Module:
+        """Same as `model.unload()`."""
+        return _unload(model)
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def _check_config(cfg: MiraConfig | None) -> MiraConfig:
+    if cfg is None:
+        return MiraConfig()
+    if not isinstance(cfg, MiraConfig):
+        raise ConfigError(f"mira_config must be a MiraConfig, got {type(cfg).__name__}. Build one: MiraConfig(gpu_budget='12GiB').")
+    return cfg
+
+
+def _resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(
+                f"device={name!r} was requested but this PyTorch sees no CUDA GPU "
+                f"(torch {torch.__version__}). Use MiraConfig(device='cpu'), or install a CUDA build of torch on a GPU machine."
+            )
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise DeviceError(f"device={name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible (cuda:0..).")
+        device = torch.device("cuda", index)
+    return device
+
+
+def _config_kwargs(hf_kwargs: dict) -> dict:
+    return {k: hf_kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token", "subfolder") if k in hf_kwargs}
+
+
+def _raw_config(name_or_path, hf_kwargs: dict) -> dict:
+    """config.json as a dict, without running any model code."""
+    from transformers import PretrainedConfig
+
+    config_dict, _ = PretrainedConfig.get_config_dict(name_or_path, **_config_kwargs(hf_kwargs))
+    return config_dict
+
+
+def _resolve_adapter(model_type: str | None, cfg: MiraConfig) -> MoEAdapter:
+    if cfg.expert_layer_path is not None:
+        return generic_adapter(cfg.expert_layer_path)
+    adapter = get_adapter(model_type) if model_type else None
+    if adapter is None:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} has no mira-hf adapter. Supported: {', '.join(registered_model_types())}. {_HOW_TO_ADD}"
+        )
+    return adapter
+
+
+def _find_targets(model: nn.Module, adapter: MoEAdapter) -> list[_Target]:
+    found = adapter.find_experts(model)
+    if not found:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: no routed-experts module matches {list(adapter.experts_globs)} "
+            f"(adapter {adapter.name!r}). A dense model has nothing for mira-hf to offload; for an MoE model "
+            f"with experts elsewhere: {_HOW_TO_ADD}"
+        )
+    targets = []
+    for ordinal, (name, module) in enumerate(found):
+        if isinstance(module, MiraExperts):
+            raise ConfigError(f"{name} is already a MiraExperts proxy: this model is wrapped. Call model.unload() first.")
+        E = getattr(module, "num_experts", None)
+        tensors = dict(module.named_parameters(recurse=False))
+        unknown = sorted(set(tensors) - set(KNOWN_EXPERT_TENSORS))
+        up = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+        problem = None
+        if not isinstance(E, int) or not hasattr(module, "is_transposed"):
+            problem = "it is not a fused experts module (transformers' @use_experts_implementation layout with `num_experts`)"
+        elif unknown:
+            problem = f"it holds tensors mira-hf does not know how to compute with: {unknown}"
+        elif up not in tensors or "down_proj" not in tensors:
+            problem = f"it lacks `{up}` or `down_proj` (has {sorted(tensors)})"
+        elif any(p.shape[0] != E for p in tensors.values()):
+            problem = f"its tensors' first dimension is not num_experts={E}: {[tuple(p.shape) for p in tensors.values()]}"
+        elif any(p.device.type == "meta" for p in tensors.values()):
+            problem = "its weights are on the meta device (not loaded)"
+        if problem:
+            raise UnsupportedModelError(
+                f"{name} ({type(module).__name__}) cannot be served: {problem}. Supported: fused 3-D experts "
+                f"({', '.join(KNOWN_EXPERT_TENSORS)}). {_HOW_TO_ADD}"
+            )
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        targets.append(_Target(name, parent, attr, module, ordinal, {n: p.data for n, p in tensors.items()},
+                               {n: p.requires_grad for n, p in tensors.items()}))
+    return targets
+
+
+def _top_k(model: nn.Module, t: _Target) -> int:
+    """Experts per token for this layer (the minimum working set), from the block, router or config."""
+    router = getattr(t.parent, "gate", None) or getattr(t.parent, "router", None)
+    for obj in (t.parent, router, model.config, getattr(model.config, "text_config", None)):
+        for attr in ("top_k", "num_experts_per_tok", "moe_top_k", "num_experts_per_token"):
+            k = getattr(obj, attr, None) if obj is not None else None
+            if isinstance(k, int) and k > 0:
+                return min(k, t.module.num_experts)
+    return 1
+
+
+def _budget_bytes(budget, all_bytes: int, device: torch.device, model: nn.Module) -> int:
+    if budget is None:
+        if device.type != "cuda":
+            return all_bytes
+        free = int(torch.cuda.mem_get_info(device)[0] * 0.9) - _non_expert_bytes(model)
+        return max(min(all_bytes, free), 1)
+    if isinstance(budget, float):
+        return max(int(budget * all_bytes), 1)
+    return parse_bytes(budget, "gpu_budget")
+
+
+def _non_expert_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers()
+    )
+
+
+def _check_device_memory(capacity: int, device: torch.device, model: nn.Module) -> None:
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    # Non-expert weights still on the host move over too; experts are counted by the model's parameters.
+    need = capacity + sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "cuda")
+    if need > free:
+        raise BudgetError(
+            f"the expert arena ({capacity:,} bytes) plus the weights that move to {device} need {need:,} bytes, but "
+            f"only {free:,} are free there. Lower MiraConfig(gpu_budget=...) (e.g. a fraction such as 0.25)."
+        )
+
+
+def _progress(items, enabled: bool, desc: str):
+    if not enabled:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, unit="layer")
+
+
+def _restore_tensors(t: _Target, store: ExpertStore, device: torch.device | None = None) -> None:
+    for n, tensor in store.fused(t.ordinal).items():
+        t.module.register_parameter(n, nn.Parameter(tensor.to(device) if device else tensor, requires_grad=t.requires_grad[n]))
+
+
+def _unload(model: nn.Module) -> nn.Module:
+    """Give back an ordinary transformers model, on the CPU, with every expert in place."""
+    manager: ExpertManager = model.mira
+    manager.close()
+    model.to("cpu")
+    for t in model._mira_targets:
+        _restore_tensors(t, manager.store)
+        setattr(t.parent, t.attr, t.module)
+    manager.store.close()
+    for attr in ("mira", "_mira_config", "_mira_targets", "unload", "save_pretrained"):
+        model.__dict__.pop(attr, None)
+    return model
+
+
+def _save_pretrained(model: nn.Module, save_directory, **kwargs):
+    """Write an ordinary transformers checkpoint (experts included), as the unwrapped model would."""
+    if "state_dict" in kwargs:
+        raise ConfigError("save_pretrained of a mira-hf model builds the state dict itself; do not pass state_dict.")
+    state = model.state_dict()
+    for t in model._mira_targets:
+        for key in [k for k in state if k.startswith(t.name + ".base.")]:
+            state[t.name + "." + key[len(t.name + ".base.") :]] = state.pop(key)
+        for n, tensor in model.mira.store.fused(t.ordinal).items():
+            state[f"{t.name}.{n}"] = tensor
+    return type(model).save_pretrained(model, save_directory, state_dict=state, **kwargs)

@@ -1,0 +1,81 @@
+"""`MiraExperts`: the module that takes the place of a block's routed experts.
+
+Only the routed experts are replaced: the block's router, routing buffers and shared experts stay
+where transformers put them, so routing is transformers' own code (identical numerics) and
+`output_router_logits` and the aux loss keep working. The forward has the signature of transformers'
+experts modules, `(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`.
+
+Each (token, slot) row gets its own output row, summed over K in a fixed order at the end: the result
+does not depend on which experts were resident or in which order their copies arrived.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .manager import ExpertManager
+
+# Expert tensor names of transformers' fused experts modules (per expert after dropping dim 0).
+KNOWN_EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+
+
+class MiraExperts(nn.Module):
+    """Routed experts served by an `ExpertManager`. `base` is the original experts module with its
+    expert tensors removed (kept for its gate function, activation and flags, and for `unload`)."""
+
+    def __init__(self, base: nn.Module, manager: ExpertManager, layer: int) -> None:
+        super().__init__()
+        self.base = base
+        self.layer = layer
+        self.num_experts = base.num_experts
+        object.__setattr__(self, "manager", manager)  # shared, not a submodule
+        self._up = "gate_up_proj" if getattr(base, "has_gate", True) else "up_proj"
+        self._has_gate = getattr(base, "has_gate", True)
+        self._has_bias = getattr(base, "has_bias", False)
+        self._transposed = getattr(base, "is_transposed", False)
+        self._post_norm = getattr(base, "has_post_expert_norm", False)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, num_experts={self.num_experts}, record_bytes={self.manager.store.record_bytes(self.layer)}"
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        # T tokens, K experts per token, H hidden, E experts; rows r = t * K + k
+        T, H = hidden_states.shape
+        K = top_k_index.shape[1]
+        E = self.num_experts
+        flat = top_k_index.reshape(-1)  # [T*K]
+        order = torch.argsort(flat, stable=True)  # [T*K] rows grouped by expert
+        counts = torch.bincount(flat, minlength=E + 1).tolist()  # [E+1] one host sync per block; E = EP sentinel
+        starts, acc = [], 0
+        for c in counts:
+            starts.append(acc)
+            acc += c
+        needed = [e for e in range(E) if counts[e]]
+        weights = top_k_weights.reshape(-1, 1)  # [T*K, 1]
+        out = hidden_states.new_zeros((T * K, H), dtype=torch.float32)  # [T*K, H]
+        plan = self.manager.begin(self.layer, needed, hidden_states)
+        try:
+            for e in plan.order:
+                w = self.manager.acquire(plan, e)
+                rows = order[starts[e] : starts[e] + counts[e]]  # [n]
+                y = self._expert(hidden_states[rows // K], w)  # [n, H]
+                out[rows] = y.float() * weights[rows].float()
+                self.manager.release(plan, e)
+        finally:
+            self.manager.end(plan)
+        return out.view(T, K, H).sum(dim=1).to(hidden_states.dtype)  # [T, H]
+
+    def _expert(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        # x [n, H] -> [n, H], exactly as transformers' experts implementations compute one expert
+        h = x @ w[self._up] if self._transposed else F.linear(x, w[self._up])  # [n, 2I] or [n, I]
+        if self._has_bias:
+            h = h + w[self._up + "_bias"]
+        h = self.base._apply_gate(h) if self._has_gate else self.base.act_fn(h)  # [n, I]
+        y = h @ w["down_proj"] if self._transposed else F.linear(h, w["down_proj"])  # [n, H]
+        if self._has_bias:
+            y = y + w["down_proj_bias"]
+        if self._post_norm:
+            y = self.base.post_expert_norm(y)
+        return y

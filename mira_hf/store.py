@@ -1,0 +1,129 @@
+"""`ExpertStore`: every routed expert in host memory, one contiguous record per expert.
+
+A layer's experts live in one slab `[E, record_bytes]`, so expert `e` is `slab[e]`: one copy moves it.
+Three host tiers, fastest first:
+- pinned slabs (page-locked: the GPU's copy engine reads them directly at full PCIe speed);
+- pageable slabs (no pinning cost at load; copies go through the loader's pinned staging ring);
+- disk slabs beyond `host_budget`, memory-mapped from `offload_dir` and read through the same ring.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .layout import ExpertCodec, IdentityCodec
+
+
+@dataclass
+class _Slab:
+    data: torch.Tensor  # uint8 [E, record_bytes]
+    layout: object
+    tier: str  # "pinned" | "pageable" | "disk"
+    dtype: torch.dtype  # dtype the experts compute in
+    path: str | None = None
+
+
+class ExpertStore:
+    """Host-side expert records keyed by MoE layer ordinal."""
+
+    def __init__(
+        self,
+        codec: ExpertCodec | None = None,
+        pinned: bool = False,
+        host_budget_bytes: int | None = None,
+        offload_dir: str | None = None,
+    ) -> None:
+        self.codec = codec or IdentityCodec()
+        self.pinned = pinned
+        self.host_budget_bytes = host_budget_bytes
+        self.offload_dir = offload_dir
+        self._slabs: dict[int, _Slab] = {}
+        self._host_bytes = 0
+
+    # -- building -------------------------------------------------------------------------------
+    def add_layer(self, layer: int, fused: Mapping[str, torch.Tensor], calib: torch.Tensor | None = None) -> None:
+        """Copy one layer's fused expert tensors (`name -> [E, ...]`) into records.
+
+        The caller frees `fused` afterwards, so host memory while loading grows by one layer at a time.
+        """
+        num_experts = {t.shape[0] for t in fused.values()}
+        if len(num_experts) != 1:
+            raise ValueError(f"layer {layer}: expert tensors disagree on the expert count: {sorted(num_experts)}")
+        (E,) = num_experts
+        specs = {name: (tuple(t.shape[1:]), t.dtype) for name, t in fused.items()}
+        layout = self.codec.plan(specs)
+        nbytes = E * layout.nbytes
+        tier = "pinned" if self.pinned else "pageable"
+        if self.host_budget_bytes is not None and self._host_bytes + nbytes > self.host_budget_bytes:
+            tier = "disk"
+        slab = torch.empty((E, layout.nbytes), dtype=torch.uint8, pin_memory=(tier == "pinned"))
+        if isinstance(self.codec, IdentityCodec):
+            for spec in layout.tensors:  # one strided copy per tensor, not per expert
+                slab[:, spec.offset : spec.offset + spec.nbytes].view(spec.dtype).view(E, *spec.shape).copy_(fused[spec.name])
+        else:
+            for e in range(E):
+                self.codec.encode({n: t[e] for n, t in fused.items()}, layout, slab[e], **({"calib": calib} if calib is not None else {}))
+        dtype = next(iter(fused.values())).dtype
+        path = None
+        if tier == "disk":
+            os.makedirs(self.offload_dir, exist_ok=True)
+            path = os.path.join(self.offload_dir, f"mira_experts_layer{layer:04d}.bin")
+            slab.numpy().tofile(path)
+            del slab
+            slab = torch.from_file(path, shared=False, size=E * layout.nbytes, dtype=torch.uint8).view(E, layout.nbytes)
+        else:
+            self._host_bytes += nbytes
+        self._slabs[layer] = _Slab(slab, layout, tier, dtype, path)
+
+    # -- reading --------------------------------------------------------------------------------
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self._slabs)
+
+    def layout(self, layer: int):
+        return self._slabs[layer].layout
+
+    def dtype(self, layer: int) -> torch.dtype:
+        return self._slabs[layer].dtype
+
+    def num_experts(self, layer: int) -> int:
+        return self._slabs[layer].data.shape[0]
+
+    def record(self, layer: int, expert: int) -> torch.Tensor:
+        """The host record (uint8 [record_bytes]) of one expert."""
+        return self._slabs[layer].data[expert]
+
+    def tier(self, layer: int) -> str:
+        return self._slabs[layer].tier
+
+    def record_bytes(self, layer: int) -> int:
+        return self._slabs[layer].layout.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.data.numel() for s in self._slabs.values())
+
+    def tier_bytes(self) -> dict[str, int]:
+        out = {"pinned": 0, "pageable": 0, "disk": 0}
+        for s in self._slabs.values():
+            out[s.tier] += s.data.numel()
+        return out
+
+    def fused(self, layer: int) -> dict[str, torch.Tensor]:
+        """Rebuild one layer's fused tensors `name -> [E, ...]` (for unload and save)."""
+        slab = self._slabs[layer]
+        E = slab.data.shape[0]
+        per_expert = [self.codec.decode(slab.data[e], slab.layout, slab.dtype) for e in range(E)]
+        return {name: torch.stack([p[name] for p in per_expert]).to(slab.dtype) for name in per_expert[0]}
+
+    def close(self) -> None:
+        """Drop every record and remove the disk files this store wrote."""
+        for s in self._slabs.values():
+            if s.path is not None and os.path.exists(s.path):
+                os.remove(s.path)
+        self._slabs.clear()
+        self._host_bytes = 0

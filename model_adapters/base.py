@@ -1,0 +1,86 @@
+"""`MoEAdapter`: per-architecture facts as data.
+
+transformers 5 builds the routed experts of (almost) every MoE model as one module holding fused
+3-D tensors (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, transposed for some families, with
+biases for others), decorated with `@use_experts_implementation`. What differs between families is
+where that module sits, what the router is called and how router logits become probabilities.
+That is what an adapter records; the proxy reads the rest (flags, gate function) from the module.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+_LAYER_RE = re.compile(r"\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class MoEAdapter:
+    name: str  # family name, for messages
+    model_types: tuple[str, ...]  # config.model_type values served
+    experts_globs: tuple[str, ...] = ("*.mlp.experts",)  # module paths of the routed-experts modules
+    router_attr: str = "gate"  # the router's attribute name on the parent block
+    router_weight_attr: str = "weight"  # the router's [E, H] weight, relative to the router
+    router_scoring: str = "softmax"  # how logits become probabilities: "softmax" or "sigmoid"
+    notes: str = ""  # routing quirks worth knowing (shown in docs)
+
+    def find_experts(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The routed-experts modules, in model order."""
+        return [(n, m) for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, g) for g in self.experts_globs)]
+
+    def router(self, block: nn.Module) -> nn.Module | None:
+        return getattr(block, self.router_attr, None)
+
+    def router_probs(self, block: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Approximate routing probabilities `[T, E]` of `block` for `hidden [T, H]`: used only to
+        *predict* experts (never to route), so an approximation costs bandwidth, not correctness."""
+        router = self.router(block)
+        if router is None:
+            return None
+        weight = _get_path(router, self.router_weight_attr)
+        if weight is None:
+            return None
+        logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight, getattr(router, "bias", None)).float()
+        bias = getattr(router, "e_score_correction_bias", None)
+        if self.router_scoring == "sigmoid":
+            scores = logits.sigmoid()
+            return scores + bias.float() if bias is not None else scores
+        return logits.softmax(dim=-1)
+
+
+def layer_index(module_name: str) -> int | None:
+    """The decoder-layer index in a module path ("model.layers.12.mlp.experts" -> 12)."""
+    m = _LAYER_RE.search("." + module_name + ".")
+    return int(m.group(1)) if m else None
+
+
+def _get_path(obj: object, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def generic_adapter(expert_layer_path: str) -> MoEAdapter:
+    """An adapter from a user-given glob of the routed-experts modules (models with no adapter)."""
+    return GenericAdapter(name=f"generic({expert_layer_path})", model_types=(), experts_globs=(expert_layer_path,))
+
+
+@dataclass(frozen=True)
+class GenericAdapter(MoEAdapter):
+    """Finds the router as the block's child whose weight is `[E, H]`."""
+
+    def router(self, block: nn.Module) -> nn.Module | None:
+        experts = getattr(block, "experts", None)
+        E = getattr(experts, "num_experts", None)
+        for name, child in block.named_children():
+            w = getattr(child, "weight", None)
+            if name != "experts" and isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == E:
+                return child
+        return None

@@ -1,0 +1,38 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from tiny_models import EXTRA_RECIPES, RECIPES, make_config  # noqa: E402
+
+ALL_TINY = sorted(RECIPES) + sorted(EXTRA_RECIPES)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A function: family name -> directory of a saved tiny random model (fp32), built once per session."""
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(name: str) -> str:
+        if name not in cache:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(make_config(name))
+            path = tmp_path_factory.mktemp(f"tiny-{name}")
+            model.save_pretrained(path)
+            cache[name] = str(path)
+        return cache[name]
+
+    return get
+
+
+def load_reference(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path).eval()

@@ -1,0 +1,206 @@
+"""The public API: wrap / unload / save round-trips, idempotence, and clear errors before any change."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import load_reference
+from transformers import AutoModelForCausalLM
+
+from mira_hf import (
+    BudgetError,
+    ConfigError,
+    DeviceError,
+    MiraConfig,
+    MiraError,
+    MiraMoEModel,
+    UnsupportedModelError,
+)
+from mira_hf.proxy import MiraExperts
+
+IDS = torch.tensor([[4, 8, 15, 16, 23, 42], [1, 2, 3, 5, 8, 13]])
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def test_wrap_unload_round_trip(tiny_checkpoint):
+    model = load_reference(tiny_checkpoint("qwen3_moe"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = _logits(model)
+    MiraMoEModel.wrap(model, MiraConfig(gpu_budget=0.5, device="cpu"))
+    assert any(isinstance(m, MiraExperts) for m in model.modules())
+    assert (_logits(model) - expected).abs().max() <= 1e-5
+    back = model.unload()
+    assert back is model and not hasattr(model, "mira")
+    assert not any(isinstance(m, MiraExperts) for m in model.modules())
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert torch.equal(_logits(model), expected)
+
+
+def test_wrap_twice_does_not_double_wrap(tiny_checkpoint):
+    model = load_reference(tiny_checkpoint("mixtral"))
+    cfg = MiraConfig(gpu_budget=0.5, device="cpu")
+    MiraMoEModel.wrap(model, cfg)
+    manager = model.mira
+    assert MiraMoEModel.wrap(model, cfg) is model
+    assert model.mira is manager
+    proxies = [m for m in model.modules() if isinstance(m, MiraExperts)]
+    assert len(proxies) == 2 and not any(isinstance(p.base, MiraExperts) for p in proxies)
+    with pytest.raises(ConfigError, match="already wrapped"):
+        MiraMoEModel.wrap(model, MiraConfig(gpu_budget=1.0, device="cpu"))
+
+
+def test_save_pretrained_writes_an_ordinary_checkpoint(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("mixtral")
+    ref = load_reference(path)
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device="cpu"), progress=False)
+    model.save_pretrained(tmp_path / "out")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert torch.equal(_logits(reloaded), _logits(ref))
+    assert not any(isinstance(m, MiraExperts) for m in reloaded.modules())
+
+
+def test_from_pretrained_honours_dtype(tiny_checkpoint):
+    model = MiraMoEModel.from_pretrained(tiny_checkpoint("olmoe"), MiraConfig(device="cpu"), dtype=torch.bfloat16, progress=False)
+    assert model.dtype == torch.bfloat16 and model.mira.store.dtype(0) == torch.bfloat16
+    assert model(IDS).logits.dtype == torch.bfloat16
+
+
+def test_model_behaves_like_automodel(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu"), progress=False)
+    ref = load_reference(path)
+    assert type(model) is type(ref)
+    assert model.device == torch.device("cpu")
+    assert model.config.model_type == "mixtral" and model.generation_config is not None
+
+
+def test_router_logits_and_aux_loss_still_work(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    ref = load_reference(path)
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device="cpu"), progress=False)
+    kw = dict(output_router_logits=True, labels=IDS)
+    with torch.no_grad():
+        a, b = ref(IDS, **kw), model(IDS, **kw)
+    assert len(b.router_logits) == len(a.router_logits) == 2
+    assert torch.allclose(a.aux_loss, b.aux_loss, atol=1e-6) and torch.allclose(a.loss, b.loss, atol=1e-5)
+
+
+def test_stats_have_the_documented_keys(tiny_checkpoint):
+    model = MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(gpu_budget=0.3, device="cpu"), progress=False)
+    _logits(model)
+    s = model.mira.stats()
+    for key in ("hits", "misses", "hit_rate", "loads", "evictions", "bytes_h2d", "stall_s", "per_layer"):
+        assert key in s
+    assert set(s["per_layer"]) == {0, 1}
+    assert s["loads"] == s["misses"] and s["bytes_h2d"] == s["loads"] * model.mira.store.record_bytes(0)
+    json.dumps(s)  # plain data
+    model.mira.reset_stats()
+    assert model.mira.stats()["loads"] == 0
+
+
+# -- bad input: an error that says what to do, raised before anything changes -----------------------
+def test_unknown_architecture_is_refused_before_loading(tmp_path):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="'llama' has no mira-hf adapter.*mixtral.*expert_layer_path"):
+        MiraMoEModel.from_pretrained(tmp_path, MiraConfig(device="cpu"), progress=False)
+
+
+def test_dense_model_via_generic_path_is_refused(tmp_path):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    model = AutoModelForCausalLM.from_config(cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedModelError, match="no routed-experts module matches"):
+        MiraMoEModel.wrap(model, MiraConfig(device="cpu", expert_layer_path="model.layers.*.mlp.experts"))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_generic_expert_layer_path_serves_an_unregistered_model(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    ref = load_reference(path)
+    cfg = MiraConfig(gpu_budget=0.3, device="cpu", expert_layer_path="model.layers.*.mlp.experts")
+    model = MiraMoEModel.from_pretrained(path, cfg, progress=False)
+    assert (_logits(model) - _logits(ref)).abs().max() <= 1e-5
+
+
+def test_budget_below_minimum_is_refused_and_model_untouched(tiny_checkpoint):
+    model = load_reference(tiny_checkpoint("mixtral"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(BudgetError, match="below the minimum working set.*at least"):
+        MiraMoEModel.wrap(model, MiraConfig(gpu_budget="10KB", device="cpu"))
+    assert not hasattr(model, "mira")
+    assert before.keys() == model.state_dict().keys()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(gpu_budget=1.5), "fraction of all routed-expert bytes"),
+        (dict(gpu_budget=0.0), "fraction"),
+        (dict(gpu_budget="12 parsecs"), "is not a size"),
+        (dict(gpu_budget=-5), "positive"),
+        (dict(gpu_budget=[1]), "expected bytes"),
+        (dict(device="tpu"), "supported are 'cpu', 'cuda'"),
+        (dict(policy="fifo"), "policy='fifo' is not supported. Supported: 'lru'"),
+        (dict(predictor="oracle"), "predictor='oracle' is not supported"),
+        (dict(quantization="int3"), "quantization='int3' is not supported"),
+        (dict(host_budget="1GiB"), "offload_dir"),
+        (dict(expert_layer_path="experts"), "module glob"),
+    ],
+)
+def test_bad_config_values_are_refused(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        MiraConfig(**kwargs)
+
+
+def test_config_is_frozen():
+    cfg = MiraConfig()
+    with pytest.raises(Exception):
+        cfg.policy = "lru"  # type: ignore[misc]
+    assert cfg.replace(gpu_budget="1GiB").gpu_budget == "1GiB"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_cuda_without_a_gpu_is_refused(tiny_checkpoint):
+    with pytest.raises(DeviceError, match="no CUDA GPU.*device='cpu'"):
+        MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(device="cuda"), progress=False)
+
+
+def test_device_map_is_refused(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="device_map"):
+        MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(device="cpu"), device_map="auto")
+
+
+def test_remote_code_needs_trust(tiny_checkpoint, tmp_path):
+    import shutil
+
+    src = tiny_checkpoint("mixtral")
+    dst = tmp_path / "remote"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="trust_remote_code=True"):
+        MiraMoEModel.from_pretrained(dst, MiraConfig(device="cpu"), progress=False)
+
+
+def test_errors_subclass_builtins():
+    assert issubclass(BudgetError, ValueError) and issubclass(BudgetError, MiraError)
+    assert issubclass(DeviceError, RuntimeError)
+
+
+def test_missing_checkpoint_directory_gives_a_clear_error(tmp_path):
+    with pytest.raises((OSError, MiraError)):
+        MiraMoEModel.from_pretrained(os.fspath(tmp_path / "nope"), MiraConfig(device="cpu"), progress=False)

@@ -1,0 +1,109 @@
+"""Cache and manager behaviour on known traces, independent of any model."""
+
+import pytest
+import torch
+
+from mira_hf.manager import ExpertManager, LayerInfo, plan_budget
+from mira_hf.store import ExpertStore
+
+
+def make_manager(layers=2, experts=4, slots=3, stage_fraction=0.25, policy="lru"):
+    store = ExpertStore()
+    for layer in range(layers):
+        # expert e of layer l holds the value 10*l + e, so a wrong slot shows up as a wrong number
+        w = torch.stack([torch.full((4, 2), float(10 * layer + e)) for e in range(experts)])
+        store.add_layer(layer, {"gate_up_proj": w, "down_proj": w.transpose(1, 2).contiguous()})
+    infos = [LayerInfo(i, f"layers.{i}.mlp.experts", experts, 2) for i in range(layers)]
+    record = store.record_bytes(0)
+    budget = plan_budget(infos, {i: record for i in range(layers)}, slots * record)
+    return ExpertManager(store, infos, budget, torch.device("cpu"), policy=policy, stage_fraction=stage_fraction)
+
+
+def run_block(manager, layer, experts):
+    plan = manager.begin(layer, experts)
+    seen = {}
+    for e in plan.order:
+        w = manager.acquire(plan, e)
+        seen[e] = w["gate_up_proj"][0, 0].item()
+        manager.release(plan, e)
+    manager.end(plan)
+    return seen
+
+
+def test_lru_counts_match_a_hand_computed_trace():
+    m = make_manager(slots=3, stage_fraction=0.0)
+    trace = [(0, [0, 1]), (1, [0]), (0, [0, 2]), (1, [1, 2]), (0, [1])]
+    for layer, experts in trace:
+        seen = run_block(m, layer, experts)
+        assert seen == {e: float(10 * layer + e) for e in experts}  # the right weights, always
+    s = m.stats()
+    # By hand (3 slots, global LRU, a load counts as a use):
+    # [00 01] -> [00 01 10] -> hit 00, 02 evicts 01 -> 11 evicts 10, 12 evicts 00 -> 01 evicts 02
+    assert (s["hits"], s["misses"], s["loads"], s["evictions"]) == (1, 7, 7, 4)
+    assert s["per_layer"][0]["hits"] == 1 and s["per_layer"][0]["misses"] == 4
+    assert s["per_layer"][1]["misses"] == 3 and s["per_layer"][1]["evictions"] == 1
+    assert m.cache.resident() == [(0, 1), (1, 1), (1, 2)]
+    assert s["bytes_h2d"] == 7 * m.store.record_bytes(0)
+
+
+def test_stage_tier_keeps_lru_order():
+    """With a STAGE tier, demoted experts are evicted first, which is still global LRU."""
+    a, b = make_manager(slots=4, stage_fraction=0.0), make_manager(slots=4, stage_fraction=0.5)
+    trace = [(0, [0, 1]), (1, [2, 3]), (0, [1, 2]), (1, [0]), (0, [3, 0]), (1, [1, 2])]
+    for layer, experts in trace:
+        run_block(a, layer, experts)
+        run_block(b, layer, experts)
+    assert a.cache.resident() == b.cache.resident()
+    assert a.stats()["misses"] == b.stats()["misses"]
+
+
+def test_block_needing_more_experts_than_slots_streams_through():
+    m = make_manager(layers=1, experts=4, slots=2)
+    seen = run_block(m, 0, [0, 1, 2, 3])
+    assert seen == {0: 0.0, 1: 1.0, 2: 2.0, 3: 3.0}
+    assert m.stats()["loads"] == 4 and len(m.cache.resident()) == 2
+
+
+def test_prefetch_never_evicts_hot_experts():
+    m = make_manager(layers=1, experts=4, slots=2, stage_fraction=0.0)
+    run_block(m, 0, [0, 1])  # both HOT, no STAGE slot
+    assert m.prefetch(0, [2, 3]) == 0
+    assert m.cache.resident() == [(0, 0), (0, 1)]
+
+
+def test_prefetched_expert_counts_as_stage_hit_and_waste_is_counted():
+    m = make_manager(layers=1, experts=4, slots=4, stage_fraction=0.5)
+    assert m.prefetch(0, [2, 3]) == 2
+    run_block(m, 0, [2])
+    s = m.stats()
+    assert s["stage_hits"] == 1 and s["prefetches"] == 2 and s["prefetch_used"] == 1
+    run_block(m, 0, [0, 1])  # fill the two free slots
+    run_block(m, 0, [1])
+    run_block(m, 0, [0])  # nothing evicted yet: 4 slots, 4 experts
+    assert m.stats()["prefetch_wasted"] == 0
+
+
+def test_resident_bytes_never_exceed_budget():
+    m = make_manager(layers=2, experts=4, slots=3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        layer = int(torch.randint(0, 2, (1,), generator=g))
+        experts = sorted(set(torch.randint(0, 4, (3,), generator=g).tolist()))
+        run_block(m, layer, experts)
+        assert m.cache.resident_bytes <= m.budget.budget_bytes
+
+
+def test_exception_mid_block_leaves_cache_consistent():
+    m = make_manager(layers=1, experts=4, slots=2)
+    plan = m.begin(0, [0, 1])
+    m.acquire(plan, plan.order[0])
+    m.end(plan)  # as the proxy's `finally` does on an exception
+    assert all(s.pins == 0 for pool in m.cache.pools.values() for s in pool.slots)
+    assert run_block(m, 0, [2, 3]) == {2: 2.0, 3: 3.0}
+
+
+@pytest.mark.parametrize("slots", [2, 3, 8])
+def test_budget_plan_slots(slots):
+    m = make_manager(slots=slots)
+    assert sum(m.budget.n_slots.values()) == min(slots, 8)
+    assert m.cache.capacity_bytes <= m.budget.budget_bytes

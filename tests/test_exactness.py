@@ -1,0 +1,118 @@
+"""A wrapped model computes what the original computes: same logits, same tokens, at every budget."""
+
+import pytest
+import torch
+from conftest import ALL_TINY, load_reference
+from tiny_models import RECIPES
+
+from mira_hf import MiraConfig, MiraMoEModel
+from model_adapters import registered_adapters
+
+BUDGETS = ["all", "half", "min"]
+
+
+def _budget(model_dir: str, which: str):
+    if which == "all":
+        return 1.0
+    if which == "half":
+        return 0.5
+    # The smallest budget that can run: top-k experts of one layer. Find it from the error's number.
+    from mira_hf import BudgetError
+
+    try:
+        MiraMoEModel.from_pretrained(model_dir, MiraConfig(gpu_budget=1, device="cpu"), progress=False)
+    except BudgetError as e:
+        return int(str(e).split("minimum working set of this model: ")[1].split(" bytes")[0].replace(",", ""))
+    raise AssertionError("a 1-byte budget must be refused")
+
+
+def _wrapped(path: str, which: str, **kw):
+    cfg = MiraConfig(gpu_budget=_budget(path, which), device="cpu", **kw)
+    return MiraMoEModel.from_pretrained(path, cfg, progress=False).eval()
+
+
+def test_every_registered_adapter_has_a_tiny_model():
+    assert {a.name for a in registered_adapters()} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("name", ALL_TINY)
+@pytest.mark.parametrize("which", BUDGETS)
+def test_logits_match_unwrapped_model(tiny_checkpoint, name, which):
+    path = tiny_checkpoint(name)
+    ref = load_reference(path)
+    model = _wrapped(path, which)
+    ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(ids).logits
+        got = model(ids).logits
+    assert (got - expected).abs().max().item() <= 1e-5
+    stats = model.mira.stats()
+    assert stats["resident_bytes"] <= stats["budget_bytes"]
+    assert stats["hits"] + stats["misses"] > 0
+
+
+@pytest.mark.parametrize("name", ALL_TINY)
+def test_outputs_do_not_depend_on_the_budget(tiny_checkpoint, name):
+    """Bit-identical logits whatever is resident: a cache state changes time, never a number."""
+    path = tiny_checkpoint(name)
+    ids = torch.randint(3, 128, (3, 13), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for which in BUDGETS:
+        with torch.no_grad():
+            outs.append(_wrapped(path, which)(ids).logits)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+GEN_MODES = {
+    "greedy": dict(do_sample=False),
+    "beam4": dict(do_sample=False, num_beams=4),
+    "sample": dict(do_sample=True, top_k=20, temperature=0.9),
+}
+
+
+@pytest.mark.parametrize("name", ALL_TINY)
+@pytest.mark.parametrize("mode", sorted(GEN_MODES))
+def test_generate_is_token_identical(tiny_checkpoint, name, mode):
+    path = tiny_checkpoint(name)
+    ref = load_reference(path)
+    model = _wrapped(path, "min")
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    kw = dict(GEN_MODES[mode], max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
+    torch.manual_seed(7)
+    expected = ref.generate(ids, **kw)
+    torch.manual_seed(7)
+    got = model.generate(ids, **kw)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("name", ALL_TINY)
+def test_padded_batch_generate_is_token_identical(tiny_checkpoint, name):
+    path = tiny_checkpoint(name)
+    ref = load_reference(path)
+    model = _wrapped(path, "half")
+    # Three prompts of different lengths, left-padded with pad id 0 and masked.
+    ids = torch.tensor([[0, 0, 0, 5, 9, 14, 33], [0, 7, 8, 21, 40, 41, 50], [3, 4, 5, 6, 7, 8, 9]])
+    mask = (ids != 0).long()
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+def test_streamer_receives_the_same_tokens(tiny_checkpoint):
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.tokens = []
+
+        def put(self, value):
+            self.tokens.extend(value.reshape(-1).tolist())
+
+        def end(self):
+            pass
+
+    path = tiny_checkpoint("mixtral")
+    model = _wrapped(path, "min")
+    ids = torch.tensor([[5, 6, 7]])
+    s = Collect()
+    out = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, streamer=s, pad_token_id=0)
+    assert s.tokens == out[0].tolist()

@@ -21,9 +21,16 @@ QUANTIZATIONS: tuple[str | None, ...] = (None,)
 HOST_MEMORY_KINDS = ("auto", "pinned", "pageable")
 
 _UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
@@ -146,7 +153,9 @@ class MiraConfig:
                     "host_budget is set but offload_dir is not: experts beyond the host budget are written "
                     "to disk. Pass MiraConfig(host_budget=..., offload_dir='/path/with/space')."
                 )
-        if self.expert_layer_path is not None and (not isinstance(self.expert_layer_path, str) or "." not in self.expert_layer_path):
+        if self.expert_layer_path is not None and (
+            not isinstance(self.expert_layer_path, str) or "." not in self.expert_layer_path
+        ):
             raise ConfigError(
                 f"expert_layer_path={self.expert_layer_path!r}: expected a module glob such as 'model.layers.*.mlp.experts'."
             )

@@ -81,7 +81,9 @@ class IdentityCodec:
         for spec in layout.tensors:
             self.view(out, spec).copy_(tensors[spec.name])
 
-    def decode(self, record: torch.Tensor, layout: RawLayout, dtype: torch.dtype | None = None, out=None) -> dict[str, torch.Tensor]:
+    def decode(
+        self, record: torch.Tensor, layout: RawLayout, dtype: torch.dtype | None = None, out=None
+    ) -> dict[str, torch.Tensor]:
         return {spec.name: self.view(record, spec) for spec in layout.tensors}
 
     @staticmethod

@@ -50,7 +50,9 @@ class MiraMoEModel:
         raise TypeError("Use MiraMoEModel.from_pretrained(...) or MiraMoEModel.wrap(model, mira_config).")
 
     @staticmethod
-    def from_pretrained(name_or_path: str | os.PathLike, mira_config: MiraConfig | None = None, *, progress: bool = True, **hf_kwargs):
+    def from_pretrained(
+        name_or_path: str | os.PathLike, mira_config: MiraConfig | None = None, *, progress: bool = True, **hf_kwargs
+    ):
         """Load a causal-LM MoE checkpoint (local directory or hub id already in the local cache).
 
         `hf_kwargs` go to `AutoModelForCausalLM.from_pretrained` (`dtype`, `revision`, `trust_remote_code`, ...),
@@ -117,8 +119,13 @@ class MiraMoEModel:
                     t.module.register_parameter(n, None)
                 stripped.append(t)
             manager = ExpertManager(
-                store, layers, budget, device, policy=cfg.policy,
-                stage_fraction=cfg.cache.stage_fraction, ring_bytes=cfg.loader.staging_ring_bytes,
+                store,
+                layers,
+                budget,
+                device,
+                policy=cfg.policy,
+                stage_fraction=cfg.cache.stage_fraction,
+                ring_bytes=cfg.loader.staging_ring_bytes,
             )
         except BaseException:
             for t in stripped:
@@ -147,7 +154,9 @@ def _check_config(cfg: MiraConfig | None) -> MiraConfig:
     if cfg is None:
         return MiraConfig()
     if not isinstance(cfg, MiraConfig):
-        raise ConfigError(f"mira_config must be a MiraConfig, got {type(cfg).__name__}. Build one: MiraConfig(gpu_budget='12GiB').")
+        raise ConfigError(
+            f"mira_config must be a MiraConfig, got {type(cfg).__name__}. Build one: MiraConfig(gpu_budget='12GiB')."
+        )
     return cfg
 
 
@@ -225,8 +234,17 @@ def _find_targets(model: nn.Module, adapter: MoEAdapter) -> list[_Target]:
             )
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        targets.append(_Target(name, parent, attr, module, ordinal, {n: p.data for n, p in tensors.items()},
-                               {n: p.requires_grad for n, p in tensors.items()}))
+        targets.append(
+            _Target(
+                name,
+                parent,
+                attr,
+                module,
+                ordinal,
+                {n: p.data for n, p in tensors.items()},
+                {n: p.requires_grad for n, p in tensors.items()},
+            )
+        )
     return targets
 
 

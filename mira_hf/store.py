@@ -66,7 +66,9 @@ class ExpertStore:
                 slab[:, spec.offset : spec.offset + spec.nbytes].view(spec.dtype).view(E, *spec.shape).copy_(fused[spec.name])
         else:
             for e in range(E):
-                self.codec.encode({n: t[e] for n, t in fused.items()}, layout, slab[e], **({"calib": calib} if calib is not None else {}))
+                self.codec.encode(
+                    {n: t[e] for n, t in fused.items()}, layout, slab[e], **({"calib": calib} if calib is not None else {})
+                )
         dtype = next(iter(fused.values())).dtype
         path = None
         if tier == "disk":

@@ -1,5 +1,6 @@
 """The public API: wrap / unload / save round-trips, idempotence, and clear errors before any change."""
 
+import dataclasses
 import json
 import os
 
@@ -167,7 +168,7 @@ def test_bad_config_values_are_refused(kwargs, match):
 
 def test_config_is_frozen():
     cfg = MiraConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.policy = "lru"  # type: ignore[misc]
     assert cfg.replace(gpu_budget="1GiB").gpu_budget == "1GiB"
 

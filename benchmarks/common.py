@@ -1,0 +1,145 @@
+"""Shared pieces of the benchmark scripts: model shapes, timing, environment facts, JSON output."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import time
+from contextlib import contextmanager
+
+import torch
+
+# Real model dimensions, random-initialised on the device (no download).
+SHAPES = {
+    "mixtral-8x7b-8l": dict(
+        model="MixtralConfig",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+    ),
+    "qwen3-30b-a3b-12l": dict(
+        model="Qwen3MoeConfig",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+def build_config(shape: str):
+    import transformers
+
+    kw = dict(SHAPES[shape])
+    return getattr(transformers, kw.pop("model"))(**kw)
+
+
+def random_model_on_device(shape: str, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0):
+    """A model of `shape` with random weights, built directly on `device` (init ~N(0, 0.02))."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = build_config(shape)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@contextmanager
+def timed(out: dict, key: str):
+    sync()
+    t0 = time.perf_counter()
+    yield
+    sync()
+    out[key] = time.perf_counter() - t0
+
+
+def environment() -> dict:
+    import transformers
+
+    env = {
+        "date": _dt.date.today().isoformat(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_count": os.cpu_count(),
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(device=p.name, device_memory_gb=round(p.total_memory / 1e9, 1))
+    else:
+        env["device"] = "cpu"
+    return env
+
+
+def h2d_bandwidth(nbytes: int = 512 * 2**20, pinned: bool = True, reps: int = 5) -> float:
+    """Host→device GB/s for one large copy (median of `reps`)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(reps + 1):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=pinned)
+        sync()
+        times.append(time.perf_counter() - t0)
+    times = sorted(times[1:])
+    return nbytes / times[len(times) // 2] / 1e9
+
+
+def device_bandwidth(nbytes: int = 2 * 2**30, reps: int = 5) -> float:
+    """Device-memory GB/s of a large device-to-device copy (bytes read + written)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(reps + 1):
+        sync()
+        t0 = time.perf_counter()
+        b.copy_(a)
+        sync()
+        times.append(time.perf_counter() - t0)
+    times = sorted(times[1:])
+    return 2 * nbytes / times[len(times) // 2] / 1e9
+
+
+def write_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+
+
+def print_table(rows: list[dict], columns: list[str]) -> str:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    lines = [" | ".join(c.ljust(widths[c]) for c in columns), "-|-".join("-" * widths[c] for c in columns)]
+    lines += [" | ".join(_fmt(r.get(c)).ljust(widths[c]) for c in columns) for r in rows]
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)

@@ -26,6 +26,7 @@ class CachePolicy(Protocol):
     def inserted(self, key: Key, staged: bool) -> None: ...
     def used(self, key: Key) -> None: ...
     def removed(self, key: Key) -> None: ...
+    def admit_hot(self, key: Key) -> bool: ...
     def victim(self, candidates: Iterable[Key]) -> Key | None: ...
 
 
@@ -85,7 +86,7 @@ class ExpertCache:
     def lookup(self, key: Key) -> Slot | None:
         return self.pool(key[0]).where.get(key)
 
-    def allocate(self, key: Key, staged: bool) -> tuple[Slot | None, Eviction | None]:
+    def allocate(self, key: Key, staged: bool, evict: bool = True) -> tuple[Slot | None, Eviction | None]:
         """Give `key` a slot: a free one, else the policy's victim. Returns (slot, what was evicted).
 
         A prefetch (`staged`) only takes a free or unpinned STAGE slot; a demand load may evict HOT too.
@@ -96,6 +97,8 @@ class ExpertCache:
         evicted = None
         if pool._free:
             slot = pool.slots[pool._free.pop()]
+        elif not evict:
+            return None, None
         else:
             stage = [s.key for s in pool.slots if s.pins == 0 and s.tier == STAGE]
             victim = pool.policy.victim(stage)
@@ -115,11 +118,12 @@ class ExpertCache:
         return slot, evicted
 
     def use(self, slot: Slot) -> None:
-        """Record a use: the expert joins HOT, demoting HOT's victim to STAGE if HOT is full."""
+        """Record a use: the expert joins HOT if the policy admits it, demoting HOT's victim to
+        STAGE if HOT is full."""
         pool = self.pool(slot.key[0])
         pool.policy.used(slot.key)
         slot.used_since_load = True
-        if slot.tier == HOT:
+        if slot.tier == HOT or not pool.policy.admit_hot(slot.key):
             return
         slot.tier = HOT
         pool.hot_count += 1

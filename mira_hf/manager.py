@@ -19,8 +19,10 @@ import torch
 
 from .cache import STAGE, ExpertCache, Key, Slot, SlotPool
 from .errors import BudgetError
+from .heat import HeatConfig, HeatTracker
 from .loader import Loader
-from .policies import make_policy
+from .policies import HeatPolicy, LRUPolicy, PriorityConfig, PriorityPolicy
+from .predictors import Predictor, PredictorConfig
 from .store import ExpertStore
 from .telemetry import Telemetry
 
@@ -99,6 +101,11 @@ class ExpertManager:
         policy: str = "lru",
         stage_fraction: float = 0.25,
         ring_bytes: int = 128 * 2**20,
+        heat: HeatConfig | None = None,
+        priority: PriorityConfig | None = None,
+        predictor: Predictor | None = None,
+        predictor_config: PredictorConfig | None = None,
+        warmup_steps: int = 3,
     ) -> None:
         self.store = store
         self.layers = {li.ordinal: li for li in layers}
@@ -106,26 +113,56 @@ class ExpertManager:
         self.device = device
         self.loader = Loader(device, ring_bytes)
         self.telemetry = Telemetry()
+        self.heat = HeatTracker({li.ordinal: li.num_experts for li in layers}, heat)
+        self.predictor = predictor
+        self.predictor_config = predictor_config or PredictorConfig()
+        self.warmup_steps = warmup_steps  # first steps: prefetches only fill free slots, nothing is evicted
+        self._predicted: dict[Key, float] = {}  # latest predicted probability of use this step
+        self._pending_predictions: dict[int, list[tuple[int, set[int]]]] = {}  # target layer -> [(distance, set)]
         self._lock = threading.RLock()
+        largest = max(budget.slot_bytes.values())
+        tier_factor = {"pinned": 1.0, "pageable": 2.0, "disk": 4.0}  # relative reload cost per byte
+        self._cost = {li.ordinal: min(1.0, store.record_bytes(li.ordinal) / largest * tier_factor[store.tier(li.ordinal)] / 4.0) for li in layers}
         pools = {}
         self._arena: dict[Hashable, torch.Tensor] = {}
         for g, n in budget.n_slots.items():
             n_stage = int(n * stage_fraction)
-            pools[g] = SlotPool(budget.slot_bytes[g], n, n_stage, make_policy(policy))
+            pools[g] = SlotPool(budget.slot_bytes[g], n, n_stage, self._make_policy(policy, priority))
             # One allocation per pool, made once: slots are views, so the budget is never exceeded.
             self._arena[g] = torch.empty((n, budget.slot_bytes[g]), dtype=torch.uint8, device=device)
         self.cache = ExpertCache(pools, budget.pool_of_layer)
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (layer, slot) -> tensors
         self._last_layer = -1
 
+    def _make_policy(self, name: str, priority: PriorityConfig | None):
+        if name == "heat":
+            return HeatPolicy(self.heat)
+        if name == "priority":
+            return PriorityPolicy(
+                predicted=lambda k: self._predicted.get(k, 0.0),
+                step=lambda: self.telemetry.steps,
+                cost=lambda k: self._cost[k[0]],
+                config=priority,
+            )
+        return LRUPolicy()
+
     # -- the verbs ------------------------------------------------------------------------------
-    def begin(self, layer: int, experts: Sequence[int], hidden: torch.Tensor | None = None) -> BlockPlan:
+    def begin(
+        self,
+        layer: int,
+        experts: Sequence[int],
+        hidden: torch.Tensor | None = None,
+        top_k_index: torch.Tensor | None = None,
+    ) -> BlockPlan:
         """Start a block call needing `experts` of `layer`: count hits and misses, pin what is
-        resident, and issue copies for misses while slots can be taken."""
+        resident, issue copies for misses while slots can be taken, then let the predictor stage
+        experts of later layers (after the demand copies, so those go first)."""
         with self._lock:
             if layer <= self._last_layer:
-                self.telemetry.end_step()
+                self._end_step()
             self._last_layer = layer
+            self.heat.activate(layer, list(experts))
+            self._score_predictions(layer, experts)
             stats = self.telemetry.layer(layer)
             ready, in_flight, misses = [], [], []
             plan = BlockPlan(layer, [])
@@ -146,6 +183,9 @@ class ExpertManager:
             plan.order = ready + in_flight + misses
             plan.pending.extend(misses)
             self._issue(plan)
+            if self.predictor is not None and hidden is not None and top_k_index is not None:
+                self.predictor.observe(layer, hidden, top_k_index)
+                self._stage(layer, self.predictor.predict(layer, hidden))
             return plan
 
     def acquire(self, plan: BlockPlan, expert: int) -> dict[str, torch.Tensor]:
@@ -158,6 +198,7 @@ class ExpertManager:
             self.loader.wait(slot.ready, plan.layer)
             if slot.prefetched and not slot.used_since_load:
                 self.telemetry.layer(plan.layer).prefetch_used += 1
+                self.heat.feedback(plan.layer, expert, used=True)
             self.cache.use(slot)
             return self._slot_views(plan.layer, slot)
 
@@ -186,11 +227,39 @@ class ExpertManager:
             for e in experts:
                 if self.cache.lookup((layer, e)) is not None:
                     continue
-                slot = self._load((layer, e), staged=True)
+                slot = self._load((layer, e), staged=True, evict=self.telemetry.steps >= self.warmup_steps)
                 if slot is None:
                     break
                 started += 1
             return started
+
+    # -- prediction -----------------------------------------------------------------------------
+    def _stage(self, layer: int, predictions: dict[int, torch.Tensor]) -> None:
+        """Stage each target layer's likely experts (most likely first), nearest layer first."""
+        cfg = self.predictor_config
+        for target in sorted(predictions):
+            probs = predictions[target]
+            li = self.layers[target]
+            cap = cfg.max_staged_per_layer or 2 * li.top_k
+            order = torch.argsort(probs, descending=True).tolist()
+            values = probs.tolist()
+            chosen = [e for e in order if values[e] >= cfg.confidence]
+            self._pending_predictions.setdefault(target, []).append((target - layer, set(chosen)))
+            for e in chosen:
+                self._predicted[(target, e)] = max(self._predicted.get((target, e), 0.0), values[e])
+            if target - layer <= cfg.lookahead:
+                self.prefetch(target, chosen[:cap])
+
+    def _score_predictions(self, layer: int, experts: Sequence[int]) -> None:
+        actual = set(experts)
+        for distance, predicted in self._pending_predictions.pop(layer, ()):
+            self.telemetry.count_prediction(layer, distance, len(predicted & actual), len(predicted - actual), len(actual - predicted))
+
+    def _end_step(self) -> None:
+        self.telemetry.end_step()
+        self.heat.end_step()
+        self._predicted.clear()
+        self._pending_predictions.clear()
 
     # -- internals ------------------------------------------------------------------------------
     def _issue(self, plan: BlockPlan) -> None:
@@ -203,8 +272,8 @@ class ExpertManager:
             slot.pins += 1
             plan.slots[e] = slot
 
-    def _load(self, key: Key, staged: bool) -> Slot | None:
-        slot, evicted = self.cache.allocate(key, staged)
+    def _load(self, key: Key, staged: bool, evict: bool = True) -> Slot | None:
+        slot, evicted = self.cache.allocate(key, staged, evict=evict)
         if slot is None:
             return None
         layer = key[0]
@@ -212,7 +281,9 @@ class ExpertManager:
         if evicted is not None:
             ev_stats = self.telemetry.layer(evicted.key[0])
             ev_stats.evictions += 1
-            ev_stats.prefetch_wasted += evicted.wasted_prefetch
+            if evicted.wasted_prefetch:
+                ev_stats.prefetch_wasted += 1
+                self.heat.feedback(*evicted.key, used=False)
         src = self.store.record(*key)
         dst = self._arena[self.cache.pool_of_layer[layer]][slot.index]
         t0 = time.perf_counter()
@@ -256,10 +327,45 @@ class ExpertManager:
             return out
 
     def reset_stats(self) -> None:
+        """Zero the counters (not the cache contents, heat scores or predictor state)."""
         with self._lock:
             self.loader.reset_stalls()
             self.telemetry.reset()
-            self._last_layer = -1
+
+    def expert_counts(self) -> dict[int, list[int]]:
+        """Activations per expert of each MoE layer since load (or `heat.reset()`)."""
+        return {layer: c.tolist() for layer, c in self.heat.counts.items()}
+
+    def heat_scores(self) -> dict[int, list[float]]:
+        """Current heat score of each expert of each MoE layer, in [0, 1]."""
+        return {layer: s.tolist() for layer, s in self.heat.scores.items()}
+
+    def hit_rate_history(self) -> list[float]:
+        """Hit rate of each forward step so far (bounded: the latest 4096 steps)."""
+        return list(self.telemetry.hit_rate_history)
+
+    def heat_table(self):
+        """pandas DataFrame, one row per (layer, expert): heat score, activation count, resident tier."""
+        from .report import heat_table
+
+        return heat_table(self)
+
+    def plot_heatmap(self, value: str = "score"):
+        """matplotlib Figure: layer × expert heat map of `value` ("score" or "count")."""
+        from .report import plot_heatmap
+
+        return plot_heatmap(self, value=value)
+
+    def plot_hit_rate(self):
+        """matplotlib Figure: hit rate per forward step."""
+        from .report import plot_hit_rate
+
+        return plot_hit_rate(self)
+
+    def tier_of(self, layer: int, expert: int) -> str | None:
+        """"hot", "stage" or None (not resident)."""
+        slot = self.cache.lookup((layer, expert))
+        return None if slot is None else slot.tier
 
     def close(self) -> None:
         """Release the device arena (after unload)."""

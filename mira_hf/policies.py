@@ -1,15 +1,26 @@
-"""Eviction policies. Each ranks the resident experts of one slot pool; the cache asks for victims."""
+"""Eviction policies. Each ranks the resident experts of one slot pool; the cache asks for victims
+and, when an expert is used, whether it may join HOT.
+
+- `lru`: least recently used, the reactive baseline (every use joins HOT).
+- `heat`: the adaptive cache: experts below the heat threshold go first, lowest score first; only
+  experts at or above the threshold join HOT.
+- `priority`: 0.6 · predicted probability of use soon + 0.3 · recency + 0.1 · transfer cost;
+  the lowest score goes first, so predicted and costly experts are kept.
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
 from .cache import Key
+from .errors import ConfigError
+from .heat import HeatTracker
 
 
 class LRUPolicy:
-    """Least recently used: the reactive baseline. A load counts as a use."""
+    """Least recently used. A load counts as a use."""
 
     name = "lru"
 
@@ -26,6 +37,9 @@ class LRUPolicy:
     def removed(self, key: Key) -> None:
         self._order.pop(key, None)
 
+    def admit_hot(self, key: Key) -> bool:
+        return True
+
     def victim(self, candidates: Iterable[Key]) -> Key | None:
         allowed = set(candidates)
         for key in self._order:
@@ -34,8 +48,79 @@ class LRUPolicy:
         return None
 
 
-POLICY_CLASSES = {"lru": LRUPolicy}
+class HeatPolicy(LRUPolicy):
+    """Evict the coldest expert (ties: least recently used); HOT only at or above the threshold."""
+
+    name = "heat"
+
+    def __init__(self, heat: HeatTracker) -> None:
+        super().__init__()
+        self.heat = heat
+
+    def admit_hot(self, key: Key) -> bool:
+        return self.heat.is_hot(*key)
+
+    def victim(self, candidates: Iterable[Key]) -> Key | None:
+        allowed = set(candidates)
+        if not allowed:
+            return None
+        rank = {k: i for i, k in enumerate(self._order)}  # recency rank: 0 = oldest
+        return min(allowed, key=lambda k: (self.heat.score(*k), rank.get(k, -1)))
 
 
-def make_policy(name: str):
-    return POLICY_CLASSES[name]()
+@dataclass(frozen=True)
+class PriorityConfig:
+    """Weights of the priority score; each term is in [0, 1]."""
+
+    predicted_weight: float = 0.6
+    recency_weight: float = 0.3
+    cost_weight: float = 0.1
+
+    def __post_init__(self) -> None:
+        if min(self.predicted_weight, self.recency_weight, self.cost_weight) < 0:
+            raise ConfigError("PriorityConfig weights must be ≥ 0.")
+
+
+class PriorityPolicy(LRUPolicy):
+    """Evict the expert least worth keeping: unlikely to be used soon, not used lately, cheap to reload."""
+
+    name = "priority"
+
+    def __init__(
+        self,
+        predicted: Callable[[Key], float],
+        step: Callable[[], int],
+        cost: Callable[[Key], float],
+        config: PriorityConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.predicted, self.step, self.cost = predicted, step, cost
+        self.config = config or PriorityConfig()
+        self._last_use: dict[Key, int] = {}
+
+    def inserted(self, key: Key, staged: bool) -> None:
+        super().inserted(key, staged)
+        self._last_use[key] = self.step()
+
+    def used(self, key: Key) -> None:
+        super().used(key)
+        self._last_use[key] = self.step()
+
+    def removed(self, key: Key) -> None:
+        super().removed(key)
+        self._last_use.pop(key, None)
+
+    def score(self, key: Key) -> float:
+        c = self.config
+        recency = 1.0 / (1.0 + self.step() - self._last_use.get(key, self.step()))
+        return c.predicted_weight * self.predicted(key) + c.recency_weight * recency + c.cost_weight * self.cost(key)
+
+    def victim(self, candidates: Iterable[Key]) -> Key | None:
+        allowed = set(candidates)
+        if not allowed:
+            return None
+        rank = {k: i for i, k in enumerate(self._order)}
+        return min(allowed, key=lambda k: (self.score(k), rank.get(k, -1)))
+
+
+POLICY_NAMES = ("lru", "heat", "priority")

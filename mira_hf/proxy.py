@@ -55,7 +55,7 @@ class MiraExperts(nn.Module):
         needed = [e for e in range(E) if counts[e]]
         weights = top_k_weights.reshape(-1, 1)  # [T*K, 1]
         out = hidden_states.new_zeros((T * K, H), dtype=torch.float32)  # [T*K, H]
-        plan = self.manager.begin(self.layer, needed, hidden_states)
+        plan = self.manager.begin(self.layer, needed, hidden_states, top_k_index)
         try:
             for e in plan.order:
                 w = self.manager.acquire(plan, e)

@@ -43,6 +43,8 @@ class Telemetry:
     steps: int = 0
     history_limit: int = 4096
     hit_rate_history: list[float] = field(default_factory=list)
+    # (target layer, distance) -> [true positives, false positives, false negatives]
+    predictions: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     _step_hits: int = 0
     _step_uses: int = 0
 
@@ -55,6 +57,12 @@ class Telemetry:
     def count_uses(self, hits: int, uses: int) -> None:
         self._step_hits += hits
         self._step_uses += uses
+
+    def count_prediction(self, layer: int, distance: int, tp: int, fp: int, fn: int) -> None:
+        c = self.predictions.setdefault((layer, distance), [0, 0, 0])
+        c[0] += tp
+        c[1] += fp
+        c[2] += fn
 
     def end_step(self) -> None:
         """Close one forward step: append its hit rate to the bounded history."""
@@ -73,9 +81,19 @@ class Telemetry:
         out = total.as_dict()
         out["steps"] = self.steps
         out["per_layer"] = {layer: s.as_dict() for layer, s in sorted(self.layers.items())}
+        tp = sum(c[0] for c in self.predictions.values())
+        fp = sum(c[1] for c in self.predictions.values())
+        fn = sum(c[2] for c in self.predictions.values())
+        out["predictor_precision"] = tp / (tp + fp) if tp + fp else None
+        out["predictor_recall"] = tp / (tp + fn) if tp + fn else None
+        for (layer, d), (tp, fp, fn) in sorted(self.predictions.items()):
+            pl = out["per_layer"].setdefault(layer, LayerStats().as_dict())
+            pl[f"recall@{d}"] = tp / (tp + fn) if tp + fn else None
+            pl[f"precision@{d}"] = tp / (tp + fp) if tp + fp else None
         return out
 
     def reset(self) -> None:
         self.layers.clear()
         self.hit_rate_history.clear()
+        self.predictions.clear()
         self.steps = self._step_hits = self._step_uses = 0

@@ -1,0 +1,114 @@
+"""Per-expert heat scores: the adaptive cache's memory of which experts matter lately.
+
+One score in [0, 1] per (layer, expert), from the design:
+- +0.1 per activation;
+- ×0.95 per idle period (a period in which the expert was not activated);
+- a sliding window of activation counts: when a window closes, each expert's count, normalised by
+  the layer's largest count, is added with a small gain (a burst counts once, not per token);
+- prediction feedback: a staged expert that was used +0.03, one evicted unused −0.05.
+An expert with score ≥ `hot_threshold` (0.3) belongs in HOT; below it, it is the first to go.
+The clock is forward steps by default (deterministic, reproducible); `clock="wall"` uses the
+design's 100 ms decay period and 500 ms window.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class HeatConfig:
+    activation_gain: float = 0.1
+    decay_per_period: float = 0.95
+    window_periods: int = 5  # 5 × 100 ms = the design's 500 ms window
+    window_gain: float = 0.1  # weight of the normalised window count
+    used_prefetch_gain: float = 0.03
+    wasted_prefetch_penalty: float = 0.05
+    hot_threshold: float = 0.3
+    clock: str = "steps"  # "steps": one period per forward step; "wall": one per `period_s`
+    period_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.clock not in ("steps", "wall"):
+            raise ConfigError(f"HeatConfig.clock={self.clock!r}: supported are 'steps' and 'wall'.")
+        if not 0 < self.decay_per_period <= 1:
+            raise ConfigError(f"HeatConfig.decay_per_period={self.decay_per_period}: must be in (0, 1].")
+        if self.window_periods < 1 or self.period_s <= 0:
+            raise ConfigError("HeatConfig.window_periods must be ≥ 1 and period_s > 0.")
+        if not 0 <= self.hot_threshold <= 1:
+            raise ConfigError(f"HeatConfig.hot_threshold={self.hot_threshold}: must be in [0, 1].")
+
+
+class HeatTracker:
+    """Scores and counts for every expert of every MoE layer, on the host (tiny: L × E floats)."""
+
+    def __init__(self, num_experts: dict[int, int], config: HeatConfig | None = None) -> None:
+        self.config = config or HeatConfig()
+        self.layers = sorted(num_experts)
+        self.scores = {layer: torch.zeros(num_experts[layer]) for layer in self.layers}
+        self.counts = {layer: torch.zeros(num_experts[layer], dtype=torch.long) for layer in self.layers}
+        self._active = {layer: torch.zeros(num_experts[layer], dtype=torch.bool) for layer in self.layers}
+        self._window = {layer: torch.zeros(num_experts[layer]) for layer in self.layers}
+        self._periods_in_window = 0
+        self._last_tick = time.monotonic()
+
+    def activate(self, layer: int, experts: list[int]) -> None:
+        if self.config.clock == "wall":
+            self._tick_wall()
+        idx = torch.tensor(experts, dtype=torch.long)
+        s = self.scores[layer]
+        s[idx] = (s[idx] + self.config.activation_gain).clamp_(max=1.0)
+        self.counts[layer][idx] += 1
+        self._window[layer][idx] += 1
+        self._active[layer][idx] = True
+
+    def feedback(self, layer: int, expert: int, used: bool) -> None:
+        """A staged expert was used (+) or evicted unused (−)."""
+        delta = self.config.used_prefetch_gain if used else -self.config.wasted_prefetch_penalty
+        s = self.scores[layer]
+        s[expert] = float(min(1.0, max(0.0, float(s[expert]) + delta)))
+
+    def end_step(self) -> None:
+        """A forward step ended: one period passes on the step clock."""
+        if self.config.clock == "steps":
+            self._end_period()
+
+    def score(self, layer: int, expert: int) -> float:
+        return float(self.scores[layer][expert])
+
+    def is_hot(self, layer: int, expert: int) -> bool:
+        return float(self.scores[layer][expert]) >= self.config.hot_threshold
+
+    def _tick_wall(self) -> None:
+        now = time.monotonic()
+        periods = int((now - self._last_tick) / self.config.period_s)
+        for _ in range(min(periods, 1000)):  # after 1000 idle periods every score is ~0 anyway
+            self._end_period()
+        self._last_tick += periods * self.config.period_s
+
+    def _end_period(self) -> None:
+        c = self.config
+        for layer in self.layers:
+            idle = ~self._active[layer]
+            self.scores[layer][idle] *= c.decay_per_period
+            self._active[layer].zero_()
+        self._periods_in_window += 1
+        if self._periods_in_window >= c.window_periods:
+            for layer in self.layers:
+                w = self._window[layer]
+                top = w.max()
+                if top > 0:
+                    self.scores[layer].add_(c.window_gain * w / top).clamp_(max=1.0)
+                w.zero_()
+            self._periods_in_window = 0
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            for t in (self.scores, self.counts, self._active, self._window):
+                t[layer].zero_()
+        self._periods_in_window = 0

@@ -1,0 +1,252 @@
+"""Expert predictors: guess which experts upcoming layers will route to, so they can be staged.
+
+One interface: `observe(layer, hidden, top_k_index)` sees routing as it happens (the proxy calls it
+for every block, before computing); `predict(layer, hidden)` returns `{target_layer: probs [E]}`
+for layers ahead, each value the probability that the expert is used by at least one token of the
+current step. A wrong guess costs bandwidth, never a token: the true expert is always computed.
+
+- `gate`: the router of layer L+d applied to layer L's hidden state (no training).
+- `markov`: transition probabilities between experts of consecutive layers and consecutive tokens,
+  learnt online, chained up to 3 layers ahead, candidates up to a cumulative probability of 0.8.
+- `global`: at the first MoE layer of a step, one prediction for every layer (previous token's
+  routing, combined with the routers applied to the new token's hidden state).
+- `position`: each layer's recent expert frequency over a sliding window of tokens (long sequences).
+- `hybrid`: `markov` for the first tokens of a sequence, `position` after.
+- `learned`: a small trained network per layer (see `mira_hf.learned`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from .errors import ConfigError
+
+RouterProbs = Callable[[int, torch.Tensor], "torch.Tensor | None"]  # (layer, hidden [T,H]) -> [T,E] probabilities
+
+
+@dataclass(frozen=True)
+class PredictorConfig:
+    lookahead: int = 2  # layers ahead that predictions (and copies) are issued
+    confidence: float = 0.3  # minimum probability for an expert to be staged
+    max_staged_per_layer: int | None = None  # None: 2 × top-k
+    markov_warmup_tokens: int = 1000  # tokens of routing that form the first Markov estimate (no re-checks before)
+    markov_cumulative: float = 0.8  # candidates kept up to this cumulative probability
+    markov_recheck_tokens: int = 256  # every N tokens, re-estimate if accuracy dropped
+    position_window_tokens: int = 64
+    hybrid_switch_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.lookahead < 1:
+            raise ConfigError(f"PredictorConfig.lookahead={self.lookahead}: must be ≥ 1.")
+        if not 0 <= self.confidence <= 1 or not 0 < self.markov_cumulative <= 1:
+            raise ConfigError("PredictorConfig.confidence and markov_cumulative must be in [0, 1].")
+
+
+class Predictor(Protocol):
+    name: str
+
+    def observe(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor) -> None: ...
+    def predict(self, layer: int, hidden: torch.Tensor) -> dict[int, torch.Tensor]: ...
+    def reset(self) -> None: ...
+
+
+def token_union(per_token: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[T, E] per-token probabilities → [E] probability that some token uses the expert.
+    Each token uses `top_k` experts, so an expert with share q of a token is used with ≈ min(1, k·q)."""
+    p = (per_token.float() * top_k).clamp_(0, 1)  # [T, E]
+    return 1 - torch.prod(1 - p, dim=0)  # [E]
+
+
+class GatePredictor:
+    name = "gate"
+
+    def __init__(self, layers: list[int], top_k: dict[int, int], router_probs: RouterProbs, config: PredictorConfig) -> None:
+        self.layers, self.top_k, self.router_probs, self.config = layers, top_k, router_probs, config
+
+    def observe(self, layer, hidden, top_k_index) -> None:
+        pass
+
+    def predict(self, layer, hidden):
+        out = {}
+        for d in range(1, self.config.lookahead + 1):
+            target = layer + d
+            if target in self.top_k:
+                probs = self.router_probs(target, hidden)
+                if probs is not None:
+                    out[target] = token_union(probs, self.top_k[target]).cpu()
+        return out
+
+    def reset(self) -> None:
+        pass
+
+
+class MarkovPredictor:
+    """Counts of expert → expert transitions: layer L → L+1 (same token) and token t → t+1 (same layer)."""
+
+    name = "markov"
+
+    def __init__(self, layers: list[int], num_experts: dict[int, int], top_k: dict[int, int], config: PredictorConfig) -> None:
+        self.layers, self.num_experts, self.top_k, self.config = layers, num_experts, top_k, config
+        self.reset()
+
+    def reset(self) -> None:
+        E = self.num_experts
+        # Laplace prior: before any evidence every transition is equally likely.
+        self.cross = {L: torch.ones(E[L], E[L + 1]) for L in self.layers if L + 1 in E}
+        self.temporal = {L: torch.ones(E[L], E[L]) for L in self.layers}
+        self._prev_token: dict[int, torch.Tensor] = {}  # layer -> experts of the previous token [K]
+        self._current: dict[int, torch.Tensor] = {}  # layer -> experts of the current step's last token
+        self.tokens = 0
+        self._recent_hits = deque(maxlen=self.config.markov_recheck_tokens)
+        self._best_accuracy = 0.0
+        self._since_check = 0
+
+    def observe(self, layer, hidden, top_k_index) -> None:
+        idx = top_k_index.detach().cpu()  # [T, K]
+        last = idx[-1]
+        if layer - 1 in self._current and layer - 1 in self.cross:
+            prev = self._current[layer - 1]
+            self.cross[layer - 1][prev.unsqueeze(1), last.unsqueeze(0)] += 1
+        if layer in self._prev_token:
+            predicted = self._chain_temporal(layer)
+            self._recent_hits.append(float(predicted[last].mean()))
+            self.temporal[layer][self._prev_token[layer].unsqueeze(1), last.unsqueeze(0)] += 1
+        if idx.shape[0] > 1:  # a prefill block: transitions between its own consecutive tokens
+            a, b = idx[:-1], idx[1:]
+            self.temporal[layer].index_put_((a.repeat_interleave(b.shape[1], 1).reshape(-1), b.repeat(1, a.shape[1]).reshape(-1)),
+                                            torch.ones(a.numel() * b.shape[1]), accumulate=True)
+        self._current[layer] = last
+        self._prev_token[layer] = last
+        if layer == self.layers[-1]:
+            self.tokens += idx.shape[0]
+            self._maybe_reestimate(idx.shape[0])
+
+    def _chain_temporal(self, layer: int) -> torch.Tensor:
+        """Per-expert probability of use at `layer` from the previous token's experts there."""
+        row = self.temporal[layer][self._prev_token[layer]]  # [K, E]
+        return token_union(row / row.sum(dim=1, keepdim=True), self.top_k[layer])
+
+    def predict(self, layer, hidden):
+        out = {}
+        dist = torch.zeros(self.num_experts[layer])
+        dist[self._current[layer]] = 1.0 / len(self._current[layer])  # where the last token went at L
+        for d in range(1, max(self.config.lookahead, 3) + 1):
+            src, target = layer + d - 1, layer + d
+            if src not in self.cross:
+                break
+            m = self.cross[src]
+            dist = dist @ (m / m.sum(dim=1, keepdim=True))  # [E_target], probabilities multiplied along the chain
+            cross = _cumulative_cut(dist, self.config.markov_cumulative)
+            probs = (cross * self.top_k[target]).clamp(0, 1)
+            if target in self._prev_token:
+                probs = torch.maximum(probs, self._chain_temporal(target))
+            out[target] = probs
+        return out
+
+    def _maybe_reestimate(self, n: int) -> None:
+        self._since_check += n
+        if self.tokens < self.config.markov_warmup_tokens:
+            return  # the estimate from the first tokens of the run is still forming
+        if self._since_check < self.config.markov_recheck_tokens or not self._recent_hits:
+            return
+        self._since_check = 0
+        acc = sum(self._recent_hits) / len(self._recent_hits)
+        self._best_accuracy = max(self._best_accuracy, acc)
+        if acc < self._best_accuracy - 0.1:  # the text changed: forget old evidence, keep a little
+            for table in (*self.cross.values(), *self.temporal.values()):
+                table.mul_(0.1).add_(0.9)
+            self._best_accuracy = acc
+
+
+def _cumulative_cut(dist: torch.Tensor, mass: float) -> torch.Tensor:
+    """Keep the most likely entries up to `mass` cumulative probability; zero the rest."""
+    values, order = dist.sort(descending=True)
+    keep = (values.cumsum(0) - values) < mass
+    out = torch.zeros_like(dist)
+    out[order[keep]] = dist[order[keep]]
+    return out
+
+
+class GlobalPredictor:
+    """At the first MoE layer of a step, predict every later layer at once."""
+
+    name = "global"
+
+    def __init__(self, layers, num_experts, top_k, router_probs: RouterProbs, config: PredictorConfig) -> None:
+        self.layers, self.num_experts, self.top_k, self.router_probs, self.config = layers, num_experts, top_k, router_probs, config
+        self._prev: dict[int, torch.Tensor] = {}
+
+    def observe(self, layer, hidden, top_k_index) -> None:
+        last = top_k_index[-1].detach().cpu()
+        p = torch.zeros(self.num_experts[layer])
+        p[last] = 1.0
+        self._prev[layer] = p
+
+    def predict(self, layer, hidden):
+        if layer != self.layers[0]:
+            return {}
+        out = {}
+        for target in self.layers[1:]:
+            gate = self.router_probs(target, hidden)
+            p = token_union(gate, self.top_k[target]).cpu() if gate is not None else torch.zeros(self.num_experts[target])
+            prev = self._prev.get(target)
+            out[target] = torch.maximum(p, prev) if prev is not None else p
+        return out
+
+    def reset(self) -> None:
+        self._prev.clear()
+
+
+class PositionPredictor:
+    """Recent frequency of each expert per layer, over a sliding window of tokens."""
+
+    name = "position"
+
+    def __init__(self, layers, num_experts, top_k, config: PredictorConfig) -> None:
+        self.layers, self.num_experts, self.top_k, self.config = layers, num_experts, top_k, config
+        self.reset()
+
+    def reset(self) -> None:
+        self._window = {L: deque(maxlen=self.config.position_window_tokens) for L in self.layers}
+        self._freq = {L: torch.zeros(self.num_experts[L]) for L in self.layers}
+
+    def observe(self, layer, hidden, top_k_index) -> None:
+        window, freq = self._window[layer], self._freq[layer]
+        for row in top_k_index.detach().cpu()[-window.maxlen :]:
+            if len(window) == window.maxlen:
+                freq[window[0]] -= 1
+            window.append(row)
+            freq[row] += 1
+
+    def predict(self, layer, hidden):
+        out = {}
+        for d in range(1, self.config.lookahead + 1):
+            target = layer + d
+            if target in self._freq and self._window[target]:
+                out[target] = (self._freq[target] / len(self._window[target])).clamp(0, 1)
+        return out
+
+
+class HybridPredictor:
+    """Markov for the first tokens of a sequence, position-based after."""
+
+    name = "hybrid"
+
+    def __init__(self, markov: MarkovPredictor, position: PositionPredictor, switch_tokens: int) -> None:
+        self.markov, self.position, self.switch_tokens = markov, position, switch_tokens
+
+    def observe(self, layer, hidden, top_k_index) -> None:
+        self.markov.observe(layer, hidden, top_k_index)
+        self.position.observe(layer, hidden, top_k_index)
+
+    def predict(self, layer, hidden):
+        use = self.markov if self.markov.tokens < self.switch_tokens else self.position
+        return use.predict(layer, hidden)
+
+    def reset(self) -> None:
+        self.markov.reset()
+        self.position.reset()

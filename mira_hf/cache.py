@@ -44,6 +44,7 @@ class Slot:
     pins: int = 0
     used_since_load: bool = False
     prefetched: bool = False
+    awaiting: bool = False  # prefetched for a block that has not run yet: protected from other prefetches
     ready: object = None  # device event: the copy into this slot is done (None on CPU / when done)
     free: object = None  # device event: the last compute that read this slot is done
 
@@ -89,8 +90,8 @@ class ExpertCache:
     def allocate(self, key: Key, staged: bool, evict: bool = True) -> tuple[Slot | None, Eviction | None]:
         """Give `key` a slot: a free one, else the policy's victim. Returns (slot, what was evicted).
 
-        A prefetch (`staged`) only takes a free or unpinned STAGE slot; a demand load may evict HOT too.
-        Returns (None, None) when nothing can be evicted.
+        See `_victim_groups` for who may be evicted. `evict=False` takes only a free slot.
+        Returns (None, None) when nothing can be taken.
         """
         pool = self.pool(key[0])
         assert key not in pool.where, key
@@ -100,10 +101,11 @@ class ExpertCache:
         elif not evict:
             return None, None
         else:
-            stage = [s.key for s in pool.slots if s.pins == 0 and s.tier == STAGE]
-            victim = pool.policy.victim(stage)
-            if victim is None and not staged:
-                victim = pool.policy.victim([s.key for s in pool.slots if s.pins == 0])
+            victim = None
+            for group in self._victim_groups(pool, staged):
+                victim = pool.policy.victim(group)
+                if victim is not None:
+                    break
             if victim is None:
                 return None, None
             slot = pool.where.pop(victim)
@@ -112,17 +114,29 @@ class ExpertCache:
                 pool.hot_count -= 1
             evicted = Eviction(victim, slot.prefetched and not slot.used_since_load)
         slot.key, slot.tier, slot.pins = key, STAGE, 0
-        slot.used_since_load, slot.prefetched = False, staged
+        slot.used_since_load, slot.prefetched, slot.awaiting = False, staged, staged
         pool.where[key] = slot
         pool.policy.inserted(key, staged)
         return slot, evicted
+
+    @staticmethod
+    def _victim_groups(pool: SlotPool, staged: bool) -> list[list[Key]]:
+        """Where victims are sought, in order. STAGE experts that are not awaiting use go first.
+        A prefetch stops there: it never evicts HOT, nor another prefetch still awaiting its use.
+        A demand load then takes from HOT, and only last from prefetches awaiting use."""
+        unpinned = [s for s in pool.slots if s.pins == 0]
+        awaiting = [s.key for s in unpinned if s.awaiting]
+        idle_stage = [s.key for s in unpinned if s.tier == STAGE and not s.awaiting]
+        if staged:
+            return [idle_stage]
+        return [idle_stage, [s.key for s in unpinned if s.tier == HOT], awaiting]
 
     def use(self, slot: Slot) -> None:
         """Record a use: the expert joins HOT if the policy admits it, demoting HOT's victim to
         STAGE if HOT is full."""
         pool = self.pool(slot.key[0])
         pool.policy.used(slot.key)
-        slot.used_since_load = True
+        slot.used_since_load, slot.awaiting = True, False
         if slot.tier == HOT or not pool.policy.admit_hot(slot.key):
             return
         slot.tier = HOT
@@ -142,7 +156,7 @@ class ExpertCache:
         pool.policy.removed(key)
         if slot.tier == HOT:
             pool.hot_count -= 1
-        slot.key, slot.tier, slot.pins, slot.ready = None, STAGE, 0, None
+        slot.key, slot.tier, slot.pins, slot.ready, slot.awaiting = None, STAGE, 0, None, False
         pool._free.append(slot.index)
 
     def resident(self, layer: int | None = None) -> list[Key]:

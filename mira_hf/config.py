@@ -12,11 +12,14 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from .errors import ConfigError
+from .heat import HeatConfig
+from .policies import PriorityConfig
+from .predictors import PredictorConfig
 
 Budget = Union[int, float, str, None]
 
-POLICIES = ("lru",)
-PREDICTORS: tuple[str | None, ...] = (None,)
+POLICIES = ("lru", "heat", "priority")
+PREDICTORS: tuple[str | None, ...] = (None, "auto", "gate", "markov", "global", "position", "hybrid", "learned")
 QUANTIZATIONS: tuple[str | None, ...] = (None,)
 HOST_MEMORY_KINDS = ("auto", "pinned", "pageable")
 
@@ -101,8 +104,12 @@ class MiraConfig:
         float in (0, 1] meaning that fraction of all routed-expert bytes. `None` = all experts if
         they fit in 90% of the device's free memory, else that much.
     device: `"cuda"`, `"cuda:N"` or `"cpu"`; `None` picks cuda when available.
-    policy: cache eviction policy (`"lru"`).
-    predictor: expert predictor used to stage experts ahead of the router (`None`: no prefetch).
+    policy: cache eviction policy: `"lru"` (reactive baseline), `"heat"` (adaptive heat scores),
+        `"priority"` (predicted probability, recency and transfer cost).
+    predictor: how experts are staged ahead of the router. `None`: no prefetch; `"auto"`: `"learned"`
+        when `predictor_path` is given, else `"gate"` (needs no training); or one of `"gate"`,
+        `"markov"`, `"global"`, `"position"`, `"hybrid"`, `"learned"`.
+    predictor_path: directory written by `model.mira.save_predictor()` (a calibrated `"learned"` predictor).
     quantization: expert transfer format (`None`: the checkpoint's dtype, bit-exact).
     host_memory: `"pinned"` (fastest copies; pinning takes ~0.5 s per GB at load), `"pageable"`
         (instant load, copies go through a pinned staging ring) or `"auto"` (pinned on CUDA).
@@ -122,8 +129,12 @@ class MiraConfig:
     host_budget: int | str | None = None
     offload_dir: str | None = None
     expert_layer_path: str | None = None
+    predictor_path: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
+    heat: HeatConfig = field(default_factory=HeatConfig)
+    priority: PriorityConfig = field(default_factory=PriorityConfig)
+    prediction: PredictorConfig = field(default_factory=PredictorConfig)
 
     def __post_init__(self) -> None:
         b = self.gpu_budget
@@ -159,8 +170,16 @@ class MiraConfig:
             raise ConfigError(
                 f"expert_layer_path={self.expert_layer_path!r}: expected a module glob such as 'model.layers.*.mlp.experts'."
             )
-        if not isinstance(self.cache, CacheConfig) or not isinstance(self.loader, LoaderConfig):
-            raise ConfigError("cache and loader must be CacheConfig and LoaderConfig instances.")
+        nested = dict(cache=CacheConfig, loader=LoaderConfig, heat=HeatConfig, priority=PriorityConfig, prediction=PredictorConfig)
+        for name, cls in nested.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name} must be a {cls.__name__} instance, got {type(getattr(self, name)).__name__}.")
+        if self.predictor == "learned" and self.predictor_path is None:
+            raise ConfigError(
+                "predictor='learned' needs a calibrated predictor: pass predictor_path=<dir written by "
+                "model.mira.save_predictor()>, or run mira_hf.calibrate(model, data) on a wrapped model first. "
+                "predictor='auto' falls back to 'gate', which needs no training."
+            )
 
     def replace(self, **changes: object) -> MiraConfig:
         """A copy with some fields changed (validated again)."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import STAGE, ExpertCache, Key, Slot, SlotPool
-from .errors import BudgetError
+from .errors import BudgetError, ConfigError
 from .heat import HeatConfig, HeatTracker
 from .loader import Loader
 from .policies import HeatPolicy, LRUPolicy, PriorityConfig, PriorityPolicy
@@ -119,6 +119,9 @@ class ExpertManager:
         self.warmup_steps = warmup_steps  # first steps: prefetches only fill free slots, nothing is evicted
         self._predicted: dict[Key, float] = {}  # latest predicted probability of use this step
         self._pending_predictions: dict[int, list[tuple[int, set[int]]]] = {}  # target layer -> [(distance, set)]
+        self.recorder = None  # optional callable(layer, hidden [T,H], top_k_index [T,K]): traces, calibration
+        self.router_probs = None  # (layer, hidden) -> [T, E] router probabilities, set by the model wrapper
+        self.fingerprint: dict = {}  # identifies the wrapped model (files made for another model are refused)
         self._lock = threading.RLock()
         largest = max(budget.slot_bytes.values())
         tier_factor = {"pinned": 1.0, "pageable": 2.0, "disk": 4.0}  # relative reload cost per byte
@@ -161,8 +164,11 @@ class ExpertManager:
             if layer <= self._last_layer:
                 self._end_step()
             self._last_layer = layer
+            if self.recorder is not None and hidden is not None:
+                self.recorder(layer, hidden, top_k_index)
             self.heat.activate(layer, list(experts))
             self._score_predictions(layer, experts)
+            self._expire_prefetches(layer)
             stats = self.telemetry.layer(layer)
             ready, in_flight, misses = [], [], []
             plan = BlockPlan(layer, [])
@@ -255,6 +261,11 @@ class ExpertManager:
         for distance, predicted in self._pending_predictions.pop(layer, ()):
             self.telemetry.count_prediction(layer, distance, len(predicted & actual), len(predicted - actual), len(actual - predicted))
 
+    def _expire_prefetches(self, layer: int) -> None:
+        """This layer's block is running: its prefetches no longer wait (used ones are pinned now)."""
+        for key in self.cache.resident(layer):
+            self.cache.lookup(key).awaiting = False
+
     def _end_step(self) -> None:
         self.telemetry.end_step()
         self.heat.end_step()
@@ -331,6 +342,16 @@ class ExpertManager:
         with self._lock:
             self.loader.reset_stalls()
             self.telemetry.reset()
+
+    def save_predictor(self, directory: str) -> None:
+        """Save the calibrated predictor (safetensors + JSON) so `MiraConfig(predictor_path=...)` loads it."""
+        save = getattr(self.predictor, "save", None)
+        if save is None:
+            raise ConfigError(
+                f"the active predictor ({getattr(self.predictor, 'name', None)!r}) has nothing to save: only a "
+                "calibrated 'learned' predictor does. Run mira_hf.calibrate(model, data) first."
+            )
+        save(directory, self.fingerprint)
 
     def expert_counts(self) -> dict[int, list[int]]:
         """Activations per expert of each MoE layer since load (or `heat.reset()`)."""

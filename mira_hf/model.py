@@ -21,6 +21,7 @@ from .config import MiraConfig, parse_bytes
 from .errors import BudgetError, ConfigError, DeviceError, UnsupportedModelError
 from .layout import IdentityCodec
 from .manager import ExpertManager, LayerInfo, plan_budget
+from .predictors import build_predictor
 from .proxy import KNOWN_EXPERT_TENSORS, MiraExperts
 from .store import ExpertStore
 
@@ -126,7 +127,13 @@ class MiraMoEModel:
                 policy=cfg.policy,
                 stage_fraction=cfg.cache.stage_fraction,
                 ring_bytes=cfg.loader.staging_ring_bytes,
+                heat=cfg.heat,
+                priority=cfg.priority,
+                predictor_config=cfg.prediction,
             )
+            manager.router_probs = _router_probs_fn(adapter, targets)
+            manager.fingerprint = model_fingerprint(model, targets)
+            manager.predictor = build_predictor(cfg.predictor, layers, manager.router_probs, cfg.prediction, cfg.predictor_path, model)
         except BaseException:
             for t in stripped:
                 _restore_tensors(t, store)
@@ -246,6 +253,37 @@ def _find_targets(model: nn.Module, adapter: MoEAdapter) -> list[_Target]:
             )
         )
     return targets
+
+
+def model_fingerprint(model: nn.Module, targets: list[_Target]) -> dict:
+    """What identifies a model for files made from it (predictors, packed stores): its shape and a
+    hash of its routers' weights, so a file from another checkpoint of the same shape is refused too."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in targets:
+        for name, p in sorted(t.parent.named_parameters()):
+            if not name.startswith(t.attr + ".") and p.dim() == 2 and p.shape[0] == t.module.num_experts:
+                h.update(p.detach().float().cpu().numpy().tobytes())
+    return {
+        "model_type": getattr(model.config, "model_type", None),
+        "moe_layers": len(targets),
+        "num_experts": [t.module.num_experts for t in targets],
+        "hidden_size": getattr(model.config, "hidden_size", None),
+        "expert_shapes": {n: list(p.shape[1:]) for n, p in targets[0].tensors.items()} if targets else {},
+        "router_sha256": h.hexdigest(),
+    }
+
+
+def _router_probs_fn(adapter: MoEAdapter, targets: list[_Target]):
+    """(layer ordinal, hidden [T, H]) -> the router of that layer applied to `hidden`: [T, E] probabilities."""
+    blocks = {t.ordinal: t.parent for t in targets}
+
+    def router_probs(layer: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        with torch.no_grad():
+            return adapter.router_probs(blocks[layer], hidden)
+
+    return router_probs
 
 
 def _top_k(model: nn.Module, t: _Target) -> int:

@@ -11,8 +11,8 @@ and, when an expert is used, whether it may join HOT.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from .cache import Key
 from .errors import ConfigError

@@ -18,8 +18,9 @@ current step. A wrong guess costs bandwidth, never a token: the true expert is a
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -250,3 +251,31 @@ class HybridPredictor:
     def reset(self) -> None:
         self.markov.reset()
         self.position.reset()
+
+
+def build_predictor(name, layers, router_probs: RouterProbs, config: PredictorConfig, path=None, model=None):
+    """The predictor `name` for these layers (None: no prediction). `"auto"`: learned from `path`
+    when given, else gate (needs no training)."""
+    if name is None:
+        return None
+    ordinals = [li.ordinal for li in layers]
+    E = {li.ordinal: li.num_experts for li in layers}
+    K = {li.ordinal: li.top_k for li in layers}
+    if name == "auto":
+        name = "learned" if path is not None else "gate"
+    if name == "gate":
+        return GatePredictor(ordinals, K, router_probs, config)
+    if name == "markov":
+        return MarkovPredictor(ordinals, E, K, config)
+    if name == "global":
+        return GlobalPredictor(ordinals, E, K, router_probs, config)
+    if name == "position":
+        return PositionPredictor(ordinals, E, K, config)
+    if name == "hybrid":
+        return HybridPredictor(MarkovPredictor(ordinals, E, K, config), PositionPredictor(ordinals, E, K, config),
+                               config.hybrid_switch_tokens)
+    if name == "learned":
+        from .learned import LearnedPredictor
+
+        return LearnedPredictor.load(path, model=model, layers=layers, config=config)
+    raise ConfigError(f"predictor={name!r} is not supported.")

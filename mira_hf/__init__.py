@@ -3,6 +3,7 @@
 from .config import CacheConfig, LoaderConfig, MiraConfig
 from .errors import (
     BudgetError,
+    CheckpointError,
     ConcurrencyError,
     ConfigError,
     DeviceError,
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BudgetError",
     "CacheConfig",
+    "CheckpointError",
     "ConcurrencyError",
     "ConfigError",
     "DeviceError",

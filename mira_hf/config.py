@@ -170,7 +170,9 @@ class MiraConfig:
             raise ConfigError(
                 f"expert_layer_path={self.expert_layer_path!r}: expected a module glob such as 'model.layers.*.mlp.experts'."
             )
-        nested = dict(cache=CacheConfig, loader=LoaderConfig, heat=HeatConfig, priority=PriorityConfig, prediction=PredictorConfig)
+        nested = dict(
+            cache=CacheConfig, loader=LoaderConfig, heat=HeatConfig, priority=PriorityConfig, prediction=PredictorConfig
+        )
         for name, cls in nested.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a {cls.__name__} instance, got {type(getattr(self, name)).__name__}.")

@@ -35,6 +35,10 @@ class IncompatibleFileError(MiraError, ValueError):
     """A predictor, packed store or trace file was made for another model or format, or is corrupt."""
 
 
+class CheckpointError(MiraError, OSError):
+    """A checkpoint file is missing, truncated or corrupted."""
+
+
 class LoaderError(MiraError, RuntimeError):
     """Copying an expert to the device failed; the cache was left consistent."""
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from .errors import LoaderError
-
 
 class Loader:
     def __init__(self, device: torch.device, ring_bytes: int = 128 * 2**20, ring_chunks: int = 4) -> None:
@@ -33,25 +31,19 @@ class Loader:
 
         `after`: an event the copy must wait for (the last compute that read the slot).
         """
-        try:
-            if not self.cuda:
-                dst.copy_(src)
-                return None
-            with torch.cuda.stream(self.stream):
-                if after is not None:
-                    self.stream.wait_event(after)
-                if src_pinned:
-                    dst.copy_(src, non_blocking=True)
-                else:
-                    self._copy_through_ring(dst, src)
-                done = torch.cuda.Event()
-                done.record(self.stream)
-                return done
-        except Exception as exc:  # a CUDA OOM, a bad page in a memory-mapped file, ...
-            raise LoaderError(
-                f"copying an expert record ({src.numel()} bytes) to {self.device} failed: {exc}. "
-                "The cache was left consistent; the next call retries the copy."
-            ) from exc
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            if src_pinned:
+                dst.copy_(src, non_blocking=True)
+            else:
+                self._copy_through_ring(dst, src)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            return done
 
     def _copy_through_ring(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self._ring is None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import STAGE, ExpertCache, Key, Slot, SlotPool
-from .errors import BudgetError, ConfigError
+from .errors import BudgetError, ConcurrencyError, ConfigError, LoaderError
 from .heat import HeatConfig, HeatTracker
 from .loader import Loader
 from .policies import HeatPolicy, LRUPolicy, PriorityConfig, PriorityPolicy
@@ -125,7 +125,10 @@ class ExpertManager:
         self._lock = threading.RLock()
         largest = max(budget.slot_bytes.values())
         tier_factor = {"pinned": 1.0, "pageable": 2.0, "disk": 4.0}  # relative reload cost per byte
-        self._cost = {li.ordinal: min(1.0, store.record_bytes(li.ordinal) / largest * tier_factor[store.tier(li.ordinal)] / 4.0) for li in layers}
+        self._cost = {
+            li.ordinal: min(1.0, store.record_bytes(li.ordinal) / largest * tier_factor[store.tier(li.ordinal)] / 4.0)
+            for li in layers
+        }
         pools = {}
         self._arena: dict[Hashable, torch.Tensor] = {}
         for g, n in budget.n_slots.items():
@@ -136,6 +139,7 @@ class ExpertManager:
         self.cache = ExpertCache(pools, budget.pool_of_layer)
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (layer, slot) -> tensors
         self._last_layer = -1
+        self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
 
     def _make_policy(self, name: str, priority: PriorityConfig | None):
         if name == "heat":
@@ -148,6 +152,26 @@ class ExpertManager:
                 config=priority,
             )
         return LRUPolicy()
+
+    # -- forward steps --------------------------------------------------------------------------
+    def enter_forward(self) -> None:
+        """A forward step of the model starts. Steps are serialised: a second thread calling the
+        same model waits for the first step to finish (steps of two generate calls interleave
+        safely: the expert cache holds no per-sequence state)."""
+        if not self._forward_lock.acquire(timeout=600):
+            raise ConcurrencyError(
+                "this model has been busy in another thread for 10 minutes; mira-hf runs one forward step at a "
+                "time per model. Load one model per thread, or serialise your calls."
+            )
+        with self._lock:
+            if self._last_layer >= 0:
+                self._end_step()
+            self._last_layer = -1
+
+    def exit_forward(self) -> None:
+        """The forward step ended (normally or by an exception, KeyboardInterrupt included)."""
+        if self._forward_lock.locked():
+            self._forward_lock.release()
 
     # -- the verbs ------------------------------------------------------------------------------
     def begin(
@@ -259,7 +283,9 @@ class ExpertManager:
     def _score_predictions(self, layer: int, experts: Sequence[int]) -> None:
         actual = set(experts)
         for distance, predicted in self._pending_predictions.pop(layer, ()):
-            self.telemetry.count_prediction(layer, distance, len(predicted & actual), len(predicted - actual), len(actual - predicted))
+            self.telemetry.count_prediction(
+                layer, distance, len(predicted & actual), len(predicted - actual), len(actual - predicted)
+            )
 
     def _expire_prefetches(self, layer: int) -> None:
         """This layer's block is running: its prefetches no longer wait (used ones are pinned now)."""
@@ -295,14 +321,17 @@ class ExpertManager:
             if evicted.wasted_prefetch:
                 ev_stats.prefetch_wasted += 1
                 self.heat.feedback(*evicted.key, used=False)
-        src = self.store.record(*key)
-        dst = self._arena[self.cache.pool_of_layer[layer]][slot.index]
         t0 = time.perf_counter()
         try:
+            src = self.store.record(*key)
+            dst = self._arena[self.cache.pool_of_layer[layer]][slot.index]
             slot.ready = self.loader.copy(dst, src, self.store.tier(layer) == "pinned", after=slot.free)
-        except Exception:
+        except Exception as exc:  # a CUDA OOM, a bad page in a memory-mapped file, an injected fault...
             self.cache.remove(key)
-            raise
+            raise LoaderError(
+                f"loading expert {key[1]} of MoE layer {key[0]} to {self.device} failed: {exc}. "
+                "The cache was left consistent; the next call loads it again."
+            ) from exc
         if not self.loader.cuda and not staged:
             self.loader.add_stall(layer, time.perf_counter() - t0)
         stats.loads += 1
@@ -384,7 +413,7 @@ class ExpertManager:
         return plot_hit_rate(self)
 
     def tier_of(self, layer: int, expert: int) -> str | None:
-        """"hot", "stage" or None (not resident)."""
+        """ "hot", "stage" or None (not resident)."""
         slot = self.cache.lookup((layer, expert))
         return None if slot is None else slot.tier
 

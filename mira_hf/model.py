@@ -18,7 +18,7 @@ from torch import nn
 from model_adapters import MoEAdapter, generic_adapter, get_adapter, registered_model_types
 
 from .config import MiraConfig, parse_bytes
-from .errors import BudgetError, ConfigError, DeviceError, UnsupportedModelError
+from .errors import BudgetError, CheckpointError, ConfigError, DeviceError, UnsupportedModelError
 from .layout import IdentityCodec
 from .manager import ExpertManager, LayerInfo, plan_budget
 from .predictors import build_predictor
@@ -77,7 +77,15 @@ class MiraMoEModel:
             )
         _resolve_adapter(config_dict.get("model_type"), cfg)  # fail before loading any weight
         hf_kwargs.setdefault("dtype", "auto")
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs)
+        except Exception as exc:
+            if type(exc).__name__ == "SafetensorError" or isinstance(exc, (OSError, EOFError)):
+                raise CheckpointError(
+                    f"could not read the checkpoint at {name_or_path!s}: {exc}. A weight file is missing, truncated or "
+                    "corrupted: copy or download it again (nothing was changed)."
+                ) from exc
+            raise
         return MiraMoEModel._wrap(model, cfg, device, progress)
 
     @staticmethod
@@ -133,7 +141,9 @@ class MiraMoEModel:
             )
             manager.router_probs = _router_probs_fn(adapter, targets)
             manager.fingerprint = model_fingerprint(model, targets)
-            manager.predictor = build_predictor(cfg.predictor, layers, manager.router_probs, cfg.prediction, cfg.predictor_path, model)
+            manager.predictor = build_predictor(
+                cfg.predictor, layers, manager.router_probs, cfg.prediction, cfg.predictor_path, model
+            )
         except BaseException:
             for t in stripped:
                 _restore_tensors(t, store)
@@ -143,9 +153,16 @@ class MiraMoEModel:
             t.tensors = {}  # the store holds them now
             setattr(t.parent, t.attr, MiraExperts(t.module, manager, t.ordinal))
         model.to(device)
+        # Per-instance hooks mark forward steps (the heat clock, serialised threads); always_call
+        # releases the step even when the forward raises, so an interrupted generate leaves no lock.
+        hooks = (
+            model.register_forward_pre_hook(lambda mod, args: manager.enter_forward()),
+            model.register_forward_hook(lambda mod, args, out: manager.exit_forward(), always_call=True),
+        )
         model.mira = manager
         model._mira_config = cfg
         model._mira_targets = targets
+        model._mira_hooks = hooks
         model.unload = types.MethodType(_unload, model)
         model.save_pretrained = types.MethodType(_save_pretrained, model)
         return model
@@ -192,7 +209,13 @@ def _raw_config(name_or_path, hf_kwargs: dict) -> dict:
     """config.json as a dict, without running any model code."""
     from transformers import PretrainedConfig
 
-    config_dict, _ = PretrainedConfig.get_config_dict(name_or_path, **_config_kwargs(hf_kwargs))
+    try:
+        config_dict, _ = PretrainedConfig.get_config_dict(name_or_path, **_config_kwargs(hf_kwargs))
+    except OSError as exc:
+        raise CheckpointError(
+            f"no model found at {name_or_path!s}: {exc}. Give a local directory holding config.json and the weights, "
+            "or a hub id already in the local Hugging Face cache (mira-hf never downloads)."
+        ) from exc
     return config_dict
 
 
@@ -343,13 +366,15 @@ def _restore_tensors(t: _Target, store: ExpertStore, device: torch.device | None
 def _unload(model: nn.Module) -> nn.Module:
     """Give back an ordinary transformers model, on the CPU, with every expert in place."""
     manager: ExpertManager = model.mira
+    for hook in model._mira_hooks:
+        hook.remove()
     manager.close()
     model.to("cpu")
     for t in model._mira_targets:
         _restore_tensors(t, manager.store)
         setattr(t.parent, t.attr, t.module)
     manager.store.close()
-    for attr in ("mira", "_mira_config", "_mira_targets", "unload", "save_pretrained"):
+    for attr in ("mira", "_mira_config", "_mira_targets", "_mira_hooks", "unload", "save_pretrained"):
         model.__dict__.pop(attr, None)
     return model
 

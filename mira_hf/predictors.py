@@ -118,8 +118,11 @@ class MarkovPredictor:
             self.temporal[layer][self._prev_token[layer].unsqueeze(1), last.unsqueeze(0)] += 1
         if idx.shape[0] > 1:  # a prefill block: transitions between its own consecutive tokens
             a, b = idx[:-1], idx[1:]
-            self.temporal[layer].index_put_((a.repeat_interleave(b.shape[1], 1).reshape(-1), b.repeat(1, a.shape[1]).reshape(-1)),
-                                            torch.ones(a.numel() * b.shape[1]), accumulate=True)
+            self.temporal[layer].index_put_(
+                (a.repeat_interleave(b.shape[1], 1).reshape(-1), b.repeat(1, a.shape[1]).reshape(-1)),
+                torch.ones(a.numel() * b.shape[1]),
+                accumulate=True,
+            )
         self._current[layer] = last
         self._prev_token[layer] = last
         if layer == self.layers[-1]:
@@ -178,7 +181,13 @@ class GlobalPredictor:
     name = "global"
 
     def __init__(self, layers, num_experts, top_k, router_probs: RouterProbs, config: PredictorConfig) -> None:
-        self.layers, self.num_experts, self.top_k, self.router_probs, self.config = layers, num_experts, top_k, router_probs, config
+        self.layers, self.num_experts, self.top_k, self.router_probs, self.config = (
+            layers,
+            num_experts,
+            top_k,
+            router_probs,
+            config,
+        )
         self._prev: dict[int, torch.Tensor] = {}
 
     def observe(self, layer, hidden, top_k_index) -> None:
@@ -272,8 +281,9 @@ def build_predictor(name, layers, router_probs: RouterProbs, config: PredictorCo
     if name == "position":
         return PositionPredictor(ordinals, E, K, config)
     if name == "hybrid":
-        return HybridPredictor(MarkovPredictor(ordinals, E, K, config), PositionPredictor(ordinals, E, K, config),
-                               config.hybrid_switch_tokens)
+        return HybridPredictor(
+            MarkovPredictor(ordinals, E, K, config), PositionPredictor(ordinals, E, K, config), config.hybrid_switch_tokens
+        )
     if name == "learned":
         from .learned import LearnedPredictor
 

@@ -1,0 +1,133 @@
+"""Failures surface and leave the model usable; concurrency is safe; nothing grows without bound;
+nothing is ever unpickled."""
+
+import os
+import pathlib
+import re
+import threading
+
+import pytest
+import torch
+from conftest import load_reference
+from transformers import StoppingCriteria
+
+from mira_hf import CheckpointError, LoaderError, MiraConfig, MiraMoEModel
+
+PROMPT = torch.tensor([[5, 9, 14, 33, 7]])
+GEN = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+
+
+def _no_pins(model) -> bool:
+    return all(s.pins == 0 for pool in model.mira.cache.pools.values() for s in pool.slots)
+
+
+def _wrapped(path, **kw):
+    return MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device="cpu", **kw), progress=False)
+
+
+def test_copy_failure_raises_and_model_stays_usable(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    expected = load_reference(path).generate(PROMPT, **GEN)
+    model = _wrapped(path)
+    real_copy = model.mira.loader.copy
+    calls = {"n": 0}
+
+    def failing_copy(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("injected: bad page in host memory")
+        return real_copy(*args, **kwargs)
+
+    model.mira.loader.copy = failing_copy
+    with pytest.raises(LoaderError, match="injected"):
+        model.generate(PROMPT, **GEN)
+    assert _no_pins(model)
+    assert model.mira.cache.resident_bytes <= model.mira.budget.budget_bytes
+    assert torch.equal(model.generate(PROMPT, **GEN), expected)  # next call works and is exact
+
+
+class _Interrupt(StoppingCriteria):
+    def __init__(self, at: int):
+        self.at, self.n = at, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.n += 1
+        if self.n == self.at:
+            raise KeyboardInterrupt
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_keyboard_interrupt_mid_generate_leaves_cache_consistent(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe")
+    expected = load_reference(path).generate(PROMPT, **GEN)
+    model = _wrapped(path, policy="heat", predictor="markov")
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(PROMPT, stopping_criteria=[_Interrupt(4)], **GEN)
+    assert _no_pins(model) and not model.mira._forward_lock.locked()
+    assert torch.equal(model.generate(PROMPT, **GEN), expected)
+
+
+def test_concurrent_generate_from_two_threads_is_serialised_and_exact(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    ref = load_reference(path)
+    prompts = [torch.tensor([[5, 9, 14, 33, 7]]), torch.tensor([[3, 4, 8, 21, 99]])]
+    expected = [ref.generate(p, **GEN) for p in prompts]
+    model = _wrapped(path, predictor="gate")
+    results, errors = [None, None], []
+
+    def run(i):
+        try:
+            for _ in range(3):
+                results[i] = model.generate(prompts[i], **GEN)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors
+    assert all(torch.equal(r, e) for r, e in zip(results, expected))
+
+
+def test_truncated_checkpoint_gives_a_clear_error(tiny_checkpoint, tmp_path):
+    import shutil
+
+    dst = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint("mixtral"), dst)
+    weights = dst / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="missing, truncated or corrupted"):
+        MiraMoEModel.from_pretrained(dst, MiraConfig(device="cpu"), progress=False)
+
+
+def test_missing_model_directory_gives_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no model found"):
+        MiraMoEModel.from_pretrained(tmp_path / "nope", MiraConfig(device="cpu"), progress=False)
+
+
+def test_telemetry_and_predictor_state_stay_bounded(tiny_checkpoint):
+    model = _wrapped(tiny_checkpoint("mixtral"), policy="priority", predictor="hybrid")
+    model.mira.telemetry.history_limit = 50
+    ids = torch.randint(3, 128, (1, 4))
+    for _ in range(4):
+        model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0)
+    m = model.mira
+    assert len(m.hit_rate_history()) <= 50
+    assert len(m.loader._stalls) <= 512
+    assert len(m.telemetry.predictions) <= len(m.layers) * m.predictor_config.lookahead * 3
+    assert len(m._predicted) <= sum(li.num_experts for li in m.layers.values())
+    assert all(len(w) <= w.maxlen for w in m.predictor.position._window.values())
+
+
+def test_no_code_path_unpickles_user_files():
+    """Weights, predictors, traces and stats are safetensors or JSON: no torch.load, no pickle."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    offenders = []
+    for sub in ("mira_hf", "model_adapters"):
+        for f in (root / sub).rglob("*.py"):
+            text = f.read_text()
+            if re.search(r"\btorch\.load\(|\bimport pickle\b|\bpickle\.load|\bimport dill\b|\bjoblib\.load", text):
+                offenders.append(os.fspath(f.relative_to(root)))
+    assert offenders == []

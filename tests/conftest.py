@@ -36,3 +36,15 @@ def load_reference(path: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+# Property-based test profiles: "ci" is bounded for CI; "long" for local soak runs
+# (HYPOTHESIS_PROFILE=long python -m pytest tests/test_properties.py).
+try:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("ci", max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+    settings.register_profile("long", max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # hypothesis is in the test extra; property tests skip without it
+    pass

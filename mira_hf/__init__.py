@@ -13,6 +13,7 @@ from .errors import (
     MissingDependencyError,
     UnsupportedModelError,
 )
+from .bundled import bundled_model_path
 from .manager import ExpertManager
 from .model import MiraMoEModel
 
@@ -34,4 +35,5 @@ __all__ = [
     "MiraMoEModel",
     "MissingDependencyError",
     "UnsupportedModelError",
+    "bundled_model_path",
 ]

@@ -1,0 +1,187 @@
+"""The `mira` command: every subcommand answers --help, generate runs the bundled model in seconds, and a user
+mistake is one line on stderr with exit status 2, never a traceback."""
+
+import contextlib
+import io
+import json
+import sys
+import types
+
+import pytest
+
+from mira_hf import MiraError, cli
+from mira_hf.bundled import bundled_model_path, resolve_model_name
+
+COMMANDS = ("generate", "calibrate", "bench", "stats", "env")
+
+
+def run(argv, capsys):
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(rc, out, err, *fragments):
+    assert rc == 2
+    assert "Traceback" not in err and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mira: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command, capsys):
+    rc, out, _ = run([command, "--help"], capsys)
+    assert rc == 0 and out.startswith(f"usage: mira {command}")
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    rc, out, _ = run([], capsys)
+    assert rc == 2 and all(c in out for c in COMMANDS)
+
+
+def test_bundled_model_resolves():
+    path = bundled_model_path()
+    assert resolve_model_name(None) == resolve_model_name("mira-tiny") == path
+    assert resolve_model_name("/some/where") == "/some/where"
+
+
+def test_missing_bundled_model_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr("mira_hf.bundled.BUNDLED_NAME", "not-shipped")
+    with pytest.raises(MiraError, match="missing"):
+        bundled_model_path()
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("0.25", 0.25), ("1.0", 1.0), ("12GiB", "12GiB"), ("500 MB", "500 MB"), ("1048576", 1048576), (None, None)],
+)
+def test_budget_text_becomes_a_mira_config_value(text, value):
+    assert cli.parse_budget(text) == value
+
+
+# -- generate ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    """One in-process `mira generate` on the bundled model: (exit status, stdout, stats file)."""
+    stats_file = tmp_path_factory.mktemp("gen") / "run.json"
+    argv = ["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "8", "--device", "cpu", "--stats-out", str(stats_file)]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        rc = cli.main(argv)
+    return rc, out.getvalue(), stats_file
+
+
+def test_generate_streams_text_then_prints_stats(generated):
+    rc, out, _ = generated
+    assert rc == 0
+    assert out.startswith("def add(a, b):")  # the streamer prints the prompt, then the new text
+    for label in ("hit rate", "bytes moved", "stall", "tokens/s", "peak GPU memory  n/a (cpu)"):
+        assert label in out
+    assert "layer  hit rate" in out  # the per-layer table
+
+
+def test_generate_writes_a_stats_file(generated):
+    _, _, stats_file = generated
+    record = json.loads(stats_file.read_text())
+    assert record["format"] == "mira-stats" and record["generation"]["new_tokens"] <= 8
+    stats = record["stats"]
+    assert stats["hits"] + stats["misses"] > 0 and 0.0 <= stats["hit_rate"] <= 1.0
+    assert record["config"]["gpu_budget"] == 0.25 and record["config"]["dtype"] == "float32"  # CPU defaults
+
+
+def test_stats_summarises_a_saved_stats_file(generated, capsys):
+    rc, out, _ = run(["stats", str(generated[2])], capsys)
+    assert rc == 0 and "hit rate" in out and "tokens/s" in out and "layer  hit rate" in out
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["generate", "--prompt", "x", "--budget", "lots"], ["gpu_budget='lots'"]),
+        (["generate", "--prompt", "x", "--budget", "1.5"], ["gpu_budget=1.5"]),
+        (["generate", "/nonexistent/model", "--prompt", "x"], ["/nonexistent/model"]),
+        (["generate", "--prompt", "x", "--policy", "fifo"], ["policy='fifo'", "'lru'"]),
+        (["generate", "--prompt", "x", "--temperature", "0.7"], ["--do-sample"]),
+        (["stats", "/nonexistent/run.json"], ["no such file"]),
+        (["calibrate", "mira-tiny", "--data", "/nonexistent.txt", "--out", "/tmp/x"], ["--data"]),
+        (["env", "--model", "/nonexistent/model"], ["/nonexistent/model"]),
+        (["bench", "no-such-benchmark"], ["no-such-benchmark"]),
+    ],
+)
+def test_user_mistakes_are_one_line_and_exit_2(argv, fragments, capsys):
+    assert_one_line_error(*run(argv, capsys), *fragments)
+
+
+def test_argparse_mistakes_exit_2(capsys):
+    rc, _, err = run(["generate"], capsys)  # --prompt is required
+    assert rc == 2 and "--prompt" in err and "Traceback" not in err
+
+
+def test_stats_rejects_an_unknown_format(tmp_path, capsys):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"hello": 1}))
+    assert_one_line_error(*run(["stats", str(path)], capsys), "expected")
+
+
+# -- calibrate --------------------------------------------------------------------------------------
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("def add(a, b):\n    return a + b\n\n" * 20)
+    return path
+
+
+def test_calibrate_writes_router_top_k_per_token(corpus, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    out_dir = tmp_path / "traces"
+    argv = ["calibrate", "mira-tiny", "--data", str(corpus), "--out", str(out_dir), "--max-tokens", "96", "--chunk-tokens", "32"]
+    rc, out, _ = run([*argv, "--device", "cpu", "--traces-only"], capsys)
+    assert rc == 0 and "router_topk.safetensors" in out
+    trace = json.loads((out_dir / "router_topk.json").read_text())
+    tensors = load_file(out_dir / "router_topk.safetensors")
+    n, k = trace["tokens"], trace["top_k"]
+    assert n == 96 and tensors["input_ids"].shape == (n,) and tensors["chunk_lengths"].tolist() == [32, 32, 32]
+    for layer, entry in trace["layers"].items():
+        assert tensors[f"topk.{layer}"].shape == (n, k)
+        assert sum(entry["counts"]) == n * k
+    assert tensors["counts"].shape == (trace["num_layers"], trace["num_experts"])
+    rc, out, _ = run(["stats", str(out_dir / "router_topk.json")], capsys)
+    assert rc == 0 and "top-25% share" in out
+
+
+def test_calibrate_hands_the_tokens_to_mira_hf_calibrate_when_present(corpus, tmp_path, capsys, monkeypatch):
+    calls = []
+    fake = types.ModuleType("mira_hf.calibrate")
+    fake.calibrate = lambda model, data, out_dir, max_tokens: calls.append((model, data, out_dir, max_tokens))
+    monkeypatch.setitem(sys.modules, "mira_hf.calibrate", fake)
+    out_dir = tmp_path / "cal"
+    argv = ["calibrate", "mira-tiny", "--data", str(corpus), "--out", str(out_dir), "--max-tokens", "40", "--device", "cpu"]
+    rc, out, _ = run(argv, capsys)
+    assert rc == 0 and len(calls) == 1 and f"--predictor-path {out_dir}" in out
+    model, chunks, written_to, max_tokens = calls[0]
+    assert hasattr(model, "mira") and sum(len(chunk) for chunk in chunks) == max_tokens == 40 and written_to == str(out_dir)
+
+
+# -- bench, env -------------------------------------------------------------------------------------
+def test_bench_lists_scripts(capsys):
+    rc, out, _ = run(["bench"], capsys)
+    assert rc == 0 and "benchmark scripts" in out and "common" not in out.split("\n", 1)[1]
+
+
+def test_bench_runs_a_script_with_its_arguments(tmp_path, monkeypatch, capsys):
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "echo.py").write_text('"""Echo."""\nimport sys\nprint("args", sys.argv[1:])\nsys.exit(3)\n')
+    monkeypatch.setattr(cli, "_benchmarks_dir", lambda: bench)
+    rc, out, _ = run(["bench", "echo", "--", "--models", "bundled"], capsys)
+    assert rc == 3 and "args ['--models', 'bundled']" in out
+
+
+def test_env_reports_versions_and_suggests_a_budget(capsys):
+    rc, out, _ = run(["env", "--model", "mira-tiny"], capsys)
+    assert rc == 0
+    for text in ("torch", "transformers", "safetensors", "memory", "routed experts", "gpu_budget"):
+        assert text in out

@@ -1,0 +1,126 @@
+"""What the notebook and the CLI show: the heat table agrees with the manager's counters, figures are plain
+matplotlib Figures, text summaries read saved files, and optional dependencies fail with the pip command."""
+
+import io
+import json
+import re
+import sys
+
+import pytest
+import torch
+
+from mira_hf import IncompatibleFileError, MiraConfig, MiraMoEModel, MissingDependencyError, report
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def manager(tiny_checkpoint):
+    """A tiny Mixtral (8 experts per layer, top-2) wrapped with half its experts cached, after a few forward steps."""
+    model = MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(gpu_budget=0.5, device="cpu"), progress=False)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for _ in range(STEPS):
+            model(torch.randint(3, 128, (1, 5)))
+    return model.mira
+
+
+def test_heat_table_agrees_with_the_manager(manager, tmp_path):
+    pd = pytest.importorskip("pandas")
+    table = manager.heat_table()
+    assert tuple(table.columns) == report.HEAT_TABLE_COLUMNS
+    counts, scores = manager.expert_counts(), manager.heat_scores()
+    assert len(table) == sum(len(c) for c in counts.values())
+    threshold = manager.heat.config.hot_threshold
+    for layer, rows in table.groupby("layer"):
+        assert rows["expert"].tolist() == list(range(len(counts[layer])))
+        assert rows["count"].tolist() == counts[layer]
+        assert rows["score"].tolist() == pytest.approx(scores[layer])
+        assert rows["share"].sum() == pytest.approx(1.0)
+        assert (rows["is_hot"] == (rows["score"] >= threshold)).all()
+        assert rows["tier"].tolist() == [manager.tier_of(layer, e) or "" for e in rows["expert"]]
+    assert set(table["tier"]) <= {"hot", "stage", ""} and (table["tier"] != "").any()
+    table.to_csv(tmp_path / "heat.csv", index=False)
+    assert pd.read_csv(tmp_path / "heat.csv").shape == table.shape
+
+
+@pytest.mark.parametrize("value", ["score", "count"])
+def test_heatmap_is_a_plain_figure(manager, value):
+    pytest.importorskip("matplotlib")
+    fig = manager.plot_heatmap(value=value)
+    assert type(fig).__name__ == "Figure" and fig.canvas.manager is None  # no pyplot state behind it
+    fig.savefig(io.BytesIO(), format="png")
+
+
+def test_heatmap_rejects_an_unknown_value(manager):
+    with pytest.raises(ValueError, match="score"):
+        report.plot_heatmap(manager, value="temperature")
+
+
+def test_hit_rate_plot_has_one_point_per_step(manager):
+    pytest.importorskip("matplotlib")
+    fig = manager.plot_hit_rate()
+    line = fig.axes[0].lines[0]
+    assert len(line.get_xdata()) == len(manager.hit_rate_history()) >= STEPS - 1
+    fig.savefig(io.BytesIO(), format="png")
+
+
+def test_stats_table_reads_live_and_json_stats_alike(manager):
+    stats = manager.stats()
+    text = report.stats_table(stats)
+    assert "hit rate" in text and "bytes moved" in text
+    assert len([line for line in text.splitlines() if line.strip().startswith(("0 ", "1 "))]) == 2  # one row per layer
+    assert report.stats_table(json.loads(json.dumps(stats))) == text  # layer keys become strings in JSON
+
+
+def test_summarize_file_reads_stats_and_traces(manager, tmp_path):
+    stats_file = tmp_path / "stats.json"
+    stats_file.write_text(json.dumps(manager.stats()))
+    assert "hit rate" in report.summarize_file(stats_file)
+    trace_file = tmp_path / "trace.json"
+    trace_file.write_text(json.dumps({"steps": 10, "layers": [[5, 0, 3, 12], {"counts": [1, 1, 1, 17]}]}))
+    text = report.summarize_file(trace_file)
+    assert re.search(r"^steps\s+10$", text, re.M) and "top-25% share" in text and "85.0%" in text  # top 1 of 4: 17/20
+
+
+@pytest.mark.parametrize("content", ["not json", json.dumps([1, 2]), json.dumps({"weights": 1})])
+def test_summarize_file_names_the_formats_it_reads(tmp_path, content):
+    path = tmp_path / "x.json"
+    path.write_text(content)
+    with pytest.raises(IncompatibleFileError, match="expected"):
+        report.summarize_file(path)
+    with pytest.raises(FileNotFoundError):
+        report.summarize_file(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("module, call", [("pandas", "heat_table"), ("matplotlib.figure", "plot_heatmap")])
+def test_missing_notebook_extra_names_the_pip_command(manager, monkeypatch, module, call):
+    monkeypatch.setitem(sys.modules, module, None)  # makes the import fail as if not installed
+    with pytest.raises(MissingDependencyError, match=r'pip install "mira-hf\[notebook\]"'):
+        getattr(report, call)(manager)
+
+
+def test_prometheus_collector_exports_the_counters(manager):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from mira_hf.prometheus import register
+
+    registry = prometheus_client.CollectorRegistry()
+    collector = register(manager, registry=registry, model_name="tiny")
+    collector.record_tokens(10, 0.5)
+    stats = manager.stats()
+    value = lambda name, **labels: registry.get_sample_value(name, {"model": "tiny", **labels})  # noqa: E731
+    assert value("mira_hit_rate") == pytest.approx(stats["hit_rate"])
+    assert value("mira_expert_misses_total") == stats["misses"]
+    assert value("mira_expert_hits_total", tier="hot") + value("mira_expert_hits_total", tier="stage") == stats["hits"]
+    assert value("mira_h2d_bytes_total") == stats["bytes_h2d"]
+    assert value("mira_tokens_per_second") == pytest.approx(20.0)
+    assert value("mira_layer_hit_rate", layer="0") == pytest.approx(stats["per_layer"][0]["hit_rate"])
+    assert b"mira_stall_seconds_total" in prometheus_client.generate_latest(registry)
+
+
+def test_prometheus_missing_names_the_pip_command(manager, monkeypatch):
+    monkeypatch.setitem(sys.modules, "prometheus_client.core", None)
+    from mira_hf.prometheus import MiraCollector
+
+    with pytest.raises(MissingDependencyError, match=r'pip install "mira-hf\[prometheus\]"'):
+        MiraCollector(manager)

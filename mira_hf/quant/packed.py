@@ -30,6 +30,19 @@ Sections of a quantised tensor (n_groups = numel / group_size):
 
 1-D (and 0-D) tensors, e.g. biases, are stored raw in their own dtype in one "raw" section.
 
+Header (little-endian, zero-padded to 64 B): magic b"MIRQ", version u16, format u8 (1 int8,
+2 int4, 3 nf4), flags u8 (1 symmetric, 2 double_quant), group_size u32, superblock_groups u32,
+n_tensors u32, layout fingerprint u32 (crc32 of names, shapes, dtypes and section offsets),
+nbytes u64, payload_bytes u64. `validate_record` compares it with the layout's.
+
+Error bound. Codes are always the nearest grid point for the stored (s_g, z_g), so in-range
+weights have |w - w_hat| <= s_g / 2. Round-to-nearest (refine_iters=0) takes s from the group's
+range [min(w, 0), max(w, 0)] / qmax (symmetric: max|w| / (qmax/2)) and rounds the stored scale
+UP (next scale code, or next fp16), so nothing clips and |w - w_hat| <= s_g / 2 <= s * r / 2,
+where r = exp2(b) is one scale-code step: <= 2**(4/15) = 1.20 for 4-bit codes, 1.022 for 8-bit
+(groups below a superblock's floor of max_scale / 2**code_bits get the floor scale instead).
+Refinement trades a little clipping for a smaller step where that lowers the group's error.
+
 Metadata share of the defaults (int4/int8, group 64, asymmetric, double_quant, 64 groups per
 superblock), per group of 64 weights:
     int4: payload 32 B; stats 1 B + superblock 8 B / 64 groups = 1.125 B  ->  3.5 %
@@ -76,9 +89,11 @@ _CHUNK_ELEMS = 1 << 20
 # Shrink factors of the RTN range tried before least squares: clipping a few outliers in a group
 # usually lowers its error (measured: 0.9 gives most of the gain of a finer grid).
 _CLIP_FACTORS = (0.9,)
-# A superblock's smallest scale code is kept within 2**16 of its largest, so a single all-but-zero
-# group cannot stretch the log range and starve the others of precision.
-_MIN_SCALE_RATIO = 2.0**-16
+# A superblock's log scale range spans at most a factor 2**code_bits (16x for 4-bit codes: a
+# code step of at most 2**(4/15) = 1.2x; 256x for 8-bit codes: 1.022x). Groups below the floor
+# get the floor scale, which costs them little in absolute error (asymmetric: zero is on the
+# grid), while one near-zero group can no longer make every other group's scale coarse.
+# Measured on mixed-magnitude rows: best or within 1 % of best among floors 2**-3 .. 2**-16.
 
 
 class CodecInputError(MiraError, ValueError):
@@ -366,6 +381,12 @@ def check_record(record: torch.Tensor, layout: PackedLayout) -> None:
         raise CodecInputError("record must be contiguous (a 1-D uint8 buffer).")
 
 
+def _describe(fmt: str, flags: int, group_size: int, superblock_groups: int) -> str:
+    kind = "symmetric" if flags & FLAG_SYMMETRIC else "asymmetric"
+    dq = f"double_quant, superblock_groups={superblock_groups}" if flags & FLAG_DOUBLE_QUANT else "fp16 scales"
+    return f"{fmt} ({kind}, group_size={group_size}, {dq})"
+
+
 def validate_record(record: torch.Tensor, layout: PackedLayout) -> None:
     """Check the record's header against the layout; raise IncompatibleFileError if it was
     written by another format, spec or set of tensor shapes.
@@ -373,36 +394,36 @@ def validate_record(record: torch.Tensor, layout: PackedLayout) -> None:
     Reads 64 bytes; on a CUDA record that is a device->host copy (a sync): validate records
     when they enter the host store, not per token.
     """
-    check_record(record, layout)
+    if record.dtype != torch.uint8 or record.dim() != 1 or record.numel() < HEADER_BYTES:
+        raise CodecInputError(
+            f"record is {record.dtype} {tuple(record.shape)}; expected a uint8 [{layout.nbytes}] buffer written by encode."
+        )
     got = bytes(record[:HEADER_BYTES].cpu().numpy())
-    want = layout.header
-    if got == want:
-        return
-    magic, version, fmt_code, flags, group, superblock, _, fingerprint, nbytes, _ = _HEADER_STRUCT.unpack_from(got)
-    if magic != MAGIC:
+    if got != layout.header:
+        magic, version, fmt_code, flags, group, superblock, _, fingerprint, nbytes, _ = _HEADER_STRUCT.unpack_from(got)
+        if magic != MAGIC:
+            raise IncompatibleFileError(
+                f"buffer is not a mira-hf packed expert record (magic {magic!r}, expected {MAGIC!r}); "
+                "re-pack the experts with codec.encode."
+            )
+        if version != FORMAT_VERSION:
+            raise IncompatibleFileError(
+                f"record has format version {version}; this mira-hf reads version {FORMAT_VERSION}. "
+                "Re-pack the experts with this version."
+            )
+        fmt = {v: k for k, v in FMT_CODES.items()}.get(fmt_code, f"unknown format {fmt_code}")
+        given = _describe(fmt, flags, group, superblock)
+        expected = _describe(layout.fmt, layout.flags, layout.group_size, layout.superblock_groups)
+        if given != expected:
+            raise IncompatibleFileError(
+                f"record was packed as {given} but the layout is {expected}; decode it with the codec that wrote it, or re-pack."
+            )
         raise IncompatibleFileError(
-            f"buffer is not a mira-hf packed expert record (magic {magic!r}, expected {MAGIC!r}); "
-            "re-pack the experts with codec.encode."
+            f"record was packed for other tensors (fingerprint {fingerprint:#010x}, {nbytes} B) than this layout "
+            f"({layout.fingerprint:#010x}, {layout.nbytes} B: {list(layout.names)}); plan the layout from the same "
+            "tensor shapes and dtypes that were encoded."
         )
-    if version != FORMAT_VERSION:
-        raise IncompatibleFileError(
-            f"record has format version {version}; this mira-hf reads version {FORMAT_VERSION}. "
-            "Re-pack the experts with this version."
-        )
-    fmt_names = {v: k for k, v in FMT_CODES.items()}
-    given = (fmt_names.get(fmt_code, f"unknown({fmt_code})"), flags, group, superblock)
-    expected = (layout.fmt, layout.flags, layout.group_size, layout.superblock_groups)
-    if given != expected:
-        raise IncompatibleFileError(
-            "record was packed as (fmt, flags, group_size, superblock_groups)="
-            f"{given} but the layout is {expected}; decode it with the codec that wrote it, or "
-            "re-pack."
-        )
-    raise IncompatibleFileError(
-        f"record was packed for other tensors (fingerprint {fingerprint:#010x}, {nbytes} B) than "
-        f"this layout ({layout.fingerprint:#010x}, {layout.nbytes} B: {list(layout.names)}); "
-        "plan the layout from the same tensor shapes and dtypes that were encoded."
-    )
+    check_record(record, layout)
 
 
 def _check_tensors(tensors: Mapping[str, torch.Tensor], layout: PackedLayout) -> None:
@@ -552,7 +573,7 @@ def superblock_params(s: torch.Tensor, superblock_groups: int, code_bits: int) -
     sp = F.pad(s.reshape(-1), (0, n_sb * superblock_groups - n)).view(n_sb, superblock_groups)
     hi = sp.amax(1)
     lo = torch.where(sp > 0, sp, torch.full_like(sp, math.inf)).amin(1)
-    lo = torch.maximum(lo, hi * _MIN_SCALE_RATIO)
+    lo = torch.maximum(lo, hi * 2.0**-code_bits)
     # all-zero superblock: the smallest scale, so the symmetric grid's +-s/2 levels are ~0 too
     empty = ~(hi > 0)
     hi = torch.where(empty, torch.full_like(hi, torch.finfo(torch.float32).tiny), hi)
@@ -649,7 +670,14 @@ def _resolve_calib(calib, layout: PackedLayout) -> dict[str, torch.Tensor]:
         return {}
     if isinstance(calib, torch.Tensor):
         # one activation matrix: applies to every weight whose input dim matches its width
-        return {e.name: calib for e in layout.entries if e.quantized and e.cols == calib.shape[-1]}
+        matched = {e.name: calib for e in layout.entries if e.quantized and e.cols == calib.shape[-1]}
+        if not matched:
+            dims = {e.name: e.cols for e in layout.entries if e.quantized}
+            raise CodecInputError(
+                f"encode: calib {tuple(calib.shape)} matches no weight's input dim {dims}; pass [N, in] activations, "
+                "or a mapping name -> activations."
+            )
+        return matched
     if isinstance(calib, Mapping):
         unknown = set(calib) - set(layout.names)
         if unknown:
@@ -693,15 +721,15 @@ def _quantize_entry(t: torch.Tensor, entry: TensorEntry, spec: QuantSpec, record
         if spec.double_quant:
             sb0 = g0 // spec.superblock_groups
             superblocks[sb0 : sb0 + sb_ab.shape[0]] = sb_ab.to(superblocks.device)
-            c = stored.to(torch.uint8)
+            c = stored.to(torch.uint8)  # scale codes [n]
             if spec.symmetric:
-                packed = c
+                stat_bytes = c
             elif spec.bits == 4:
-                packed = (c << 4) | z.reshape(-1).to(torch.uint8)
+                stat_bytes = (c << 4) | z.reshape(-1).to(torch.uint8)
             else:
-                packed = torch.stack((z.reshape(-1).to(torch.uint8), c), 1).reshape(-1)
+                stat_bytes = torch.stack((z.reshape(-1).to(torch.uint8), c), 1).reshape(-1)
             per = spec.stats_bytes_per_group
-            stats[g0 * per : g1 * per] = packed.to(stats.device)
+            stats[g0 * per : g1 * per] = stat_bytes.to(stats.device)
         else:
             scales[g0:g1] = stored.to(scales.device)
             if zeros is not None:

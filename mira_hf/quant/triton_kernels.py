@@ -20,6 +20,23 @@ import triton.language as tl
 
 from .packed import QuantSpec, TensorEntry, section_view
 
+# Fused-linear launch configs: (tile along N, tile along K, warps, pipeline stages, programs per SM
+# targeted by split-K), picked from CUDA-graph timings on an H200 at Mixtral expert shapes.
+GEMV_CONFIG = (128, 128, 4, 2, 8)  # T == 1
+DOT_CONFIG = (128, 128, 4, 3, 4)  # 1 < T <= 16 (more tokens also work: one 16-token tile per program row)
+DEQUANT_ELEMS = 8192  # elements per dequant program
+DEQUANT_WARPS = 4
+
+
+# Kernels use only builtins and jit functions of this module (no tl.sum, tl.zeros, tl.zeros_like:
+# those are jit functions of triton's standard library, which the CPU interpreter cannot call
+# when triton was imported before TRITON_INTERPRET was set, e.g. by bitsandbytes in the tests).
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
 
 @triton.jit
 def _group_stats(stats_ptr, sb_ptr, zeros_ptr, g, mask, SB,
@@ -28,7 +45,7 @@ def _group_stats(stats_ptr, sb_ptr, zeros_ptr, g, mask, SB,
     if DQ:
         if SYM:
             c = tl.load(stats_ptr + g, mask=mask, other=0).to(tl.float32)
-            z = tl.zeros_like(c) + ((1 << BITS) - 1) / 2
+            z = c * 0.0 + ((1 << BITS) - 1) / 2
         elif BITS == 4:
             st = tl.load(stats_ptr + g, mask=mask, other=0).to(tl.int32)
             c = (st >> 4).to(tl.float32)
@@ -43,32 +60,45 @@ def _group_stats(stats_ptr, sb_ptr, zeros_ptr, g, mask, SB,
     else:
         s = tl.load(stats_ptr + g, mask=mask, other=0.0).to(tl.float32)
         if SYM:
-            z = tl.zeros_like(s) + ((1 << BITS) - 1) / 2
+            z = s * 0.0 + ((1 << BITS) - 1) / 2
         else:
             z = tl.load(zeros_ptr + g, mask=mask, other=0).to(tl.float32)
     return s, z
 
 
 @triton.jit
-def _codes_at(codes_ptr, e, mask, BITS: tl.constexpr):
-    """Integer codes (int32) of flat element indices e."""
+def _code_tile(codes_ptr, rows, row_bytes, col0, mask_rows,
+               R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
+    """Codes [R, C] of elements (rows, col0 .. col0+C-1) of a row-major code matrix, as fp32.
+
+    Bytes are loaded as a tile whose last dim is contiguous in memory (coalesced, vectorised);
+    int4 nibbles are split and re-interleaved in registers (element 2j is byte j's low nibble).
+    """
     if BITS == 4:
-        byte = tl.load(codes_ptr + e // 2, mask=mask, other=0).to(tl.int32)
-        return (byte >> ((e & 1) * 4)) & 15  # even element in the low nibble
-    return tl.load(codes_ptr + e, mask=mask, other=0).to(tl.int32)
+        j = tl.arange(0, C // 2)
+        b = tl.load(codes_ptr + rows[:, None] * row_bytes + col0 // 2 + j[None, :], mask=mask_rows[:, None], other=0)
+        b = b.to(tl.int32)  # [R, C/2]
+        q = tl.reshape(tl.join(b & 15, b >> 4), (R, C))  # [R, C/2, 2] -> [R, C]
+    else:
+        j = tl.arange(0, C)
+        q = tl.load(codes_ptr + rows[:, None] * row_bytes + col0 + j[None, :], mask=mask_rows[:, None], other=0)
+        q = q.to(tl.int32)
+    # int -> float without a conversion instruction (the kernels' bottleneck at 1 token): OR the
+    # code into the mantissa of 2**23 and subtract 2**23, exact for 0 <= q < 2**23
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
 def _dequant_kernel(codes_ptr, stats_ptr, sb_ptr, zeros_ptr, out_ptr, n_groups, SB,
                     G: tl.constexpr, BITS: tl.constexpr, DQ: tl.constexpr, SYM: tl.constexpr,
                     BLOCK_G: tl.constexpr):  # fmt: skip
-    # one program: BLOCK_G groups x G elements; stats read once per group
+    # one program: BLOCK_G groups x G elements (the codes as a [n_groups, G] matrix); stats once per group
     g = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)  # [BG]
     gmask = g < n_groups
     s, z = _group_stats(stats_ptr, sb_ptr, zeros_ptr, g, gmask, SB, BITS, DQ, SYM)  # [BG]
+    q = _code_tile(codes_ptr, g, G * BITS // 8, 0, gmask, BLOCK_G, G, BITS)  # [BG, G]
+    w = (q - z[:, None]) * s[:, None]
     e = g[:, None] * G + tl.arange(0, G)[None, :]  # [BG, G] flat element index
-    q = _codes_at(codes_ptr, e, gmask[:, None], BITS)  # [BG, G]
-    w = (q.to(tl.float32) - z[:, None]) * s[:, None]
     tl.store(out_ptr + e, w.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
@@ -79,44 +109,56 @@ def _linear_kernel(x_ptr, codes_ptr, stats_ptr, sb_ptr, zeros_ptr, part_ptr,
                    TRANS: tl.constexpr, FP32: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     # T tokens, N outputs, K inputs. part[split, t, n] = sum over this split's k of x[t, k] * W^T[k, n]
-    # Stored W is [N, K] (groups along K; BLOCK_K == G: one group per column n of a tile)
-    # or, TRANS, [K, N] (groups along N; BLOCK_N == G: one group per row k of a tile).
+    # Stored W is [N, K] (groups along K; BLOCK_K divides G: one group per row n of a tile)
+    # or, TRANS, [K, N] (groups along N; BLOCK_N divides G: one group per row k of a tile).
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_t = tl.program_id(2)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # [BN]
+    n0 = pid_n * BLOCK_N
+    offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)  # [BN]
     t_mask = offs_t < T
     n_mask = offs_n < N
-    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    if BLOCK_T == 1:
+        # one token (GEMV): multiply-accumulate in the tile's own layout and reduce once at the
+        # end; a per-step reduction (or a 16-row tensor-core dot) shuffles every tile
+        acc = tl.full((BLOCK_K, BLOCK_N) if TRANS else (BLOCK_N, BLOCK_K), 0.0, tl.float32)
+    else:
+        acc = tl.full((BLOCK_T, BLOCK_N), 0.0, tl.float32)
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)  # [BK]
         k_mask = offs_k < k_end
-        x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :],
-                    mask=t_mask[:, None] & k_mask[None, :], other=0.0)  # [BT, BK]  # fmt: skip
-        tile_mask = k_mask[:, None] & n_mask[None, :]
+        # dequantised tile in storage orientation: [BK, BN] if TRANS else [BN, BK]
         if TRANS:
-            e = offs_k[:, None] * N + offs_n[None, :]  # [BK, BN]
-            s, z = _group_stats(stats_ptr, sb_ptr, zeros_ptr, (offs_k * N + pid_n * BLOCK_N) // G,
-                                k_mask, SB, BITS, DQ, SYM)  # [BK]  # fmt: skip
-            s = s[:, None]
-            z = z[:, None]
+            s, z = _group_stats(stats_ptr, sb_ptr, zeros_ptr, (offs_k * N + n0) // G, k_mask, SB, BITS, DQ, SYM)  # [BK]
+            q = _code_tile(codes_ptr, offs_k, N * BITS // 8, n0, k_mask, BLOCK_K, BLOCK_N, BITS)  # [BK, BN]
         else:
-            e = offs_n[None, :] * K + offs_k[:, None]  # [BK, BN]
-            s, z = _group_stats(stats_ptr, sb_ptr, zeros_ptr, (offs_n * K + k0) // G,
-                                n_mask, SB, BITS, DQ, SYM)  # [BN]  # fmt: skip
-            s = s[None, :]
-            z = z[None, :]
-        q = _codes_at(codes_ptr, e, tile_mask, BITS)  # [BK, BN]
-        w = (q.to(tl.float32) - z) * s  # [BK, BN]
-        if FP32:
-            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+            s, z = _group_stats(stats_ptr, sb_ptr, zeros_ptr, (offs_n * K + k0) // G, n_mask, SB, BITS, DQ, SYM)  # [BN]
+            q = _code_tile(codes_ptr, offs_n, K * BITS // 8, k0, n_mask, BLOCK_N, BLOCK_K, BITS)  # [BN, BK]
+        w = (q - z[:, None]) * s[:, None]
+        if BLOCK_T == 1:
+            x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
+            if TRANS:
+                acc += w * x[:, None]  # [BK, BN]
+            else:
+                acc += w * x[None, :]  # [BN, BK]
         else:
-            acc += tl.dot(x, w.to(x.dtype))
-    out = part_ptr + pid_s * T * N + offs_t[:, None] * N + offs_n[None, :]
-    tl.store(out, acc, mask=t_mask[:, None] & n_mask[None, :])
+            x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :],
+                        mask=t_mask[:, None] & k_mask[None, :], other=0.0)  # [BT, BK]  # fmt: skip
+            if not TRANS:
+                w = tl.trans(w)  # [BK, BN] = W^T tile
+            if FP32:
+                acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w.to(x.dtype))
+    if BLOCK_T == 1:
+        y = tl.reduce(acc, 0 if TRANS else 1, _add)  # [BN]
+        tl.store(part_ptr + pid_s * N + offs_n, y, mask=n_mask)
+    else:
+        out = part_ptr + pid_s * T * N + offs_t[:, None] * N + offs_n[None, :]
+        tl.store(out, acc, mask=t_mask[:, None] & n_mask[None, :])
 
 
 def _stat_args(record: torch.Tensor, entry: TensorEntry, spec: QuantSpec):
@@ -142,13 +184,13 @@ def dequantize(
         out = torch.empty(entry.shape, dtype=dtype, device=record.device)
     G = spec.group_size
     n_groups = entry.numel // G
-    block_g = max(1, 4096 // G)  # 4096 elements per program
+    block_g = max(1, DEQUANT_ELEMS // G)
     stats, sb, zeros = _stat_args(record, entry, spec)
     grid = (triton.cdiv(n_groups, block_g),)
     _dequant_kernel[grid](
         section_view(record, entry.section("codes")), stats, sb, zeros, out, n_groups,
         spec.superblock_groups, G=G, BITS=spec.bits, DQ=spec.double_quant, SYM=spec.symmetric,
-        BLOCK_G=block_g,
+        BLOCK_G=block_g, num_warps=DEQUANT_WARPS,
     )  # fmt: skip
     return out
 
@@ -175,15 +217,19 @@ def linear(x2: torch.Tensor, record: torch.Tensor, entry: TensorEntry, spec: Qua
     T, K = x2.shape
     N = entry.shape[1] if transposed else entry.shape[0]
     G = spec.group_size
-    block_t = 16  # tl.dot's smallest M; T <= 16 at decode
-    if transposed:
-        block_n, block_k = G, 64
+    if T == 1:
+        block_t, tile_n, tile_k, warps, stages, per_sm = 1, *GEMV_CONFIG
     else:
-        block_n, block_k = 64, G
+        block_t, tile_n, tile_k, warps, stages, per_sm = 16, *DOT_CONFIG  # 16: tl.dot's smallest M
+    # the tile's extent along the grouped dim divides G, so each tile row has one group
+    if transposed:
+        block_n, block_k = min(G, tile_n), tile_k
+    else:
+        block_n, block_k = tile_n, min(G, tile_k)
     n_tiles = triton.cdiv(N, block_n)
     t_tiles = triton.cdiv(T, block_t)
     k_steps = triton.cdiv(K, block_k)
-    split = max(1, min(k_steps, triton.cdiv(2 * _sm_count(record.device), n_tiles * t_tiles)))
+    split = max(1, min(k_steps, triton.cdiv(per_sm * _sm_count(record.device), n_tiles * t_tiles)))
     k_per_split = triton.cdiv(k_steps, split) * block_k
     split = triton.cdiv(K, k_per_split)
     part = torch.empty((split, T, N), dtype=torch.float32, device=x2.device)
@@ -193,6 +239,7 @@ def linear(x2: torch.Tensor, record: torch.Tensor, entry: TensorEntry, spec: Qua
         T, N, K, x2.stride(0), k_per_split, spec.superblock_groups,
         G=G, BITS=spec.bits, DQ=spec.double_quant, SYM=spec.symmetric, TRANS=transposed,
         FP32=x2.dtype == torch.float32 or _interpreted(), BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     y = part[0] if split == 1 else part.sum(0)
     return y.to(x2.dtype)

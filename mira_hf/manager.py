@@ -140,6 +140,7 @@ class ExpertManager:
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (layer, slot) -> tensors
         self._last_layer = -1
         self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
+        self._forward_owner: int | None = None
 
     def _make_policy(self, name: str, priority: PriorityConfig | None):
         if name == "heat":
@@ -163,6 +164,7 @@ class ExpertManager:
                 "this model has been busy in another thread for 10 minutes; mira-hf runs one forward step at a "
                 "time per model. Load one model per thread, or serialise your calls."
             )
+        self._forward_owner = threading.get_ident()
         with self._lock:
             if self._last_layer >= 0:
                 self._end_step()
@@ -170,8 +172,14 @@ class ExpertManager:
 
     def exit_forward(self) -> None:
         """The forward step ended (normally or by an exception, KeyboardInterrupt included)."""
-        if self._forward_lock.locked():
-            self._forward_lock.release()
+        if self._forward_owner != threading.get_ident():
+            return  # this thread never entered (its enter_forward raised)
+        with self._lock:
+            if self._last_layer >= 0:
+                self._end_step()
+            self._last_layer = -1
+        self._forward_owner = None
+        self._forward_lock.release()
 
     # -- the verbs ------------------------------------------------------------------------------
     def begin(

@@ -126,6 +126,7 @@ class MiraMoEModel:
                 store.add_layer(t.ordinal, t.tensors)
                 for n in t.tensors:
                     t.module.register_parameter(n, None)
+                t.tensors = {}  # the store holds them now: drop the last reference, one layer at a time
                 stripped.append(t)
             manager = ExpertManager(
                 store,
@@ -140,7 +141,7 @@ class MiraMoEModel:
                 predictor_config=cfg.prediction,
             )
             manager.router_probs = _router_probs_fn(adapter, targets)
-            manager.fingerprint = model_fingerprint(model, targets)
+            manager.fingerprint = model_fingerprint(model, targets, store)
             manager.predictor = build_predictor(
                 cfg.predictor, layers, manager.router_probs, cfg.prediction, cfg.predictor_path, model
             )
@@ -150,7 +151,6 @@ class MiraMoEModel:
             store.close()
             raise
         for t in targets:
-            t.tensors = {}  # the store holds them now
             setattr(t.parent, t.attr, MiraExperts(t.module, manager, t.ordinal))
         model.to(device)
         # Per-instance hooks mark forward steps (the heat clock, serialised threads); always_call
@@ -278,7 +278,7 @@ def _find_targets(model: nn.Module, adapter: MoEAdapter) -> list[_Target]:
     return targets
 
 
-def model_fingerprint(model: nn.Module, targets: list[_Target]) -> dict:
+def model_fingerprint(model: nn.Module, targets: list[_Target], store: ExpertStore) -> dict:
     """What identifies a model for files made from it (predictors, packed stores): its shape and a
     hash of its routers' weights, so a file from another checkpoint of the same shape is refused too."""
     import hashlib
@@ -293,7 +293,7 @@ def model_fingerprint(model: nn.Module, targets: list[_Target]) -> dict:
         "moe_layers": len(targets),
         "num_experts": [t.module.num_experts for t in targets],
         "hidden_size": getattr(model.config, "hidden_size", None),
-        "expert_shapes": {n: list(p.shape[1:]) for n, p in targets[0].tensors.items()} if targets else {},
+        "expert_shapes": {s.name: list(s.shape) for s in store.layout(targets[0].ordinal).tensors} if targets else {},
         "router_sha256": h.hexdigest(),
     }
 

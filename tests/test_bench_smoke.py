@@ -1,0 +1,165 @@
+"""benchmarks/run.py, the end-to-end benchmark: its Belady replay (the limit's transfer term) and a
+`--smoke` run on the CPU that writes the JSON, Markdown and PNG with every metric key in every row."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "run.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_run", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def one_layer(sequence: list[list[int]]) -> list[dict[int, list[int]]]:
+    """Steps of a one-layer model: step i needs the experts sequence[i]."""
+    return [{0: experts} for experts in sequence]
+
+
+def lru_bytes(steps, slots: int, record: int, count_from: int) -> int:
+    """A plain LRU over the same blocks, never evicting what the current block needs."""
+    cache: OrderedDict = OrderedDict()
+    moved = 0
+    for i, step in enumerate(steps):
+        for layer, experts in sorted(step.items()):
+            needed = {(layer, e) for e in experts}
+            for key in sorted(needed):
+                if key in cache:
+                    cache.move_to_end(key)
+                    continue
+                moved += record if i >= count_from else 0
+                if len(cache) >= slots:
+                    victim = next((k for k in cache if k not in needed), None)
+                    if victim is None:
+                        continue
+                    del cache[victim]
+                cache[key] = True
+    return moved
+
+
+def test_belady_evicts_the_expert_needed_farthest_ahead(bench):
+    # A B C A B with 2 slots: C evicts B (next use farther than A's), so A hits: 4 loads; LRU loads 5.
+    steps = one_layer([[0], [1], [2], [0], [1]])
+    assert bench.belady_bytes(steps, {0: 0}, {0: 2}, {0: 10}, count_from=0) == 40
+    assert lru_bytes(steps, 2, 10, count_from=0) == 50
+
+
+def test_belady_counts_only_steps_after_the_prefill(bench):
+    steps = one_layer([[0, 1], [0], [1], [0, 1]])  # step 0 (prefill) loads both; they stay resident
+    assert bench.belady_bytes(steps, {0: 0}, {0: 2}, {0: 7}) == 0
+    assert bench.belady_bytes(steps, {0: 0}, {0: 2}, {0: 7}, count_from=0) == 14
+
+
+def test_belady_streams_a_block_larger_than_the_cache(bench):
+    steps = one_layer([[0, 1, 2], [0, 1, 2]])
+    assert bench.belady_bytes(steps, {0: 0}, {0: 2}, {0: 1}, count_from=0) == 4  # 3 + the one that could not stay
+
+
+def belady_reference(steps, slots: int, record: int, count_from: int) -> int:
+    """Belady written the obvious way (scan ahead for each candidate), one pool."""
+    blocks = [(i, layer, experts) for i, step in enumerate(steps) for layer, experts in sorted(step.items())]
+
+    def next_use(key, b):
+        return next((j for j in range(b + 1, len(blocks)) if blocks[j][1] == key[0] and key[1] in blocks[j][2]), len(blocks))
+
+    cache, moved = set(), 0
+    for b, (i, layer, experts) in enumerate(blocks):
+        needed = {(layer, e) for e in experts}
+        for key in sorted(needed - cache):
+            moved += record if i >= count_from else 0
+            victims = cache - needed
+            if len(cache) >= slots:
+                if not victims:
+                    continue
+                cache.remove(max(victims, key=lambda k: next_use(k, b)))
+            cache.add(key)
+    return moved
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_belady_matches_the_reference_and_never_moves_more_than_lru(bench, seed):
+    rng = random.Random(seed)
+    layers, experts, top_k = 3, 8, 2
+    prefill = {layer: list(range(experts)) for layer in range(layers)}  # may exceed the slots: streams
+    steps = [prefill] + [{layer: sorted(rng.sample(range(experts), top_k)) for layer in range(layers)} for _ in range(40)]
+    slots = rng.randint(top_k, layers * experts)
+    pool = dict.fromkeys(range(layers), 0)
+    optimal = bench.belady_bytes(steps, pool, {0: slots}, dict.fromkeys(range(layers), 1))
+    assert optimal == belady_reference(steps, slots, 1, count_from=1)
+    assert optimal <= lru_bytes(steps, slots, 1, count_from=1)
+
+
+def test_belady_keeps_pools_apart(bench):
+    # layer 0 in a pool of 1 slot, layer 1 in a pool of 2: alternating experts thrash only pool 0
+    steps = [{0: [i % 2], 1: [i % 2]} for i in range(6)]
+    moved = bench.belady_bytes(steps, {0: "a", 1: "b"}, {"a": 1, "b": 2}, {0: 100, 1: 1}, count_from=0)
+    assert moved == 6 * 100 + 2 * 1
+
+
+def test_trace_steps_split_forward_passes(bench):
+    import torch
+
+    records = [(0, torch.tensor([[3, 1]])), (1, torch.tensor([[2, 2]])), (0, torch.tensor([[0, 1]])), (1, torch.tensor([[5, 4]]))]
+    assert bench.trace_steps(records) == [{0: [1, 3], 1: [2]}, {0: [0, 1], 1: [4, 5]}]
+
+
+@pytest.mark.slow  # ~20-35 s on a 2-core CPU
+def test_smoke_run_writes_json_markdown_and_plot(tmp_path, bench):
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (json_path,) = out.glob("*.json")
+    assert json_path.with_suffix(".md").is_file()
+    result = json.loads(json_path.read_text())
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert json_path.with_suffix(".png").stat().st_size > 0
+    assert {"env", "args", "bandwidth", "models", "checks"} <= set(result)
+    assert set(result["models"]) == {"mixtral", "qwen3", "bundled"}
+    for key, model in result["models"].items():
+        status = {r["system"]: r["status"] for r in model["rows"]}
+        assert set(status) == set(bench.SYSTEMS), key
+        for row in model["rows"]:
+            assert set(bench.METRIC_KEYS) <= set(row), (key, row["system"])
+            assert row["status"] != "error", (key, row["system"], row["error"])
+        for system in ("resident", "lru", "default"):
+            assert status[system] == "ok", (key, system, status)
+            row = next(r for r in model["rows"] if r["system"] == system)
+            # (decode tok/s can be None on a busy CPU: 3 decode steps may take less than the noise in TTFT)
+            assert row["ttft_s"] > 0 and row["total_b1_s"] > 0 and row["total_b8_s"] > 0 and row["beam_tok_s"] > 0
+        lru = next(r for r in model["rows"] if r["system"] == "lru")
+        assert 0 <= lru["hit_rate"] <= 1 and lru["h2d_bytes_per_token"] is not None
+        limit = model["limits"]["0.25"]
+        assert limit["limit_s"] > 0 and limit["belady_bytes_per_token"] is not None
+    assert next(r for r in result["models"]["mixtral"]["rows"] if r["system"] == "accelerate")["status"] == "ok"
+    assert len(result["checks"]) == 7 and all(c["status"] in ("PASS", "FAIL", "N/A") for c in result["checks"])
+    assert "checks (Mixtral" in proc.stdout
+
+    # the outputs can be rebuilt from the JSON alone (e.g. on a machine with matplotlib)
+    json_path.with_suffix(".md").unlink()
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--from-json", str(json_path)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "## Checks" in json_path.with_suffix(".md").read_text()

@@ -1,5 +1,7 @@
 """mira-hf: run Mixture-of-Experts transformers models on one GPU that cannot hold all their experts."""
 
+from .bundled import bundled_model_path
+from .calibrate import calibrate
 from .config import CacheConfig, LoaderConfig, MiraConfig
 from .errors import (
     BudgetError,
@@ -13,7 +15,6 @@ from .errors import (
     MissingDependencyError,
     UnsupportedModelError,
 )
-from .bundled import bundled_model_path
 from .manager import ExpertManager
 from .model import MiraMoEModel
 
@@ -36,4 +37,5 @@ __all__ = [
     "MissingDependencyError",
     "UnsupportedModelError",
     "bundled_model_path",
+    "calibrate",
 ]

@@ -7,11 +7,12 @@ tuning parameters of one mechanism live in that mechanism's own small dataclass.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 from dataclasses import dataclass, field
 from typing import Union
 
-from .errors import ConfigError
+from .errors import ConfigError, MissingDependencyError
 from .heat import HeatConfig
 from .policies import PriorityConfig
 from .predictors import PredictorConfig
@@ -20,7 +21,8 @@ Budget = Union[int, float, str, None]
 
 POLICIES = ("lru", "heat", "priority")
 PREDICTORS: tuple[str | None, ...] = (None, "auto", "gate", "markov", "global", "position", "hybrid", "learned")
-QUANTIZATIONS: tuple[str | None, ...] = (None,)
+QUANTIZATIONS: tuple[str | None, ...] = (None, "int8", "int4", "nf4")
+PLACEMENTS = ("dequant", "packed")
 HOST_MEMORY_KINDS = ("auto", "pinned", "pageable")
 
 _UNITS = {
@@ -90,6 +92,23 @@ class LoaderConfig:
             raise ConfigError(f"copy_timeout_s={self.copy_timeout_s!r}: must be > 0.")
 
 
+@dataclass(frozen=True)
+class QuantConfig:
+    """The compressed transfer format (used when `MiraConfig.quantization` is set)."""
+
+    group_size: int = 64  # weights per scale group, along each weight's contiguous dimension
+    # "dequant": experts cross the link packed and are dequantised on the device into a slot of the
+    # checkpoint dtype (same experts per budget, fewer bytes moved). "packed": experts stay packed in
+    # the cache and are computed from packed weights (≈3.7× more int4 experts in the same budget).
+    placement: str = "dequant"
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"QuantConfig.placement={self.placement!r}: supported are {', '.join(map(repr, PLACEMENTS))}.")
+        if not isinstance(self.group_size, int) or self.group_size < 16 or self.group_size & (self.group_size - 1):
+            raise ConfigError(f"QuantConfig.group_size={self.group_size!r}: must be a power of two ≥ 16 (default 64).")
+
+
 def _check_choice(name: str, value: object, allowed: tuple, hint: str) -> None:
     if value not in allowed:
         shown = ", ".join(repr(a) for a in allowed)
@@ -110,7 +129,8 @@ class MiraConfig:
         when `predictor_path` is given, else `"gate"` (needs no training); or one of `"gate"`,
         `"markov"`, `"global"`, `"position"`, `"hybrid"`, `"learned"`.
     predictor_path: directory written by `model.mira.save_predictor()` (a calibrated `"learned"` predictor).
-    quantization: expert transfer format (`None`: the checkpoint's dtype, bit-exact).
+    quantization: expert transfer format. `None`: the checkpoint's dtype, bit-exact (default).
+        `"int8"`, `"int4"`: mira-hf's packed group-wise format (see `QuantConfig`); `"nf4"`: bitsandbytes.
     host_memory: `"pinned"` (fastest copies; pinning takes ~0.5 s per GB at load), `"pageable"`
         (instant load, copies go through a pinned staging ring) or `"auto"` (pinned on CUDA).
     host_budget: host bytes for the expert store; experts beyond it are read from disk
@@ -135,6 +155,7 @@ class MiraConfig:
     heat: HeatConfig = field(default_factory=HeatConfig)
     priority: PriorityConfig = field(default_factory=PriorityConfig)
     prediction: PredictorConfig = field(default_factory=PredictorConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
     def __post_init__(self) -> None:
         b = self.gpu_budget
@@ -157,6 +178,11 @@ class MiraConfig:
         _check_choice("predictor", self.predictor, PREDICTORS, "Pick one of those in MiraConfig(predictor=...).")
         _check_choice("quantization", self.quantization, QUANTIZATIONS, "Pick one of those in MiraConfig(quantization=...).")
         _check_choice("host_memory", self.host_memory, HOST_MEMORY_KINDS, "")
+        if self.quantization == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
+            raise MissingDependencyError(
+                "quantization='nf4' needs bitsandbytes, which is not installed. Install it with "
+                "pip install \"mira-hf[quant]\", or use quantization='int4' (mira-hf's own format, no dependency)."
+            )
         if self.host_budget is not None:
             parse_bytes(self.host_budget, "host_budget")
             if self.offload_dir is None:

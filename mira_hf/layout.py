@@ -90,3 +90,21 @@ class IdentityCodec:
     def view(record: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
         """A typed view of one tensor inside a uint8 record (no copy)."""
         return record[spec.offset : spec.offset + spec.nbytes].view(spec.dtype).view(spec.shape)
+
+
+class PackedWeights:
+    """An expert kept packed in its device slot (placement "packed"): computed from packed weights."""
+
+    __slots__ = ("codec", "record", "layout", "dtype")
+
+    def __init__(self, codec, record: torch.Tensor, layout, dtype: torch.dtype) -> None:
+        self.codec, self.record, self.layout, self.dtype = codec, record, layout, dtype
+
+    def linear(self, x: torch.Tensor, name: str, transposed: bool) -> torch.Tensor:
+        return self.codec.linear(x, self.record, self.layout, name, transposed)
+
+    def raw(self, name: str) -> torch.Tensor:
+        """A tensor stored unquantised in the record (biases)."""
+        from .quant.packed import raw_tensor
+
+        return raw_tensor(self.record, self.layout.entry(name), self.dtype)

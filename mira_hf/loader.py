@@ -26,13 +26,16 @@ class Loader:
         self._stall_by_layer: dict[int, float] = {}  # resolved stall seconds per MoE layer
 
     # -- copies ---------------------------------------------------------------------------------
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, src_pinned: bool, after: object = None) -> object:
-        """Copy a host record into a device slot. Returns the event that marks it done (None on CPU).
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, src_pinned: bool, after: object = None, then=None) -> object:
+        """Copy a host record into a device buffer. Returns the event that marks it done (None on CPU).
 
         `after`: an event the copy must wait for (the last compute that read the slot).
+        `then`: work to run on the copy stream after the copy (e.g. dequantising into the slot).
         """
         if not self.cuda:
             dst.copy_(src)
+            if then is not None:
+                then()
             return None
         with torch.cuda.stream(self.stream):
             if after is not None:
@@ -41,6 +44,8 @@ class Loader:
                 dst.copy_(src, non_blocking=True)
             else:
                 self._copy_through_ring(dst, src)
+            if then is not None:
+                then()
             done = torch.cuda.Event()
             done.record(self.stream)
             return done

@@ -20,6 +20,7 @@ import torch
 from .cache import STAGE, ExpertCache, Key, Slot, SlotPool
 from .errors import BudgetError, ConcurrencyError, ConfigError, LoaderError
 from .heat import HeatConfig, HeatTracker
+from .layout import IdentityCodec, PackedWeights
 from .loader import Loader
 from .policies import HeatPolicy, LRUPolicy, PriorityConfig, PriorityPolicy
 from .predictors import Predictor, PredictorConfig
@@ -106,6 +107,7 @@ class ExpertManager:
         predictor: Predictor | None = None,
         predictor_config: PredictorConfig | None = None,
         warmup_steps: int = 3,
+        placement: str = "dequant",
     ) -> None:
         self.store = store
         self.layers = {li.ordinal: li for li in layers}
@@ -117,6 +119,9 @@ class ExpertManager:
         self.predictor = predictor
         self.predictor_config = predictor_config or PredictorConfig()
         self.warmup_steps = warmup_steps  # first steps: prefetches only fill free slots, nothing is evicted
+        # How a slot holds an expert: "raw" (checkpoint bytes), "dequant" (packed records dequantised
+        # into a slot of the checkpoint dtype) or "packed" (packed records, computed from as they are).
+        self.placement = placement if store.quantized else "raw"
         self._predicted: dict[Key, float] = {}  # latest predicted probability of use this step
         self._pending_predictions: dict[int, list[tuple[int, set[int]]]] = {}  # target layer -> [(distance, set)]
         self.recorder = None  # optional callable(layer, hidden [T,H], top_k_index [T,K]): traces, calibration
@@ -136,6 +141,14 @@ class ExpertManager:
             pools[g] = SlotPool(budget.slot_bytes[g], n, n_stage, self._make_policy(policy, priority))
             # One allocation per pool, made once: slots are views, so the budget is never exceeded.
             self._arena[g] = torch.empty((n, budget.slot_bytes[g]), dtype=torch.uint8, device=device)
+        # Placement "dequant": packed records land in a small device staging buffer per pool, then are
+        # dequantised into their slot on the copy stream (stream order makes one buffer enough).
+        self._staging: dict[Hashable, torch.Tensor] = {}
+        if self.placement == "dequant":
+            for li in layers:
+                g = budget.pool_of_layer[li.ordinal]
+                size = max(store.record_bytes(li.ordinal), self._staging[g].numel() if g in self._staging else 0)
+                self._staging[g] = torch.empty(size, dtype=torch.uint8, device=device)
         self.cache = ExpertCache(pools, budget.pool_of_layer)
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (layer, slot) -> tensors
         self._last_layer = -1
@@ -332,8 +345,15 @@ class ExpertManager:
         t0 = time.perf_counter()
         try:
             src = self.store.record(*key)
-            dst = self._arena[self.cache.pool_of_layer[layer]][slot.index]
-            slot.ready = self.loader.copy(dst, src, self.store.tier(layer) == "pinned", after=slot.free)
+            g = self.cache.pool_of_layer[layer]
+            pinned = self.store.tier(layer) == "pinned"
+            if self.placement == "dequant":
+                staging, views = self._staging[g][: src.numel()], self._slot_views(layer, slot)
+                layout, dtype = self.store.layout(layer), self.store.dtype(layer)
+                decode = lambda: self.store.codec.decode(staging, layout, dtype, out=views)  # noqa: E731
+                slot.ready = self.loader.copy(staging, src, pinned, after=slot.free, then=decode)
+            else:
+                slot.ready = self.loader.copy(self._arena[g][slot.index][: src.numel()], src, pinned, after=slot.free)
         except Exception as exc:  # a CUDA OOM, a bad page in a memory-mapped file, an injected fault...
             self.cache.remove(key)
             raise LoaderError(
@@ -348,12 +368,18 @@ class ExpertManager:
             stats.prefetches += 1
         return slot
 
-    def _slot_views(self, layer: int, slot: Slot) -> dict[str, torch.Tensor]:
+    def _slot_views(self, layer: int, slot: Slot):
+        """What the proxy computes with: typed views into the slot, or the packed record itself."""
         g = self.cache.pool_of_layer[layer]
         key = (g, slot.index)
         views = self._views.get(key)
         if views is None:
-            views = self.store.codec.decode(self._arena[g][slot.index], self.store.layout(layer), self.store.dtype(layer))
+            record = self._arena[g][slot.index]
+            if self.placement == "packed":
+                layout = self.store.layout(layer)
+                views = PackedWeights(self.store.codec, record[: layout.nbytes], layout, self.store.dtype(layer))
+            else:
+                views = IdentityCodec().decode(record, self.store.raw_layout(layer))
             self._views[key] = views
         return views
 
@@ -429,4 +455,5 @@ class ExpertManager:
         """Release the device arena (after unload)."""
         self.loader.synchronize()
         self._arena.clear()
+        self._staging.clear()
         self._views.clear()

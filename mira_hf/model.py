@@ -107,14 +107,16 @@ class MiraMoEModel:
         config = getattr(model, "config", None)
         adapter = _resolve_adapter(getattr(config, "model_type", None), cfg)
         targets = _find_targets(model, adapter)
-        codec = IdentityCodec()
+        codec = _make_codec(cfg)
         layers = [LayerInfo(t.ordinal, t.name, t.module.num_experts, _top_k(model, t)) for t in targets]
-        record_bytes = {
-            t.ordinal: codec.plan({n: (tuple(p.shape[1:]), p.dtype) for n, p in t.tensors.items()}).nbytes for t in targets
-        }
-        all_bytes = sum(record_bytes[li.ordinal] * li.num_experts for li in layers)
+        specs = {t.ordinal: {n: (tuple(p.shape[1:]), p.dtype) for n, p in t.tensors.items()} for t in targets}
+        raw_bytes = {layer: IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
+        packed = cfg.quantization is not None and cfg.quant.placement == "packed"
+        slot_bytes = {layer: codec.plan(s).nbytes for layer, s in specs.items()} if packed else raw_bytes
+        # A fractional budget is a share of the checkpoint's expert bytes, whatever the transfer format.
+        all_bytes = sum(raw_bytes[li.ordinal] * li.num_experts for li in layers)
         budget_bytes = _budget_bytes(cfg.gpu_budget, all_bytes, device, model)
-        budget = plan_budget(layers, record_bytes, budget_bytes)
+        budget = plan_budget(layers, slot_bytes, budget_bytes)
         _check_device_memory(budget.capacity_bytes, device, model)
 
         # Validation done: from here on, any failure rolls back to the untouched model.
@@ -139,11 +141,12 @@ class MiraMoEModel:
                 heat=cfg.heat,
                 priority=cfg.priority,
                 predictor_config=cfg.prediction,
+                placement=cfg.quant.placement,
             )
             manager.router_probs = _router_probs_fn(adapter, targets)
             manager.fingerprint = model_fingerprint(model, targets, store)
             manager.predictor = build_predictor(
-                cfg.predictor, layers, manager.router_probs, cfg.prediction, cfg.predictor_path, model
+                cfg.predictor, layers, manager.router_probs, cfg.prediction, cfg.predictor_path, model, manager.fingerprint
             )
         except BaseException:
             for t in stripped:
@@ -174,6 +177,15 @@ class MiraMoEModel:
 
 
 # -- helpers --------------------------------------------------------------------------------------
+def _make_codec(cfg: MiraConfig):
+    if cfg.quantization is None:
+        return IdentityCodec()
+    from .quant import make_codec
+    from .quant.padding import PaddedCodec
+
+    return PaddedCodec(make_codec(cfg.quantization, group_size=cfg.quant.group_size), cfg.quant.group_size)
+
+
 def _check_config(cfg: MiraConfig | None) -> MiraConfig:
     if cfg is None:
         return MiraConfig()
@@ -293,7 +305,7 @@ def model_fingerprint(model: nn.Module, targets: list[_Target], store: ExpertSto
         "moe_layers": len(targets),
         "num_experts": [t.module.num_experts for t in targets],
         "hidden_size": getattr(model.config, "hidden_size", None),
-        "expert_shapes": {s.name: list(s.shape) for s in store.layout(targets[0].ordinal).tensors} if targets else {},
+        "expert_shapes": {s.name: list(s.shape) for s in store.raw_layout(targets[0].ordinal).tensors} if targets else {},
         "router_sha256": h.hexdigest(),
     }
 

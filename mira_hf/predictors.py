@@ -262,7 +262,7 @@ class HybridPredictor:
         self.position.reset()
 
 
-def build_predictor(name, layers, router_probs: RouterProbs, config: PredictorConfig, path=None, model=None):
+def build_predictor(name, layers, router_probs: RouterProbs, config: PredictorConfig, path=None, model=None, fingerprint=None):
     """The predictor `name` for these layers (None: no prediction). `"auto"`: learned from `path`
     when given, else gate (needs no training)."""
     if name is None:
@@ -287,5 +287,5 @@ def build_predictor(name, layers, router_probs: RouterProbs, config: PredictorCo
     if name == "learned":
         from .learned import LearnedPredictor
 
-        return LearnedPredictor.load(path, model=model, layers=layers, config=config)
+        return LearnedPredictor.load(path, model=model, layers=layers, config=config, fingerprint=fingerprint)
     raise ConfigError(f"predictor={name!r} is not supported.")

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .layout import PackedWeights
 from .manager import ExpertManager
 
 # Expert tensor names of transformers' fused experts modules (per expert after dropping dim 0).
@@ -67,15 +68,26 @@ class MiraExperts(nn.Module):
             self.manager.end(plan)
         return out.view(T, K, H).sum(dim=1).to(hidden_states.dtype)  # [T, H]
 
-    def _expert(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-        # x [n, H] -> [n, H], exactly as transformers' experts implementations compute one expert
-        h = x @ w[self._up] if self._transposed else F.linear(x, w[self._up])  # [n, 2I] or [n, I]
-        if self._has_bias:
-            h = h + w[self._up + "_bias"]
+    def _expert(self, x: torch.Tensor, w) -> torch.Tensor:
+        # x [n, H] -> [n, H], exactly as transformers' experts implementations compute one expert.
+        # `w`: typed views of the expert's tensors, or `PackedWeights` (placement "packed").
+        if isinstance(w, PackedWeights):
+            h = w.linear(x, self._up, self._transposed)  # [n, 2I] or [n, I]
+            if self._has_bias:
+                h = h + w.raw(self._up + "_bias")
+        else:
+            h = x @ w[self._up] if self._transposed else F.linear(x, w[self._up])
+            if self._has_bias:
+                h = h + w[self._up + "_bias"]
         h = self.base._apply_gate(h) if self._has_gate else self.base.act_fn(h)  # [n, I]
-        y = h @ w["down_proj"] if self._transposed else F.linear(h, w["down_proj"])  # [n, H]
-        if self._has_bias:
-            y = y + w["down_proj_bias"]
+        if isinstance(w, PackedWeights):
+            y = w.linear(h, "down_proj", self._transposed)  # [n, H]
+            if self._has_bias:
+                y = y + w.raw("down_proj_bias")
+        else:
+            y = h @ w["down_proj"] if self._transposed else F.linear(h, w["down_proj"])
+            if self._has_bias:
+                y = y + w["down_proj_bias"]
         if self._post_norm:
             y = self.base.post_expert_norm(y)
         return y

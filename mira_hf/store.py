@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import ExpertCodec, IdentityCodec
+from .layout import ExpertCodec, IdentityCodec, RawLayout
 
 
 @dataclass
@@ -24,6 +24,7 @@ class _Slab:
     layout: object
     tier: str  # "pinned" | "pageable" | "disk"
     dtype: torch.dtype  # dtype the experts compute in
+    raw_layout: RawLayout  # the uncompressed layout (what a dequantised slot holds)
     path: str | None = None
 
 
@@ -56,6 +57,7 @@ class ExpertStore:
         (E,) = num_experts
         specs = {name: (tuple(t.shape[1:]), t.dtype) for name, t in fused.items()}
         layout = self.codec.plan(specs)
+        raw_layout = IdentityCodec().plan(specs)
         nbytes = E * layout.nbytes
         tier = "pinned" if self.pinned else "pageable"
         if self.host_budget_bytes is not None and self._host_bytes + nbytes > self.host_budget_bytes:
@@ -79,7 +81,7 @@ class ExpertStore:
             slab = torch.from_file(path, shared=False, size=E * layout.nbytes, dtype=torch.uint8).view(E, layout.nbytes)
         else:
             self._host_bytes += nbytes
-        self._slabs[layer] = _Slab(slab, layout, tier, dtype, path)
+        self._slabs[layer] = _Slab(slab, layout, tier, dtype, raw_layout, path)
 
     # -- reading --------------------------------------------------------------------------------
     @property
@@ -88,6 +90,14 @@ class ExpertStore:
 
     def layout(self, layer: int):
         return self._slabs[layer].layout
+
+    def raw_layout(self, layer: int) -> RawLayout:
+        """The uncompressed layout of one expert of `layer` (equal to `layout` without quantization)."""
+        return self._slabs[layer].raw_layout
+
+    @property
+    def quantized(self) -> bool:
+        return not isinstance(self.codec, IdentityCodec)
 
     def dtype(self, layer: int) -> torch.dtype:
         return self._slabs[layer].dtype

@@ -1,0 +1,289 @@
+"""Offline evaluation: replay a `RoutingTrace` through the runtime's cache, policies and predictors.
+
+`replay` drives a real `ExpertManager` (the same cache, policy, predictor and telemetry code the
+model runs) over a synthetic expert store whose records are tiny: slot counts come from the real
+record sizes and the real budget, so hits, misses and loads are those of the real model, while the
+arena costs a few kilobytes. `belady` is the bound: Belady's MIN on the same requests, the fewest
+loads (bytes) any demand cache with those slots can achieve. `lru_reference` is an independent
+LRU simulator that tests hold the manager to.
+
+Requests, in order: step by step (one token), MoE layer by layer, the distinct experts of that block.
+A block's experts are needed together: all of them are resident while the block computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator
+
+import torch
+
+from .errors import ConfigError
+from .heat import HeatConfig
+from .layout import ALIGN_BYTES
+from .manager import BudgetPlan, ExpertManager, LayerInfo, plan_budget
+from .policies import PriorityConfig
+from .predictors import Predictor, PredictorConfig, RouterProbs, build_predictor
+from .store import ExpertStore
+from .trace import RoutingTrace
+
+_NEEDS_ROUTERS = ("gate", "global", "auto")
+_TINY_RECORD_UNITS = 16  # the largest pool's synthetic record is 16 × 256 B; smaller pools keep their size ratio
+
+
+def replay(
+    trace: RoutingTrace,
+    *,
+    budget: float,
+    policy: str = "lru",
+    predictor: str | None = None,
+    router_probs: RouterProbs | None = None,
+    predictor_obj: Predictor | None = None,
+    stage_fraction: float = 0.25,
+    predictor_config: PredictorConfig | None = None,
+    heat: HeatConfig | None = None,
+    priority: PriorityConfig | None = None,
+    reset_predictor_per_sequence: bool = False,
+) -> dict:
+    """Replay `trace` through an `ExpertManager` holding `budget` (a fraction of all expert bytes).
+
+    predictor: a name as in `MiraConfig.predictor` (None: demand loads only). "gate", "global" and
+        "auto" need `router_probs` (a wrapped model's `model.mira.router_probs`); "learned" needs
+        `predictor_obj` (a calibrated `mira_hf.learned.LearnedPredictor`).
+    predictor_obj: a ready predictor (observe/predict/reset); overrides `predictor`. It is `reset()`
+        first, so repeated replays with one object are independent.
+    reset_predictor_per_sequence: call `predictor.reset()` at each new sequence (a new KV cache).
+        Off by default because the runtime never does: a served model keeps its cache, heat and
+        predictor state from one `generate` to the next, and a new prompt is just a jump in routing.
+
+    Returns counts in the telemetry's definitions (`misses` = uses whose expert was neither
+    resident nor in flight: the stall-causing ones), `bytes_moved` = loads × real record bytes
+    (prefetches included), per-token bytes, predictor recall/precision at 1 and 2 layers ahead
+    (mean over the layers where defined, and per layer), and the configuration.
+    """
+    t0 = time.perf_counter()
+    layers = _layer_infos(trace)
+    real = _real_plan(trace, layers, budget)
+    tiny = _tiny_records(real)
+    plan = BudgetPlan(
+        sum(real.n_slots[g] * tiny[g] for g in real.n_slots), dict(real.pool_of_layer), dict(tiny), dict(real.n_slots)
+    )
+    store = ExpertStore()
+    for li in layers:
+        store.add_layer(
+            li.ordinal, {"record": torch.zeros((li.num_experts, tiny[plan.pool_of_layer[li.ordinal]]), dtype=torch.uint8)}
+        )
+
+    cfg = predictor_config or PredictorConfig()
+    pred = _predictor(predictor, predictor_obj, layers, router_probs, cfg)
+    needs_hidden = predictor_obj is not None or predictor in (*_NEEDS_ROUTERS, "learned")
+    if needs_hidden and (trace.hidden is None or trace.hidden.shape[0] != trace.steps):  # [steps, L, H] needed
+        raise ConfigError(f"predictor {predictor!r} needs the trace's hidden states, but this trace has none.")
+    manager = ExpertManager(
+        store,
+        layers,
+        plan,
+        torch.device("cpu"),
+        policy=policy,
+        stage_fraction=stage_fraction,
+        heat=heat,
+        priority=priority,
+        predictor=pred,
+        predictor_config=cfg,
+    )
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # every op here takes microseconds: OpenMP fork/join would cost more than it saves
+    try:
+        _drive(manager, trace, pred, reset_predictor_per_sequence)
+    finally:
+        torch.set_num_threads(threads)
+
+    stats = manager.stats()
+    loads = {layer: s["loads"] for layer, s in stats["per_layer"].items()}
+    bytes_moved = sum(loads[li] * trace.record_bytes[li] for li in loads)
+    uses = stats["hits"] + stats["misses"]
+    per_layer = {}
+    for layer, s in stats["per_layer"].items():
+        row = {k: s[k] for k in ("hit_rate", "hits", "misses", "loads", "prefetches", "prefetch_used", "prefetch_wasted")}
+        row.update({k: v for k, v in s.items() if k.startswith(("recall@", "precision@"))})
+        per_layer[layer] = row
+    out = dict(
+        config=dict(
+            budget=budget,
+            policy=policy,
+            predictor=getattr(pred, "name", None) if predictor_obj is not None else predictor,
+            stage_fraction=stage_fraction,
+            predictor_config=dataclasses.asdict(cfg),
+            reset_predictor_per_sequence=reset_predictor_per_sequence,
+            slots=sum(real.n_slots.values()),
+            stage_slots=sum(int(n * stage_fraction) for n in real.n_slots.values()),
+            capacity_bytes=real.capacity_bytes,
+        ),
+        steps=trace.steps,
+        uses=uses,
+        hits=stats["hits"],
+        stage_hits=stats["stage_hits"],
+        misses=stats["misses"],
+        hit_rate=stats["hits"] / uses if uses else 0.0,
+        loads=stats["loads"],
+        prefetches=stats["prefetches"],
+        prefetch_used=stats["prefetch_used"],
+        prefetch_wasted=stats["prefetch_wasted"],
+        evictions=stats["evictions"],
+        bytes_moved=bytes_moved,
+        bytes_per_token=bytes_moved / trace.steps if trace.steps else 0.0,
+        per_layer=per_layer,
+        seconds=time.perf_counter() - t0,
+    )
+    for d in (1, 2):
+        for what in ("recall", "precision"):
+            values = [r[f"{what}@{d}"] for r in per_layer.values() if r.get(f"{what}@{d}") is not None]
+            out[f"{what}@{d}"] = sum(values) / len(values) if values else None
+    return out
+
+
+def belady(trace: RoutingTrace, *, budget: float) -> dict:
+    """Belady's MIN on the trace's requests, per slot pool, with the slots `replay` would have:
+    on a miss with no free slot, evict the resident expert used again farthest in the future (never
+    one the current block needs). No demand cache with these slots moves fewer bytes."""
+    layers = _layer_infos(trace)
+    real = _real_plan(trace, layers, budget)
+    blocks = [(layer, needed) for _, layer, needed, _ in _blocks(trace, tensors=False)]
+    # next_use[i][e]: index of the next block (same layer) after i that needs expert e of that layer
+    next_use: list[dict[int, float]] = [{} for _ in blocks]
+    last: dict[tuple[int, int], int] = {}
+    for i in range(len(blocks) - 1, -1, -1):
+        layer, needed = blocks[i]
+        for e in needed:
+            next_use[i][e] = last.get((layer, e), math.inf)
+            last[(layer, e)] = i
+    resident: dict[Hashable, dict[tuple[int, int], float]] = {g: {} for g in real.n_slots}  # key -> next use
+    misses = {li.ordinal: 0 for li in layers}
+    for i, (layer, needed) in enumerate(blocks):
+        g = real.pool_of_layer[layer]
+        pool, n = resident[g], real.n_slots[g]
+        if len(needed) > n:
+            raise ConfigError(f"a block of layer {layer} needs {len(needed)} experts but its pool has {n} slots.")
+        block = {(layer, e) for e in needed}
+        for key in block:
+            if key in pool:
+                continue
+            misses[layer] += 1
+            if len(pool) >= n:
+                victim = max((k for k in pool if k not in block), key=pool.__getitem__)
+                del pool[victim]
+            pool[key] = 0.0
+        for e in needed:
+            pool[(layer, e)] = next_use[i][e]
+    total = sum(misses.values())
+    return _demand_summary(trace, misses, total)
+
+
+def lru_reference(trace: RoutingTrace, budget: float) -> dict:
+    """An LRU demand cache simulated independently of the manager, with the manager's conventions:
+    slots from `plan_budget`, one LRU order per pool, current-block experts never evicted, and after
+    a block its resident experts count as used first, then the ones it loaded (the runtime's order)."""
+    layers = _layer_infos(trace)
+    real = _real_plan(trace, layers, budget)
+    order: dict[Hashable, OrderedDict] = {g: OrderedDict() for g in real.n_slots}  # oldest first
+    misses = {li.ordinal: 0 for li in layers}
+    for _, layer, needed, _ in _blocks(trace, tensors=False):
+        lru, n = order[real.pool_of_layer[layer]], real.n_slots[real.pool_of_layer[layer]]
+        hits = [(layer, e) for e in needed if (layer, e) in lru]
+        loads = [(layer, e) for e in needed if (layer, e) not in lru]
+        misses[layer] += len(loads)
+        block = set(hits) | set(loads)
+        victims = [k for k in lru if k not in block][: max(0, len(lru) + len(loads) - n)]
+        for k in victims:
+            del lru[k]
+        for k in hits + loads:
+            lru[k] = None
+            lru.move_to_end(k)
+    return _demand_summary(trace, misses, sum(misses.values()))
+
+
+def _drive(manager: ExpertManager, trace: RoutingTrace, pred: Predictor | None, reset_per_sequence: bool) -> None:
+    """Feed every block of the trace to `manager` as the proxies do during decoding."""
+    placeholder = torch.zeros((1, 1))  # predictors that ignore hidden states still need a [T, H] argument
+    has_hidden = trace.hidden is not None and trace.hidden.shape[0] == trace.steps
+    starts = set(trace.sequence_starts[1:])
+    for step, layer, needed, top_k_index in _blocks(trace):
+        if layer == 0:  # one decode step = one forward of the model: the runtime's step hooks
+            if step:
+                manager.exit_forward()
+            if pred is not None and reset_per_sequence and step in starts:
+                pred.reset()
+            manager.enter_forward()
+        hidden = trace.hidden[step, layer][None] if has_hidden else placeholder
+        block = manager.begin(layer, needed, hidden, top_k_index)  # hidden [1, H], top_k_index [1, K]
+        for e in block.order:
+            manager.acquire(block, e)
+            manager.release(block, e)
+        manager.end(block)
+    if trace.steps:
+        manager.exit_forward()
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def _layer_infos(trace: RoutingTrace) -> list[LayerInfo]:
+    return [LayerInfo(layer, f"layer{layer}", trace.num_experts[layer], trace.top_k) for layer in range(trace.num_layers)]
+
+
+def _real_plan(trace: RoutingTrace, layers: list[LayerInfo], budget: float) -> BudgetPlan:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+        raise ConfigError(f"budget={budget!r}: a fraction of all expert bytes in (0, 1].")
+    record = {li.ordinal: trace.record_bytes[li.ordinal] for li in layers}
+    return plan_budget(layers, record, int(budget * trace.expert_bytes))
+
+
+def _tiny_records(real: BudgetPlan) -> dict[Hashable, int]:
+    """A small record size per pool, keeping the pools' size ratio (the priority policy's cost term)."""
+    largest = max(real.slot_bytes.values())
+    return {g: ALIGN_BYTES * max(1, round(_TINY_RECORD_UNITS * b / largest)) for g, b in real.slot_bytes.items()}
+
+
+def _predictor(name, obj, layers, router_probs, cfg) -> Predictor | None:
+    if obj is not None:
+        reset = getattr(obj, "reset", None)
+        if reset is not None:
+            reset()
+        return obj
+    if name is None:
+        return None
+    if name == "learned":
+        raise ConfigError("predictor='learned' is replayed from a calibrated object: pass predictor_obj=LearnedPredictor(...).")
+    if name in _NEEDS_ROUTERS and router_probs is None:
+        raise ConfigError(f"predictor={name!r} applies the model's routers: pass router_probs=model.mira.router_probs.")
+    return build_predictor(name, layers, router_probs, cfg)
+
+
+def _blocks(trace: RoutingTrace, tensors: bool = True) -> Iterator[tuple[int, int, list[int], torch.Tensor | None]]:
+    """(step, layer, distinct experts sorted, top_k_index [1, K] or None) of every block, in order."""
+    rows = trace.experts.tolist()  # one conversion, not one per block
+    padded = bool((trace.experts < 0).any())
+    for step, per_layer in enumerate(rows):
+        for layer, row in enumerate(per_layer):
+            if padded:
+                row = [e for e in row if e >= 0]
+            index = torch.tensor([row]) if tensors else None
+            yield step, layer, sorted(set(row)), index
+
+
+def _demand_summary(trace: RoutingTrace, misses: dict[int, int], total: int) -> dict:
+    uses = sum(len(set(e for e in row if e >= 0)) for per_layer in trace.experts.tolist() for row in per_layer)
+    bytes_moved = sum(misses[layer] * trace.record_bytes[layer] for layer in misses)
+    return dict(
+        steps=trace.steps,
+        uses=uses,
+        misses=total,
+        loads=total,
+        hits=uses - total,
+        hit_rate=(uses - total) / uses if uses else 0.0,
+        bytes_moved=bytes_moved,
+        bytes_per_token=bytes_moved / trace.steps if trace.steps else 0.0,
+        per_layer={layer: dict(misses=m) for layer, m in misses.items()},
+    )

@@ -1,0 +1,229 @@
+"""Routing traces: which experts a model routed to, token by token, for offline evaluation.
+
+A trace is recorded once from a wrapped model (`record_trace`) and replayed many times through the
+cache, policies and predictors (`mira_hf.replay`) without running the model again. Recording is
+decode-like: one token per forward per sequence, with the KV cache, so each step is one block call
+per MoE layer, exactly what the expert cache sees while generating.
+
+Files are safetensors (tensors) plus a JSON sidecar (everything else); never pickle.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import ConfigError, IncompatibleFileError, UnsupportedModelError
+
+TRACE_FORMAT = "mira-routing-trace/1"
+
+
+@dataclass
+class RoutingTrace:
+    """Routed experts of one token per step, for every MoE layer.
+
+    experts: LongTensor [steps, L, K], expert indices of each (step, MoE layer), in router order
+        (-1 pads layers that route fewer than K experts).
+    hidden: Tensor [steps, L, H] (fp16), the experts' input of each (step, layer), i.e. what the
+        router saw; predictors that apply routers (gate, global, learned) need it.
+    sequence_starts: step index where each sequence begins (its first token; ascending, starts at 0).
+    num_experts: experts per MoE layer.
+    record_bytes: bytes of one expert record per MoE layer (what one miss moves at runtime).
+    fingerprint: `model.mira.fingerprint` of the recorded model ({} for synthetic traces).
+    """
+
+    experts: torch.Tensor
+    hidden: torch.Tensor | None
+    sequence_starts: list[int]
+    num_experts: list[int]
+    record_bytes: list[int]
+    fingerprint: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.experts.dim() != 3:
+            raise ConfigError(f"RoutingTrace.experts must be [steps, L, K], got shape {tuple(self.experts.shape)}.")
+        steps, L, _ = self.experts.shape
+        if self.hidden is not None and tuple(self.hidden.shape[:2]) != (steps, L):
+            raise ConfigError(f"RoutingTrace.hidden must be [steps={steps}, L={L}, H], got {tuple(self.hidden.shape)}.")
+        if len(self.num_experts) != L or len(self.record_bytes) != L:
+            raise ConfigError(f"RoutingTrace: num_experts and record_bytes need one entry per MoE layer ({L}).")
+        starts = list(self.sequence_starts)
+        if steps and (not starts or starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= steps):
+            raise ConfigError(f"RoutingTrace.sequence_starts={starts[:8]}...: must be ascending step indices starting at 0.")
+
+    @property
+    def steps(self) -> int:
+        return self.experts.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.experts.shape[1]
+
+    @property
+    def top_k(self) -> int:
+        return self.experts.shape[2]
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of every routed expert of the model (what a budget fraction is a fraction of)."""
+        return sum(e * b for e, b in zip(self.num_experts, self.record_bytes))
+
+    def sequences(self) -> list[tuple[int, int]]:
+        """(start, end) step ranges of each sequence."""
+        ends = [*self.sequence_starts[1:], self.steps]
+        return list(zip(self.sequence_starts, ends))
+
+    def slice_sequences(self, first: int, count: int) -> RoutingTrace:
+        """The trace of sequences `first .. first+count-1` (e.g. a calibration / evaluation split)."""
+        seqs = self.sequences()[first : first + count]
+        if not seqs:
+            raise ConfigError(f"slice_sequences({first}, {count}): the trace has {len(self.sequence_starts)} sequences.")
+        a, b = seqs[0][0], seqs[-1][1]
+        return RoutingTrace(
+            self.experts[a:b],
+            None if self.hidden is None else self.hidden[a:b],
+            [s - a for s, _ in seqs],
+            list(self.num_experts),
+            list(self.record_bytes),
+            dict(self.fingerprint),
+        )
+
+    # -- files ----------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """Write `<path>.safetensors` (experts, hidden, sequence_starts) and `<path>.json` (the rest).
+        A `path` ending in `.safetensors` is used as is."""
+        from safetensors.torch import save_file
+
+        tensors_path, meta_path = _paths(path)
+        tensors = {
+            "experts": self.experts.to(torch.int32).contiguous(),  # expert indices fit easily; half the bytes
+            "sequence_starts": torch.tensor(self.sequence_starts, dtype=torch.int64),
+        }
+        if self.hidden is not None:
+            tensors["hidden"] = self.hidden.contiguous()
+        os.makedirs(os.path.dirname(tensors_path) or ".", exist_ok=True)
+        save_file(tensors, tensors_path, metadata={"format": TRACE_FORMAT})
+        meta = dict(
+            format=TRACE_FORMAT,
+            steps=self.steps,
+            num_experts=list(self.num_experts),
+            record_bytes=list(self.record_bytes),
+            fingerprint=self.fingerprint,
+        )
+        with open(meta_path, "w") as f:
+            json.dump(meta, f, indent=1)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, fingerprint: dict | None = None) -> RoutingTrace:
+        """Read a trace written by `save`. With `fingerprint` (e.g. `model.mira.fingerprint`), a trace
+        recorded from another model raises `IncompatibleFileError`."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        tensors_path, meta_path = _paths(path)
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+            tensors = load_file(tensors_path)
+        except (OSError, json.JSONDecodeError, SafetensorError) as exc:
+            raise IncompatibleFileError(f"cannot read a routing trace from {tensors_path} + {meta_path}: {exc}") from exc
+        if meta.get("format") != TRACE_FORMAT or "experts" not in tensors:
+            raise IncompatibleFileError(
+                f"{meta_path} is not a routing trace of format {TRACE_FORMAT!r} (format={meta.get('format')!r})."
+            )
+        if fingerprint is not None and meta.get("fingerprint") != fingerprint:
+            raise IncompatibleFileError(
+                f"the routing trace {tensors_path} was recorded from another model.\n"
+                f"  trace fingerprint: {meta.get('fingerprint')}\n  model fingerprint: {fingerprint}\n"
+                "Record a new trace with mira_hf.trace.record_trace(model, input_ids)."
+            )
+        return cls(
+            tensors["experts"].long(),
+            tensors.get("hidden"),
+            tensors["sequence_starts"].tolist(),
+            meta["num_experts"],
+            meta["record_bytes"],
+            meta.get("fingerprint", {}),
+        )
+
+
+def _paths(path: str | os.PathLike) -> tuple[str, str]:
+    base = os.fspath(path)
+    if base.endswith(".safetensors"):
+        base = base[: -len(".safetensors")]
+    return base + ".safetensors", base + ".json"
+
+
+def record_trace(model, input_ids: torch.Tensor, progress: bool = True) -> RoutingTrace:
+    """Decode `input_ids [B, S]` one token per forward (teacher forcing, with the KV cache) through a
+    wrapped model and record every MoE layer's routing. Returns a trace of B·S steps, sequence b's
+    steps being `b·S .. b·S+S-1`.
+
+    The B sequences run as one batch (B tokens per forward, one per sequence): each sequence still
+    sees one new token per step, and recording takes S forwards instead of B·S. Routing is read from
+    the manager's `recorder` hook (the router's own top-k), restored afterwards.
+    """
+    from transformers import DynamicCache
+
+    manager = getattr(model, "mira", None)
+    if manager is None:
+        raise ConfigError("record_trace needs a wrapped model (MiraMoEModel.from_pretrained or MiraMoEModel.wrap).")
+    if input_ids.dim() != 2:
+        raise ConfigError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}.")
+    B, S = input_ids.shape
+    layers = sorted(manager.layers)
+    L = len(layers)
+    K = max(li.top_k for li in manager.layers.values())
+    experts = torch.full((S, L, B, K), -1, dtype=torch.long)  # filled per step, reordered to [B*S, L, K] at the end
+    hidden = None
+    step = 0
+    seen = set()
+
+    def recorder(layer: int, h: torch.Tensor, top_k_index: torch.Tensor) -> None:
+        nonlocal hidden
+        # h [B, H], top_k_index [B, K]: one new token per sequence
+        if hidden is None:
+            hidden = torch.zeros((S, L, B, h.shape[-1]), dtype=torch.float16)
+        experts[step, layer, :, : top_k_index.shape[1]] = top_k_index.detach().cpu()
+        hidden[step, layer] = h.detach().to("cpu", torch.float16)
+        seen.add(layer)
+
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    previous, training = manager.recorder, model.training
+    manager.recorder = recorder
+    model.eval()  # no router jitter or dropout: the routing a deployed model does
+    ids = input_ids.to(model.device, torch.long)
+    try:
+        cache = DynamicCache(config=model.config)
+        steps = range(S)
+        if progress:
+            from tqdm.auto import tqdm
+
+            steps = tqdm(steps, desc="recording routing", unit="token")
+        with torch.inference_mode():
+            for step in steps:
+                seen.clear()
+                model(input_ids=ids[:, step : step + 1], **{cache_kw: cache}, use_cache=True)
+                if len(seen) != L:
+                    raise UnsupportedModelError(
+                        f"step {step}: only MoE layers {sorted(seen)} of {layers} routed the new tokens; a trace needs "
+                        "every MoE layer to route every token (top-k routing)."
+                    )
+    finally:
+        manager.recorder = previous
+        model.train(training)
+    experts = experts.permute(2, 0, 1, 3).reshape(B * S, L, K)  # sequence-major: step b*S + t
+    if hidden is not None:
+        hidden = hidden.permute(2, 0, 1, 3).reshape(B * S, L, -1)
+    return RoutingTrace(
+        experts,
+        hidden,
+        [b * S for b in range(B)],
+        [manager.layers[li].num_experts for li in layers],
+        [manager.store.record_bytes(li) for li in layers],
+        dict(manager.fingerprint),
+    )

@@ -1,0 +1,87 @@
+"""Compressed transfer in the runtime: every format runs through generate, stays within its quality
+target on the bundled trained model, and the packed placement holds more experts per budget."""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mira_hf import MiraConfig, MiraMoEModel, MissingDependencyError, bundled_model_path
+from mira_hf.config import QuantConfig
+
+HAVE_BNB = importlib.util.find_spec("bitsandbytes") is not None
+TARGETS = {"int8": 0.005, "int4": 0.05}  # allowed relative perplexity increase (issue targets)
+
+
+def _model(quantization=None, placement="dequant", budget=0.25, dtype=torch.float32):
+    cfg = MiraConfig(gpu_budget=budget, device="cpu", quantization=quantization, quant=QuantConfig(placement=placement))
+    return MiraMoEModel.from_pretrained(bundled_model_path(), cfg, dtype=dtype, progress=False)
+
+
+@pytest.fixture(scope="module")
+def heldout():
+    return load_file(f"{bundled_model_path()}/heldout_tokens.safetensors")["input_ids"][:6].long()
+
+
+def _ppl(model, ids) -> float:
+    with torch.no_grad():
+        return math.exp(model(ids, labels=ids).loss.item())
+
+
+@pytest.fixture(scope="module")
+def baseline_ppl(heldout):
+    return _ppl(_model(), heldout)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("placement", ["dequant", "packed"])
+def test_quantized_perplexity_within_target(fmt, placement, heldout, baseline_ppl):
+    ppl = _ppl(_model(fmt, placement), heldout)
+    assert ppl <= baseline_ppl * (1 + TARGETS[fmt]), (fmt, placement, ppl, baseline_ppl)
+
+
+@pytest.mark.parametrize(
+    "fmt", ["int8", "int4", pytest.param("nf4", marks=pytest.mark.skipif(not HAVE_BNB, reason="bitsandbytes not installed"))]
+)
+@pytest.mark.parametrize("placement", ["dequant", "packed"])
+def test_every_format_generates_greedy_and_beam(fmt, placement, heldout):
+    model = _model(fmt, placement)
+    prompt = heldout[:1, :12]
+    greedy = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    beam = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, num_beams=4, do_sample=False)
+    assert greedy.shape == beam.shape == (1, 20)
+    s = model.mira.stats()
+    assert s["bytes_h2d"] > 0 and s["resident_bytes"] <= s["budget_bytes"]
+
+
+def test_both_placements_compute_the_same_function(heldout):
+    with torch.no_grad():
+        a = _model("int4", "dequant")(heldout[:2]).logits
+        b = _model("int4", "packed")(heldout[:2]).logits
+    assert (a - b).abs().max() <= 1e-3
+
+
+def test_packed_placement_holds_more_experts_and_moves_fewer_bytes(heldout):
+    raw, packed = _model(None, dtype=torch.bfloat16), _model("int4", "packed", dtype=torch.bfloat16)
+    assert sum(packed.mira.budget.n_slots.values()) >= 3 * sum(raw.mira.budget.n_slots.values()) or all(
+        n == 48 for n in packed.mira.budget.n_slots.values()
+    )
+    assert packed.mira.store.record_bytes(0) * 3.5 <= raw.mira.store.record_bytes(0)
+
+
+def test_nf4_without_bitsandbytes_names_the_extra(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(MissingDependencyError, match=r"mira-hf\[quant\]"):
+        MiraConfig(quantization="nf4")
+
+
+def test_bad_quant_settings_are_refused():
+    from mira_hf import ConfigError
+
+    with pytest.raises(ConfigError, match="placement"):
+        QuantConfig(placement="cpu")
+    with pytest.raises(ConfigError, match="power of two"):
+        QuantConfig(group_size=48)

@@ -87,10 +87,13 @@ class ExpertCache:
     def lookup(self, key: Key) -> Slot | None:
         return self.pool(key[0]).where.get(key)
 
-    def allocate(self, key: Key, staged: bool, evict: bool = True) -> tuple[Slot | None, Eviction | None]:
+    def allocate(
+        self, key: Key, staged: bool, evict: bool = True, prefetch_may_evict=None
+    ) -> tuple[Slot | None, Eviction | None]:
         """Give `key` a slot: a free one, else the policy's victim. Returns (slot, what was evicted).
 
-        See `_victim_groups` for who may be evicted. `evict=False` takes only a free slot.
+        See `_victim_groups` for who may be evicted. `evict=False` takes only a free slot;
+        `prefetch_may_evict(key)` further restricts a prefetch's victims (e.g. to cold experts).
         Returns (None, None) when nothing can be taken.
         """
         pool = self.pool(key[0])
@@ -102,7 +105,7 @@ class ExpertCache:
             return None, None
         else:
             victim = None
-            for group in self._victim_groups(pool, staged):
+            for group in self._victim_groups(pool, staged, prefetch_may_evict):
                 victim = pool.policy.victim(group)
                 if victim is not None:
                     break
@@ -120,7 +123,7 @@ class ExpertCache:
         return slot, evicted
 
     @staticmethod
-    def _victim_groups(pool: SlotPool, staged: bool) -> list[list[Key]]:
+    def _victim_groups(pool: SlotPool, staged: bool, prefetch_may_evict=None) -> list[list[Key]]:
         """Where victims are sought, in order. STAGE experts that are not awaiting use go first.
         A prefetch stops there: it never evicts HOT, nor another prefetch still awaiting its use.
         A demand load then takes from HOT, and only last from prefetches awaiting use."""
@@ -128,7 +131,7 @@ class ExpertCache:
         awaiting = [s.key for s in unpinned if s.awaiting]
         idle_stage = [s.key for s in unpinned if s.tier == STAGE and not s.awaiting]
         if staged:
-            return [idle_stage]
+            return [[k for k in idle_stage if prefetch_may_evict is None or prefetch_may_evict(k)]]
         return [idle_stage, [s.key for s in unpinned if s.tier == HOT], awaiting]
 
     def use(self, slot: Slot) -> None:

@@ -142,8 +142,8 @@ class MiraConfig:
 
     gpu_budget: Budget = None
     device: str | None = None
-    policy: str = "lru"
-    predictor: str | None = None
+    policy: str = "heat"  # measured best on real routing (benchmarks/NOTES.md); "lru" is the reactive baseline
+    predictor: str | None = "auto"  # "learned" when calibrated (predictor_path), else "gate": no training needed
     quantization: str | None = None
     host_memory: str = "auto"
     host_budget: int | str | None = None

@@ -46,6 +46,7 @@ class BlockPlan:
     order: list[int]
     pending: deque = field(default_factory=deque)  # misses not yet given a slot
     slots: dict[int, Slot] = field(default_factory=dict)  # expert -> slot pinned by this plan
+    predictions: dict | None = None  # the predictor's guesses, staged once the block's own experts are in use
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ class ExpertManager:
         # into a slot of the checkpoint dtype) or "packed" (packed records, computed from as they are).
         self.placement = placement if store.quantized else "raw"
         self._predicted: dict[Key, float] = {}  # latest predicted probability of use this step
+        self._precision: float | None = None  # running precision of the predictor's guesses
         self._pending_predictions: dict[int, list[tuple[int, set[int]]]] = {}  # target layer -> [(distance, set)]
         self.recorder = None  # optional callable(layer, hidden [T,H], top_k_index [T,K]): traces, calibration
         self.router_probs = None  # (layer, hidden) -> [T, E] router probabilities, set by the model wrapper
@@ -157,7 +159,7 @@ class ExpertManager:
 
     def _make_policy(self, name: str, priority: PriorityConfig | None):
         if name == "heat":
-            return HeatPolicy(self.heat)
+            return HeatPolicy(self.heat, self.keep_value)
         if name == "priority":
             return PriorityPolicy(
                 predicted=lambda k: self._predicted.get(k, 0.0),
@@ -236,7 +238,7 @@ class ExpertManager:
             self._issue(plan)
             if self.predictor is not None and hidden is not None and top_k_index is not None:
                 self.predictor.observe(layer, hidden, top_k_index)
-                self._stage(layer, self.predictor.predict(layer, hidden))
+                plan.predictions = self.predictor.predict(layer, hidden)
             return plan
 
     def acquire(self, plan: BlockPlan, expert: int) -> dict[str, torch.Tensor]:
@@ -262,23 +264,30 @@ class ExpertManager:
             self._issue(plan)
 
     def end(self, plan: BlockPlan) -> None:
-        """Unpin whatever the plan still holds (normal end, or an exception mid-block)."""
+        """Unpin whatever the plan still holds (normal end, or an exception mid-block), then stage
+        the predicted experts of later layers. Staging waits until now because, before the block's
+        experts are used, its fresh demand loads still fill the STAGE tier; on CUDA the block's
+        compute is already queued, so these copies still overlap it."""
         with self._lock:
             for slot in plan.slots.values():
                 slot.free = self.loader.mark_free(slot.free)
                 slot.pins -= 1
             plan.slots.clear()
             plan.pending.clear()
+            if plan.predictions:
+                predictions, plan.predictions = plan.predictions, None
+                self._stage(plan.layer, predictions)
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+    def prefetch(self, layer: int, experts: Sequence[int], probabilities: Sequence[float] | None = None) -> int:
         """Stage `experts` of `layer` into STAGE slots ahead of need; returns how many copies started.
         Never evicts a HOT or pinned expert; stops when no STAGE slot can be taken."""
         with self._lock:
             started = 0
-            for e in experts:
+            for i, e in enumerate(experts):
                 if self.cache.lookup((layer, e)) is not None:
                     continue
-                slot = self._load((layer, e), staged=True, evict=self.telemetry.steps >= self.warmup_steps)
+                p = 1.0 if probabilities is None else probabilities[i]
+                slot = self._load((layer, e), staged=True, evict=self.telemetry.steps >= self.warmup_steps, probability=p)
                 if slot is None:
                     break
                 started += 1
@@ -298,15 +307,24 @@ class ExpertManager:
             self._pending_predictions.setdefault(target, []).append((target - layer, set(chosen)))
             for e in chosen:
                 self._predicted[(target, e)] = max(self._predicted.get((target, e), 0.0), values[e])
-            if target - layer <= cfg.lookahead:
-                self.prefetch(target, chosen[:cap])
+            if target - layer <= cfg.lookahead and self.staging_enabled:
+                self.prefetch(target, chosen[:cap], [values[e] for e in chosen[:cap]])
+
+    @property
+    def staging_enabled(self) -> bool:
+        """Whether predictions are turned into copies now: only while the predictor has been right
+        often enough (predictions are still made and scored, so staging resumes when it recovers)."""
+        return self._precision is None or self._precision >= self.predictor_config.min_precision
 
     def _score_predictions(self, layer: int, experts: Sequence[int]) -> None:
         actual = set(experts)
+        decay = self.predictor_config.precision_decay
         for distance, predicted in self._pending_predictions.pop(layer, ()):
-            self.telemetry.count_prediction(
-                layer, distance, len(predicted & actual), len(predicted - actual), len(actual - predicted)
-            )
+            tp = len(predicted & actual)
+            self.telemetry.count_prediction(layer, distance, tp, len(predicted) - tp, len(actual) - tp)
+            if predicted and distance <= self.predictor_config.lookahead:  # only guesses that were staged
+                p = tp / len(predicted)
+                self._precision = p if self._precision is None else decay * self._precision + (1 - decay) * p
 
     def _expire_prefetches(self, layer: int) -> None:
         """This layer's block is running: its prefetches no longer wait (used ones are pinned now)."""
@@ -330,8 +348,25 @@ class ExpertManager:
             slot.pins += 1
             plan.slots[e] = slot
 
-    def _load(self, key: Key, staged: bool, evict: bool = True) -> Slot | None:
-        slot, evicted = self.cache.allocate(key, staged, evict=evict)
+    def layers_until(self, layer: int) -> int:
+        """Layers from now until `layer`'s block runs again (1..L); layers run in order each step."""
+        n = len(self.layers)
+        d = (layer - self._last_layer) % n
+        return d if d > 0 else n
+
+    def keep_value(self, key: Key) -> float:
+        """How much keeping a resident expert is worth: its heat (how often it is used lately) over
+        how soon its layer runs again. The least valuable expert is the best victim."""
+        return (self.heat.score(*key) + 1e-3) / self.layers_until(key[0])
+
+    def _load(self, key: Key, staged: bool, evict: bool = True, probability: float = 1.0) -> Slot | None:
+        # A guess may only displace an expert less likely to be used again than the guess itself
+        # (heat stands for that likelihood): when transfers are the bottleneck, evicting an expert
+        # that will be needed costs the same transfer the guess might save.
+        admit = None
+        if staged:
+            admit = lambda k: self.heat.score(*k) < probability  # noqa: E731
+        slot, evicted = self.cache.allocate(key, staged, evict=evict, prefetch_may_evict=admit)
         if slot is None:
             return None
         layer = key[0]

@@ -49,13 +49,19 @@ class LRUPolicy:
 
 
 class HeatPolicy(LRUPolicy):
-    """Evict the coldest expert (ties: least recently used); HOT only at or above the threshold."""
+    """Cold experts (below the heat threshold) go first; HOT only at or above the threshold.
+
+    Within each group the victim is the expert least worth keeping: `keep_value(key)` (heat over the
+    number of layers until its layer runs again, from the manager). Layers run in order every step,
+    so an expert of the layer just computed is needed last; plain recency gets this backwards
+    (the least recently used expert belongs to the layer that runs next)."""
 
     name = "heat"
 
-    def __init__(self, heat: HeatTracker) -> None:
+    def __init__(self, heat: HeatTracker, keep_value: Callable[[Key], float] | None = None) -> None:
         super().__init__()
         self.heat = heat
+        self.keep_value = keep_value or (lambda k: heat.score(*k))
 
     def admit_hot(self, key: Key) -> bool:
         return self.heat.is_hot(*key)
@@ -65,7 +71,7 @@ class HeatPolicy(LRUPolicy):
         if not allowed:
             return None
         rank = {k: i for i, k in enumerate(self._order)}  # recency rank: 0 = oldest
-        return min(allowed, key=lambda k: (self.heat.score(*k), rank.get(k, -1)))
+        return min(allowed, key=lambda k: (self.heat.is_hot(*k), self.keep_value(k), rank.get(k, -1)))
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,10 @@ class PredictorConfig:
     markov_recheck_tokens: int = 256  # every N tokens, re-estimate if accuracy dropped
     position_window_tokens: int = 64
     hybrid_switch_tokens: int = 512
+    # Stage only while the predictor's recent precision (share of staged guesses that were used) is at
+    # least this: when the link is the bottleneck, a wrong guess costs a whole expert's transfer.
+    min_precision: float = 0.6
+    precision_decay: float = 0.9  # weight of the past in the running precision estimate
 
     def __post_init__(self) -> None:
         if self.lookahead < 1:

@@ -87,7 +87,11 @@ def test_wrapped_model_is_exact_under_any_configuration(c):
     with torch.no_grad():
         assert (model(ids, attention_mask=mask).logits - ref(ids, attention_mask=mask).logits).abs().max() <= 1e-5
     kw = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, pad_token_id=0)
-    kw.update({"greedy": dict(do_sample=False), "sample": dict(do_sample=True, top_k=10), "beam": dict(num_beams=3, do_sample=False)}[c["mode"]])
+    kw.update(
+        {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, top_k=10), "beam": dict(num_beams=3, do_sample=False)}[
+            c["mode"]
+        ]
+    )
     torch.manual_seed(c["seed"])
     expected = ref.generate(ids, **kw)
     torch.manual_seed(c["seed"])

@@ -21,6 +21,7 @@ from collections.abc import Hashable, Iterator
 
 import torch
 
+from .config import CacheConfig
 from .errors import ConfigError
 from .heat import HeatConfig
 from .layout import ALIGN_BYTES
@@ -42,7 +43,7 @@ def replay(
     predictor: str | None = None,
     router_probs: RouterProbs | None = None,
     predictor_obj: Predictor | None = None,
-    stage_fraction: float = 0.25,
+    stage_fraction: float | None = None,
     predictor_config: PredictorConfig | None = None,
     heat: HeatConfig | None = None,
     priority: PriorityConfig | None = None,
@@ -55,6 +56,7 @@ def replay(
         `predictor_obj` (a calibrated `mira_hf.learned.LearnedPredictor`).
     predictor_obj: a ready predictor (observe/predict/reset); overrides `predictor`. It is `reset()`
         first, so repeated replays with one object are independent.
+    stage_fraction, predictor_config, heat, priority: as in `MiraConfig` (None: its defaults).
     reset_predictor_per_sequence: call `predictor.reset()` at each new sequence (a new KV cache).
         Off by default because the runtime never does: a served model keeps its cache, heat and
         predictor state from one `generate` to the next, and a new prompt is just a jump in routing.
@@ -78,6 +80,7 @@ def replay(
         )
 
     cfg = predictor_config or PredictorConfig()
+    stage_fraction = CacheConfig().stage_fraction if stage_fraction is None else stage_fraction
     pred = _predictor(predictor, predictor_obj, layers, router_probs, cfg)
     needs_hidden = predictor_obj is not None or predictor in (*_NEEDS_ROUTERS, "learned")
     if needs_hidden and (trace.hidden is None or trace.hidden.shape[0] != trace.steps):  # [steps, L, H] needed

@@ -1,0 +1,163 @@
+"""Offline evaluation: routing traces, replay through the real manager, Belady's bound, LRU cross-check."""
+
+import pytest
+import torch
+from conftest import load_reference
+
+from mira_hf import IncompatibleFileError, MiraConfig, MiraMoEModel
+from mira_hf.replay import belady, lru_reference, replay
+from mira_hf.trace import RoutingTrace, record_trace
+
+POLICIES = ("lru", "heat", "priority")
+
+
+def make_trace(steps: list[list[list[int]]], num_experts: int, record_bytes=1000, hidden_size=None) -> RoutingTrace:
+    """steps[t][layer] = experts of that block (one token per step)."""
+    experts = torch.tensor(steps, dtype=torch.long)  # [steps, L, K]
+    L = experts.shape[1]
+    rb = record_bytes if isinstance(record_bytes, list) else [record_bytes] * L
+    hidden = None if hidden_size is None else torch.randn(experts.shape[0], L, hidden_size).half()
+    return RoutingTrace(experts, hidden, [0], [num_experts] * L, rb)
+
+
+def random_trace(seed: int, steps=300, layers=3, experts=6, top_k=2, record_bytes=1000) -> RoutingTrace:
+    """Skewed routing (a few popular experts per layer) so caches get hits and choices matter."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(layers, experts, generator=g) ** 3 + 0.02  # [L, E]
+    picked = torch.stack([torch.multinomial(weights[layer].expand(steps, -1), top_k, generator=g) for layer in range(layers)], 1)
+    trace = make_trace(picked.tolist(), experts, record_bytes)
+    trace.sequence_starts = [0, steps // 2]
+    return trace
+
+
+# -- hand-computed traces ---------------------------------------------------------------------------
+# The textbook paging example (1,2,3,4,1,2,5,1,2,3,4,5 with 3 frames): MIN faults 7 times, LRU 10.
+TEXTBOOK = [[[e]] for e in (0, 1, 2, 3, 0, 1, 4, 0, 1, 2, 3, 4)]
+
+
+def test_belady_and_lru_on_the_textbook_trace():
+    trace = make_trace(TEXTBOOK, num_experts=5)  # budget 0.65 of 5 experts -> 3 slots
+    assert belady(trace, budget=0.65)["misses"] == 7
+    assert lru_reference(trace, 0.65)["misses"] == 10
+    r = replay(trace, budget=0.65, policy="lru", predictor=None, stage_fraction=0.0)
+    assert (r["misses"], r["loads"], r["hits"]) == (10, 10, 2)
+    assert r["config"]["slots"] == 3
+    assert r["bytes_moved"] == 10 * 1000 and r["bytes_per_token"] == pytest.approx(10 * 1000 / 12)
+
+
+def test_a_block_needs_all_its_experts_at_once():
+    # 3 slots, top-2 blocks. By hand:
+    # MIN: {0,1} 2 misses; {2,3}: 2 free-slot load, then evict 1 (next use later than 0's) for 3;
+    #      {0,2} hits; {1,3}: evict 2 (never used again) for 1; {0,1} hits -> 5 misses.
+    # LRU: {0,1} 2; {2,3}: evict 0 -> 4; {0,2}: evict 1 -> 5; {1,3}: evict 2 -> 6; {0,1} hits -> 6 misses.
+    blocks = [[[0, 1]], [[2, 3]], [[0, 2]], [[1, 3]], [[0, 1]]]
+    trace = make_trace(blocks, num_experts=4)
+    b = belady(trace, budget=0.75)
+    assert (b["misses"], b["hits"], b["uses"]) == (5, 5, 10)
+    assert b["bytes_moved"] == 5000
+    assert lru_reference(trace, 0.75)["misses"] == 6
+    assert replay(trace, budget=0.75, policy="lru", stage_fraction=0.0)["misses"] == 6
+
+
+def test_slots_come_from_real_record_sizes():
+    trace = make_trace(TEXTBOOK, num_experts=5, record_bytes=2**20)  # 1 MiB experts, tiny synthetic records
+    r = replay(trace, budget=0.65, policy="lru")
+    assert r["config"]["slots"] == 3 and r["config"]["capacity_bytes"] == 3 * 2**20
+    assert r["bytes_moved"] == r["loads"] * 2**20
+
+
+# -- random traces ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("budget", [0.4, 0.6])
+@pytest.mark.parametrize("stage_fraction", [0.0, 0.25, 0.5])
+def test_manager_lru_equals_the_reference_lru(seed, budget, stage_fraction):
+    trace = random_trace(seed, record_bytes=[1000, 1000, 2000])  # two slot pools
+    ref = lru_reference(trace, budget)
+    got = replay(trace, budget=budget, policy="lru", stage_fraction=stage_fraction)
+    assert got["misses"] == ref["misses"] and got["loads"] == ref["misses"]
+    assert {layer: s["misses"] for layer, s in got["per_layer"].items()} == {
+        layer: s["misses"] for layer, s in ref["per_layer"].items()
+    }
+    assert got["bytes_moved"] == ref["bytes_moved"]
+
+
+@pytest.mark.parametrize("seed", [2, 3])
+@pytest.mark.parametrize("budget", [0.4, 0.7])
+def test_belady_moves_fewest_bytes_of_any_demand_cache(seed, budget):
+    trace = random_trace(seed, record_bytes=[1000, 1000, 2000])
+    best = belady(trace, budget=budget)
+    assert best["bytes_moved"] <= lru_reference(trace, budget)["bytes_moved"]
+    for policy in POLICIES:
+        for stage_fraction in (0.0, 0.25):
+            r = replay(trace, budget=budget, policy=policy, predictor=None, stage_fraction=stage_fraction)
+            assert r["prefetches"] == 0
+            assert best["bytes_moved"] <= r["bytes_moved"], (policy, stage_fraction)
+
+
+def test_full_budget_misses_each_expert_once():
+    trace = random_trace(4)
+    first_uses = len({(layer, e) for row in trace.experts.tolist() for layer, es in enumerate(row) for e in es})
+    assert belady(trace, budget=1.0)["misses"] == first_uses
+    assert replay(trace, budget=1.0, policy="heat")["misses"] == first_uses
+
+
+def test_a_predictor_learns_a_deterministic_routing():
+    # Layer 1 always routes to (layer 0's expert + 1) mod 8: Markov's layer-to-layer counts find it.
+    g = torch.Generator().manual_seed(0)
+    first = torch.randint(0, 8, (400,), generator=g).tolist()
+    trace = make_trace([[[e], [(e + 1) % 8]] for e in first], num_experts=8)
+    r = replay(trace, budget=0.5, policy="lru", predictor="markov")
+    assert r["per_layer"][1]["recall@1"] > 0.9
+    assert r["recall@1"] == r["per_layer"][1]["recall@1"]  # only layer 1 has a layer before it
+    assert r["prefetches"] > 0 and r["loads"] == r["misses"] + r["prefetches"]
+
+
+def test_predictors_needing_routers_or_training_say_what_to_pass():
+    trace = make_trace(TEXTBOOK, num_experts=5, hidden_size=4)
+    with pytest.raises(ValueError, match="router_probs"):
+        replay(trace, budget=0.65, policy="lru", predictor="gate")
+    with pytest.raises(ValueError, match="predictor_obj"):
+        replay(trace, budget=0.65, policy="lru", predictor="learned")
+
+
+# -- files ------------------------------------------------------------------------------------------
+def test_trace_round_trips_and_refuses_another_model(tmp_path):
+    trace = make_trace([[[0, 1], [2, 3]], [[1, 2], [3, 0]]], num_experts=4, hidden_size=8)
+    trace.sequence_starts = [0, 1]
+    trace.fingerprint = {"model_type": "mixtral", "router_sha256": "aaa"}
+    trace.save(tmp_path / "t")
+    back = RoutingTrace.load(tmp_path / "t.safetensors", fingerprint=trace.fingerprint)
+    assert torch.equal(back.experts, trace.experts) and back.experts.dtype == torch.long
+    assert torch.equal(back.hidden, trace.hidden)
+    assert (back.sequence_starts, back.num_experts, back.record_bytes) == ([0, 1], [4, 4], [1000, 1000])
+    assert RoutingTrace.load(tmp_path / "t").fingerprint == trace.fingerprint  # no check asked
+    other = {"model_type": "mixtral", "router_sha256": "bbb"}
+    with pytest.raises(IncompatibleFileError, match="aaa") as info:
+        RoutingTrace.load(tmp_path / "t", fingerprint=other)
+    assert "bbb" in str(info.value)
+    with pytest.raises(IncompatibleFileError):
+        RoutingTrace.load(tmp_path / "missing")
+
+
+# -- recording ----------------------------------------------------------------------------------------
+def test_record_trace_gives_the_models_own_routing(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    B, S = 2, 6
+    ids = torch.randint(3, 128, (B, S), generator=torch.Generator().manual_seed(0))
+    ref = load_reference(path)
+    with torch.no_grad():
+        logits = ref(input_ids=ids, output_router_logits=True).router_logits  # per layer [B*S, E]
+    K = ref.config.num_experts_per_tok
+    expected = torch.stack([lg.softmax(-1).topk(K, dim=-1).indices for lg in logits], dim=1)  # [B*S, L, K]
+
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=1.0, device="cpu"), progress=False)
+    trace = record_trace(model, ids, progress=False)
+    assert trace.steps == B * S and trace.sequence_starts == [0, S]
+    assert trace.experts.shape == (B * S, len(logits), K)
+    assert torch.equal(trace.experts.sort(-1).values, expected.sort(-1).values)
+    assert trace.hidden.shape == (B * S, len(logits), ref.config.hidden_size) and trace.hidden.dtype == torch.float16
+    assert trace.fingerprint == model.mira.fingerprint and model.mira.recorder is None
+    assert trace.record_bytes == [model.mira.store.record_bytes(i) for i in range(len(logits))]
+    # the recorded hidden states drive the router-based predictors in a replay
+    r = replay(trace, budget=0.5, policy="lru", predictor="gate", router_probs=model.mira.router_probs)
+    assert r["steps"] == B * S and r["recall@1"] is not None

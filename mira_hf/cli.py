@@ -14,6 +14,7 @@ with status 2, as argparse does for bad arguments; `--traceback` shows the full 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ast
 import importlib
 import importlib.metadata
@@ -125,10 +126,19 @@ def _add_model_options(p: argparse.ArgumentParser, budget_default: str | None, p
         metavar="B",
         help=f"GPU bytes for experts: a fraction of all expert bytes (0.25), a size (12GiB) or bytes (default: {fit})",
     )
-    p.add_argument("--policy", default="lru", metavar="P", help=f"cache eviction policy: {policies} (default lru)")
+    defaults = {f.name: f.default for f in dataclasses.fields(MiraConfig)}
+    p.add_argument(
+        "--policy",
+        default=defaults["policy"],
+        metavar="P",
+        help=f"cache eviction policy: {policies} (default {defaults['policy']})",
+    )
     if predictors is not None:
         p.add_argument(
-            "--predictor", default=None, metavar="P", help=f"expert predictor for prefetching: {predictors} (default none)"
+            "--predictor",
+            default=defaults["predictor"],
+            metavar="P",
+            help=f"expert predictor for prefetching: {predictors}, or none (default {defaults['predictor']})",
         )
     p.add_argument("--device", default=None, metavar="D", help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument(
@@ -163,7 +173,7 @@ def _mira_config(args: argparse.Namespace) -> MiraConfig:
         gpu_budget=parse_budget(args.budget),
         device=device,
         policy=args.policy,
-        predictor=getattr(args, "predictor", None),
+        predictor=None if getattr(args, "predictor", None) in (None, "none") else args.predictor,
         **({"predictor_path": predictor_path} if predictor_path else {}),
     )
 

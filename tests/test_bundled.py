@@ -1,0 +1,28 @@
+"""The bundled trained model loads offline and the wrapped model generates what the original does."""
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mira_hf import MiraConfig, MiraMoEModel, bundled_model_path
+
+
+def test_bundled_model_greedy_output_equals_the_unwrapped_model():
+    path = bundled_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt = tok("import os\n\ndef main(", return_tensors="pt").input_ids
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", gpu_budget=0.25), dtype=torch.float32, progress=False)
+    kw = dict(max_new_tokens=48, min_new_tokens=48, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert torch.equal(model.generate(prompt, **kw), ref.generate(prompt, **kw))
+    assert model.mira.stats()["hits"] > 0  # real routing has reuse for the cache to find
+
+
+def test_bundled_model_ships_heldout_tokens_and_a_training_report():
+    path = bundled_model_path()
+    ids = load_file(f"{path}/heldout_tokens.safetensors")["input_ids"]
+    assert ids.dim() == 2 and ids.shape[1] == 256 and int(ids.max()) < 6144
+    import json
+
+    report = json.load(open(f"{path}/training_report.json"))
+    assert report["heldout"]["loss"] < 3.0

@@ -14,8 +14,8 @@ with status 2, as argparse does for bad arguments; `--traceback` shows the full 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import ast
+import dataclasses
 import importlib
 import importlib.metadata
 import json

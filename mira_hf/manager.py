@@ -143,14 +143,16 @@ class ExpertManager:
             pools[g] = SlotPool(budget.slot_bytes[g], n, n_stage, self._make_policy(policy, priority))
             # One allocation per pool, made once: slots are views, so the budget is never exceeded.
             self._arena[g] = torch.empty((n, budget.slot_bytes[g]), dtype=torch.uint8, device=device)
-        # Placement "dequant": packed records land in a small device staging buffer per pool, then are
-        # dequantised into their slot on the copy stream (stream order makes one buffer enough).
+        # Placement "dequant": packed records land in a device staging buffer per pool (one packed
+        # record, outside the budget), then are dequantised into their slot on the copy stream; stream
+        # order makes one buffer enough.
         self._staging: dict[Hashable, torch.Tensor] = {}
         if self.placement == "dequant":
+            packed = {}
             for li in layers:
                 g = budget.pool_of_layer[li.ordinal]
-                size = max(store.record_bytes(li.ordinal), self._staging[g].numel() if g in self._staging else 0)
-                self._staging[g] = torch.empty(size, dtype=torch.uint8, device=device)
+                packed[g] = max(packed.get(g, 0), store.record_bytes(li.ordinal))
+            self._staging = {g: torch.empty(n, dtype=torch.uint8, device=device) for g, n in packed.items()}
         self.cache = ExpertCache(pools, budget.pool_of_layer)
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (layer, slot) -> tensors
         self._last_layer = -1

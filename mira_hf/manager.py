@@ -207,8 +207,8 @@ class ExpertManager:
         top_k_index: torch.Tensor | None = None,
     ) -> BlockPlan:
         """Start a block call needing `experts` of `layer`: count hits and misses, pin what is
-        resident, issue copies for misses while slots can be taken, then let the predictor stage
-        experts of later layers (after the demand copies, so those go first)."""
+        resident, issue copies for misses while slots can be taken, and ask the predictor about later
+        layers (its guesses are staged by `end`, after this block's own copies)."""
         with self._lock:
             if layer <= self._last_layer:
                 self._end_step()

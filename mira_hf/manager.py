@@ -172,7 +172,7 @@ class ExpertManager:
         return LRUPolicy()
 
     # -- forward steps --------------------------------------------------------------------------
-    def enter_forward(self) -> None:
+    def enter_forward(self, new_sequence: bool = False) -> None:
         """A forward step of the model starts. Steps are serialised: a second thread calling the
         same model waits for the first step to finish (steps of two generate calls interleave
         safely: the expert cache holds no per-sequence state)."""
@@ -186,6 +186,8 @@ class ExpertManager:
             if self._last_layer >= 0:
                 self._end_step()
             self._last_layer = -1
+            if new_sequence and hasattr(self.predictor, "new_sequence"):
+                self.predictor.new_sequence()
 
     def exit_forward(self) -> None:
         """The forward step ended (normally or by an exception, KeyboardInterrupt included)."""

@@ -159,7 +159,9 @@ class MiraMoEModel:
         # Per-instance hooks mark forward steps (the heat clock, serialised threads); always_call
         # releases the step even when the forward raises, so an interrupted generate leaves no lock.
         hooks = (
-            model.register_forward_pre_hook(lambda mod, args: manager.enter_forward()),
+            model.register_forward_pre_hook(
+                lambda mod, args, kwargs: manager.enter_forward(_starts_sequence(kwargs)), with_kwargs=True
+            ),
             model.register_forward_hook(lambda mod, args, out: manager.exit_forward(), always_call=True),
         )
         model.mira = manager
@@ -308,6 +310,15 @@ def model_fingerprint(model: nn.Module, targets: list[_Target], store: ExpertSto
         "expert_shapes": {s.name: list(s.shape) for s in store.raw_layout(targets[0].ordinal).tensors} if targets else {},
         "router_sha256": h.hexdigest(),
     }
+
+
+def _starts_sequence(kwargs: dict) -> bool:
+    """Whether a forward starts a new sequence: no KV cache yet, or an empty one (no device sync)."""
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))  # the name changed within transformers 5.x
+    if cache is None:
+        return True
+    length = getattr(cache, "get_seq_length", None)
+    return length is not None and length() == 0
 
 
 def _router_probs_fn(adapter: MoEAdapter, targets: list[_Target]):

@@ -252,18 +252,26 @@ class HybridPredictor:
 
     def __init__(self, markov: MarkovPredictor, position: PositionPredictor, switch_tokens: int) -> None:
         self.markov, self.position, self.switch_tokens = markov, position, switch_tokens
+        self.sequence_tokens = 0  # tokens of the current sequence (reset by `new_sequence`)
 
     def observe(self, layer, hidden, top_k_index) -> None:
         self.markov.observe(layer, hidden, top_k_index)
         self.position.observe(layer, hidden, top_k_index)
+        if layer == self.markov.layers[-1]:
+            self.sequence_tokens += top_k_index.shape[0]
 
     def predict(self, layer, hidden):
-        use = self.markov if self.markov.tokens < self.switch_tokens else self.position
+        use = self.markov if self.sequence_tokens < self.switch_tokens else self.position
         return use.predict(layer, hidden)
+
+    def new_sequence(self) -> None:
+        """A new sequence starts (a forward with an empty KV cache): Markov leads again."""
+        self.sequence_tokens = 0
 
     def reset(self) -> None:
         self.markov.reset()
         self.position.reset()
+        self.sequence_tokens = 0
 
 
 def build_predictor(name, layers, router_probs: RouterProbs, config: PredictorConfig, path=None, model=None, fingerprint=None):

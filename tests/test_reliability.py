@@ -131,3 +131,14 @@ def test_no_code_path_unpickles_user_files():
             if re.search(r"\btorch\.load\(|\bimport pickle\b|\bpickle\.load|\bimport dill\b|\bjoblib\.load", text):
                 offenders.append(os.fspath(f.relative_to(root)))
     assert offenders == []
+
+
+def test_hybrid_predictor_restarts_with_each_sequence(tiny_checkpoint):
+    from mira_hf.predictors import PredictorConfig
+
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, predictor="hybrid", prediction=PredictorConfig(hybrid_switch_tokens=8))
+    model = MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), cfg, progress=False)
+    model.generate(PROMPT, **GEN)  # 5 prompt tokens + 11 decoded: past the switch
+    assert model.mira.predictor.sequence_tokens == 16
+    model.generate(PROMPT[:, :3], max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert model.mira.predictor.sequence_tokens == 4  # a new sequence: counted from its own start

@@ -9,12 +9,17 @@ run synchronously and the "device" arena is host memory.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
 class Loader:
-    def __init__(self, device: torch.device, ring_bytes: int = 128 * 2**20, ring_chunks: int = 4) -> None:
+    def __init__(
+        self, device: torch.device, ring_bytes: int = 128 * 2**20, ring_chunks: int = 4, timeout_s: float = 60.0
+    ) -> None:
         self.device = device
+        self.timeout_s = timeout_s  # the longest the host waits for a copy before raising
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._ring_bytes = ring_bytes
@@ -62,10 +67,20 @@ class Loader:
             n = min(chunk_bytes, src.numel() - start)
             i = self._ring_next
             self._ring_next = (i + 1) % len(self._ring)
-            self._ring_events[i].synchronize()  # the chunk's previous copy has left it
+            self._wait_host(self._ring_events[i])  # the chunk's previous copy has left it
             self._ring[i][:n].copy_(src[start : start + n])
             dst[start : start + n].copy_(self._ring[i][:n], non_blocking=True)
             self._ring_events[i].record(self.stream)
+
+    def _wait_host(self, event) -> None:
+        """Block the host until `event` completes, or raise after `timeout_s` instead of hanging."""
+        deadline = time.monotonic() + self.timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"a host→device copy did not finish within {self.timeout_s:.0f} s (LoaderConfig.copy_timeout_s)"
+                )
+            time.sleep(50e-6)
 
     # -- waiting --------------------------------------------------------------------------------
     def wait(self, ready: object, layer: int) -> None:

@@ -103,6 +103,7 @@ class ExpertManager:
         policy: str = "lru",
         stage_fraction: float = 0.25,
         ring_bytes: int = 128 * 2**20,
+        copy_timeout_s: float = 60.0,
         heat: HeatConfig | None = None,
         priority: PriorityConfig | None = None,
         predictor: Predictor | None = None,
@@ -114,7 +115,7 @@ class ExpertManager:
         self.layers = {li.ordinal: li for li in layers}
         self.budget = budget
         self.device = device
-        self.loader = Loader(device, ring_bytes)
+        self.loader = Loader(device, ring_bytes, timeout_s=copy_timeout_s)
         self.telemetry = Telemetry()
         self.heat = HeatTracker({li.ordinal: li.num_experts for li in layers}, heat)
         self.predictor = predictor

@@ -138,6 +138,7 @@ class MiraMoEModel:
                 policy=cfg.policy,
                 stage_fraction=cfg.cache.stage_fraction,
                 ring_bytes=cfg.loader.staging_ring_bytes,
+                copy_timeout_s=cfg.loader.copy_timeout_s,
                 heat=cfg.heat,
                 priority=cfg.priority,
                 predictor_config=cfg.prediction,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import types
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -115,17 +116,27 @@ class MiraMoEModel:
         slot_bytes = {layer: codec.plan(s).nbytes for layer, s in specs.items()} if packed else raw_bytes
         # A fractional budget is a share of the checkpoint's expert bytes, whatever the transfer format.
         all_bytes = sum(raw_bytes[li.ordinal] * li.num_experts for li in layers)
-        budget_bytes = _budget_bytes(cfg.gpu_budget, all_bytes, device, model)
+        budget_bytes = _budget_bytes(cfg.gpu_budget, all_bytes, device, model, targets)
         budget = plan_budget(layers, slot_bytes, budget_bytes)
-        _check_device_memory(budget.capacity_bytes, device, model)
+        _check_device_memory(budget.capacity_bytes, device, model, targets)
+        # The predictor (and its files) is checked before anything changes too.
+        router_probs = _router_probs_fn(adapter, targets)
+        fingerprint = model_fingerprint(model, targets, specs)
+        predictor = build_predictor(cfg.predictor, layers, router_probs, cfg.prediction, cfg.predictor_path, model, fingerprint)
 
         # Validation done: from here on, any failure rolls back to the untouched model.
         pinned = device.type == "cuda" and cfg.host_memory in ("auto", "pinned")
         store = ExpertStore(codec, pinned=pinned, host_budget_bytes=cfg.host_budget_bytes, offload_dir=cfg.offload_dir)
+        # Uncompressed records restore exactly, so each layer's tensors are dropped as soon as it is stored
+        # (peak host memory grows by one layer). Quantized records would restore only approximately, so
+        # the originals are kept until every layer is stored and a failure can give them back untouched.
+        keep = {}
         stripped: list[_Target] = []
         try:
             for t in _progress(targets, progress, "storing experts"):
                 store.add_layer(t.ordinal, t.tensors)
+                if store.quantized:
+                    keep[t.ordinal] = {n: t.module.get_parameter(n) for n in t.tensors}
                 for n in t.tensors:
                     t.module.register_parameter(n, None)
                 t.tensors = {}  # the store holds them now: drop the last reference, one layer at a time
@@ -144,16 +155,17 @@ class MiraMoEModel:
                 predictor_config=cfg.prediction,
                 placement=cfg.quant.placement,
             )
-            manager.router_probs = _router_probs_fn(adapter, targets)
-            manager.fingerprint = model_fingerprint(model, targets, store)
-            manager.predictor = build_predictor(
-                cfg.predictor, layers, manager.router_probs, cfg.prediction, cfg.predictor_path, model, manager.fingerprint
-            )
+            manager.router_probs, manager.fingerprint, manager.predictor = router_probs, fingerprint, predictor
         except BaseException:
             for t in stripped:
-                _restore_tensors(t, store)
+                if t.ordinal in keep:
+                    for n, p in keep[t.ordinal].items():
+                        t.module.register_parameter(n, p)
+                else:
+                    _restore_tensors(t, store)
             store.close()
             raise
+        keep.clear()
         for t in targets:
             setattr(t.parent, t.attr, MiraExperts(t.module, manager, t.ordinal))
         model.to(device)
@@ -293,7 +305,7 @@ def _find_targets(model: nn.Module, adapter: MoEAdapter) -> list[_Target]:
     return targets
 
 
-def model_fingerprint(model: nn.Module, targets: list[_Target], store: ExpertStore) -> dict:
+def model_fingerprint(model: nn.Module, targets: list[_Target], specs: dict) -> dict:
     """What identifies a model for files made from it (predictors, packed stores): its shape and a
     hash of its routers' weights, so a file from another checkpoint of the same shape is refused too."""
     import hashlib
@@ -308,7 +320,7 @@ def model_fingerprint(model: nn.Module, targets: list[_Target], store: ExpertSto
         "moe_layers": len(targets),
         "num_experts": [t.module.num_experts for t in targets],
         "hidden_size": getattr(model.config, "hidden_size", None),
-        "expert_shapes": {s.name: list(s.shape) for s in store.raw_layout(targets[0].ordinal).tensors} if targets else {},
+        "expert_shapes": {n: list(shape) for n, (shape, _) in specs[targets[0].ordinal].items()} if targets else {},
         "router_sha256": h.hexdigest(),
     }
 
@@ -344,29 +356,29 @@ def _top_k(model: nn.Module, t: _Target) -> int:
     return 1
 
 
-def _budget_bytes(budget, all_bytes: int, device: torch.device, model: nn.Module) -> int:
+def _budget_bytes(budget, all_bytes: int, device: torch.device, model: nn.Module, targets: list[_Target]) -> int:
     if budget is None:
         if device.type != "cuda":
             return all_bytes
-        free = int(torch.cuda.mem_get_info(device)[0] * 0.9) - _non_expert_bytes(model)
+        free = int(torch.cuda.mem_get_info(device)[0] * 0.9) - _bytes_to_move(model, targets, device)
         return max(min(all_bytes, free), 1)
     if isinstance(budget, float):
         return max(int(budget * all_bytes), 1)
     return parse_bytes(budget, "gpu_budget")
 
 
-def _non_expert_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        b.numel() * b.element_size() for b in model.buffers()
-    )
+def _bytes_to_move(model: nn.Module, targets: list[_Target], device: torch.device) -> int:
+    """Bytes of non-expert weights and buffers that `model.to(device)` will still copy there."""
+    experts = {t.tensors[n].data_ptr() for t in targets for n in t.tensors}
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(x.numel() * x.element_size() for x in tensors if x.device != device and x.data_ptr() not in experts)
 
 
-def _check_device_memory(capacity: int, device: torch.device, model: nn.Module) -> None:
+def _check_device_memory(capacity: int, device: torch.device, model: nn.Module, targets: list[_Target]) -> None:
     if device.type != "cuda":
         return
     free, _ = torch.cuda.mem_get_info(device)
-    # Non-expert weights still on the host move over too; experts are counted by the model's parameters.
-    need = capacity + sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "cuda")
+    need = capacity + _bytes_to_move(model, targets, device)
     if need > free:
         raise BudgetError(
             f"the expert arena ({capacity:,} bytes) plus the weights that move to {device} need {need:,} bytes, but "
@@ -387,9 +399,19 @@ def _restore_tensors(t: _Target, store: ExpertStore, device: torch.device | None
         t.module.register_parameter(n, nn.Parameter(tensor.to(device) if device else tensor, requires_grad=t.requires_grad[n]))
 
 
+def _warn_if_lossy(manager: ExpertManager, what: str) -> None:
+    if manager.store.quantized:
+        warnings.warn(
+            f"the experts are stored as {manager.store.codec.name}: {what} their dequantized values, not the "
+            "checkpoint's. Load the model again without quantization for the original weights.",
+            stacklevel=3,
+        )
+
+
 def _unload(model: nn.Module) -> nn.Module:
     """Give back an ordinary transformers model, on the CPU, with every expert in place."""
     manager: ExpertManager = model.mira
+    _warn_if_lossy(manager, "unload() gives back")
     for hook in model._mira_hooks:
         hook.remove()
     manager.close()
@@ -407,6 +429,7 @@ def _save_pretrained(model: nn.Module, save_directory, **kwargs):
     """Write an ordinary transformers checkpoint (experts included), as the unwrapped model would."""
     if "state_dict" in kwargs:
         raise ConfigError("save_pretrained of a mira-hf model builds the state dict itself; do not pass state_dict.")
+    _warn_if_lossy(model.mira, "save_pretrained() writes")
     state = model.state_dict()
     for t in model._mira_targets:
         for key in [k for k in state if k.startswith(t.name + ".base.")]:

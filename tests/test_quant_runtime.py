@@ -85,3 +85,9 @@ def test_bad_quant_settings_are_refused():
         QuantConfig(placement="cpu")
     with pytest.raises(ConfigError, match="power of two"):
         QuantConfig(group_size=48)
+
+
+def test_unload_of_a_quantized_model_warns_that_experts_are_dequantized():
+    model = _model("int8")
+    with pytest.warns(UserWarning, match="dequantized values"):
+        model.unload()

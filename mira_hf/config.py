@@ -129,6 +129,8 @@ class MiraConfig:
         when `predictor_path` is given, else `"gate"` (needs no training); or one of `"gate"`,
         `"markov"`, `"global"`, `"position"`, `"hybrid"`, `"learned"`.
     predictor_path: directory written by `model.mira.save_predictor()` (a calibrated `"learned"` predictor).
+    store_path: directory written by `model.mira.save_store()`: quantized expert records reused as they are
+        (quantise once); refused if made from other weights or in another format.
     quantization: expert transfer format. `None`: the checkpoint's dtype, bit-exact (default).
         `"int8"`, `"int4"`: mira-hf's packed group-wise format (see `QuantConfig`); `"nf4"`: bitsandbytes.
     host_memory: `"pinned"` (fastest copies; pinning takes ~0.5 s per GB at load), `"pageable"`
@@ -150,6 +152,7 @@ class MiraConfig:
     offload_dir: str | None = None
     expert_layer_path: str | None = None
     predictor_path: str | None = None
+    store_path: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     heat: HeatConfig = field(default_factory=HeatConfig)
@@ -202,6 +205,11 @@ class MiraConfig:
         for name, cls in nested.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a {cls.__name__} instance, got {type(getattr(self, name)).__name__}.")
+        if self.store_path is not None and self.quantization is None:
+            raise ConfigError(
+                "store_path is set but quantization is None: a saved store holds quantized records. Pass the quantization "
+                "it was saved with, e.g. MiraConfig(quantization='int4', store_path=...)."
+            )
         if self.predictor == "learned" and self.predictor_path is None:
             raise ConfigError(
                 "predictor='learned' needs a calibrated predictor: pass predictor_path=<dir written by "

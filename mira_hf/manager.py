@@ -456,6 +456,13 @@ class ExpertManager:
             )
         save(directory, self.fingerprint)
 
+    def save_store(self, directory: str) -> None:
+        """Save the (quantized) expert records so a later load with `MiraConfig(store_path=directory)`
+        reads them instead of quantising again."""
+        if not self.store.quantized:
+            raise ConfigError("save_store() saves quantized records; this model moves experts uncompressed (quantization=None).")
+        self.store.save(directory, self.fingerprint)
+
     def expert_counts(self) -> dict[int, list[int]]:
         """Activations per expert of each MoE layer since load (or `heat.reset()`)."""
         return {layer: c.tolist() for layer, c in self.heat.counts.items()}

@@ -24,7 +24,7 @@ from .layout import IdentityCodec
 from .manager import ExpertManager, LayerInfo, plan_budget
 from .predictors import build_predictor
 from .proxy import KNOWN_EXPERT_TENSORS, MiraExperts
-from .store import ExpertStore
+from .store import ExpertStore, read_saved_store
 
 _HOW_TO_ADD = (
     "Pass MiraConfig(expert_layer_path='model.layers.*.mlp.experts') (the glob of its routed-experts modules), "
@@ -123,10 +123,11 @@ class MiraMoEModel:
         router_probs = _router_probs_fn(adapter, targets)
         fingerprint = model_fingerprint(model, targets, specs)
         predictor = build_predictor(cfg.predictor, layers, router_probs, cfg.prediction, cfg.predictor_path, model, fingerprint)
-
-        # Validation done: from here on, any failure rolls back to the untouched model.
         pinned = device.type == "cuda" and cfg.host_memory in ("auto", "pinned")
         store = ExpertStore(codec, pinned=pinned, host_budget_bytes=cfg.host_budget_bytes, offload_dir=cfg.offload_dir)
+        saved = read_saved_store(cfg.store_path, store.codec_spec(), fingerprint) if cfg.store_path else {}
+
+        # Validation done: from here on, any failure rolls back to the untouched model.
         # Uncompressed records restore exactly, so each layer's tensors are dropped as soon as it is stored
         # (peak host memory grows by one layer). Quantized records would restore only approximately, so
         # the originals are kept until every layer is stored and a failure can give them back untouched.
@@ -134,7 +135,7 @@ class MiraMoEModel:
         stripped: list[_Target] = []
         try:
             for t in _progress(targets, progress, "storing experts"):
-                store.add_layer(t.ordinal, t.tensors)
+                store.add_layer(t.ordinal, t.tensors, records=saved.pop(t.ordinal, None))
                 if store.quantized:
                     keep[t.ordinal] = {n: t.module.get_parameter(n) for n in t.tensors}
                 for n in t.tensors:

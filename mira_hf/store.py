@@ -9,6 +9,7 @@ Three host tiers, fastest first:
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,6 +17,35 @@ from dataclasses import dataclass
 import torch
 
 from .layout import ExpertCodec, IdentityCodec, RawLayout
+
+STORE_FORMAT = "mira-packed-store/1"
+STORE_WEIGHTS, STORE_HEADER = "mira_store.safetensors", "mira_store.json"
+
+
+def read_saved_store(directory: str, codec_spec: dict, fingerprint: dict) -> dict[int, torch.Tensor]:
+    """Records of a store saved by `ExpertStore.save`, memory-mapped, after checking that they were
+    made from this model's weights in this format. Raises `IncompatibleFileError` otherwise."""
+    from safetensors.torch import load_file
+
+    from .errors import IncompatibleFileError
+
+    path = os.path.join(directory, STORE_HEADER)
+    try:
+        with open(path) as f:
+            header = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise IncompatibleFileError(
+            f"{directory} holds no saved expert store ({STORE_HEADER}: {exc}). Save one with model.mira.save_store(dir)."
+        ) from exc
+    if header.get("format") != STORE_FORMAT:
+        raise IncompatibleFileError(f"{path}: format {header.get('format')!r}, expected {STORE_FORMAT!r}.")
+    for what, mine, theirs in (("format", codec_spec, header.get("codec")), ("model", fingerprint, header.get("fingerprint"))):
+        if mine != theirs:
+            raise IncompatibleFileError(
+                f"the expert store in {directory} was made for another {what}: it has {theirs}, this load needs {mine}. "
+                "Drop store_path to quantise again, then save a new store with model.mira.save_store(dir)."
+            )
+    return {int(k.removeprefix("layer_")): v for k, v in load_file(os.path.join(directory, STORE_WEIGHTS)).items()}
 
 
 @dataclass
@@ -46,10 +76,18 @@ class ExpertStore:
         self._host_bytes = 0
 
     # -- building -------------------------------------------------------------------------------
-    def add_layer(self, layer: int, fused: Mapping[str, torch.Tensor], calib: torch.Tensor | None = None) -> None:
+    def add_layer(
+        self,
+        layer: int,
+        fused: Mapping[str, torch.Tensor],
+        calib: torch.Tensor | None = None,
+        records: torch.Tensor | None = None,
+    ) -> None:
         """Copy one layer's fused expert tensors (`name -> [E, ...]`) into records.
 
         The caller frees `fused` afterwards, so host memory while loading grows by one layer at a time.
+        `records` (uint8 `[E, record_bytes]`, from `save` of a store with the same codec) are taken as
+        they are instead of encoding `fused` again: quantise once.
         """
         num_experts = {t.shape[0] for t in fused.values()}
         if len(num_experts) != 1:
@@ -63,7 +101,9 @@ class ExpertStore:
         if self.host_budget_bytes is not None and self._host_bytes + nbytes > self.host_budget_bytes:
             tier = "disk"
         slab = torch.empty((E, layout.nbytes), dtype=torch.uint8, pin_memory=(tier == "pinned"))
-        if isinstance(self.codec, IdentityCodec):
+        if records is not None:
+            slab.copy_(records)
+        elif isinstance(self.codec, IdentityCodec):
             for spec in layout.tensors:  # one strided copy per tensor, not per expert
                 slab[:, spec.offset : spec.offset + spec.nbytes].view(spec.dtype).view(E, *spec.shape).copy_(fused[spec.name])
         else:
@@ -131,6 +171,29 @@ class ExpertStore:
         E = slab.data.shape[0]
         per_expert = [self.codec.decode(slab.data[e], slab.layout, slab.dtype) for e in range(E)]
         return {name: torch.stack([p[name] for p in per_expert]).to(slab.dtype) for name in per_expert[0]}
+
+    def save(self, directory: str, fingerprint: dict) -> None:
+        """Write every record (safetensors, one tensor per layer) and a JSON header, so a later load
+        with `MiraConfig(store_path=directory)` reads them instead of quantising again."""
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        save_file(
+            {f"layer_{layer}": s.data.contiguous() for layer, s in self._slabs.items()}, os.path.join(directory, STORE_WEIGHTS)
+        )
+        header = dict(
+            format=STORE_FORMAT,
+            codec=self.codec_spec(),
+            fingerprint=fingerprint,
+            record_bytes={str(layer): s.layout.nbytes for layer, s in self._slabs.items()},
+        )
+        with open(os.path.join(directory, STORE_HEADER), "w") as f:
+            json.dump(header, f, indent=1)
+
+    def codec_spec(self) -> dict:
+        """What identifies the record format (a saved store is only reused with the same one)."""
+        codec = self.codec
+        return dict(name=codec.name, group_size=getattr(codec, "group_size", None), inner=repr(getattr(codec, "inner", codec)))
 
     def close(self) -> None:
         """Drop every record and remove the disk files this store wrote."""

@@ -91,3 +91,23 @@ def test_unload_of_a_quantized_model_warns_that_experts_are_dequantized():
     model = _model("int8")
     with pytest.warns(UserWarning, match="dequantized values"):
         model.unload()
+
+
+def test_saved_store_is_reused_and_a_foreign_one_refused(tmp_path, heldout):
+    model = _model("int4")
+    model.mira.save_store(tmp_path / "store")
+    cfg = MiraConfig(device="cpu", gpu_budget=0.25, quantization="int4", store_path=str(tmp_path / "store"))
+    again = MiraMoEModel.from_pretrained(bundled_model_path(), cfg, dtype=torch.float32, progress=False)
+    assert all(torch.equal(again.mira.store.record(layer, 3), model.mira.store.record(layer, 3)) for layer in range(6))
+    with torch.no_grad():
+        assert torch.equal(again(heldout[:1]).logits, model(heldout[:1]).logits)
+
+    from mira_hf import IncompatibleFileError
+
+    other = MiraConfig(device="cpu", gpu_budget=0.25, quantization="int8", store_path=str(tmp_path / "store"))
+    with pytest.raises(IncompatibleFileError, match="made for another format"):
+        MiraMoEModel.from_pretrained(bundled_model_path(), other, dtype=torch.float32, progress=False)
+    with pytest.raises(IncompatibleFileError, match="holds no saved expert store"):
+        MiraMoEModel.from_pretrained(
+            bundled_model_path(), MiraConfig(device="cpu", quantization="int4", store_path=str(tmp_path)), progress=False
+        )

@@ -284,8 +284,9 @@ class ExpertManager:
                 self._stage(plan.layer, predictions)
 
     def prefetch(self, layer: int, experts: Sequence[int], probabilities: Sequence[float] | None = None) -> int:
-        """Stage `experts` of `layer` into STAGE slots ahead of need; returns how many copies started.
-        Never evicts a HOT or pinned expert; stops when no STAGE slot can be taken."""
+        """Stage `experts` of `layer` (with their probabilities of use) into STAGE slots ahead of need;
+        returns how many copies started. A guess never evicts a HOT, pinned or awaited expert, nor one
+        hotter than its own probability; it stops at the first expert that finds no slot."""
         with self._lock:
             started = 0
             for i, e in enumerate(experts):

@@ -54,12 +54,18 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("build/tiny_data"), help="output directory")
     parser.add_argument("--vocab-size", type=int, default=6144, help="BPE vocabulary size (4k-8k)")
-    parser.add_argument("--max-train-tokens", type=int, default=20_000_000,
-                        help="stop adding training files once this many tokens are collected")
-    parser.add_argument("--site-packages-mb", type=float, default=40.0,
-                        help="MB of installed packages' .py files to add after the stdlib (0 = stdlib only)")
-    parser.add_argument("--max-file-kb", type=int, default=512,
-                        help="skip larger files (mostly generated tables that teach nothing)")
+    parser.add_argument(
+        "--max-train-tokens", type=int, default=20_000_000, help="stop adding training files once this many tokens are collected"
+    )
+    parser.add_argument(
+        "--site-packages-mb",
+        type=float,
+        default=40.0,
+        help="MB of installed packages' .py files to add after the stdlib (0 = stdlib only)",
+    )
+    parser.add_argument(
+        "--max-file-kb", type=int, default=512, help="skip larger files (mostly generated tables that teach nothing)"
+    )
     parser.add_argument("--heldout-permille", type=int, default=20, help="held-out share of files, in 1/1000")
     parser.add_argument("--seed", type=int, default=0, help="salt of the train/held-out hash split")
     return parser.parse_args()
@@ -78,10 +84,7 @@ def read_python_file(path: Path, max_bytes: int) -> str | None:
 
 def python_files(root: Path) -> list[Path]:
     """All *.py files below ``root`` in sorted order, not descending into package dirs."""
-    return sorted(
-        p for p in root.rglob("*.py")
-        if p.is_file() and not SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
-    )
+    return sorted(p for p in root.rglob("*.py") if p.is_file() and not SKIP_DIRS.intersection(p.relative_to(root).parts[:-1]))
 
 
 def collect_stdlib(max_bytes: int) -> list[SourceFile]:
@@ -187,7 +190,7 @@ def tokenize(tokenizer: Tokenizer, files: list[SourceFile], max_tokens: int | No
     """
     chunks, total, batch_size = [], 0, 256
     for start in range(0, len(files), batch_size):
-        batch = files[start:start + batch_size]
+        batch = files[start : start + batch_size]
         for encoding in tokenizer.encode_batch([f.text for f in batch], add_special_tokens=False):
             ids = np.asarray([EOS_ID, *encoding.ids], dtype=np.uint16)
             if max_tokens is not None and total + len(ids) > max_tokens:
@@ -213,9 +216,12 @@ def main() -> None:
     files = deduplicate(stdlib + site)
     heldout = [f for f in files if is_heldout(f.name, args.seed, args.heldout_permille)]
     train = [f for f in files if not is_heldout(f.name, args.seed, args.heldout_permille)]
-    print(f"collected {len(stdlib)} stdlib + {len(site)} site-packages files; "
-          f"{len(files)} unique -> {len(train)} train / {len(heldout)} held-out "
-          f"({time.perf_counter() - start:.0f}s)", flush=True)
+    print(
+        f"collected {len(stdlib)} stdlib + {len(site)} site-packages files; "
+        f"{len(files)} unique -> {len(train)} train / {len(heldout)} held-out "
+        f"({time.perf_counter() - start:.0f}s)",
+        flush=True,
+    )
 
     tokenizer = train_tokenizer([f.text for f in train], args.vocab_size)
     vocab_size = tokenizer.get_vocab_size()
@@ -256,9 +262,11 @@ def main() -> None:
         "platform": sys.platform,
     }
     (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    print(f"wrote {args.out}: {meta['train_tokens']:,} train tokens ({n_train_files} files), "
-          f"{meta['heldout_tokens']:,} held-out tokens ({n_heldout_files} files), "
-          f"{meta['train_bytes_per_token']} bytes/token, {time.perf_counter() - start:.0f}s total")
+    print(
+        f"wrote {args.out}: {meta['train_tokens']:,} train tokens ({n_train_files} files), "
+        f"{meta['heldout_tokens']:,} held-out tokens ({n_heldout_files} files), "
+        f"{meta['train_bytes_per_token']} bytes/token, {time.perf_counter() - start:.0f}s total"
+    )
 
 
 if __name__ == "__main__":

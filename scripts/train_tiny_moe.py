@@ -61,8 +61,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("build/mira-tiny"), help="model output directory")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny model and batch, for a CPU smoke test")
-    parser.add_argument("--intermediate-size", type=int, default=232,
-                        help="per-expert FFN width; sets the parameter count (see FILE_LIMIT_BYTES)")
+    parser.add_argument(
+        "--intermediate-size", type=int, default=232, help="per-expert FFN width; sets the parameter count (see FILE_LIMIT_BYTES)"
+    )
     parser.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget of the training loop")
     parser.add_argument("--steps", type=int, default=None, help="optional cap on optimizer steps")
     parser.add_argument("--batch-size", type=int, default=128, help="sequences per step")
@@ -73,8 +74,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--grad-clip", type=float, default=1.0)
     parser.add_argument("--log-every", type=int, default=25, help="steps between loss log lines")
-    parser.add_argument("--eval-tokens", type=int, default=262_144,
-                        help="held-out tokens for the final evaluation (all if fewer available)")
+    parser.add_argument(
+        "--eval-tokens", type=int, default=262_144, help="held-out tokens for the final evaluation (all if fewer available)"
+    )
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (off by default)")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
@@ -139,7 +141,7 @@ def heldout_windows(path: Path, rows: int, cols: int) -> torch.Tensor:
     """``rows`` windows of ``cols`` tokens spread evenly over the held-out stream."""
     tokens = np.fromfile(path, dtype=np.uint16)
     starts = np.linspace(0, tokens.size - cols, rows).astype(np.int64)
-    return torch.from_numpy(np.stack([tokens[s:s + cols] for s in starts]).astype(np.int32))
+    return torch.from_numpy(np.stack([tokens[s : s + cols] for s in starts]).astype(np.int32))
 
 
 def lr_factor(step: int, progress: float, warmup_steps: int, min_ratio: float) -> float:
@@ -162,8 +164,9 @@ def autocast(device: torch.device) -> AbstractContextManager:
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
 
-def forward_losses(model: torch.nn.Module, batch: torch.Tensor, device: torch.device
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
+def forward_losses(
+    model: torch.nn.Module, batch: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
     """Mean next-token cross-entropy (fp32), the load-balancing aux loss and router logits.
 
     The loss is computed here rather than via ``labels=`` so that all seq_len positions are
@@ -184,8 +187,7 @@ class TrainResult:
     log: list[dict[str, float]]
 
 
-def train(model: torch.nn.Module, sampler: TokenSampler, args: argparse.Namespace,
-          device: torch.device) -> TrainResult:
+def train(model: torch.nn.Module, sampler: TokenSampler, args: argparse.Namespace, device: torch.device) -> TrainResult:
     """Train until the time budget or the step cap is reached; the lr schedule ends with it."""
     optimizer = make_optimizer(model, args, device)
     coef = model.config.router_aux_loss_coef
@@ -211,13 +213,20 @@ def train(model: torch.nn.Module, sampler: TokenSampler, args: argparse.Namespac
         ce_sum, aux_sum, window_steps = ce_sum + ce.detach(), aux_sum + aux.detach(), window_steps + 1
         if step % args.log_every == 0:  # the loop's only explicit host sync
             seconds = time.perf_counter() - start
-            entry = {"step": step, "tokens": step * args.batch_size * args.seq_len,
-                     "loss": round(ce_sum.item() / window_steps, 4),
-                     "aux_loss": round(aux_sum.item() / window_steps, 4),
-                     "lr": lr, "seconds": round(seconds, 1)}
+            entry = {
+                "step": step,
+                "tokens": step * args.batch_size * args.seq_len,
+                "loss": round(ce_sum.item() / window_steps, 4),
+                "aux_loss": round(aux_sum.item() / window_steps, 4),
+                "lr": lr,
+                "seconds": round(seconds, 1),
+            }
             log.append(entry)
-            print(f"step {step:6d}  loss {entry['loss']:.4f}  aux {entry['aux_loss']:.4f}  "
-                  f"lr {lr:.2e}  {entry['tokens'] / seconds:,.0f} tok/s  {seconds:.0f}s", flush=True)
+            print(
+                f"step {step:6d}  loss {entry['loss']:.4f}  aux {entry['aux_loss']:.4f}  "
+                f"lr {lr:.2e}  {entry['tokens'] / seconds:,.0f} tok/s  {seconds:.0f}s",
+                flush=True,
+            )
             ce_sum = aux_sum = torch.zeros((), device=device)
             window_steps = 0
     if device.type == "cuda":
@@ -265,8 +274,10 @@ class RoutingStats:
             # E|A ∩ B| = k*k/E for independent uniform k-subsets A, B of E experts; divided by k.
             "uniform_skew": top_quarter / self.num_experts,
             "uniform_random_reuse": self.top_k / self.num_experts,
-            "skew_top25pct_share": rounded(skew), "skew_mean": round(float(skew.mean()), 4),
-            "reuse": rounded(reuse), "reuse_mean": round(float(reuse.mean()), 4),
+            "skew_top25pct_share": rounded(skew),
+            "skew_mean": round(float(skew.mean()), 4),
+            "reuse": rounded(reuse),
+            "reuse_mean": round(float(reuse.mean()), 4),
             "reuse_independent_tokens": rounded(reuse_independent),
             "reuse_independent_tokens_mean": round(float(reuse_independent.mean()), 4),
             "expert_load": [rounded(row) for row in share],
@@ -278,8 +289,9 @@ def rounded(values: torch.Tensor) -> list[float]:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, heldout_path: Path, seq_len: int, max_tokens: int,
-             device: torch.device, seed: int) -> dict[str, object]:
+def evaluate(
+    model: torch.nn.Module, heldout_path: Path, seq_len: int, max_tokens: int, device: torch.device, seed: int
+) -> dict[str, object]:
     """Cross-entropy and routing statistics over non-overlapping held-out windows."""
     model.eval()
     tokens = torch.from_numpy(np.fromfile(heldout_path, dtype=np.uint16).astype(np.int64))
@@ -290,13 +302,18 @@ def evaluate(model: torch.nn.Module, heldout_path: Path, seq_len: int, max_token
     total_nll, rows_per_batch = 0.0, 64
     for first in range(0, n_windows, rows_per_batch):
         rows = range(first, min(first + rows_per_batch, n_windows))
-        batch = torch.stack([windows[r * seq_len: (r + 1) * seq_len + 1] for r in rows]).to(device)
+        batch = torch.stack([windows[r * seq_len : (r + 1) * seq_len + 1] for r in rows]).to(device)
         ce, _, router_logits = forward_losses(model, batch, device)
         total_nll += ce.item() * batch.size(0) * seq_len
         stats.update(router_logits, batch.size(0), seq_len)
     loss = total_nll / (n_windows * seq_len)
-    return {"tokens": n_windows * seq_len, "seq_len": seq_len, "loss": round(loss, 4),
-            "perplexity": round(math.exp(loss), 3), "routing": stats.summary()}
+    return {
+        "tokens": n_windows * seq_len,
+        "seq_len": seq_len,
+        "loss": round(loss, 4),
+        "perplexity": round(math.exp(loss), 3),
+        "routing": stats.summary(),
+    }
 
 
 def save_model(model: MixtralForCausalLM, out: Path, data: Path, heldout: torch.Tensor) -> dict[str, int]:
@@ -305,14 +322,17 @@ def save_model(model: MixtralForCausalLM, out: Path, data: Path, heldout: torch.
     # Inference default: no router logits, so `labels=` losses are pure cross-entropy.
     # Pass output_router_logits=True explicitly to inspect routing.
     model.config.output_router_logits = False
-    model.generation_config = GenerationConfig(bos_token_id=model.config.bos_token_id,
-                                               eos_token_id=model.config.eos_token_id,
-                                               pad_token_id=model.config.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=model.config.bos_token_id, eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id
+    )
     model.save_pretrained(out)
     for item in (data / "tokenizer").iterdir():
         shutil.copy2(item, out / item.name)
-    save_file({"input_ids": heldout.contiguous()}, str(out / "heldout_tokens.safetensors"),
-              metadata={"source": "heldout.bin", "rows": str(heldout.size(0)), "cols": str(heldout.size(1))})
+    save_file(
+        {"input_ids": heldout.contiguous()},
+        str(out / "heldout_tokens.safetensors"),
+        metadata={"source": "heldout.bin", "rows": str(heldout.size(0)), "cols": str(heldout.size(1))},
+    )
     return {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
 
 
@@ -320,8 +340,13 @@ def loss_summary(log: list[dict[str, float]]) -> dict[str, object]:
     if not log:
         return {}
     tail = [e["loss"] for e in log[-5:]]
-    return {"first": log[0]["loss"], "min": min(e["loss"] for e in log),
-            "last": log[-1]["loss"], "last5_mean": round(sum(tail) / len(tail), 4), "curve": log}
+    return {
+        "first": log[0]["loss"],
+        "min": min(e["loss"] for e in log),
+        "last": log[-1]["loss"],
+        "last5_mean": round(sum(tail) / len(tail), 4),
+        "curve": log,
+    }
 
 
 def main() -> None:
@@ -336,8 +361,11 @@ def main() -> None:
     model = MixtralForCausalLM(config)  # initialised on CPU: identical init on every device
     params = count_params(model, config)
     save_dtype = torch.bfloat16  # see CHECKPOINT_BUDGET_BYTES / FILE_LIMIT_BYTES
-    print(f"params: {params['total']:,} total, {params['active_per_token']:,} active/token; "
-          f"fp32 {params['total'] * 4 / 1e6:.1f} MB, bf16 {params['total'] * 2 / 1e6:.1f} MB", flush=True)
+    print(
+        f"params: {params['total']:,} total, {params['active_per_token']:,} active/token; "
+        f"fp32 {params['total'] * 4 / 1e6:.1f} MB, bf16 {params['total'] * 2 / 1e6:.1f} MB",
+        flush=True,
+    )
     model.to(device)
     step_model = torch.compile(model) if args.compile else model
 
@@ -358,9 +386,21 @@ def main() -> None:
     report = {
         "model": "mira-tiny",
         "architecture": "MixtralForCausalLM",
-        "config": {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
-                   "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                   "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef")},
+        "config": {
+            k: getattr(config, k)
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "num_local_experts",
+                "num_experts_per_tok",
+                "router_aux_loss_coef",
+            )
+        },
         "params": params,
         "save_dtype": str(save_dtype).removeprefix("torch."),
         "checkpoint_bytes": checkpoint_bytes,
@@ -377,8 +417,7 @@ def main() -> None:
         "experts_implementation": model.config._experts_implementation,
         "attn_implementation": model.config._attn_implementation,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "data": meta,
@@ -390,18 +429,30 @@ def main() -> None:
 def print_summary(report: dict) -> None:
     routing = report["heldout"]["routing"]
     print("\n=== mira-tiny training summary ===")
-    print(f"params {report['params']['total']:,} ({report['params']['active_per_token']:,} active/token), "
-          f"checkpoint {report['checkpoint_bytes'] / 1e6:.2f} MB ({report['save_dtype']})")
-    print(f"steps {report['steps']}, tokens {report['tokens_seen']:,} ({report['epochs']} epochs), "
-          f"{report['tokens_per_second']:,} tok/s, train {report['train_seconds']}s, wall {report['wall_seconds']}s")
-    print(f"train loss {report['train_loss'].get('last')} (last log window)  held-out loss {report['heldout']['loss']} "
-          f"ppl {report['heldout']['perplexity']} over {report['heldout']['tokens']:,} tokens")
-    print(f"routing skew (top-25% share, uniform {routing['uniform_skew']}): mean {routing['skew_mean']}  "
-          f"per layer {routing['skew_top25pct_share']}")
-    print(f"routing reuse (uniform {routing['uniform_random_reuse']}): mean {routing['reuse_mean']}  "
-          f"per layer {routing['reuse']}  (independent tokens: {routing['reuse_independent_tokens_mean']})")
-    print(f"device {report['device']}, experts impl {report['experts_implementation']}, "
-          f"torch {report['versions']['torch']}, transformers {report['versions']['transformers']}")
+    print(
+        f"params {report['params']['total']:,} ({report['params']['active_per_token']:,} active/token), "
+        f"checkpoint {report['checkpoint_bytes'] / 1e6:.2f} MB ({report['save_dtype']})"
+    )
+    print(
+        f"steps {report['steps']}, tokens {report['tokens_seen']:,} ({report['epochs']} epochs), "
+        f"{report['tokens_per_second']:,} tok/s, train {report['train_seconds']}s, wall {report['wall_seconds']}s"
+    )
+    print(
+        f"train loss {report['train_loss'].get('last')} (last log window)  held-out loss {report['heldout']['loss']} "
+        f"ppl {report['heldout']['perplexity']} over {report['heldout']['tokens']:,} tokens"
+    )
+    print(
+        f"routing skew (top-25% share, uniform {routing['uniform_skew']}): mean {routing['skew_mean']}  "
+        f"per layer {routing['skew_top25pct_share']}"
+    )
+    print(
+        f"routing reuse (uniform {routing['uniform_random_reuse']}): mean {routing['reuse_mean']}  "
+        f"per layer {routing['reuse']}  (independent tokens: {routing['reuse_independent_tokens_mean']})"
+    )
+    print(
+        f"device {report['device']}, experts impl {report['experts_implementation']}, "
+        f"torch {report['versions']['torch']}, transformers {report['versions']['transformers']}"
+    )
 
 
 if __name__ == "__main__":

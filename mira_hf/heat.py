@@ -53,7 +53,11 @@ class HeatTracker:
         self.scores = {layer: torch.zeros(num_experts[layer]) for layer in self.layers}
         self.counts = {layer: torch.zeros(num_experts[layer], dtype=torch.long) for layer in self.layers}
         self._active = {layer: torch.zeros(num_experts[layer], dtype=torch.bool) for layer in self.layers}
+        self._step_active = {layer: torch.zeros(num_experts[layer], dtype=torch.bool) for layer in self.layers}
         self._window = {layer: torch.zeros(num_experts[layer]) for layer in self.layers}
+        # Share of recent forward steps in which each expert was used (EMA over ~10 steps): an estimate of
+        # the probability that its layer will use it next time, for eviction by expected next use.
+        self.use_rate = {layer: torch.zeros(num_experts[layer]) for layer in self.layers}
         self._periods_in_window = 0
         self._last_tick = time.monotonic()
 
@@ -66,6 +70,7 @@ class HeatTracker:
         self.counts[layer][idx] += 1
         self._window[layer][idx] += 1
         self._active[layer][idx] = True
+        self._step_active[layer][idx] = True
 
     def feedback(self, layer: int, expert: int, used: bool) -> None:
         """A staged expert was used (+) or evicted unused (−)."""
@@ -75,6 +80,9 @@ class HeatTracker:
 
     def end_step(self) -> None:
         """A forward step ended: one period passes on the step clock."""
+        for layer in self.layers:
+            self.use_rate[layer].mul_(0.9).add_(self._step_active[layer].float(), alpha=0.1)
+            self._step_active[layer].zero_()
         if self.config.clock == "steps":
             self._end_period()
 
@@ -109,6 +117,6 @@ class HeatTracker:
 
     def reset(self) -> None:
         for layer in self.layers:
-            for t in (self.scores, self.counts, self._active, self._window):
+            for t in (self.scores, self.counts, self._active, self._step_active, self._window, self.use_rate):
                 t[layer].zero_()
         self._periods_in_window = 0

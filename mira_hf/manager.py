@@ -361,9 +361,12 @@ class ExpertManager:
         return d if d > 0 else n
 
     def keep_value(self, key: Key) -> float:
-        """How much keeping a resident expert is worth: its heat (how often it is used lately) over
-        how soon its layer runs again. The least valuable expert is the best victim."""
-        return (self.heat.score(*key) + 1e-3) / self.layers_until(key[0])
+        """How much keeping a resident expert is worth: 1 / its expected distance to the next use, in
+        layers. Its layer runs again in `d` layers and uses it with probability p (its recent use rate),
+        else a step (L layers) later, and so on: E[distance] = d + L·(1 − p) / p. The least valuable
+        expert is the best victim (Belady's rule with the future replaced by that expectation)."""
+        p = max(float(self.heat.use_rate[key[0]][key[1]]), 1e-3)
+        return 1.0 / (self.layers_until(key[0]) + len(self.layers) * (1 - p) / p)
 
     def _load(self, key: Key, staged: bool, evict: bool = True, probability: float = 1.0) -> Slot | None:
         # A guess may only displace an expert less likely to be used again than the guess itself

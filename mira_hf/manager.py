@@ -334,8 +334,9 @@ class ExpertManager:
 
     def _expire_prefetches(self, layer: int) -> None:
         """This layer's block is running: its prefetches no longer wait (used ones are pinned now)."""
-        for key in self.cache.resident(layer):
-            self.cache.lookup(key).awaiting = False
+        for key, slot in self.cache.pool(layer).where.items():  # no sort: this runs once per block
+            if key[0] == layer:
+                slot.awaiting = False
 
     def _end_step(self) -> None:
         self.telemetry.end_step()

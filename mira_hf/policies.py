@@ -127,6 +127,3 @@ class PriorityPolicy(LRUPolicy):
             return None
         rank = {k: i for i, k in enumerate(self._order)}
         return min(allowed, key=lambda k: (self.score(k), rank.get(k, -1)))
-
-
-POLICY_NAMES = ("lru", "heat", "priority")

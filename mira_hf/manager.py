@@ -46,6 +46,7 @@ class BlockPlan:
     order: list[int]
     pending: deque = field(default_factory=deque)  # misses not yet given a slot
     slots: dict[int, Slot] = field(default_factory=dict)  # expert -> slot pinned by this plan
+    loading: set[int] = field(default_factory=set)  # demand-loaded experts this plan still pins
     predictions: dict | None = None  # the predictor's guesses, staged once the block's own experts are in use
 
 
@@ -102,6 +103,7 @@ class ExpertManager:
         device: torch.device,
         policy: str = "lru",
         stage_fraction: float = 0.25,
+        demand_inflight_bytes: int = 64 * 2**20,
         ring_bytes: int = 128 * 2**20,
         copy_timeout_s: float = 60.0,
         heat: HeatConfig | None = None,
@@ -113,6 +115,8 @@ class ExpertManager:
     ) -> None:
         self.store = store
         self.layers = {li.ordinal: li for li in layers}
+        # Demand copies a block keeps in flight (see CacheConfig.demand_inflight_bytes): ≥ 2 per layer.
+        self._depth = {li.ordinal: max(2, -(-demand_inflight_bytes // store.record_bytes(li.ordinal))) for li in layers}
         self.budget = budget
         self.device = device
         self.loader = Loader(device, ring_bytes, timeout_s=copy_timeout_s)
@@ -240,10 +244,14 @@ class ExpertManager:
             self.telemetry.count_uses(len(experts) - len(misses), len(experts))
             plan.order = ready + in_flight + misses
             plan.pending.extend(misses)
-            self._issue(plan)
-            if self.predictor is not None and hidden is not None and top_k_index is not None:
-                self.predictor.observe(layer, hidden, top_k_index)
-                plan.predictions = self.predictor.predict(layer, hidden)
+            try:
+                self._issue(plan)
+                if self.predictor is not None and hidden is not None and top_k_index is not None:
+                    self.predictor.observe(layer, hidden, top_k_index)
+                    plan.predictions = self.predictor.predict(layer, hidden)
+            except BaseException:
+                self._unpin(plan)  # the caller never gets the plan, so it cannot end() it
+                raise
             return plan
 
     def acquire(self, plan: BlockPlan, expert: int) -> dict[str, torch.Tensor]:
@@ -251,7 +259,7 @@ class ExpertManager:
         with self._lock:
             slot = plan.slots.get(expert)
             if slot is None:
-                self._issue(plan)
+                self._issue(plan, at_least_one=True)  # misses are acquired in issue order: this is the next one
                 slot = plan.slots[expert]
             self.loader.wait(slot.ready, plan.layer)
             if slot.prefetched and not slot.used_since_load:
@@ -266,6 +274,7 @@ class ExpertManager:
             slot = plan.slots.pop(expert)
             slot.free = self.loader.mark_free(slot.free)
             slot.pins -= 1
+            plan.loading.discard(expert)
             self._issue(plan)
 
     def end(self, plan: BlockPlan) -> None:
@@ -274,11 +283,7 @@ class ExpertManager:
         experts are used, its fresh demand loads still fill the STAGE tier; on CUDA the block's
         compute is already queued, so these copies still overlap it."""
         with self._lock:
-            for slot in plan.slots.values():
-                slot.free = self.loader.mark_free(slot.free)
-                slot.pins -= 1
-            plan.slots.clear()
-            plan.pending.clear()
+            self._unpin(plan)
             if plan.predictions:
                 predictions, plan.predictions = plan.predictions, None
                 self._stage(plan.layer, predictions)
@@ -345,8 +350,17 @@ class ExpertManager:
         self._pending_predictions.clear()
 
     # -- internals ------------------------------------------------------------------------------
-    def _issue(self, plan: BlockPlan) -> None:
-        while plan.pending:
+    def _unpin(self, plan: BlockPlan) -> None:
+        for slot in plan.slots.values():
+            slot.free = self.loader.mark_free(slot.free)
+            slot.pins -= 1
+        plan.slots.clear()
+        plan.loading.clear()
+        plan.pending.clear()
+
+    def _issue(self, plan: BlockPlan, at_least_one: bool = False) -> None:
+        """Issue the block's pending misses, in order, while fewer than its depth are in flight."""
+        while plan.pending and (at_least_one or len(plan.loading) < self._depth[plan.layer]):
             e = plan.pending[0]
             slot = self._load((plan.layer, e), staged=False)
             if slot is None:
@@ -354,6 +368,8 @@ class ExpertManager:
             plan.pending.popleft()
             slot.pins += 1
             plan.slots[e] = slot
+            plan.loading.add(e)
+            at_least_one = False
 
     def layers_until(self, layer: int) -> int:
         """Layers from now until `layer`'s block runs again (1..L); layers run in order each step."""

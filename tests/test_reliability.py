@@ -25,7 +25,8 @@ def _wrapped(path, **kw):
     return MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device="cpu", **kw), progress=False)
 
 
-def test_copy_failure_raises_and_model_stays_usable(tiny_checkpoint):
+@pytest.mark.parametrize("at", [1, 2, 3, 5, 8])  # the n-th copy fails: in begin, acquire, release or staging
+def test_copy_failure_raises_and_model_stays_usable(tiny_checkpoint, at):
     path = tiny_checkpoint("mixtral")
     expected = load_reference(path).generate(PROMPT, **GEN)
     model = _wrapped(path)
@@ -34,15 +35,16 @@ def test_copy_failure_raises_and_model_stays_usable(tiny_checkpoint):
 
     def failing_copy(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 5:
+        if calls["n"] == at:
             raise RuntimeError("injected: bad page in host memory")
         return real_copy(*args, **kwargs)
 
     model.mira.loader.copy = failing_copy
     with pytest.raises(LoaderError, match="injected"):
         model.generate(PROMPT, **GEN)
-    assert _no_pins(model)
+    assert _no_pins(model) and not model.mira._forward_lock.locked()
     assert model.mira.cache.resident_bytes <= model.mira.budget.budget_bytes
+    model.mira.loader.copy = real_copy
     assert torch.equal(model.generate(PROMPT, **GEN), expected)  # next call works and is exact
 
 

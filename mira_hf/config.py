@@ -70,10 +70,21 @@ class CacheConfig:
     # Share of slots reserved for experts in flight or prefetched (STAGE); the rest hold resident
     # experts (HOT). The design's default: a quarter of the arena.
     stage_fraction: float = 0.25
+    # Demand copies one block keeps in flight, in bytes (at least two copies). The link moves one
+    # copy at a time, so two in flight keep it busy; each further slot a block takes evicts an expert
+    # that a later layer may need (a 512-token prefill needs every expert of every layer: streaming
+    # them through two slots keeps the other layers' experts resident).
+    demand_inflight_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.stage_fraction < 1.0:
             raise ConfigError(f"stage_fraction={self.stage_fraction}: must be in [0, 1).")
+        if (
+            isinstance(self.demand_inflight_bytes, bool)
+            or not isinstance(self.demand_inflight_bytes, int)
+            or self.demand_inflight_bytes < 1
+        ):
+            raise ConfigError(f"demand_inflight_bytes={self.demand_inflight_bytes!r}: must be a positive int (bytes).")
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,7 @@ class MiraMoEModel:
                 device,
                 policy=cfg.policy,
                 stage_fraction=cfg.cache.stage_fraction,
+                demand_inflight_bytes=cfg.cache.demand_inflight_bytes,
                 ring_bytes=cfg.loader.staging_ring_bytes,
                 copy_timeout_s=cfg.loader.copy_timeout_s,
                 heat=cfg.heat,

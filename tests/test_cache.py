@@ -7,7 +7,7 @@ from mira_hf.manager import ExpertManager, LayerInfo, plan_budget
 from mira_hf.store import ExpertStore
 
 
-def make_manager(layers=2, experts=4, slots=3, stage_fraction=0.25, policy="lru"):
+def make_manager(layers=2, experts=4, slots=3, stage_fraction=0.25, policy="lru", inflight_bytes=64 * 2**20):
     store = ExpertStore()
     for layer in range(layers):
         # expert e of layer l holds the value 10*l + e, so a wrong slot shows up as a wrong number
@@ -16,7 +16,15 @@ def make_manager(layers=2, experts=4, slots=3, stage_fraction=0.25, policy="lru"
     infos = [LayerInfo(i, f"layers.{i}.mlp.experts", experts, 2) for i in range(layers)]
     record = store.record_bytes(0)
     budget = plan_budget(infos, {i: record for i in range(layers)}, slots * record)
-    return ExpertManager(store, infos, budget, torch.device("cpu"), policy=policy, stage_fraction=stage_fraction)
+    return ExpertManager(
+        store,
+        infos,
+        budget,
+        torch.device("cpu"),
+        policy=policy,
+        stage_fraction=stage_fraction,
+        demand_inflight_bytes=inflight_bytes,
+    )
 
 
 def run_block(manager, layer, experts):
@@ -62,6 +70,30 @@ def test_block_needing_more_experts_than_slots_streams_through():
     seen = run_block(m, 0, [0, 1, 2, 3])
     assert seen == {0: 0.0, 1: 1.0, 2: 2.0, 3: 3.0}
     assert m.stats()["loads"] == 4 and len(m.cache.resident()) == 2
+
+
+def test_a_block_streams_its_misses_through_two_slots_and_keeps_other_layers_experts():
+    """A prefill-like step needs every expert of every layer. With two demand copies in flight, each
+    layer's experts stream through two slots and the experts of the layers still to run stay resident;
+    with no limit, each block evicts them and every layer reloads everything."""
+
+    def prefill_loads(inflight_bytes):
+        m = make_manager(layers=4, experts=4, slots=6, stage_fraction=0.0, policy="heat", inflight_bytes=inflight_bytes)
+        for layer in range(4):  # one decode step: expert 0 of every layer is resident
+            run_block(m, layer, [0])
+        m.reset_stats()
+        for layer in range(4):  # prefill: all experts of every layer, in layer order
+            seen = run_block(m, layer, [0, 1, 2, 3])
+            assert seen == {e: float(10 * layer + e) for e in range(4)}
+        return m.stats()["loads"]
+
+    record = make_manager().store.record_bytes(0)
+    # Depth 2 (by hand): layer 0 hits expert 0, its misses 1 and 2 take the two free slots, 3 takes the
+    # slot of an expert of layer 0 already computed (needed again furthest in the future); likewise for
+    # each layer: every expert 0 is a hit.
+    assert prefill_loads(record) == 16 - 4
+    # Unlimited: layer 0 pins its 3 misses at once, evicting one of the other layers' experts, and so on.
+    assert prefill_loads(64 * 2**20) > 12
 
 
 def test_prefetch_never_evicts_hot_experts():

@@ -123,14 +123,22 @@ WORKLOADS = {
     "qwen3": ("Qwen3-30B-A3B shape, 12 layers (random bf16)", "qwen3-30b-a3b-12l", "qwen3-smoke"),
     "bundled": ("mira-tiny, bundled trained model (real routing)", None, None),
 }
-SYSTEMS = ("resident", "accelerate", "lru", "default", "int4")  # display order (a)..(e)
-MIRA_SYSTEMS = ("lru", "default", "int4")
+SYSTEMS = ["resident", "accelerate", "lru", "default", "int4", "int4-packed"]  # display order; --variant appends
+MIRA_SYSTEMS = ["lru", "default", "int4", "int4-packed"]
 SYSTEM_LABELS = {
     "resident": "all resident (transformers)",
     "accelerate": "transformers + accelerate offload",
     "lru": "mira-hf reactive LRU cache",
     "default": "mira-hf default",
-    "int4": "mira-hf int4 transfer",
+    "int4": "mira-hf int4 transfer (dequantised into bf16 slots)",
+    "int4-packed": "mira-hf int4, experts kept packed on the GPU",
+}
+# MiraConfig fields of each mira system, on top of gpu_budget and device.
+MIRA_OVERRIDES: dict[str, dict] = {
+    "lru": dict(policy="lru", predictor=None),
+    "default": {},
+    "int4": dict(quantization="int4"),
+    "int4-packed": dict(quantization="int4", quant=mira_hf.config.QuantConfig(placement="packed")),
 }
 # Every row carries these keys (None when not applicable); tests/test_bench_smoke.py checks them.
 METRIC_KEYS = (
@@ -515,11 +523,46 @@ def new_row(system: str, budget: float | None) -> dict:
 
 
 def mira_config(system: str, budget: float, device: str) -> MiraConfig:
-    if system == "lru":
-        return MiraConfig(gpu_budget=budget, device=device, policy="lru", predictor=None)
-    if system == "int4":
-        return MiraConfig(gpu_budget=budget, device=device, quantization="int4")
-    return MiraConfig(gpu_budget=budget, device=device)
+    return MiraConfig(gpu_budget=budget, device=device, **MIRA_OVERRIDES[system])
+
+
+def add_variant(spec: str) -> str:
+    """Register a mira system from `NAME:field=value,...` (`--variant`), e.g.
+    `heat-only:predictor=none` or `depth8:cache.demand_inflight_bytes=3000000000`. Returns NAME."""
+    name, _, fields = spec.partition(":")
+    name = name.strip()
+    if not name or name in SYSTEM_LABELS:
+        raise SystemExit(f"--variant {spec!r}: give a new system name before ':' (taken: {', '.join(SYSTEM_LABELS)})")
+    kw: dict = {}
+    nested: dict[str, dict] = defaultdict(dict)
+    for item in filter(None, (f.strip() for f in fields.split(","))):
+        key, _, text = item.partition("=")
+        value = _parse_value(text.strip())
+        if "." in key:
+            outer, inner = key.split(".", 1)
+            nested[outer.strip()][inner.strip()] = value
+        else:
+            kw[key.strip()] = value
+    defaults = MiraConfig()
+    for outer, inner in nested.items():
+        kw[outer] = dataclasses.replace(getattr(defaults, outer), **inner)
+    MiraConfig(**kw)  # fail now, not after an hour of measurements
+    SYSTEMS.append(name)
+    MIRA_SYSTEMS.append(name)
+    SYSTEM_LABELS[name] = f"mira-hf variant: {fields.strip() or 'defaults'}"
+    MIRA_OVERRIDES[name] = kw
+    return name
+
+
+def _parse_value(text: str):
+    if text.lower() == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
 
 
 def int4_supported() -> bool:
@@ -554,7 +597,7 @@ def run_system(
     t0 = time.perf_counter()
     model = manager = None
     try:
-        if system == "int4" and not int4_supported():
+        if system.startswith("int4") and not int4_supported():
             row["status"] = "n/a"
             row["notes"].append(f"this mira-hf has no int4 (MiraConfig quantizations: {list(mira_hf.config.QUANTIZATIONS)})")
             return row
@@ -874,6 +917,12 @@ def issue_checks(result: dict) -> list[dict]:
     add("default vs accelerate: TTFT", ratio(val("accelerate", "ttft_s"), val("default", "ttft_s")), 8)
     add("default vs accelerate: beam-4 tok/s", ratio(val("default", "beam_tok_s"), val("accelerate", "beam_tok_s")), 4)
     add("int4 vs accelerate: TTFT", ratio(val("accelerate", "ttft_s"), val("int4", "ttft_s")), 20)
+    for sname in ("int4", "int4-packed"):
+        add(
+            f"{sname} vs default (bf16 transfer): decode tok/s (batch 1)",
+            ratio(val(sname, "decode_tok_s_b1"), val("default", "decode_tok_s_b1")),
+            2.5,
+        )
     add("default vs lru: decode tok/s (batch 1)", ratio(val("default", "decode_tok_s_b1"), val("lru", "decode_tok_s_b1")), 1.5)
     add("default time/token vs limit", val("default", "x_limit"), 1.5, le=True, unit="× limit")
     facts = m.get("facts") or {}
@@ -1215,6 +1264,13 @@ def parse_args(argv=None):
     ap.add_argument(
         "--systems", default="resident,default,lru,int4,accelerate", help="systems, in run order: " + ",".join(SYSTEMS)
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:FIELD=VALUE,...",
+        help="an extra mira system (run after --systems), e.g. heat-only:predictor=none or x:cache.stage_fraction=0.5",
+    )
     ap.add_argument("--accelerate-models", default="mixtral", help="workloads that also run the (slow) accelerate system")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=64, help="decode tokens at batch 1 and at --batch")
@@ -1237,7 +1293,7 @@ def parse_args(argv=None):
     ap.add_argument("--from-json", metavar="FILE", help="only re-render FILE's .md and .png from a result JSON")
     args = ap.parse_args(argv)
     args.models = _split(args.models, WORKLOADS, "--models")
-    args.systems = _split(args.systems, SYSTEMS, "--systems")
+    args.systems = _split(args.systems, SYSTEMS, "--systems") + [add_variant(v) for v in args.variant]
     args.accelerate_models = _split(args.accelerate_models, WORKLOADS, "--accelerate-models")
     args.budgets = [float(b.rstrip("%")) / (100 if b.endswith("%") else 1) for b in args.budgets.split(",") if b.strip()]
     if not args.budgets or any(not 0 < b <= 1 for b in args.budgets):

@@ -74,6 +74,8 @@ def main() -> None:
     elapsed = time.perf_counter() - t0
     first, last = rows[min(1, len(rows) - 1)], rows[-1]  # after the first chunk (warm)
     growth = dict(rss_mb=last["rss_mb"] - first["rss_mb"], **{k: last[k] - first[k] for k in sizes(model.mira)})
+    if "gpu_mb" in last:
+        growth["gpu_mb"] = last["gpu_mb"] - first["gpu_mb"]
     print_table(rows[:: max(1, len(rows) // 10)] + [rows[-1]], list(rows[0]))
     print("growth after the first chunk:", growth)
     env = environment()

@@ -1,0 +1,310 @@
+"""Reliability on a CUDA device (issue #7): exactness of every adapter family and of each policy and
+predictor on the GPU, failures that surface and leave the model usable (an injected copy failure, an
+injected CUDA out-of-memory while staging, a real CUDA out-of-memory in the middle of a forward, a
+KeyboardInterrupt), and peak GPU memory against non-expert weights + budget + activations.
+
+    python benchmarks/gpu_reliability.py --out DIR     # ~1-2 minutes on an H200; writes DIR/<date>-<device>-reliability.json
+
+The CPU test suite checks the same behaviours on CPU (tests/test_reliability.py, tests/test_exactness.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, StoppingCriteria  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from common import environment, print_table, write_json  # noqa: E402
+from tiny_models import EXTRA_RECIPES, RECIPES, make_config  # noqa: E402
+
+from mira_hf import LoaderError, MiraConfig, MiraMoEModel  # noqa: E402
+
+DEV = "cuda"
+PROMPTS = torch.tensor([[5, 9, 14, 33, 7, 21], [0, 0, 11, 3, 8, 40]])  # row 1 left-padded
+MASK = (PROMPTS != 0).long()
+GEN = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+# (policy, predictor) pairs covering every policy and every predictor that needs no calibration
+ONLY: list[str] = []  # --families
+COMBOS = [("lru", None), ("heat", "auto"), ("priority", "markov"), ("heat", "global"), ("heat", "hybrid"), ("lru", "position")]
+
+
+def save_tiny(name: str, root: str) -> str:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config(name))
+    path = os.path.join(root, name)
+    model.save_pretrained(path)
+    return path
+
+
+def outputs(model) -> dict:
+    ids, mask = PROMPTS.to(DEV), MASK.to(DEV)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    return dict(
+        logits=logits,
+        greedy=model.generate(ids, attention_mask=mask, **GEN),
+        beam=model.generate(ids[:1], num_beams=3, **GEN),
+    )
+
+
+def compare(ref: dict, got: dict) -> dict:
+    return dict(
+        max_abs_logit_diff=(ref["logits"] - got["logits"]).abs().max().item(),
+        greedy_identical=torch.equal(ref["greedy"], got["greedy"]),
+        beam_identical=torch.equal(ref["beam"], got["beam"]),
+    )
+
+
+def min_fraction(path: str) -> float:
+    """The smallest budget fraction the model accepts (the top-k experts of one layer)."""
+    for f in (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5):
+        try:
+            m = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=f, device=DEV), progress=False)
+        except Exception:
+            continue
+        m.unload()
+        return f
+    return 1.0
+
+
+def exactness(root: str) -> list[dict]:
+    rows = []
+    for name in sorted(RECIPES) + sorted(EXTRA_RECIPES):
+        if ONLY and name not in ONLY:
+            continue
+        path = save_tiny(name, root)
+        ref = outputs(AutoModelForCausalLM.from_pretrained(path).to(DEV).eval())
+        frac = min_fraction(path)
+        combos = COMBOS if name == "mixtral" else COMBOS[:2]
+        for policy, predictor in combos:
+            row = dict(family=name, budget=frac, policy=policy, predictor=predictor)
+            try:
+                cfg = MiraConfig(gpu_budget=frac, device=DEV, policy=policy, predictor=predictor)
+                model = MiraMoEModel.from_pretrained(path, cfg, progress=False)
+                row.update(compare(ref, outputs(model)))
+                row["exact"] = row["max_abs_logit_diff"] <= 1e-5 and row["greedy_identical"] and row["beam_identical"]
+            except Exception as exc:
+                row.update(exact=False, error=f"{type(exc).__name__}: {exc}"[:300])
+            rows.append(row)
+    return rows
+
+
+class _Interrupt(StoppingCriteria):
+    def __init__(self, at: int):
+        self.at, self.n = at, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.n += 1
+        if self.n == self.at:
+            raise KeyboardInterrupt
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _consistent(model) -> bool:
+    m = model.mira
+    no_pins = all(s.pins == 0 for pool in m.cache.pools.values() for s in pool.slots)
+    return no_pins and not m._forward_lock.locked() and m.cache.resident_bytes <= m.budget.budget_bytes
+
+
+def failures(root: str) -> list[dict]:
+    path = save_tiny("mixtral", root)
+    ids = PROMPTS[:1].to(DEV)
+    expected = AutoModelForCausalLM.from_pretrained(path).to(DEV).eval().generate(ids, **GEN)
+    rows = []
+
+    def case(name: str, inject, expect: type, restore=None):
+        model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device=DEV), progress=False)
+        model.generate(ids, **GEN)  # warm
+        undo = inject(model)
+        t0 = time.perf_counter()
+        raised = None
+        try:
+            model.generate(ids, **GEN) if name != "keyboard_interrupt" else model.generate(
+                ids, stopping_criteria=[_Interrupt(4)], **GEN
+            )
+        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt is one of the cases
+            raised = exc
+        seconds = time.perf_counter() - t0
+        if undo:
+            undo()
+        after_ok = _consistent(model)
+        again = torch.equal(model.generate(ids, **GEN), expected)
+        rows.append(
+            dict(
+                case=name,
+                raised=type(raised).__name__ if raised else None,
+                expected_type=expect.__name__,
+                message=str(raised)[:240] if raised else None,
+                seconds_to_raise=round(seconds, 3),
+                consistent_after=after_ok,
+                next_generate_exact=again,
+                ok=isinstance(raised, expect) and after_ok and again,
+            )
+        )
+
+    def failing_copy(model, exc_factory, at=3):
+        real = model.mira.loader.copy
+        calls = {"n": 0}
+
+        def copy(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == at:
+                raise exc_factory()
+            return real(*a, **k)
+
+        model.mira.loader.copy = copy
+
+        def undo():
+            model.mira.loader.copy = real
+
+        return undo
+
+    case("copy_failure", lambda m: failing_copy(m, lambda: RuntimeError("injected: bad page in host memory")), LoaderError)
+    case(
+        "cuda_oom_while_staging",
+        lambda m: failing_copy(m, lambda: torch.OutOfMemoryError("CUDA out of memory (injected while staging)")),
+        LoaderError,
+    )
+    case("keyboard_interrupt", lambda m: None, KeyboardInterrupt)
+    if not DEV.startswith("cuda"):
+        return rows
+
+    # A real CUDA OOM in the middle of a forward: cap this process's device memory just above what is
+    # allocated now, then ask for a batch whose activations cannot fit.
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device=DEV), progress=False)
+    model.generate(ids, **GEN)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    frac = (torch.cuda.memory_reserved() + 64 * 2**20) / total
+    torch.cuda.set_per_process_memory_fraction(frac)
+    big = torch.randint(3, 120, (4096, 256), device=DEV)
+    t0 = time.perf_counter()
+    raised = None
+    try:
+        model(big)
+    except BaseException as exc:  # noqa: BLE001
+        raised = exc
+    seconds = time.perf_counter() - t0
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    del big
+    torch.cuda.empty_cache()
+    ok_after = _consistent(model)
+    again = torch.equal(model.generate(ids, **GEN), expected)
+    rows.append(
+        dict(
+            case="real_cuda_oom_mid_forward",
+            raised=type(raised).__name__ if raised else None,
+            expected_type="OutOfMemoryError",
+            message=str(raised)[:240] if raised else None,
+            seconds_to_raise=round(seconds, 3),
+            consistent_after=ok_after,
+            next_generate_exact=again,
+            ok=isinstance(raised, torch.OutOfMemoryError) and ok_after and again,
+        )
+    )
+    return rows
+
+
+def peak_memory() -> dict:
+    """A mid-size Mixtral-shaped model (bf16): peak GPU memory of mira at 25% against non-expert
+    weights + budget + the activations the resident model needs for the same generate calls."""
+    from transformers import MixtralConfig
+
+    cfg = MixtralConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    ids = torch.randint(3, 32000, (4, 256), device=DEV)
+
+    def run(model) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+        model.generate(ids[:1], num_beams=4, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    with torch.device(DEV):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    expert = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    resident_peak = run(model)
+    activations = resident_peak - weights
+    MiraMoEModel.wrap(model, MiraConfig(gpu_budget=0.25, device=DEV), progress=False)
+    torch.cuda.empty_cache()
+    mira_peak = run(model)
+    budget = model.mira.budget.budget_bytes
+    allowed = (weights - expert) + budget + activations
+    return dict(
+        non_expert_bytes=weights - expert,
+        expert_bytes=expert,
+        budget_bytes=budget,
+        resident_peak_bytes=resident_peak,
+        activation_bytes=activations,
+        mira_peak_bytes=mira_peak,
+        allowed_bytes=allowed,
+        ok=mira_peak <= allowed * 1.05,
+        note="allowed = non-expert weights + budget + the resident model's activation peak for the same calls; ok within 5%",
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--families", default="", help="comma-separated adapter families (default: all)")
+    ap.add_argument("--device", default="cuda", help="cpu only checks that the script runs (no OOM or peak parts)")
+    args = ap.parse_args()
+    global DEV
+    DEV = args.device
+    ONLY.extend(f for f in args.families.split(",") if f)
+    if DEV.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device: this script checks GPU behaviour (the CPU suite covers the rest)")
+        return 2
+    result = dict(env=environment(), command="python benchmarks/gpu_reliability.py")
+    with tempfile.TemporaryDirectory() as root:
+        parts = [("exactness", lambda: exactness(root)), ("failures", lambda: failures(root)), ("peak", peak_memory)]
+        for key, fn in parts if DEV.startswith("cuda") else parts[:2]:
+            t0 = time.perf_counter()
+            try:
+                result[key] = fn()
+            except Exception as exc:  # keep what the other parts measured
+                result[key] = dict(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-2000:])
+            result[f"{key}_s"] = time.perf_counter() - t0
+            print(f"{key}: {time.perf_counter() - t0:.1f} s", flush=True)
+    if isinstance(result.get("exactness"), list):
+        print_table(
+            result["exactness"],
+            ["family", "budget", "policy", "predictor", "max_abs_logit_diff", "greedy_identical", "beam_identical", "exact"],
+        )
+    if isinstance(result.get("failures"), list):
+        print_table(result["failures"], ["case", "raised", "seconds_to_raise", "consistent_after", "next_generate_exact", "ok"])
+    print("peak:", result.get("peak"))
+    slug = str(result["env"].get("device", "cpu")).lower().replace(" ", "-") if DEV.startswith("cuda") else "cpu"
+    os.makedirs(args.out, exist_ok=True)
+    write_json(os.path.join(args.out, f"{result['env']['date']}-{slug}-reliability.json"), result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -95,12 +95,19 @@ class LoaderConfig:
     staging_ring_bytes: int = 128 * 2**20
     # Seconds a caller waits for a background copy before it raises instead of hanging.
     copy_timeout_s: float = 60.0
+    # Read the routed experts from the safetensors shards one expert at a time, straight into the
+    # store, instead of loading the whole checkpoint into host memory first. None (auto): when
+    # `host_budget` is set or the checkpoint is larger than the available host memory; True: always
+    # (an error if the checkpoint's layout is not understood); False: never.
+    stream_experts: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.staging_ring_bytes, int) or self.staging_ring_bytes < 2**20:
             raise ConfigError(f"staging_ring_bytes={self.staging_ring_bytes!r}: must be an int ≥ 1 MiB.")
         if not self.copy_timeout_s > 0:
             raise ConfigError(f"copy_timeout_s={self.copy_timeout_s!r}: must be > 0.")
+        if self.stream_experts not in (None, True, False):
+            raise ConfigError(f"stream_experts={self.stream_experts!r}: must be None (auto), True or False.")
 
 
 @dataclass(frozen=True)
@@ -147,7 +154,9 @@ class MiraConfig:
     host_memory: `"pinned"` (fastest copies; pinning takes ~0.5 s per GB at load), `"pageable"`
         (instant load, copies go through a pinned staging ring) or `"auto"` (pinned on CUDA).
     host_budget: host bytes for the expert store; experts beyond it are read from disk
-        (`offload_dir`) through the staging ring. `None`: no limit.
+        (`offload_dir`) through the staging ring. `None`: no limit. When set, `from_pretrained` reads
+        the experts from the checkpoint one at a time (`LoaderConfig.stream_experts`), so a model
+        larger than host memory loads.
     offload_dir: where experts beyond `host_budget` are written, memory-mapped and read back.
     expert_layer_path: for models without an adapter, a glob of the routed-experts modules,
         e.g. `"model.layers.*.mlp.experts"` (fused 3-D expert tensors, as transformers 5 builds them).

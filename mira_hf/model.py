@@ -9,6 +9,7 @@ gives back an ordinary model; `model.save_pretrained()` writes an ordinary check
 from __future__ import annotations
 
 import os
+import shutil
 import types
 import warnings
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ from torch import nn
 
 from model_adapters import MoEAdapter, generic_adapter, get_adapter, registered_model_types
 
+from .checkpoint import StreamedExperts, load_model
 from .config import MiraConfig, parse_bytes
-from .errors import BudgetError, CheckpointError, ConfigError, DeviceError, UnsupportedModelError
+from .errors import BudgetError, CheckpointError, ConfigError, DeviceError, MiraError, UnsupportedModelError
 from .layout import IdentityCodec
 from .manager import ExpertManager, LayerInfo, plan_budget
 from .predictors import build_predictor
@@ -57,11 +59,14 @@ class MiraMoEModel:
     ):
         """Load a causal-LM MoE checkpoint (local directory or hub id already in the local cache).
 
+        With a `host_budget` (or a checkpoint larger than the available host memory, or
+        `LoaderConfig(stream_experts=True)`), the routed experts are read from the safetensors shards one
+        expert at a time straight into the store, so host memory at load stays near the non-expert
+        weights plus `host_budget` (see `mira_hf.checkpoint`). The result is the same model.
+
         `hf_kwargs` go to `AutoModelForCausalLM.from_pretrained` (`dtype`, `revision`, `trust_remote_code`, ...),
         except `device_map`: mira-hf places weights itself (non-experts on `mira_config.device`, experts in host memory).
         """
-        from transformers import AutoModelForCausalLM
-
         cfg = _check_config(mira_config)
         if "device_map" in hf_kwargs:
             raise ConfigError(
@@ -76,10 +81,12 @@ class MiraMoEModel:
                 f"{name_or_path!s} defines its own modeling code (auto_map in config.json). mira-hf runs it only if you "
                 "trust it: pass trust_remote_code=True to MiraMoEModel.from_pretrained."
             )
-        _resolve_adapter(config_dict.get("model_type"), cfg)  # fail before loading any weight
+        adapter = _resolve_adapter(config_dict.get("model_type"), cfg)  # fail before loading any weight
         hf_kwargs.setdefault("dtype", "auto")
         try:
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs)
+            model, streamed = load_model(name_or_path, adapter, hf_kwargs, cfg.loader.stream_experts, cfg.host_budget is not None)
+        except MiraError:
+            raise
         except Exception as exc:
             if type(exc).__name__ == "SafetensorError" or isinstance(exc, (OSError, EOFError)):
                 raise CheckpointError(
@@ -87,7 +94,7 @@ class MiraMoEModel:
                     "corrupted: copy or download it again (nothing was changed)."
                 ) from exc
             raise
-        return MiraMoEModel._wrap(model, cfg, device, progress)
+        return MiraMoEModel._wrap(model, cfg, device, progress, streamed)
 
     @staticmethod
     def wrap(model: nn.Module, mira_config: MiraConfig | None = None, *, progress: bool = False):
@@ -104,10 +111,12 @@ class MiraMoEModel:
         return MiraMoEModel._wrap(model, cfg, _resolve_device(cfg.device), progress)
 
     @staticmethod
-    def _wrap(model: nn.Module, cfg: MiraConfig, device: torch.device, progress: bool):
+    def _wrap(model: nn.Module, cfg: MiraConfig, device: torch.device, progress: bool, streamed: StreamedExperts | None = None):
+        """Replace the routed experts. `streamed`: the model was loaded without them (`load_model`);
+        they are read from the checkpoint into the store instead of taken from the modules."""
         config = getattr(model, "config", None)
         adapter = _resolve_adapter(getattr(config, "model_type", None), cfg)
-        targets = _find_targets(model, adapter)
+        targets = _find_targets(model, adapter, streamed.meta if streamed else None)
         codec = _make_codec(cfg)
         layers = [LayerInfo(t.ordinal, t.name, t.module.num_experts, _top_k(model, t)) for t in targets]
         specs = {t.ordinal: {n: (tuple(p.shape[1:]), p.dtype) for n, p in t.tensors.items()} for t in targets}
@@ -119,6 +128,8 @@ class MiraMoEModel:
         budget_bytes = _budget_bytes(cfg.gpu_budget, all_bytes, device, model, targets)
         budget = plan_budget(layers, slot_bytes, budget_bytes)
         _check_device_memory(budget.capacity_bytes, device, model, targets)
+        store_bytes = [(codec.plan(specs[li.ordinal]).nbytes * li.num_experts) for li in layers]
+        _check_offload_space(cfg, store_bytes)
         # The predictor (and its files) is checked before anything changes too.
         router_probs = _router_probs_fn(adapter, targets)
         fingerprint = model_fingerprint(model, targets, specs)
@@ -134,7 +145,12 @@ class MiraMoEModel:
         keep = {}
         stripped: list[_Target] = []
         try:
-            for t in _progress(targets, progress, "storing experts"):
+            for t in _progress(targets, progress, "reading experts" if streamed else "storing experts"):
+                if streamed is not None:  # nothing in the model to free or to give back on failure
+                    E = t.module.num_experts
+                    expert = streamed.expert_fn(t.name)
+                    store.add_layer_from(t.ordinal, specs[t.ordinal], E, expert, records=saved.pop(t.ordinal, None))
+                    continue
                 store.add_layer(t.ordinal, t.tensors, records=saved.pop(t.ordinal, None))
                 if store.quantized:
                     keep[t.ordinal] = {n: t.module.get_parameter(n) for n in t.tensors}
@@ -167,6 +183,9 @@ class MiraMoEModel:
                     _restore_tensors(t, store)
             store.close()
             raise
+        finally:
+            if streamed is not None:
+                streamed.close()
         keep.clear()
         for t in targets:
             setattr(t.parent, t.attr, MiraExperts(t.module, manager, t.ordinal))
@@ -259,7 +278,11 @@ def _resolve_adapter(model_type: str | None, cfg: MiraConfig) -> MoEAdapter:
     return adapter
 
 
-def _find_targets(model: nn.Module, adapter: MoEAdapter) -> list[_Target]:
+def _find_targets(
+    model: nn.Module, adapter: MoEAdapter, streamed: dict[str, dict[str, torch.Tensor]] | None = None
+) -> list[_Target]:
+    """Every routed-experts module, validated. `streamed`: module path -> the meta tensors of experts
+    left out of the model at load (they are read from the checkpoint instead)."""
     found = adapter.find_experts(model)
     if not found:
         raise UnsupportedModelError(
@@ -273,6 +296,9 @@ def _find_targets(model: nn.Module, adapter: MoEAdapter) -> list[_Target]:
             raise ConfigError(f"{name} is already a MiraExperts proxy: this model is wrapped. Call model.unload() first.")
         E = getattr(module, "num_experts", None)
         tensors = dict(module.named_parameters(recurse=False))
+        in_checkpoint = streamed is not None and name in streamed
+        if in_checkpoint:
+            tensors = streamed[name]
         unknown = sorted(set(tensors) - set(KNOWN_EXPERT_TENSORS))
         up = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
         problem = None
@@ -284,7 +310,7 @@ def _find_targets(model: nn.Module, adapter: MoEAdapter) -> list[_Target]:
             problem = f"it lacks `{up}` or `down_proj` (has {sorted(tensors)})"
         elif any(p.shape[0] != E for p in tensors.values()):
             problem = f"its tensors' first dimension is not num_experts={E}: {[tuple(p.shape) for p in tensors.values()]}"
-        elif any(p.device.type == "meta" for p in tensors.values()):
+        elif not in_checkpoint and any(p.device.type == "meta" for p in tensors.values()):
             problem = "its weights are on the meta device (not loaded)"
         if problem:
             raise UnsupportedModelError(
@@ -385,6 +411,28 @@ def _check_device_memory(capacity: int, device: torch.device, model: nn.Module, 
         raise BudgetError(
             f"the expert arena ({capacity:,} bytes) plus the weights that move to {device} need {need:,} bytes, but "
             f"only {free:,} are free there. Lower MiraConfig(gpu_budget=...) (e.g. a fraction such as 0.25)."
+        )
+
+
+def _check_offload_space(cfg: MiraConfig, layer_bytes: list[int]) -> None:
+    """Experts beyond `host_budget` go to `offload_dir`: refuse a load that cannot fit there."""
+    budget = cfg.host_budget_bytes
+    if budget is None:
+        return
+    host = disk = 0
+    for n in layer_bytes:  # the store's rule: a layer stays in host memory while the budget allows
+        if host + n > budget:
+            disk += n
+        else:
+            host += n
+    path = os.path.abspath(cfg.offload_dir)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    free = shutil.disk_usage(path).free
+    if disk > free:
+        raise BudgetError(
+            f"host_budget={cfg.host_budget!r} leaves {disk:,} bytes of experts for offload_dir={cfg.offload_dir!r}, "
+            f"but only {free:,} bytes are free there. Give offload_dir a disk with more space, or raise host_budget."
         )
 
 

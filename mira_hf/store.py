@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -94,34 +94,61 @@ class ExpertStore:
             raise ValueError(f"layer {layer}: expert tensors disagree on the expert count: {sorted(num_experts)}")
         (E,) = num_experts
         specs = {name: (tuple(t.shape[1:]), t.dtype) for name, t in fused.items()}
+        self.add_layer_from(layer, specs, E, lambda e: {n: t[e] for n, t in fused.items()}, calib, records)
+
+    def add_layer_from(
+        self,
+        layer: int,
+        specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        num_experts: int,
+        expert: Callable[[int], Mapping[str, torch.Tensor]],
+        calib: torch.Tensor | None = None,
+        records: torch.Tensor | None = None,
+    ) -> None:
+        """Build one layer's records from `expert(e) -> {name: tensor of that expert}`, one expert at a
+        time (`specs`: name -> (per-expert shape, dtype)). A disk-tier layer is written record by record,
+        so loading a checkpoint expert by expert needs one expert of working memory, not one layer."""
+        E = num_experts
         layout = self.codec.plan(specs)
         raw_layout = IdentityCodec().plan(specs)
         nbytes = E * layout.nbytes
-        tier = "pinned" if self.pinned else "pageable"
-        if self.host_budget_bytes is not None and self._host_bytes + nbytes > self.host_budget_bytes:
-            tier = "disk"
-        slab = torch.empty((E, layout.nbytes), dtype=torch.uint8, pin_memory=(tier == "pinned"))
-        if records is not None:
-            slab.copy_(records)
-        elif isinstance(self.codec, IdentityCodec):
-            for spec in layout.tensors:  # one strided copy per tensor, not per expert
-                slab[:, spec.offset : spec.offset + spec.nbytes].view(spec.dtype).view(E, *spec.shape).copy_(fused[spec.name])
-        else:
-            for e in range(E):
-                self.codec.encode(
-                    {n: t[e] for n, t in fused.items()}, layout, slab[e], **({"calib": calib} if calib is not None else {})
-                )
-        dtype = next(iter(fused.values())).dtype
+        tier = self.next_tier(nbytes)
+        dtype = next(iter(specs.values()))[1]
+        extra = {"calib": calib} if calib is not None else {}
         path = None
         if tier == "disk":
             os.makedirs(self.offload_dir, exist_ok=True)
             path = os.path.join(self.offload_dir, f"mira_experts_layer{layer:04d}.bin")
-            slab.numpy().tofile(path)
-            del slab
-            slab = torch.from_file(path, shared=False, size=E * layout.nbytes, dtype=torch.uint8).view(E, layout.nbytes)
+            record = torch.empty(layout.nbytes, dtype=torch.uint8)
+            with open(path, "wb") as f:
+                for e in range(E):
+                    if records is not None:
+                        record.copy_(records[e])
+                    else:
+                        self._encode(expert(e), layout, record, extra)
+                    f.write(record.numpy().data)
+            slab = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes)
         else:
+            slab = torch.empty((E, layout.nbytes), dtype=torch.uint8, pin_memory=(tier == "pinned"))
+            if records is not None:
+                slab.copy_(records)
+            else:
+                for e in range(E):
+                    self._encode(expert(e), layout, slab[e], extra)
             self._host_bytes += nbytes
         self._slabs[layer] = _Slab(slab, layout, tier, dtype, raw_layout, path)
+
+    def next_tier(self, nbytes: int) -> str:
+        """The tier a layer of `nbytes` would go to if added now: host until `host_budget` is used up."""
+        if self.host_budget_bytes is not None and self._host_bytes + nbytes > self.host_budget_bytes:
+            return "disk"
+        return "pinned" if self.pinned else "pageable"
+
+    def _encode(self, tensors: Mapping[str, torch.Tensor], layout, out: torch.Tensor, extra: dict) -> None:
+        if isinstance(self.codec, IdentityCodec):
+            self.codec.encode(tensors, layout, out)
+        else:
+            self.codec.encode(tensors, layout, out, **extra)
 
     # -- reading --------------------------------------------------------------------------------
     @property

@@ -7,7 +7,7 @@ Add your own without editing the library:
 """
 
 from . import families  # noqa: F401  (registers the built-in adapters)
-from .base import GenericAdapter, MoEAdapter, generic_adapter, layer_index
+from .base import ExpertKeys, GenericAdapter, MoEAdapter, generic_adapter, layer_index
 from .registry import (
     AdapterRegistryError,
     get_adapter,
@@ -19,6 +19,7 @@ from .registry import (
 
 __all__ = [
     "AdapterRegistryError",
+    "ExpertKeys",
     "GenericAdapter",
     "MoEAdapter",
     "generic_adapter",

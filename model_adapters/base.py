@@ -11,12 +11,37 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 _LAYER_RE = re.compile(r"\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ExpertKeys:
+    """Where a family's checkpoints keep one experts module's tensors, for loading them expert by expert.
+
+    `tensors` maps each fused in-memory tensor (`gate_up_proj`, `down_proj`, biases) to checkpoint key
+    templates relative to the module's checkpoint path, which is its in-memory path with `path_renames`
+    applied (`(in-memory fragment, checkpoint fragment)` pairs). `{e}` is the expert index. A template
+    with `{e}` names one expert's tensor; several are concatenated along dim 0, in order (w1 then w3 =
+    gate rows then up rows, as transformers' `Concatenate(dim=1)` of the stacked tensors). A template
+    without `{e}` names a stacked `[E, ...]` tensor, read one expert at a time.
+    """
+
+    tensors: dict[str, tuple[str, ...]] = field(hash=False)
+    path_renames: tuple[tuple[str, str], ...] = ()
+
+    def keys(self, module_path: str, tensor: str) -> tuple[str, ...] | None:
+        """Full checkpoint key templates of one fused tensor of the module at `module_path`."""
+        if tensor not in self.tensors:
+            return None
+        path = "." + module_path
+        for in_memory, on_disk in self.path_renames:
+            path = path.replace(in_memory, on_disk)
+        return tuple(f"{path[1:]}.{t}" for t in self.tensors[tensor])
 
 
 @dataclass(frozen=True)
@@ -28,6 +53,9 @@ class MoEAdapter:
     router_weight_attr: str = "weight"  # the router's [E, H] weight, relative to the router
     router_scoring: str = "softmax"  # how logits become probabilities: "softmax" or "sigmoid"
     notes: str = ""  # routing quirks worth knowing (shown in docs)
+    # Checkpoint layouts of the routed experts, tried in order, for loading them one expert at a time
+    # without building the fused tensors. Empty: derived from transformers' own conversion mapping.
+    checkpoint_keys: tuple[ExpertKeys, ...] = ()
 
     def find_experts(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The routed-experts modules, in model order."""

@@ -6,8 +6,29 @@ tests. Families that share a layout share an entry.
 
 from __future__ import annotations
 
-from .base import MoEAdapter
+from .base import ExpertKeys, MoEAdapter
 from .registry import register_adapter
+
+# Checkpoint layouts of the routed experts (what transformers' WeightConverters fuse at load).
+# Mixtral-style: `block_sparse_moe.experts.{e}.w1/w3/w2.weight` (w1 = gate, w3 = up).
+W1_W3_W2 = ExpertKeys(
+    tensors={"gate_up_proj": ("{e}.w1.weight", "{e}.w3.weight"), "down_proj": ("{e}.w2.weight",)},
+    path_renames=((".mlp.experts", ".block_sparse_moe.experts"),),
+)
+# Llama-style per-expert MLPs: `mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`.
+GATE_UP_DOWN = ExpertKeys(
+    tensors={
+        "gate_up_proj": ("{e}.gate_proj.weight", "{e}.up_proj.weight"),
+        "down_proj": ("{e}.down_proj.weight",),
+    }
+)
+# Granite: stacked `block_sparse_moe.input_linear.weight [E, 2I, H]` and `output_linear.weight [E, H, I]`.
+GRANITE_LINEARS = ExpertKeys(
+    tensors={"gate_up_proj": ("input_linear.weight",), "down_proj": ("output_linear.weight",)},
+    path_renames=((".block_sparse_moe.experts", ".block_sparse_moe"),),
+)
+# gpt-oss checkpoints already hold the fused (transposed, biased) tensors under their in-memory names:
+# every family is also tried with that layout, so it needs no table.
 
 MIXTRAL = register_adapter(
     MoEAdapter(
@@ -15,6 +36,7 @@ MIXTRAL = register_adapter(
         model_types=("mixtral", "minimax"),
         notes="checkpoint `block_sparse_moe.experts.{j}.w1/w2/w3`, fused at load into `mlp.experts`; "
         "softmax in fp32, top-k renormalised, fp32 routing weights",
+        checkpoint_keys=(W1_W3_W2,),
     )
 )
 
@@ -24,6 +46,7 @@ QWEN2_MOE = register_adapter(
         model_types=("qwen2_moe", "qwen3_next", "qwen3_5_moe_text"),
         notes="shared expert × sigmoid(shared_expert_gate) stays in the block; sparse layers chosen by "
         "`decoder_sparse_step` and `mlp_only_layers` (dense layers have no experts to serve)",
+        checkpoint_keys=(GATE_UP_DOWN,),
     )
 )
 
@@ -32,6 +55,7 @@ QWEN3_MOE = register_adapter(
         name="qwen3_moe",
         model_types=("qwen3_moe",),
         notes="softmax → top-k → renormalised when `norm_topk_prob`",
+        checkpoint_keys=(GATE_UP_DOWN,),
     )
 )
 
@@ -40,6 +64,7 @@ OLMOE = register_adapter(
         name="olmoe",
         model_types=("olmoe", "flex_olmo"),
         notes="`norm_topk_prob` defaults to False",
+        checkpoint_keys=(GATE_UP_DOWN,),
     )
 )
 
@@ -51,6 +76,7 @@ DEEPSEEK_V3 = register_adapter(
         notes="sigmoid scores + `e_score_correction_bias` for selection, group-limited top-k "
         "(`n_group`, `topk_group`), × `routed_scaling_factor`; first `first_k_dense_replace` layers dense; "
         "shared experts stay in the block",
+        checkpoint_keys=(GATE_UP_DOWN,),
     )
 )
 
@@ -59,6 +85,7 @@ DEEPSEEK_V2 = register_adapter(
         name="deepseek_v2",
         model_types=("deepseek_v2",),
         notes="softmax, greedy or group-limited top-k, × `routed_scaling_factor`; shared experts stay in the block",
+        checkpoint_keys=(GATE_UP_DOWN,),
     )
 )
 
@@ -78,6 +105,7 @@ PHIMOE = register_adapter(
         model_types=("phimoe",),
         router_attr="router",
         notes="sparsemixer routing (two masked-softmax top-1 passes), weights not normalised",
+        checkpoint_keys=(W1_W3_W2,),
     )
 )
 
@@ -89,5 +117,6 @@ GRANITEMOE = register_adapter(
         router_attr="router",
         notes="block at `layers[i].block_sparse_moe`; router output order changed between 5.17 and 5.23 "
         "(irrelevant here: only experts are replaced); shared MLP on the layer",
+        checkpoint_keys=(GRANITE_LINEARS,),
     )
 )

@@ -1,0 +1,440 @@
+"""Loading a checkpoint without its routed experts, then reading them one expert at a time.
+
+`transformers.from_pretrained` materialises every weight, so host memory at load would be the whole
+checkpoint. Here transformers loads the model *without* the routed experts: a private subclass,
+used for this one load, removes the expert parameters of each experts module right after
+construction (still on the meta device), so the checkpoint's expert tensors are keys the model does
+not have and transformers never reads them. The experts are then read from the safetensors shards
+one expert at a time, straight into the `ExpertStore` records (`ShardIndex`, `StreamedExperts`).
+
+Peak host memory while loading ≈ non-expert weights + the store's host tier (`host_budget`) + one
+expert's tensors, whatever the checkpoint's size.
+
+Where each family keeps its experts on disk is data in `model_adapters` (`MoEAdapter.checkpoint_keys`),
+derived from transformers' own conversion mapping for families without a table, and always tried
+under the fused in-memory names too. A checkpoint matching none of them is loaded the ordinary way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from model_adapters import MoEAdapter
+
+from .errors import BudgetError, CheckpointError, UnsupportedModelError
+
+# safetensors dtype names (header strings) -> torch dtypes.
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+    "F8_E5M2": getattr(torch, "float8_e5m2", None),
+}
+# hf_kwargs that make transformers read something other than the plain safetensors shards.
+_NOT_SAFETENSORS_KWARGS = ("gguf_file", "variant", "state_dict", "quantization_config", "from_tf", "from_flax")
+
+
+class NotStreamable(Exception):
+    """Why a checkpoint's experts cannot be read one at a time (the reason is shown to the user)."""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    file: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+
+
+class ShardIndex:
+    """Every tensor of a safetensors checkpoint: its file, shape and dtype, from the shard headers.
+
+    Building it opens every shard, so a missing, truncated or corrupted shard raises `CheckpointError`
+    here, before any weight is read or any model built.
+    """
+
+    def __init__(self, files: list[str]) -> None:
+        from safetensors import safe_open
+
+        self.files = files
+        self.entries: dict[str, _Entry] = {}
+        for path in files:
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for key in f.keys():
+                        s = f.get_slice(key)
+                        self.entries[key] = _Entry(path, tuple(s.get_shape()), _DTYPES.get(s.get_dtype()))
+            except Exception as exc:  # SafetensorError (not importable by name in every version) or OSError
+                raise CheckpointError(
+                    f"could not read the checkpoint shard {path}: {exc}. The file is missing, truncated or corrupted: "
+                    "copy or download it again (nothing was loaded)."
+                ) from exc
+        self.nbytes = sum(os.path.getsize(p) for p in files)
+
+    @staticmethod
+    def find(name_or_path, hf_kwargs: dict) -> ShardIndex:
+        """The safetensors shards of a local directory or a hub id in the local cache.
+        Raises `NotStreamable` when the weights are not plain safetensors shards."""
+        given = sorted(k for k in _NOT_SAFETENSORS_KWARGS if hf_kwargs.get(k) is not None)
+        if given or hf_kwargs.get("use_safetensors") is False:
+            raise NotStreamable(f"from_pretrained was given {given or ['use_safetensors=False']}")
+        index = _resolve(name_or_path, "model.safetensors.index.json", hf_kwargs)
+        if index is not None:
+            try:
+                with open(index) as f:
+                    names = sorted(set(json.load(f)["weight_map"].values()))
+            except (OSError, ValueError, KeyError) as exc:
+                raise CheckpointError(f"{index} is not a valid safetensors index ({exc}): copy it again.") from exc
+            files = []
+            for name in names:
+                path = _resolve(name_or_path, name, hf_kwargs)
+                if path is None:
+                    raise CheckpointError(
+                        f"{name_or_path!s}: shard {name} listed in model.safetensors.index.json is missing. "
+                        "Copy or download the checkpoint again (nothing was loaded)."
+                    )
+                files.append(path)
+            return ShardIndex(files)
+        single = _resolve(name_or_path, "model.safetensors", hf_kwargs)
+        if single is None:
+            raise NotStreamable("it has no safetensors weights (model.safetensors or its index)")
+        return ShardIndex([single])
+
+
+def _resolve(name_or_path, filename: str, hf_kwargs: dict) -> str | None:
+    """Local path of one checkpoint file, or None when the checkpoint has no such file."""
+    subfolder = hf_kwargs.get("subfolder") or ""
+    if os.path.isdir(name_or_path):
+        path = os.path.join(name_or_path, subfolder, filename)
+        return path if os.path.isfile(path) else None
+    from transformers.utils import cached_file
+
+    kwargs = {k: hf_kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token") if k in hf_kwargs}
+    try:
+        return cached_file(
+            name_or_path,
+            filename,
+            subfolder=subfolder,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+            **kwargs,
+        )
+    except OSError:
+        return None
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# -- where each expert tensor is in the checkpoint ---------------------------------------------------------
+KeysFn = Callable[[str, str], "tuple[str, ...] | None"]  # (module path, fused tensor name) -> key templates
+
+
+def _candidates(adapter: MoEAdapter, model: torch.nn.Module) -> list[tuple[str, KeysFn]]:
+    """Checkpoint layouts to try, in order: the adapter's tables (or, without any, one derived from
+    transformers' conversion mapping), then the fused in-memory names."""
+    found: list[tuple[str, KeysFn]] = [(f"{adapter.name} table", k.keys) for k in adapter.checkpoint_keys]
+    if not found:
+        derived = transformers_keys(model)
+        if derived is not None:
+            found.append(("transformers' conversion mapping", derived))
+    found.append(("fused in-memory names", lambda path, tensor: (f"{path}.{tensor}",)))
+    return found
+
+
+def _literal(pattern: str) -> str | None:
+    """A transformers key pattern as plain text, or None if it is a real regex."""
+    text = pattern.replace("\\.", ".")
+    return None if re.search(r"[\^$()\[\]{}?+|\\]", text) else text
+
+
+def transformers_keys(model: torch.nn.Module) -> KeysFn | None:
+    """Checkpoint keys of fused expert tensors, derived from transformers' own conversion mapping
+    (`WeightConverter`s that stack per-expert tensors, `WeightRenaming`s of plain names). None when
+    this transformers has no such mapping. Only the operations below are understood; any other
+    converter is ignored, and a wrong guess is harmless since every key is checked in the checkpoint."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        conversions = get_model_conversion_mapping(model)
+    except Exception:  # not in this transformers version, or a model it cannot map
+        return None
+    stacking = ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
+    renames: list[tuple[str, str]] = []  # (checkpoint, in-memory)
+    converters: list[tuple[str, list[str]]] = []  # (in-memory target, per-expert checkpoint sources)
+    for c in conversions:
+        sources = [_literal(p) for p in c.source_patterns]
+        targets = [_literal(p) for p in c.target_patterns]
+        if None in sources or None in targets or len(targets) != 1:
+            continue
+        if isinstance(c, WeightConverter):
+            ops = [(type(op).__name__, getattr(op, "dim", None)) for op in c.operations]
+            if ops in stacking and all(s.count("*") == 1 for s in sources):
+                converters.append((targets[0], sources))
+        elif isinstance(c, WeightRenaming) and len(sources) == 1:
+            renames.append((sources[0], targets[0]))
+
+    def keys(path: str, tensor: str) -> tuple[str, ...]:
+        key = f"{path}.{tensor}"
+        templates = [key]
+        for target, sources in converters:
+            if _ends_with(key, target):
+                templates = [key[: -len(target)] + s.replace("*", "{e}") for s in sources]
+                break
+        else:
+            for source, target in renames:
+                if _ends_with(key, target):
+                    templates = [key[: -len(target)] + source]
+                    break
+        out = []
+        for t in templates:  # undo plain renamings of the path (".block_sparse_moe." -> ".mlp.")
+            t = "." + t
+            for source, target in renames:
+                if target.startswith(".") and target.endswith("."):
+                    t = t.replace(target, source)
+            out.append(t[1:])
+        return tuple(out)
+
+    return keys
+
+
+def _ends_with(key: str, suffix: str) -> bool:
+    return key.endswith(suffix) and (suffix.startswith(".") or key == suffix or key.endswith("." + suffix))
+
+
+def _match(index: ShardIndex, templates: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtype, E: int) -> str | None:
+    """None if `templates` give every expert's tensor of per-expert `shape`, else what is wrong."""
+    rows = 0
+    for t in templates:
+        keys = [t.format(e=e) for e in range(E)] if "{e}" in t else [t]
+        missing = [k for k in keys if k not in index.entries]
+        if missing:
+            return f"no {missing[0]}"
+        if len({index.entries[k].shape for k in keys}) != 1:
+            return f"the experts' {t} tensors differ in shape"
+        for k in keys:
+            entry = index.entries[k]
+            piece = entry.shape if "{e}" in t else entry.shape[1:]
+            if "{e}" not in t and (not entry.shape or entry.shape[0] != E):
+                return f"{k} has shape {list(entry.shape)}, expected [{E}, ...]"
+            if entry.dtype is None or not (entry.dtype.is_floating_point and dtype.is_floating_point):
+                return f"{k} has dtype {entry.dtype}, the model computes in {dtype}"
+            if len(piece) != len(shape) or tuple(piece[1:]) != tuple(shape[1:]):
+                return f"{k} has shape {list(entry.shape)}, which does not fit {list(shape)}"
+        rows += piece[0]
+    if rows != shape[0]:
+        return f"{list(templates)} give {rows} rows, expected {shape[0]}"
+    return None
+
+
+def plan_keys(
+    adapter: MoEAdapter, model: torch.nn.Module, modules: dict[str, dict[str, torch.Tensor]], index: ShardIndex
+) -> dict[str, dict[str, tuple[str, ...]]]:
+    """For every experts module (`name -> {tensor: meta tensor [E, ...]}`), the checkpoint key templates
+    of each tensor. Raises `NotStreamable` naming what was looked for when no layout fits."""
+    candidates = _candidates(adapter, model)
+    plan = {}
+    for name, tensors in modules.items():
+        problems = []
+        for label, keys in candidates:
+            found, problem = {}, None
+            for tensor, meta in tensors.items():
+                templates = keys(name, tensor)
+                problem = f"{tensor}: not in the table" if not templates else None
+                problem = problem or _match(index, templates, tuple(meta.shape[1:]), meta.dtype, meta.shape[0])
+                if problem:
+                    break
+                found[tensor] = templates
+            if problem is None:
+                plan[name] = found
+                break
+            problems.append(f"{label}: {problem}")
+        else:
+            raise NotStreamable(f"the experts of {name} are not where mira-hf looks for them ({'; '.join(problems)})")
+    return plan
+
+
+# -- loading ---------------------------------------------------------------------------------------------
+@dataclass
+class StreamedExperts:
+    """The experts a skeleton load left out: their meta tensors (shapes, dtypes) and where to read them."""
+
+    index: ShardIndex
+    meta: dict[str, dict[str, torch.Tensor]]  # module path -> {tensor name: meta tensor [E, ...]}
+    keys: dict[str, dict[str, tuple[str, ...]]]  # module path -> {tensor name: checkpoint key templates}
+    _handles: dict[str, object] = field(default_factory=dict)
+
+    def expert_fn(self, module: str) -> Callable[[int], dict[str, torch.Tensor]]:
+        """`e -> {tensor name: expert e's tensor}` of one experts module, read from the shards and cast to
+        the model's dtype exactly as transformers' loader casts it."""
+        meta, keys = self.meta[module], self.keys[module]
+
+        def expert(e: int) -> dict[str, torch.Tensor]:
+            out = {}
+            for name, templates in keys.items():
+                pieces = [self._read(t, e) for t in templates]
+                x = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+                out[name] = x.to(meta[name].dtype)
+            return out
+
+        return expert
+
+    def _read(self, template: str, e: int) -> torch.Tensor:
+        key = template.format(e=e)
+        entry = self.index.entries[key]
+        try:
+            f = self._handles.get(entry.file) or self._open(entry.file)
+            return f.get_tensor(key) if "{e}" in template else f.get_slice(key)[e]
+        except Exception as exc:
+            raise CheckpointError(
+                f"could not read {key} from {entry.file}: {exc}. The file changed or is corrupted: copy it again."
+            ) from exc
+
+    def _open(self, path: str):
+        from safetensors import safe_open
+
+        try:  # pread: read each expert's bytes into its tensor; the shards are never mapped into the process
+            f = safe_open(path, framework="pt", backend="pread")
+        except TypeError:  # safetensors < 0.7 has no `backend`: memory-mapped (file pages, not held memory)
+            f = safe_open(path, framework="pt")
+        self._handles[path] = f
+        return f
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def load_model(
+    name_or_path, adapter: MoEAdapter, hf_kwargs: dict, stream_experts: bool | None, host_budget_set: bool
+) -> tuple[torch.nn.Module, StreamedExperts | None]:
+    """Load the model for wrapping: without its routed experts when they are streamed (the second value
+    says where to read them), else whole through transformers (`None`).
+
+    Streaming is used when `stream_experts` is True, or when it is None (auto) and a host budget is set
+    or the checkpoint is larger than the available host memory. When it is wanted but impossible, the
+    model is loaded whole with a warning, unless the user asked for it explicitly
+    (`UnsupportedModelError`) or the checkpoint does not fit in host memory (`BudgetError`), both
+    raised before any weight is read.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if stream_experts is False:
+        return AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs), None
+    wanted = bool(stream_experts) or host_budget_set
+    try:
+        index = ShardIndex.find(name_or_path, hf_kwargs)
+        available = available_host_bytes()
+        wanted = wanted or (available is not None and index.nbytes > available)
+        if wanted:
+            return load_without_experts(name_or_path, adapter, index, hf_kwargs, bool(stream_experts))
+    except NotStreamable as exc:
+        if wanted:
+            _cannot_stream(name_or_path, str(exc), None, bool(stream_experts))
+    return AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs), None
+
+
+def load_without_experts(
+    name_or_path, adapter: MoEAdapter, index: ShardIndex, hf_kwargs: dict, explicit: bool
+) -> tuple[torch.nn.Module, StreamedExperts | None]:
+    """`from_pretrained` without the routed experts; returns the model and where its experts are.
+
+    Raises `NotStreamable` before loading anything when the model class cannot be built this way. If
+    the experts modules do not match the checkpoint, the model is loaded whole (see `_cannot_stream`).
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    names = ("revision", "cache_dir", "local_files_only", "token", "subfolder", "trust_remote_code")
+    config = AutoConfig.from_pretrained(name_or_path, **{k: hf_kwargs[k] for k in names if k in hf_kwargs})
+    if getattr(config, "auto_map", None):
+        raise NotStreamable("it defines its own modeling code (auto_map)")
+    if getattr(config, "quantization_config", None) is not None:
+        raise NotStreamable("it is pre-quantized (quantization_config): transformers' quantizer reads its experts")
+    base = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if base is None:
+        raise NotStreamable(f"{type(config).__name__} has no causal-LM class in transformers")
+    state: dict[str, object] = {}
+
+    def strip_experts(model: torch.nn.Module) -> None:
+        """Runs inside from_pretrained, right after the model is built on the meta device."""
+        found = adapter.find_experts(model)
+        modules = {name: dict(module.named_parameters(recurse=False)) for name, module in found}
+        try:
+            if not modules or not all(isinstance(getattr(m, "num_experts", None), int) for _, m in found):
+                raise NotStreamable(f"no fused experts module matches {list(adapter.experts_globs)}")
+            keys = plan_keys(adapter, model, modules, index)
+        except NotStreamable as exc:
+            _cannot_stream(name_or_path, str(exc), index.nbytes, explicit)
+            return
+        for name, module in found:
+            for n in modules[name]:
+                module.register_parameter(n, None)
+            module._is_hf_initialized = True  # nothing left for transformers to initialise
+        # the checkpoint's expert tensors are now keys the model lacks: never read, and not reported
+        # (a set in recent transformers, a list in older ones: keep its type)
+        ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+        state["ignored"] = ignored
+        patterns = [re.escape(name) + r"\." for name in modules]
+        if isinstance(ignored, list):
+            model._keys_to_ignore_on_load_unexpected = ignored + patterns
+        else:
+            model._keys_to_ignore_on_load_unexpected = set(ignored or ()) | set(patterns)
+        state["experts"] = StreamedExperts(index, modules, keys)
+
+    def __init__(self, config, *args, **kwargs):
+        base.__init__(self, config, *args, **kwargs)
+        strip_experts(self)
+
+    # A subclass for this one load, so no transformers class is touched; the model gets its own class back.
+    namespace = {"__init__": __init__, "__module__": base.__module__, "__qualname__": base.__qualname__}
+    model = type(base.__name__, (base,), namespace).from_pretrained(name_or_path, **hf_kwargs)
+    model.__class__ = base
+    if "experts" in state:
+        model._keys_to_ignore_on_load_unexpected = state["ignored"]
+    return model, state.get("experts")
+
+
+def _cannot_stream(name_or_path, reason: str, nbytes: int | None, explicit: bool) -> None:
+    """The experts cannot be streamed: raise if that cannot work or was asked for, else warn."""
+    if explicit:
+        raise UnsupportedModelError(
+            f"LoaderConfig(stream_experts=True) was given, but the experts of {name_or_path!s} cannot be read one "
+            f"at a time: {reason}. Drop stream_experts to load the whole checkpoint first, or register an adapter "
+            "with checkpoint_keys=(ExpertKeys(...),) for this layout."
+        )
+    available = available_host_bytes()
+    if nbytes is not None and available is not None and nbytes > available:
+        raise BudgetError(
+            f"the experts of {name_or_path!s} cannot be read one at a time ({reason}), and loading the whole "
+            f"checkpoint ({nbytes:,} bytes) needs more host memory than is available ({available:,} bytes). "
+            "Free host memory, or register an adapter with checkpoint_keys=(ExpertKeys(...),) for this layout."
+        )
+    warnings.warn(
+        f"mira-hf: the experts of {name_or_path!s} cannot be read one at a time ({reason}); loading the whole "
+        "checkpoint into host memory first.",
+        stacklevel=4,
+    )

@@ -1,0 +1,260 @@
+"""Loading with the experts streamed from the checkpoint: the same model as the ordinary load, host
+memory bounded by the non-expert weights plus host_budget, and clear errors for broken checkpoints."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import ALL_TINY, load_reference
+from tiny_models import make_config
+
+from mira_hf import BudgetError, CheckpointError, MiraConfig, MiraMoEModel, UnsupportedModelError
+from mira_hf.checkpoint import transformers_keys
+from mira_hf.config import LoaderConfig
+from model_adapters import ExpertKeys, MoEAdapter, get_adapter, register_adapter
+
+IDS = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(3))
+GEN = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+STREAM, WHOLE = LoaderConfig(stream_experts=True), LoaderConfig(stream_experts=False)
+
+
+def _load(path, loader: LoaderConfig, **kw):
+    hf = {"dtype": kw.pop("dtype")} if "dtype" in kw else {}
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=loader, **kw)
+    return MiraMoEModel.from_pretrained(path, cfg, progress=False, **hf).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ALL_TINY)
+def test_streamed_load_is_the_same_model(tiny_checkpoint, name, dtype):
+    """Bit-identical logits to the ordinary load (bf16: cast while reading, as transformers casts), and
+    the unwrapped model's logits and tokens."""
+    path = tiny_checkpoint(name)
+    streamed = _load(path, STREAM, dtype=dtype)  # stream_experts=True raises if it cannot stream
+    whole = _load(path, WHOLE, dtype=dtype)
+    assert streamed.mira.store.dtype(0) == dtype
+    with torch.no_grad():
+        got = streamed(IDS).logits
+        assert torch.equal(got, whole(IDS).logits)
+    if dtype == torch.float32:
+        ref = load_reference(path)
+        with torch.no_grad():
+            assert (got - ref(IDS).logits).abs().max().item() <= 1e-5
+        assert torch.equal(streamed.generate(IDS[:1], **GEN), ref.generate(IDS[:1], **GEN))
+    # unload gives back an ordinary model with every expert, as from the ordinary load
+    back, ref_back = streamed.unload(), whole.unload()
+    assert type(back) is type(ref_back)
+    assert all(torch.equal(p, ref_back.get_parameter(n)) for n, p in back.named_parameters())
+
+
+@pytest.mark.parametrize("name", ALL_TINY)
+def test_adapter_tables_agree_with_transformers_conversion_mapping(name):
+    """The per-family tables are what transformers' own WeightConverters fuse (the generic fallback)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(make_config(name))
+    adapter, derived = get_adapter(model.config.model_type), transformers_keys(model)
+    assert derived is not None
+    for path, module in adapter.find_experts(model):
+        for tensor, _ in module.named_parameters(recurse=False):
+            tables = [k.keys(path, tensor) for k in adapter.checkpoint_keys] or [(f"{path}.{tensor}",)]
+            assert derived(path, tensor) in tables
+
+
+def test_family_without_table_streams_through_transformers_mapping(tiny_checkpoint):
+    path = tiny_checkpoint("phimoe")
+    cfg = dict(expert_layer_path="model.layers.*.mlp.experts")  # generic adapter: no checkpoint_keys
+    with torch.no_grad():
+        assert torch.equal(_load(path, STREAM, **cfg)(IDS).logits, _load(path, WHOLE, **cfg)(IDS).logits)
+
+
+def test_sharded_checkpoint_streams(tmp_path):
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(make_config("qwen3_moe")).save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    with torch.no_grad():
+        assert torch.equal(_load(tmp_path, STREAM)(IDS).logits, _load(tmp_path, WHOLE)(IDS).logits)
+
+
+@pytest.fixture
+def wrong_mixtral_table():
+    """The mixtral adapter with a table matching no checkpoint (the fused names do not match either)."""
+    original = get_adapter("mixtral")
+    bad = ExpertKeys(tensors={"gate_up_proj": ("{e}.nope.weight",), "down_proj": ("{e}.nope2.weight",)})
+    register_adapter(MoEAdapter(name="mixtral-moved", model_types=("mixtral",), checkpoint_keys=(bad,)), override=True)
+    yield
+    register_adapter(original, override=True)
+
+
+def test_unknown_layout_falls_back_to_the_whole_load_with_a_warning(tiny_checkpoint, tmp_path, wrong_mixtral_table):
+    path = tiny_checkpoint("mixtral")
+    cfg = dict(host_budget="10MB", offload_dir=str(tmp_path / "off"))  # auto: host_budget asks for streaming
+    with pytest.warns(UserWarning, match="cannot be read one at a time.*nope.weight"):
+        model = _load(path, LoaderConfig(), **cfg)
+    with torch.no_grad():
+        assert (model(IDS).logits - load_reference(path)(IDS).logits).abs().max().item() <= 1e-5
+    with pytest.raises(UnsupportedModelError, match="stream_experts=True.*mixtral-moved table"):
+        _load(path, STREAM)
+
+
+def test_experts_beyond_host_budget_stream_to_disk(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("deepseek_v3")
+    one_layer = _load(path, WHOLE).mira.store.record_bytes(0) * 8
+    offload = tmp_path / "offload"
+    model = _load(path, LoaderConfig(), host_budget=one_layer, offload_dir=str(offload))  # auto: streams
+    assert model.mira.store.tier_bytes() == {"pinned": 0, "pageable": one_layer, "disk": one_layer}
+    ref = load_reference(path)
+    assert torch.equal(model.generate(IDS[:1], **GEN), ref.generate(IDS[:1], **GEN))
+    model.unload()
+    assert os.listdir(offload) == []
+
+
+def test_offload_dir_without_space_is_refused_before_loading(tiny_checkpoint, tmp_path, monkeypatch):
+    import mira_hf.model
+
+    monkeypatch.setattr(mira_hf.model.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 10, 10))
+    with pytest.raises(BudgetError, match="only 10 bytes are free"):
+        _load(tiny_checkpoint("mixtral"), LoaderConfig(), host_budget=1000, offload_dir=str(tmp_path / "off"))
+    assert not (tmp_path / "off").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupted header", "missing shard"])
+def test_broken_shard_gives_a_checkpoint_error_before_loading(tmp_path, damage):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ckpt = tmp_path / "ckpt"
+    AutoModelForCausalLM.from_config(make_config("mixtral")).save_pretrained(ckpt, max_shard_size="200KB")
+    shards = sorted(p for p in ckpt.iterdir() if p.suffix == ".safetensors")
+    victim = shards[-1]
+    if damage == "truncated":
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size - 100])
+    elif damage == "corrupted header":
+        data = victim.read_bytes()
+        victim.write_bytes(data[:8] + b"#" * 16 + data[24:])
+    else:
+        victim.unlink()
+    offload = tmp_path / "off"
+    with pytest.raises(CheckpointError, match="missing, truncated or corrupted|is missing"):
+        _load(ckpt, LoaderConfig(), host_budget="1MB", offload_dir=str(offload))
+    assert not offload.exists()
+
+
+# -- peak host memory ---------------------------------------------------------------------------------------
+_MEASURE = """
+import json, os, threading, time
+import torch, mira_hf
+from transformers.models.mixtral import modeling_mixtral  # imported before the baseline
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon"):
+            return int(line.split()[1]) * 1024
+peak, done = [0], [False]
+def poll():
+    while not done[0]:
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.0005)
+base = anon()
+t = threading.Thread(target=poll)
+t.start()
+cfg = mira_hf.MiraConfig(device="cpu", gpu_budget=0.05, host_budget=HOST_BUDGET, offload_dir=OFFLOAD,
+                         loader=mira_hf.config.LoaderConfig(stream_experts=STREAM))
+m = mira_hf.MiraMoEModel.from_pretrained(PATH, cfg, progress=False)
+done[0] = True
+t.join()
+ids = torch.tensor([[4, 8, 15, 16, 23, 42, 7, 9]])
+tokens = m.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+print(json.dumps(dict(growth=peak[0] - base, arena=m.mira.cache.capacity_bytes, tiers=m.mira.store.tier_bytes(),
+                      tokens=tokens.tolist())))
+"""
+
+
+def _measure(path, offload, host_budget: int, stream: bool) -> dict:
+    code = _MEASURE.replace("HOST_BUDGET", str(host_budget)).replace("OFFLOAD", repr(str(offload)))
+    code = code.replace("STREAM", str(stream)).replace("PATH", repr(str(path)))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_peak_host_memory_at_load_is_non_experts_plus_host_budget(tmp_path):
+    """A bf16 checkpoint with 201 MB of experts, loaded with a 32 MB host budget: the process's peak
+    anonymous memory grows by at most the non-expert weights + host_budget + 32 MiB of slack (the
+    expert arena, host memory on CPU by design, counted apart), where loading it whole grows by the
+    checkpoint's size. Generation is token-identical to the unwrapped model."""
+    script = textwrap.dedent(f"""
+        import torch
+        from transformers import MixtralConfig, MixtralForCausalLM
+        torch.manual_seed(0)
+        cfg = MixtralConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                            num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained({str(tmp_path / "ckpt")!r})
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
+    from safetensors import safe_open
+
+    expert_bytes = other_bytes = 0
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), framework="pt") as f:
+        for k in f.keys():
+            n = f.get_slice(k)
+            nbytes = 2 * int(torch.tensor(n.get_shape()).prod())
+            expert_bytes, other_bytes = (
+                (expert_bytes + nbytes, other_bytes) if ".experts." in k else (expert_bytes, other_bytes + nbytes)
+            )
+    assert expert_bytes > 200e6
+    host_budget = 32 * 10**6
+    streamed = _measure(tmp_path / "ckpt", tmp_path / "off", host_budget, stream=True)
+    assert streamed["tiers"]["disk"] > 0 and streamed["tiers"]["pageable"] <= host_budget
+    assert streamed["growth"] - streamed["arena"] <= other_bytes + host_budget + 32 * 2**20, (streamed, other_bytes)
+    whole = _measure(tmp_path / "ckpt", tmp_path / "off2", host_budget, stream=False)
+    assert whole["growth"] - whole["arena"] > expert_bytes  # what streaming saves
+    ref = load_reference(str(tmp_path / "ckpt"))
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42, 7, 9]])
+    expected = ref.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert streamed["tokens"] == whole["tokens"] == expected.tolist()
+    print(f"experts {expert_bytes:,} B, non-experts {other_bytes:,} B, host_budget {host_budget:,} B")
+    print(f"peak growth streamed {streamed['growth'] - streamed['arena']:,} B, whole {whole['growth'] - whole['arena']:,} B")
+
+
+def test_quantized_records_are_encoded_while_streaming(tiny_checkpoint):
+    path = tiny_checkpoint("qwen2_moe")
+    with torch.no_grad():
+        got = _load(path, STREAM, quantization="int8")(IDS).logits
+        assert torch.equal(got, _load(path, WHOLE, quantization="int8")(IDS).logits)
+
+
+def test_checkpoint_larger_than_available_memory_streams_without_host_budget(tiny_checkpoint, monkeypatch):
+    import mira_hf.checkpoint as checkpoint
+
+    calls = []
+    real = checkpoint.load_without_experts
+    monkeypatch.setattr(checkpoint, "load_without_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    path = tiny_checkpoint("olmoe")
+    _load(path, LoaderConfig())
+    assert calls == []  # fits in memory, no host budget: the ordinary load
+    monkeypatch.setattr(checkpoint, "available_host_bytes", lambda: 1000)
+    with torch.no_grad():
+        assert torch.equal(_load(path, LoaderConfig())(IDS).logits, _load(path, WHOLE)(IDS).logits)
+    assert calls == [1]
+
+
+def test_hub_id_in_the_local_cache_streams(tiny_checkpoint, tmp_path):
+    repo = tmp_path / "hub" / "models--mira--tiny-mixtral"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_checkpoint("mixtral"), snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=STREAM)
+    model = MiraMoEModel.from_pretrained("mira/tiny-mixtral", cfg, progress=False, cache_dir=str(tmp_path / "hub"))
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, _load(tiny_checkpoint("mixtral"), WHOLE)(IDS).logits)

@@ -1033,7 +1033,7 @@ def cost_rows(rows: list[dict]) -> list[dict]:
 
 def _sorted_rows(rows: list[dict]) -> list[dict]:
     order = {s: i for i, s in enumerate(SYSTEMS)}
-    return sorted(rows, key=lambda r: (r["budget"] or 0, order[r["system"]]))
+    return sorted(rows, key=lambda r: (r["budget"] or 0, order.get(r["system"], len(order))))
 
 
 def render_table(rows: list[dict], cost: bool = False) -> str:
@@ -1101,7 +1101,16 @@ def render_markdown(result: dict) -> str:
         "",
         "## How to read this",
         "",
-        "_TODO: placeholder paragraph (what each system is, what the limit means, what to look at first)._",
+        "Every system runs the same prompts on the same random-initialised weights (the bundled model: trained weights). "
+        "`resident` keeps every expert on the GPU: the speed transformers reaches when memory is no object. `accelerate` is "
+        'what a user gets from `device_map="auto"` with the same GPU memory (+2 GB): offloaded weights cross the link at '
+        "every forward. `lru` is a reactive expert cache (load on router miss, evict least recently used: mixtral-offloading "
+        "and MoE-Infinity style); `default` is mira-hf as it ships; `int4*` move 4-bit experts (lossy, opt-in). "
+        "Look first at ms/tok and `x limit`: the limit is the time the link must spend on the bytes Belady's optimal "
+        "cache of the same size would move for this very routing (or the time to read the touched weights from device "
+        "memory, if larger), so 1.0 is the best any exact demand cache can do at this budget, and the "
+        "resident row shows how far transformers itself is from it. Random weights route almost uniformly (no reuse to "
+        "exploit), so on them the bytes per expert decide; the bundled model shows real routing.",
         "",
         "Columns: TTFT = time to first token, 512-token prompt, batch 1; b1/b8 tok/s = decode tokens/s at batch 1 / 8, "
         "excluding the first token; beam tok/s = new tokens / time with 4 beams; MB h2d/tok, H2D GB/s, stall (share of decode "
@@ -1141,7 +1150,7 @@ def render_plot(result: dict, path: str) -> str | None:
     for m, (ax_tps, ax_ms) in zip(models, axes):
         rows = sorted(
             (r for r in m["rows"] if r["status"] in ("ok", "partial")),
-            key=lambda r: (r["budget"] or 0, order[r["system"]]),
+            key=lambda r: (r["budget"] or 0, order.get(r["system"], len(order))),
         )
         names = [r["system"] + ("" if r["budget"] is None else f"\n{r['budget']:.0%}") for r in rows]
         x = list(range(len(rows)))

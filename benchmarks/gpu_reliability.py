@@ -68,6 +68,30 @@ def compare(ref: dict, got: dict) -> dict:
     )
 
 
+def host_tiers(root: str) -> list[dict]:
+    """The pageable store (copies through the pinned staging ring) and the disk tier (experts beyond
+    host_budget, memory-mapped from offload_dir) on CUDA: exact, with their copy counts."""
+    path = save_tiny("mixtral", root)
+    ref = outputs(AutoModelForCausalLM.from_pretrained(path).to(DEV).eval())
+    rows = []
+    for name, kw in (
+        ("pinned", dict(host_memory="pinned")),
+        ("pageable", dict(host_memory="pageable")),
+        ("disk", dict(host_memory="pageable", host_budget=1, offload_dir=os.path.join(root, "offload"))),
+    ):
+        row = dict(tier=name)
+        try:
+            model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device=DEV, **kw), progress=False)
+            row["store_tiers"] = model.mira.store.tier_bytes()
+            row.update(compare(ref, outputs(model)))
+            row["loads"] = model.mira.stats()["loads"]
+            row["exact"] = row["max_abs_logit_diff"] <= 1e-5 and row["greedy_identical"] and row["beam_identical"]
+        except Exception as exc:
+            row.update(exact=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        rows.append(row)
+    return rows
+
+
 def min_fraction(path: str) -> float:
     """The smallest budget fraction the model accepts (the top-k experts of one layer)."""
     for f in (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5):
@@ -283,8 +307,13 @@ def main() -> int:
         return 2
     result = dict(env=environment(), command="python benchmarks/gpu_reliability.py")
     with tempfile.TemporaryDirectory() as root:
-        parts = [("exactness", lambda: exactness(root)), ("failures", lambda: failures(root)), ("peak", peak_memory)]
-        for key, fn in parts if DEV.startswith("cuda") else parts[:2]:
+        parts = [
+            ("exactness", lambda: exactness(root)),
+            ("host_tiers", lambda: host_tiers(root)),
+            ("failures", lambda: failures(root)),
+            ("peak", peak_memory),
+        ]
+        for key, fn in parts if DEV.startswith("cuda") else parts[:3]:
             t0 = time.perf_counter()
             try:
                 result[key] = fn()
@@ -296,6 +325,11 @@ def main() -> int:
         print_table(
             result["exactness"],
             ["family", "budget", "policy", "predictor", "max_abs_logit_diff", "greedy_identical", "beam_identical", "exact"],
+        )
+    if isinstance(result.get("host_tiers"), list):
+        print_table(
+            result["host_tiers"],
+            ["tier", "store_tiers", "max_abs_logit_diff", "greedy_identical", "beam_identical", "loads", "exact"],
         )
     if isinstance(result.get("failures"), list):
         print_table(result["failures"], ["case", "raised", "seconds_to_raise", "consistent_after", "next_generate_exact", "ok"])

@@ -7,8 +7,8 @@ windows [0, calib_windows), evaluation on the next eval_windows), and a tiny ran
 
     python benchmarks/offline_eval.py [--quick] [--eval-windows 8] [--eval-tokens 128] [--no-sweep] [--out DIR]
 
-Then the best predictive configs are replayed again over stage_fraction × confidence (and lookahead
-1 and 3) (`--no-sweep` skips it). A replay counts an expert in flight as a hit, as the runtime's
+Then the best predictive configs are replayed again over stage_fraction × stage_probability (and
+stage_lookahead 2) (`--no-sweep` skips it). A replay counts an expert in flight as a hit, as the runtime's
 telemetry does: whether a copy arrives in time is for the GPU benchmarks to measure.
 
 Prints a table per model and budget and the issue's target checks (PASS/FAIL), and writes
@@ -42,8 +42,8 @@ POLICIES = ("lru", "heat", "priority")
 PREDICTORS = (None, "gate", "markov", "global", "position", "hybrid", "learned")
 DEFAULTS = MiraConfig()  # the grid runs at its stage_fraction and PredictorConfig; "default" is its policy + predictor
 SWEEP_STAGE = (0.25, 0.5)
-SWEEP_CONFIDENCE = (0.2, 0.3, 0.5)
-SWEEP_LOOKAHEAD = (1, 3)  # beside the default, at the default stage fraction and confidence
+SWEEP_PROBABILITY = (0.7, 0.8, 0.9, 0.95)  # PredictorConfig.stage_probability: how likely a guess must be to be copied
+SWEEP_STAGE_LOOKAHEAD = (2,)  # beside the default, at the default stage fraction and stage probability
 COLUMNS = ["policy", "predictor", "hit%", "misses", "loads", "wasted", "MB/tok", "xBelady", "r@1", "r@2", "p@1", "p@2"]
 
 
@@ -107,10 +107,10 @@ def evaluate(name: str, model, trace, learned, budgets, sweep: bool) -> dict:
             for base in top:
                 policy, predictor = base["config"]["policy"], base["config"]["predictor"]
                 d_stage, d_pred = DEFAULTS.cache.stage_fraction, DEFAULTS.prediction
-                grid = [(s, c, d_pred.lookahead) for s in SWEEP_STAGE for c in SWEEP_CONFIDENCE]
-                grid += [(d_stage, d_pred.confidence, la) for la in SWEEP_LOOKAHEAD]
-                for stage, confidence, lookahead in grid:
-                    cfg = dataclasses.replace(d_pred, confidence=confidence, lookahead=lookahead)
+                grid = [(s, q, d_pred.stage_lookahead) for s in SWEEP_STAGE for q in SWEEP_PROBABILITY]
+                grid += [(d_stage, d_pred.stage_probability, la) for la in SWEEP_STAGE_LOOKAHEAD]
+                for stage, probability, lookahead in grid:
+                    cfg = dataclasses.replace(d_pred, stage_probability=probability, stage_lookahead=lookahead)
                     r = run(budget, policy, predictor, stage_fraction=stage, predictor_config=cfg)
                     out["sweep"].append(r)
                     rows.append(
@@ -118,14 +118,26 @@ def evaluate(name: str, model, trace, learned, budgets, sweep: bool) -> dict:
                             policy=policy,
                             predictor=predictor,
                             stage=stage,
-                            confidence=confidence,
-                            lookahead=lookahead,
+                            stage_probability=probability,
+                            stage_lookahead=lookahead,
                             **_row(r, out["belady"][budget]),
                         )
                     )
             print(f"\n## {name}: sweep at budget {budget:.0%}")
             out.setdefault("sweep_tables", {})[budget] = print_table(
-                rows, ["policy", "predictor", "stage", "confidence", "lookahead", "hit%", "misses", "loads", "MB/tok", "xBelady"]
+                rows,
+                [
+                    "policy",
+                    "predictor",
+                    "stage",
+                    "stage_probability",
+                    "stage_lookahead",
+                    "hit%",
+                    "misses",
+                    "loads",
+                    "MB/tok",
+                    "xBelady",
+                ],
             )
     return out
 

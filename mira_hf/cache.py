@@ -4,7 +4,10 @@ It knows nothing about models or devices: keys are `(layer, expert)`, slots are 
 pool's arena (allocated by the manager), and a policy picks victims. Two tiers share a pool:
 - HOT: experts that were used and earned their place (at most `n_hot` slots);
 - STAGE: experts in flight, prefetched and not yet used, or demoted from HOT; evicted first.
-A prefetch may only take a free or STAGE slot: a guess never pushes out a HOT expert.
+A prefetch may only take a free or STAGE slot: a guess never pushes out a HOT expert. A policy that
+ranks every resident expert by its expected next use (`one_ranking = True`, the heat policy) uses
+the tiers for telemetry only: its victim is the least valuable unpinned expert of either tier, and a
+prefetch is limited by the caller's admission rule instead.
 Pinned slots (in use by the block being computed) are never evicted.
 """
 
@@ -22,6 +25,7 @@ class CachePolicy(Protocol):
     """Ranks resident experts for eviction. One instance per slot pool."""
 
     name: str
+    one_ranking: bool  # rank HOT and idle STAGE together (the tiers then only label experts)
 
     def inserted(self, key: Key, staged: bool) -> None: ...
     def used(self, key: Key) -> None: ...
@@ -126,13 +130,16 @@ class ExpertCache:
     def _victim_groups(pool: SlotPool, staged: bool, prefetch_may_evict=None) -> list[list[Key]]:
         """Where victims are sought, in order. STAGE experts that are not awaiting use go first.
         A prefetch stops there: it never evicts HOT, nor another prefetch still awaiting its use.
-        A demand load then takes from HOT, and only last from prefetches awaiting use."""
+        A demand load then takes from HOT, and only last from prefetches awaiting use.
+        With a `one_ranking` policy, HOT and idle STAGE form one group (for a prefetch too)."""
         unpinned = [s for s in pool.slots if s.pins == 0]
         awaiting = [s.key for s in unpinned if s.awaiting]
         idle_stage = [s.key for s in unpinned if s.tier == STAGE and not s.awaiting]
+        hot = [s.key for s in unpinned if s.tier == HOT]
+        groups = [idle_stage + hot] if pool.policy.one_ranking else [idle_stage, hot]
         if staged:
-            return [[k for k in idle_stage if prefetch_may_evict is None or prefetch_may_evict(k)]]
-        return [idle_stage, [s.key for s in unpinned if s.tier == HOT], awaiting]
+            return [[k for k in groups[0] if prefetch_may_evict is None or prefetch_may_evict(k)]]
+        return [*groups, awaiting]
 
     def use(self, slot: Slot) -> None:
         """Record a use: the expert joins HOT if the policy admits it, demoting HOT's victim to

@@ -129,6 +129,7 @@ class ExpertManager:
         # into a slot of the checkpoint dtype) or "packed" (packed records, computed from as they are).
         self.placement = placement if store.quantized else "raw"
         self._predicted: dict[Key, float] = {}  # latest predicted probability of use this step
+        self._layer_probs: dict[int, list[float]] = {}  # layer not yet run this step -> latest [E] prediction
         self._precision: float | None = None  # running precision of the predictor's guesses
         self._pending_predictions: dict[int, list[tuple[int, set[int]]]] = {}  # target layer -> [(distance, set)]
         self.recorder = None  # optional callable(layer, hidden [T,H], top_k_index [T,K]): traces, calibration
@@ -223,6 +224,7 @@ class ExpertManager:
             if self.recorder is not None and hidden is not None:
                 self.recorder(layer, hidden, top_k_index)
             self.heat.activate(layer, list(experts))
+            self._layer_probs.pop(layer, None)  # its block runs now: the guesses are spent
             self._score_predictions(layer, experts)
             self._expire_prefetches(layer)
             stats = self.telemetry.layer(layer)
@@ -290,8 +292,9 @@ class ExpertManager:
 
     def prefetch(self, layer: int, experts: Sequence[int], probabilities: Sequence[float] | None = None) -> int:
         """Stage `experts` of `layer` (with their probabilities of use) into STAGE slots ahead of need;
-        returns how many copies started. A guess never evicts a HOT, pinned or awaited expert, nor one
-        hotter than its own probability; it stops at the first expert that finds no slot."""
+        returns how many copies started. A guess never evicts a pinned or awaited expert, nor one
+        expected to be needed sooner than the guess itself (nor a HOT one, under the lru and priority
+        policies); it stops at the first expert that finds no slot."""
         with self._lock:
             started = 0
             for i, e in enumerate(experts):
@@ -306,7 +309,8 @@ class ExpertManager:
 
     # -- prediction -----------------------------------------------------------------------------
     def _stage(self, layer: int, predictions: dict[int, torch.Tensor]) -> None:
-        """Stage each target layer's likely experts (most likely first), nearest layer first."""
+        """Record each target layer's guesses (they rank evictions and are scored), then copy the
+        likely experts (most likely first) of the next `stage_lookahead` layers, nearest first."""
         cfg = self.predictor_config
         for target in sorted(predictions):
             probs = predictions[target]
@@ -314,12 +318,14 @@ class ExpertManager:
             cap = cfg.max_staged_per_layer or 2 * li.top_k
             order = torch.argsort(probs, descending=True).tolist()
             values = probs.tolist()
+            self._layer_probs[target] = values  # the nearest prediction comes last and wins
             chosen = [e for e in order if values[e] >= cfg.confidence]
             self._pending_predictions.setdefault(target, []).append((target - layer, set(chosen)))
             for e in chosen:
                 self._predicted[(target, e)] = max(self._predicted.get((target, e), 0.0), values[e])
-            if target - layer <= cfg.lookahead and self.staging_enabled:
-                self.prefetch(target, chosen[:cap], [values[e] for e in chosen[:cap]])
+            if target - layer <= cfg.stage_lookahead and self.staging_enabled:
+                staged = [e for e in chosen if values[e] >= cfg.stage_probability][:cap]
+                self.prefetch(target, staged, [values[e] for e in staged])
 
     @property
     def staging_enabled(self) -> bool:
@@ -333,7 +339,7 @@ class ExpertManager:
         for distance, predicted in self._pending_predictions.pop(layer, ()):
             tp = len(predicted & actual)
             self.telemetry.count_prediction(layer, distance, tp, len(predicted) - tp, len(actual) - tp)
-            if predicted and distance <= self.predictor_config.lookahead:  # only guesses that were staged
+            if predicted and distance <= self.predictor_config.stage_lookahead:  # guesses that may be staged
                 p = tp / len(predicted)
                 self._precision = p if self._precision is None else decay * self._precision + (1 - decay) * p
 
@@ -347,6 +353,7 @@ class ExpertManager:
         self.telemetry.end_step()
         self.heat.end_step()
         self._predicted.clear()
+        self._layer_probs.clear()
         self._pending_predictions.clear()
 
     # -- internals ------------------------------------------------------------------------------
@@ -377,21 +384,30 @@ class ExpertManager:
         d = (layer - self._last_layer) % n
         return d if d > 0 else n
 
-    def keep_value(self, key: Key) -> float:
-        """How much keeping a resident expert is worth: 1 / its expected distance to the next use, in
-        layers. Its layer runs again in `d` layers and uses it with probability p (its recent use rate),
-        else a step (L layers) later, and so on: E[distance] = d + L·(1 − p) / p. The least valuable
-        expert is the best victim (Belady's rule with the future replaced by that expectation)."""
+    def expected_distance(self, key: Key, probability: float | None = None) -> float:
+        """Expected distance to the next use of `key`, in layers. Its layer runs again in `d` layers
+        and uses it with probability q, else a step (L layers) later with probability p (its recent
+        use rate), and so on: E = d + L·(1 − q) / p. q is `probability` if given, else the predictor's
+        latest guess for that layer when there is one (this step, layer not yet run), else p."""
         p = max(float(self.heat.use_rate[key[0]][key[1]]), 1e-3)
-        return 1.0 / (self.layers_until(key[0]) + len(self.layers) * (1 - p) / p)
+        if probability is None:
+            guesses = self._layer_probs.get(key[0])
+            probability = p if guesses is None else guesses[key[1]]
+        return self.layers_until(key[0]) + len(self.layers) * (1 - probability) / p
+
+    def keep_value(self, key: Key) -> float:
+        """How much keeping a resident expert is worth: 1 / `expected_distance`. The least valuable
+        expert is the best victim (Belady's rule with the future replaced by that expectation)."""
+        return 1.0 / self.expected_distance(key)
 
     def _load(self, key: Key, staged: bool, evict: bool = True, probability: float = 1.0) -> Slot | None:
-        # A guess may only displace an expert less likely to be used again than the guess itself
-        # (heat stands for that likelihood): when transfers are the bottleneck, evicting an expert
-        # that will be needed costs the same transfer the guess might save.
+        # A guess may only displace an expert expected to be needed later than the guess itself
+        # (Belady's rule on expected distances): when transfers are the bottleneck, evicting an expert
+        # needed sooner costs the same transfer the guess might save.
         admit = None
         if staged:
-            admit = lambda k: self.heat.score(*k) < probability  # noqa: E731
+            horizon = self.expected_distance(key, probability)
+            admit = lambda k: self.expected_distance(k) > horizon  # noqa: E731
         slot, evicted = self.cache.allocate(key, staged, evict=evict, prefetch_may_evict=admit)
         if slot is None:
             return None

@@ -23,6 +23,7 @@ class LRUPolicy:
     """Least recently used. A load counts as a use."""
 
     name = "lru"
+    one_ranking = False
 
     def __init__(self) -> None:
         self._order: OrderedDict[Key, None] = OrderedDict()  # oldest first
@@ -49,14 +50,18 @@ class LRUPolicy:
 
 
 class HeatPolicy(LRUPolicy):
-    """Cold experts (below the heat threshold) go first; HOT only at or above the threshold.
+    """Evict the expert least worth keeping; HOT only at or above the heat threshold.
 
-    Within each group the victim is the expert least worth keeping: `keep_value(key)` (heat over the
-    number of layers until its layer runs again, from the manager). Layers run in order every step,
-    so an expert of the layer just computed is needed last; plain recency gets this backwards
-    (the least recently used expert belongs to the layer that runs next)."""
+    The victim is the unpinned expert, HOT or STAGE alike (`one_ranking`), with the lowest
+    `keep_value(key)`: from the manager, 1 / the expected distance to its next use, in layers (its
+    recent use rate, and the predictor's probability when its layer is predicted). Layers run in
+    order every step, so an expert of the layer just computed is needed last; plain recency gets
+    this backwards (the least recently used expert belongs to the layer that runs next). The HOT
+    tier (heat ≥ threshold) labels the experts that matter lately; it no longer shields them from a
+    victim search, since the ranking already weighs how often each is used."""
 
     name = "heat"
+    one_ranking = True
 
     def __init__(self, heat: HeatTracker, keep_value: Callable[[Key], float] | None = None) -> None:
         super().__init__()
@@ -71,7 +76,7 @@ class HeatPolicy(LRUPolicy):
         if not allowed:
             return None
         rank = {k: i for i, k in enumerate(self._order)}  # recency rank: 0 = oldest
-        return min(allowed, key=lambda k: (self.heat.is_hot(*k), self.keep_value(k), rank.get(k, -1)))
+        return min(allowed, key=lambda k: (self.keep_value(k), rank.get(k, -1)))
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,13 @@ RouterProbs = Callable[[int, torch.Tensor], "torch.Tensor | None"]  # (layer, hi
 
 @dataclass(frozen=True)
 class PredictorConfig:
-    lookahead: int = 2  # layers ahead that predictions (and copies) are issued
-    confidence: float = 0.3  # minimum probability for an expert to be staged
+    lookahead: int = 2  # layers ahead that predictions are made (they also rank evictions)
+    confidence: float = 0.3  # minimum probability for a guess to be counted (scored for precision)
+    # Copies are made only for the next `stage_lookahead` layers and for guesses at least this likely:
+    # on a saturated link a wrong copy costs a whole expert's transfer, and a copy issued two layers
+    # early evicts sooner than needed (offline evaluation: benchmarks/NOTES.md section 7).
+    stage_lookahead: int = 1
+    stage_probability: float = 0.9
     max_staged_per_layer: int | None = None  # None: 2 × top-k
     markov_warmup_tokens: int = 1000  # tokens of routing that form the first Markov estimate (no re-checks before)
     markov_cumulative: float = 0.8  # candidates kept up to this cumulative probability
@@ -45,10 +50,10 @@ class PredictorConfig:
     precision_decay: float = 0.9  # weight of the past in the running precision estimate
 
     def __post_init__(self) -> None:
-        if self.lookahead < 1:
-            raise ConfigError(f"PredictorConfig.lookahead={self.lookahead}: must be ≥ 1.")
-        if not 0 <= self.confidence <= 1 or not 0 < self.markov_cumulative <= 1:
-            raise ConfigError("PredictorConfig.confidence and markov_cumulative must be in [0, 1].")
+        if self.lookahead < 1 or self.stage_lookahead < 1:
+            raise ConfigError(f"PredictorConfig.lookahead={self.lookahead}, stage_lookahead={self.stage_lookahead}: must be ≥ 1.")
+        if not 0 <= self.confidence <= 1 or not 0 < self.markov_cumulative <= 1 or not 0 <= self.stage_probability <= 1:
+            raise ConfigError("PredictorConfig.confidence, stage_probability and markov_cumulative must be in [0, 1].")
 
 
 class Predictor(Protocol):

@@ -139,3 +139,59 @@ def test_budget_plan_slots(slots):
     m = make_manager(slots=slots)
     assert sum(m.budget.n_slots.values()) == min(slots, 8)
     assert m.cache.capacity_bytes <= m.budget.budget_bytes
+
+
+def steps(manager, per_layer, n):
+    """`n` forward steps, each running `per_layer[layer]` for every layer in order."""
+    for _ in range(n):
+        manager.enter_forward()
+        for layer, experts in enumerate(per_layer):
+            run_block(manager, layer, experts)
+        manager.exit_forward()
+
+
+def test_heat_guess_never_evicts_an_expert_needed_sooner():
+    """Under the heat policy a prefetch may take a HOT slot, but only from an expert whose expected
+    next use is later than the guess's: experts used every step stay."""
+    m = make_manager(layers=2, experts=4, slots=4, stage_fraction=0.0, policy="heat")
+    steps(m, [[0, 1], [0, 1]], 10)
+    m.enter_forward()
+    run_block(m, 0, [0, 1])
+    assert m.prefetch(1, [3], [0.95]) == 0
+    assert m.cache.resident() == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    m.exit_forward()
+
+
+def test_heat_guess_evicts_a_stale_expert():
+    m = make_manager(layers=2, experts=4, slots=3, stage_fraction=0.0, policy="heat")
+    steps(m, [[0, 1], [2]], 1)
+    steps(m, [[0, 1], []], 40)  # (1, 2) stays resident, unused for 40 steps
+    m.enter_forward()
+    run_block(m, 0, [0, 1])
+    assert m.prefetch(1, [3], [0.95]) == 1
+    assert m.cache.resident() == [(0, 0), (0, 1), (1, 3)]
+    m.exit_forward()
+
+
+def test_predicted_probability_ranks_evictions():
+    """A layer's latest guesses replace its use rate in the expected distance to the next use."""
+    m = make_manager(layers=2, experts=4, slots=4, policy="heat")
+    steps(m, [[0, 1], [0, 1]], 5)
+    m.enter_forward()
+    run_block(m, 0, [0, 1])
+    before = m.expected_distance((1, 0))
+    m._stage(0, {1: torch.tensor([0.0, 1.0, 0.0, 0.0])})
+    assert m.expected_distance((1, 1)) == 1.0  # certain, next layer
+    assert m.expected_distance((1, 0)) > before  # predicted unused: its next chance is a step later
+    run_block(m, 1, [1])
+    assert m._layer_probs == {}  # spent once the layer ran
+    m.exit_forward()
+
+
+def test_only_likely_guesses_of_the_next_layer_are_copied():
+    m = make_manager(layers=3, experts=4, slots=6, policy="heat")
+    m.enter_forward()
+    run_block(m, 0, [0, 1])
+    m._stage(0, {1: torch.tensor([0.95, 0.5, 0.0, 0.0]), 2: torch.tensor([0.99, 0.0, 0.0, 0.0])})
+    assert m.cache.resident() == [(0, 0), (0, 1), (1, 0)]  # not (1, 1): p < 0.9; not layer 2: two layers ahead
+    m.exit_forward()

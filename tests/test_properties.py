@@ -8,12 +8,12 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from tiny_models import RECIPES, make_config  # noqa: E402
 
-from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
-from mira_hf.config import POLICIES, PREDICTORS  # noqa: E402
+from mira_hf import BudgetError, MiraConfig, MiraMoEModel  # noqa: E402
+from mira_hf.config import PLACEMENTS, POLICIES, PREDICTORS, QUANTIZATIONS, QuantConfig  # noqa: E402
 from mira_hf.manager import plan_budget  # noqa: E402
 
 # Config keys of the expert count and top-k per family (to draw random shapes).
@@ -98,3 +98,79 @@ def test_wrapped_model_is_exact_under_any_configuration(c):
     assert torch.equal(model.generate(ids, **kw), expected)
     s = model.mira.stats()
     assert s["resident_bytes"] <= s["budget_bytes"]
+
+
+compressed_case = st.fixed_dictionaries(
+    dict(
+        family=st.sampled_from(sorted(SHAPE_KEYS)),
+        quantization=st.sampled_from([q for q in QUANTIZATIONS if q not in (None, "nf4")]),
+        placement=st.sampled_from(PLACEMENTS),
+        budget=st.floats(0.0, 1.0),
+        policy=st.sampled_from(POLICIES),
+        predictor=st.sampled_from(PREDICTORS_NO_TRAINING),
+        batch=st.integers(1, 3),
+        seed=st.integers(0, 2**16),
+    )
+)
+
+
+@given(compressed_case)
+def test_compressed_transfer_computes_the_same_at_any_budget(c):
+    """With a compressed format the numbers change once, at quantisation; caching never changes them:
+    any budget, policy and predictor gives the logits and tokens of the same format with every expert
+    resident."""
+    ref = _reference(c["family"], 8, 2)
+    quant = dict(quantization=c["quantization"], quant=QuantConfig(placement=c["placement"]))
+    full = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=1.0, **quant))
+    layers = list(full.mira.layers.values())
+    slot = {li.ordinal: full.mira.budget.slot_bytes[full.mira.budget.pool_of_layer[li.ordinal]] for li in layers}
+    total = full.mira.budget.budget_bytes
+    minimum = sum(max(li.top_k for li in layers) * r for r in set(slot.values()))
+    budget = max(1, int(c["budget"] * total))
+    cfg = MiraConfig(device="cpu", gpu_budget=budget, policy=c["policy"], predictor=c["predictor"], **quant)
+    if budget < minimum:  # below the working set: refused before anything changes
+        with pytest.raises(BudgetError):
+            MiraMoEModel.wrap(copy.deepcopy(ref), cfg)
+        return
+    model = MiraMoEModel.wrap(copy.deepcopy(ref), cfg)
+    ids = torch.randint(3, 128, (c["batch"], 6), generator=torch.Generator().manual_seed(c["seed"]))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, full(ids).logits)
+    kw = dict(max_new_tokens=5, min_new_tokens=5, pad_token_id=0, do_sample=False)
+    assert torch.equal(model.generate(ids, **kw), full.generate(ids, **kw))
+    s = model.mira.stats()
+    assert s["resident_bytes"] <= s["budget_bytes"]
+
+
+learned_case = st.fixed_dictionaries(
+    dict(
+        family=st.sampled_from(sorted(SHAPE_KEYS)),
+        budget=st.floats(0.0, 1.0),
+        policy=st.sampled_from(POLICIES),
+        mode=st.sampled_from(["greedy", "beam"]),
+        seed=st.integers(0, 2**16),
+    )
+)
+
+
+@settings(max_examples=10)
+@given(learned_case)
+def test_calibrated_learned_predictor_keeps_outputs_exact(c):
+    """The `learned` predictor (trained by `calibrate` on random tokens here, so it guesses badly or
+    well by chance) only decides what is copied early: logits and tokens stay the unwrapped model's."""
+    from mira_hf import calibrate
+
+    ref = _reference(c["family"], 8, 2)
+    model = MiraMoEModel.wrap(
+        copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.3 + 0.7 * c["budget"], policy=c["policy"])
+    )
+    g = torch.Generator().manual_seed(c["seed"])
+    calibrate(model, torch.randint(3, 128, (4, 32), generator=g), epochs=2, progress=False, seed=c["seed"])
+    assert model.mira.predictor.name == "learned"
+    ids = torch.randint(3, 128, (2, 6), generator=g)
+    with torch.no_grad():
+        assert (model(ids).logits - ref(ids).logits).abs().max() <= 1e-5
+    kw = dict(max_new_tokens=5, min_new_tokens=5, pad_token_id=0, do_sample=False)
+    if c["mode"] == "beam":
+        kw.update(num_beams=3)
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))

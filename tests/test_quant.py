@@ -307,7 +307,7 @@ def test_spec_is_frozen():
 @pytest.mark.parametrize(
     "name, kwargs, message",
     [
-        ("fp8", {}, r"'fp8' is not a compressed format; supported: \['int8', 'int4', 'nf4'\]"),
+        ("fp8", {}, r"'fp8' is not a compressed format; supported: \['int8', 'int4', 'nf4', 'lossless'\]"),
         (None, {}, "identity codec"),
         ("int4", {"bogus": 1}, r"unknown options \['bogus'\]"),
         ("int4", {"fmt": "int8"}, "takes no fmt"),

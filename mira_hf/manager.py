@@ -155,7 +155,7 @@ class ExpertManager:
                 packed[g] = max(packed.get(g, 0), store.record_bytes(li.ordinal))
             self._staging = {g: torch.empty(n, dtype=torch.uint8, device=device) for g, n in packed.items()}
         self.cache = ExpertCache(pools, budget.pool_of_layer)
-        self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (layer, slot) -> tensors
+        self._views: dict[tuple, object] = {}  # (pool, slot, layer) -> tensors or PackedWeights
         self._last_layer = -1
         self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
         self._forward_owner: int | None = None
@@ -416,7 +416,9 @@ class ExpertManager:
     def _slot_views(self, layer: int, slot: Slot):
         """What the proxy computes with: typed views into the slot, or the packed record itself."""
         g = self.cache.pool_of_layer[layer]
-        key = (g, slot.index)
+        # keyed by layer too: layers sharing a pool (one record size) may lay their records out differently
+        # (lossless: per-layer escape room; other shapes of the same size)
+        key = (g, slot.index, layer)
         views = self._views.get(key)
         if views is None:
             record = self._arena[g][slot.index]

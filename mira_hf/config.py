@@ -21,7 +21,7 @@ Budget = Union[int, float, str, None]
 
 POLICIES = ("lru", "heat", "priority")
 PREDICTORS: tuple[str | None, ...] = (None, "auto", "gate", "markov", "global", "position", "hybrid", "learned")
-QUANTIZATIONS: tuple[str | None, ...] = (None, "int8", "int4", "nf4")
+QUANTIZATIONS: tuple[str | None, ...] = (None, "lossless", "int8", "int4", "nf4")
 PLACEMENTS = ("dequant", "packed")
 HOST_MEMORY_KINDS = ("auto", "pinned", "pageable")
 
@@ -114,10 +114,12 @@ class LoaderConfig:
 class QuantConfig:
     """The compressed transfer format (used when `MiraConfig.quantization` is set)."""
 
-    group_size: int = 64  # weights per scale group, along each weight's contiguous dimension
+    group_size: int = 64  # weights per scale group, along each weight's contiguous dimension (int8/int4/nf4)
     # "dequant": experts cross the link packed and are dequantised on the device into a slot of the
     # checkpoint dtype (same experts per budget, fewer bytes moved). "packed": experts stay packed in
-    # the cache and are computed from packed weights (≈3.7× more int4 experts in the same budget).
+    # the cache and are computed from packed weights (≈3.7× more int4 experts in the same budget;
+    # lossless: ≈1.33×, minus one decoded weight of scratch). Either way the device buffers this
+    # needs (a staging record, or the scratch) are taken from gpu_budget.
     placement: str = "dequant"
 
     def __post_init__(self) -> None:
@@ -147,10 +149,12 @@ class MiraConfig:
         when `predictor_path` is given, else `"gate"` (needs no training); or one of `"gate"`,
         `"markov"`, `"global"`, `"position"`, `"hybrid"`, `"learned"`.
     predictor_path: directory written by `model.mira.save_predictor()` (a calibrated `"learned"` predictor).
-    store_path: directory written by `model.mira.save_store()`: quantized expert records reused as they are
-        (quantise once); refused if made from other weights or in another format.
+    store_path: directory written by `model.mira.save_store()`: encoded expert records reused as they are
+        (encode once); refused if made from other weights or in another format.
     quantization: expert transfer format. `None`: the checkpoint's dtype, bit-exact (default).
-        `"int8"`, `"int4"`: mira-hf's packed group-wise format (see `QuantConfig`); `"nf4"`: bitsandbytes.
+        `"lossless"`: bit-exact too, ~0.75× the bytes for bf16 experts (0.875× fp32; see
+        `mira_hf.quant.lossless`). `"int8"`, `"int4"`: mira-hf's packed group-wise format (see
+        `QuantConfig`); `"nf4"`: bitsandbytes. These three change the numbers.
     host_memory: `"pinned"` (fastest copies; pinning takes ~0.5 s per GB at load), `"pageable"`
         (instant load, copies go through a pinned staging ring) or `"auto"` (pinned on CUDA).
     host_budget: host bytes for the expert store; experts beyond it are read from disk

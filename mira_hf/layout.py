@@ -64,10 +64,29 @@ class ExpertCodec(Protocol):
     def decode(self, record: torch.Tensor, layout, dtype: torch.dtype, out=None) -> dict[str, torch.Tensor]: ...
 
 
+def plan_layer(codec, fused: Mapping[str, torch.Tensor]):
+    """The record layout of one layer's experts, from its fused tensors `name -> [E, ...]`. A codec
+    whose record size depends on the values (lossless: room for the experts' escapes) plans from the
+    tensors (`plan_experts`); the others from their shapes and dtypes."""
+    plan_experts = getattr(codec, "plan_experts", None)
+    if plan_experts is not None:
+        return plan_experts(fused)
+    return codec.plan({name: (tuple(t.shape[1:]), t.dtype) for name, t in fused.items()})
+
+
+def plan_layer_from(codec, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], num_experts: int, expert):
+    """As `plan_layer`, for experts read one at a time (`expert(e) -> {name: tensor}`)."""
+    plan_from = getattr(codec, "plan_experts_from", None)
+    if plan_from is not None:
+        return plan_from(specs, num_experts, expert)
+    return codec.plan(specs)
+
+
 class IdentityCodec:
     """Records hold the checkpoint's bytes unchanged: exact, and decoding is free (views)."""
 
     name = "none"
+    lossless = True
 
     def plan(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> RawLayout:
         offset, tensors = 0, []
@@ -93,14 +112,19 @@ class IdentityCodec:
 
 
 class PackedWeights:
-    """An expert kept packed in its device slot (placement "packed"): computed from packed weights."""
+    """An expert kept packed in its device slot (placement "packed"): computed from packed weights.
 
-    __slots__ = ("codec", "record", "layout", "dtype")
+    `scratch`: a device buffer the codec's `linear` decodes a weight into (codecs with a
+    `scratch_bytes`, e.g. lossless), shared by every expert; None for codecs that need none."""
 
-    def __init__(self, codec, record: torch.Tensor, layout, dtype: torch.dtype) -> None:
-        self.codec, self.record, self.layout, self.dtype = codec, record, layout, dtype
+    __slots__ = ("codec", "record", "layout", "dtype", "scratch")
+
+    def __init__(self, codec, record: torch.Tensor, layout, dtype: torch.dtype, scratch: torch.Tensor | None = None) -> None:
+        self.codec, self.record, self.layout, self.dtype, self.scratch = codec, record, layout, dtype, scratch
 
     def linear(self, x: torch.Tensor, name: str, transposed: bool) -> torch.Tensor:
+        if self.scratch is not None:
+            return self.codec.linear(x, self.record, self.layout, name, transposed, scratch=self.scratch)
         return self.codec.linear(x, self.record, self.layout, name, transposed)
 
     def raw(self, name: str) -> torch.Tensor:

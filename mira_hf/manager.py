@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -58,16 +58,43 @@ class BudgetPlan:
     pool_of_layer: dict[int, Hashable]
     slot_bytes: dict[Hashable, int]
     n_slots: dict[Hashable, int]
+    buffer_bytes: dict[str, int] = field(default_factory=dict)  # codec buffers taken from the budget first
 
     @property
     def capacity_bytes(self) -> int:
+        """Bytes of all slots."""
         return sum(self.n_slots[g] * self.slot_bytes[g] for g in self.n_slots)
 
+    @property
+    def device_bytes(self) -> int:
+        """Everything the manager allocates on the device: slots and codec buffers (≤ budget_bytes)."""
+        return self.capacity_bytes + sum(self.buffer_bytes.values())
 
-def plan_budget(layers: Sequence[LayerInfo], record_bytes: dict[int, int], budget_bytes: int) -> BudgetPlan:
+
+def device_buffers(placement: str, codec, layouts: Mapping[int, object]) -> dict[str, int]:
+    """Device buffers the manager allocates beside the slots for a compressed transfer format, by name:
+    placement "dequant": "staging", one record (the largest) that copies land in before they are
+    decoded into their slot (copies and decodes run in order on one copy stream, so one is enough);
+    placement "packed": "scratch", where the codec's `linear` decodes a weight (codecs with
+    `scratch_bytes`: lossless). None for uncompressed records ("raw")."""
+    if placement == "dequant":
+        return {"staging": max(layout.nbytes for layout in layouts.values())}
+    scratch = getattr(codec, "scratch_bytes", None)
+    if placement == "packed" and scratch is not None:
+        return {"scratch": max(scratch(layout) for layout in layouts.values())}
+    return {}
+
+
+def plan_budget(
+    layers: Sequence[LayerInfo], record_bytes: dict[int, int], budget_bytes: int, buffers: Mapping[str, int] | None = None
+) -> BudgetPlan:
     """Split `budget_bytes` into slots, one pool per distinct record size, in proportion to each
-    pool's share of all expert bytes. Raises `BudgetError` below the minimum working set: the top-k
-    experts of one layer in every pool."""
+    pool's share of all expert bytes, after taking out the codec's device `buffers` (see
+    `device_buffers`). Raises `BudgetError` below the minimum working set: those buffers plus the
+    top-k experts of one layer in every pool."""
+    buffers = dict(buffers or {})
+    reserved = sum(buffers.values())
+    slots_budget = max(budget_bytes - reserved, 0)
     pool_of_layer = {li.ordinal: record_bytes[li.ordinal] for li in layers}
     total = {g: 0 for g in set(pool_of_layer.values())}
     experts = dict.fromkeys(total, 0)
@@ -80,16 +107,17 @@ def plan_budget(layers: Sequence[LayerInfo], record_bytes: dict[int, int], budge
     all_bytes = sum(total.values())
     n_slots = {}
     for g in total:
-        share = budget_bytes * total[g] // all_bytes
+        share = slots_budget * total[g] // all_bytes
         n_slots[g] = min(experts[g], share // g)
-    minimum = sum(top_k[g] * g for g in total)
+    minimum = sum(top_k[g] * g for g in total) + reserved
     if any(n_slots[g] < top_k[g] for g in total):
+        extra = f" and {reserved:,} bytes of codec buffers ({', '.join(buffers)})" if reserved else ""
         raise BudgetError(
             f"gpu_budget of {budget_bytes:,} bytes is below the minimum working set of this model: "
-            f"{minimum:,} bytes (the top-k experts of one layer; {all_bytes:,} bytes hold every expert). "
+            f"{minimum:,} bytes (the top-k experts of one layer{extra}; {all_bytes:,} bytes hold every expert). "
             f"Give MiraConfig(gpu_budget=...) at least {minimum:,} bytes, e.g. a fraction ≥ {minimum / all_bytes:.3f}."
         )
-    return BudgetPlan(budget_bytes, pool_of_layer, {g: g for g in total}, n_slots)
+    return BudgetPlan(budget_bytes, pool_of_layer, {g: g for g in total}, n_slots, buffers)
 
 
 class ExpertManager:
@@ -149,18 +177,18 @@ class ExpertManager:
             pools[g] = SlotPool(budget.slot_bytes[g], n, n_stage, self._make_policy(policy, priority))
             # One allocation per pool, made once: slots are views, so the budget is never exceeded.
             self._arena[g] = torch.empty((n, budget.slot_bytes[g]), dtype=torch.uint8, device=device)
-        # Placement "dequant": packed records land in a device staging buffer per pool (one packed
-        # record, outside the budget), then are dequantised into their slot on the copy stream; stream
-        # order makes one buffer enough.
-        self._staging: dict[Hashable, torch.Tensor] = {}
-        if self.placement == "dequant":
-            packed = {}
-            for li in layers:
-                g = budget.pool_of_layer[li.ordinal]
-                packed[g] = max(packed.get(g, 0), store.record_bytes(li.ordinal))
-            self._staging = {g: torch.empty(n, dtype=torch.uint8, device=device) for g, n in packed.items()}
+        # Codec buffers, taken from the budget by the plan: "dequant" copies land in one staging record
+        # and are decoded into their slot on the copy stream; "packed" lossless decodes into a scratch.
+        need = device_buffers(self.placement, store.codec, {li.ordinal: store.layout(li.ordinal) for li in layers})
+        short = {k: n for k, n in need.items() if n > budget.buffer_bytes.get(k, 0)}
+        if short:
+            raise BudgetError(
+                f"placement {self.placement!r} needs device buffers {need} but the budget plan reserves "
+                f"{budget.buffer_bytes}: plan it with plan_budget(..., buffers=device_buffers(placement, codec, layouts))."
+            )
+        self._buffers = {k: torch.empty(n, dtype=torch.uint8, device=device) for k, n in need.items()}
         self.cache = ExpertCache(pools, budget.pool_of_layer)
-        self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (layer, slot) -> tensors
+        self._views: dict[tuple, object] = {}  # (pool, slot, layer) -> tensors or PackedWeights
         self._last_layer = -1
         self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
         self._forward_owner: int | None = None
@@ -425,7 +453,7 @@ class ExpertManager:
             g = self.cache.pool_of_layer[layer]
             pinned = self.store.tier(layer) == "pinned"
             if self.placement == "dequant":
-                staging, views = self._staging[g][: src.numel()], self._slot_views(layer, slot)
+                staging, views = self._buffers["staging"][: src.numel()], self._slot_views(layer, slot)
                 layout, dtype = self.store.layout(layer), self.store.dtype(layer)
                 decode = lambda: self.store.codec.decode(staging, layout, dtype, out=views)  # noqa: E731
                 slot.ready = self.loader.copy(staging, src, pinned, after=slot.free, then=decode)
@@ -448,13 +476,17 @@ class ExpertManager:
     def _slot_views(self, layer: int, slot: Slot):
         """What the proxy computes with: typed views into the slot, or the packed record itself."""
         g = self.cache.pool_of_layer[layer]
-        key = (g, slot.index)
+        # keyed by layer too: layers sharing a pool (one record size) may lay their records out differently
+        # (lossless: per-layer escape room; other shapes of the same size)
+        key = (g, slot.index, layer)
         views = self._views.get(key)
         if views is None:
             record = self._arena[g][slot.index]
             if self.placement == "packed":
                 layout = self.store.layout(layer)
-                views = PackedWeights(self.store.codec, record[: layout.nbytes], layout, self.store.dtype(layer))
+                views = PackedWeights(
+                    self.store.codec, record[: layout.nbytes], layout, self.store.dtype(layer), self._buffers.get("scratch")
+                )
             else:
                 views = IdentityCodec().decode(record, self.store.raw_layout(layer))
             self._views[key] = views
@@ -471,11 +503,21 @@ class ExpertManager:
             out.update(
                 budget_bytes=self.budget.budget_bytes,
                 capacity_bytes=self.cache.capacity_bytes,
+                buffer_bytes=self.buffer_bytes,
                 resident_bytes=self.cache.resident_bytes,
                 slots=sum(self.budget.n_slots.values()),
                 device=str(self.device),
             )
             return out
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes the manager holds on the device: the slot arenas and the codec buffers (≤ budget_bytes)."""
+        return sum(a.numel() for a in self._arena.values()) + self.buffer_bytes
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() for b in self._buffers.values())
 
     def reset_stats(self) -> None:
         """Zero the counters (not the cache contents, heat scores or predictor state)."""
@@ -539,5 +581,5 @@ class ExpertManager:
         """Release the device arena (after unload)."""
         self.loader.synchronize()
         self._arena.clear()
-        self._staging.clear()
+        self._buffers.clear()
         self._views.clear()

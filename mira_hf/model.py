@@ -22,8 +22,8 @@ from model_adapters import MoEAdapter, generic_adapter, get_adapter, registered_
 from .checkpoint import StreamedExperts, load_model
 from .config import MiraConfig, parse_bytes
 from .errors import BudgetError, CheckpointError, ConfigError, DeviceError, MiraError, UnsupportedModelError
-from .layout import IdentityCodec
-from .manager import ExpertManager, LayerInfo, plan_budget
+from .layout import IdentityCodec, plan_layer, plan_layer_from
+from .manager import ExpertManager, LayerInfo, device_buffers, plan_budget
 from .predictors import build_predictor
 from .proxy import KNOWN_EXPERT_TENSORS, MiraExperts
 from .store import ExpertStore, read_saved_store
@@ -121,14 +121,24 @@ class MiraMoEModel:
         layers = [LayerInfo(t.ordinal, t.name, t.module.num_experts, _top_k(model, t)) for t in targets]
         specs = {t.ordinal: {n: (tuple(p.shape[1:]), p.dtype) for n, p in t.tensors.items()} for t in targets}
         raw_bytes = {layer: IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
-        packed = cfg.quantization is not None and cfg.quant.placement == "packed"
-        slot_bytes = {layer: codec.plan(s).nbytes for layer, s in specs.items()} if packed else raw_bytes
+        placement = cfg.quant.placement if cfg.quantization is not None else "raw"
+        # Record layouts (lossless reads the weights here: its records reserve room for their escapes).
+        if cfg.quantization is None:
+            layouts = {}
+        elif streamed is not None:  # the modules hold meta tensors: plan from the checkpoint, one expert at a time
+            layouts = {
+                t.ordinal: plan_layer_from(codec, specs[t.ordinal], t.module.num_experts, streamed.expert_fn(t.name))
+                for t in targets
+            }
+        else:
+            layouts = {t.ordinal: plan_layer(codec, t.tensors) for t in targets}
+        slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else raw_bytes
         # A fractional budget is a share of the checkpoint's expert bytes, whatever the transfer format.
         all_bytes = sum(raw_bytes[li.ordinal] * li.num_experts for li in layers)
         budget_bytes = _budget_bytes(cfg.gpu_budget, all_bytes, device, model, targets)
-        budget = plan_budget(layers, slot_bytes, budget_bytes)
-        _check_device_memory(budget.capacity_bytes, device, model, targets)
-        store_bytes = [(codec.plan(specs[li.ordinal]).nbytes * li.num_experts) for li in layers]
+        budget = plan_budget(layers, slot_bytes, budget_bytes, buffers=device_buffers(placement, codec, layouts))
+        _check_device_memory(budget.device_bytes, device, model, targets)
+        store_bytes = [(layouts[li.ordinal].nbytes if layouts else raw_bytes[li.ordinal]) * li.num_experts for li in layers]
         _check_offload_space(cfg, store_bytes)
         # The predictor (and its files) is checked before anything changes too.
         router_probs = _router_probs_fn(adapter, targets)
@@ -139,20 +149,24 @@ class MiraMoEModel:
         saved = read_saved_store(cfg.store_path, store.codec_spec(), fingerprint) if cfg.store_path else {}
 
         # Validation done: from here on, any failure rolls back to the untouched model.
-        # Uncompressed records restore exactly, so each layer's tensors are dropped as soon as it is stored
-        # (peak host memory grows by one layer). Quantized records would restore only approximately, so
-        # the originals are kept until every layer is stored and a failure can give them back untouched.
+        # Exact records (uncompressed or lossless) restore exactly, so each layer's tensors are dropped as soon
+        # as it is stored (peak host memory grows by one layer). Quantized records would restore only
+        # approximately, so the originals are kept until every layer is stored and a failure can give them
+        # back untouched.
         keep = {}
         stripped: list[_Target] = []
         try:
             for t in _progress(targets, progress, "reading experts" if streamed else "storing experts"):
+                layout = layouts.get(t.ordinal)
                 if streamed is not None:  # nothing in the model to free or to give back on failure
                     E = t.module.num_experts
                     expert = streamed.expert_fn(t.name)
-                    store.add_layer_from(t.ordinal, specs[t.ordinal], E, expert, records=saved.pop(t.ordinal, None))
+                    store.add_layer_from(
+                        t.ordinal, specs[t.ordinal], E, expert, records=saved.pop(t.ordinal, None), layout=layout
+                    )
                     continue
-                store.add_layer(t.ordinal, t.tensors, records=saved.pop(t.ordinal, None))
-                if store.quantized:
+                store.add_layer(t.ordinal, t.tensors, records=saved.pop(t.ordinal, None), layout=layout)
+                if not store.exact:
                     keep[t.ordinal] = {n: t.module.get_parameter(n) for n in t.tensors}
                 for n in t.tensors:
                     t.module.register_parameter(n, None)
@@ -219,6 +233,8 @@ def _make_codec(cfg: MiraConfig):
     from .quant import make_codec
     from .quant.padding import PaddedCodec
 
+    if cfg.quantization == "lossless":  # element-wise: any shape, no groups to pad
+        return make_codec("lossless")
     return PaddedCodec(make_codec(cfg.quantization, group_size=cfg.quant.group_size), cfg.quant.group_size)
 
 
@@ -450,7 +466,7 @@ def _restore_tensors(t: _Target, store: ExpertStore, device: torch.device | None
 
 
 def _warn_if_lossy(manager: ExpertManager, what: str) -> None:
-    if manager.store.quantized:
+    if not manager.store.exact:
         warnings.warn(
             f"the experts are stored as {manager.store.codec.name}: {what} their dequantized values, not the "
             "checkpoint's. Load the model again without quantization for the original weights.",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import ExpertCodec, IdentityCodec, RawLayout
+from .layout import ExpertCodec, IdentityCodec, RawLayout, plan_layer
 
 STORE_FORMAT = "mira-packed-store/1"
 STORE_WEIGHTS, STORE_HEADER = "mira_store.safetensors", "mira_store.json"
@@ -82,19 +82,22 @@ class ExpertStore:
         fused: Mapping[str, torch.Tensor],
         calib: torch.Tensor | None = None,
         records: torch.Tensor | None = None,
+        layout: object | None = None,
     ) -> None:
         """Copy one layer's fused expert tensors (`name -> [E, ...]`) into records.
 
         The caller frees `fused` afterwards, so host memory while loading grows by one layer at a time.
         `records` (uint8 `[E, record_bytes]`, from `save` of a store with the same codec) are taken as
-        they are instead of encoding `fused` again: quantise once.
+        they are instead of encoding `fused` again: quantise once. `layout`: the layer's record layout
+        when the caller has planned it already (`plan_layer(codec, fused)`).
         """
         num_experts = {t.shape[0] for t in fused.values()}
         if len(num_experts) != 1:
             raise ValueError(f"layer {layer}: expert tensors disagree on the expert count: {sorted(num_experts)}")
         (E,) = num_experts
         specs = {name: (tuple(t.shape[1:]), t.dtype) for name, t in fused.items()}
-        self.add_layer_from(layer, specs, E, lambda e: {n: t[e] for n, t in fused.items()}, calib, records)
+        layout = layout if layout is not None else plan_layer(self.codec, fused)
+        self.add_layer_from(layer, specs, E, lambda e: {n: t[e] for n, t in fused.items()}, calib, records, layout)
 
     def add_layer_from(
         self,
@@ -104,13 +107,27 @@ class ExpertStore:
         expert: Callable[[int], Mapping[str, torch.Tensor]],
         calib: torch.Tensor | None = None,
         records: torch.Tensor | None = None,
+        layout: object | None = None,
     ) -> None:
         """Build one layer's records from `expert(e) -> {name: tensor of that expert}`, one expert at a
         time (`specs`: name -> (per-expert shape, dtype)). A disk-tier layer is written record by record,
-        so loading a checkpoint expert by expert needs one expert of working memory, not one layer."""
+        so loading a checkpoint expert by expert needs one expert of working memory, not one layer.
+        `layout`: planned by the caller when the codec needs the weights to plan (lossless)."""
         E = num_experts
-        layout = self.codec.plan(specs)
+        if layout is None:
+            if hasattr(self.codec, "plan_experts"):
+                raise ValueError(
+                    f"codec {self.codec.name!r} plans a layer from its weights: pass layout=plan_layer(codec, fused)"
+                )
+            layout = self.codec.plan(specs)
         raw_layout = IdentityCodec().plan(specs)
+        if records is not None and tuple(records.shape) != (E, layout.nbytes):
+            from .errors import IncompatibleFileError
+
+            raise IncompatibleFileError(
+                f"layer {layer}: the saved records are {tuple(records.shape)} but these weights need ({E}, {layout.nbytes}) "
+                "in this format. Drop store_path to encode again, then save a new store."
+            )
         nbytes = E * layout.nbytes
         tier = self.next_tier(nbytes)
         dtype = next(iter(specs.values()))[1]
@@ -164,7 +181,13 @@ class ExpertStore:
 
     @property
     def quantized(self) -> bool:
+        """Whether records are encoded (not the checkpoint's bytes): they must be decoded on the device."""
         return not isinstance(self.codec, IdentityCodec)
+
+    @property
+    def exact(self) -> bool:
+        """Whether decoding gives back the checkpoint's tensors bit for bit (no codec, or lossless)."""
+        return bool(getattr(self.codec, "lossless", False))
 
     def dtype(self, layer: int) -> torch.dtype:
         return self._slabs[layer].dtype

@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 
@@ -30,6 +31,23 @@ def tiny_checkpoint(tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def kernel_device():
+    """'cuda' with real kernels, else 'cpu' with the Triton kernels built under TRITON_INTERPRET=1."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton not installed (normal on CPU-only machines)")
+    if torch.cuda.is_available():
+        yield "cuda"
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")  # read when the kernels are decorated, i.e. on import
+        mp.delitem(sys.modules, "mira_hf.quant.triton_kernels", raising=False)
+        import mira_hf.quant.triton_kernels  # noqa: F401
+
+        yield "cpu"
+        sys.modules.pop("mira_hf.quant.triton_kernels", None)  # later imports get compiled kernels
 
 
 def load_reference(path: str):

@@ -163,3 +163,13 @@ def test_smoke_run_writes_json_markdown_and_plot(tmp_path, bench):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "## Checks" in json_path.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_lossless_gpu_check_smoke_runs_and_finds_everything_exact(tmp_path):
+    out = tmp_path / "lossless.json"
+    script = ROOT / "benchmarks" / "lossless_gpu_check.py"
+    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], check=True, capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert result["all_exact"] and {r["dist"] for r in result["experts"]} == {"normal", "trained"}
+    assert all(r["ratio"] < 0.76 for r in result["experts"])

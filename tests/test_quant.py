@@ -46,7 +46,6 @@ SPECS = [
 SPEC_IDS = ["-".join(f"{k}={v}" for k, v in s.items()) for s in SPECS]
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def expert(seed: int = 0, dtype=torch.bfloat16, transposed: bool = False, bias: bool = False, heavy: bool = False):
@@ -307,7 +306,7 @@ def test_spec_is_frozen():
 @pytest.mark.parametrize(
     "name, kwargs, message",
     [
-        ("fp8", {}, r"'fp8' is not a compressed format; supported: \['int8', 'int4', 'nf4'\]"),
+        ("fp8", {}, r"'fp8' is not a compressed format; supported: \['int8', 'int4', 'nf4', 'lossless'\]"),
         (None, {}, "identity codec"),
         ("int4", {"bogus": 1}, r"unknown options \['bogus'\]"),
         ("int4", {"fmt": "int8"}, "takes no fmt"),
@@ -379,23 +378,6 @@ def test_nf4_matches_bitsandbytes_and_fits_the_record_format():
 
 
 # ---------------------------------------------------------------------------------------------- Triton
-
-
-@pytest.fixture(scope="module")
-def kernel_device():
-    """'cuda' with real kernels, else 'cpu' with the kernels built under TRITON_INTERPRET=1."""
-    if not HAS_TRITON:
-        pytest.skip("triton not installed (normal on CPU-only machines)")
-    if torch.cuda.is_available():
-        yield "cuda"
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")  # read when the kernels are decorated, i.e. on import
-        mp.delitem(sys.modules, "mira_hf.quant.triton_kernels", raising=False)
-        import mira_hf.quant.triton_kernels  # noqa: F401
-
-        yield "cpu"
-        sys.modules.pop("mira_hf.quant.triton_kernels", None)  # later imports get compiled kernels
 
 
 @pytest.mark.parametrize("spec_kw", SPECS, ids=SPEC_IDS)

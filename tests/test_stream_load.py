@@ -233,6 +233,20 @@ def test_quantized_records_are_encoded_while_streaming(tiny_checkpoint):
         assert torch.equal(got, _load(path, WHOLE, quantization="int8")(IDS).logits)
 
 
+@pytest.mark.parametrize("placement", ["dequant", "packed"])
+def test_lossless_records_are_planned_and_encoded_while_streaming(tiny_checkpoint, placement):
+    """Lossless records reserve room for escapes, sized from the weights: a streamed load plans them
+    from the checkpoint one expert at a time, and computes exactly what the whole load computes."""
+    from mira_hf.config import QuantConfig
+
+    path = tiny_checkpoint("mixtral")
+    kw = dict(quantization="lossless", quant=QuantConfig(placement=placement))
+    with torch.no_grad():
+        streamed = _load(path, STREAM, **kw)
+        assert torch.equal(streamed(IDS).logits, _load(path, WHOLE, **kw)(IDS).logits)
+        assert torch.equal(streamed(IDS).logits, _load(path, WHOLE)(IDS).logits)  # and what quantization=None computes
+
+
 def test_checkpoint_larger_than_available_memory_streams_without_host_budget(tiny_checkpoint, monkeypatch):
     import mira_hf.checkpoint as checkpoint
 

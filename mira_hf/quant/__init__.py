@@ -2,13 +2,15 @@
 
 The runtime calls an `ExpertCodec`:
 
-    codec = make_codec("int4")                     # or "int8", "nf4"; kwargs -> QuantSpec
+    codec = make_codec("int4")                     # or "int8", "nf4", "lossless"; kwargs -> QuantSpec
     layout = codec.plan({"gate_up_proj": ([2 * I, H], torch.bfloat16), ...})
+    # lossless: the layout depends on the weights: codec.plan_experts({"gate_up_proj": [E, 2I, H], ...})
     codec.encode(tensors, layout, pinned_record)    # host, load time
     codec.decode(cuda_record, layout, torch.bfloat16, out=cache_slot)   # placement (a)
     codec.linear(x, cuda_record, layout, "down_proj", transposed=False) # placement (b)
 
-Format and its metadata arithmetic: `mira_hf.quant.packed`. Triton kernels
+Format and its metadata arithmetic: `mira_hf.quant.packed`; the bit-exact format:
+`mira_hf.quant.lossless`. Triton kernels
 (`mira_hf.quant.triton_kernels`) and bitsandbytes (`mira_hf.quant.nf4`) are imported only when
 used.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
+from .lossless import LosslessCodec
 from .packed import (
     ALIGN_BYTES,
     FUSED_MAX_TOKENS,
@@ -35,13 +38,14 @@ from .packed import (
     validate_record,
 )
 
-SUPPORTED_CODECS = ("int8", "int4", "nf4")
+SUPPORTED_CODECS = ("int8", "int4", "nf4", "lossless")
 
 __all__ = [
     "ALIGN_BYTES",
     "FUSED_MAX_TOKENS",
     "HEADER_BYTES",
     "SUPPORTED_CODECS",
+    "LosslessCodec",
     "CodecInputError",
     "ExpertCodec",
     "Nf4Codec",
@@ -59,9 +63,9 @@ __all__ = [
 
 
 def make_codec(name: str | None, **kw: Any) -> ExpertCodec:
-    """The codec called `name` ("int8", "int4" or "nf4"); `kw` go to QuantSpec (int8/int4:
-    group_size, symmetric, double_quant, refine_iters, superblock_groups) or Nf4Codec
-    (group_size). nf4 needs bitsandbytes: pip install "mira-hf[quant]".
+    """The codec called `name` ("int8", "int4", "nf4" or "lossless"); `kw` go to QuantSpec
+    (int8/int4: group_size, symmetric, double_quant, refine_iters, superblock_groups) or Nf4Codec
+    (group_size); "lossless" takes none. nf4 needs bitsandbytes: pip install "mira-hf[quant]".
     """
     if name in ("int8", "int4"):
         if "fmt" in kw:
@@ -71,6 +75,8 @@ def make_codec(name: str | None, **kw: Any) -> ExpertCodec:
         from .nf4 import Nf4Codec
 
         return Nf4Codec(**_known(kw, Nf4Codec, name))
+    if name == "lossless":
+        return LosslessCodec(**_known(kw, LosslessCodec, name))
     hint = " None means no compression, which the runtime's identity codec handles." if name is None else ""
     raise ConfigError(f"codec {name!r} is not a compressed format; supported: {list(SUPPORTED_CODECS)}.{hint}")
 

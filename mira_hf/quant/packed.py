@@ -76,7 +76,7 @@ HEADER_BYTES = 64
 # engines prefer 64 B; the record's total size is a multiple of it too, so records can be
 # packed back to back in one pinned host buffer and every record stays aligned.
 ALIGN_BYTES = 64
-FMT_CODES = {"int8": 1, "int4": 2, "nf4": 3}
+FMT_CODES = {"int8": 1, "int4": 2, "nf4": 3, "lossless": 4}
 FLAG_SYMMETRIC = 1
 FLAG_DOUBLE_QUANT = 2
 
@@ -201,7 +201,7 @@ class TensorEntry:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    quantized: bool
+    quantized: bool  # stored in the codec's encoded form (else raw, in its own dtype: a "raw" section)
     sections: tuple[Section, ...]
 
     def section(self, name: str) -> Section:
@@ -382,6 +382,8 @@ def check_record(record: torch.Tensor, layout: PackedLayout) -> None:
 
 
 def _describe(fmt: str, flags: int, group_size: int, superblock_groups: int) -> str:
+    if fmt == "lossless":
+        return fmt
     kind = "symmetric" if flags & FLAG_SYMMETRIC else "asymmetric"
     dq = f"double_quant, superblock_groups={superblock_groups}" if flags & FLAG_DOUBLE_QUANT else "fp16 scales"
     return f"{fmt} ({kind}, group_size={group_size}, {dq})"

@@ -1,10 +1,12 @@
-"""Triton kernels over packed records: dequantise a tensor, and fused dequant + matmul.
+"""Triton kernels over packed records: dequantise a tensor, fused dequant + matmul, and the
+lossless codec's bulk decode.
 
-Imported lazily by `packed.py` (triton is absent on CPU CI). Both kernels read the record's
-sections in place, with the same arithmetic as the torch reference:
+Imported lazily by `packed.py` and `lossless.py` (triton is absent on CPU CI). The kernels read
+the record's sections in place, with the same arithmetic as the torch references:
 
     s = exp2(a[g // SB] + c[g] * b[g // SB])      (double_quant)   or fp16 scale[g]
     w = (q - z[g]) * s                           computed in fp32, then cast
+    lossless: hi = sign | exponent(code, base) | mantissa bits   (integer ops only: exact)
 
 Under TRITON_INTERPRET=1 they also run on CPU tensors (used by the tests).
 """
@@ -26,6 +28,8 @@ GEMV_CONFIG = (128, 128, 4, 2, 8)  # T == 1
 DOT_CONFIG = (128, 128, 4, 3, 4)  # 1 < T <= 16 (more tokens also work: one 16-token tile per program row)
 DEQUANT_ELEMS = 8192  # elements per dequant program
 DEQUANT_WARPS = 4
+LOSSLESS_BLOCK = 4096  # elements per lossless-decode program (a 2 KiB code tile, 4 KiB of sign/mantissa bytes)
+LOSSLESS_WARPS = 4
 
 
 # Kernels use only builtins and jit functions of this module (no tl.sum, tl.zeros, tl.zeros_like:
@@ -243,3 +247,40 @@ def linear(x2: torch.Tensor, record: torch.Tensor, entry: TensorEntry, spec: Qua
     )  # fmt: skip
     y = part[0] if split == 1 else part.sum(0)
     return y.to(x2.dtype)
+
+
+@triton.jit
+def _lossless_kernel(sm_ptr, codes_ptr, lo_ptr, meta_ptr, out_ptr, n, FP32: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    # one program: BLOCK elements. Bits as in lossless.decode_words_torch: the escapes (code 15)
+    # come out wrong here and are patched afterwards.
+    pid = tl.program_id(0).to(tl.int64)
+    j = pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2)  # [B/2] code bytes
+    b = tl.load(codes_ptr + j, mask=j < (n + 1) // 2, other=0).to(tl.int32)
+    code = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK,))  # [B/2, 2] -> [B]: element 2i is byte i's low nibble
+    offs = pid * BLOCK + tl.arange(0, BLOCK)  # [B]
+    mask = offs < n
+    sm = tl.load(sm_ptr + offs, mask=mask, other=0).to(tl.int32)  # uint8 -> zero-extended
+    base = tl.load(meta_ptr)  # int32: read on the device, never by the host
+    e = tl.where(code == 0, 0, code + base)
+    hi = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)  # the 16-bit high word
+    if FP32:
+        lo = tl.load(lo_ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        tl.store(out_ptr + offs, (hi << 16) | lo, mask=mask)  # int32 words
+    else:
+        tl.store(out_ptr + offs, hi.to(tl.int16), mask=mask)  # truncation keeps the 16 bits
+
+
+def lossless_decode(record: torch.Tensor, entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
+    """Bulk-decode one lossless tensor into `out` (contiguous, entry.dtype): one launch. The
+    caller patches the escapes (`lossless.patch_escapes`)."""
+    n = entry.numel
+    fp32 = entry.dtype == torch.float32
+    words = out.view(-1).view(torch.int32 if fp32 else torch.int16)
+    sm = section_view(record, entry.section("sm"))
+    lo = section_view(record, entry.section("lo"), torch.int16) if fp32 else sm  # unused alias for bf16
+    grid = (triton.cdiv(n, LOSSLESS_BLOCK),)
+    _lossless_kernel[grid](
+        sm, section_view(record, entry.section("codes")), lo, section_view(record, entry.section("meta"), torch.int32),
+        words, n, FP32=fp32, BLOCK=LOSSLESS_BLOCK, num_warps=LOSSLESS_WARPS,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,300 @@
+"""The lossless transfer format: every bit comes back, fewer bytes cross the link, and a model served
+through it computes exactly what it computes without it (both placements, fp32 and bf16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ALL_TINY, load_reference
+
+from mira_hf import BudgetError, ConfigError, IncompatibleFileError, MiraConfig, MiraMoEModel, bundled_model_path
+from mira_hf.config import QuantConfig
+from mira_hf.quant import CodecInputError, LosslessCodec, make_codec, pack_expert, tensor_specs
+from mira_hf.quant.lossless import decode_words_torch, escape_count
+
+PLACEMENTS = ["dequant", "packed"]
+DTYPES = [torch.float32, torch.bfloat16]
+WORD = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(WORD[t.dtype])
+
+
+def weights(*shape: int, dtype=torch.bfloat16, seed: int = 0, std: float = 0.02) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * std).to(dtype)
+
+
+def specials(dtype: torch.dtype) -> torch.Tensor:
+    """Values whose exponents fall outside any window, or are all-zero: signed zeros, subnormals,
+    inf, NaN (two payloads), the extremes of the range."""
+    info = torch.finfo(dtype)
+    vals = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), info.max, -info.max, info.tiny, info.tiny / 8, 1e3, -7.0])
+    vals = vals.to(dtype)
+    nan_bits = torch.tensor([0x7FC1, -1] if dtype == torch.bfloat16 else [0x7FC00001, -1], dtype=WORD[dtype])
+    return torch.cat((vals, nan_bits.view(dtype)))
+
+
+def round_trip(tensors: dict[str, torch.Tensor]) -> tuple[object, list[torch.Tensor]]:
+    """Plan over all experts (leading dim), encode each, decode each; returns (layout, records)."""
+    codec = LosslessCodec()
+    layout = codec.plan_experts(tensors)
+    records = []
+    for e in range(next(iter(tensors.values())).shape[0]):
+        record = torch.empty(layout.nbytes, dtype=torch.uint8)
+        codec.encode({n: t[e] for n, t in tensors.items()}, layout, record)
+        dtype = next(iter(tensors.values())).dtype
+        out = codec.decode(record, layout, dtype)
+        for name, t in tensors.items():
+            assert torch.equal(bits(out[name]), bits(t[e])), (name, e)
+        records.append(record)
+    return layout, records
+
+
+# ------------------------------------------------------------------------------------------ format
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_bit_comes_back(dtype):
+    # odd sizes (a half-used code byte), 3-D, special values at both ends, a raw 1-D bias
+    w = weights(3, 37, 29, dtype=dtype)
+    s = specials(dtype)
+    w[0, 0, : s.numel()] = s
+    w[2, -1, -s.numel() :] = s
+    three_d = weights(3, 4, 5, 6, dtype=dtype, seed=1)
+    bias = weights(3, 37, dtype=dtype, seed=2)
+    layout, _ = round_trip({"w": w, "t": three_d, "bias": bias})
+    assert not layout.entry("bias").quantized  # 1-D: raw
+
+
+def test_every_bf16_bit_pattern_comes_back():
+    # all 65,536 patterns among ordinary weights: many escapes, still smaller than raw, still exact
+    w = weights(1, 1024, 1024)
+    where = torch.randperm(2**20, generator=torch.Generator().manual_seed(3))[: 2**16]
+    w.view(torch.int16).view(-1)[where] = torch.arange(-(2**15), 2**15, dtype=torch.int16)
+    layout, _ = round_trip({"w": w})
+    assert layout.entry("w").quantized
+
+
+@pytest.mark.parametrize(
+    "dtype, bound",
+    [(torch.bfloat16, 0.752), (torch.float32, 0.877)],
+    ids=["bf16", "fp32"],
+)
+def test_compresses_normal_weights_to_three_quarters(dtype, bound):
+    w = {"gate_up_proj": weights(2, 1024, 512, dtype=dtype), "down_proj": weights(2, 512, 512, dtype=dtype, seed=1)}
+    layout, _ = round_trip(w)
+    raw = sum(t[0].numel() * t.element_size() for t in w.values())
+    assert layout.nbytes / raw <= bound
+
+
+def test_spread_exponents_fall_back_to_raw_and_stay_exact():
+    # exponents uniform over 2**-60 .. 2**60: most weights escape, so the raw tensor is smaller
+    g = torch.Generator().manual_seed(4)
+    w = (torch.rand(2, 64, 64, generator=g) * 120 - 60).exp2() * torch.randn(2, 64, 64, generator=g).sign()
+    layout, _ = round_trip({"w": w.bfloat16()})
+    assert not layout.entry("w").quantized
+    assert layout.nbytes <= 64 * 64 * 2 + 256
+
+
+def test_escape_room_is_the_largest_over_the_experts():
+    w = weights(3, 64, 64)
+    natural = [escape_count(w[e]) for e in range(3)]  # a few tiny weights below every window
+    w[1, 0, :5] = 1e6  # five more in expert 1
+    assert escape_count(w[1]) == natural[1] + 5
+    layout, records = round_trip({"w": w})
+    assert layout.entry("w").section("esc_index").nbytes == 4 * max(natural[0], natural[1] + 5, natural[2])
+    # expert 0 filled its unused entries harmlessly (checked by round_trip); a plan without room refuses
+    tight = LosslessCodec().plan(tensor_specs({"w": w[1]}))
+    with pytest.raises(CodecInputError, match="plan_experts"):
+        LosslessCodec().encode({"w": w[1]}, tight, torch.empty(tight.nbytes, dtype=torch.uint8))
+
+
+def test_unsupported_dtype_is_refused_naming_the_supported_ones():
+    with pytest.raises(ConfigError, match="bfloat16 and float32"):
+        LosslessCodec().plan_experts({"w": weights(2, 8, 8, dtype=torch.float16)})
+
+
+def test_records_of_another_format_or_layout_are_refused():
+    w = {"w": weights(64, 64)}
+    codec = LosslessCodec()
+    three, five = codec.plan(tensor_specs(w), {"w": 3}), codec.plan(tensor_specs(w), {"w": 5})
+    assert three.nbytes == five.nbytes  # same size, other escape room: the header tells them apart
+    record = torch.empty(three.nbytes, dtype=torch.uint8)
+    codec.encode(w, three, record)
+    with pytest.raises(IncompatibleFileError, match="other tensors"):
+        codec.decode(record, five, torch.bfloat16)
+    int4_layout, int4_record = pack_expert(make_codec("int4"), w)
+    with pytest.raises(IncompatibleFileError, match="planned by codec 'int4'"):
+        codec.decode(int4_record, int4_layout, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("transposed", [False, True], ids=["[out,in]", "[in,out]"])
+def test_linear_is_the_resident_models_matmul(dtype, transposed):
+    w = weights(1, 48, 40, dtype=dtype)
+    layout, (record,) = round_trip({"w": w})
+    codec = LosslessCodec()
+    x = weights(5, 48 if transposed else 40, dtype=dtype, seed=9, std=1.0)
+    expected = x @ w[0] if transposed else F.linear(x, w[0])
+    scratch = torch.empty(codec.scratch_bytes(layout), dtype=torch.uint8)
+    for kw in ({}, {"scratch": scratch}):
+        assert torch.equal(bits(codec.linear(x, record, layout, "w", transposed, **kw)), bits(expected))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_decode_matches_torch_reference(kernel_device, dtype):
+    # 2 * 4096 + 77 elements: two full programs and a masked tail with an odd element count
+    w = weights(2, 1, 2 * 4096 + 77, dtype=dtype)
+    s = specials(dtype)
+    w[0, 0, -s.numel() :] = s
+    layout, records = round_trip({"w": w})
+    codec = LosslessCodec()
+    for e, record in enumerate(records):
+        record = record.to(kernel_device)
+        slot = {"w": torch.empty(w.shape[1:], dtype=dtype, device=kernel_device)}
+        got = codec.decode(record, layout, dtype, out=slot, backend="triton")
+        assert got["w"] is slot["w"]
+        assert torch.equal(bits(got["w"]).cpu(), bits(w[e]))
+        from mira_hf.quant import triton_kernels
+
+        bulk = torch.empty_like(slot["w"])
+        triton_kernels.lossless_decode(record, layout.entry("w"), bulk)  # before the escapes are patched
+        assert torch.equal(bits(bulk).reshape(-1).cpu(), decode_words_torch(record, layout.entry("w")).cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_encode_and_decode_are_exact():
+    w = {"gate_up_proj": weights(2, 512, 256).cuda(), "down_proj": weights(2, 256, 256, seed=1).cuda()}
+    w["down_proj"][1, 0, :4] = specials(torch.bfloat16)[:4].cuda()
+    codec = LosslessCodec()
+    layout = codec.plan_experts(w)
+    for e in range(2):
+        record = torch.empty(layout.nbytes, dtype=torch.uint8, device="cuda")
+        codec.encode({n: t[e] for n, t in w.items()}, layout, record)  # computed on the GPU
+        host = torch.empty(layout.nbytes, dtype=torch.uint8)
+        codec.encode({n: t[e].cpu() for n, t in w.items()}, layout, host)
+        assert torch.equal(record.cpu(), host)  # same bytes wherever it was encoded
+        out = codec.decode(record, layout, torch.bfloat16)
+        assert all(torch.equal(bits(out[n]), bits(w[n][e])) for n in w)
+
+
+# ----------------------------------------------------------------------------------------- runtime
+
+
+def _wrapped(path: str, quantization, placement="dequant", dtype=torch.float32, budget=0.3):
+    cfg = MiraConfig(device="cpu", gpu_budget=budget, quantization=quantization, quant=QuantConfig(placement=placement))
+    return MiraMoEModel.from_pretrained(path, cfg, dtype=dtype, progress=False).eval()
+
+
+@pytest.mark.parametrize("name", ALL_TINY)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_logits_are_bit_identical_to_uncompressed_transfer(tiny_checkpoint, name, dtype):
+    """The same numbers as quantization=None (itself equal to the unwrapped model in tokens, and in
+    logits up to the order of the top-k sum: test_exactness), in both placements."""
+    path = tiny_checkpoint(name)
+    ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = _wrapped(path, None, dtype=dtype)(ids).logits
+        reference = load_reference(path).to(dtype)(ids).logits
+        for placement in PLACEMENTS:
+            model = _wrapped(path, "lossless", placement, dtype=dtype)
+            got = model(ids).logits
+            assert torch.equal(got, expected), placement
+            if torch.equal(expected, reference):  # where the uncompressed path is bit-exact, so is this one
+                assert torch.equal(got, reference)
+            s = model.mira.stats()
+            assert s["bytes_h2d"] > 0 and model.mira.device_bytes <= s["budget_bytes"]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bundled_model_logits_and_generation_are_identical(placement, dtype):
+    """The trained model: bit-identical logits to the unwrapped model, same greedy and beam tokens."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ids = load_file(f"{bundled_model_path()}/heldout_tokens.safetensors")["input_ids"][:2, :24].long()
+    ref = AutoModelForCausalLM.from_pretrained(bundled_model_path(), dtype=dtype).eval()
+    model = _wrapped(bundled_model_path(), "lossless", placement, dtype=dtype, budget=0.25)
+    plain = _wrapped(bundled_model_path(), None, dtype=dtype, budget=0.25)
+    with torch.no_grad():
+        got, expected = model(ids).logits, ref(ids).logits
+    assert torch.equal(got, plain(ids).logits)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, expected)
+    else:  # fp32: as for quantization=None, the top-k sum's order may differ by an ulp (test_exactness)
+        assert (got - expected).abs().max() <= 1e-4
+    prompt = ids[:1, :12]
+    for kw in (dict(do_sample=False), dict(do_sample=False, num_beams=4)):
+        kw.update(max_new_tokens=8, min_new_tokens=8)
+        assert torch.equal(model.generate(prompt, **kw), ref.generate(prompt, **kw))
+    bound = 0.76 if dtype == torch.bfloat16 else 0.88  # measured 0.753 and 0.876
+    assert model.mira.store.nbytes <= bound * plain.mira.store.nbytes
+
+
+def test_unload_gives_back_the_exact_weights_without_a_warning():
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(bundled_model_path(), dtype=torch.bfloat16)
+    model = _wrapped(bundled_model_path(), "lossless", dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.unload()
+    for (name, a), (_, b) in zip(sorted(model.state_dict().items()), sorted(ref.state_dict().items())):
+        assert torch.equal(a, b), name
+
+
+def test_half_precision_is_refused_before_the_model_changes(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("mixtral"), dtype=torch.float16)
+    before = dict(model.named_parameters())
+    with pytest.raises(ConfigError, match="bfloat16 and float32"):
+        MiraMoEModel.wrap(model, MiraConfig(device="cpu", quantization="lossless"))
+    assert dict(model.named_parameters()).keys() == before.keys() and not hasattr(model, "mira")
+
+
+def test_saved_store_round_trips(tmp_path):
+    model = _wrapped(bundled_model_path(), "lossless", dtype=torch.bfloat16)
+    model.mira.save_store(tmp_path / "store")
+    cfg = MiraConfig(device="cpu", gpu_budget=0.3, quantization="lossless", store_path=str(tmp_path / "store"))
+    again = MiraMoEModel.from_pretrained(bundled_model_path(), cfg, dtype=torch.bfloat16, progress=False)
+    assert all(torch.equal(again.mira.store.record(layer, 5), model.mira.store.record(layer, 5)) for layer in range(6))
+    ids = torch.arange(3, 40).view(1, -1)
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+    other = MiraConfig(device="cpu", gpu_budget=0.3, quantization="int4", store_path=str(tmp_path / "store"))
+    with pytest.raises(IncompatibleFileError, match="made for another format"):
+        MiraMoEModel.from_pretrained(bundled_model_path(), other, dtype=torch.bfloat16, progress=False)
+
+
+# ------------------------------------------------------------------------------------------ budget
+
+
+@pytest.mark.parametrize(
+    "quantization, placement",
+    [(None, "dequant"), ("lossless", "dequant"), ("lossless", "packed"), ("int4", "dequant"), ("int4", "packed")],
+)
+def test_device_allocations_stay_within_the_budget(tiny_checkpoint, quantization, placement):
+    """Slots plus the codec's buffers (staging record, decode scratch) fit in gpu_budget, down to the
+    smallest budget accepted; one byte less is refused."""
+    path = tiny_checkpoint("mixtral")
+    with pytest.raises(BudgetError, match="minimum working set") as err:
+        _wrapped(path, quantization, placement, budget=1)
+    minimum = int(str(err.value).split("minimum working set of this model: ")[1].split(" bytes")[0].replace(",", ""))
+    for budget in (minimum, 2 * minimum, 1.0):
+        model = _wrapped(path, quantization, placement, budget=budget)
+        mira = model.mira
+        assert mira.device_bytes <= mira.stats()["budget_bytes"]
+        assert mira.device_bytes == mira.budget.device_bytes
+        if quantization is not None and placement == "dequant" or quantization == "lossless":
+            assert mira.buffer_bytes > 0  # a staging record, or lossless' decode scratch
+        with torch.no_grad():
+            model(torch.arange(3, 20).view(1, -1))
+    with pytest.raises(BudgetError):
+        _wrapped(path, quantization, placement, budget=minimum - 1)

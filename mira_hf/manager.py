@@ -95,13 +95,13 @@ def plan_budget(
     buffers = dict(buffers or {})
     reserved = sum(buffers.values())
     slots_budget = max(budget_bytes - reserved, 0)
-    pool_of_layer = {li.ordinal: record_bytes[li.ordinal] for li in layers}
+    pool_of_layer = _pools_by_size(record_bytes)
     total = {g: 0 for g in set(pool_of_layer.values())}
     experts = dict.fromkeys(total, 0)
     top_k = dict.fromkeys(total, 0)
     for li in layers:
         g = pool_of_layer[li.ordinal]
-        total[g] += li.num_experts * g
+        total[g] += li.num_experts * g  # records of a pool fill at most a slot of g bytes
         experts[g] += li.num_experts
         top_k[g] = max(top_k[g], li.top_k)
     all_bytes = sum(total.values())
@@ -118,6 +118,22 @@ def plan_budget(
             f"Give MiraConfig(gpu_budget=...) at least {minimum:,} bytes, e.g. a fraction ≥ {minimum / all_bytes:.3f}."
         )
     return BudgetPlan(budget_bytes, pool_of_layer, {g: g for g in total}, n_slots, buffers)
+
+
+# Record sizes within this share of a larger one share its pool (slots of the larger size): lossless
+# records differ by a few escape entries from layer to layer, and a pool per layer would round each
+# layer's share of the budget down to whole slots separately.
+POOL_MERGE_SHARE = 1 / 16
+
+
+def _pools_by_size(record_bytes: Mapping[int, int]) -> dict[int, int]:
+    """layer -> pool key (the pool's slot size in bytes): each distinct record size, except that a size
+    within POOL_MERGE_SHARE below a larger one joins that one's pool."""
+    pool_of_size: dict[int, int] = {}
+    for size in sorted(set(record_bytes.values()), reverse=True):
+        larger = min((g for g in pool_of_size.values() if size >= g * (1 - POOL_MERGE_SHARE)), default=None)
+        pool_of_size[size] = larger if larger is not None else size
+    return {layer: pool_of_size[size] for layer, size in record_bytes.items()}
 
 
 class ExpertManager:

@@ -195,3 +195,16 @@ def test_only_likely_guesses_of_the_next_layer_are_copied():
     m._stage(0, {1: torch.tensor([0.95, 0.5, 0.0, 0.0]), 2: torch.tensor([0.99, 0.0, 0.0, 0.0])})
     assert m.cache.resident() == [(0, 0), (0, 1), (1, 0)]  # not (1, 1): p < 0.9; not layer 2: two layers ahead
     m.exit_forward()
+
+
+def test_records_of_nearly_equal_size_share_one_pool():
+    """Lossless records differ by a few escape entries per layer. Sizes within 1/16 share the larger
+    size's pool, so the budget is split once into whole slots (a pool per layer would round each layer's
+    share down: 8 layers × 2 slots instead of 20 for a Mixtral-shaped model at 25%)."""
+    layers = [LayerInfo(i, f"layers.{i}", 8, 2) for i in range(8)]
+    sizes = {i: 264_564_608 - 4096 * i for i in range(8)}  # as measured on the H200, give or take the escapes
+    plan = plan_budget(layers, sizes, 5_637_144_576, buffers={"scratch": 234_881_024})
+    assert set(plan.pool_of_layer.values()) == {264_564_608}
+    assert plan.n_slots == {264_564_608: (5_637_144_576 - 234_881_024) // 264_564_608} == {264_564_608: 20}
+    far = plan_budget(layers[:2], {0: 1000, 1: 500}, 10_000)
+    assert far.pool_of_layer == {0: 1000, 1: 500}  # unequal records keep their own pools

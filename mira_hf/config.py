@@ -21,8 +21,13 @@ Budget = Union[int, float, str, None]
 
 POLICIES = ("lru", "heat", "priority")
 PREDICTORS: tuple[str | None, ...] = (None, "auto", "gate", "markov", "global", "position", "hybrid", "learned")
-QUANTIZATIONS: tuple[str | None, ...] = (None, "lossless", "int8", "int4", "nf4")
-PLACEMENTS = ("dequant", "packed")
+QUANTIZATIONS: tuple[str | None, ...] = ("auto", None, "lossless", "int8", "int4", "nf4")
+PLACEMENTS = ("auto", "dequant", "packed")
+# quantization="auto" picks "lossless" only for expert records at least this large. Decoding a packed
+# expert at each use costs ~25 µs of kernel launches; a miss saves a quarter of the record at ~55 GB/s
+# (4.5 ms per GB). With misses ~70% of uses, lossless pays from ~8 MB; 32 MiB keeps a margin (Mixtral
+# experts are 352 MB; Qwen3-30B's 9.4 MB stay uncompressed until measured).
+AUTO_LOSSLESS_MIN_RECORD_BYTES = 32 * 2**20
 HOST_MEMORY_KINDS = ("auto", "pinned", "pageable")
 
 _UNITS = {
@@ -119,8 +124,10 @@ class QuantConfig:
     # checkpoint dtype (same experts per budget, fewer bytes moved). "packed": experts stay packed in
     # the cache and are computed from packed weights (≈3.7× more int4 experts in the same budget;
     # lossless: ≈1.33×, minus one decoded weight of scratch). Either way the device buffers this
-    # needs (a staging record, or the scratch) are taken from gpu_budget.
-    placement: str = "dequant"
+    # needs (a staging record, or the scratch) are taken from gpu_budget. "auto": "packed" for
+    # "lossless" (more experts per budget, measured faster on the H200: benchmarks/NOTES.md §9),
+    # "dequant" for the lossy formats (faster at batch 1).
+    placement: str = "auto"
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -151,7 +158,9 @@ class MiraConfig:
     predictor_path: directory written by `model.mira.save_predictor()` (a calibrated `"learned"` predictor).
     store_path: directory written by `model.mira.save_store()`: encoded expert records reused as they are
         (encode once); refused if made from other weights or in another format.
-    quantization: expert transfer format. `None`: the checkpoint's dtype, bit-exact (default).
+    quantization: expert transfer format. `"auto"` (default): `"lossless"` on a CUDA device when the
+        budget cannot hold every expert and the experts are bf16/fp32 records of ≥ 32 MiB, else `None`
+        (both exact; `model.mira.quantization` says which). `None`: the checkpoint's dtype, bit-exact.
         `"lossless"`: bit-exact too, ~0.75× the bytes for bf16 experts (0.875× fp32; see
         `mira_hf.quant.lossless`). `"int8"`, `"int4"`: mira-hf's packed group-wise format (see
         `QuantConfig`); `"nf4"`: bitsandbytes. These three change the numbers.
@@ -170,7 +179,7 @@ class MiraConfig:
     device: str | None = None
     policy: str = "heat"  # measured best on real routing (benchmarks/NOTES.md); "lru" is the reactive baseline
     predictor: str | None = "auto"  # "learned" when calibrated (predictor_path), else "gate": no training needed
-    quantization: str | None = None
+    quantization: str | None = "auto"  # exact either way; lossless only where the link is the bottleneck
     host_memory: str = "auto"
     host_budget: int | str | None = None
     offload_dir: str | None = None
@@ -229,9 +238,9 @@ class MiraConfig:
         for name, cls in nested.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a {cls.__name__} instance, got {type(getattr(self, name)).__name__}.")
-        if self.store_path is not None and self.quantization is None:
+        if self.store_path is not None and self.quantization in (None, "auto"):
             raise ConfigError(
-                "store_path is set but quantization is None: a saved store holds quantized records. Pass the quantization "
+                f"store_path is set but quantization is {self.quantization!r}: a saved store holds records of one format. Pass the quantization "
                 "it was saved with, e.g. MiraConfig(quantization='int4', store_path=...)."
             )
         if self.predictor == "learned" and self.predictor_path is None:

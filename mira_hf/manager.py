@@ -179,6 +179,7 @@ class ExpertManager:
         self.recorder = None  # optional callable(layer, hidden [T,H], top_k_index [T,K]): traces, calibration
         self.router_probs = None  # (layer, hidden) -> [T, E] router probabilities, set by the model wrapper
         self.fingerprint: dict = {}  # identifies the wrapped model (files made for another model are refused)
+        self.quantization: str | None = None  # the transfer format in use (MiraConfig.quantization, "auto" resolved)
         self._lock = threading.RLock()
         largest = max(budget.slot_bytes.values())
         tier_factor = {"pinned": 1.0, "pageable": 2.0, "disk": 4.0}  # relative reload cost per byte
@@ -523,6 +524,8 @@ class ExpertManager:
                 resident_bytes=self.cache.resident_bytes,
                 slots=sum(self.budget.n_slots.values()),
                 device=str(self.device),
+                quantization=self.quantization,
+                placement=self.placement,
             )
             return out
 

@@ -8,6 +8,7 @@ gives back an ordinary model; `model.save_pretrained()` writes an ordinary check
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import types
@@ -20,7 +21,7 @@ from torch import nn
 from model_adapters import MoEAdapter, generic_adapter, get_adapter, registered_model_types
 
 from .checkpoint import StreamedExperts, load_model
-from .config import MiraConfig, parse_bytes
+from .config import AUTO_LOSSLESS_MIN_RECORD_BYTES, MiraConfig, parse_bytes
 from .errors import BudgetError, CheckpointError, ConfigError, DeviceError, MiraError, UnsupportedModelError
 from .layout import IdentityCodec, plan_layer, plan_layer_from
 from .manager import ExpertManager, LayerInfo, device_buffers, plan_budget
@@ -117,10 +118,14 @@ class MiraMoEModel:
         config = getattr(model, "config", None)
         adapter = _resolve_adapter(getattr(config, "model_type", None), cfg)
         targets = _find_targets(model, adapter, streamed.meta if streamed else None)
-        codec = _make_codec(cfg)
         layers = [LayerInfo(t.ordinal, t.name, t.module.num_experts, _top_k(model, t)) for t in targets]
         specs = {t.ordinal: {n: (tuple(p.shape[1:]), p.dtype) for n, p in t.tensors.items()} for t in targets}
         raw_bytes = {layer: IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
+        # A fractional budget is a share of the checkpoint's expert bytes, whatever the transfer format.
+        all_bytes = sum(raw_bytes[li.ordinal] * li.num_experts for li in layers)
+        budget_bytes = _budget_bytes(cfg.gpu_budget, all_bytes, device, model, targets)
+        user_cfg, cfg = cfg, _resolve_format(cfg, device, specs, raw_bytes, all_bytes, budget_bytes)
+        codec = _make_codec(cfg)
         placement = cfg.quant.placement if cfg.quantization is not None else "raw"
         # Record layouts (lossless reads the weights here: its records reserve room for their escapes).
         if cfg.quantization is None:
@@ -133,9 +138,6 @@ class MiraMoEModel:
         else:
             layouts = {t.ordinal: plan_layer(codec, t.tensors) for t in targets}
         slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else raw_bytes
-        # A fractional budget is a share of the checkpoint's expert bytes, whatever the transfer format.
-        all_bytes = sum(raw_bytes[li.ordinal] * li.num_experts for li in layers)
-        budget_bytes = _budget_bytes(cfg.gpu_budget, all_bytes, device, model, targets)
         budget = plan_budget(layers, slot_bytes, budget_bytes, buffers=device_buffers(placement, codec, layouts))
         _check_device_memory(budget.device_bytes, device, model, targets)
         store_bytes = [(layouts[li.ordinal].nbytes if layouts else raw_bytes[li.ordinal]) * li.num_experts for li in layers]
@@ -188,6 +190,7 @@ class MiraMoEModel:
                 placement=cfg.quant.placement,
             )
             manager.router_probs, manager.fingerprint, manager.predictor = router_probs, fingerprint, predictor
+            manager.quantization = cfg.quantization  # "auto" resolved
         except BaseException:
             for t in stripped:
                 if t.ordinal in keep:
@@ -213,7 +216,7 @@ class MiraMoEModel:
             model.register_forward_hook(lambda mod, args, out: manager.exit_forward(), always_call=True),
         )
         model.mira = manager
-        model._mira_config = cfg
+        model._mira_config = user_cfg  # as given: wrapping again with it is a no-op
         model._mira_targets = targets
         model._mira_hooks = hooks
         model.unload = types.MethodType(_unload, model)
@@ -227,6 +230,27 @@ class MiraMoEModel:
 
 
 # -- helpers --------------------------------------------------------------------------------------
+def _resolve_format(cfg: MiraConfig, device: torch.device, specs: dict, raw_bytes: dict, all_bytes: int, budget_bytes: int):
+    """`cfg` with `quantization="auto"` and `placement="auto"` made concrete for this model, device and
+    budget. Auto only ever picks an exact format: "lossless" where copies are the bottleneck (a CUDA
+    device, a budget smaller than the experts, records of ≥ AUTO_LOSSLESS_MIN_RECORD_BYTES), else None."""
+    q = cfg.quantization
+    if q == "auto":
+        dtypes = {dtype for s in specs.values() for _, dtype in s.values()}
+        q = (
+            "lossless"
+            if device.type == "cuda"
+            and budget_bytes < all_bytes
+            and min(raw_bytes.values()) >= AUTO_LOSSLESS_MIN_RECORD_BYTES
+            and dtypes <= {torch.bfloat16, torch.float32}
+            else None
+        )
+    placement = cfg.quant.placement
+    if placement == "auto":
+        placement = "packed" if q == "lossless" else "dequant"
+    return cfg.replace(quantization=q, quant=dataclasses.replace(cfg.quant, placement=placement))
+
+
 def _make_codec(cfg: MiraConfig):
     if cfg.quantization is None:
         return IdentityCodec()

@@ -18,6 +18,7 @@ from mira_hf import (
     MiraMoEModel,
     UnsupportedModelError,
 )
+from mira_hf.config import QuantConfig
 from mira_hf.proxy import MiraExperts
 
 IDS = torch.tensor([[4, 8, 15, 16, 23, 42], [1, 2, 3, 5, 8, 13]])
@@ -206,3 +207,34 @@ def test_errors_subclass_builtins():
 def test_missing_checkpoint_directory_gives_a_clear_error(tmp_path):
     with pytest.raises((OSError, MiraError)):
         MiraMoEModel.from_pretrained(os.fspath(tmp_path / "nope"), MiraConfig(device="cpu"), progress=False)
+
+
+@pytest.mark.parametrize(
+    "device, dtype, record, budget, want",
+    [
+        ("cuda", torch.bfloat16, 2**28, 0.25, ("lossless", "packed")),  # Mixtral-sized experts over PCIe
+        ("cuda", torch.float32, 2**28, 0.25, ("lossless", "packed")),
+        ("cpu", torch.bfloat16, 2**28, 0.25, (None, "dequant")),  # no link to save
+        ("cuda", torch.bfloat16, 2**28, 1.0, (None, "dequant")),  # every expert fits: nothing moves
+        ("cuda", torch.bfloat16, 2**16, 0.25, (None, "dequant")),  # tiny records: decoding costs more than it saves
+        ("cuda", torch.float16, 2**28, 0.25, (None, "dequant")),  # lossless handles bf16 and fp32 only
+    ],
+)
+def test_auto_transfer_format_is_exact_and_used_only_where_it_pays(device, dtype, record, budget, want):
+    from mira_hf.model import _resolve_format
+
+    specs = {layer: {"down_proj": ((record // 2, 1), dtype)} for layer in range(4)}
+    raw = {layer: record for layer in range(4)}
+    all_bytes = 8 * 4 * record
+    cfg = _resolve_format(MiraConfig(), torch.device(device), specs, raw, all_bytes, int(budget * all_bytes))
+    assert (cfg.quantization, cfg.quant.placement) == want
+    explicit = MiraConfig(quantization="lossless", quant=QuantConfig(placement="dequant"))
+    cfg = _resolve_format(explicit, torch.device(device), specs, raw, all_bytes, int(budget * all_bytes))
+    assert (cfg.quantization, cfg.quant.placement) == ("lossless", "dequant")  # given values are kept
+
+
+def test_default_config_reports_the_format_it_resolved(tiny_checkpoint):
+    model = MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(device="cpu", gpu_budget=0.5), progress=False)
+    assert model._mira_config.quantization == "auto"
+    assert model.mira.quantization is None and model.mira.stats()["quantization"] is None  # CPU: nothing to save
+    assert MiraMoEModel.wrap(model, MiraConfig(device="cpu", gpu_budget=0.5)) is model  # same config: a no-op

@@ -988,7 +988,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
                 "hit": _n(None if r["hit_rate"] is None else 100 * r["hit_rate"], "{:.0f}%"),
                 "ms/tok": _n(None if r["time_per_token_s"] is None else 1e3 * r["time_per_token_s"]),
                 "x limit": _n(r["x_limit"]),
-                "x own": _n(r["x_own_limit"]),
+                "x own": _n(r.get("x_own_limit")),  # absent in results older than the column
             }
         )
     return out

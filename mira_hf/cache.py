@@ -32,6 +32,7 @@ class CachePolicy(Protocol):
     def removed(self, key: Key) -> None: ...
     def admit_hot(self, key: Key) -> bool: ...
     def victim(self, candidates: Iterable[Key]) -> Key | None: ...
+    def demote(self, candidates: Iterable[Key]) -> Key | None: ...
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ class ExpertCache:
         slot.tier = HOT
         pool.hot_count += 1
         if pool.hot_count > pool.n_hot:
-            victim = pool.policy.victim([s.key for s in pool.slots if s.tier == HOT and s is not slot])
+            victim = pool.policy.demote([s.key for s in pool.slots if s.tier == HOT and s is not slot])
             if victim is not None:
                 pool.where[victim].tier = STAGE
                 pool.hot_count -= 1

@@ -136,6 +136,12 @@ def _pools_by_size(record_bytes: Mapping[int, int]) -> dict[int, int]:
     return {layer: pool_of_size[size] for layer, size in record_bytes.items()}
 
 
+def _expected_distance(d: int, num_layers: int, p: float, q: float) -> float:
+    """Layers until the next use of an expert whose layer runs in `d` layers and uses it with
+    probability `q` this time and `p` (its use rate) each later step: d + L·(1 − q) / p."""
+    return d + num_layers * (1 - q) / p
+
+
 class ExpertManager:
     """Shared by every proxy of one model (`model.mira`)."""
 
@@ -212,7 +218,7 @@ class ExpertManager:
 
     def _make_policy(self, name: str, priority: PriorityConfig | None):
         if name == "heat":
-            return HeatPolicy(self.heat, self.keep_value)
+            return HeatPolicy(self.heat, self.keep_values)
         if name == "priority":
             return PriorityPolicy(
                 predicted=lambda k: self._predicted.get(k, 0.0),
@@ -438,12 +444,26 @@ class ExpertManager:
         if probability is None:
             guesses = self._layer_probs.get(key[0])
             probability = p if guesses is None else guesses[key[1]]
-        return self.layers_until(key[0]) + len(self.layers) * (1 - probability) / p
+        return _expected_distance(self.layers_until(key[0]), len(self.layers), p, probability)
 
-    def keep_value(self, key: Key) -> float:
-        """How much keeping a resident expert is worth: 1 / `expected_distance`. The least valuable
-        expert is the best victim (Belady's rule with the future replaced by that expectation)."""
-        return 1.0 / self.expected_distance(key)
+    def keep_values(self, keys: Sequence[Key]) -> list[float]:
+        """How much keeping each resident expert is worth: 1 / `expected_distance`. The least valuable
+        expert is the best victim (Belady's rule with the future replaced by that expectation).
+        Batched: a victim search ranks every unpinned slot (hundreds with fine-grained experts), so
+        each layer's rates and guesses are read once, not once per key."""
+        L = len(self.layers)
+        per_layer: dict[int, tuple] = {}
+        out = []
+        for layer, e in keys:
+            known = per_layer.get(layer)
+            if known is None:
+                guesses = self._layer_probs.get(layer)
+                known = per_layer[layer] = (self.layers_until(layer), self.heat.use_rate[layer].tolist(), guesses)
+            d, rates, guesses = known
+            p = rates[e] if rates[e] > 1e-3 else 1e-3
+            q = p if guesses is None else guesses[e]
+            out.append(p / (d * p + L * (1 - q)))  # 1 / _expected_distance(d, L, p, q), inlined: hot loop
+        return out
 
     def _load(self, key: Key, staged: bool, evict: bool = True, probability: float = 1.0) -> Slot | None:
         # A guess may only displace an expert expected to be needed later than the guess itself

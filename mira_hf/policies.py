@@ -48,12 +48,16 @@ class LRUPolicy:
                 return key
         return None
 
+    def demote(self, candidates: Iterable[Key]) -> Key | None:
+        """Which HOT expert drops to STAGE when HOT is over its size (the same ranking as eviction)."""
+        return self.victim(candidates)
+
 
 class HeatPolicy(LRUPolicy):
     """Evict the expert least worth keeping; HOT only at or above the heat threshold.
 
     The victim is the unpinned expert, HOT or STAGE alike (`one_ranking`), with the lowest
-    `keep_value(key)`: from the manager, 1 / the expected distance to its next use, in layers (its
+    `keep_values(keys)`: from the manager, 1 / the expected distance to its next use, in layers (its
     recent use rate, and the predictor's probability when its layer is predicted). Layers run in
     order every step, so an expert of the layer just computed is needed last; plain recency gets
     this backwards (the least recently used expert belongs to the layer that runs next). The HOT
@@ -63,20 +67,30 @@ class HeatPolicy(LRUPolicy):
     name = "heat"
     one_ranking = True
 
-    def __init__(self, heat: HeatTracker, keep_value: Callable[[Key], float] | None = None) -> None:
+    def __init__(self, heat: HeatTracker, keep_values: Callable[[list[Key]], list[float]] | None = None) -> None:
         super().__init__()
         self.heat = heat
-        self.keep_value = keep_value or (lambda k: heat.score(*k))
+        self.keep_values = keep_values or (lambda keys: [heat.score(*k) for k in keys])
 
     def admit_hot(self, key: Key) -> bool:
         return self.heat.is_hot(*key)
 
+    def demote(self, candidates: Iterable[Key]) -> Key | None:
+        # With one ranking the tiers are labels that no victim search depends on: the least recently
+        # used HOT expert is relabelled, without ranking every slot again.
+        return LRUPolicy.victim(self, candidates)
+
     def victim(self, candidates: Iterable[Key]) -> Key | None:
-        allowed = set(candidates)
-        if not allowed:
+        keys = list(dict.fromkeys(candidates))
+        if not keys:
             return None
-        rank = {k: i for i, k in enumerate(self._order)}  # recency rank: 0 = oldest
-        return min(allowed, key=lambda k: (self.keep_value(k), rank.get(k, -1)))
+        values = self.keep_values(keys)
+        best = min(values)
+        tied = [k for k, v in zip(keys, values) if v == best]
+        if len(tied) > 1:  # equal value: the least recently used of them
+            tied_set = set(tied)
+            return next((k for k in self._order if k in tied_set), tied[0])
+        return tied[0]
 
 
 @dataclass(frozen=True)

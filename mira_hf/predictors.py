@@ -81,14 +81,18 @@ class GatePredictor:
         pass
 
     def predict(self, layer, hidden):
-        out = {}
+        targets, parts = [], []
         for d in range(1, self.config.lookahead + 1):
             target = layer + d
             if target in self.top_k:
                 probs = self.router_probs(target, hidden)
                 if probs is not None:
-                    out[target] = token_union(probs, self.top_k[target]).cpu()
-        return out
+                    targets.append(target)
+                    parts.append(token_union(probs, self.top_k[target]))
+        if not parts:
+            return {}
+        flat = torch.cat(parts).cpu()  # one device→host copy (one sync) for all target layers
+        return dict(zip(targets, flat.split([p.numel() for p in parts])))
 
     def reset(self) -> None:
         pass

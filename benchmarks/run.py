@@ -640,6 +640,8 @@ def run_system(
                     capacity_bytes=manager.budget.capacity_bytes,
                     store_bytes=manager.store.nbytes,
                     store_tiers=manager.store.tier_bytes(),
+                    quantization=manager.quantization,  # MiraConfig's "auto" resolved
+                    placement=manager.placement,
                 )
             _free_device_cache()
             row["setup_s"] = time.perf_counter() - t0

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from . import report
 from .bundled import BUNDLED_NAME, resolve_model_name
-from .config import POLICIES, PREDICTORS, MiraConfig
+from .config import POLICIES, PREDICTORS, QUANTIZATIONS, MiraConfig
 from .errors import MiraError
 
 # What a user can get wrong; anything else is a bug and keeps its traceback.
@@ -140,6 +140,14 @@ def _add_model_options(p: argparse.ArgumentParser, budget_default: str | None, p
             metavar="P",
             help=f"expert predictor for prefetching: {predictors}, or none (default {defaults['predictor']})",
         )
+    formats = ", ".join("none" if q is None else q for q in QUANTIZATIONS)
+    p.add_argument(
+        "--quantization",
+        default=defaults["quantization"],
+        metavar="Q",
+        help=f"expert transfer format: {formats} (default {defaults['quantization']}: lossless where copies are the "
+        "bottleneck, else none; int8/int4/nf4 change the numbers)",
+    )
     p.add_argument("--device", default=None, metavar="D", help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument(
         "--dtype", default=None, choices=DTYPES, help="weights dtype (default float32 on CPU, the checkpoint's on GPU)"
@@ -174,6 +182,7 @@ def _mira_config(args: argparse.Namespace) -> MiraConfig:
         device=device,
         policy=args.policy,
         predictor=None if getattr(args, "predictor", None) in (None, "none") else args.predictor,
+        quantization=None if args.quantization == "none" else args.quantization,
         **({"predictor_path": predictor_path} if predictor_path else {}),
     )
 
@@ -282,6 +291,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         dtype=str(model.dtype).removeprefix("torch."),
         policy=cfg.policy,
         predictor=cfg.predictor,
+        quantization=model.mira.quantization or "none",  # "auto" resolved
         predictor_path=getattr(cfg, "predictor_path", None),
     )
     record = report.run_record(args.model, settings, generation, model.mira)

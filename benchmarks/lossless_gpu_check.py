@@ -25,64 +25,21 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from timing import cpu_time_ms, cuda_time_ms, graph_time_ms  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel, bundled_model_path  # noqa: E402
 from mira_hf.config import QuantConfig  # noqa: E402
 from mira_hf.quant import LosslessCodec, triton_available  # noqa: E402
 
 SHAPES = {"mixtral": (4096, 14336), "smoke": (256, 512)}  # (H, I)
-
-
-def cuda_time_ms(fn, reps: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over `reps` eager runs, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def graph_time_ms(fn, reps: int, calls: int = 5) -> float | None:
-    """Median GPU-only milliseconds of fn() replayed from a CUDA graph; None if it cannot be captured."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-    except RuntimeError as exc:
-        print(f"lossless_gpu_check: graph capture failed ({exc!r:.120}); eager timings only", file=sys.stderr)
-        torch.cuda.synchronize()
-        return None
-    return cuda_time_ms(graph.replay, reps, warmup=1) / calls
-
-
-def cpu_time_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def trained_values() -> torch.Tensor:

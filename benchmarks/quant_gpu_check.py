@@ -22,55 +22,20 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from timing import cuda_time_ms, graph_time_ms  # noqa: E402
 
 from mira_hf.quant import make_codec, triton_available  # noqa: E402
 
 SHAPES = {"mixtral": (4096, 14336), "small": (192, 384)}  # (H, I)
 TOKENS = (1, 8)
-
-
-def cuda_time_ms(fn, reps: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over `reps` eager runs, timed with CUDA events (includes the
-    host's launch overhead whenever the GPU waits for it, as the runtime would see it)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def graph_time_ms(fn, reps: int, calls: int = 10) -> float | None:
-    """Median GPU-only milliseconds of fn(): `calls` runs captured in one CUDA graph, replayed
-    `reps` times (no host overhead). None if fn cannot be captured."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-    except RuntimeError as exc:
-        print(f"quant_gpu_check: graph capture failed ({exc!r:.120}); eager timings only", file=sys.stderr)
-        torch.cuda.synchronize()
-        return None
-    return cuda_time_ms(graph.replay, reps, warmup=1) / calls
 
 
 def rel_errors(w: torch.Tensor, w_hat: torch.Tensor) -> dict[str, float]:

@@ -1307,6 +1307,14 @@ def parse_args(argv=None):
         "--tmp-dir", default=os.environ.get("TMPDIR") or "/tmp", help="where accelerate's saved checkpoint goes (removed after)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--cudnn-sdpa",
+        choices=("on", "off"),
+        default="off",
+        help="PyTorch's cuDNN attention backend. off (default): it is suspected of building a graph per new sequence "
+        "length, which made the first system measured on a workload slower than the rest (NOTES §9); "
+        "benchmarks/first_call_probe.py checks that",
+    )
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, a few tokens: checks the script in seconds")
     ap.add_argument("--from-json", metavar="FILE", help="only re-render FILE's .md and .png from a result JSON")
     args = ap.parse_args(argv)
@@ -1372,6 +1380,8 @@ def main(argv=None) -> int:
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=UserWarning)  # generate's flag warnings; errors still raise
     device = "cpu" if args.smoke else "cuda"
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_cudnn_sdp(args.cudnn_sdpa == "on")  # the same for every system of the run
     if args.smoke:
         torch.set_num_threads(1)  # tiny matmuls: extra threads only add overhead (and noise on a busy machine)
     s = Settings(

@@ -147,6 +147,21 @@ def test_budget_below_minimum_is_refused_and_model_untouched(tiny_checkpoint):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_budget_above_free_device_memory_is_refused_and_model_untouched(tiny_checkpoint, monkeypatch):
+    """On a GPU with less free memory than the arena plus the weights that move there: a BudgetError
+    naming both numbers, before anything changes (a CUDA device is simulated, with 1,000 bytes free)."""
+    import mira_hf.model as mira_model
+
+    model = load_reference(tiny_checkpoint("mixtral"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setattr(mira_model, "_resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000, 80 * 10**9))
+    with pytest.raises(BudgetError, match=r"need [\d,]+ bytes, but only 1,000 are free.*Lower MiraConfig\(gpu_budget"):
+        MiraMoEModel.wrap(model, MiraConfig(gpu_budget=1.0, device="cuda"))
+    assert not hasattr(model, "mira")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -144,7 +144,7 @@ class LearnedPredictor:
             self.to(hidden.device)  # once: the networks follow the model's device
         with torch.no_grad():
             per_token = torch.sigmoid(net(hidden))  # [T, O]
-            union = token_union(per_token, 1).cpu()  # [O]: 1 - Π_t (1 - p_te), one copy for every head
+            union = token_union(per_token, 1).to("cpu", non_blocking=True)  # [O], one copy for every head (see gate)
         heads = union.split(net.out_sizes)
         return {target: heads[i] for i, target in enumerate(self.targets[layer][: self._used[layer]])}
 

@@ -182,6 +182,7 @@ class ExpertManager:
         self._layer_probs: dict[int, list[float]] = {}  # layer not yet run this step -> latest [E] prediction
         self._precision: float | None = None  # running precision of the predictor's guesses
         self._pending_predictions: dict[int, list[tuple[int, set[int]]]] = {}  # target layer -> [(distance, set)]
+        self._ahead: dict[int, dict] = {}  # layer -> predictions made by predict_ahead, for its begin()
         self.recorder = None  # optional callable(layer, hidden [T,H], top_k_index [T,K]): traces, calibration
         self.router_probs = None  # (layer, hidden) -> [T, E] router probabilities, set by the model wrapper
         self.fingerprint: dict = {}  # identifies the wrapped model (files made for another model are refused)
@@ -269,6 +270,7 @@ class ExpertManager:
         resident, issue copies for misses while slots can be taken, and ask the predictor about later
         layers (its guesses are staged by `end`, after this block's own copies)."""
         with self._lock:
+            ahead = self._ahead.pop(layer, None)  # before a step boundary would clear it
             if layer <= self._last_layer:
                 self._end_step()
             self._last_layer = layer
@@ -299,13 +301,25 @@ class ExpertManager:
             plan.pending.extend(misses)
             try:
                 self._issue(plan)
-                if self.predictor is not None and hidden is not None and top_k_index is not None:
+                if ahead is not None:
+                    plan.predictions = ahead
+                elif self.predictor is not None and hidden is not None and top_k_index is not None:
                     self.predictor.observe(layer, hidden, top_k_index)
                     plan.predictions = self.predictor.predict(layer, hidden)
             except BaseException:
                 self._unpin(plan)  # the caller never gets the plan, so it cannot end() it
                 raise
             return plan
+
+    def predict_ahead(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor) -> None:
+        """Let the predictor see this block's routing and guess later layers *before* the block's host
+        sync (the proxy's expert counts): on CUDA its device work and its copy to the host are then
+        finished by that one sync instead of needing one of their own. `begin` uses the result."""
+        if self.predictor is None:
+            return
+        with self._lock:
+            self.predictor.observe(layer, hidden, top_k_index)
+            self._ahead[layer] = self.predictor.predict(layer, hidden)
 
     def acquire(self, plan: BlockPlan, expert: int) -> dict[str, torch.Tensor]:
         """The device tensors of `expert`, once its copy is done (the compute stream waits on it)."""
@@ -406,6 +420,7 @@ class ExpertManager:
         self._predicted.clear()
         self._layer_probs.clear()
         self._pending_predictions.clear()
+        self._ahead.clear()
 
     # -- internals ------------------------------------------------------------------------------
     def _unpin(self, plan: BlockPlan) -> None:

@@ -91,7 +91,9 @@ class GatePredictor:
                     parts.append(token_union(probs, self.top_k[target]))
         if not parts:
             return {}
-        flat = torch.cat(parts).cpu()  # one device→host copy (one sync) for all target layers
+        # one device→host copy for all target layers; non-blocking (pinned) on CUDA: the proxy asks before
+        # its block's host sync, which completes the copy (see ExpertManager.predict_ahead)
+        flat = torch.cat(parts).to("cpu", non_blocking=True)
         return dict(zip(targets, flat.split([p.numel() for p in parts])))
 
     def reset(self) -> None:

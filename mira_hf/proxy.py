@@ -48,6 +48,7 @@ class MiraExperts(nn.Module):
         E = self.num_experts
         flat = top_k_index.reshape(-1)  # [T*K]
         order = torch.argsort(flat, stable=True)  # [T*K] rows grouped by expert
+        self.manager.predict_ahead(self.layer, hidden_states, top_k_index)  # its copy is finished by the sync below
         counts = torch.bincount(flat, minlength=E + 1).tolist()  # [E+1] one host sync per block; E = EP sentinel
         starts, acc = [], 0
         for c in counts:

@@ -253,3 +253,20 @@ def test_default_config_reports_the_format_it_resolved(tiny_checkpoint):
     assert model._mira_config.quantization == "auto"
     assert model.mira.quantization is None and model.mira.stats()["quantization"] is None  # CPU: nothing to save
     assert MiraMoEModel.wrap(model, MiraConfig(device="cpu", gpu_budget=0.5)) is model  # same config: a no-op
+
+
+def test_the_predictor_sees_each_block_once_before_its_host_sync(tiny_checkpoint):
+    """The proxy asks for predictions before the block's host sync (`predict_ahead`), and `begin`
+    uses them: every block is observed and predicted exactly once, and the guesses are scored."""
+    model = MiraMoEModel.from_pretrained(
+        tiny_checkpoint("mixtral"), MiraConfig(device="cpu", gpu_budget=0.5, predictor="markov"), progress=False
+    )
+    calls = []
+    observe, predict = model.mira.predictor.observe, model.mira.predictor.predict
+    model.mira.predictor.observe = lambda layer, *a: calls.append(("observe", layer)) or observe(layer, *a)
+    model.mira.predictor.predict = lambda layer, *a: calls.append(("predict", layer)) or predict(layer, *a)
+    ids = torch.tensor([[5, 9, 14, 33]])
+    model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    layers = len(model.mira.layers)
+    assert calls == [(kind, layer) for _ in range(4) for layer in range(layers) for kind in ("observe", "predict")]
+    assert model.mira.stats()["predictor_recall"] is not None

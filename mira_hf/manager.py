@@ -306,6 +306,8 @@ class ExpertManager:
                 elif self.predictor is not None and hidden is not None and top_k_index is not None:
                     self.predictor.observe(layer, hidden, top_k_index)
                     plan.predictions = self.predictor.predict(layer, hidden)
+                    if self.loader.cuda:  # no predict_ahead: finish the non-blocking copies before `end` reads them
+                        torch.cuda.current_stream(self.device).synchronize()
             except BaseException:
                 self._unpin(plan)  # the caller never gets the plan, so it cannot end() it
                 raise

@@ -125,7 +125,8 @@ def test_compressed_transfer_computes_the_same_at_any_budget(c):
     layers = list(full.mira.layers.values())
     slot = {li.ordinal: full.mira.budget.slot_bytes[full.mira.budget.pool_of_layer[li.ordinal]] for li in layers}
     total = full.mira.budget.budget_bytes
-    minimum = sum(max(li.top_k for li in layers) * r for r in set(slot.values()))
+    buffers = sum(full.mira.budget.buffer_bytes.values())  # codec buffers come out of the budget first
+    minimum = sum(max(li.top_k for li in layers) * r for r in set(slot.values())) + buffers
     budget = max(1, int(c["budget"] * total))
     cfg = MiraConfig(device="cpu", gpu_budget=budget, policy=c["policy"], predictor=c["predictor"], **quant)
     if budget < minimum:  # below the working set: refused before anything changes

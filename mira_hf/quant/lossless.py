@@ -60,14 +60,13 @@ from .packed import (
     Section,
     TensorEntry,
     _align,
-    _check_out,
     _check_tensors,
     _use_triton,
     check_record,
+    decode_outputs,
     dense_linear,
     linear_input,
     section_view,
-    validate_record,
 )
 
 FMT = "lossless"
@@ -392,11 +391,7 @@ class LosslessCodec:
         backend: "auto" (Triton on CUDA when importable), "torch" or "triton". CPU records have
         their header checked; CUDA records are not (that would sync)."""
         self._check_layout(layout)
-        check_record(record, layout)
-        if not record.is_cuda:
-            validate_record(record, layout)
-        out = dict(out or {})
-        _check_out(out, layout, dtype, record.device)
+        out = decode_outputs(record, layout, dtype, out)
         use_triton = _use_triton(record, backend)
         result = {}
         for entry in layout.entries:

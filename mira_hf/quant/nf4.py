@@ -30,15 +30,14 @@ from .packed import (
     PackedLayout,
     TensorEntry,
     _check_group_size,
-    _check_out,
     _check_tensors,
     build_layout,
     check_record,
+    decode_outputs,
     dense_linear,
     linear_input,
     raw_tensor,
     section_view,
-    validate_record,
 )
 
 # bitsandbytes quantises the block absmax values in blocks of 256 when compress_statistics=True.
@@ -167,11 +166,7 @@ class Nf4Codec:
         """Dequantise every tensor of the record to `dtype` on the record's device (bitsandbytes' kernels);
         `out` as in PackedCodec.decode."""
         self._check_layout(layout)
-        check_record(record, layout)
-        if not record.is_cuda:
-            validate_record(record, layout)
-        out = dict(out or {})
-        _check_out(out, layout, dtype, record.device)
+        out = decode_outputs(record, layout, dtype, out)
         result = {}
         for entry in layout.entries:
             dst = out.get(entry.name)

@@ -452,6 +452,18 @@ def _check_out(out: Mapping[str, torch.Tensor], layout: PackedLayout, dtype: tor
             raise CodecInputError(f"decode: out[{name!r}] must be contiguous.")
 
 
+def decode_outputs(record: torch.Tensor, layout: PackedLayout, dtype: torch.dtype, out) -> dict[str, torch.Tensor]:
+    """The checks every codec's `decode` starts with: the record fits the layout (and, on the CPU,
+    its header matches; on CUDA that would sync), and the given `out` tensors fit. Returns `out` as a
+    dict (names it lacks are allocated by the caller)."""
+    check_record(record, layout)
+    if not record.is_cuda:
+        validate_record(record, layout)
+    out = dict(out or {})
+    _check_out(out, layout, dtype, record.device)
+    return out
+
+
 def section_view(record: torch.Tensor, sec: Section, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """1-D view of one section (no copy); `dtype` reinterprets the bytes."""
     view = record[sec.offset : sec.end]
@@ -937,11 +949,7 @@ class PackedCodec:
         are not (that would sync): validate them when they enter the store.
         """
         self._check_layout(layout)
-        check_record(record, layout)
-        if not record.is_cuda:
-            validate_record(record, layout)
-        out = dict(out or {})
-        _check_out(out, layout, dtype, record.device)
+        out = decode_outputs(record, layout, dtype, out)
         use_triton = _use_triton(record, backend)
         result = {}
         for entry in layout.entries:

@@ -66,3 +66,29 @@ try:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # hypothesis is in the test extra; property tests skip without it
     pass
+
+
+# Source for a measuring subprocess (the tests run it with `python -c`): the peak growth of the
+# process's anonymous memory (RssAnon: heap, not memory-mapped file pages) while a block of code runs.
+# Use: `peak = PeakAnon()`, do the work, `growth = peak.stop()`.
+PEAK_ANON_SOURCE = """
+import threading, time
+def anon_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon"):
+            return int(line.split()[1]) * 1024
+class PeakAnon:
+    def __init__(self, period_s=0.0005):
+        self.base = self.peak = anon_bytes()
+        self._done = False
+        def poll():
+            while not self._done:
+                self.peak = max(self.peak, anon_bytes())
+                time.sleep(period_s)
+        self._thread = threading.Thread(target=poll)
+        self._thread.start()
+    def stop(self):
+        self._done = True
+        self._thread.join()
+        return self.peak - self.base
+"""

@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import torch
-from conftest import load_reference
+from conftest import PEAK_ANON_SOURCE, load_reference
 
 from mira_hf import MiraConfig, MiraMoEModel
 
@@ -56,26 +56,14 @@ def test_peak_host_memory_while_loading_is_bounded(tmp_path):
     """)
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
     size = sum(os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".safetensors"))
-    measure = textwrap.dedent(f"""
-        import json, threading, time
+    measure = PEAK_ANON_SOURCE + textwrap.dedent(f"""
+        import json
         import mira_hf
         from transformers.models.mixtral import modeling_mixtral  # imported before the baseline
-        def anon():
-            for line in open("/proc/self/status"):
-                if line.startswith("RssAnon"):
-                    return int(line.split()[1]) * 1024
-        peak, done = [0], [False]
-        def poll():
-            while not done[0]:
-                peak[0] = max(peak[0], anon())
-                time.sleep(0.001)
-        base = anon()
-        t = threading.Thread(target=poll)
-        t.start()
+        peak = PeakAnon()
         m = mira_hf.MiraMoEModel.from_pretrained({str(tmp_path)!r}, mira_hf.MiraConfig(device="cpu", gpu_budget=0.25), progress=False)
-        done[0] = True
-        t.join()
-        print(json.dumps(dict(growth=peak[0] - base, arena=m.mira.cache.capacity_bytes)))
+        growth = peak.stop()
+        print(json.dumps(dict(growth=growth, arena=m.mira.cache.capacity_bytes)))
     """)
     out = subprocess.run([sys.executable, "-c", measure], check=True, capture_output=True, text=True).stdout
     r = json.loads(out.strip().splitlines()[-1])

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import ALL_TINY, load_reference
+from conftest import ALL_TINY, PEAK_ANON_SOURCE, load_reference
 from tiny_models import make_config
 
 from mira_hf import BudgetError, CheckpointError, MiraConfig, MiraMoEModel, UnsupportedModelError
@@ -149,32 +149,23 @@ def test_broken_shard_gives_a_checkpoint_error_before_loading(tmp_path, damage):
 
 
 # -- peak host memory ---------------------------------------------------------------------------------------
-_MEASURE = """
-import json, os, threading, time
+_MEASURE = (
+    PEAK_ANON_SOURCE
+    + """
+import json
 import torch, mira_hf
 from transformers.models.mixtral import modeling_mixtral  # imported before the baseline
-def anon():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon"):
-            return int(line.split()[1]) * 1024
-peak, done = [0], [False]
-def poll():
-    while not done[0]:
-        peak[0] = max(peak[0], anon())
-        time.sleep(0.0005)
-base = anon()
-t = threading.Thread(target=poll)
-t.start()
+peak = PeakAnon()
 cfg = mira_hf.MiraConfig(device="cpu", gpu_budget=0.05, host_budget=HOST_BUDGET, offload_dir=OFFLOAD,
                          loader=mira_hf.config.LoaderConfig(stream_experts=STREAM))
 m = mira_hf.MiraMoEModel.from_pretrained(PATH, cfg, progress=False)
-done[0] = True
-t.join()
+growth = peak.stop()
 ids = torch.tensor([[4, 8, 15, 16, 23, 42, 7, 9]])
 tokens = m.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
-print(json.dumps(dict(growth=peak[0] - base, arena=m.mira.cache.capacity_bytes, tiers=m.mira.store.tier_bytes(),
+print(json.dumps(dict(growth=growth, arena=m.mira.cache.capacity_bytes, tiers=m.mira.store.tier_bytes(),
                       tokens=tokens.tolist())))
 """
+)
 
 
 def _measure(path, offload, host_budget: int, stream: bool) -> dict:

@@ -51,6 +51,7 @@ class Slot:
     prefetched: bool = False
     awaiting: bool = False  # prefetched for a block that has not run yet: protected from other prefetches
     ready: object = None  # device event: the copy into this slot is done (None on CPU / when done)
+    partial: int = 0  # bytes of the record copied so far by a speculative copy cut short (0: whole record)
     free: object = None  # device event: the last compute that read this slot is done
 
 
@@ -121,7 +122,7 @@ class ExpertCache:
             if slot.tier == HOT:
                 pool.hot_count -= 1
             evicted = Eviction(victim, slot.prefetched and not slot.used_since_load)
-        slot.key, slot.tier, slot.pins = key, STAGE, 0
+        slot.key, slot.tier, slot.pins, slot.partial = key, STAGE, 0, 0
         slot.used_since_load, slot.prefetched, slot.awaiting = False, staged, staged
         pool.where[key] = slot
         pool.policy.inserted(key, staged)
@@ -167,7 +168,7 @@ class ExpertCache:
         pool.policy.removed(key)
         if slot.tier == HOT:
             pool.hot_count -= 1
-        slot.key, slot.tier, slot.pins, slot.ready, slot.awaiting = None, STAGE, 0, None, False
+        slot.key, slot.tier, slot.pins, slot.ready, slot.awaiting, slot.partial = None, STAGE, 0, None, False, 0
         pool._free.append(slot.index)
 
     def resident(self, layer: int | None = None) -> list[Key]:

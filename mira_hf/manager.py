@@ -178,6 +178,11 @@ class ExpertManager:
         # How a slot holds an expert: "raw" (checkpoint bytes), "dequant" (packed records dequantised
         # into a slot of the checkpoint dtype) or "packed" (packed records, computed from as they are).
         self.placement = placement if store.quantized else "raw"
+        # Speculative copies of the next layer's guesses (PredictorConfig.speculate_bytes): only where a
+        # copy lands in its slot as is ("dequant" decodes whole records) and the link can idle (CUDA).
+        spec = self.predictor_config.speculate_bytes
+        spec = (48 * 2**20 if device.type == "cuda" else 0) if spec is None else spec
+        self.speculate_bytes = spec if self.placement != "dequant" else 0
         self._predicted: dict[Key, float] = {}  # latest predicted probability of use this step
         self._layer_probs: dict[int, list[float]] = {}  # layer not yet run this step -> latest [E] prediction
         self._precision: float | None = None  # running precision of the predictor's guesses
@@ -281,12 +286,18 @@ class ExpertManager:
             self._score_predictions(layer, experts)
             self._expire_prefetches(layer)
             stats = self.telemetry.layer(layer)
-            ready, in_flight, misses = [], [], []
+            ready, in_flight, finishing, misses = [], [], [], []
             plan = BlockPlan(layer, [])
             for e in experts:
                 slot = self.cache.lookup((layer, e))
                 if slot is None:
                     misses.append(e)
+                    continue
+                if slot.partial:  # a speculative copy cut short: the rest is a demand load (a miss)
+                    finishing.append(e)
+                    slot.pins += 1
+                    plan.slots[e] = slot
+                    plan.loading.add(e)
                     continue
                 if slot.tier == STAGE:
                     stats.stage_hits += 1
@@ -295,11 +306,14 @@ class ExpertManager:
                 slot.pins += 1
                 plan.slots[e] = slot
                 (in_flight if slot.ready is not None and not slot.ready.query() else ready).append(e)
-            stats.misses += len(misses)
-            self.telemetry.count_uses(len(experts) - len(misses), len(experts))
-            plan.order = ready + in_flight + misses
+            stats.misses += len(misses) + len(finishing)
+            self.telemetry.count_uses(len(experts) - len(misses) - len(finishing), len(experts))
+            plan.order = ready + in_flight + finishing + misses
             plan.pending.extend(misses)
+            self._drop_speculation(layer)  # guesses for this block that it does not use
             try:
+                for e in finishing:
+                    self._finish(plan.slots[e])
                 self._issue(plan)
                 if ahead is not None:
                     plan.predictions = ahead
@@ -393,6 +407,51 @@ class ExpertManager:
             if target - layer <= cfg.stage_lookahead and self.staging_enabled:
                 staged = [e for e in chosen if values[e] >= cfg.stage_probability][:cap]
                 self.prefetch(target, staged, [values[e] for e in staged])
+            if target == layer + 1 and self.speculate_bytes:
+                self._speculate(target, chosen, values)
+
+    def _speculate(self, layer: int, guesses: Sequence[int], values: Sequence[float]) -> None:
+        """Start copying the likeliest `guesses` of `layer` not yet resident, `speculate_bytes` in all:
+        those copies run while the link would otherwise wait for `layer`'s router (see
+        `PredictorConfig.speculate_bytes`). `begin` finishes the used ones and drops the rest."""
+        budget = self.speculate_bytes
+        for e in guesses:
+            if budget <= 0:
+                return
+            if self.cache.lookup((layer, e)) is not None:
+                continue
+            n = min(budget, self.store.record_bytes(layer))
+            evict = self.telemetry.steps >= self.warmup_steps
+            if self._load((layer, e), staged=True, evict=evict, probability=values[e], nbytes=n) is None:
+                return
+            budget -= n
+
+    def _finish(self, slot: Slot) -> None:
+        """Copy the rest of a record whose speculative copy was cut short: its block needs it."""
+        layer, expert = slot.key
+        src = self.store.record(layer, expert)
+        dst = self._arena[self.cache.pool_of_layer[layer]][slot.index]
+        n = slot.partial
+        try:
+            slot.ready = self.loader.copy(dst[n : src.numel()], src[n:], self.store.tier(layer) == "pinned")
+        except Exception as exc:  # the slot keeps its first bytes; the block's caller unpins it
+            raise LoaderError(
+                f"loading the rest of expert {expert} of MoE layer {layer} to {self.device} failed: {exc}. "
+                "The cache was left consistent; the next call loads it again."
+            ) from exc
+        slot.partial = 0
+        stats = self.telemetry.layer(layer)
+        stats.bytes_h2d += src.numel() - n  # one load, counted when its copy started
+        stats.speculated_used += 1
+
+    def _drop_speculation(self, layer: int | None = None) -> None:
+        """Free the slots of speculative copies cut short (of `layer`, or all): nobody will finish them."""
+        for pool in self.cache.pools.values() if layer is None else (self.cache.pool(layer),):
+            dropped = [k for k, s in pool.where.items() if s.partial and not s.pins and (layer is None or k[0] == layer)]
+            for key in dropped:
+                self.cache.remove(key)
+                self.telemetry.layer(key[0]).prefetch_wasted += 1
+                self.heat.feedback(*key, used=False)
 
     @property
     def staging_enabled(self) -> bool:
@@ -417,6 +476,7 @@ class ExpertManager:
                 slot.awaiting = False
 
     def _end_step(self) -> None:
+        self._drop_speculation()
         self.telemetry.end_step()
         self.heat.end_step()
         self._predicted.clear()
@@ -482,7 +542,10 @@ class ExpertManager:
             out.append(p / (d * p + L * (1 - q)))  # 1 / _expected_distance(d, L, p, q), inlined: hot loop
         return out
 
-    def _load(self, key: Key, staged: bool, evict: bool = True, probability: float = 1.0) -> Slot | None:
+    def _load(
+        self, key: Key, staged: bool, evict: bool = True, probability: float = 1.0, nbytes: int | None = None
+    ) -> Slot | None:
+        """Give `key` a slot and copy its record there (its first `nbytes` only: a speculative copy)."""
         # A guess may only displace an expert expected to be needed later than the guess itself
         # (Belady's rule on expected distances): when transfers are the bottleneck, evicting an expert
         # needed sooner costs the same transfer the guess might save.
@@ -504,6 +567,7 @@ class ExpertManager:
         t0 = time.perf_counter()
         try:
             src = self.store.record(*key)
+            n = src.numel() if nbytes is None else min(nbytes, src.numel())
             g = self.cache.pool_of_layer[layer]
             pinned = self.store.tier(layer) == "pinned"
             if self.placement == "dequant":
@@ -512,7 +576,8 @@ class ExpertManager:
                 decode = lambda: self.store.codec.decode(staging, layout, dtype, out=views)  # noqa: E731
                 slot.ready = self.loader.copy(staging, src, pinned, after=slot.free, then=decode)
             else:
-                slot.ready = self.loader.copy(self._arena[g][slot.index][: src.numel()], src, pinned, after=slot.free)
+                slot.ready = self.loader.copy(self._arena[g][slot.index][:n], src[:n], pinned, after=slot.free)
+            slot.partial = n if n < src.numel() else 0
         except Exception as exc:  # a CUDA OOM, a bad page in a memory-mapped file, an injected fault...
             self.cache.remove(key)
             raise LoaderError(
@@ -522,9 +587,11 @@ class ExpertManager:
         if not self.loader.cuda and not staged:
             self.loader.add_stall(layer, time.perf_counter() - t0)
         stats.loads += 1
-        stats.bytes_h2d += src.numel()
+        stats.bytes_h2d += n
         if staged:
             stats.prefetches += 1
+        if nbytes is not None:
+            stats.speculated += 1
         return slot
 
     def _slot_views(self, layer: int, slot: Slot):

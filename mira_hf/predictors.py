@@ -48,12 +48,25 @@ class PredictorConfig:
     # least this: when the link is the bottleneck, a wrong guess costs a whole expert's transfer.
     min_precision: float = 0.6
     precision_decay: float = 0.9  # weight of the past in the running precision estimate
+    # Speculation: after a block's own copies are queued, the link idles until the next block's router
+    # has run and the host has seen its experts. Into that idle time go the first `speculate_bytes` of
+    # the next layer's likeliest guesses that were not staged; the next block finishes the copies of
+    # the guesses it uses and drops the others, so a wrong guess costs idle link time, not a transfer.
+    # None: 48 MiB on CUDA; 0 (off) on CPU, where copies are synchronous and the link never idles.
+    speculate_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.lookahead < 1 or self.stage_lookahead < 1:
             raise ConfigError(f"PredictorConfig.lookahead={self.lookahead}, stage_lookahead={self.stage_lookahead}: must be ≥ 1.")
         if not 0 <= self.confidence <= 1 or not 0 < self.markov_cumulative <= 1 or not 0 <= self.stage_probability <= 1:
             raise ConfigError("PredictorConfig.confidence, stage_probability and markov_cumulative must be in [0, 1].")
+        if self.speculate_bytes is not None and (
+            isinstance(self.speculate_bytes, bool) or not isinstance(self.speculate_bytes, int) or self.speculate_bytes < 0
+        ):
+            raise ConfigError(
+                f"PredictorConfig.speculate_bytes={self.speculate_bytes!r}: give a number of bytes ≥ 0 (0 turns "
+                "speculation off) or None for the default (48 MiB on CUDA, off on CPU)."
+            )
 
 
 class Predictor(Protocol):

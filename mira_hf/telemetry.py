@@ -20,6 +20,8 @@ class LayerStats:
     prefetches: int = 0
     prefetch_used: int = 0  # prefetched experts used before eviction
     prefetch_wasted: int = 0  # prefetched experts evicted unused
+    speculated: int = 0  # speculative copies (part of a likely next expert, into idle link time); also prefetches
+    speculated_used: int = 0  # ... whose expert was used (the copy was finished) / the rest were dropped
     evictions: int = 0
     bytes_h2d: int = 0
     stall_s: float = 0.0

@@ -4,10 +4,13 @@ import pytest
 import torch
 
 from mira_hf.manager import ExpertManager, LayerInfo, plan_budget
+from mira_hf.predictors import PredictorConfig
 from mira_hf.store import ExpertStore
 
 
-def make_manager(layers=2, experts=4, slots=3, stage_fraction=0.25, policy="lru", inflight_bytes=64 * 2**20):
+def make_manager(
+    layers=2, experts=4, slots=3, stage_fraction=0.25, policy="lru", inflight_bytes=64 * 2**20, predictor_config=None
+):
     store = ExpertStore()
     for layer in range(layers):
         # expert e of layer l holds the value 10*l + e, so a wrong slot shows up as a wrong number
@@ -24,6 +27,7 @@ def make_manager(layers=2, experts=4, slots=3, stage_fraction=0.25, policy="lru"
         policy=policy,
         stage_fraction=stage_fraction,
         demand_inflight_bytes=inflight_bytes,
+        predictor_config=predictor_config,
     )
 
 
@@ -208,3 +212,68 @@ def test_records_of_nearly_equal_size_share_one_pool():
     assert plan.n_slots == {264_564_608: (5_637_144_576 - 234_881_024) // 264_564_608} == {264_564_608: 20}
     far = plan_budget(layers[:2], {0: 1000, 1: 500}, 10_000)
     assert far.pool_of_layer == {0: 1000, 1: 500}  # unequal records keep their own pools
+
+
+def _speculating_manager(fraction_of_record: float):
+    record = make_manager().store.record_bytes(0)
+    cfg = PredictorConfig(speculate_bytes=int(record * fraction_of_record))
+    return make_manager(layers=3, experts=4, slots=6, policy="heat", predictor_config=cfg), record
+
+
+def test_a_speculative_copy_is_finished_when_its_expert_is_used():
+    m, record = _speculating_manager(0.5)
+    m.enter_forward()
+    run_block(m, 0, [0, 1])
+    before = m.stats()["bytes_h2d"]
+    # p(1, 0) = 0.5 and p(1, 1) = 0.4: below the copy threshold (0.9), so speculated; the budget is half a
+    # record, so only the likeliest guess starts, and only its first half
+    m._stage(0, {1: torch.tensor([0.5, 0.4, 0.0, 0.0])})
+    slot = m.cache.lookup((1, 0))
+    assert slot is not None and slot.partial == record // 2 and m.cache.lookup((1, 1)) is None
+    assert m.stats()["bytes_h2d"] - before == record // 2
+    assert run_block(m, 1, [0, 2]) == {0: 10.0, 2: 12.0}  # the right weights: the copy was finished
+    assert slot.partial == 0
+    arena = m._arena[m.cache.pool_of_layer[1]][slot.index][:record]
+    assert torch.equal(arena, m.store.record(1, 0))  # every byte of the record
+    s = m.stats()
+    assert (s["speculated"], s["speculated_used"], s["prefetch_wasted"]) == (1, 1, 0)
+    assert s["per_layer"][1]["misses"] == 2  # the rest of a speculative copy is a demand load
+    assert s["bytes_h2d"] - before == 2 * record  # (1, 0) once, in two parts, and (1, 2)
+    m.exit_forward()
+
+
+def test_a_wrong_speculative_copy_is_dropped_and_frees_its_slot():
+    m, record = _speculating_manager(2.0)  # two whole records' worth: both guesses start
+    m.enter_forward()
+    run_block(m, 0, [0, 1])
+    m._stage(0, {1: torch.tensor([0.0, 0.0, 0.6, 0.5])})
+    assert m.cache.lookup((1, 2)) is not None and m.cache.lookup((1, 3)) is not None
+    assert m.cache.lookup((1, 2)).partial == 0  # a whole record fits the budget: an ordinary prefetch
+    run_block(m, 1, [0])
+    assert m.cache.lookup((1, 3)) is None or m.cache.lookup((1, 3)).partial == 0
+    m.exit_forward()
+    assert all(not s.partial for p in m.cache.pools.values() for s in p.slots if s.key is not None)
+
+
+def test_a_cut_short_guess_is_dropped_when_its_layer_runs_without_it():
+    m, record = _speculating_manager(0.25)
+    m.enter_forward()
+    run_block(m, 0, [0, 1])
+    m._stage(0, {1: torch.tensor([0.0, 0.0, 0.0, 0.7])})
+    assert m.cache.lookup((1, 3)).partial == record // 4
+    free_before = len(m.cache.pool(1)._free)
+    run_block(m, 1, [0])  # (1, 0) takes a free slot; (1, 3) is dropped, its slot freed
+    assert m.cache.lookup((1, 3)) is None
+    assert len(m.cache.pool(1)._free) == free_before - 1 + 1
+    s = m.stats()
+    assert (s["speculated"], s["speculated_used"], s["prefetch_wasted"]) == (1, 0, 1)
+    m.exit_forward()
+
+
+def test_speculate_bytes_is_validated():
+    from mira_hf import ConfigError
+
+    for bad in (-1, 1.5, True, "64MiB"):
+        with pytest.raises(ConfigError, match="speculate_bytes"):
+            PredictorConfig(speculate_bytes=bad)
+    assert make_manager().speculate_bytes == 0  # CPU: off by default

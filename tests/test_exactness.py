@@ -116,3 +116,32 @@ def test_streamer_receives_the_same_tokens(tiny_checkpoint):
     s = Collect()
     out = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, streamer=s, pad_token_id=0)
     assert s.tokens == out[0].tolist()
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("quantization", [None, "lossless"])
+def test_speculative_copies_keep_outputs_identical(tiny_checkpoint, name, quantization):
+    """Copies cut short into idle link time (`PredictorConfig.speculate_bytes`), finished or dropped by
+    the next block: logits, greedy and beam tokens equal the unwrapped model's."""
+    from mira_hf.predictors import PredictorConfig
+
+    path = tiny_checkpoint(name)
+    ref = load_reference(path)
+    cfg = MiraConfig(
+        gpu_budget=0.3,
+        device="cpu",
+        policy="heat",
+        predictor="gate",
+        quantization=quantization,
+        prediction=PredictorConfig(speculate_bytes=3000),
+    )
+    model = MiraMoEModel.from_pretrained(path, cfg, progress=False).eval()
+    assert 0 < model.mira.speculate_bytes < model.mira.store.record_bytes(0)  # copies are cut short
+    ids = torch.tensor([[5, 9, 14, 33, 7, 21, 2, 8]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    gen = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **gen), ref.generate(ids, **gen))
+    assert torch.equal(model.generate(ids, num_beams=3, **gen), ref.generate(ids, num_beams=3, **gen))
+    s = model.mira.stats()
+    assert s["speculated"] > 0 and s["speculated_used"] > 0  # (wrong guesses: tests/test_cache.py)

@@ -411,20 +411,19 @@ class ExpertManager:
                 self._speculate(target, chosen, values)
 
     def _speculate(self, layer: int, guesses: Sequence[int], values: Sequence[float]) -> None:
-        """Start copying the likeliest `guesses` of `layer` not yet resident, `speculate_bytes` in all:
-        those copies run while the link would otherwise wait for `layer`'s router (see
-        `PredictorConfig.speculate_bytes`). `begin` finishes the used ones and drops the rest."""
-        budget = self.speculate_bytes
+        """Start copying the first `speculate_bytes` of the likeliest of `guesses` (most likely first)
+        not yet resident: that copy runs while the link would otherwise wait for `layer`'s router (see
+        `PredictorConfig.speculate_bytes`); `begin` finishes it if the guess was right, else drops it.
+        Only records larger than `speculate_bytes` are speculated on, so every such copy is cut short and
+        a wrong one never stays to take a slot (small records move fast: a whole-record guess is what
+        `stage_probability` decides)."""
+        if self.store.record_bytes(layer) <= self.speculate_bytes:
+            return
         for e in guesses:
-            if budget <= 0:
+            if self.cache.lookup((layer, e)) is None:
+                evict = self.telemetry.steps >= self.warmup_steps
+                self._load((layer, e), staged=True, evict=evict, probability=values[e], nbytes=self.speculate_bytes)
                 return
-            if self.cache.lookup((layer, e)) is not None:
-                continue
-            n = min(budget, self.store.record_bytes(layer))
-            evict = self.telemetry.steps >= self.warmup_steps
-            if self._load((layer, e), staged=True, evict=evict, probability=values[e], nbytes=n) is None:
-                return
-            budget -= n
 
     def _finish(self, slot: Slot) -> None:
         """Copy the rest of a record whose speculative copy was cut short: its block needs it."""

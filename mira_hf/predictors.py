@@ -49,10 +49,11 @@ class PredictorConfig:
     min_precision: float = 0.6
     precision_decay: float = 0.9  # weight of the past in the running precision estimate
     # Speculation: after a block's own copies are queued, the link idles until the next block's router
-    # has run and the host has seen its experts. Into that idle time go the first `speculate_bytes` of
-    # the next layer's likeliest guesses that were not staged; the next block finishes the copies of
-    # the guesses it uses and drops the others, so a wrong guess costs idle link time, not a transfer.
-    # None: 48 MiB on CUDA; 0 (off) on CPU, where copies are synchronous and the link never idles.
+    # has run and the host has seen its experts. Into that idle time goes the first `speculate_bytes`
+    # of the next layer's likeliest guess that is not resident (records larger than that only); the
+    # next block finishes the copy if it uses the expert and drops it otherwise, so a wrong guess costs
+    # idle link time, not a transfer. None: 48 MiB on CUDA; 0 (off) on CPU, where copies are
+    # synchronous and the link never idles.
     speculate_bytes: int | None = None
 
     def __post_init__(self) -> None:

@@ -225,8 +225,8 @@ def test_a_speculative_copy_is_finished_when_its_expert_is_used():
     m.enter_forward()
     run_block(m, 0, [0, 1])
     before = m.stats()["bytes_h2d"]
-    # p(1, 0) = 0.5 and p(1, 1) = 0.4: below the copy threshold (0.9), so speculated; the budget is half a
-    # record, so only the likeliest guess starts, and only its first half
+    # p(1, 0) = 0.5 and p(1, 1) = 0.4: below the copy threshold (0.9), so speculated on: only the
+    # likeliest guess starts, and only its first speculate_bytes (half a record)
     m._stage(0, {1: torch.tensor([0.5, 0.4, 0.0, 0.0])})
     slot = m.cache.lookup((1, 0))
     assert slot is not None and slot.partial == record // 2 and m.cache.lookup((1, 1)) is None
@@ -242,17 +242,23 @@ def test_a_speculative_copy_is_finished_when_its_expert_is_used():
     m.exit_forward()
 
 
-def test_a_wrong_speculative_copy_is_dropped_and_frees_its_slot():
-    m, record = _speculating_manager(2.0)  # two whole records' worth: both guesses start
+def test_records_no_larger_than_the_speculation_are_not_speculated_on():
+    m, record = _speculating_manager(1.0)  # a whole record: a wrong guess would stay, so none is made
     m.enter_forward()
     run_block(m, 0, [0, 1])
     m._stage(0, {1: torch.tensor([0.0, 0.0, 0.6, 0.5])})
-    assert m.cache.lookup((1, 2)) is not None and m.cache.lookup((1, 3)) is not None
-    assert m.cache.lookup((1, 2)).partial == 0  # a whole record fits the budget: an ordinary prefetch
-    run_block(m, 1, [0])
-    assert m.cache.lookup((1, 3)) is None or m.cache.lookup((1, 3)).partial == 0
+    assert m.cache.resident() == [(0, 0), (0, 1)]
     m.exit_forward()
-    assert all(not s.partial for p in m.cache.pools.values() for s in p.slots if s.key is not None)
+
+
+def test_a_step_ending_drops_what_its_blocks_did_not_finish():
+    m, record = _speculating_manager(0.5)
+    m.enter_forward()
+    run_block(m, 0, [0, 1])
+    m._stage(0, {1: torch.tensor([0.0, 0.0, 0.6, 0.0])})
+    assert m.cache.lookup((1, 2)).partial
+    m.exit_forward()  # layer 1 never ran (an exception, or a model that stops early)
+    assert m.cache.lookup((1, 2)) is None and m.stats()["prefetch_wasted"] == 1
 
 
 def test_a_cut_short_guess_is_dropped_when_its_layer_runs_without_it():

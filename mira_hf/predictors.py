@@ -81,6 +81,8 @@ class Predictor(Protocol):
 def token_union(per_token: torch.Tensor, top_k: int) -> torch.Tensor:
     """[T, E] per-token probabilities → [E] probability that some token uses the expert.
     Each token uses `top_k` experts, so an expert with share q of a token is used with ≈ min(1, k·q)."""
+    if per_token.shape[0] == 1:  # a decode step: two kernels instead of five (launch-bound small models)
+        return (per_token[0].float() * top_k).clamp_(0, 1)
     p = (per_token.float() * top_k).clamp_(0, 1)  # [T, E]
     return 1 - torch.prod(1 - p, dim=0)  # [E]
 

@@ -188,6 +188,7 @@ class ExpertManager:
         self._precision: float | None = None  # running precision of the predictor's guesses
         self._pending_predictions: dict[int, list[tuple[int, set[int]]]] = {}  # target layer -> [(distance, set)]
         self._ahead: dict[int, dict] = {}  # layer -> predictions made by predict_ahead, for its begin()
+        self._cut_short: dict[Key, Slot] = {}  # speculative copies cut short, until finished or dropped
         self.recorder = None  # optional callable(layer, hidden [T,H], top_k_index [T,K]): traces, calibration
         self.router_probs = None  # (layer, hidden) -> [T, E] router probabilities, set by the model wrapper
         self.fingerprint: dict = {}  # identifies the wrapped model (files made for another model are refused)
@@ -445,12 +446,15 @@ class ExpertManager:
 
     def _drop_speculation(self, layer: int | None = None) -> None:
         """Free the slots of speculative copies cut short (of `layer`, or all): nobody will finish them."""
-        for pool in self.cache.pools.values() if layer is None else (self.cache.pool(layer),):
-            dropped = [k for k, s in pool.where.items() if s.partial and not s.pins and (layer is None or k[0] == layer)]
-            for key in dropped:
-                self.cache.remove(key)
-                self.telemetry.layer(key[0]).prefetch_wasted += 1
-                self.heat.feedback(*key, used=False)
+        if not self._cut_short:
+            return
+        for key in [k for k in self._cut_short if layer is None or k[0] == layer]:
+            slot = self._cut_short.pop(key)
+            if self.cache.lookup(key) is not slot or not slot.partial or slot.pins:
+                continue  # evicted since, finished, or being finished by its block
+            self.cache.remove(key)
+            self.telemetry.layer(key[0]).prefetch_wasted += 1
+            self.heat.feedback(*key, used=False)
 
     @property
     def staging_enabled(self) -> bool:
@@ -577,6 +581,8 @@ class ExpertManager:
             else:
                 slot.ready = self.loader.copy(self._arena[g][slot.index][:n], src[:n], pinned, after=slot.free)
             slot.partial = n if n < src.numel() else 0
+            if slot.partial:
+                self._cut_short[key] = slot
         except Exception as exc:  # a CUDA OOM, a bad page in a memory-mapped file, an injected fault...
             self.cache.remove(key)
             raise LoaderError(

@@ -53,7 +53,7 @@ class PredictorConfig:
     # of the next layer's likeliest guess that is not resident (records larger than that only); the
     # next block finishes the copy if it uses the expert and drops it otherwise, so a wrong guess costs
     # idle link time, not a transfer. None: 48 MiB on CUDA; 0 (off) on CPU, where copies are
-    # synchronous and the link never idles.
+    # synchronous and the link never idles. Off with QuantConfig placement "dequant" (it decodes whole records).
     speculate_bytes: int | None = None
 
     def __post_init__(self) -> None:

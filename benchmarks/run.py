@@ -32,11 +32,9 @@ import time
 _T_START = time.perf_counter()  # the time guard counts from here, imports included
 
 import argparse  # noqa: E402
-import bisect  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
-import heapq  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -80,6 +78,7 @@ from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteri
 
 import mira_hf.config  # noqa: E402
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
+from mira_hf.replay import belady_misses  # noqa: E402
 from model_adapters import get_adapter  # noqa: E402
 
 # Tiny stand-ins for --smoke (CPU, seconds). Registered in the shared shape table so they are built
@@ -800,63 +799,9 @@ def belady_bytes(
 ) -> int:
     """Bytes Belady's optimal cache must load over steps[count_from:], with `n_slots[pool]` slots per
     pool (pools are independent). Earlier steps (the prefill) only warm the cache."""
-    total = 0
-    for pool, slots in n_slots.items():
-        blocks = [
-            (i, layer, experts)
-            for i, step in enumerate(steps)
-            for layer, experts in sorted(step.items())
-            if pool_of_layer[layer] == pool
-        ]
-        total += _belady_pool(blocks, slots, record_bytes, count_from)
-    return total
-
-
-def _belady_pool(blocks: list[tuple[int, int, list[int]]], slots: int, record_bytes: dict, count_from: int) -> int:
-    """One pool. blocks: (step, layer, experts) in execution order. On a miss with the cache full,
-    evict the resident expert whose next use is farthest, never one the current block needs."""
-    uses: dict[tuple[int, int], list[int]] = defaultdict(list)  # (layer, expert) -> block indices
-    for b, (_, layer, experts) in enumerate(blocks):
-        for e in experts:
-            uses[(layer, e)].append(b)
-    never = len(blocks)
-
-    def next_use(key: tuple[int, int], b: int) -> int:
-        u = uses[key]
-        j = bisect.bisect_right(u, b)
-        return u[j] if j < len(u) else never
-
-    cache: dict[tuple[int, int], int] = {}  # resident key -> its next use
-    heap: list[tuple[int, tuple[int, int]]] = []  # (-next use, key), stale entries skipped lazily
-    moved = 0
-    for b, (step, layer, experts) in enumerate(blocks):
-        needed = {(layer, e) for e in experts}
-        for key in needed & cache.keys():
-            cache[key] = next_use(key, b)
-            heapq.heappush(heap, (-cache[key], key))
-        for key in sorted(needed - cache.keys()):
-            if step >= count_from:
-                moved += record_bytes[layer]
-            if len(cache) >= slots:
-                held = []  # valid entries of experts this block needs: not evictable now
-                while heap:
-                    neg, victim = heapq.heappop(heap)
-                    if cache.get(victim) != -neg:
-                        continue  # stale
-                    if victim in needed:
-                        held.append((neg, victim))
-                        continue
-                    del cache[victim]
-                    break
-                else:
-                    victim = None
-                for entry in held:
-                    heapq.heappush(heap, entry)
-                if victim is None:
-                    continue  # the block needs more experts than there are slots: this one streams through
-            cache[key] = next_use(key, b)
-            heapq.heappush(heap, (-cache[key], key))
-    return moved
+    blocks = [(i, layer, experts) for i, step in enumerate(steps) for layer, experts in sorted(step.items())]
+    misses = belady_misses(blocks, pool_of_layer, n_slots, count_from)
+    return sum(n * record_bytes[layer] for layer, n in misses.items())
 
 
 def compute_limit(facts: dict, trace: dict | None, bw: dict) -> dict:

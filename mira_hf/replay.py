@@ -13,10 +13,11 @@ A block's experts are needed together: all of them are resident while the block 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-import math
+import heapq
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Hashable, Iterator
 
 import torch
@@ -155,35 +156,75 @@ def belady(trace: RoutingTrace, *, budget: float) -> dict:
     one the current block needs). No demand cache with these slots moves fewer bytes."""
     layers = _layer_infos(trace)
     real = _real_plan(trace, layers, budget)
-    blocks = [(layer, needed) for _, layer, needed, _ in _blocks(trace, tensors=False)]
-    # next_use[i][e]: index of the next block (same layer) after i that needs expert e of that layer
-    next_use: list[dict[int, float]] = [{} for _ in blocks]
-    last: dict[tuple[int, int], int] = {}
-    for i in range(len(blocks) - 1, -1, -1):
-        layer, needed = blocks[i]
-        for e in needed:
-            next_use[i][e] = last.get((layer, e), math.inf)
-            last[(layer, e)] = i
-    resident: dict[Hashable, dict[tuple[int, int], float]] = {g: {} for g in real.n_slots}  # key -> next use
-    misses = {li.ordinal: 0 for li in layers}
-    for i, (layer, needed) in enumerate(blocks):
-        g = real.pool_of_layer[layer]
-        pool, n = resident[g], real.n_slots[g]
+    blocks = [(step, layer, needed) for step, layer, needed, _ in _blocks(trace, tensors=False)]
+    for _, layer, needed in blocks:
+        n = real.n_slots[real.pool_of_layer[layer]]
         if len(needed) > n:
             raise ConfigError(f"a block of layer {layer} needs {len(needed)} experts but its pool has {n} slots.")
-        block = {(layer, e) for e in needed}
-        for key in block:
-            if key in pool:
-                continue
-            misses[layer] += 1
-            if len(pool) >= n:
-                victim = max((k for k in pool if k not in block), key=pool.__getitem__)
-                del pool[victim]
-            pool[key] = 0.0
-        for e in needed:
-            pool[(layer, e)] = next_use[i][e]
-    total = sum(misses.values())
-    return _demand_summary(trace, misses, total)
+    misses = {li.ordinal: 0 for li in layers}
+    misses.update(belady_misses(blocks, real.pool_of_layer, real.n_slots))
+    return _demand_summary(trace, misses, sum(misses.values()))
+
+
+def belady_misses(
+    blocks: list[tuple[int, int, list[int]]], pool_of_layer: dict, n_slots: dict, count_from: int = 0
+) -> dict[int, int]:
+    """Misses per layer of Belady's MIN over `blocks` = (step, layer, distinct experts) in execution
+    order, one cache of `n_slots[pool]` slots per pool (pools are independent). On a miss with the pool
+    full, the resident expert used again farthest ahead is evicted, never one the current block needs;
+    a block needing more experts than its pool has slots streams the rest through. Misses of steps
+    before `count_from` are not counted (a prefill that only warms the cache)."""
+    misses: dict[int, int] = defaultdict(int)
+    for pool, slots in n_slots.items():
+        mine = [b for b in blocks if pool_of_layer[b[1]] == pool]
+        for layer, n in _belady_pool(mine, slots, count_from).items():
+            misses[layer] += n
+    return dict(misses)
+
+
+def _belady_pool(blocks: list[tuple[int, int, list[int]]], slots: int, count_from: int) -> dict[int, int]:
+    uses: dict[tuple[int, int], list[int]] = defaultdict(list)  # (layer, expert) -> block indices
+    for b, (_, layer, experts) in enumerate(blocks):
+        for e in experts:
+            uses[(layer, e)].append(b)
+    never = len(blocks)
+
+    def next_use(key: tuple[int, int], b: int) -> int:
+        u = uses[key]
+        j = bisect.bisect_right(u, b)
+        return u[j] if j < len(u) else never
+
+    cache: dict[tuple[int, int], int] = {}  # resident key -> its next use
+    heap: list[tuple[int, tuple[int, int]]] = []  # (-next use, key), stale entries skipped lazily
+    misses: dict[int, int] = defaultdict(int)
+    for b, (step, layer, experts) in enumerate(blocks):
+        needed = {(layer, e) for e in experts}
+        for key in needed & cache.keys():
+            cache[key] = next_use(key, b)
+            heapq.heappush(heap, (-cache[key], key))
+        for key in sorted(needed - cache.keys()):
+            if step >= count_from:
+                misses[layer] += 1
+            if len(cache) >= slots:
+                held = []  # valid entries of experts this block needs: not evictable now
+                victim = None
+                while heap:
+                    neg, candidate = heapq.heappop(heap)
+                    if cache.get(candidate) != -neg:
+                        continue  # stale
+                    if candidate in needed:
+                        held.append((neg, candidate))
+                        continue
+                    victim = candidate
+                    del cache[victim]
+                    break
+                for entry in held:
+                    heapq.heappush(heap, entry)
+                if victim is None:
+                    continue  # the block needs more experts than there are slots: this one streams through
+            cache[key] = next_use(key, b)
+            heapq.heappush(heap, (-cache[key], key))
+    return misses
 
 
 def lru_reference(trace: RoutingTrace, budget: float) -> dict:

@@ -189,6 +189,7 @@ class ExpertManager:
         self._pending_predictions: dict[int, list[tuple[int, set[int]]]] = {}  # target layer -> [(distance, set)]
         self._ahead: dict[int, dict] = {}  # layer -> predictions made by predict_ahead, for its begin()
         self._cut_short: dict[Key, Slot] = {}  # speculative copies cut short, until finished or dropped
+        self._staged: dict[int, list[Slot]] = {}  # layer -> slots given to its prefetches since its last block
         self.recorder = None  # optional callable(layer, hidden [T,H], top_k_index [T,K]): traces, calibration
         self.router_probs = None  # (layer, hidden) -> [T, E] router probabilities, set by the model wrapper
         self.fingerprint: dict = {}  # identifies the wrapped model (files made for another model are refused)
@@ -473,9 +474,11 @@ class ExpertManager:
                 self._precision = p if self._precision is None else decay * self._precision + (1 - decay) * p
 
     def _expire_prefetches(self, layer: int) -> None:
-        """This layer's block is running: its prefetches no longer wait (used ones are pinned now)."""
-        for key, slot in self.cache.pool(layer).where.items():  # no sort: this runs once per block
-            if key[0] == layer:
+        """This layer's block is running: its prefetches no longer wait (used ones are pinned now).
+        Only slots given to a prefetch of this layer can be awaiting (`_staged`): no scan of the pool,
+        which holds hundreds of slots with fine-grained experts."""
+        for slot in self._staged.pop(layer, ()):
+            if slot.key is not None and slot.key[0] == layer:
                 slot.awaiting = False
 
     def _end_step(self) -> None:
@@ -559,6 +562,8 @@ class ExpertManager:
         slot, evicted = self.cache.allocate(key, staged, evict=evict, prefetch_may_evict=admit)
         if slot is None:
             return None
+        if staged:
+            self._staged.setdefault(key[0], []).append(slot)
         layer = key[0]
         stats = self.telemetry.layer(layer)
         if evicted is not None:

@@ -3,7 +3,8 @@
 1. Record: teacher-forced full-sequence forwards (no grad) with `model.mira.recorder` set, keeping
    for every token the hidden state entering each MoE block and the experts that block chose.
 2. Train: for each layer L, a `LayerNet` mapping L's hidden state to the experts of L+1 .. L+lookahead
-   (BCE with `pos_weight`: a missed expert stalls the step, an extra one only costs bandwidth).
+   (BCE with `pos_weight`: a missed expert stalls the step, an extra one only costs bandwidth) and to
+   the experts layer L gives the next token (unweighted BCE: those probabilities rank evictions).
 3. Install it as `model.mira.predictor` (used from the next step on) and report recall/precision on a
    held-out split at the manager's confidence cut.
 """
@@ -69,12 +70,10 @@ def calibrate(
     if not 0 <= validation_fraction < 1:
         raise ConfigError(f"calibrate: validation_fraction={validation_fraction} must be in [0, 1).")
 
-    hidden, experts = _record(model, data, max_tokens=max_tokens, tokenizer=tokenizer, progress=progress)
+    hidden, experts, has_next = _record(model, data, max_tokens=max_tokens, tokenizer=tokenizer, progress=progress)
     layers = manager.layers
-    targets = {L: [L + d for d in range(1, lookahead + 1) if L + d in layers] for L in sorted(layers)}
-    targets = {L: t for L, t in targets.items() if t}
-    if not targets:
-        raise ConfigError(f"calibrate: the model has {len(layers)} MoE layer(s): no layer has one ahead of it to predict.")
+    # within-step heads L+1 .. L+lookahead, then the next-step head (target L itself, always last)
+    targets = {L: [L + d for d in range(1, lookahead + 1) if L + d in layers] + [L] for L in sorted(layers) if L in hidden}
     out_sizes = {L: [layers[t].num_experts for t in ts] for L, ts in targets.items()}
     H = next(iter(hidden.values())).shape[1]
     rank, width = choose_sizes(H, [sum(o) for o in out_sizes.values()], model_parameters(model))
@@ -84,8 +83,13 @@ def calibrate(
         nets = {L: LayerNet(H, rank, width, out_sizes[L]) for L in targets}
         N = next(iter(experts.values())).shape[0]
         train_idx, val_idx = _split(N, validation_fraction)
-        labels = {L: _multi_hot([experts[t] for t in targets[L]], out_sizes[L]) for L in targets}  # [N, O] per layer
-        final_loss = _train(nets, hidden, labels, train_idx, manager.device, epochs, batch_size, lr, pos_weight, progress)
+        # the next token's experts; a sequence's last token (no next token) is labelled with its own
+        following = torch.where(has_next, torch.arange(N) + 1, torch.arange(N))
+        labels = {
+            L: _multi_hot([experts[t] if t != L else experts[L][following] for t in targets[L]], out_sizes[L]) for L in targets
+        }  # [N, O] per layer
+        weights = {L: _pos_weights(out_sizes[L], pos_weight) for L in targets}
+        final_loss = _train(nets, hidden, labels, train_idx, manager.device, epochs, batch_size, lr, weights, progress)
     cut = manager.predictor_config.confidence
     validation = _evaluate(nets, hidden, labels, targets, val_idx, cut) if len(val_idx) else {}
     summary = {
@@ -123,10 +127,12 @@ def _record(
 ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """Teacher-forced routing of `data` through the wrapped `model`: per MoE layer, the hidden state
     entering the block `[N, H]` (model dtype, CPU) and the experts it chose `[N, K]`, for the same N tokens
-    in the same order. The manager's recorder and predictor are restored afterwards."""
+    in the same order (each sequence's tokens consecutive); and `has_next [N]`: whether token i+1 is the
+    next token of token i's sequence. The manager's recorder and predictor are restored afterwards."""
     manager = model.mira
     hidden: dict[int, list[torch.Tensor]] = {}
     experts: dict[int, list[torch.Tensor]] = {}
+    has_next: list[torch.Tensor] = []
 
     def recorder(layer: int, h: torch.Tensor, top_k_index: torch.Tensor) -> None:
         hidden.setdefault(layer, []).append(h.detach().to("cpu", copy=True))  # [B*S, H]
@@ -151,6 +157,8 @@ def _record(
                     for store in (hidden, experts):
                         for L, parts in store.items():
                             parts[start.get(L, 0) :] = [p[keep] for p in parts[start.get(L, 0) :]]
+                lengths = [ids.shape[1]] * ids.shape[0] if mask is None else mask.sum(1).tolist()
+                has_next += [torch.arange(n) < n - 1 for n in lengths if n]
                 n = int(ids.numel() if mask is None else mask.sum())
                 total += n
                 if bar is not None:
@@ -162,7 +170,11 @@ def _record(
             bar.close()
     if total == 0 or not hidden:
         raise ConfigError("calibrate: the data held no tokens (or the model routed none): give at least one sequence.")
-    return {L: torch.cat(v) for L, v in sorted(hidden.items())}, {L: torch.cat(v) for L, v in sorted(experts.items())}
+    return (
+        {L: torch.cat(v) for L, v in sorted(hidden.items())},
+        {L: torch.cat(v) for L, v in sorted(experts.items())},
+        torch.cat(has_next),
+    )
 
 
 def _sequences(model: nn.Module, data, tokenizer) -> Iterator[torch.Tensor]:
@@ -258,7 +270,14 @@ def _multi_hot(indices: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _train(nets, hidden, labels, train_idx, device, epochs, batch_size, lr, pos_weight, progress) -> float:
+def _pos_weights(out_sizes: list[int], pos_weight: float) -> torch.Tensor:
+    """Per output: `pos_weight` for the within-step heads (a missed expert stalls, an extra one costs
+    bandwidth), 1 for the next-step head (last), whose probabilities must stay calibrated: they rank
+    evictions as expected distances."""
+    return torch.cat([torch.full((n,), pos_weight) for n in out_sizes[:-1]] + [torch.ones(out_sizes[-1])])
+
+
+def _train(nets, hidden, labels, train_idx, device, epochs, batch_size, lr, pos_weights, progress) -> float:
     """Adam on every layer's network at once (independent losses, summed). Returns the last epoch's
     mean loss per layer and token."""
     for L, net in nets.items():
@@ -269,7 +288,7 @@ def _train(nets, hidden, labels, train_idx, device, epochs, batch_size, lr, pos_
     opt = torch.optim.Adam([p for net in nets.values() for p in net.parameters()], lr=lr)
     steps = epochs * math.ceil(len(train_idx) / batch_size)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
-    weight = torch.tensor(pos_weight, device=device)
+    weights = {L: w.to(device) for L, w in pos_weights.items()}
     bar = _bar(progress, epochs, "training predictor", "epoch")
     mean_loss = float("nan")
     with _few_threads(device):
@@ -278,7 +297,7 @@ def _train(nets, hidden, labels, train_idx, device, epochs, batch_size, lr, pos_
             for batch in train_idx[torch.randperm(len(train_idx))].split(batch_size):
                 loss = sum(
                     F.binary_cross_entropy_with_logits(
-                        net(hidden[L][batch].to(device)), labels[L][batch].to(device), pos_weight=weight
+                        net(hidden[L][batch].to(device)), labels[L][batch].to(device), pos_weight=weights[L]
                     )
                     for L, net in nets.items()
                 )
@@ -325,8 +344,9 @@ def _evaluate(nets, hidden, labels, targets, idx, cut: float) -> dict[str, dict[
     out: dict[str, dict[str, float | None]] = {}
     for (target, d), (tp, fp, fn) in sorted(counts.items()):
         row = out.setdefault(str(target), {})
-        row[f"recall@{d}"] = tp / (tp + fn) if tp + fn else None
-        row[f"precision@{d}"] = tp / (tp + fp) if tp + fp else None
+        at = d if d > 0 else "next"  # d = 0: the next-step head (the same layer, next token)
+        row[f"recall@{at}"] = tp / (tp + fn) if tp + fn else None
+        row[f"precision@{at}"] = tp / (tp + fp) if tp + fp else None
     return out
 
 

@@ -1,7 +1,10 @@
 """The `learned` predictor: one small network per MoE layer, trained on the model's own routing.
 
 Layer L's network reads the hidden state entering L's MoE block and predicts, for each lookahead
-distance d = 1..lookahead, which experts layer L+d will route that token to:
+distance d = 1..lookahead, which experts layer L+d will route that token to, and (the next-step head,
+target L itself) which experts layer L will route the *next* token to. The within-step heads stage
+copies; the next-step head ranks evictions across the step boundary, which is where Belady's optimal
+cache gets its advantage (benchmarks/NOTES.md §11):
 
     hidden [T, H] -> standardise -> low-rank projection [T, r] -> Linear [T, w] -> GELU -> Linear [T, ΣE]
 
@@ -111,8 +114,12 @@ class LearnedPredictor:
         self.hidden_size, self.rank, self.width, self.lookahead = hidden_size, rank, width, lookahead
         self.config = config or PredictorConfig()
         self.summary = dict(summary or {})  # how it was trained: samples, epochs, loss, validation recall/precision
-        # Heads beyond the configured lookahead are computed (one matmul) but not returned.
-        self._used = {L: min(len(t), self.config.lookahead) for L, t in self.targets.items()}
+        # Heads returned per layer: within-step ones up to the configured lookahead, and the next-step head
+        # (target L itself) when the file has one. The others are computed (one matmul) but not returned.
+        self._heads = {
+            L: [(i, t) for i, t in enumerate(ts) if t == L or 0 < t - L <= self.config.lookahead]
+            for L, ts in self.targets.items()
+        }
         self._device = torch.device("cpu")
 
     def __repr__(self) -> str:
@@ -138,15 +145,19 @@ class LearnedPredictor:
     def predict(self, layer: int, hidden: torch.Tensor) -> dict[int, torch.Tensor]:
         """`{layer + d: [E] probability that some token of `hidden` [T, H] uses the expert}` (CPU)."""
         net = self.nets.get(layer)
-        if net is None or not self._used[layer]:
+        if net is None or not self._heads[layer]:
             return {}
         if hidden.device != self._device:
             self.to(hidden.device)  # once: the networks follow the model's device
         with torch.no_grad():
             per_token = torch.sigmoid(net(hidden))  # [T, O]
-            union = token_union(per_token, 1).to("cpu", non_blocking=True)  # [O], one copy for every head (see gate)
+            union = token_union(per_token, 1)  # [O]: some token of this step uses the expert
+            if self.targets[layer][-1] == layer and per_token.shape[0] > 1:
+                n = net.out_sizes[-1]  # the next-step head (always last): the next token follows the last one
+                union = torch.cat([union[:-n], per_token[-1, -n:]])
+            union = union.to("cpu", non_blocking=True)  # one copy for every head (see gate)
         heads = union.split(net.out_sizes)
-        return {target: heads[i] for i, target in enumerate(self.targets[layer][: self._used[layer]])}
+        return {target: heads[i] for i, target in self._heads[layer]}
 
     def reset(self) -> None:
         pass  # stateless between steps

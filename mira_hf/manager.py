@@ -184,7 +184,9 @@ class ExpertManager:
         spec = (48 * 2**20 if device.type == "cuda" else 0) if spec is None else spec
         self.speculate_bytes = spec if self.placement != "dequant" else 0
         self._predicted: dict[Key, float] = {}  # latest predicted probability of use this step
-        self._layer_probs: dict[int, list[float]] = {}  # layer not yet run this step -> latest [E] prediction
+        # layer -> latest [E] prediction: for a layer not yet run this step, or (layers in _next_step) for its next step
+        self._layer_probs: dict[int, list[float]] = {}
+        self._next_step: set[int] = set()  # layers whose _layer_probs entry is for the next step (kept across steps)
         self._precision: float | None = None  # running precision of the predictor's guesses
         self._pending_predictions: dict[int, list[tuple[int, set[int]]]] = {}  # target layer -> [(distance, set)]
         self._ahead: dict[int, dict] = {}  # layer -> predictions made by predict_ahead, for its begin()
@@ -251,8 +253,12 @@ class ExpertManager:
             if self._last_layer >= 0:
                 self._end_step()
             self._last_layer = -1
-            if new_sequence and hasattr(self.predictor, "new_sequence"):
-                self.predictor.new_sequence()
+            if new_sequence:
+                for layer in self._next_step:  # made from the last sequence's last token: not about this prompt
+                    self._layer_probs.pop(layer, None)
+                self._next_step.clear()
+                if hasattr(self.predictor, "new_sequence"):
+                    self.predictor.new_sequence()
 
     def exit_forward(self) -> None:
         """The forward step ended (normally or by an exception, KeyboardInterrupt included)."""
@@ -285,6 +291,7 @@ class ExpertManager:
                 self.recorder(layer, hidden, top_k_index)
             self.heat.activate(layer, list(experts))
             self._layer_probs.pop(layer, None)  # its block runs now: the guesses are spent
+            self._next_step.discard(layer)
             self._score_predictions(layer, experts)
             self._expire_prefetches(layer)
             stats = self.telemetry.layer(layer)
@@ -393,10 +400,16 @@ class ExpertManager:
     # -- prediction -----------------------------------------------------------------------------
     def _stage(self, layer: int, predictions: dict[int, torch.Tensor]) -> None:
         """Record each target layer's guesses (they rank evictions and are scored), then copy the
-        likely experts (most likely first) of the next `stage_lookahead` layers, nearest first."""
+        likely experts (most likely first) of the next `stage_lookahead` layers, nearest first.
+        A target at or before `layer` is a guess for the *next* step (the learned predictor's next-step
+        head): it only ranks evictions, from now until that layer's next block."""
         cfg = self.predictor_config
         for target in sorted(predictions):
             probs = predictions[target]
+            if target <= layer:  # that layer has run this step: its entry was spent
+                self._layer_probs[target] = probs.tolist()
+                self._next_step.add(target)
+                continue
             li = self.layers[target]
             cap = cfg.max_staged_per_layer or 2 * li.top_k
             order = torch.argsort(probs, descending=True).tolist()
@@ -486,7 +499,9 @@ class ExpertManager:
         self.telemetry.end_step()
         self.heat.end_step()
         self._predicted.clear()
+        kept = {layer: self._layer_probs[layer] for layer in self._next_step if layer in self._layer_probs}
         self._layer_probs.clear()
+        self._layer_probs.update(kept)  # next-step guesses rank evictions until their layer runs again
         self._pending_predictions.clear()
         self._ahead.clear()
 

@@ -283,3 +283,33 @@ def test_speculate_bytes_is_validated():
         with pytest.raises(ConfigError, match="speculate_bytes"):
             PredictorConfig(speculate_bytes=bad)
     assert make_manager().speculate_bytes == 0  # CPU: off by default
+
+
+def test_a_next_step_guess_ranks_evictions_until_its_layer_runs_again():
+    """A guess for a layer that already ran this step (the learned predictor's next-step head) is
+    about the next step: it survives the step boundary, orders evictions, and is spent when the layer runs."""
+    m = make_manager(layers=2, experts=4, slots=4, policy="heat")
+    steps(m, [[0, 1], [0, 1]], 5)
+    m.enter_forward()
+    run_block(m, 0, [0, 1])
+    run_block(m, 1, [0, 1])
+    m._stage(1, {1: torch.tensor([1.0, 0.0, 0.0, 0.0])})  # next step, layer 1 uses expert 0, not 1
+    m.exit_forward()
+    m.enter_forward()  # a new step of the same sequence: the guess is kept
+    assert m.expected_distance((1, 0)) < m.expected_distance((1, 1))  # equal use rates: only the guess differs
+    assert m.cache.allocate((0, 3), staged=False)[1].key == (1, 1)  # the victim: predicted unused next step
+    m.cache.remove((0, 3))
+    run_block(m, 1, [0])
+    assert 1 not in m._layer_probs  # spent once the layer ran
+    m.exit_forward()
+
+
+def test_a_new_sequence_forgets_next_step_guesses():
+    m = make_manager(layers=2, experts=4, slots=4, policy="heat")
+    m.enter_forward()
+    run_block(m, 0, [0, 1])
+    m._stage(0, {0: torch.tensor([0.0, 1.0, 0.0, 0.0])})
+    m.exit_forward()
+    m.enter_forward(new_sequence=True)  # made from the last token of another prompt
+    assert m._layer_probs == {} and m._next_step == set()
+    m.exit_forward()

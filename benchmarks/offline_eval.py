@@ -42,7 +42,7 @@ POLICIES = ("lru", "heat", "priority")
 PREDICTORS = (None, "gate", "markov", "global", "position", "hybrid", "learned")
 DEFAULTS = MiraConfig()  # the grid runs at its stage_fraction and PredictorConfig; "default" is its policy + predictor
 SWEEP_STAGE = (0.25, 0.5)
-SWEEP_PROBABILITY = (0.7, 0.8, 0.9, 0.95)  # PredictorConfig.stage_probability: how likely a guess must be to be copied
+SWEEP_PROBABILITY = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # PredictorConfig.stage_probability: how likely a guess must be to be copied
 SWEEP_STAGE_LOOKAHEAD = (2,)  # beside the default, at the default stage fraction and stage probability
 COLUMNS = ["policy", "predictor", "hit%", "misses", "loads", "wasted", "MB/tok", "xBelady", "r@1", "r@2", "p@1", "p@2"]
 
@@ -169,7 +169,12 @@ def checks(name: str, ev: dict) -> list[dict]:
         return None
 
     def label(r):
-        return f"{r['config']['policy']}+{r['config']['predictor'] or 'none'}"
+        text = f"{r['config']['policy']}+{r['config']['predictor'] or 'none'}"
+        pc, default = r["config"]["predictor_config"], dataclasses.asdict(DEFAULTS.prediction)
+        changed = [f"{k} {pc[k]}" for k in ("stage_probability", "stage_lookahead") if pc[k] != default[k]]
+        stage = r["config"]["stage_fraction"]
+        changed += [f"stage_fraction {stage}"] if stage != DEFAULTS.cache.stage_fraction else []
+        return text + (f" ({', '.join(changed)})" if changed else "")
 
     out = []
 
@@ -216,7 +221,8 @@ def checks(name: str, ev: dict) -> list[dict]:
             f"learned recall@2 = {r2:.3f} (target >= 0.85; precision@2 {learned['precision@2']:.3f}); "
             f"learned/gate recall@2 per layer: {shown}",
         )
-    predictive = [r for r in at if r["config"]["predictor"]]
+    # any configuration with prediction on, the sweep's included (the default's is in check (a))
+    predictive = [r for r in at + [s for s in ev["sweep"] if s["config"]["budget"] == b] if r["config"]["predictor"]]
     fewest_misses = min(predictive, key=lambda r: r["misses"])
     lru = find(b, "lru", None)
     share = fewest_misses["misses"] / lru["misses"]

@@ -35,9 +35,10 @@ class PredictorConfig:
     confidence: float = 0.3  # minimum probability for a guess to be counted (scored for precision)
     # Copies are made only for the next `stage_lookahead` layers and for guesses at least this likely:
     # on a saturated link a wrong copy costs a whole expert's transfer, and a copy issued two layers
-    # early evicts sooner than needed (offline evaluation: benchmarks/NOTES.md section 7).
+    # early evicts sooner than needed (offline evaluation: benchmarks/NOTES.md sections 7, 8 and 11;
+    # 0.95 since the learned predictor's next-step head: 1.29× Belady's bytes on mira-tiny, 0.9 gave 1.31×).
     stage_lookahead: int = 1
-    stage_probability: float = 0.9
+    stage_probability: float = 0.95
     max_staged_per_layer: int | None = None  # None: 2 × top-k
     markov_warmup_tokens: int = 1000  # tokens of routing that form the first Markov estimate (no re-checks before)
     markov_cumulative: float = 0.8  # candidates kept up to this cumulative probability

@@ -196,8 +196,8 @@ def test_only_likely_guesses_of_the_next_layer_are_copied():
     m = make_manager(layers=3, experts=4, slots=6, policy="heat")
     m.enter_forward()
     run_block(m, 0, [0, 1])
-    m._stage(0, {1: torch.tensor([0.95, 0.5, 0.0, 0.0]), 2: torch.tensor([0.99, 0.0, 0.0, 0.0])})
-    assert m.cache.resident() == [(0, 0), (0, 1), (1, 0)]  # not (1, 1): p < 0.9; not layer 2: two layers ahead
+    m._stage(0, {1: torch.tensor([0.97, 0.5, 0.0, 0.0]), 2: torch.tensor([0.99, 0.0, 0.0, 0.0])})
+    assert m.cache.resident() == [(0, 0), (0, 1), (1, 0)]  # not (1, 1): p < 0.95; not layer 2: two layers ahead
     m.exit_forward()
 
 
@@ -225,7 +225,7 @@ def test_a_speculative_copy_is_finished_when_its_expert_is_used():
     m.enter_forward()
     run_block(m, 0, [0, 1])
     before = m.stats()["bytes_h2d"]
-    # p(1, 0) = 0.5 and p(1, 1) = 0.4: below the copy threshold (0.9), so speculated on: only the
+    # p(1, 0) = 0.5 and p(1, 1) = 0.4: below the copy threshold (0.95), so speculated on: only the
     # likeliest guess starts, and only its first speculate_bytes (half a record)
     m._stage(0, {1: torch.tensor([0.5, 0.4, 0.0, 0.0])})
     slot = m.cache.lookup((1, 0))

@@ -5,6 +5,7 @@ import torch
 from conftest import load_reference
 
 from mira_hf import IncompatibleFileError, MiraConfig, MiraMoEModel
+from mira_hf.predictors import PredictorConfig
 from mira_hf.replay import belady, lru_reference, replay
 from mira_hf.trace import RoutingTrace, record_trace
 
@@ -106,7 +107,8 @@ def test_a_predictor_learns_a_deterministic_routing():
     g = torch.Generator().manual_seed(0)
     first = torch.randint(0, 8, (400,), generator=g).tolist()
     trace = make_trace([[[e], [(e + 1) % 8]] for e in first], num_experts=8)
-    r = replay(trace, budget=0.5, policy="lru", predictor="markov")
+    # Markov's Laplace prior keeps its probabilities a little under certainty: copy from 0.8 on
+    r = replay(trace, budget=0.5, policy="lru", predictor="markov", predictor_config=PredictorConfig(stage_probability=0.8))
     assert r["per_layer"][1]["recall@1"] > 0.9
     assert r["recall@1"] == r["per_layer"][1]["recall@1"]  # only layer 1 has a layer before it
     assert r["prefetches"] > 0 and r["loads"] == r["misses"] + r["prefetches"]

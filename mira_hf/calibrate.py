@@ -124,7 +124,7 @@ def calibrate(
 # -- recording ------------------------------------------------------------------------------------
 def _record(
     model: nn.Module, data, *, max_tokens: int, tokenizer, progress: bool
-) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], torch.Tensor]:
     """Teacher-forced routing of `data` through the wrapped `model`: per MoE layer, the hidden state
     entering the block `[N, H]` (model dtype, CPU) and the experts it chose `[N, K]`, for the same N tokens
     in the same order (each sequence's tokens consecutive); and `has_next [N]`: whether token i+1 is the

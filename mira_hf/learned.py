@@ -143,7 +143,8 @@ class LearnedPredictor:
         pass  # the networks read only the hidden state
 
     def predict(self, layer: int, hidden: torch.Tensor) -> dict[int, torch.Tensor]:
-        """`{layer + d: [E] probability that some token of `hidden` [T, H] uses the expert}` (CPU)."""
+        """`{layer + d: [E] probability that some token of `hidden` [T, H] uses the expert}` (CPU), and
+        with a next-step head `{layer: [E] probability that some next token uses it}`."""
         net = self.nets.get(layer)
         if net is None or not self._heads[layer]:
             return {}
@@ -151,11 +152,10 @@ class LearnedPredictor:
             self.to(hidden.device)  # once: the networks follow the model's device
         with torch.no_grad():
             per_token = torch.sigmoid(net(hidden))  # [T, O]
-            union = token_union(per_token, 1)  # [O]: some token of this step uses the expert
-            if self.targets[layer][-1] == layer and per_token.shape[0] > 1:
-                n = net.out_sizes[-1]  # the next-step head (always last): the next token follows the last one
-                union = torch.cat([union[:-n], per_token[-1, -n:]])
-            union = union.to("cpu", non_blocking=True)  # one copy for every head (see gate)
+            # [O]: some token uses the expert. For the next-step head that is right for a batch of decoding
+            # sequences (each row's next token) and pessimistic for a prompt (only its last row's next token
+            # comes next): the rows of a block do not say which of the two they are.
+            union = token_union(per_token, 1).to("cpu", non_blocking=True)  # one copy for every head (see gate)
         heads = union.split(net.out_sizes)
         return {target: heads[i] for i, target in self._heads[layer]}
 

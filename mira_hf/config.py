@@ -80,10 +80,22 @@ class CacheConfig:
     # that a later layer may need (a 512-token prefill needs every expert of every layer: streaming
     # them through two slots keeps the other layers' experts resident).
     demand_inflight_bytes: int = 64 * 2**20
+    # Token-block prefill (opt-in): an expert computes its rows of a block this many tokens at a time, so
+    # a long prompt's activations stay bounded (the design's blocks of 16-64 tokens; each expert is still
+    # loaded once per block call and shared by its token blocks). None (default): all its rows at once.
+    # A matmul over fewer rows may round differently in the last bits, so with a block size the outputs
+    # are close to the unwrapped model's but not bit-identical (fp32 logits within ~1e-5).
+    prefill_block_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.stage_fraction < 1.0:
             raise ConfigError(f"stage_fraction={self.stage_fraction}: must be in [0, 1).")
+        b = self.prefill_block_tokens
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ConfigError(
+                f"prefill_block_tokens={b!r}: give a number of tokens ≥ 1 (the design uses 16-64), or None to compute "
+                "each expert's rows at once (bit-identical outputs, the default)."
+            )
         if (
             isinstance(self.demand_inflight_bytes, bool)
             or not isinstance(self.demand_inflight_bytes, int)

@@ -205,7 +205,7 @@ class MiraMoEModel:
                 streamed.close()
         keep.clear()
         for t in targets:
-            setattr(t.parent, t.attr, MiraExperts(t.module, manager, t.ordinal))
+            setattr(t.parent, t.attr, MiraExperts(t.module, manager, t.ordinal, cfg.cache.prefill_block_tokens))
         model.to(device)
         # Per-instance hooks mark forward steps (the heat clock, serialised threads); always_call
         # releases the step even when the forward raises, so an interrupted generate leaves no lock.

@@ -26,10 +26,11 @@ class MiraExperts(nn.Module):
     """Routed experts served by an `ExpertManager`. `base` is the original experts module with its
     expert tensors removed (kept for its gate function, activation and flags, and for `unload`)."""
 
-    def __init__(self, base: nn.Module, manager: ExpertManager, layer: int) -> None:
+    def __init__(self, base: nn.Module, manager: ExpertManager, layer: int, block_tokens: int | None = None) -> None:
         super().__init__()
         self.base = base
         self.layer = layer
+        self.block_tokens = block_tokens  # CacheConfig.prefill_block_tokens: rows per matmul, None = all
         self.num_experts = base.num_experts
         object.__setattr__(self, "manager", manager)  # shared, not a submodule
         self._up = "gate_up_proj" if getattr(base, "has_gate", True) else "up_proj"
@@ -61,9 +62,10 @@ class MiraExperts(nn.Module):
         try:
             for e in plan.order:
                 w = self.manager.acquire(plan, e)
-                rows = order[starts[e] : starts[e] + counts[e]]  # [n]
-                y = self._expert(hidden_states[rows // K], w)  # [n, H]
-                out[rows] = y.float() * weights[rows].float()
+                rows = order[starts[e] : starts[e] + counts[e]]  # [n], in token order (stable sort)
+                for part in rows.split(self.block_tokens) if self.block_tokens else (rows,):  # token blocks share w
+                    y = self._expert(hidden_states[part // K], w)  # [n, H]
+                    out[part] = y.float() * weights[part].float()
                 self.manager.release(plan, e)
         finally:
             self.manager.end(plan)

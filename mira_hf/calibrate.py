@@ -42,6 +42,7 @@ def calibrate(
     out_dir: str | os.PathLike | None = None,
     progress: bool = True,
     seed: int = 0,
+    host_only_unused: bool = False,
 ) -> LearnedPredictor:
     """Train a `learned` predictor for the wrapped `model`, install it as `model.mira.predictor`, return it.
 
@@ -54,6 +55,8 @@ def calibrate(
         model's dtype: tokens × layers × hidden × 2 bytes for bf16 (16384 tokens ≈ 4.3 GB for Mixtral-8x7B).
     validation_fraction: share of tokens held out (in runs of 64) for the reported recall/precision.
     out_dir: also save the predictor there (as `model.mira.save_predictor(out_dir)` would).
+    host_only_unused: mark the experts the data never routed to as host-only (`model.mira.set_host_only`):
+        they then never hold a GPU slot between uses. The counts are in `predictor.summary["expert_counts"]`.
     """
     manager = getattr(model, "mira", None)
     if manager is None:
@@ -92,6 +95,10 @@ def calibrate(
         final_loss = _train(nets, hidden, labels, train_idx, manager.device, epochs, batch_size, lr, weights, progress)
     cut = manager.predictor_config.confidence
     validation = _evaluate(nets, hidden, labels, targets, val_idx, cut) if len(val_idx) else {}
+    E = {L: layers[L].num_experts for L in experts}  # (an expert-parallel sentinel index E is not an expert)
+    counts = {L: torch.bincount(experts[L].reshape(-1).long(), minlength=E[L])[: E[L]].tolist() for L in experts}
+    if host_only_unused:
+        manager.set_host_only({L: [e for e, n in enumerate(c) if n == 0] for L, c in counts.items()})
     summary = {
         "samples": int(len(train_idx)),
         "validation_samples": int(len(val_idx)),
@@ -102,6 +109,7 @@ def calibrate(
         "final_loss": final_loss,
         "confidence": cut,
         "validation": validation,  # {predicted layer: {"recall@d": ..., "precision@d": ...}}
+        "expert_counts": {str(L): c for L, c in counts.items()},  # routings per expert in the data
     }
     predictor = LearnedPredictor(
         {L: net.cpu() for L, net in nets.items()},

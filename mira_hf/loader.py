@@ -10,8 +10,11 @@ run synchronously and the "device" arena is host memory.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
+
+LATENCY_SAMPLES = 4096  # copies whose issue-to-ready latency is kept (the latest ones)
 
 
 class Loader:
@@ -29,6 +32,11 @@ class Loader:
         self._ring_next = 0
         self._stalls: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
         self._stall_by_layer: dict[int, float] = {}  # resolved stall seconds per MoE layer
+        # Issue-to-ready latency of each copy: on CUDA an event on an otherwise idle stream marks the issue
+        # (it completes as soon as the GPU sees it), the copy's own done event the end; resolved lazily.
+        self._clock = torch.cuda.Stream(device) if self.cuda else None
+        self._pending_latency: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)  # seconds
 
     # -- copies ---------------------------------------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor, src_pinned: bool, after: object = None, then=None) -> object:
@@ -38,10 +46,14 @@ class Loader:
         `then`: work to run on the copy stream after the copy (e.g. dequantising into the slot).
         """
         if not self.cuda:
+            t0 = time.perf_counter()
             dst.copy_(src)
             if then is not None:
                 then()
+            self._latencies.append(time.perf_counter() - t0)
             return None
+        issued = torch.cuda.Event(enable_timing=True)
+        issued.record(self._clock)
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
@@ -51,9 +63,12 @@ class Loader:
                 self._copy_through_ring(dst, src)
             if then is not None:
                 then()
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
-            return done
+        self._pending_latency.append((issued, done))
+        if len(self._pending_latency) > 512:  # bounded; old copies are long done
+            self._resolve_latency(len(self._pending_latency) - 256)
+        return done
 
     def _copy_through_ring(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self._ring is None:
@@ -115,6 +130,18 @@ class Loader:
             self.add_stall(layer, start.elapsed_time(end) / 1e3)
         del self._stalls[:n]
 
+    def _resolve_latency(self, n: int | None = None) -> None:
+        n = len(self._pending_latency) if n is None else n
+        for issued, done in self._pending_latency[:n]:
+            done.synchronize()
+            self._latencies.append(max(issued.elapsed_time(done), 0.0) / 1e3)
+        del self._pending_latency[:n]
+
+    def latencies(self) -> list[float]:
+        """Issue-to-ready seconds of the latest copies (at most LATENCY_SAMPLES; resolves pending ones: syncs)."""
+        self._resolve_latency()
+        return list(self._latencies)
+
     def stalls(self) -> dict[int, float]:
         """Stall seconds per MoE layer so far (resolves pending CUDA timings: syncs)."""
         self._resolve()
@@ -123,6 +150,8 @@ class Loader:
     def reset_stalls(self) -> None:
         self._resolve()
         self._stall_by_layer.clear()
+        self._resolve_latency()
+        self._latencies.clear()
 
     def synchronize(self) -> None:
         if self.cuda:

@@ -192,6 +192,7 @@ class ExpertManager:
         self._ahead: dict[int, dict] = {}  # layer -> predictions made by predict_ahead, for its begin()
         self._cut_short: dict[Key, Slot] = {}  # speculative copies cut short, until finished or dropped
         self._staged: dict[int, list[Slot]] = {}  # layer -> slots given to its prefetches since its last block
+        self.host_only: frozenset[Key] = frozenset()  # experts that never keep a slot (set_host_only)
         self.recorder = None  # optional callable(layer, hidden [T,H], top_k_index [T,K]): traces, calibration
         self.router_probs = None  # (layer, hidden) -> [T, E] router probabilities, set by the model wrapper
         self.fingerprint: dict = {}  # identifies the wrapped model (files made for another model are refused)
@@ -367,6 +368,8 @@ class ExpertManager:
             slot.free = self.loader.mark_free(slot.free)
             slot.pins -= 1
             plan.loading.discard(expert)
+            if self.host_only and (plan.layer, expert) in self.host_only and not slot.pins:
+                self.cache.remove((plan.layer, expert))  # used and gone: its slot serves the cached experts
             self._issue(plan)
 
     def end(self, plan: BlockPlan) -> None:
@@ -388,7 +391,7 @@ class ExpertManager:
         with self._lock:
             started = 0
             for i, e in enumerate(experts):
-                if self.cache.lookup((layer, e)) is not None:
+                if self.cache.lookup((layer, e)) is not None or (layer, e) in self.host_only:
                     continue
                 p = 1.0 if probabilities is None else probabilities[i]
                 slot = self._load((layer, e), staged=True, evict=self.telemetry.steps >= self.warmup_steps, probability=p)
@@ -435,7 +438,7 @@ class ExpertManager:
         if self.store.record_bytes(layer) <= self.speculate_bytes:
             return
         for e in guesses:
-            if self.cache.lookup((layer, e)) is None:
+            if self.cache.lookup((layer, e)) is None and (layer, e) not in self.host_only:
                 evict = self.telemetry.steps >= self.warmup_steps
                 self._load((layer, e), staged=True, evict=evict, probability=values[e], nbytes=self.speculate_bytes)
                 return
@@ -646,7 +649,10 @@ class ExpertManager:
             for layer, s in stalls.items():
                 self.telemetry.layer(layer).stall_s = s
             out = self.telemetry.summary()
+            lat = sorted(self.loader.latencies())
             out.update(
+                load_latency_p50_s=lat[len(lat) // 2] if lat else None,  # one copy, from issue to ready
+                load_latency_p95_s=lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
                 budget_bytes=self.budget.budget_bytes,
                 capacity_bytes=self.cache.capacity_bytes,
                 buffer_bytes=self.buffer_bytes,
@@ -655,6 +661,7 @@ class ExpertManager:
                 device=str(self.device),
                 quantization=self.quantization,
                 placement=self.placement,
+                host_only_experts=len(self.host_only),
             )
             return out
 
@@ -672,6 +679,30 @@ class ExpertManager:
         with self._lock:
             self.loader.reset_stalls()
             self.telemetry.reset()
+
+    def set_host_only(self, experts: Mapping[int, Sequence[int]]) -> None:
+        """Mark experts as host-only: `{layer: [expert, ...]}` (replaces the previous marking; `{}` clears
+        it). A host-only expert is never prefetched and gives its slot back as soon as its block has used
+        it, so it never holds a GPU slot between uses; it is still computed whenever the router picks it
+        (outputs do not change). Meant for experts a calibration set never routes to
+        (`mira_hf.calibrate(..., host_only_unused=True)`)."""
+        keys = set()
+        for layer, es in experts.items():
+            li = self.layers.get(layer)
+            bad = [e for e in es if li is None or not (isinstance(e, int) and 0 <= e < li.num_experts)]
+            if li is None or bad:
+                have = {L: info.num_experts for L, info in self.layers.items()}
+                raise ConfigError(
+                    f"set_host_only: layer {layer!r} experts {list(es)!r} do not exist in this model "
+                    f"(MoE layer ordinal -> experts: {have}). Give {{layer: [expert indices]}}."
+                )
+            keys.update((layer, e) for e in es)
+        with self._lock:
+            self.host_only = frozenset(keys)
+            for key in keys:
+                slot = self.cache.lookup(key)
+                if slot is not None and not slot.pins:
+                    self.cache.remove(key)
 
     def save_predictor(self, directory: str) -> None:
         """Save the calibrated predictor (safetensors + JSON) so `MiraConfig(predictor_path=...)` loads it."""

@@ -313,3 +313,33 @@ def test_a_new_sequence_forgets_next_step_guesses():
     m.enter_forward(new_sequence=True)  # made from the last token of another prompt
     assert m._layer_probs == {} and m._next_step == set()
     m.exit_forward()
+
+
+def test_load_latency_percentiles_are_reported_and_reset():
+    m = make_manager(slots=3, stage_fraction=0.0)
+    assert m.stats()["load_latency_p50_s"] is None  # no copy yet
+    for layer, experts in [(0, [0, 1]), (1, [0]), (0, [2, 3]), (1, [1, 2])]:
+        run_block(m, layer, experts)
+    s = m.stats()
+    assert len(m.loader.latencies()) == s["loads"]  # one sample per copy
+    assert 0 < s["load_latency_p50_s"] <= s["load_latency_p95_s"]
+    m.reset_stats()
+    assert m.stats()["load_latency_p50_s"] is None
+
+
+def test_host_only_experts_are_computed_but_never_keep_a_slot():
+    from mira_hf import ConfigError
+
+    m = make_manager(layers=2, experts=4, slots=3, stage_fraction=0.0, policy="heat")
+    with pytest.raises(ConfigError, match="do not exist"):
+        m.set_host_only({0: [4]})  # layer 0 has experts 0..3
+    assert m.host_only == frozenset()  # refused before anything changed
+    run_block(m, 0, [3])
+    m.set_host_only({0: [3]})
+    assert m.cache.lookup((0, 3)) is None  # resident and unpinned: given back at once
+    assert run_block(m, 0, [3, 1]) == {3: 3.0, 1: 1.0}  # still computed with the right weights
+    assert m.cache.lookup((0, 3)) is None and m.cache.lookup((0, 1)) is not None
+    assert m.prefetch(0, [3], [1.0]) == 0  # never staged
+    assert m.stats()["host_only_experts"] == 1
+    m.set_host_only({})
+    assert m.host_only == frozenset()

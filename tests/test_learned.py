@@ -220,3 +220,20 @@ def test_calibrate_works_on_a_tiny_random_model(tiny_checkpoint):
     with torch.no_grad():
         model(torch.randint(3, 128, (1, 8)))
     assert model.mira.stats()["per_layer"][1]["recall@1"] is not None
+
+
+def test_calibrate_counts_experts_and_can_mark_unused_ones_host_only(tiny_checkpoint):
+    model = MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(device="cpu", gpu_budget=0.5), progress=False)
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(3, 128, (2, 6), generator=g)  # 12 tokens: some experts get none
+    predictor = calibrate(model, data, epochs=1, progress=False, validation_fraction=0, host_only_unused=True)
+    counts = predictor.summary["expert_counts"]
+    K = model.config.num_experts_per_tok
+    assert all(sum(c) == data.numel() * K for c in counts.values())
+    unused = {(int(L), e) for L, c in counts.items() for e, n in enumerate(c) if n == 0}
+    assert unused and model.mira.host_only == unused
+    ref = load_reference(tiny_checkpoint("mixtral"))
+    ids = torch.randint(3, 128, (1, 16), generator=g)
+    gen = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **gen), ref.generate(ids, **gen))  # host-only changes no output
+    assert model.mira.stats()["host_only_experts"] == len(unused)

@@ -15,6 +15,7 @@ from tiny_models import RECIPES, make_config  # noqa: E402
 from mira_hf import BudgetError, MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.config import PLACEMENTS, POLICIES, PREDICTORS, QUANTIZATIONS, QuantConfig  # noqa: E402
 from mira_hf.manager import plan_budget  # noqa: E402
+from mira_hf.predictors import PredictorConfig  # noqa: E402
 
 # Config keys of the expert count and top-k per family (to draw random shapes).
 SHAPE_KEYS = {
@@ -58,6 +59,8 @@ case = st.fixed_dictionaries(
         batch=st.integers(1, 4),
         mode=st.sampled_from(["greedy", "sample", "beam"]),
         seed=st.integers(0, 2**16),
+        speculate=st.sampled_from([0, 1, 700, 10**9]),  # bytes of a cut-short copy (0: off, as on CPU by default)
+        host_only=st.booleans(),  # expert 0 of every layer never keeps a slot
     )
 )
 
@@ -75,8 +78,11 @@ def test_wrapped_model_is_exact_under_any_configuration(c):
     minimum = sum(max(li.top_k for li in layers) * r for r in set(record.values()))
     budget = int(minimum + c["budget"] * (total - minimum))
     plan_budget(layers, record, budget)  # must be accepted
-    cfg = MiraConfig(gpu_budget=budget, device="cpu", policy=c["policy"], predictor=c["predictor"])
+    prediction = PredictorConfig(speculate_bytes=c["speculate"])
+    cfg = MiraConfig(gpu_budget=budget, device="cpu", policy=c["policy"], predictor=c["predictor"], prediction=prediction)
     MiraMoEModel.wrap(model, cfg)
+    if c["host_only"]:
+        model.mira.set_host_only({layer: [0] for layer in model.mira.layers})
 
     g = torch.Generator().manual_seed(c["seed"])
     ids = torch.randint(3, 128, (c["batch"], 7), generator=g)
@@ -110,6 +116,7 @@ compressed_case = st.fixed_dictionaries(
         predictor=st.sampled_from(PREDICTORS_NO_TRAINING),
         batch=st.integers(1, 3),
         seed=st.integers(0, 2**16),
+        speculate=st.sampled_from([0, 1, 700]),
     )
 )
 
@@ -128,7 +135,10 @@ def test_compressed_transfer_computes_the_same_at_any_budget(c):
     buffers = sum(full.mira.budget.buffer_bytes.values())  # codec buffers come out of the budget first
     minimum = sum(max(li.top_k for li in layers) * r for r in set(slot.values())) + buffers
     budget = max(1, int(c["budget"] * total))
-    cfg = MiraConfig(device="cpu", gpu_budget=budget, policy=c["policy"], predictor=c["predictor"], **quant)
+    prediction = PredictorConfig(speculate_bytes=c["speculate"])
+    cfg = MiraConfig(
+        device="cpu", gpu_budget=budget, policy=c["policy"], predictor=c["predictor"], prediction=prediction, **quant
+    )
     if budget < minimum:  # below the working set: refused before anything changes
         with pytest.raises(BudgetError):
             MiraMoEModel.wrap(copy.deepcopy(ref), cfg)

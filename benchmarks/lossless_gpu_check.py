@@ -59,10 +59,10 @@ def make_expert(dist: str, H: int, I: int, device: torch.device) -> dict[str, to
     return {n: pool[torch.randint(pool.numel(), s, generator=g, device=device)] for n, s in shapes.items()}
 
 
-def check_expert(dist: str, H: int, I: int, device: torch.device, reps: int) -> dict:  # noqa: E741
+def check_expert(dist: str, H: int, I: int, device: torch.device, reps: int, code: str = "nibble") -> dict:  # noqa: E741
     cuda = device.type == "cuda"
     weights = make_expert(dist, H, I, device)
-    codec = LosslessCodec()
+    codec = LosslessCodec(code=code)
     fused = {n: w[None] for n, w in weights.items()}  # one expert: [1, ...]
     t0 = time.perf_counter()
     layout = codec.plan_experts(fused)
@@ -75,6 +75,7 @@ def check_expert(dist: str, H: int, I: int, device: torch.device, reps: int) -> 
     numel = sum(w.numel() for w in weights.values())
     row: dict = {
         "dist": dist,
+        "code": code,
         "H": H,
         "I": I,
         "device": str(device),
@@ -119,7 +120,7 @@ def check_expert(dist: str, H: int, I: int, device: torch.device, reps: int) -> 
     return row
 
 
-def check_model(device: torch.device) -> list[dict]:
+def check_model(device: torch.device, codes=("nibble",)) -> list[dict]:
     """The bundled model with lossless transfer vs the unwrapped model: logits and tokens, bit for bit."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -133,12 +134,13 @@ def check_model(device: torch.device) -> list[dict]:
     ref_tokens = {k: ref.generate(prompt, max_new_tokens=16, min_new_tokens=16, **kw) for k, kw in kws.items()}
     del ref
     rows = []
-    for placement in ("dequant", "packed"):
-        cfg = MiraConfig(device=str(device), gpu_budget=0.25, quantization="lossless", quant=QuantConfig(placement=placement))
+    for code, placement in [(c, p) for c in codes for p in ("dequant", "packed")]:
+        quant = QuantConfig(placement=placement, lossless_code=code)
+        cfg = MiraConfig(device=str(device), gpu_budget=0.25, quantization="lossless", quant=quant)
         model = MiraMoEModel.from_pretrained(bundled_model_path(), cfg, dtype=torch.bfloat16, progress=False)
         with torch.no_grad():
             logits = model(ids).logits
-        row = {"placement": placement, "logits_equal": torch.equal(logits, ref_logits)}
+        row = {"code": code, "placement": placement, "logits_equal": torch.equal(logits, ref_logits)}
         for k, kw in kws.items():
             row[f"{k}_equal"] = torch.equal(model.generate(prompt, max_new_tokens=16, min_new_tokens=16, **kw), ref_tokens[k])
         s = model.mira.stats()
@@ -162,7 +164,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions (median reported)")
     parser.add_argument("--smoke", action="store_true", help="CPU, small expert shape: checks the script, not the GPU")
     parser.add_argument("--cpu", action="store_true", help="CPU, Mixtral shape: ratios, escapes, CPU encode/decode speed")
+    parser.add_argument("--codes", default="nibble,classes", help="exponent codes to check (QuantConfig.lossless_code)")
     args = parser.parse_args()
+    codes = [c for c in args.codes.split(",") if c]
     if args.smoke or args.cpu:
         device, shape = torch.device("cpu"), "smoke" if args.smoke else "mixtral"
     else:
@@ -177,13 +181,15 @@ def main() -> int:
     t_start = time.perf_counter()
     H, I = SHAPES[shape]  # noqa: E741
     experts = []
-    for dist in ("normal", "trained"):
-        experts.append(check_expert(dist, H, I, device, args.reps if device.type == "cuda" else 3))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    models = check_model(device)
+    for code in codes:
+        for dist in ("normal", "trained"):
+            experts.append(check_expert(dist, H, I, device, args.reps if device.type == "cuda" else 3, code))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    models = check_model(device, codes)
 
     cols = [
+        ("code", "{}"),
         ("dist", "{}"),
         ("ratio", "{:.4f}"),
         ("escape_rate", "{:.2e}"),
@@ -201,7 +207,16 @@ def main() -> int:
     print(" | ".join(c for c, _ in cols))
     for r in experts:
         print(" | ".join(f.format(r[c]) if r.get(c) is not None else "-" for c, f in cols))
-    mcols = ["placement", "logits_equal", "greedy_equal", "beam4_equal", "record_bytes", "raw_record_bytes", "within_budget"]
+    mcols = [
+        "code",
+        "placement",
+        "logits_equal",
+        "greedy_equal",
+        "beam4_equal",
+        "record_bytes",
+        "raw_record_bytes",
+        "within_budget",
+    ]
     print("bundled mira-tiny, bf16, lossless vs unwrapped")
     print(" | ".join(mcols))
     for r in models:

@@ -23,6 +23,7 @@ POLICIES = ("lru", "heat", "priority")
 PREDICTORS: tuple[str | None, ...] = (None, "auto", "gate", "markov", "global", "position", "hybrid", "learned")
 QUANTIZATIONS: tuple[str | None, ...] = ("auto", None, "lossless", "int8", "int4", "nf4")
 PLACEMENTS = ("auto", "dequant", "packed")
+LOSSLESS_CODES = ("nibble", "classes")  # mira_hf.quant.lossless.CODES
 # quantization="auto" picks "lossless" only for expert records at least this large. Decoding a packed
 # expert at each use costs ~25 µs of kernel launches; a miss saves a quarter of the record at ~55 GB/s
 # (4.5 ms per GB). With misses ~70% of uses, lossless pays from ~8 MB; 32 MiB keeps a margin (Mixtral
@@ -140,8 +141,17 @@ class QuantConfig:
     # "lossless" (more experts per budget, measured faster on the H200: benchmarks/NOTES.md §9),
     # "dequant" for the lossy formats (faster at batch 1).
     placement: str = "auto"
+    # The lossless format's exponent code: "nibble" (4 bits per weight: 0.75x bf16's bytes) or "classes"
+    # (a 2-bit class plus 0-4 extra bits: 0.69x; bit-exact too, decoded with a prefix sum per block of 256
+    # weights; opt-in until measured on a GPU, benchmarks/NOTES.md §10). Encoding "classes" on a CPU is ~8x
+    # slower than "nibble" (at load; on a GPU both are fast).
+    lossless_code: str = "nibble"
 
     def __post_init__(self) -> None:
+        if self.lossless_code not in LOSSLESS_CODES:
+            raise ConfigError(
+                f"QuantConfig.lossless_code={self.lossless_code!r}: supported are {', '.join(map(repr, LOSSLESS_CODES))}."
+            )
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"QuantConfig.placement={self.placement!r}: supported are {', '.join(map(repr, PLACEMENTS))}.")
         if not isinstance(self.group_size, int) or self.group_size < 16 or self.group_size & (self.group_size - 1):

@@ -258,7 +258,7 @@ def _make_codec(cfg: MiraConfig):
     from .quant.padding import PaddedCodec
 
     if cfg.quantization == "lossless":  # element-wise: any shape, no groups to pad
-        return make_codec("lossless")
+        return make_codec("lossless", code=cfg.quant.lossless_code)
     return PaddedCodec(make_codec(cfg.quantization, group_size=cfg.quant.group_size), cfg.quant.group_size)
 
 

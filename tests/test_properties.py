@@ -13,7 +13,7 @@ from hypothesis import strategies as st  # noqa: E402
 from tiny_models import RECIPES, make_config  # noqa: E402
 
 from mira_hf import BudgetError, MiraConfig, MiraMoEModel  # noqa: E402
-from mira_hf.config import PLACEMENTS, POLICIES, PREDICTORS, QUANTIZATIONS, QuantConfig  # noqa: E402
+from mira_hf.config import LOSSLESS_CODES, PLACEMENTS, POLICIES, PREDICTORS, QUANTIZATIONS, QuantConfig  # noqa: E402
 from mira_hf.manager import plan_budget  # noqa: E402
 from mira_hf.predictors import PredictorConfig  # noqa: E402
 
@@ -117,6 +117,7 @@ compressed_case = st.fixed_dictionaries(
         batch=st.integers(1, 3),
         seed=st.integers(0, 2**16),
         speculate=st.sampled_from([0, 1, 700]),
+        code=st.sampled_from(LOSSLESS_CODES),
     )
 )
 
@@ -127,7 +128,7 @@ def test_compressed_transfer_computes_the_same_at_any_budget(c):
     any budget, policy and predictor gives the logits and tokens of the same format with every expert
     resident."""
     ref = _reference(c["family"], 8, 2)
-    quant = dict(quantization=c["quantization"], quant=QuantConfig(placement=c["placement"]))
+    quant = dict(quantization=c["quantization"], quant=QuantConfig(placement=c["placement"], lossless_code=c["code"]))
     full = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=1.0, **quant))
     layers = list(full.mira.layers.values())
     slot = {li.ordinal: full.mira.budget.slot_bytes[full.mira.budget.pool_of_layer[li.ordinal]] for li in layers}

@@ -65,7 +65,7 @@ __all__ = [
 def make_codec(name: str | None, **kw: Any) -> ExpertCodec:
     """The codec called `name` ("int8", "int4", "nf4" or "lossless"); `kw` go to QuantSpec
     (int8/int4: group_size, symmetric, double_quant, refine_iters, superblock_groups) or Nf4Codec
-    (group_size); "lossless" takes none. nf4 needs bitsandbytes: pip install "mira-hf[quant]".
+    (group_size); "lossless" takes `code` ("nibble" or "classes"). nf4 needs bitsandbytes: pip install "mira-hf[quant]".
     """
     if name in ("int8", "int4"):
         if "fmt" in kw:

@@ -77,6 +77,20 @@ ESCAPE_BYTES = 6  # int32 word index + int16 value
 _MAX_WORDS = 2**31 - 1  # escape indices are int32 indices of 16-bit words
 
 
+# The "classes" exponent code (LosslessCodec(code="classes"), opt-in, ~0.69x bf16 instead of 0.75x):
+# exponents ranked by frequency per tensor; a 2-bit class per weight says rank 0 | rank 1 | ranks 2-3
+# (+1 extra bit) | ranks 4-18 (+4 extra bits; 15 = escape, patched like the nibble code's escapes). Each
+# block of CLASS_BLOCK weights starts its extra bits on a byte (offset per block), so a decoder finds every
+# field with one prefix sum over its block.
+CODES = ("nibble", "classes")
+CLASS_BLOCK = 256
+CLASS_RANKS = 19  # ranks 0..18 have a code; rank 19 marks an escape
+_CLASS_OF_RANK = [0, 1, 2, 2] + [3] * 16  # [20]
+_BITS_OF_CLASS = (0, 0, 1, 4)
+_VALUE_OF_RANK = [0, 0, 0, 1] + list(range(16))  # rank 19 -> value 15: the escape
+_FIRST_RANK_OF_CLASS = (0, 1, 2, 4)
+
+
 def _words_per_element(dtype: torch.dtype) -> int:
     return 2 if dtype == torch.float32 else 1
 
@@ -87,6 +101,22 @@ def _encoded_sections(numel: int, dtype: torch.dtype, capacity: int) -> list[tup
     if dtype == torch.float32:
         parts.append(("lo", 2 * numel, True))
     parts += [("codes", (numel + 1) // 2, True), ("esc_index", 4 * capacity, False), ("esc_value", 2 * capacity, False)]
+    return parts
+
+
+def _class_sections(numel: int, dtype: torch.dtype, capacity: int, extra: int) -> list[tuple[str, int, bool]]:
+    """Sections of one tensor under the classes code; `extra`: bytes of extra bits reserved (+2: a decoder
+    reads a 2-byte window at the last field)."""
+    parts = [("meta", 8, False), ("lut", 4 * (CLASS_RANKS + 1), False), ("sm", numel, True)]
+    if dtype == torch.float32:
+        parts.append(("lo", 2 * numel, True))
+    parts += [
+        ("cls", (numel + 3) // 4, True),
+        ("boff", 4 * (-(-numel // CLASS_BLOCK)), False),
+        ("extra", extra + 2, True),
+        ("esc_index", 4 * capacity, False),
+        ("esc_value", 2 * capacity, False),
+    ]
     return parts
 
 
@@ -108,8 +138,13 @@ def _check_specs(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> No
             )
 
 
-def build_lossless_layout(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], capacity: Mapping[str, int]) -> PackedLayout:
-    """Layout of one expert record: `capacity[name]` escapes reserved per tensor."""
+def build_lossless_layout(
+    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    capacity: Mapping[str, int],
+    extra: Mapping[str, int] | None = None,
+) -> PackedLayout:
+    """Layout of one expert record: `capacity[name]` escapes reserved per tensor; with `extra` (bytes of
+    extra bits per tensor) the tensors use the classes exponent code, else the nibble code."""
     _check_specs(specs)
     cursor, payload, entries = HEADER_BYTES, 0, []
     for name, (shape, dtype) in specs.items():
@@ -118,7 +153,8 @@ def build_lossless_layout(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype
         raw_parts = [("raw", max(1, numel) * dtype.itemsize, True)]
         encoded = len(shape) >= 2
         if encoded:
-            parts = _encoded_sections(numel, dtype, int(capacity.get(name, 0)))
+            cap = int(capacity.get(name, 0))
+            parts = _encoded_sections(numel, dtype, cap) if extra is None else _class_sections(numel, dtype, cap, extra[name])
             encoded = _span(parts) < _span(raw_parts)  # escapes so many that raw is smaller: store raw
         sections = []
         for sec_name, nbytes, is_payload in parts if encoded else raw_parts:
@@ -196,6 +232,90 @@ def escape_count(t: torch.Tensor) -> int:
     return _best_base(_histogram(_high_low(t)[0]))[1]
 
 
+def _class_chunk(t: torch.Tensor) -> int:
+    """Elements per step of the classes code: whole blocks (and whole class bytes)."""
+    return _CHUNK if t.device.type == "cpu" else max(-(-t.numel() // CLASS_BLOCK) * CLASS_BLOCK, CLASS_BLOCK)
+
+
+def _class_ranks(hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rank of each exponent [256] int64, 19 = no code; lut [20] int32: the exponent of each rank).
+    Most frequent first, ties by the lower exponent, so encoding is deterministic."""
+    order = torch.sort(-hist, stable=True).indices
+    rank_of = torch.full((256,), CLASS_RANKS, dtype=torch.int64, device=hist.device)
+    rank_of[order[:CLASS_RANKS]] = torch.arange(CLASS_RANKS, device=hist.device)
+    lut = torch.zeros(CLASS_RANKS + 1, dtype=torch.int32, device=hist.device)
+    lut[:CLASS_RANKS] = order[:CLASS_RANKS].to(torch.int32)
+    return rank_of, lut
+
+
+def _block_bytes(nb: torch.Tensor) -> torch.Tensor:
+    """Bytes of extra bits per block of CLASS_BLOCK weights ([blocks]), from each weight's bit count."""
+    pad = (-nb.numel()) % CLASS_BLOCK
+    blocks = torch.cat((nb, nb.new_zeros(pad))).view(-1, CLASS_BLOCK) if pad else nb.view(-1, CLASS_BLOCK)
+    return (blocks.sum(1) + 7) // 8
+
+
+def class_code_size(t: torch.Tensor) -> tuple[int, int]:
+    """(escapes, bytes of extra bits) of one tensor under the classes code (what its record must hold)."""
+    hi, _ = _high_low(t)
+    rank_of, _ = _class_ranks(_histogram(hi))
+    bits_of_rank = torch.tensor([_BITS_OF_CLASS[c] for c in _CLASS_OF_RANK], device=hi.device)
+    escapes = nbytes = 0
+    step = _class_chunk(hi)
+    for s in range(0, hi.numel(), step):
+        r = rank_of[_exponents(hi[s : s + step]).long()]
+        escapes += int((r == CLASS_RANKS).sum())
+        nbytes += int(_block_bytes(bits_of_rank[r]).sum())
+    return escapes, nbytes
+
+
+def _encode_entry_classes(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor) -> int:
+    """Write one tensor's sections under the classes code; returns its escape count."""
+    hi, lo = _high_low(t)
+    rank_of, lut = _class_ranks(_histogram(hi))
+    dev = hi.device
+    class_of = torch.tensor(_CLASS_OF_RANK, dtype=torch.int64, device=dev)
+    bits_of = torch.tensor([_BITS_OF_CLASS[c] for c in _CLASS_OF_RANK], dtype=torch.int64, device=dev)
+    value_of = torch.tensor(_VALUE_OF_RANK, dtype=torch.int64, device=dev)
+    here = lambda x: x if x.device == out.device else x.to(out.device)  # noqa: E731
+    sm_all, cls_all = section_view(out, entry.section("sm")), section_view(out, entry.section("cls"))
+    boff_all = section_view(out, entry.section("boff"), torch.int32)
+    extra_all = section_view(out, entry.section("extra"))
+    room = extra_all.numel() - 2
+    place = 1 << torch.arange(8, device=dev)  # bit k of a byte
+    esc, at = [], 0  # at: bytes of extra bits written so far
+    step = _class_chunk(hi)
+    for s in range(0, hi.numel(), step):  # s: a multiple of CLASS_BLOCK (and of 4)
+        x = hi[s : s + step]
+        m = x.numel()
+        r = rank_of[_exponents(x).long()]
+        esc.append((r == CLASS_RANKS).nonzero().squeeze(1) + s)
+        c, nb, v = class_of[r], bits_of[r], value_of[r]
+        c4 = torch.cat((c, c.new_zeros((-m) % 4)))
+        cls_all[s // 4 : s // 4 + c4.numel() // 4].copy_(here((c4[0::4] | c4[1::4] << 2 | c4[2::4] << 4 | c4[3::4] << 6).to(torch.uint8)))
+        sm_all[s : s + m].copy_(here(((x >> 8) & 0x80).bitwise_or_(x & 0x7F).to(torch.uint8)))
+        sizes = _block_bytes(nb)  # [blocks]
+        starts = torch.cumsum(sizes, 0) - sizes  # first byte of each block, in this chunk
+        boff_all[s // CLASS_BLOCK : s // CLASS_BLOCK + sizes.numel()].copy_(here((starts + at).to(torch.int32)))
+        total = int(sizes.sum())
+        if at + total > room:
+            raise CodecInputError(
+                f"encode: {entry.name!r} needs more than the {room} bytes of extra bits its layout reserves; plan the "
+                "layout from every expert it will hold: codec.plan_experts(fused)."
+            )
+        if total:
+            nbp = torch.cat((nb, nb.new_zeros((-m) % CLASS_BLOCK))).view(-1, CLASS_BLOCK)
+            pos = ((torch.cumsum(nbp, 1) - nbp) + starts[:, None] * 8).view(-1)[:m]  # bit of each field, in the chunk
+            bits = torch.zeros(total * 8, dtype=torch.int64, device=dev)
+            for k in range(4):
+                sel = nb > k
+                bits[pos[sel] + k] = (v[sel] >> k) & 1
+            extra_all[at : at + total].copy_(here((bits.view(-1, 8) * place).sum(1).to(torch.uint8)))
+        at += total
+    section_view(out, entry.section("lut"), torch.int32).copy_(here(lut))
+    return _write_escapes(hi, lo, esc, 0, entry, out)
+
+
 def _encode_entry(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor) -> int:
     """Write one tensor's sections into the record `out`; returns its escape count."""
     hi, lo = _high_low(t)
@@ -218,6 +338,13 @@ def _encode_entry(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor) -> int
         packed = code[0::2] | (code[1::2] << 4)
         sm_all[s : s + x.numel()].copy_(sm if same else sm.to(out.device))
         codes_all[s // 2 : s // 2 + packed.numel()].copy_(packed if same else packed.to(out.device))
+    return _write_escapes(hi, lo, esc, base, entry, out)
+
+
+def _write_escapes(hi: torch.Tensor, lo: torch.Tensor | None, esc: list, base: int, entry: TensorEntry, out: torch.Tensor) -> int:
+    """The sections both exponent codes share: meta (base, escapes), the low plane of fp32, and the
+    escapes (`esc`: per chunk, the element indices whose exponent has no code). Returns the escape count."""
+    dev = hi.device
     esc = torch.cat(esc) if esc else hi.new_zeros(0, dtype=torch.int64)  # [n_esc] int64, ascending
     capacity = entry.section("esc_index").nbytes // 4
     if esc.numel() > capacity:
@@ -268,6 +395,47 @@ def decode_words_torch(record: torch.Tensor, entry: TensorEntry, out: torch.Tens
     return out
 
 
+def is_class_coded(entry: TensorEntry) -> bool:
+    return any(s.name == "cls" for s in entry.sections)
+
+
+def decode_words_classes_torch(record: torch.Tensor, entry: TensorEntry, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference of the classes code's bulk decode (as `decode_words_torch`; the Triton kernel
+    does the same arithmetic)."""
+    n = entry.numel
+    fp32 = entry.dtype == torch.float32
+    dev = record.device
+    if out is None:
+        out = torch.empty(n, dtype=torch.int32 if fp32 else torch.int16, device=dev)
+    sm_all, cls_all = section_view(record, entry.section("sm")), section_view(record, entry.section("cls"))
+    boff_all = section_view(record, entry.section("boff"), torch.int32)
+    extra_all = section_view(record, entry.section("extra"))
+    lut = section_view(record, entry.section("lut"), torch.int32)
+    lo_all = section_view(record, entry.section("lo"), torch.int16) if fp32 else None
+    bits_of = torch.tensor(_BITS_OF_CLASS, dtype=torch.int64, device=dev)
+    first_rank = torch.tensor(_FIRST_RANK_OF_CLASS, dtype=torch.int64, device=dev)
+    step = _class_chunk(sm_all)
+    for s in range(0, n, step):
+        sm = sm_all[s : s + step].to(torch.int32)
+        m = sm.numel()
+        cb = cls_all[s // 4 : s // 4 + (m + 3) // 4].to(torch.int64)
+        c = torch.stack((cb & 3, (cb >> 2) & 3, (cb >> 4) & 3, cb >> 6), 1).reshape(-1)[:m]
+        nb = bits_of[c]
+        nbp = torch.cat((nb, nb.new_zeros((-m) % CLASS_BLOCK))).view(-1, CLASS_BLOCK)
+        starts = boff_all[s // CLASS_BLOCK : s // CLASS_BLOCK + nbp.shape[0]].to(torch.int64)
+        off = ((torch.cumsum(nbp, 1) - nbp) + starts[:, None] * 8).view(-1)[:m]  # bit of each field in `extra`
+        byte = off >> 3
+        window = extra_all[byte].to(torch.int64) | (extra_all[byte + 1].to(torch.int64) << 8)
+        value = (window >> (off & 7)) & ((1 << nb) - 1)
+        e = lut[first_rank[c] + value]  # rank 19 (an escape) gives lut[19] = 0: patched afterwards
+        hi = ((sm & 0x80) << 8).bitwise_or_(e << 7).bitwise_or_(sm & 0x7F)
+        if fp32:
+            out[s : s + m] = (hi << 16).bitwise_or_(lo_all[s : s + m].to(torch.int32) & 0xFFFF)
+        else:
+            out[s : s + m] = hi
+    return out
+
+
 def patch_escapes(record: torch.Tensor, entry: TensorEntry, dst: torch.Tensor) -> None:
     """Write the escaped high words into `dst` (contiguous, entry.dtype): one index_put_."""
     index = section_view(record, entry.section("esc_index"), torch.int32)
@@ -280,12 +448,14 @@ def decode_entry(record: torch.Tensor, entry: TensorEntry, dst: torch.Tensor, us
     """Decode one tensor of the record into `dst` (contiguous, entry.shape, entry.dtype)."""
     if not entry.quantized:
         return dst.copy_(section_view(record, entry.section("raw"), entry.dtype).view(entry.shape))
+    classes = is_class_coded(entry)
     if use_triton:
         from . import triton_kernels
 
-        triton_kernels.lossless_decode(record, entry, dst)
+        (triton_kernels.lossless_classes_decode if classes else triton_kernels.lossless_decode)(record, entry, dst)
     else:
-        decode_words_torch(record, entry, dst.view(-1).view(torch.int32 if entry.dtype == torch.float32 else torch.int16))
+        words = dst.view(-1).view(torch.int32 if entry.dtype == torch.float32 else torch.int16)
+        (decode_words_classes_torch if classes else decode_words_torch)(record, entry, words)
     patch_escapes(record, entry, dst)
     return dst
 
@@ -306,15 +476,29 @@ class LosslessCodec:
     supports_calib = False
     lossless = True  # decode(encode(w)) == w bit for bit
 
+    def __init__(self, code: str = "nibble") -> None:
+        """code: the exponent code, "nibble" (4 bits, 0.75x bf16; the default) or "classes" (a 2-bit class
+        plus 0-4 extra bits, ~0.69x bf16; opt-in until measured on a GPU: benchmarks/NOTES.md §10)."""
+        if code not in CODES:
+            raise ConfigError(f"LosslessCodec(code={code!r}): supported are {list(CODES)}.")
+        self.code = code
+
     def __repr__(self) -> str:
-        return "LosslessCodec()"
+        return f"LosslessCodec(code={self.code!r})"
 
     def plan(
-        self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], capacity: Mapping[str, int] | None = None
+        self,
+        specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        capacity: Mapping[str, int] | None = None,
+        extra: Mapping[str, int] | None = None,
     ) -> PackedLayout:
         """Layout for tensors {name: (shape, dtype)} with `capacity[name]` escapes reserved (default
-        0: only experts whose exponents all fit their window can be encoded)."""
-        return build_lossless_layout(specs, capacity or {})
+        0: only experts whose exponents all fit their window can be encoded); the classes code also
+        reserves `extra[name]` bytes of extra bits (default: the most any tensor of that size can need)."""
+        if self.code == "nibble":
+            return build_lossless_layout(specs, capacity or {})
+        most = {n: -(-math.prod(shape) // CLASS_BLOCK) * CLASS_BLOCK // 2 for n, (shape, _) in specs.items()}
+        return build_lossless_layout(specs, capacity or {}, {**most, **(extra or {})})
 
     def plan_experts(self, fused: Mapping[str, torch.Tensor]) -> PackedLayout:
         """Layout for every expert of one layer, from its fused tensors name -> [E, ...]: each
@@ -330,11 +514,16 @@ class LosslessCodec:
         checkpoint streamed from disk is planned without holding a whole layer."""
         _check_specs(specs)
         capacity = {name: 0 for name, (shape, _) in specs.items() if len(shape) >= 2}
+        extra = dict.fromkeys(capacity, 0)
         for e in range(num_experts):
             tensors = expert(e)
             for name in capacity:
-                capacity[name] = max(capacity[name], escape_count(tensors[name]))
-        return build_lossless_layout(specs, capacity)
+                if self.code == "nibble":
+                    capacity[name] = max(capacity[name], escape_count(tensors[name]))
+                else:
+                    escapes, nbytes = class_code_size(tensors[name])
+                    capacity[name], extra[name] = max(capacity[name], escapes), max(extra[name], nbytes)
+        return build_lossless_layout(specs, capacity, extra if self.code == "classes" else None)
 
     def scratch_bytes(self, layout: PackedLayout) -> int:
         """Device bytes `linear` decodes one weight into (placement "packed"): the largest 2-D one."""
@@ -371,7 +560,7 @@ class LosslessCodec:
                     f"encode: {entry.name!r} is {t.dtype}; the layout holds {entry.dtype} (lossless keeps the dtype)."
                 )
             if entry.quantized:
-                escapes[entry.name] = _encode_entry(t, entry, out)
+                escapes[entry.name] = (_encode_entry_classes if is_class_coded(entry) else _encode_entry)(t, entry, out)
             else:
                 raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
                 section_view(out, entry.section("raw")).copy_(raw)

@@ -270,6 +270,60 @@ def _lossless_kernel(sm_ptr, codes_ptr, lo_ptr, meta_ptr, out_ptr, n, FP32: tl.c
         tl.store(out_ptr + offs, hi.to(tl.int16), mask=mask)  # truncation keeps the 16 bits
 
 
+CLASS_BLOCKS_PER_PROGRAM = 16  # blocks of 256 weights per classes-decode program (4096 weights, as above)
+
+
+@triton.jit
+def _lossless_classes_kernel(
+    sm_ptr, cls_ptr, boff_ptr, extra_ptr, lut_ptr, lo_ptr, out_ptr, n, n_blocks,
+    FP32: tl.constexpr, R: tl.constexpr, BLK: tl.constexpr,
+):  # fmt: skip
+    # one program: R blocks of BLK weights. Bits as in lossless.decode_words_classes_torch: escapes
+    # (rank 19) come out with exponent lut[19] = 0 here and are patched afterwards.
+    pid = tl.program_id(0).to(tl.int64)
+    blk = pid * R + tl.arange(0, R)  # [R] block indices
+    i = blk[:, None] * BLK + tl.arange(0, BLK)[None, :]  # [R, BLK] element indices
+    mask = i < n
+    c = (tl.load(cls_ptr + i // 4, mask=mask, other=0).to(tl.int32) >> ((i % 4) * 2).to(tl.int32)) & 3
+    nb = tl.where(c == 3, 4, tl.where(c == 2, 1, 0))
+    start = tl.load(boff_ptr + blk, mask=blk < n_blocks, other=0).to(tl.int64) * 8  # [R] first bit of each block
+    off = start[:, None] + (tl.cumsum(nb, axis=1) - nb).to(tl.int64)  # [R, BLK] bit of each field
+    byte = off >> 3
+    window = tl.load(extra_ptr + byte, mask=mask, other=0).to(tl.int32) | (
+        tl.load(extra_ptr + byte + 1, mask=mask, other=0).to(tl.int32) << 8
+    )
+    value = (window >> (off & 7).to(tl.int32)) & ((1 << nb) - 1)
+    rank = tl.where(c == 3, 4 + value, tl.where(c == 2, 2 + value, c))
+    e = tl.load(lut_ptr + rank, mask=mask, other=0)
+    sm = tl.load(sm_ptr + i, mask=mask, other=0).to(tl.int32)
+    hi = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
+    if FP32:
+        lo = tl.load(lo_ptr + i, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        tl.store(out_ptr + i, (hi << 16) | lo, mask=mask)
+    else:
+        tl.store(out_ptr + i, hi.to(tl.int16), mask=mask)
+
+
+def lossless_classes_decode(record: torch.Tensor, entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
+    """Bulk-decode one tensor of the lossless classes code into `out`: one launch; the caller patches
+    the escapes."""
+    from .lossless import CLASS_BLOCK
+
+    n = entry.numel
+    fp32 = entry.dtype == torch.float32
+    words = out.view(-1).view(torch.int32 if fp32 else torch.int16)
+    sm = section_view(record, entry.section("sm"))
+    lo = section_view(record, entry.section("lo"), torch.int16) if fp32 else sm  # unused alias for bf16
+    n_blocks = triton.cdiv(n, CLASS_BLOCK)
+    grid = (triton.cdiv(n_blocks, CLASS_BLOCKS_PER_PROGRAM),)
+    _lossless_classes_kernel[grid](
+        sm, section_view(record, entry.section("cls")), section_view(record, entry.section("boff"), torch.int32),
+        section_view(record, entry.section("extra")), section_view(record, entry.section("lut"), torch.int32), lo,
+        words, n, n_blocks, FP32=fp32, R=CLASS_BLOCKS_PER_PROGRAM, BLK=CLASS_BLOCK, num_warps=LOSSLESS_WARPS,
+    )  # fmt: skip
+    return out
+
+
 def lossless_decode(record: torch.Tensor, entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
     """Bulk-decode one lossless tensor into `out` (contiguous, entry.dtype): one launch. The
     caller patches the escapes (`lossless.patch_escapes`)."""

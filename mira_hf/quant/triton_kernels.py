@@ -274,6 +274,13 @@ CLASS_BLOCKS_PER_PROGRAM = 16  # blocks of 256 weights per classes-decode progra
 
 
 @triton.jit
+def _add(a, b):
+    # the prefix sum's combine (tl.cumsum's own is a jit function of triton.language, which a test's
+    # interpreter mode, switched on after triton was imported, could not call)
+    return a + b
+
+
+@triton.jit
 def _lossless_classes_kernel(
     sm_ptr, cls_ptr, boff_ptr, extra_ptr, lut_ptr, lo_ptr, out_ptr, n, n_blocks,
     FP32: tl.constexpr, R: tl.constexpr, BLK: tl.constexpr,
@@ -287,7 +294,7 @@ def _lossless_classes_kernel(
     c = (tl.load(cls_ptr + i // 4, mask=mask, other=0).to(tl.int32) >> ((i % 4) * 2).to(tl.int32)) & 3
     nb = tl.where(c == 3, 4, tl.where(c == 2, 1, 0))
     start = tl.load(boff_ptr + blk, mask=blk < n_blocks, other=0).to(tl.int64) * 8  # [R] first bit of each block
-    off = start[:, None] + (tl.cumsum(nb, axis=1) - nb).to(tl.int64)  # [R, BLK] bit of each field
+    off = start[:, None] + (tl.associative_scan(nb, 1, _add) - nb).to(tl.int64)  # [R, BLK] bit of each field
     byte = off >> 3
     window = tl.load(extra_ptr + byte, mask=mask, other=0).to(tl.int32) | (
         tl.load(extra_ptr + byte + 1, mask=mask, other=0).to(tl.int32) << 8

@@ -292,7 +292,9 @@ def _encode_entry_classes(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor
         esc.append((r == CLASS_RANKS).nonzero().squeeze(1) + s)
         c, nb, v = class_of[r], bits_of[r], value_of[r]
         c4 = torch.cat((c, c.new_zeros((-m) % 4)))
-        cls_all[s // 4 : s // 4 + c4.numel() // 4].copy_(here((c4[0::4] | c4[1::4] << 2 | c4[2::4] << 4 | c4[3::4] << 6).to(torch.uint8)))
+        cls_all[s // 4 : s // 4 + c4.numel() // 4].copy_(
+            here((c4[0::4] | c4[1::4] << 2 | c4[2::4] << 4 | c4[3::4] << 6).to(torch.uint8))
+        )
         sm_all[s : s + m].copy_(here(((x >> 8) & 0x80).bitwise_or_(x & 0x7F).to(torch.uint8)))
         sizes = _block_bytes(nb)  # [blocks]
         starts = torch.cumsum(sizes, 0) - sizes  # first byte of each block, in this chunk

@@ -143,7 +143,7 @@ class QuantConfig:
     placement: str = "auto"
     # The lossless format's exponent code: "nibble" (4 bits per weight: 0.75x bf16's bytes) or "classes"
     # (a 2-bit class plus 0-4 extra bits: 0.69x; bit-exact too, decoded with a prefix sum per block of 256
-    # weights; opt-in until measured on a GPU, benchmarks/NOTES.md §10). Encoding "classes" on a CPU is ~8x
+    # weights; opt-in until measured on a GPU, benchmarks/NOTES.md §10). Encoding "classes" on a CPU is ~5x
     # slower than "nibble" (at load; on a GPU both are fast).
     lossless_code: str = "nibble"
 

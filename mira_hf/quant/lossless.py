@@ -282,7 +282,6 @@ def _encode_entry_classes(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor
     boff_all = section_view(out, entry.section("boff"), torch.int32)
     extra_all = section_view(out, entry.section("extra"))
     room = extra_all.numel() - 2
-    place = 1 << torch.arange(8, device=dev)  # bit k of a byte
     esc, at = [], 0  # at: bytes of extra bits written so far
     step = _class_chunk(hi)
     for s in range(0, hi.numel(), step):  # s: a multiple of CLASS_BLOCK (and of 4)
@@ -308,11 +307,16 @@ def _encode_entry_classes(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor
         if total:
             nbp = torch.cat((nb, nb.new_zeros((-m) % CLASS_BLOCK))).view(-1, CLASS_BLOCK)
             pos = ((torch.cumsum(nbp, 1) - nbp) + starts[:, None] * 8).view(-1)[:m]  # bit of each field, in the chunk
-            bits = torch.zeros(total * 8, dtype=torch.int64, device=dev)
-            for k in range(4):
-                sel = nb > k
-                bits[pos[sel] + k] = (v[sel] >> k) & 1
-            extra_all[at : at + total].copy_(here((bits.view(-1, 8) * place).sum(1).to(torch.uint8)))
+            has = nb > 0
+            pos, v = pos[has], v[has]
+            # fields never overlap, so adding them into 64-bit words is OR-ing them; a field crossing a word
+            # boundary puts its high bits into the next word. Little-endian words are the bytes, LSB first.
+            words = torch.zeros(-(-total // 8) + 1, dtype=torch.int64, device=dev)
+            shift = pos & 63
+            words.scatter_add_(0, pos >> 6, v << shift)
+            cross = shift > 60
+            words.scatter_add_(0, (pos[cross] >> 6) + 1, v[cross] >> (64 - shift[cross]))
+            extra_all[at : at + total].copy_(here(words.view(torch.uint8)[:total]))
         at += total
     section_view(out, entry.section("lut"), torch.int32).copy_(here(lut))
     return _write_escapes(hi, lo, esc, 0, entry, out)

@@ -1,4 +1,5 @@
-"""Lossless expert records: bf16/fp32 weights split into byte planes and a 4-bit exponent code.
+"""Lossless expert records: bf16/fp32 weights split into byte planes and a 4-bit exponent code
+(or, opt-in, the denser "classes" exponent code described below the format's constants).
 
 Bit-exact: decoding gives back every bit of every weight (NaN payloads, -0.0 and subnormals
 included), so a model served from these records computes exactly what the resident model does,

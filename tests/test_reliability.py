@@ -144,3 +144,24 @@ def test_hybrid_predictor_restarts_with_each_sequence(tiny_checkpoint):
     assert model.mira.predictor.sequence_tokens == 16
     model.generate(PROMPT[:, :3], max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
     assert model.mira.predictor.sequence_tokens == 4  # a new sequence: counted from its own start
+
+
+def test_speculation_and_next_step_state_stay_bounded(tiny_checkpoint):
+    """Speculative copies (forced on, on CPU), the learned predictor's next-step guesses and the copy
+    latencies: what they keep between steps does not grow with the number of steps."""
+    from mira_hf.calibrate import calibrate
+    from mira_hf.loader import LATENCY_SAMPLES
+    from mira_hf.predictors import PredictorConfig
+
+    cfg = MiraConfig(device="cpu", gpu_budget=0.3, policy="heat", prediction=PredictorConfig(speculate_bytes=2000))
+    model = MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), cfg, progress=False)
+    calibrate(model, torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(0)), epochs=2, progress=False)
+    ids = torch.randint(3, 128, (1, 4))
+    for _ in range(4):
+        model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0)
+    m = model.mira
+    assert m.stats()["speculated"] > 0
+    assert len(m._cut_short) <= len(m.layers)  # at most the next layer's guess of the current step
+    assert sum(len(v) for v in m._staged.values()) <= sum(li.num_experts for li in m.layers.values())
+    assert m._next_step <= set(m.layers) and set(m._layer_probs) <= set(m.layers)
+    assert len(m.loader._pending_latency) <= 512 and len(m.loader.latencies()) <= LATENCY_SAMPLES

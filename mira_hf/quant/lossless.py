@@ -61,11 +61,11 @@ from .packed import (
     Section,
     TensorEntry,
     _align,
-    _check_tensors,
     _use_triton,
     check_record,
     decode_outputs,
     dense_linear,
+    encode_outputs,
     linear_input,
     section_view,
 )
@@ -553,12 +553,9 @@ class LosslessCodec:
         """Encode one expert into `out` (uint8 [layout.nbytes], e.g. pinned host memory), computing
         on the tensors' device. Returns the escape count per encoded tensor."""
         self._check_layout(layout)
-        check_record(out, layout)
-        _check_tensors(tensors, layout)
         if calib is not None:
             raise CodecInputError("the lossless codec keeps every bit; it takes no calib activations.")
-        out.zero_()  # padding is deterministic: identical experts give identical records
-        out[:HEADER_BYTES] = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
+        encode_outputs(tensors, layout, out)
         escapes = {}
         for entry in layout.entries:
             t = tensors[entry.name]

@@ -24,17 +24,16 @@ import torch
 from ..errors import ConfigError, MissingDependencyError
 from .packed import (
     FLAG_DOUBLE_QUANT,
-    HEADER_BYTES,
     CodecInputError,
     IncompatibleFileError,
     PackedLayout,
     TensorEntry,
     _check_group_size,
-    _check_tensors,
     build_layout,
     check_record,
     decode_outputs,
     dense_linear,
+    encode_outputs,
     linear_input,
     raw_tensor,
     section_view,
@@ -105,10 +104,7 @@ class Nf4Codec:
                 'drop calib, or use make_codec("int4") whose refinement uses them.'
             )
         self._check_layout(layout)
-        check_record(out, layout)
-        _check_tensors(tensors, layout)
-        out.zero_()
-        out[:HEADER_BYTES] = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
+        encode_outputs(tensors, layout, out)
         for entry in layout.entries:
             t = tensors[entry.name].detach()
             if not entry.quantized:

@@ -452,6 +452,16 @@ def _check_out(out: Mapping[str, torch.Tensor], layout: PackedLayout, dtype: tor
             raise CodecInputError(f"decode: out[{name!r}] must be contiguous.")
 
 
+def encode_outputs(tensors: Mapping[str, torch.Tensor], layout: PackedLayout, out: torch.Tensor) -> None:
+    """What every codec's `encode` starts with, once its own inputs are checked: `out` fits the layout
+    and the tensors fit its entries, then `out` is zeroed (padding is deterministic: identical experts
+    give identical records) and gets the layout's header."""
+    check_record(out, layout)
+    _check_tensors(tensors, layout)
+    out.zero_()
+    out[:HEADER_BYTES] = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
+
+
 def decode_outputs(record: torch.Tensor, layout: PackedLayout, dtype: torch.dtype, out) -> dict[str, torch.Tensor]:
     """The checks every codec's `decode` starts with: the record fits the layout (and, on the CPU,
     its header matches; on CUDA that would sync), and the given `out` tensors fit. Returns `out` as a
@@ -918,11 +928,8 @@ class PackedCodec:
         weight the refinement's error by E[x^2] per input channel; needs refine_iters > 0.
         """
         self._check_layout(layout)
-        check_record(out, layout)
-        _check_tensors(tensors, layout)
         calib_by_name = _resolve_calib(calib, layout)
-        out.zero_()  # padding is deterministic: identical experts give identical records
-        out[:HEADER_BYTES] = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
+        encode_outputs(tensors, layout, out)
         for entry in layout.entries:
             t = tensors[entry.name]
             if not entry.quantized:

@@ -90,6 +90,7 @@ _CLASS_OF_RANK = [0, 1, 2, 2] + [3] * 16  # [20]
 _BITS_OF_CLASS = (0, 0, 1, 4)
 _VALUE_OF_RANK = [0, 0, 0, 1] + list(range(16))  # rank 19 -> value 15: the escape
 _FIRST_RANK_OF_CLASS = (0, 1, 2, 4)
+_BITS_OF_RANK = [_BITS_OF_CLASS[c] for c in _CLASS_OF_RANK]
 
 
 def _words_per_element(dtype: torch.dtype) -> int:
@@ -260,7 +261,7 @@ def class_code_size(t: torch.Tensor) -> tuple[int, int]:
     """(escapes, bytes of extra bits) of one tensor under the classes code (what its record must hold)."""
     hi, _ = _high_low(t)
     rank_of, _ = _class_ranks(_histogram(hi))
-    bits_of_rank = torch.tensor([_BITS_OF_CLASS[c] for c in _CLASS_OF_RANK], device=hi.device)
+    bits_of_rank = torch.tensor(_BITS_OF_RANK, device=hi.device)
     escapes = nbytes = 0
     step = _class_chunk(hi)
     for s in range(0, hi.numel(), step):
@@ -276,7 +277,7 @@ def _encode_entry_classes(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor
     rank_of, lut = _class_ranks(_histogram(hi))
     dev = hi.device
     class_of = torch.tensor(_CLASS_OF_RANK, dtype=torch.int64, device=dev)
-    bits_of = torch.tensor([_BITS_OF_CLASS[c] for c in _CLASS_OF_RANK], dtype=torch.int64, device=dev)
+    bits_of = torch.tensor(_BITS_OF_RANK, dtype=torch.int64, device=dev)
     value_of = torch.tensor(_VALUE_OF_RANK, dtype=torch.int64, device=dev)
     here = lambda x: x if x.device == out.device else x.to(out.device)  # noqa: E731
     sm_all, cls_all = section_view(out, entry.section("sm")), section_view(out, entry.section("cls"))

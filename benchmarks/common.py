@@ -62,6 +62,14 @@ def random_model_on_device(shape: str, device: str = "cuda", dtype=torch.bfloat1
     return model.eval()
 
 
+def module_version(module: str) -> str | None:
+    """`module.__version__`, or None when it is not installed."""
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from common import module_version  # noqa: E402
 from timing import cpu_time_ms, cuda_time_ms, graph_time_ms  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel, bundled_model_path  # noqa: E402
@@ -229,7 +230,7 @@ def main() -> int:
         "smoke": args.smoke,
         "shape": shape,
         "torch": torch.__version__,
-        "triton": _version("triton"),
+        "triton": module_version("triton"),
         "python": platform.python_version(),
         "reps": args.reps,
         "cpu_threads": torch.get_num_threads(),
@@ -244,13 +245,6 @@ def main() -> int:
         json.dump(result, f, indent=2)
     print(f"all exact: {exact}; wrote {path} ({result['wall_s']:.1f} s)")
     return 0 if exact else 1
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return None
 
 
 if __name__ == "__main__":

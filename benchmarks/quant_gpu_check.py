@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from common import module_version  # noqa: E402
 from timing import cuda_time_ms, graph_time_ms  # noqa: E402
 
 from mira_hf.quant import make_codec, triton_available  # noqa: E402
@@ -184,8 +185,8 @@ def main() -> int:
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "triton": _version("triton"),
-        "bitsandbytes": _version("bitsandbytes"),
+        "triton": module_version("triton"),
+        "bitsandbytes": module_version("bitsandbytes"),
         "python": platform.python_version(),
         "reps": args.reps,
         "wall_s": time.perf_counter() - t_start,
@@ -197,13 +198,6 @@ def main() -> int:
         json.dump(result, f, indent=2)
     print(f"wrote {path} ({result['wall_s']:.1f} s)")
     return 0
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return None
 
 
 if __name__ == "__main__":

@@ -114,11 +114,36 @@ def check_expert(dist: str, H: int, I: int, device: torch.device, reps: int, cod
         row["per_expert_raw_ms"] = row["h2d_raw_ms"]
         row["per_expert_lossless_ms"] = row["h2d_record_ms"] + row["decode_ms"]
         row["speedup"] = row["per_expert_raw_ms"] / row["per_expert_lossless_ms"]
+        if code == "classes" and backend == "triton":
+            row["launch_sweep"] = sweep_classes_launch(record_dev, layout, weights, reps)
     else:
         row["decode_backend"] = "torch"
         row["decode_ms"] = cpu_time_ms(lambda: codec.decode(record_dev, layout, torch.bfloat16, out=out), reps)
         row["triton_exact"] = None
     return row
+
+
+def sweep_classes_launch(record: torch.Tensor, layout, weights: dict, reps: int) -> list[dict]:
+    """Bulk-decode time of the classes kernel per launch shape (blocks of 256 per program, warps), each
+    checked bit for bit against the torch reference, so the module default can be chosen from it."""
+    from mira_hf.quant import triton_kernels
+    from mira_hf.quant.lossless import decode_words_classes_torch
+
+    rows = []
+    ref = {n: decode_words_classes_torch(record, layout.entry(n)) for n in weights}
+    outs = {n: torch.empty_like(w) for n, w in weights.items()}
+    for r in (4, 8, 16, 32):
+        for warps in (2, 4, 8):
+
+            def bulk(r=r, warps=warps):
+                for n in weights:
+                    triton_kernels.lossless_classes_decode(record, layout.entry(n), outs[n], r, warps)
+
+            ms = cuda_time_ms(bulk, reps)
+            exact = all(torch.equal(outs[n].view(-1).view(torch.int16), ref[n]) for n in weights)
+            rows.append({"blocks_per_program": r, "warps": warps, "bulk_ms": ms, "exact": exact})
+            print(f"  classes launch R={r} warps={warps}: {ms:.3f} ms, exact {exact}", flush=True)
+    return rows
 
 
 def check_model(device: torch.device, codes=("nibble",)) -> list[dict]:

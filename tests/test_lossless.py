@@ -168,9 +168,11 @@ def test_triton_classes_decode_matches_torch_reference(kernel_device, dtype):
         record = record.to(kernel_device)
         got = codec.decode(record, layout, dtype, backend="triton")
         assert torch.equal(bits(got["w"]).cpu(), bits(w[e]))
-        bulk = torch.empty(w.shape[1:], dtype=dtype, device=kernel_device)
-        triton_kernels.lossless_classes_decode(record, layout.entry("w"), bulk)  # before the escapes are patched
-        assert torch.equal(bits(bulk).reshape(-1).cpu(), decode_words_classes_torch(record, layout.entry("w")).cpu())
+        expected = decode_words_classes_torch(record, layout.entry("w")).cpu()
+        for blocks, warps in ((0, 0), (4, 2), (32, 8)):  # the default and launch shapes the GPU check sweeps
+            bulk = torch.empty(w.shape[1:], dtype=dtype, device=kernel_device)
+            triton_kernels.lossless_classes_decode(record, layout.entry("w"), bulk, blocks, warps)  # escapes unpatched
+            assert torch.equal(bits(bulk).reshape(-1).cpu(), expected)
 
 
 def test_an_unknown_exponent_code_is_refused():

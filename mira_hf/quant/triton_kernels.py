@@ -271,6 +271,7 @@ def _lossless_kernel(sm_ptr, codes_ptr, lo_ptr, meta_ptr, out_ptr, n, FP32: tl.c
 
 
 CLASS_BLOCKS_PER_PROGRAM = 16  # blocks of 256 weights per classes-decode program (4096 weights, as above)
+CLASS_WARPS = 4
 
 
 @triton.jit
@@ -285,21 +286,28 @@ def _lossless_classes_kernel(
     sm_ptr, cls_ptr, boff_ptr, extra_ptr, lut_ptr, lo_ptr, out_ptr, n, n_blocks,
     FP32: tl.constexpr, R: tl.constexpr, BLK: tl.constexpr,
 ):  # fmt: skip
-    # one program: R blocks of BLK weights. Bits as in lossless.decode_words_classes_torch: escapes
-    # (rank 19) come out with exponent lut[19] = 0 here and are patched afterwards.
+    # One program: R blocks of BLK weights. Bits as in lossless.decode_words_classes_torch: escapes
+    # (rank 19) come out with exponent lut[19] = 0 here and are patched afterwards. Per-element
+    # arithmetic stays in int32 (a block's extra bits start on a byte, so a field's bit offset within its
+    # block fits); only the block bases are int64.
     pid = tl.program_id(0).to(tl.int64)
     blk = pid * R + tl.arange(0, R)  # [R] block indices
-    i = blk[:, None] * BLK + tl.arange(0, BLK)[None, :]  # [R, BLK] element indices
-    mask = i < n
-    c = (tl.load(cls_ptr + i // 4, mask=mask, other=0).to(tl.int32) >> ((i % 4) * 2).to(tl.int32)) & 3
+    row = blk * BLK  # [R] first element of each block
+    q = tl.arange(0, BLK // 4)  # class byte within a block
+    cb = tl.load(cls_ptr + (blk * (BLK // 4))[:, None] + q[None, :], mask=(row[:, None] + q[None, :] * 4) < n, other=0)
+    cb = cb.to(tl.int32)
+    # [R, BLK/4] bytes -> [R, BLK/4, 2, 2] -> [R, BLK]: element 4q + 2a + b holds byte q's field 2a + b
+    c = tl.reshape(tl.join(tl.join(cb & 3, (cb >> 4) & 3), tl.join((cb >> 2) & 3, cb >> 6)), (R, BLK))
     nb = tl.where(c == 3, 4, tl.where(c == 2, 1, 0))
-    start = tl.load(boff_ptr + blk, mask=blk < n_blocks, other=0).to(tl.int64) * 8  # [R] first bit of each block
-    off = start[:, None] + (tl.associative_scan(nb, 1, _add) - nb).to(tl.int64)  # [R, BLK] bit of each field
-    byte = off >> 3
-    window = tl.load(extra_ptr + byte, mask=mask, other=0).to(tl.int32) | (
-        tl.load(extra_ptr + byte + 1, mask=mask, other=0).to(tl.int32) << 8
-    )
-    value = (window >> (off & 7).to(tl.int32)) & ((1 << nb) - 1)
+    lb = tl.associative_scan(nb, 1, _add) - nb  # [R, BLK] first bit of each field within its block's bytes
+    i = row[:, None] + tl.arange(0, BLK)[None, :]  # [R, BLK] element indices
+    mask = i < n
+    start = tl.load(boff_ptr + blk, mask=blk < n_blocks, other=0).to(tl.int64)  # [R] first byte of each block
+    src = extra_ptr + start[:, None] + (lb >> 3)
+    shift = lb & 7
+    window = tl.load(src, mask=mask & (nb > 0), other=0).to(tl.int32)  # a second byte only for a field crossing one
+    window = window | (tl.load(src + 1, mask=mask & (shift + nb > 8), other=0).to(tl.int32) << 8)
+    value = (window >> shift) & ((1 << nb) - 1)
     rank = tl.where(c == 3, 4 + value, tl.where(c == 2, 2 + value, c))
     e = tl.load(lut_ptr + rank, mask=mask, other=0)
     sm = tl.load(sm_ptr + i, mask=mask, other=0).to(tl.int32)
@@ -311,9 +319,12 @@ def _lossless_classes_kernel(
         tl.store(out_ptr + i, hi.to(tl.int16), mask=mask)
 
 
-def lossless_classes_decode(record: torch.Tensor, entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
+def lossless_classes_decode(
+    record: torch.Tensor, entry: TensorEntry, out: torch.Tensor, blocks_per_program: int = 0, warps: int = 0
+) -> torch.Tensor:
     """Bulk-decode one tensor of the lossless classes code into `out`: one launch; the caller patches
-    the escapes."""
+    the escapes. `blocks_per_program` / `warps`: launch shape (0: the module defaults; the GPU check
+    script sweeps them)."""
     from .lossless import CLASS_BLOCK
 
     n = entry.numel
@@ -321,12 +332,12 @@ def lossless_classes_decode(record: torch.Tensor, entry: TensorEntry, out: torch
     words = out.view(-1).view(torch.int32 if fp32 else torch.int16)
     sm = section_view(record, entry.section("sm"))
     lo = section_view(record, entry.section("lo"), torch.int16) if fp32 else sm  # unused alias for bf16
+    r = blocks_per_program or CLASS_BLOCKS_PER_PROGRAM
     n_blocks = triton.cdiv(n, CLASS_BLOCK)
-    grid = (triton.cdiv(n_blocks, CLASS_BLOCKS_PER_PROGRAM),)
-    _lossless_classes_kernel[grid](
+    _lossless_classes_kernel[(triton.cdiv(n_blocks, r),)](
         sm, section_view(record, entry.section("cls")), section_view(record, entry.section("boff"), torch.int32),
         section_view(record, entry.section("extra")), section_view(record, entry.section("lut"), torch.int32), lo,
-        words, n, n_blocks, FP32=fp32, R=CLASS_BLOCKS_PER_PROGRAM, BLK=CLASS_BLOCK, num_warps=LOSSLESS_WARPS,
+        words, n, n_blocks, FP32=fp32, R=r, BLK=CLASS_BLOCK, num_warps=warps or CLASS_WARPS,
     )  # fmt: skip
     return out
 

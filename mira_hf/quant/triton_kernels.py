@@ -282,41 +282,87 @@ def _add(a, b):
 
 
 @triton.jit
+def _class_bits(c):
+    # extra bits of a class: 0, 0, 1, 4
+    return tl.where(c == 3, 4, tl.where(c == 2, 1, 0))
+
+
+@triton.jit
+def _class_exponent(c, w, lut_ptr, e0, e1, mask):
+    # exponent of one weight from its class, its field (the low bits of w) and the rank table
+    rank = tl.where(c == 3, 4 + (w & 15), 2 + (w & 1))
+    e = tl.load(lut_ptr + rank, mask=mask & (c >= 2), other=0)
+    return tl.where(c == 0, e0, tl.where(c == 1, e1, e))
+
+
+@triton.jit
+def _class_high_word(sm, e):
+    return ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
+
+
+@triton.jit
+def _sign_mantissa(sm_ptr, grp, i, n, j: tl.constexpr, PACK: tl.constexpr):
+    # weight 4 * grp + j's sign/mantissa byte; PACK: sm_ptr is the int32 view (four bytes per group)
+    if PACK:
+        return (tl.load(sm_ptr + grp, mask=i < n, other=0) >> (8 * j)) & 0xFF
+    else:
+        return tl.load(sm_ptr + i + j, mask=i + j < n, other=0).to(tl.int32)
+
+
+@triton.jit
+def _class_store(out_ptr, lo_ptr, i, n, hi, FP32: tl.constexpr):
+    if FP32:
+        lo = tl.load(lo_ptr + i, mask=i < n, other=0).to(tl.int32) & 0xFFFF
+        tl.store(out_ptr + i, (hi << 16) | lo, mask=i < n)
+    else:
+        tl.store(out_ptr + i, hi.to(tl.int16), mask=i < n)
+
+
+@triton.jit
 def _lossless_classes_kernel(
     sm_ptr, cls_ptr, boff_ptr, extra_ptr, lut_ptr, lo_ptr, out_ptr, n, n_blocks,
-    FP32: tl.constexpr, R: tl.constexpr, BLK: tl.constexpr,
+    FP32: tl.constexpr, PACK: tl.constexpr, R: tl.constexpr, BLK: tl.constexpr,
 ):  # fmt: skip
-    # One program: R blocks of BLK weights. Bits as in lossless.decode_words_classes_torch: escapes
-    # (rank 19) come out with exponent lut[19] = 0 here and are patched afterwards. Per-element
-    # arithmetic stays in int32 (a block's extra bits start on a byte, so a field's bit offset within its
-    # block fits); only the block bases are int64.
+    # One program: R blocks of BLK weights; one lane per group of 4 weights (one class byte), whose extra
+    # bits are contiguous (at most 16), so one window of at most 3 bytes holds all four fields. Bits as in
+    # lossless.decode_words_classes_torch: escapes (rank 19) come out with exponent lut[19] = 0 here and are
+    # patched afterwards. PACK: bf16 with n % 4 == 0 and aligned buffers: each group reads its four
+    # sign/mantissa bytes as one int32 and writes its four weights as one int64 (sm_ptr and out_ptr are
+    # then int32 and int64 views).
+    G: tl.constexpr = BLK // 4
     pid = tl.program_id(0).to(tl.int64)
     blk = pid * R + tl.arange(0, R)  # [R] block indices
-    row = blk * BLK  # [R] first element of each block
-    q = tl.arange(0, BLK // 4)  # class byte within a block
-    cb = tl.load(cls_ptr + (blk * (BLK // 4))[:, None] + q[None, :], mask=(row[:, None] + q[None, :] * 4) < n, other=0)
-    cb = cb.to(tl.int32)
-    # [R, BLK/4] bytes -> [R, BLK/4, 2, 2] -> [R, BLK]: element 4q + 2a + b holds byte q's field 2a + b
-    c = tl.reshape(tl.join(tl.join(cb & 3, (cb >> 4) & 3), tl.join((cb >> 2) & 3, cb >> 6)), (R, BLK))
-    nb = tl.where(c == 3, 4, tl.where(c == 2, 1, 0))
-    lb = tl.associative_scan(nb, 1, _add) - nb  # [R, BLK] first bit of each field within its block's bytes
-    i = row[:, None] + tl.arange(0, BLK)[None, :]  # [R, BLK] element indices
-    mask = i < n
+    grp = (blk * G)[:, None] + tl.arange(0, G)[None, :]  # [R, G] group index = class byte index
+    i = grp * 4  # first weight of each group
+    gmask = i < n
+    cb = tl.load(cls_ptr + grp, mask=gmask, other=0).to(tl.int32)
+    c0, c1, c2, c3 = cb & 3, (cb >> 2) & 3, (cb >> 4) & 3, (cb >> 6) & 3
+    n0, n1, n2 = _class_bits(c0), _class_bits(c1), _class_bits(c2)
+    nbits = n0 + n1 + n2 + _class_bits(c3)
+    lb = tl.associative_scan(nbits, 1, _add) - nbits  # [R, G] first extra bit of each group within its block
     start = tl.load(boff_ptr + blk, mask=blk < n_blocks, other=0).to(tl.int64)  # [R] first byte of each block
     src = extra_ptr + start[:, None] + (lb >> 3)
     shift = lb & 7
-    window = tl.load(src, mask=mask & (nb > 0), other=0).to(tl.int32)  # a second byte only for a field crossing one
-    window = window | (tl.load(src + 1, mask=mask & (shift + nb > 8), other=0).to(tl.int32) << 8)
-    value = (window >> shift) & ((1 << nb) - 1)
-    rank = tl.where(c == 3, 4 + value, tl.where(c == 2, 2 + value, c))
-    e = tl.load(lut_ptr + rank, mask=mask, other=0)
-    sm = tl.load(sm_ptr + i, mask=mask, other=0).to(tl.int32)
-    hi = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
-    if FP32:
-        lo = tl.load(lo_ptr + i, mask=mask, other=0).to(tl.int32) & 0xFFFF
-        tl.store(out_ptr + i, (hi << 16) | lo, mask=mask)
+    end = shift + nbits
+    w = tl.load(src, mask=gmask & (nbits > 0), other=0).to(tl.int32)
+    w = w | (tl.load(src + 1, mask=gmask & (end > 8), other=0).to(tl.int32) << 8)
+    w = (w | (tl.load(src + 2, mask=gmask & (end > 16), other=0).to(tl.int32) << 16)) >> shift
+    e0, e1 = tl.load(lut_ptr), tl.load(lut_ptr + 1)
+    h0 = _class_high_word(_sign_mantissa(sm_ptr, grp, i, n, 0, PACK), _class_exponent(c0, w, lut_ptr, e0, e1, gmask))
+    w = w >> n0
+    h1 = _class_high_word(_sign_mantissa(sm_ptr, grp, i, n, 1, PACK), _class_exponent(c1, w, lut_ptr, e0, e1, gmask))
+    w = w >> n1
+    h2 = _class_high_word(_sign_mantissa(sm_ptr, grp, i, n, 2, PACK), _class_exponent(c2, w, lut_ptr, e0, e1, gmask))
+    w = w >> n2
+    h3 = _class_high_word(_sign_mantissa(sm_ptr, grp, i, n, 3, PACK), _class_exponent(c3, w, lut_ptr, e0, e1, gmask))
+    if PACK:
+        word = h0.to(tl.int64) | (h1.to(tl.int64) << 16) | (h2.to(tl.int64) << 32) | (h3.to(tl.int64) << 48)
+        tl.store(out_ptr + grp, word, mask=gmask)
     else:
-        tl.store(out_ptr + i, hi.to(tl.int16), mask=mask)
+        _class_store(out_ptr, lo_ptr, i, n, h0, FP32)
+        _class_store(out_ptr, lo_ptr, i + 1, n, h1, FP32)
+        _class_store(out_ptr, lo_ptr, i + 2, n, h2, FP32)
+        _class_store(out_ptr, lo_ptr, i + 3, n, h3, FP32)
 
 
 def lossless_classes_decode(
@@ -334,10 +380,13 @@ def lossless_classes_decode(
     lo = section_view(record, entry.section("lo"), torch.int16) if fp32 else sm  # unused alias for bf16
     r = blocks_per_program or CLASS_BLOCKS_PER_PROGRAM
     n_blocks = triton.cdiv(n, CLASS_BLOCK)
+    pack = not fp32 and n % 4 == 0 and words.storage_offset() % 4 == 0 and sm.storage_offset() % 4 == 0
+    pack = pack and words.data_ptr() % 8 == 0 and sm.data_ptr() % 4 == 0
     _lossless_classes_kernel[(triton.cdiv(n_blocks, r),)](
-        sm, section_view(record, entry.section("cls")), section_view(record, entry.section("boff"), torch.int32),
+        sm.view(torch.int32) if pack else sm, section_view(record, entry.section("cls")), section_view(record, entry.section("boff"), torch.int32),
         section_view(record, entry.section("extra")), section_view(record, entry.section("lut"), torch.int32), lo,
-        words, n, n_blocks, FP32=fp32, R=r, BLK=CLASS_BLOCK, num_warps=warps or CLASS_WARPS,
+        words.view(torch.int64) if pack else words, n, n_blocks,
+        FP32=fp32, PACK=pack, R=r, BLK=CLASS_BLOCK, num_warps=warps or CLASS_WARPS,
     )  # fmt: skip
     return out
 

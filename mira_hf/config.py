@@ -141,11 +141,12 @@ class QuantConfig:
     # "lossless" (more experts per budget, measured faster on the H200: benchmarks/NOTES.md §9),
     # "dequant" for the lossy formats (faster at batch 1).
     placement: str = "auto"
-    # The lossless format's exponent code: "nibble" (4 bits per weight: 0.75x bf16's bytes) or "classes"
-    # (a 2-bit class plus 0-4 extra bits: 0.69x; bit-exact too, decoded with a prefix sum per block of 256
-    # weights; opt-in until measured on a GPU, benchmarks/NOTES.md §10). Encoding "classes" on a CPU is ~5x
-    # slower than "nibble" (at load; on a GPU both are fast).
-    lossless_code: str = "nibble"
+    # The lossless format's exponent code: "classes" (a 2-bit class plus 0-4 extra bits: 0.69x bf16's
+    # bytes, decoded with a prefix sum per block of 256 weights) or "nibble" (4 bits per weight: 0.75x;
+    # its decode is ~3x faster, 0.1 vs 0.27 ms per 58.7 M weights on the H200). Both bit-exact. "classes"
+    # measured as fast or faster end to end on the H200 (benchmarks/NOTES.md §12). Encoding "classes" on a
+    # CPU is ~5x slower than "nibble" (at load; on a GPU both are fast).
+    lossless_code: str = "classes"
 
     def __post_init__(self) -> None:
         if self.lossless_code not in LOSSLESS_CODES:

@@ -302,7 +302,7 @@ def test_half_precision_is_refused_before_the_model_changes(tiny_checkpoint):
 
 
 def test_saved_store_round_trips(tmp_path):
-    model = _wrapped(bundled_model_path(), "lossless", dtype=torch.bfloat16)
+    model = _wrapped(bundled_model_path(), "lossless", dtype=torch.bfloat16, code="classes")  # MiraConfig's default code
     model.mira.save_store(tmp_path / "store")
     cfg = MiraConfig(device="cpu", gpu_budget=0.3, quantization="lossless", store_path=str(tmp_path / "store"))
     again = MiraMoEModel.from_pretrained(bundled_model_path(), cfg, dtype=torch.bfloat16, progress=False)
@@ -313,6 +313,9 @@ def test_saved_store_round_trips(tmp_path):
     other = MiraConfig(device="cpu", gpu_budget=0.3, quantization="int4", store_path=str(tmp_path / "store"))
     with pytest.raises(IncompatibleFileError, match="made for another format"):
         MiraMoEModel.from_pretrained(bundled_model_path(), other, dtype=torch.bfloat16, progress=False)
+    nibble = cfg.replace(quant=QuantConfig(lossless_code="nibble"))  # the other exponent code is another format
+    with pytest.raises(IncompatibleFileError, match="made for another format"):
+        MiraMoEModel.from_pretrained(bundled_model_path(), nibble, dtype=torch.bfloat16, progress=False)
 
 
 # ------------------------------------------------------------------------------------------ budget

@@ -485,8 +485,8 @@ class LosslessCodec:
     lossless = True  # decode(encode(w)) == w bit for bit
 
     def __init__(self, code: str = "nibble") -> None:
-        """code: the exponent code, "nibble" (4 bits, 0.75x bf16; the default) or "classes" (a 2-bit class
-        plus 0-4 extra bits, ~0.69x bf16; opt-in until measured on a GPU: benchmarks/NOTES.md §10)."""
+        """code: the exponent code, "nibble" (4 bits, 0.75x bf16; this class's default) or "classes" (a 2-bit
+        class plus 0-4 extra bits, ~0.69x bf16; what MiraConfig uses by default, QuantConfig.lossless_code)."""
         if code not in CODES:
             raise ConfigError(f"LosslessCodec(code={code!r}): supported are {list(CODES)}.")
         self.code = code

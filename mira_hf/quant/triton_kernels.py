@@ -270,7 +270,9 @@ def _lossless_kernel(sm_ptr, codes_ptr, lo_ptr, meta_ptr, out_ptr, n, FP32: tl.c
         tl.store(out_ptr + offs, hi.to(tl.int16), mask=mask)  # truncation keeps the 16 bits
 
 
-CLASS_BLOCKS_PER_PROGRAM = 16  # blocks of 256 weights per classes-decode program (4096 weights, as above)
+# classes-decode launch: blocks of 256 weights per program, warps. 16 blocks took 0.31-0.35 ms per 58.7 M bf16
+# weights on the H200, 2-8 blocks 0.27-0.30 (benchmarks/classes_kernel_probe.py, NOTES §12)
+CLASS_BLOCKS_PER_PROGRAM = 4
 CLASS_WARPS = 4
 
 

@@ -31,6 +31,7 @@ from common import environment, print_table, write_json  # noqa: E402
 from tiny_models import EXTRA_RECIPES, RECIPES, make_config  # noqa: E402
 
 from mira_hf import LoaderError, MiraConfig, MiraMoEModel  # noqa: E402
+from mira_hf.config import QuantConfig  # noqa: E402
 
 DEV = "cuda"
 PROMPTS = torch.tensor([[5, 9, 14, 33, 7, 21], [0, 0, 11, 3, 8, 40]])  # row 1 left-padded
@@ -145,11 +146,18 @@ def exactness(root: str) -> list[dict]:
         path = save_tiny(name, root)
         ref = outputs(AutoModelForCausalLM.from_pretrained(path).to(DEV).eval())
         frac = min_fraction(path)
-        combos = COMBOS if name == "mixtral" else COMBOS[:2]
-        for policy, predictor in combos:
-            row = dict(family=name, budget=frac, policy=policy, predictor=predictor)
+        combos = [(*c, None, "auto", frac) for c in (COMBOS if name == "mixtral" else COMBOS[:2])]
+        # lossless records (the classes exponent code, the default) decoded by the Triton kernel, both placements;
+        # 0.5: the packed placement's decode scratch comes out of the budget
+        combos += [("heat", "auto", "lossless", placement, 0.5) for placement in ("packed", "dequant")]
+        for policy, predictor, quantization, placement, budget in combos:
+            row = dict(family=name, budget=budget, policy=policy, predictor=predictor, quantization=quantization)
+            row["placement"] = placement
             try:
-                cfg = MiraConfig(gpu_budget=frac, device=DEV, policy=policy, predictor=predictor)
+                cfg = MiraConfig(
+                    gpu_budget=budget, device=DEV, policy=policy, predictor=predictor, quantization=quantization,
+                    quant=QuantConfig(placement=placement),
+                )  # fmt: skip
                 model = MiraMoEModel.from_pretrained(path, cfg, progress=False)
                 row.update(compare(ref, outputs(model)))
                 row["exact"] = row["max_abs_logit_diff"] <= 1e-5 and row["greedy_identical"] and row["beam_identical"]
@@ -358,7 +366,8 @@ def main() -> int:
     if isinstance(result.get("exactness"), list):
         print_table(
             result["exactness"],
-            ["family", "budget", "policy", "predictor", "max_abs_logit_diff", "greedy_identical", "beam_identical", "exact"],
+            ["family", "budget", "policy", "predictor", "quantization", "placement", "max_abs_logit_diff", "greedy_identical"]
+            + ["beam_identical", "exact"],
         )
     if isinstance(result.get("host_tiers"), list):
         print_table(

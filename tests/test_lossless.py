@@ -156,7 +156,7 @@ def test_linear_is_the_resident_models_matmul(dtype, transposed):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tail", [77, 76], ids=["odd-tail", "tail-of-4s"])  # bf16 with n % 4 == 0: int64 stores
 def test_triton_classes_decode_matches_torch_reference(kernel_device, dtype, tail):
-    # 24 blocks of 256 and a masked tail: two programs of 16 blocks, the second partly empty
+    # 24 blocks of 256 and a masked tail: the last program partly empty at every launch shape below
     from mira_hf.quant import triton_kernels
     from mira_hf.quant.lossless import decode_words_classes_torch
 

@@ -385,9 +385,9 @@ def lossless_classes_decode(
     pack = not fp32 and n % 4 == 0 and words.storage_offset() % 4 == 0 and sm.storage_offset() % 4 == 0
     pack = pack and words.data_ptr() % 8 == 0 and sm.data_ptr() % 4 == 0
     _lossless_classes_kernel[(triton.cdiv(n_blocks, r),)](
-        sm.view(torch.int32) if pack else sm, section_view(record, entry.section("cls")), section_view(record, entry.section("boff"), torch.int32),
-        section_view(record, entry.section("extra")), section_view(record, entry.section("lut"), torch.int32), lo,
-        words.view(torch.int64) if pack else words, n, n_blocks,
+        sm.view(torch.int32) if pack else sm, section_view(record, entry.section("cls")),
+        section_view(record, entry.section("boff"), torch.int32), section_view(record, entry.section("extra")),
+        section_view(record, entry.section("lut"), torch.int32), lo, words.view(torch.int64) if pack else words, n, n_blocks,
         FP32=fp32, PACK=pack, R=r, BLK=CLASS_BLOCK, num_warps=warps or CLASS_WARPS,
     )  # fmt: skip
     return out

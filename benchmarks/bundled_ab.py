@@ -36,8 +36,8 @@ def sync(device: torch.device) -> None:
 
 
 def decode(model, prompt: torch.Tensor, new_tokens: int, device: torch.device, **gen) -> dict:
-    """Decode tokens/s (all sequences of the batch) after the first token (the prefill's time, measured by a 1-token call, is taken
-    off), with mira's stall time and hit rate for the whole call."""
+    """Decode tokens/s (all sequences of the batch) after the first token (the prefill's time, measured
+    by a 1-token call, is taken off), with mira's stall time and hit rate for the whole call."""
     kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt), **gen)
     sync(device)
     t0 = time.perf_counter()
@@ -51,8 +51,11 @@ def decode(model, prompt: torch.Tensor, new_tokens: int, device: torch.device, *
     total = time.perf_counter() - t0
     s = model.mira.stats()
     steps = (out.shape[1] - prompt.shape[1]) - 1
-    return {"tok_s": steps * prompt.shape[0] / max(total - first, 1e-9), "stall_ms_per_token": 1e3 * s["stall_s"] / max(steps + 1, 1),
-            "hit_rate": s["hit_rate"]}  # fmt: skip
+    return {
+        "tok_s": steps * prompt.shape[0] / max(total - first, 1e-9),
+        "stall_ms_per_token": 1e3 * s["stall_s"] / max(steps + 1, 1),
+        "hit_rate": s["hit_rate"],
+    }
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """Where the classes-code decode kernel spends its time (GPU probe, one Mixtral-shaped tensor).
 
-The library's kernel (`mira_hf.quant.triton_kernels._lossless_classes_kernel`) decodes ~0.3 GB/ms less
-than the nibble kernel though it moves about the same bytes. This script times copies of its
+The library's kernel (`mira_hf.quant.triton_kernels._lossless_classes_kernel`) takes ~2.5x the nibble
+kernel's time though it moves about the same bytes. This script times copies of its
 structure with parts replaced by constants (ablations: their output is wrong, only their time
 matters) and one alternative prefix sum (a matmul with a triangular matrix on the tensor cores,
 exact: group bit counts are small integers), over launch shapes, each exact variant checked bit

@@ -165,6 +165,7 @@ class ExpertManager:
     ) -> None:
         self.store = store
         self.layers = {li.ordinal: li for li in layers}
+        self._first_ordinal, self._last_ordinal = min(self.layers), max(self.layers)
         # Demand copies a block keeps in flight (see CacheConfig.demand_inflight_bytes): ≥ 2 per layer.
         self._depth = {li.ordinal: max(2, -(-demand_inflight_bytes // store.record_bytes(li.ordinal))) for li in layers}
         self.budget = budget
@@ -382,6 +383,8 @@ class ExpertManager:
             if plan.predictions:
                 predictions, plan.predictions = plan.predictions, None
                 self._stage(plan.layer, predictions)
+            if plan.layer == self._last_ordinal and self.staging_enabled:
+                self._stage_next_step()
 
     def prefetch(self, layer: int, experts: Sequence[int], probabilities: Sequence[float] | None = None) -> int:
         """Stage `experts` of `layer` (with their probabilities of use) into STAGE slots ahead of need;
@@ -478,6 +481,20 @@ class ExpertManager:
         """Whether predictions are turned into copies now: only while the predictor has been right
         often enough (predictions are still made and scored, so staging resumes when it recovers)."""
         return self._precision is None or self._precision >= self.predictor_config.min_precision
+
+    def _stage_next_step(self) -> None:
+        """The last layer's block has run: copy the likely experts of the first layer's next block, from
+        its next-step guess (the learned predictor's next-step head). No guess made within a step reaches
+        the first layer, so without this its misses always stall."""
+        first = self._first_ordinal
+        values = self._layer_probs.get(first) if first in self._next_step else None
+        if values is None:
+            return
+        cfg = self.predictor_config
+        cap = cfg.max_staged_per_layer or 2 * self.layers[first].top_k
+        order = sorted(range(len(values)), key=lambda e: -values[e])
+        staged = [e for e in order if values[e] >= cfg.stage_probability][:cap]
+        self.prefetch(first, staged, [values[e] for e in staged])
 
     def _score_predictions(self, layer: int, experts: Sequence[int]) -> None:
         actual = set(experts)

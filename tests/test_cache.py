@@ -304,6 +304,27 @@ def test_a_next_step_guess_ranks_evictions_until_its_layer_runs_again():
     m.exit_forward()
 
 
+def test_the_first_layers_next_step_guess_is_staged_after_the_last_layer():
+    """No guess made within a step reaches the first layer; its next-step guess (if likely enough) is
+    copied once the last layer's block has run, and the next step finds it there."""
+    m = make_manager(layers=2, experts=4, slots=5, policy="heat")  # one slot free after the warm-up
+    steps(m, [[0, 1], [0, 1]], 5)
+    m.enter_forward()
+    run_block(m, 0, [0, 1])
+    m._stage(0, {0: torch.tensor([0.0, 0.0, 0.99, 0.9])})  # next step: layer 0 likely uses expert 2; 3 below 0.95
+    assert m.cache.lookup((0, 2)) is None  # not copied yet: the rest of this step may need the slot
+    before = m.stats()["prefetches"]
+    run_block(m, 1, [0, 1])  # the last layer
+    assert m.cache.lookup((0, 2)) is not None and m.cache.lookup((0, 3)) is None
+    assert m.stats()["prefetches"] == before + 1
+    m.exit_forward()
+    m.enter_forward()
+    hits = m.stats()["stage_hits"]
+    run_block(m, 0, [2])
+    assert m.stats()["stage_hits"] == hits + 1
+    m.exit_forward()
+
+
 def test_a_new_sequence_forgets_next_step_guesses():
     m = make_manager(layers=2, experts=4, slots=4, policy="heat")
     m.enter_forward()

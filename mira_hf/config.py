@@ -185,8 +185,9 @@ class MiraConfig:
         budget cannot hold every expert and the experts are bf16/fp32 records of ≥ 32 MiB, else `None`
         (both exact; `model.mira.quantization` says which). `None`: the checkpoint's dtype, bit-exact.
         `"lossless"`: bit-exact too, ~0.69× the bytes for bf16 experts with the default exponent code
-        (`QuantConfig.lossless_code`; 0.75× with "nibble"; see `mira_hf.quant.lossless`). `"int8"`, `"int4"`: mira-hf's packed group-wise format (see
-        `QuantConfig`); `"nf4"`: bitsandbytes. These three change the numbers.
+        (`QuantConfig.lossless_code`; 0.75× with "nibble"; see `mira_hf.quant.lossless`). `"int8"`,
+        `"int4"`: mira-hf's packed group-wise format (see `QuantConfig`); `"nf4"`: bitsandbytes. These
+        three change the numbers.
     host_memory: `"pinned"` (fastest copies; pinning takes ~0.5 s per GB at load), `"pageable"`
         (instant load, copies go through a pinned staging ring) or `"auto"` (pinned on CUDA).
     host_budget: host bytes for the expert store; experts beyond it are read from disk

@@ -14,6 +14,7 @@ from .errors import (
     MiraError,
     MissingDependencyError,
     UnsupportedModelError,
+    UnsupportedOperationError,
 )
 from .manager import ExpertManager
 from .model import MiraMoEModel
@@ -36,6 +37,7 @@ __all__ = [
     "MiraMoEModel",
     "MissingDependencyError",
     "UnsupportedModelError",
+    "UnsupportedOperationError",
     "bundled_model_path",
     "calibrate",
 ]

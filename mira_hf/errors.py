@@ -45,3 +45,8 @@ class LoaderError(MiraError, RuntimeError):
 
 class ConcurrencyError(MiraError, RuntimeError):
     """Two threads tried to run the same wrapped model at once."""
+
+
+class UnsupportedOperationError(MiraError, RuntimeError):
+    """An operation a wrapped model does not support: backward through its offloaded experts, or
+    copying / pickling it (its experts live in one host store and GPU arena)."""

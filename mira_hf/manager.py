@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import STAGE, ExpertCache, Key, Slot, SlotPool
-from .errors import BudgetError, ConcurrencyError, ConfigError, LoaderError
+from .errors import BudgetError, ConcurrencyError, ConfigError, LoaderError, UnsupportedOperationError
 from .heat import HeatConfig, HeatTracker
 from .layout import IdentityCodec, PackedWeights
 from .loader import Loader
@@ -241,6 +241,18 @@ class ExpertManager:
         return LRUPolicy()
 
     # -- forward steps --------------------------------------------------------------------------
+    def __deepcopy__(self, memo):
+        raise UnsupportedOperationError(
+            "a mira-hf model cannot be deep-copied: its experts live in one host store and GPU arena shared by its "
+            "proxies. Load a second model with MiraMoEModel.from_pretrained(...), or call model.unload() first."
+        )
+
+    def __reduce_ex__(self, protocol):
+        raise UnsupportedOperationError(
+            "a mira-hf model cannot be pickled (torch.save(model), multiprocessing): its experts live in a host store "
+            "and GPU arena. Save it with model.save_pretrained(dir) (a full transformers checkpoint, experts included)."
+        )
+
     def enter_forward(self, new_sequence: bool = False) -> None:
         """A forward step of the model starts. Steps are serialised: a second thread calling the
         same model waits for the first step to finish (steps of two generate calls interleave

@@ -209,11 +209,10 @@ class MiraMoEModel:
         model.to(device)
         # Per-instance hooks mark forward steps (the heat clock, serialised threads); always_call
         # releases the step even when the forward raises, so an interrupted generate leaves no lock.
+        steps = _StepHooks(manager)
         hooks = (
-            model.register_forward_pre_hook(
-                lambda mod, args, kwargs: manager.enter_forward(_starts_sequence(kwargs)), with_kwargs=True
-            ),
-            model.register_forward_hook(lambda mod, args, out: manager.exit_forward(), always_call=True),
+            model.register_forward_pre_hook(steps.before, with_kwargs=True),
+            model.register_forward_hook(steps.after, always_call=True),
         )
         model.mira = manager
         model._mira_config = user_cfg  # as given: wrapping again with it is a no-op
@@ -391,6 +390,21 @@ def model_fingerprint(model: nn.Module, targets: list[_Target], specs: dict) -> 
         "expert_shapes": {n: list(shape) for n, (shape, _) in specs[targets[0].ordinal].items()} if targets else {},
         "router_sha256": h.hexdigest(),
     }
+
+
+class _StepHooks:
+    """The model's forward hooks: a forward step starts and ends for the manager. Bound methods of an
+    object rather than lambdas, so that copying or pickling a wrapped model reaches the manager's clear
+    refusal instead of failing on a lambda."""
+
+    def __init__(self, manager: ExpertManager) -> None:
+        self.manager = manager
+
+    def before(self, module, args, kwargs) -> None:
+        self.manager.enter_forward(_starts_sequence(kwargs))
+
+    def after(self, module, args, output) -> None:
+        self.manager.exit_forward()
 
 
 def _starts_sequence(kwargs: dict) -> bool:

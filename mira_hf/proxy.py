@@ -15,8 +15,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import UnsupportedOperationError
 from .layout import PackedWeights
 from .manager import ExpertManager
+
+
+def _no_backward(grad: torch.Tensor) -> torch.Tensor:
+    raise UnsupportedOperationError(
+        "backward through mira-hf's offloaded experts is not supported: an expert's weights live in a cache slot "
+        "that later copies overwrite, so they are gone when the backward pass needs them. mira-hf serves inference "
+        "(generate, or forward under torch.no_grad()). To train or take gradients, load the model without mira-hf "
+        "(or call model.unload() first)."
+    )
+
 
 # Expert tensor names of transformers' fused experts modules (per expert after dropping dim 0).
 KNOWN_EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
@@ -69,7 +80,10 @@ class MiraExperts(nn.Module):
                 self.manager.release(plan, e)
         finally:
             self.manager.end(plan)
-        return out.view(T, K, H).sum(dim=1).to(hidden_states.dtype)  # [T, H]
+        result = out.view(T, K, H).sum(dim=1).to(hidden_states.dtype)  # [T, H]
+        if result.requires_grad:  # a forward with autograd on: say why a backward cannot work, before autograd does
+            result.register_hook(_no_backward)
+        return result
 
     def _expert(self, x: torch.Tensor, w) -> torch.Tensor:
         # x [n, H] -> [n, H], exactly as transformers' experts implementations compute one expert.

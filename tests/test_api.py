@@ -17,6 +17,7 @@ from mira_hf import (
     MiraError,
     MiraMoEModel,
     UnsupportedModelError,
+    UnsupportedOperationError,
 )
 from mira_hf.config import QuantConfig
 from mira_hf.proxy import MiraExperts
@@ -212,6 +213,34 @@ def test_remote_code_needs_trust(tiny_checkpoint, tmp_path):
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="trust_remote_code=True"):
         MiraMoEModel.from_pretrained(dst, MiraConfig(device="cpu"), progress=False)
+
+
+def test_forward_with_autograd_on_works_and_backward_is_a_clear_error(tiny_checkpoint):
+    """A forward outside torch.no_grad() (a notebook's `model(ids)`) computes the same numbers; a backward
+    through the offloaded experts, whose slots later copies overwrite, stops with a clear error."""
+    path = tiny_checkpoint("mixtral")
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device="cpu"), progress=False)
+    expected = _logits(model)
+    out = model(IDS, labels=IDS)
+    assert out.logits.requires_grad and torch.equal(out.logits.detach(), expected)
+    with pytest.raises(UnsupportedOperationError, match="backward through mira-hf's offloaded experts"):
+        out.loss.backward()
+    assert torch.equal(_logits(model), expected)  # still serves after the refused backward
+
+
+def test_copying_or_pickling_a_wrapped_model_is_a_clear_error(tiny_checkpoint, tmp_path):
+    import copy
+
+    path = tiny_checkpoint("mixtral")
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device="cpu"), progress=False)
+    with pytest.raises(UnsupportedOperationError, match="cannot be deep-copied"):
+        copy.deepcopy(model)
+    with pytest.raises(UnsupportedOperationError, match="save_pretrained"):
+        torch.save(model, tmp_path / "model.pt")
+    expected = _logits(model)
+    model.save_pretrained(tmp_path / "out")  # the supported way, still working after the refusals
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()), _logits(load_reference(path)))
+    assert torch.equal(_logits(model), expected)
 
 
 def test_errors_subclass_builtins():

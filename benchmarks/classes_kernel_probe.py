@@ -48,6 +48,13 @@ def _select16(v, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12, l13, l14
 
 
 @triton.jit
+def _select_exponent(c, w, l0, l1, l2, l3, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15):
+    # the rank-table exponent of one weight (class c, field in the low bits of w) by selects, no gather
+    m = _select16(w & 15, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15)
+    return tl.where(c == 3, m, tl.where(c == 2, tl.where((w & 1) != 0, l3, l2), tl.where(c == 1, l1, l0)))
+
+
+@triton.jit
 def _probe_kernel(
     sm_ptr, cls_ptr, boff_ptr, extra_ptr, lut_ptr, out_ptr, n, n_blocks,
     SCAN: tl.constexpr, EXTRA: tl.constexpr, LUT: tl.constexpr, R: tl.constexpr, BLK: tl.constexpr,
@@ -72,13 +79,7 @@ def _probe_kernel(
     else:
         lb = nbits * 0
     if EXTRA:
-        start = tl.load(boff_ptr + blk, mask=blk < n_blocks, other=0).to(tl.int64)
-        src = extra_ptr + start[:, None] + (lb >> 3)
-        shift = lb & 7
-        end = shift + nbits
-        w = tl.load(src, mask=gmask & (nbits > 0), other=0).to(tl.int32)
-        w = w | (tl.load(src + 1, mask=gmask & (end > 8), other=0).to(tl.int32) << 8)
-        w = (w | (tl.load(src + 2, mask=gmask & (end > 16), other=0).to(tl.int32) << 16)) >> shift
+        w = tk._group_fields(extra_ptr, boff_ptr, blk, n_blocks, lb, nbits, gmask)
     else:
         w = lb
     s4 = tl.load(sm_ptr + grp, mask=gmask, other=0)
@@ -97,29 +98,14 @@ def _probe_kernel(
         m4, m5, m6, m7 = tl.load(lut_ptr + 8), tl.load(lut_ptr + 9), tl.load(lut_ptr + 10), tl.load(lut_ptr + 11)
         m8, m9, m10, m11 = tl.load(lut_ptr + 12), tl.load(lut_ptr + 13), tl.load(lut_ptr + 14), tl.load(lut_ptr + 15)
         m12, m13, m14, m15 = tl.load(lut_ptr + 16), tl.load(lut_ptr + 17), tl.load(lut_ptr + 18), tl.load(lut_ptr + 19)
-        x0 = tl.where(
-            c0 == 3,
-            _select16(w & 15, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15),
-            tl.where(c0 == 2, tl.where((w & 1) != 0, l3, l2), tl.where(c0 == 1, l1, l0)),
-        )
+        ms = (m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15)
+        x0 = _select_exponent(c0, w, l0, l1, l2, l3, *ms)
         w = w >> n0
-        x1 = tl.where(
-            c1 == 3,
-            _select16(w & 15, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15),
-            tl.where(c1 == 2, tl.where((w & 1) != 0, l3, l2), tl.where(c1 == 1, l1, l0)),
-        )
+        x1 = _select_exponent(c1, w, l0, l1, l2, l3, *ms)
         w = w >> n1
-        x2 = tl.where(
-            c2 == 3,
-            _select16(w & 15, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15),
-            tl.where(c2 == 2, tl.where((w & 1) != 0, l3, l2), tl.where(c2 == 1, l1, l0)),
-        )
+        x2 = _select_exponent(c2, w, l0, l1, l2, l3, *ms)
         w = w >> n2
-        x3 = tl.where(
-            c3 == 3,
-            _select16(w & 15, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15),
-            tl.where(c3 == 2, tl.where((w & 1) != 0, l3, l2), tl.where(c3 == 1, l1, l0)),
-        )
+        x3 = _select_exponent(c3, w, l0, l1, l2, l3, *ms)
     else:
         x0, x1, x2, x3 = c0 + w, c1 + w, c2 + w, c3 + w
     h0 = tk._class_high_word(s4 & 0xFF, x0)

@@ -298,6 +298,19 @@ def _class_exponent(c, w, lut_ptr, e0, e1, mask):
 
 
 @triton.jit
+def _group_fields(extra_ptr, boff_ptr, blk, n_blocks, lb, nbits, gmask):
+    # the extra bits of each group of 4 weights, right-aligned: [R, G] int32. A block's extra bits start
+    # on byte boff[blk]; a group's at most 16 bits start at bit lb of its block, so at most 3 bytes hold them.
+    start = tl.load(boff_ptr + blk, mask=blk < n_blocks, other=0).to(tl.int64)  # [R] first byte of each block
+    src = extra_ptr + start[:, None] + (lb >> 3)
+    shift = lb & 7
+    end = shift + nbits
+    w = tl.load(src, mask=gmask & (nbits > 0), other=0).to(tl.int32)
+    w = w | (tl.load(src + 1, mask=gmask & (end > 8), other=0).to(tl.int32) << 8)
+    return (w | (tl.load(src + 2, mask=gmask & (end > 16), other=0).to(tl.int32) << 16)) >> shift
+
+
+@triton.jit
 def _class_high_word(sm, e):
     return ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
 
@@ -342,13 +355,7 @@ def _lossless_classes_kernel(
     n0, n1, n2 = _class_bits(c0), _class_bits(c1), _class_bits(c2)
     nbits = n0 + n1 + n2 + _class_bits(c3)
     lb = tl.associative_scan(nbits, 1, _add) - nbits  # [R, G] first extra bit of each group within its block
-    start = tl.load(boff_ptr + blk, mask=blk < n_blocks, other=0).to(tl.int64)  # [R] first byte of each block
-    src = extra_ptr + start[:, None] + (lb >> 3)
-    shift = lb & 7
-    end = shift + nbits
-    w = tl.load(src, mask=gmask & (nbits > 0), other=0).to(tl.int32)
-    w = w | (tl.load(src + 1, mask=gmask & (end > 8), other=0).to(tl.int32) << 8)
-    w = (w | (tl.load(src + 2, mask=gmask & (end > 16), other=0).to(tl.int32) << 16)) >> shift
+    w = _group_fields(extra_ptr, boff_ptr, blk, n_blocks, lb, nbits, gmask)
     e0, e1 = tl.load(lut_ptr), tl.load(lut_ptr + 1)
     h0 = _class_high_word(_sign_mantissa(sm_ptr, grp, i, n, 0, PACK), _class_exponent(c0, w, lut_ptr, e0, e1, gmask))
     w = w >> n0

@@ -21,14 +21,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, StoppingCriteria  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from common import environment, print_table, write_json  # noqa: E402
-from tiny_models import EXTRA_RECIPES, RECIPES, make_config  # noqa: E402
+from tiny_models import EXTRA_RECIPES, RECIPES, InterruptAt, make_config  # noqa: E402
 
 from mira_hf import LoaderError, MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.config import QuantConfig  # noqa: E402
@@ -167,17 +167,6 @@ def exactness(root: str) -> list[dict]:
     return rows
 
 
-class _Interrupt(StoppingCriteria):
-    def __init__(self, at: int):
-        self.at, self.n = at, 0
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.n += 1
-        if self.n == self.at:
-            raise KeyboardInterrupt
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
 def _consistent(model) -> bool:
     m = model.mira
     no_pins = all(s.pins == 0 for pool in m.cache.pools.values() for s in pool.slots)
@@ -198,7 +187,7 @@ def failures(root: str) -> list[dict]:
         raised = None
         try:
             model.generate(ids, **GEN) if name != "keyboard_interrupt" else model.generate(
-                ids, stopping_criteria=[_Interrupt(4)], **GEN
+                ids, stopping_criteria=[InterruptAt(4)], **GEN
             )
         except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt is one of the cases
             raised = exc

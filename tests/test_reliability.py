@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 from conftest import load_reference
-from transformers import StoppingCriteria
+from tiny_models import InterruptAt
 
 from mira_hf import CheckpointError, LoaderError, MiraConfig, MiraMoEModel
 
@@ -48,23 +48,12 @@ def test_copy_failure_raises_and_model_stays_usable(tiny_checkpoint, at):
     assert torch.equal(model.generate(PROMPT, **GEN), expected)  # next call works and is exact
 
 
-class _Interrupt(StoppingCriteria):
-    def __init__(self, at: int):
-        self.at, self.n = at, 0
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.n += 1
-        if self.n == self.at:
-            raise KeyboardInterrupt
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-
 def test_keyboard_interrupt_mid_generate_leaves_cache_consistent(tiny_checkpoint):
     path = tiny_checkpoint("qwen3_moe")
     expected = load_reference(path).generate(PROMPT, **GEN)
     model = _wrapped(path, policy="heat", predictor="markov")
     with pytest.raises(KeyboardInterrupt):
-        model.generate(PROMPT, stopping_criteria=[_Interrupt(4)], **GEN)
+        model.generate(PROMPT, stopping_criteria=[InterruptAt(4)], **GEN)
     assert _no_pins(model) and not model.mira._forward_lock.locked()
     assert torch.equal(model.generate(PROMPT, **GEN), expected)
 

@@ -1,7 +1,9 @@
-"""Tiny random MoE models of every adapter family, built from config objects (CPU, no hub access)."""
+"""Tiny random MoE models of every adapter family, built from config objects (CPU, no hub access),
+and the generate stopping criterion the reliability checks interrupt them with."""
 
 from __future__ import annotations
 
+import torch
 import transformers
 
 BASE = dict(
@@ -151,3 +153,17 @@ EXTRA_RECIPES = {
 def make_config(name: str):
     cls_name, kwargs = {**RECIPES, **EXTRA_RECIPES}[name]
     return getattr(transformers, cls_name)(**kwargs)
+
+
+class InterruptAt(transformers.StoppingCriteria):
+    """Raises KeyboardInterrupt at its `at`-th call: a Ctrl-C in the middle of `generate`
+    (tests/test_reliability.py on CPU, benchmarks/gpu_reliability.py on CUDA)."""
+
+    def __init__(self, at: int):
+        self.at, self.n = at, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.n += 1
+        if self.n == self.at:
+            raise KeyboardInterrupt
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

@@ -409,7 +409,7 @@ class ExpertManager:
                 if self.cache.lookup((layer, e)) is not None or (layer, e) in self.host_only:
                     continue
                 p = 1.0 if probabilities is None else probabilities[i]
-                slot = self._load((layer, e), staged=True, evict=self.telemetry.steps >= self.warmup_steps, probability=p)
+                slot = self._load((layer, e), staged=True, evict=self._warmed_up, probability=p)
                 if slot is None:
                     break
                 started += 1
@@ -428,8 +428,6 @@ class ExpertManager:
                 self._layer_probs[target] = probs.tolist()
                 self._next_step.add(target)
                 continue
-            li = self.layers[target]
-            cap = cfg.max_staged_per_layer or 2 * li.top_k
             order = torch.argsort(probs, descending=True).tolist()
             values = probs.tolist()
             self._layer_probs[target] = values  # the nearest prediction comes last and wins
@@ -438,8 +436,7 @@ class ExpertManager:
             for e in chosen:
                 self._predicted[(target, e)] = max(self._predicted.get((target, e), 0.0), values[e])
             if target - layer <= cfg.stage_lookahead and self.staging_enabled:
-                staged = [e for e in chosen if values[e] >= cfg.stage_probability][:cap]
-                self.prefetch(target, staged, [values[e] for e in staged])
+                self._copy_likely(target, chosen, values)
             if target == layer + 1 and self.speculate_bytes:
                 self._speculate(target, chosen, values)
 
@@ -454,8 +451,7 @@ class ExpertManager:
             return
         for e in guesses:
             if self.cache.lookup((layer, e)) is None and (layer, e) not in self.host_only:
-                evict = self.telemetry.steps >= self.warmup_steps
-                self._load((layer, e), staged=True, evict=evict, probability=values[e], nbytes=self.speculate_bytes)
+                self._load((layer, e), staged=True, evict=self._warmed_up, probability=values[e], nbytes=self.speculate_bytes)
                 return
 
     def _finish(self, slot: Slot) -> None:
@@ -500,13 +496,21 @@ class ExpertManager:
         the first layer, so without this its misses always stall."""
         first = self._first_ordinal
         values = self._layer_probs.get(first) if first in self._next_step else None
-        if values is None:
-            return
+        if values is not None:
+            self._copy_likely(first, sorted(range(len(values)), key=lambda e: -values[e]), values)
+
+    def _copy_likely(self, layer: int, order: Sequence[int], values: Sequence[float]) -> None:
+        """Prefetch `layer`'s guesses (`order`: most likely first) with probability ≥ `stage_probability`,
+        at most `max_staged_per_layer` (default 2 · top-k)."""
         cfg = self.predictor_config
-        cap = cfg.max_staged_per_layer or 2 * self.layers[first].top_k
-        order = sorted(range(len(values)), key=lambda e: -values[e])
+        cap = cfg.max_staged_per_layer or 2 * self.layers[layer].top_k
         staged = [e for e in order if values[e] >= cfg.stage_probability][:cap]
-        self.prefetch(first, staged, [values[e] for e in staged])
+        self.prefetch(layer, staged, [values[e] for e in staged])
+
+    @property
+    def _warmed_up(self) -> bool:
+        """Past the first forward steps: before that, guesses only fill free slots (nothing is evicted)."""
+        return self.telemetry.steps >= self.warmup_steps
 
     def _score_predictions(self, layer: int, experts: Sequence[int]) -> None:
         actual = set(experts)

@@ -27,7 +27,7 @@ from .layout import IdentityCodec, plan_layer, plan_layer_from
 from .manager import ExpertManager, LayerInfo, device_buffers, plan_budget
 from .predictors import build_predictor
 from .proxy import KNOWN_EXPERT_TENSORS, MiraExperts
-from .store import ExpertStore, read_saved_store
+from .store import ExpertStore, over_host_budget, read_saved_store
 
 _HOW_TO_ADD = (
     "Pass MiraConfig(expert_layer_path='model.layers.*.mlp.experts') (the glob of its routed-experts modules), "
@@ -474,8 +474,8 @@ def _check_offload_space(cfg: MiraConfig, layer_bytes: list[int]) -> None:
     if budget is None:
         return
     host = disk = 0
-    for n in layer_bytes:  # the store's rule: a layer stays in host memory while the budget allows
-        if host + n > budget:
+    for n in layer_bytes:  # as the store will place them
+        if over_host_budget(host, n, budget):
             disk += n
         else:
             host += n

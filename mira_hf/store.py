@@ -48,6 +48,12 @@ def read_saved_store(directory: str, codec_spec: dict, fingerprint: dict) -> dic
     return {int(k.removeprefix("layer_")): v for k, v in load_file(os.path.join(directory, STORE_WEIGHTS)).items()}
 
 
+def over_host_budget(host_bytes: int, nbytes: int, host_budget_bytes: int | None) -> bool:
+    """Whether a layer of `nbytes` goes to the disk tier, with `host_bytes` already in host memory: a
+    layer stays in host memory while `host_budget` allows (later, smaller layers may still fit)."""
+    return host_budget_bytes is not None and host_bytes + nbytes > host_budget_bytes
+
+
 @dataclass
 class _Slab:
     data: torch.Tensor  # uint8 [E, record_bytes]
@@ -157,7 +163,7 @@ class ExpertStore:
 
     def next_tier(self, nbytes: int) -> str:
         """The tier a layer of `nbytes` would go to if added now: host until `host_budget` is used up."""
-        if self.host_budget_bytes is not None and self._host_bytes + nbytes > self.host_budget_bytes:
+        if over_host_budget(self._host_bytes, nbytes, self.host_budget_bytes):
             return "disk"
         return "pinned" if self.pinned else "pageable"
 

@@ -3,7 +3,8 @@
 Layer L's network reads the hidden state entering L's MoE block and predicts, for each lookahead
 distance d = 1..lookahead, which experts layer L+d will route that token to, and (the next-step head,
 target L itself) which experts layer L will route the *next* token to. The within-step heads stage
-copies; the next-step head ranks evictions across the step boundary, which is where Belady's optimal
+copies; the next-step head ranks evictions across the step boundary (and the first layer's is copied
+once a step's last layer has run: nothing within a step predicts it), which is where Belady's optimal
 cache gets its advantage (benchmarks/NOTES.md §11):
 
     hidden [T, H] -> standardise -> low-rank projection [T, r] -> Linear [T, w] -> GELU -> Linear [T, ΣE]

@@ -420,7 +420,8 @@ class ExpertManager:
         """Record each target layer's guesses (they rank evictions and are scored), then copy the
         likely experts (most likely first) of the next `stage_lookahead` layers, nearest first.
         A target at or before `layer` is a guess for the *next* step (the learned predictor's next-step
-        head): it only ranks evictions, from now until that layer's next block."""
+        head): it ranks evictions from now until that layer's next block, and only the first layer's is
+        copied (`_stage_next_step`, once the step's last layer has run)."""
         cfg = self.predictor_config
         for target in sorted(predictions):
             probs = predictions[target]

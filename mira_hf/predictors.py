@@ -4,7 +4,8 @@ One interface: `observe(layer, hidden, top_k_index)` sees routing as it happens 
 for every block, before computing); `predict(layer, hidden)` returns `{target_layer: probs [E]}`
 for layers ahead, each value the probability that the expert is used by at least one token of the
 current step; a target at or before `layer` means that layer's routing at the *next* step (the
-learned predictor's next-step head: such guesses only rank evictions). A wrong guess costs
+learned predictor's next-step head: such guesses rank evictions, and the first layer's are copied at
+the end of a step). A wrong guess costs
 bandwidth, never a token: the true expert is always computed.
 
 - `gate`: the router of layer L+d applied to layer L's hidden state (no training).

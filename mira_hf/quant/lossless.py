@@ -1,5 +1,5 @@
 """Lossless expert records: bf16/fp32 weights split into byte planes and a 4-bit exponent code
-(or, opt-in, the denser "classes" exponent code described below the format's constants).
+(or the denser "classes" exponent code described below the format's constants, MiraConfig's default).
 
 Bit-exact: decoding gives back every bit of every weight (NaN payloads, -0.0 and subnormals
 included), so a model served from these records computes exactly what the resident model does,
@@ -78,7 +78,7 @@ ESCAPE_BYTES = 6  # int32 word index + int16 value
 _MAX_WORDS = 2**31 - 1  # escape indices are int32 indices of 16-bit words
 
 
-# The "classes" exponent code (LosslessCodec(code="classes"), opt-in, ~0.69x bf16 instead of 0.75x):
+# The "classes" exponent code (LosslessCodec(code="classes"), MiraConfig's default, ~0.69x bf16 instead of 0.75x):
 # exponents ranked by frequency per tensor; a 2-bit class per weight says rank 0 | rank 1 | ranks 2-3
 # (+1 extra bit) | ranks 4-18 (+4 extra bits; 15 = escape, patched like the nibble code's escapes). Each
 # block of CLASS_BLOCK weights starts its extra bits on a byte (offset per block), so a decoder finds every
@@ -205,6 +205,31 @@ def _high_low(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     return (w >> 16).to(torch.int16), w.to(torch.int16)  # int32 -> int16 keeps the low half
 
 
+def _sign_mantissa(hi: torch.Tensor) -> torch.Tensor:
+    """The `sm` byte of 16-bit high words: sign into bit 7, the top mantissa bits 6..0 (uint8)."""
+    return ((hi >> 8) & 0x80).bitwise_or_(hi & 0x7F).to(torch.uint8)
+
+
+def _words_and_planes(record: torch.Tensor, entry: TensorEntry, out: torch.Tensor | None):
+    """What both bulk decoders start from: the output words [numel] (int16 for bf16, int32 for fp32;
+    `out` when given), the `sm` plane and the fp32 `lo` plane (None for bf16)."""
+    fp32 = entry.dtype == torch.float32
+    if out is None:
+        out = torch.empty(entry.numel, dtype=torch.int32 if fp32 else torch.int16, device=record.device)
+    lo_all = section_view(record, entry.section("lo"), torch.int16) if fp32 else None
+    return out, section_view(record, entry.section("sm")), lo_all
+
+
+def _write_words(out: torch.Tensor, s: int, sm: torch.Tensor, e: torch.Tensor, lo_all: torch.Tensor | None) -> None:
+    """Decoded output words from `s` on: the high word from `sm` (int32) and exponent `e`, and for fp32
+    (`lo_all` given) the low mantissa word below it. Both decoders end here."""
+    hi = ((sm & 0x80) << 8).bitwise_or_(e << 7).bitwise_or_(sm & 0x7F)  # int32, 16 significant bits
+    if lo_all is not None:
+        out[s : s + sm.numel()] = (hi << 16).bitwise_or_(lo_all[s : s + sm.numel()].to(torch.int32) & 0xFFFF)
+    else:
+        out[s : s + sm.numel()] = hi  # the int16 cast keeps the low 16 bits
+
+
 def _exponents(hi: torch.Tensor) -> torch.Tensor:
     return (hi >> 7).to(torch.uint8)  # the cast keeps the low 8 bits: the exponent without the sign
 
@@ -296,7 +321,7 @@ def _encode_entry_classes(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor
         cls_all[s // 4 : s // 4 + c4.numel() // 4].copy_(
             here((c4[0::4] | c4[1::4] << 2 | c4[2::4] << 4 | c4[3::4] << 6).to(torch.uint8))
         )
-        sm_all[s : s + m].copy_(here(((x >> 8) & 0x80).bitwise_or_(x & 0x7F).to(torch.uint8)))
+        sm_all[s : s + m].copy_(here(_sign_mantissa(x)))
         sizes = _block_bytes(nb)  # [blocks]
         starts = torch.cumsum(sizes, 0) - sizes  # first byte of each block, in this chunk
         boff_all[s // CLASS_BLOCK : s // CLASS_BLOCK + sizes.numel()].copy_(here((starts + at).to(torch.int32)))
@@ -342,7 +367,7 @@ def _encode_entry(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor) -> int
         esc.append((code == ESCAPE_CODE).nonzero().squeeze(1) + s)
         if code.numel() % 2:
             code = torch.cat((code, code.new_zeros(1)))
-        sm = ((x >> 8) & 0x80).bitwise_or_(x & 0x7F).to(torch.uint8)  # sign into bit 7, mantissa bits 6..0
+        sm = _sign_mantissa(x)
         packed = code[0::2] | (code[1::2] << 4)
         sm_all[s : s + x.numel()].copy_(sm if same else sm.to(out.device))
         codes_all[s // 2 : s // 2 + packed.numel()].copy_(packed if same else packed.to(out.device))
@@ -382,24 +407,15 @@ def decode_words_torch(record: torch.Tensor, entry: TensorEntry, out: torch.Tens
     (bf16) or int32 (fp32) words [numel], written into `out` when given. Same arithmetic as the
     Triton kernel."""
     n = entry.numel
-    fp32 = entry.dtype == torch.float32
-    if out is None:
-        out = torch.empty(n, dtype=torch.int32 if fp32 else torch.int16, device=record.device)
-    sm_all = section_view(record, entry.section("sm"))
+    out, sm_all, lo_all = _words_and_planes(record, entry, out)
     codes_all = section_view(record, entry.section("codes"))
-    lo_all = section_view(record, entry.section("lo"), torch.int16) if fp32 else None
     base = section_view(record, entry.section("meta"), torch.int32)[:1]  # [1], no host read
     step = _chunk(sm_all)
     for s in range(0, n, step):
         sm = sm_all[s : s + step].to(torch.int32)
         packed = codes_all[s // 2 : s // 2 + (sm.numel() + 1) // 2]
         code = torch.stack((packed & 15, packed >> 4), 1).reshape(-1)[: sm.numel()].to(torch.int32)
-        e = torch.where(code == 0, 0, code + base)
-        hi = ((sm & 0x80) << 8).bitwise_or_(e << 7).bitwise_or_(sm & 0x7F)  # int32, 16 significant bits
-        if fp32:
-            out[s : s + sm.numel()] = (hi << 16).bitwise_or_(lo_all[s : s + sm.numel()].to(torch.int32) & 0xFFFF)
-        else:
-            out[s : s + sm.numel()] = hi  # the int16 cast keeps the low 16 bits
+        _write_words(out, s, sm, torch.where(code == 0, 0, code + base), lo_all)
     return out
 
 
@@ -411,15 +427,12 @@ def decode_words_classes_torch(record: torch.Tensor, entry: TensorEntry, out: to
     """Torch reference of the classes code's bulk decode (as `decode_words_torch`; the Triton kernel
     does the same arithmetic)."""
     n = entry.numel
-    fp32 = entry.dtype == torch.float32
     dev = record.device
-    if out is None:
-        out = torch.empty(n, dtype=torch.int32 if fp32 else torch.int16, device=dev)
-    sm_all, cls_all = section_view(record, entry.section("sm")), section_view(record, entry.section("cls"))
+    out, sm_all, lo_all = _words_and_planes(record, entry, out)
+    cls_all = section_view(record, entry.section("cls"))
     boff_all = section_view(record, entry.section("boff"), torch.int32)
     extra_all = section_view(record, entry.section("extra"))
     lut = section_view(record, entry.section("lut"), torch.int32)
-    lo_all = section_view(record, entry.section("lo"), torch.int16) if fp32 else None
     bits_of = torch.tensor(_BITS_OF_CLASS, dtype=torch.int64, device=dev)
     first_rank = torch.tensor(_FIRST_RANK_OF_CLASS, dtype=torch.int64, device=dev)
     step = _class_chunk(sm_all)
@@ -435,12 +448,7 @@ def decode_words_classes_torch(record: torch.Tensor, entry: TensorEntry, out: to
         byte = off >> 3
         window = extra_all[byte].to(torch.int64) | (extra_all[byte + 1].to(torch.int64) << 8)
         value = (window >> (off & 7)) & ((1 << nb) - 1)
-        e = lut[first_rank[c] + value]  # rank 19 (an escape) gives lut[19] = 0: patched afterwards
-        hi = ((sm & 0x80) << 8).bitwise_or_(e << 7).bitwise_or_(sm & 0x7F)
-        if fp32:
-            out[s : s + m] = (hi << 16).bitwise_or_(lo_all[s : s + m].to(torch.int32) & 0xFFFF)
-        else:
-            out[s : s + m] = hi
+        _write_words(out, s, sm, lut[first_rank[c] + value], lo_all)  # rank 19 (an escape): lut[19] = 0, patched
     return out
 
 

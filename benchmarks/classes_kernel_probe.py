@@ -1,11 +1,12 @@
 """Where the classes-code decode kernel spends its time (GPU probe, one Mixtral-shaped tensor).
 
-The library's kernel (`mira_hf.quant.triton_kernels._lossless_classes_kernel`) takes ~2.5x the nibble
-kernel's time though it moves about the same bytes. This script times copies of its
-structure with parts replaced by constants (ablations: their output is wrong, only their time
-matters) and one alternative prefix sum (a matmul with a triangular matrix on the tensor cores,
-exact: group bit counts are small integers), over launch shapes, each exact variant checked bit
-for bit against the torch reference. Prints a table and writes JSON.
+Times a copy of the library's kernel (`mira_hf.quant.triton_kernels._lossless_classes_kernel`, bf16
+path) with parts replaced by constants (ablations: their output is wrong, only their time matters) and
+one alternative prefix sum (a matmul with a triangular matrix on the tensor cores, exact: group bit
+counts are small integers), over launch shapes, each exact variant checked bit for bit against the
+torch reference; the nibble kernel on the same tensor for scale. Prints a table and writes JSON.
+(`2026-11-30-nvidia-h200-classes-kernel-probe*.json` were measured on the earlier rank-table format,
+whose exponent lookup was a gather: NOTES §12.)
 
     python benchmarks/classes_kernel_probe.py --out /tmp/probe.json
 """
@@ -34,29 +35,8 @@ from mira_hf.quant.packed import section_view  # noqa: E402
 
 
 @triton.jit
-def _pick(v, bit: tl.constexpr, a, b):
-    return tl.where(((v >> bit) & 1) != 0, b, a)
-
-
-@triton.jit
-def _select16(v, l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12, l13, l14, l15):
-    # l[v] for v in 0..15 by a tree of 15 selects on v's bits (no memory access)
-    p0, p1, p2, p3 = _pick(v, 0, l0, l1), _pick(v, 0, l2, l3), _pick(v, 0, l4, l5), _pick(v, 0, l6, l7)
-    p4, p5, p6, p7 = _pick(v, 0, l8, l9), _pick(v, 0, l10, l11), _pick(v, 0, l12, l13), _pick(v, 0, l14, l15)
-    q0, q1, q2, q3 = _pick(v, 1, p0, p1), _pick(v, 1, p2, p3), _pick(v, 1, p4, p5), _pick(v, 1, p6, p7)
-    return _pick(v, 3, _pick(v, 2, q0, q1), _pick(v, 2, q2, q3))
-
-
-@triton.jit
-def _select_exponent(c, w, l0, l1, l2, l3, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15):
-    # the rank-table exponent of one weight (class c, field in the low bits of w) by selects, no gather
-    m = _select16(w & 15, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15)
-    return tl.where(c == 3, m, tl.where(c == 2, tl.where((w & 1) != 0, l3, l2), tl.where(c == 1, l1, l0)))
-
-
-@triton.jit
 def _probe_kernel(
-    sm_ptr, cls_ptr, boff_ptr, extra_ptr, lut_ptr, out_ptr, n, n_blocks,
+    sm_ptr, cls_ptr, boff_ptr, extra_ptr, exps_ptr, out_ptr, n, n_blocks,
     SCAN: tl.constexpr, EXTRA: tl.constexpr, LUT: tl.constexpr, R: tl.constexpr, BLK: tl.constexpr,
 ):  # fmt: skip
     # the library kernel's bf16 PACK path; SCAN: 0 none (ablation), 1 associative_scan, 2 triangular dot
@@ -83,29 +63,16 @@ def _probe_kernel(
     else:
         w = lb
     s4 = tl.load(sm_ptr + grp, mask=gmask, other=0)
-    if LUT == 1:
-        e0, e1 = tl.load(lut_ptr), tl.load(lut_ptr + 1)
-        x0 = tk._class_exponent(c0, w, lut_ptr, e0, e1, gmask)
+    if LUT:
+        t0, t1, t2, t3 = tl.load(exps_ptr), tl.load(exps_ptr + 1), tl.load(exps_ptr + 2), tl.load(exps_ptr + 3)
+        lo = tl.load(exps_ptr + 4)
+        x0 = tk._class_exponent(c0, w, t0, t1, t2, t3, lo)
         w = w >> n0
-        x1 = tk._class_exponent(c1, w, lut_ptr, e0, e1, gmask)
+        x1 = tk._class_exponent(c1, w, t0, t1, t2, t3, lo)
         w = w >> n1
-        x2 = tk._class_exponent(c2, w, lut_ptr, e0, e1, gmask)
+        x2 = tk._class_exponent(c2, w, t0, t1, t2, t3, lo)
         w = w >> n2
-        x3 = tk._class_exponent(c3, w, lut_ptr, e0, e1, gmask)
-    elif LUT == 2:  # the rank table in registers: selects instead of gathers
-        l0, l1, l2, l3 = tl.load(lut_ptr), tl.load(lut_ptr + 1), tl.load(lut_ptr + 2), tl.load(lut_ptr + 3)
-        m0, m1, m2, m3 = tl.load(lut_ptr + 4), tl.load(lut_ptr + 5), tl.load(lut_ptr + 6), tl.load(lut_ptr + 7)
-        m4, m5, m6, m7 = tl.load(lut_ptr + 8), tl.load(lut_ptr + 9), tl.load(lut_ptr + 10), tl.load(lut_ptr + 11)
-        m8, m9, m10, m11 = tl.load(lut_ptr + 12), tl.load(lut_ptr + 13), tl.load(lut_ptr + 14), tl.load(lut_ptr + 15)
-        m12, m13, m14, m15 = tl.load(lut_ptr + 16), tl.load(lut_ptr + 17), tl.load(lut_ptr + 18), tl.load(lut_ptr + 19)
-        ms = (m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15)
-        x0 = _select_exponent(c0, w, l0, l1, l2, l3, *ms)
-        w = w >> n0
-        x1 = _select_exponent(c1, w, l0, l1, l2, l3, *ms)
-        w = w >> n1
-        x2 = _select_exponent(c2, w, l0, l1, l2, l3, *ms)
-        w = w >> n2
-        x3 = _select_exponent(c3, w, l0, l1, l2, l3, *ms)
+        x3 = tk._class_exponent(c3, w, t0, t1, t2, t3, lo)
     else:
         x0, x1, x2, x3 = c0 + w, c1 + w, c2 + w, c3 + w
     h0 = tk._class_high_word(s4 & 0xFF, x0)
@@ -116,9 +83,8 @@ def _probe_kernel(
     tl.store(out_ptr + grp, word, mask=gmask)
 
 
-VARIANTS = {  # name: (SCAN, EXTRA, LUT); "full", "select" and "dot" decode correctly
+VARIANTS = {  # name: (SCAN, EXTRA, LUT); "full" and "dot" decode correctly
     "full": (1, True, 1),
-    "select": (1, True, 2),
     "dot": (2, True, 1),
     "no-scan": (0, True, 1),
     "no-extra": (1, False, 1),
@@ -145,7 +111,7 @@ def main() -> int:
     ref = decode_words_classes_torch(record, entry)
     sec = {s: section_view(record, entry.section(s)) for s in ("sm", "cls", "extra")}
     boff = section_view(record, entry.section("boff"), torch.int32)
-    lut = section_view(record, entry.section("lut"), torch.int32)
+    exps = section_view(record, entry.section("exps"), torch.int32)
     out = torch.empty(n, dtype=torch.int16, device=dev)
     n_blocks = triton.cdiv(n, CLASS_BLOCK)
     rows = []
@@ -162,7 +128,7 @@ def main() -> int:
 
             def run(r=r, warps=warps, scan=scan, extra=extra, use_lut=use_lut):
                 _probe_kernel[(triton.cdiv(n_blocks, r),)](
-                    sec["sm"].view(torch.int32), sec["cls"], boff, sec["extra"], lut, out.view(torch.int64), n, n_blocks,
+                    sec["sm"].view(torch.int32), sec["cls"], boff, sec["extra"], exps, out.view(torch.int64), n, n_blocks,
                     SCAN=scan, EXTRA=extra, LUT=use_lut, R=r, BLK=CLASS_BLOCK, num_warps=warps,
                 )  # fmt: skip
 

@@ -78,19 +78,17 @@ ESCAPE_BYTES = 6  # int32 word index + int16 value
 _MAX_WORDS = 2**31 - 1  # escape indices are int32 indices of 16-bit words
 
 
-# The "classes" exponent code (LosslessCodec(code="classes"), MiraConfig's default, ~0.69x bf16 instead of 0.75x):
-# exponents ranked by frequency per tensor; a 2-bit class per weight says rank 0 | rank 1 | ranks 2-3
-# (+1 extra bit) | ranks 4-18 (+4 extra bits; 15 = escape, patched like the nibble code's escapes). Each
-# block of CLASS_BLOCK weights starts its extra bits on a byte (offset per block), so a decoder finds every
-# field with one prefix sum over its block.
+# The "classes" exponent code (LosslessCodec(code="classes"), MiraConfig's default, ~0.69x bf16 instead of 0.75x). Per tensor
+# and expert, the four most frequent exponents t0..t3 and a window of 15 exponents [lo, lo + 14]; a 2-bit
+# class per weight says t0 | t1 | t2 or t3 (+1 extra bit) | lo + v (+4 extra bits v; v = 15: an escape,
+# patched like the nibble code's escapes). t0..t3 never take class 3, so the window holds the next most
+# frequent exponents. Each block of CLASS_BLOCK weights starts its extra bits on a byte (offset per
+# block), so a decoder finds every field with one prefix sum over its block, and turns (class, field)
+# into an exponent with arithmetic and selects on five numbers (`exps`), no table lookups.
 CODES = ("nibble", "classes")
 CLASS_BLOCK = 256
-CLASS_RANKS = 19  # ranks 0..18 have a code; rank 19 marks an escape
-_CLASS_OF_RANK = [0, 1, 2, 2] + [3] * 16  # [20]
+CLASS_WINDOW = 15  # class-3 fields 0..14: exponent lo + field; 15: escape
 _BITS_OF_CLASS = (0, 0, 1, 4)
-_VALUE_OF_RANK = [0, 0, 0, 1] + list(range(16))  # rank 19 -> value 15: the escape
-_FIRST_RANK_OF_CLASS = (0, 1, 2, 4)
-_BITS_OF_RANK = [_BITS_OF_CLASS[c] for c in _CLASS_OF_RANK]
 
 
 def _words_per_element(dtype: torch.dtype) -> int:
@@ -109,7 +107,7 @@ def _encoded_sections(numel: int, dtype: torch.dtype, capacity: int) -> list[tup
 def _class_sections(numel: int, dtype: torch.dtype, capacity: int, extra: int) -> list[tuple[str, int, bool]]:
     """Sections of one tensor under the classes code; `extra`: bytes of extra bits reserved (+2: a decoder
     reads a 2-byte window at the last field)."""
-    parts = [("meta", 8, False), ("lut", 4 * (CLASS_RANKS + 1), False), ("sm", numel, True)]
+    parts = [("meta", 8, False), ("exps", 4 * 8, False), ("sm", numel, True)]  # exps: t0, t1, t2, t3, lo, 0, 0, 0
     if dtype == torch.float32:
         parts.append(("lo", 2 * numel, True))
     parts += [
@@ -264,15 +262,25 @@ def _class_chunk(t: torch.Tensor) -> int:
     return _CHUNK if t.device.type == "cpu" else max(-(-t.numel() // CLASS_BLOCK) * CLASS_BLOCK, CLASS_BLOCK)
 
 
-def _class_ranks(hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rank of each exponent [256] int64, 19 = no code; lut [20] int32: the exponent of each rank).
-    Most frequent first, ties by the lower exponent, so encoding is deterministic."""
-    order = torch.sort(-hist, stable=True).indices
-    rank_of = torch.full((256,), CLASS_RANKS, dtype=torch.int64, device=hist.device)
-    rank_of[order[:CLASS_RANKS]] = torch.arange(CLASS_RANKS, device=hist.device)
-    lut = torch.zeros(CLASS_RANKS + 1, dtype=torch.int32, device=hist.device)
-    lut[:CLASS_RANKS] = order[:CLASS_RANKS].to(torch.int32)
-    return rank_of, lut
+def _class_table(hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For an exponent histogram [256]: (class of each exponent [256] int64, its extra-bit field [256]
+    int64, exps [8] int32 = t0, t1, t2, t3, lo, 0, 0, 0). t0..t3: the four most frequent exponents (ties
+    by the lower exponent); lo: the first start of the 15-exponent window holding the most other
+    weights. Exponents in neither are escapes: class 3, field 15. Deterministic."""
+    dev = hist.device
+    top = torch.sort(-hist, stable=True).indices[:4]
+    rest = hist.clone()
+    rest[top] = 0
+    cs = torch.cat((rest.new_zeros(1), rest.cumsum(0)))
+    lo = int(torch.argmax(cs[CLASS_WINDOW:] - cs[:-CLASS_WINDOW]))  # window [lo, lo + 14], lo = 0 .. 241
+    class_of = torch.full((256,), 3, dtype=torch.int64, device=dev)
+    field_of = torch.full((256,), CLASS_WINDOW, dtype=torch.int64, device=dev)
+    field_of[lo : lo + CLASS_WINDOW] = torch.arange(CLASS_WINDOW, device=dev)
+    class_of[top] = torch.tensor([0, 1, 2, 2], device=dev)
+    field_of[top] = torch.tensor([0, 0, 0, 1], device=dev)
+    exps = torch.zeros(8, dtype=torch.int32, device=dev)
+    exps[:4], exps[4] = top.to(torch.int32), lo
+    return class_of, field_of, exps
 
 
 def _block_bytes(nb: torch.Tensor) -> torch.Tensor:
@@ -285,25 +293,25 @@ def _block_bytes(nb: torch.Tensor) -> torch.Tensor:
 def class_code_size(t: torch.Tensor) -> tuple[int, int]:
     """(escapes, bytes of extra bits) of one tensor under the classes code (what its record must hold)."""
     hi, _ = _high_low(t)
-    rank_of, _ = _class_ranks(_histogram(hi))
-    bits_of_rank = torch.tensor(_BITS_OF_RANK, device=hi.device)
+    class_of, field_of, _ = _class_table(_histogram(hi))
+    bits_of = torch.tensor(_BITS_OF_CLASS, device=hi.device)[class_of]  # [256]
+    escaped = (class_of == 3) & (field_of == CLASS_WINDOW)  # [256]
     escapes = nbytes = 0
     step = _class_chunk(hi)
     for s in range(0, hi.numel(), step):
-        r = rank_of[_exponents(hi[s : s + step]).long()]
-        escapes += int((r == CLASS_RANKS).sum())
-        nbytes += int(_block_bytes(bits_of_rank[r]).sum())
+        e = _exponents(hi[s : s + step]).long()
+        escapes += int(escaped[e].sum())
+        nbytes += int(_block_bytes(bits_of[e]).sum())
     return escapes, nbytes
 
 
 def _encode_entry_classes(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor) -> int:
     """Write one tensor's sections under the classes code; returns its escape count."""
     hi, lo = _high_low(t)
-    rank_of, lut = _class_ranks(_histogram(hi))
+    class_of, field_of, exps = _class_table(_histogram(hi))
     dev = hi.device
-    class_of = torch.tensor(_CLASS_OF_RANK, dtype=torch.int64, device=dev)
-    bits_of = torch.tensor(_BITS_OF_RANK, dtype=torch.int64, device=dev)
-    value_of = torch.tensor(_VALUE_OF_RANK, dtype=torch.int64, device=dev)
+    bits_of = torch.tensor(_BITS_OF_CLASS, dtype=torch.int64, device=dev)[class_of]  # [256]
+    escaped = (class_of == 3) & (field_of == CLASS_WINDOW)
     here = lambda x: x if x.device == out.device else x.to(out.device)  # noqa: E731
     sm_all, cls_all = section_view(out, entry.section("sm")), section_view(out, entry.section("cls"))
     boff_all = section_view(out, entry.section("boff"), torch.int32)
@@ -314,9 +322,9 @@ def _encode_entry_classes(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor
     for s in range(0, hi.numel(), step):  # s: a multiple of CLASS_BLOCK (and of 4)
         x = hi[s : s + step]
         m = x.numel()
-        r = rank_of[_exponents(x).long()]
-        esc.append((r == CLASS_RANKS).nonzero().squeeze(1) + s)
-        c, nb, v = class_of[r], bits_of[r], value_of[r]
+        ex = _exponents(x).long()
+        esc.append(escaped[ex].nonzero().squeeze(1) + s)
+        c, nb, v = class_of[ex], bits_of[ex], field_of[ex]
         c4 = torch.cat((c, c.new_zeros((-m) % 4)))
         cls_all[s // 4 : s // 4 + c4.numel() // 4].copy_(
             here((c4[0::4] | c4[1::4] << 2 | c4[2::4] << 4 | c4[3::4] << 6).to(torch.uint8))
@@ -345,7 +353,7 @@ def _encode_entry_classes(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor
             words.scatter_add_(0, (pos[cross] >> 6) + 1, v[cross] >> (64 - shift[cross]))
             extra_all[at : at + total].copy_(here(words.view(torch.uint8)[:total]))
         at += total
-    section_view(out, entry.section("lut"), torch.int32).copy_(here(lut))
+    section_view(out, entry.section("exps"), torch.int32).copy_(here(exps))
     return _write_escapes(hi, lo, esc, 0, entry, out)
 
 
@@ -432,9 +440,8 @@ def decode_words_classes_torch(record: torch.Tensor, entry: TensorEntry, out: to
     cls_all = section_view(record, entry.section("cls"))
     boff_all = section_view(record, entry.section("boff"), torch.int32)
     extra_all = section_view(record, entry.section("extra"))
-    lut = section_view(record, entry.section("lut"), torch.int32)
+    exps = section_view(record, entry.section("exps"), torch.int32).to(torch.int64)
     bits_of = torch.tensor(_BITS_OF_CLASS, dtype=torch.int64, device=dev)
-    first_rank = torch.tensor(_FIRST_RANK_OF_CLASS, dtype=torch.int64, device=dev)
     step = _class_chunk(sm_all)
     for s in range(0, n, step):
         sm = sm_all[s : s + step].to(torch.int32)
@@ -448,7 +455,9 @@ def decode_words_classes_torch(record: torch.Tensor, entry: TensorEntry, out: to
         byte = off >> 3
         window = extra_all[byte].to(torch.int64) | (extra_all[byte + 1].to(torch.int64) << 8)
         value = (window >> (off & 7)) & ((1 << nb) - 1)
-        _write_words(out, s, sm, lut[first_rank[c] + value], lo_all)  # rank 19 (an escape): lut[19] = 0, patched
+        # t0, t1, t2 + field (t2 or t3), lo + field; an escape (field 15) gives lo + 15 (low 8 bits): patched
+        e = ((exps[torch.where(c == 3, 4, c + value)] + torch.where(c == 3, value, 0)) & 0xFF).to(torch.int32)
+        _write_words(out, s, sm, e, lo_all)
     return out
 
 

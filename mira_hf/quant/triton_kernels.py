@@ -290,11 +290,10 @@ def _class_bits(c):
 
 
 @triton.jit
-def _class_exponent(c, w, lut_ptr, e0, e1, mask):
-    # exponent of one weight from its class, its field (the low bits of w) and the rank table
-    rank = tl.where(c == 3, 4 + (w & 15), 2 + (w & 1))
-    e = tl.load(lut_ptr + rank, mask=mask & (c >= 2), other=0)
-    return tl.where(c == 0, e0, tl.where(c == 1, e1, e))
+def _class_exponent(c, w, t0, t1, t2, t3, lo):
+    # exponent of one weight from its class and its field (the low bits of w): t0 | t1 | t2 or t3 | lo + field;
+    # an escape (field 15) gives lo + 15, low 8 bits, as the torch reference (patched afterwards)
+    return tl.where(c == 3, (lo + (w & 15)) & 0xFF, tl.where(c == 2, tl.where((w & 1) != 0, t3, t2), tl.where(c == 1, t1, t0)))
 
 
 @triton.jit
@@ -335,13 +334,12 @@ def _class_store(out_ptr, lo_ptr, i, n, hi, FP32: tl.constexpr):
 
 @triton.jit
 def _lossless_classes_kernel(
-    sm_ptr, cls_ptr, boff_ptr, extra_ptr, lut_ptr, lo_ptr, out_ptr, n, n_blocks,
+    sm_ptr, cls_ptr, boff_ptr, extra_ptr, exps_ptr, lo_ptr, out_ptr, n, n_blocks,
     FP32: tl.constexpr, PACK: tl.constexpr, R: tl.constexpr, BLK: tl.constexpr,
 ):  # fmt: skip
     # One program: R blocks of BLK weights; one lane per group of 4 weights (one class byte), whose extra
     # bits are contiguous (at most 16), so one window of at most 3 bytes holds all four fields. Bits as in
-    # lossless.decode_words_classes_torch: escapes (rank 19) come out with exponent lut[19] = 0 here and are
-    # patched afterwards. PACK: bf16 with n % 4 == 0 and aligned buffers: each group reads its four
+    # lossless.decode_words_classes_torch (escapes come out wrong and are patched afterwards). PACK: bf16 with n % 4 == 0 and aligned buffers: each group reads its four
     # sign/mantissa bytes as one int32 and writes its four weights as one int64 (sm_ptr and out_ptr are
     # then int32 and int64 views).
     G: tl.constexpr = BLK // 4
@@ -356,14 +354,15 @@ def _lossless_classes_kernel(
     nbits = n0 + n1 + n2 + _class_bits(c3)
     lb = tl.associative_scan(nbits, 1, _add) - nbits  # [R, G] first extra bit of each group within its block
     w = _group_fields(extra_ptr, boff_ptr, blk, n_blocks, lb, nbits, gmask)
-    e0, e1 = tl.load(lut_ptr), tl.load(lut_ptr + 1)
-    h0 = _class_high_word(_sign_mantissa(sm_ptr, grp, i, n, 0, PACK), _class_exponent(c0, w, lut_ptr, e0, e1, gmask))
+    t0, t1, t2, t3 = tl.load(exps_ptr), tl.load(exps_ptr + 1), tl.load(exps_ptr + 2), tl.load(exps_ptr + 3)
+    lo = tl.load(exps_ptr + 4)
+    h0 = _class_high_word(_sign_mantissa(sm_ptr, grp, i, n, 0, PACK), _class_exponent(c0, w, t0, t1, t2, t3, lo))
     w = w >> n0
-    h1 = _class_high_word(_sign_mantissa(sm_ptr, grp, i, n, 1, PACK), _class_exponent(c1, w, lut_ptr, e0, e1, gmask))
+    h1 = _class_high_word(_sign_mantissa(sm_ptr, grp, i, n, 1, PACK), _class_exponent(c1, w, t0, t1, t2, t3, lo))
     w = w >> n1
-    h2 = _class_high_word(_sign_mantissa(sm_ptr, grp, i, n, 2, PACK), _class_exponent(c2, w, lut_ptr, e0, e1, gmask))
+    h2 = _class_high_word(_sign_mantissa(sm_ptr, grp, i, n, 2, PACK), _class_exponent(c2, w, t0, t1, t2, t3, lo))
     w = w >> n2
-    h3 = _class_high_word(_sign_mantissa(sm_ptr, grp, i, n, 3, PACK), _class_exponent(c3, w, lut_ptr, e0, e1, gmask))
+    h3 = _class_high_word(_sign_mantissa(sm_ptr, grp, i, n, 3, PACK), _class_exponent(c3, w, t0, t1, t2, t3, lo))
     if PACK:
         word = h0.to(tl.int64) | (h1.to(tl.int64) << 16) | (h2.to(tl.int64) << 32) | (h3.to(tl.int64) << 48)
         tl.store(out_ptr + grp, word, mask=gmask)
@@ -394,7 +393,7 @@ def lossless_classes_decode(
     _lossless_classes_kernel[(triton.cdiv(n_blocks, r),)](
         sm.view(torch.int32) if pack else sm, section_view(record, entry.section("cls")),
         section_view(record, entry.section("boff"), torch.int32), section_view(record, entry.section("extra")),
-        section_view(record, entry.section("lut"), torch.int32), lo, words.view(torch.int64) if pack else words, n, n_blocks,
+        section_view(record, entry.section("exps"), torch.int32), lo, words.view(torch.int64) if pack else words, n, n_blocks,
         FP32=fp32, PACK=pack, R=r, BLK=CLASS_BLOCK, num_warps=warps or CLASS_WARPS,
     )  # fmt: skip
     return out

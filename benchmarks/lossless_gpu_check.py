@@ -132,8 +132,8 @@ def sweep_classes_launch(record: torch.Tensor, layout, weights: dict, reps: int)
     rows = []
     ref = {n: decode_words_classes_torch(record, layout.entry(n)) for n in weights}
     outs = {n: torch.empty_like(w) for n, w in weights.items()}
-    for r in (4, 8, 16, 32):
-        for warps in (2, 4, 8):
+    for r in (1, 2, 4, 8, 16):
+        for warps in (1, 2, 4, 8):
 
             def bulk(r=r, warps=warps):
                 for n in weights:

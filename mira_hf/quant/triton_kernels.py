@@ -270,10 +270,11 @@ def _lossless_kernel(sm_ptr, codes_ptr, lo_ptr, meta_ptr, out_ptr, n, FP32: tl.c
         tl.store(out_ptr + offs, hi.to(tl.int16), mask=mask)  # truncation keeps the 16 bits
 
 
-# classes-decode launch: blocks of 256 weights per program, warps. 16 blocks took 0.31-0.35 ms per 58.7 M bf16
-# weights on the H200, 2-8 blocks 0.27-0.30 (benchmarks/classes_kernel_probe.py, NOTES §12)
-CLASS_BLOCKS_PER_PROGRAM = 4
-CLASS_WARPS = 4
+# classes-decode launch: blocks of 256 weights per program, warps. Window layout, one Mixtral expert (176 M bf16
+# weights) on the H200: 1 block × 2 warps 0.51 ms, 4 × 4 0.56-0.61, 16 × 4 0.67-0.70, 1 × 8 1.7
+# (benchmarks/lossless_gpu_check.py launch sweep, `...-lossless-window-sweep.json`, NOTES §14)
+CLASS_BLOCKS_PER_PROGRAM = 1
+CLASS_WARPS = 2
 
 
 @triton.jit

@@ -210,7 +210,7 @@ def failures(root: str) -> list[dict]:
         )
 
     def failing_copy(model, exc_factory, at=3):
-        real = model.mira.loader.copy
+        real = model.mira.loader.copy_split  # every copy goes through it
         calls = {"n": 0}
 
         def copy(*a, **k):
@@ -219,10 +219,10 @@ def failures(root: str) -> list[dict]:
                 raise exc_factory()
             return real(*a, **k)
 
-        model.mira.loader.copy = copy
+        model.mira.loader.copy_split = copy
 
         def undo():
-            model.mira.loader.copy = real
+            model.mira.loader.copy_split = real
 
         return undo
 

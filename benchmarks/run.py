@@ -559,6 +559,8 @@ def add_variant(spec: str) -> str:
 def _parse_value(text: str):
     if text.lower() == "none":
         return None
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     for cast in (int, float):
         try:
             return cast(text)

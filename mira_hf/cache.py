@@ -51,6 +51,7 @@ class Slot:
     prefetched: bool = False
     awaiting: bool = False  # prefetched for a block that has not run yet: protected from other prefetches
     ready: object = None  # device event: the copy into this slot is done (None on CPU / when done)
+    first_ready: object = None  # device event: the tensors of the first matmul are in (a copy in two parts)
     partial: int = 0  # bytes of the record copied so far by a speculative copy cut short (0: whole record)
     free: object = None  # device event: the last compute that read this slot is done
 
@@ -169,6 +170,7 @@ class ExpertCache:
         if slot.tier == HOT:
             pool.hot_count -= 1
         slot.key, slot.tier, slot.pins, slot.ready, slot.awaiting, slot.partial = None, STAGE, 0, None, False, 0
+        slot.first_ready = None
         pool._free.append(slot.index)
 
     def resident(self, layer: int | None = None) -> list[Key]:

@@ -118,8 +118,14 @@ class LoaderConfig:
     # `host_budget` is set or the checkpoint is larger than the available host memory; True: always
     # (an error if the checkpoint's layout is not understood); False: never.
     stream_experts: bool | None = None
+    # Copy each record in two parts where its slot holds it as it is ("raw" and "packed" placements):
+    # the tensors of the expert's first matmul, then the rest; the first matmul (and in "packed" the
+    # decode of its weights) starts while the rest is still crossing. False: one copy per record.
+    split_copies: bool = True
 
     def __post_init__(self) -> None:
+        if self.split_copies not in (True, False):
+            raise ConfigError(f"split_copies={self.split_copies!r}: must be True or False.")
         if not isinstance(self.staging_ring_bytes, int) or self.staging_ring_bytes < 2**20:
             raise ConfigError(f"staging_ring_bytes={self.staging_ring_bytes!r}: must be an int ≥ 1 MiB.")
         if not self.copy_timeout_s > 0:

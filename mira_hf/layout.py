@@ -16,6 +16,10 @@ import torch
 # Offsets inside a record are multiples of this, so every view is aligned for any dtype and for DMA.
 ALIGN_BYTES = 256
 
+# The tensors an expert's first matmul reads (transformers' fused experts modules): a record that holds
+# them before every other tensor can be copied in two parts, so the first matmul need not wait for the rest.
+FIRST_MATMUL_TENSORS = frozenset({"gate_up_proj", "up_proj", "gate_up_proj_bias", "up_proj_bias"})
+
 
 def align(n: int, to: int = ALIGN_BYTES) -> int:
     return (n + to - 1) // to * to
@@ -50,6 +54,21 @@ class RawLayout:
     @property
     def signature(self) -> tuple:
         return tuple((t.name, t.shape, t.dtype) for t in self.tensors)
+
+    def tensor_ranges(self) -> dict[str, tuple[int, int]]:
+        """Byte range [start, end) of each tensor in the record."""
+        return {t.name: (t.offset, t.offset + t.nbytes) for t in self.tensors}
+
+
+def split_point(layout, first: frozenset[str] = FIRST_MATMUL_TENSORS) -> int | None:
+    """The byte offset where the tensors named in `first` end, if they all come before every other
+    tensor of a record of `layout` (its `tensor_ranges()`); None if the record does not split so."""
+    ranges = layout.tensor_ranges()
+    head = [end for name, (_, end) in ranges.items() if name in first]
+    tail = [start for name, (start, _) in ranges.items() if name not in first]
+    if not head or not tail or min(tail) < max(head):
+        return None
+    return max(head)
 
 
 class ExpertCodec(Protocol):

@@ -45,22 +45,32 @@ class Loader:
         `after`: an event the copy must wait for (the last compute that read the slot).
         `then`: work to run on the copy stream after the copy (e.g. dequantising into the slot).
         """
+        return self.copy_split(dst, src, src_pinned, 0, after, then)[1]
+
+    def copy_split(
+        self, dst: torch.Tensor, src: torch.Tensor, src_pinned: bool, split: int, after: object = None, then=None
+    ) -> tuple[object, object]:
+        """As `copy`, in two parts: returns (first, done), `first` the event that marks the first `split`
+        bytes landed (None if `split` is 0), so their reader can start while the rest crosses."""
         if not self.cuda:
             t0 = time.perf_counter()
-            dst.copy_(src)
+            dst[:split].copy_(src[:split])
+            dst[split:].copy_(src[split:])
             if then is not None:
                 then()
             self._latencies.append(time.perf_counter() - t0)
-            return None
+            return None, None
         issued = torch.cuda.Event(enable_timing=True)
         issued.record(self._clock)
+        first = None
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
-            if src_pinned:
-                dst.copy_(src, non_blocking=True)
-            else:
-                self._copy_through_ring(dst, src)
+            if split:
+                self._copy_bytes(dst[:split], src[:split], src_pinned)
+                first = torch.cuda.Event()
+                first.record(self.stream)
+            self._copy_bytes(dst[split:], src[split:], src_pinned)
             if then is not None:
                 then()
             done = torch.cuda.Event(enable_timing=True)
@@ -68,7 +78,13 @@ class Loader:
         self._pending_latency.append((issued, done))
         if len(self._pending_latency) > 512:  # bounded; old copies are long done
             self._resolve_latency(len(self._pending_latency) - 256)
-        return done
+        return first, done
+
+    def _copy_bytes(self, dst: torch.Tensor, src: torch.Tensor, src_pinned: bool) -> None:
+        if src_pinned:
+            dst.copy_(src, non_blocking=True)
+        else:
+            self._copy_through_ring(dst, src)
 
     def _copy_through_ring(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self._ring is None:

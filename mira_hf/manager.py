@@ -20,7 +20,7 @@ import torch
 from .cache import STAGE, ExpertCache, Key, Slot, SlotPool
 from .errors import BudgetError, ConcurrencyError, ConfigError, LoaderError, UnsupportedOperationError
 from .heat import HeatConfig, HeatTracker
-from .layout import IdentityCodec, PackedWeights
+from .layout import IdentityCodec, PackedWeights, split_point
 from .loader import Loader
 from .policies import HeatPolicy, LRUPolicy, PriorityConfig, PriorityPolicy
 from .predictors import Predictor, PredictorConfig
@@ -162,6 +162,7 @@ class ExpertManager:
         predictor_config: PredictorConfig | None = None,
         warmup_steps: int = 3,
         placement: str = "dequant",
+        split_copies: bool = True,
     ) -> None:
         self.store = store
         self.layers = {li.ordinal: li for li in layers}
@@ -184,6 +185,12 @@ class ExpertManager:
         spec = self.predictor_config.speculate_bytes
         spec = (48 * 2**20 if device.type == "cuda" else 0) if spec is None else spec
         self.speculate_bytes = spec if self.placement != "dequant" else 0
+        # Records copied in two parts where a slot holds them as they are (LoaderConfig.split_copies): the
+        # tensors of the first matmul, then the rest, so the first matmul (and its decode) overlaps the rest.
+        self._split = {
+            li.ordinal: split_point(store.layout(li.ordinal)) if split_copies and self.placement != "dequant" else None
+            for li in layers
+        }
         self._predicted: dict[Key, float] = {}  # latest predicted probability of use this step
         # layer -> latest [E] prediction: for a layer not yet run this step, or (layers in _next_step) for its next step
         self._layer_probs: dict[int, list[float]] = {}
@@ -360,19 +367,33 @@ class ExpertManager:
             self.predictor.observe(layer, hidden, top_k_index)
             self._ahead[layer] = self.predictor.predict(layer, hidden)
 
-    def acquire(self, plan: BlockPlan, expert: int) -> dict[str, torch.Tensor]:
-        """The device tensors of `expert`, once its copy is done (the compute stream waits on it)."""
+    def acquire(self, plan: BlockPlan, expert: int, first_part: bool = False) -> dict[str, torch.Tensor]:
+        """The device tensors of `expert`, once its copy is done (the compute stream waits on it). With
+        `first_part`, once the tensors of its first matmul are in: the caller must `acquire_rest` before
+        it reads any other tensor."""
         with self._lock:
             slot = plan.slots.get(expert)
             if slot is None:
                 self._issue(plan, at_least_one=True)  # misses are acquired in issue order: this is the next one
                 slot = plan.slots[expert]
-            self.loader.wait(slot.ready, plan.layer)
+            if first_part and slot.first_ready is not None:
+                self.loader.wait(slot.first_ready, plan.layer)
+            else:
+                slot.first_ready = None
+                self.loader.wait(slot.ready, plan.layer)
             if slot.prefetched and not slot.used_since_load:
                 self.telemetry.layer(plan.layer).prefetch_used += 1
                 self.heat.feedback(plan.layer, expert, used=True)
             self.cache.use(slot)
             return self._slot_views(plan.layer, slot)
+
+    def acquire_rest(self, plan: BlockPlan, expert: int) -> None:
+        """After `acquire(..., first_part=True)`: the compute stream also waits for the rest of the record."""
+        slot = plan.slots[expert]
+        if slot.first_ready is not None:
+            with self._lock:
+                slot.first_ready = None
+                self.loader.wait(slot.ready, plan.layer)
 
     def release(self, plan: BlockPlan, expert: int) -> None:
         """The block has enqueued its last read of `expert`: its slot may be reused after that."""
@@ -460,9 +481,15 @@ class ExpertManager:
         layer, expert = slot.key
         src = self.store.record(layer, expert)
         dst = self._arena[self.cache.pool_of_layer[layer]][slot.index]
-        n = slot.partial
+        n, s = slot.partial, self._split[layer]
         try:
-            slot.ready = self.loader.copy(dst[n : src.numel()], src[n:], self.store.tier(layer) == "pinned")
+            if s is not None and n < s:
+                slot.first_ready, slot.ready = self.loader.copy_split(
+                    dst[n : src.numel()], src[n:], self.store.tier(layer) == "pinned", s - n
+                )
+            else:
+                slot.first_ready = slot.ready if s is not None else None  # the speculative copy brought the first part
+                slot.ready = self.loader.copy(dst[n : src.numel()], src[n:], self.store.tier(layer) == "pinned")
         except Exception as exc:  # the slot keeps its first bytes; the block's caller unpins it
             raise LoaderError(
                 f"loading the rest of expert {expert} of MoE layer {layer} to {self.device} failed: {exc}. "
@@ -630,13 +657,18 @@ class ExpertManager:
             n = src.numel() if nbytes is None else min(nbytes, src.numel())
             g = self.cache.pool_of_layer[layer]
             pinned = self.store.tier(layer) == "pinned"
+            slot.first_ready = None
             if self.placement == "dequant":
                 staging, views = self._buffers["staging"][: src.numel()], self._slot_views(layer, slot)
                 layout, dtype = self.store.layout(layer), self.store.dtype(layer)
                 decode = lambda: self.store.codec.decode(staging, layout, dtype, out=views)  # noqa: E731
                 slot.ready = self.loader.copy(staging, src, pinned, after=slot.free, then=decode)
             else:
-                slot.ready = self.loader.copy(self._arena[g][slot.index][:n], src[:n], pinned, after=slot.free)
+                dst, s = self._arena[g][slot.index], self._split[layer]
+                if s is not None and s < n:
+                    slot.first_ready, slot.ready = self.loader.copy_split(dst[:n], src[:n], pinned, s, after=slot.free)
+                else:
+                    slot.ready = self.loader.copy(dst[:n], src[:n], pinned, after=slot.free)
             slot.partial = n if n < src.numel() else 0
             if slot.partial:
                 self._cut_short[key] = slot

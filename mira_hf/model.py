@@ -188,6 +188,7 @@ class MiraMoEModel:
                 priority=cfg.priority,
                 predictor_config=cfg.prediction,
                 placement=cfg.quant.placement,
+                split_copies=cfg.loader.split_copies,
             )
             manager.router_probs, manager.fingerprint, manager.predictor = router_probs, fingerprint, predictor
             manager.quantization = cfg.quantization  # "auto" resolved

@@ -72,10 +72,12 @@ class MiraExperts(nn.Module):
         plan = self.manager.begin(self.layer, needed, hidden_states, top_k_index)
         try:
             for e in plan.order:
-                w = self.manager.acquire(plan, e)
+                w = self.manager.acquire(plan, e, first_part=True)  # the rest of the record may still be crossing
                 rows = order[starts[e] : starts[e] + counts[e]]  # [n], in token order (stable sort)
                 for part in rows.split(self.block_tokens) if self.block_tokens else (rows,):  # token blocks share w
-                    y = self._expert(hidden_states[part // K], w)  # [n, H]
+                    h = self._up_proj(hidden_states[part // K], w)  # [n, I]
+                    self.manager.acquire_rest(plan, e)
+                    y = self._down_proj(h, w)  # [n, H]
                     out[part] = y.float() * weights[part].float()
                 self.manager.release(plan, e)
         finally:
@@ -85,9 +87,11 @@ class MiraExperts(nn.Module):
             result.register_hook(_no_backward)
         return result
 
-    def _expert(self, x: torch.Tensor, w) -> torch.Tensor:
-        # x [n, H] -> [n, H], exactly as transformers' experts implementations compute one expert.
-        # `w`: typed views of the expert's tensors, or `PackedWeights` (placement "packed").
+    # One expert, exactly as transformers' experts implementations compute it, in two halves: the first
+    # reads only the up (gate_up) tensors, which a record split in two parts brings first.
+    # `w`: typed views of the expert's tensors, or `PackedWeights` (placement "packed").
+    def _up_proj(self, x: torch.Tensor, w) -> torch.Tensor:
+        # x [n, H] -> [n, I]
         if isinstance(w, PackedWeights):
             h = w.linear(x, self._up, self._transposed)  # [n, 2I] or [n, I]
             if self._has_bias:
@@ -96,7 +100,10 @@ class MiraExperts(nn.Module):
             h = x @ w[self._up] if self._transposed else F.linear(x, w[self._up])
             if self._has_bias:
                 h = h + w[self._up + "_bias"]
-        h = self.base._apply_gate(h) if self._has_gate else self.base.act_fn(h)  # [n, I]
+        return self.base._apply_gate(h) if self._has_gate else self.base.act_fn(h)  # [n, I]
+
+    def _down_proj(self, h: torch.Tensor, w) -> torch.Tensor:
+        # h [n, I] -> [n, H]
         if isinstance(w, PackedWeights):
             y = w.linear(h, "down_proj", self._transposed)  # [n, H]
             if self._has_bias:

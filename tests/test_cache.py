@@ -364,3 +364,112 @@ def test_host_only_experts_are_computed_but_never_keep_a_slot():
     assert m.stats()["host_only_experts"] == 1
     m.set_host_only({})
     assert m.host_only == frozenset()
+
+
+# -- records copied in two parts (LoaderConfig.split_copies) ------------------------------------------
+
+
+def test_a_record_splits_after_the_tensors_of_the_first_matmul():
+    from mira_hf.layout import IdentityCodec, split_point
+    from mira_hf.quant import LosslessCodec
+
+    up, down = torch.randn(3, 16, 8, dtype=torch.bfloat16), torch.randn(3, 8, 8, dtype=torch.bfloat16)
+    raw = IdentityCodec().plan({"gate_up_proj": ((16, 8), torch.bfloat16), "down_proj": ((8, 8), torch.bfloat16)})
+    assert split_point(raw) == raw.tensor_ranges()["gate_up_proj"][1] == raw.tensor_ranges()["down_proj"][0]
+    packed = LosslessCodec().plan_experts({"gate_up_proj": up, "down_proj": down})
+    assert split_point(packed) == packed.tensor_ranges()["gate_up_proj"][1] <= packed.tensor_ranges()["down_proj"][0]
+    with_bias = IdentityCodec().plan(
+        {"up_proj": ((16, 8), torch.float32), "up_proj_bias": ((16,), torch.float32), "down_proj": ((8, 16), torch.float32)}
+    )
+    assert split_point(with_bias) == with_bias.tensor_ranges()["up_proj_bias"][1]
+    down_first = IdentityCodec().plan({"down_proj": ((8, 8), torch.bfloat16), "gate_up_proj": ((16, 8), torch.bfloat16)})
+    assert split_point(down_first) is None  # the first matmul's tensors do not come first: one copy
+    assert split_point(IdentityCodec().plan({"w1": ((8, 8), torch.float32), "w2": ((8, 8), torch.float32)})) is None
+
+
+class _Event:
+    """A stand-in for a CUDA event, named after what it marks."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def query(self):
+        return False
+
+
+def _recording_manager(**kw):
+    """A CPU manager whose loader hands out named events and records what the compute stream waits on."""
+    m = make_manager(**kw)
+    waits, real, copies = [], m.loader.copy_split, iter(range(10**6))
+
+    def copy_split(dst, src, pinned, split, after=None, then=None):
+        real(dst, src, pinned, split, after, then)
+        n = next(copies)
+        return (_Event(f"first{n}") if split else None), _Event(f"done{n}")
+
+    m.loader.copy_split = copy_split
+    m.loader.wait = lambda event, layer: waits.append(getattr(event, "name", None))
+    return m, waits
+
+
+def test_a_split_copy_lets_the_first_matmul_start_before_the_rest_has_landed():
+    m, waits = _recording_manager()
+    m.enter_forward()
+    plan = m.begin(0, [1])
+    w = m.acquire(plan, 1, first_part=True)
+    assert waits == ["first0"]  # the compute stream waits for the gate_up tensor only
+    m.acquire_rest(plan, 1)
+    m.acquire_rest(plan, 1)  # once is enough
+    assert waits == ["first0", "done0"]
+    assert w["gate_up_proj"][0, 0].item() == 1.0 and w["down_proj"][0, 0].item() == 1.0
+    m.release(plan, 1)
+    m.end(plan)
+    plan = m.begin(0, [1])  # resident: a reader that asks for the whole record waits for all of it
+    m.acquire(plan, 1)
+    assert waits[-1] == "done0"
+    m.release(plan, 1)
+    m.end(plan)
+    m.exit_forward()
+
+
+def test_without_split_copies_a_record_is_one_copy():
+    store = make_manager().store
+    infos = [LayerInfo(i, f"layers.{i}.mlp.experts", 4, 2) for i in range(2)]
+    budget = plan_budget(infos, {i: store.record_bytes(0) for i in range(2)}, 3 * store.record_bytes(0))
+    m = ExpertManager(store, infos, budget, torch.device("cpu"), split_copies=False)
+    splits = []
+    real = m.loader.copy_split
+    m.loader.copy_split = lambda dst, src, pinned, split, *a: splits.append(split) or real(dst, src, pinned, split, *a)
+    m.enter_forward()
+    assert run_block(m, 0, [2]) == {2: 2.0}
+    m.exit_forward()
+    assert splits == [0]
+
+
+@pytest.mark.parametrize("before", [True, False])  # the speculative copy ends before / after the split point
+def test_the_rest_of_a_speculative_copy_is_split_where_the_first_part_is_missing(before):
+    probe = make_manager()
+    record, split = probe.store.record_bytes(0), probe._split[0]
+    assert 0 < split < record
+    m, waits = _recording_manager(
+        layers=3,
+        experts=4,
+        slots=6,
+        policy="heat",
+        predictor_config=PredictorConfig(speculate_bytes=split // 2 if before else (split + record) // 2),
+    )
+    m.enter_forward()
+    run_block(m, 0, [0, 1])  # copies 0 and 1
+    m._stage(0, {1: torch.tensor([0.7, 0.0, 0.0, 0.0])})  # copy 2, cut short
+    slot = m.cache.lookup((1, 0))
+    assert 0 < slot.partial < record and (slot.partial < split) == before
+    waits.clear()
+    plan = m.begin(1, [0])
+    m.acquire(plan, 0, first_part=True)
+    m.acquire_rest(plan, 0)
+    m.release(plan, 0)
+    m.end(plan)
+    # before the split point: the rest comes in two parts; after it: the speculative copy brought the first part
+    assert waits == (["first3", "done3"] if before else ["done2", "done3"])
+    assert torch.equal(m._arena[m.cache.pool_of_layer[1]][slot.index][:record], m.store.record(1, 0))
+    m.exit_forward()

@@ -162,8 +162,8 @@ def test_token_block_prefill_is_close_and_loads_each_expert_once(tiny_checkpoint
     from mira_hf.proxy import MiraExperts
 
     calls = []
-    real = MiraExperts._expert
-    monkeypatch.setattr(MiraExperts, "_expert", lambda self, x, w: calls.append(x.shape[0]) or real(self, x, w))
+    real = MiraExperts._up_proj
+    monkeypatch.setattr(MiraExperts, "_up_proj", lambda self, x, w: calls.append(x.shape[0]) or real(self, x, w))
     with torch.no_grad():
         logits = blocks(ids).logits
         n_blocks, calls[:] = list(calls), []

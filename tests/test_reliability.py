@@ -30,7 +30,7 @@ def test_copy_failure_raises_and_model_stays_usable(tiny_checkpoint, at):
     path = tiny_checkpoint("mixtral")
     expected = load_reference(path).generate(PROMPT, **GEN)
     model = _wrapped(path)
-    real_copy = model.mira.loader.copy
+    real_copy = model.mira.loader.copy_split  # every copy goes through it
     calls = {"n": 0}
 
     def failing_copy(*args, **kwargs):
@@ -39,12 +39,12 @@ def test_copy_failure_raises_and_model_stays_usable(tiny_checkpoint, at):
             raise RuntimeError("injected: bad page in host memory")
         return real_copy(*args, **kwargs)
 
-    model.mira.loader.copy = failing_copy
+    model.mira.loader.copy_split = failing_copy
     with pytest.raises(LoaderError, match="injected"):
         model.generate(PROMPT, **GEN)
     assert _no_pins(model) and not model.mira._forward_lock.locked()
     assert model.mira.cache.resident_bytes <= model.mira.budget.budget_bytes
-    model.mira.loader.copy = real_copy
+    model.mira.loader.copy_split = real_copy
     assert torch.equal(model.generate(PROMPT, **GEN), expected)  # next call works and is exact
 
 

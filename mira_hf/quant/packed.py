@@ -252,6 +252,10 @@ class PackedLayout:
     def names(self) -> tuple[str, ...]:
         return tuple(e.name for e in self.entries)
 
+    def tensor_ranges(self) -> dict[str, tuple[int, int]]:
+        """Byte range [start, end) of each tensor's sections in the record."""
+        return {e.name: (e.sections[0].offset, e.sections[-1].end) for e in self.entries}
+
     def entry(self, name: str) -> TensorEntry:
         for e in self.entries:
             if e.name == name:

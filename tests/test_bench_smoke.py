@@ -173,3 +173,21 @@ def test_lossless_gpu_check_smoke_runs_and_finds_everything_exact(tmp_path):
     result = json.loads(out.read_text())
     assert result["all_exact"] and {r["dist"] for r in result["experts"]} == {"normal", "trained"}
     assert all(r["ratio"] < 0.76 for r in result["experts"])
+
+
+def test_interleaved_ab_smoke_alternates_systems_and_refuses_unknown_ones(tmp_path):
+    """benchmarks/ab.py: every system decodes in every round, ratios are taken against the first system
+    in the same round, and a system it cannot build is refused before any model is built."""
+    script = ROOT / "benchmarks" / "ab.py"
+    out = tmp_path / "ab.json"
+    cmd = [sys.executable, str(script), "--model", "mixtral", "--smoke", "--variant", "nosplit:loader.split_copies=false"]
+    proc = subprocess.run(cmd + ["--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert [r["system"] for r in result["table"]] == ["lru", "default", "nosplit"] and result["baseline"] == "lru"
+    assert all(len(result["rounds"][n]["b1"]) == result["args"]["rounds"] == 2 for n in ("lru", "default", "nosplit"))
+    assert result["table"][0]["b1_vs_lru_median"] == 1.0
+    bad = subprocess.run(
+        cmd[:5] + ["--systems", "lru,default+learned", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert bad.returncode != 0 and "default+learned" in bad.stderr and not list(tmp_path.glob("*-ab.json"))

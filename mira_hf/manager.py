@@ -480,16 +480,9 @@ class ExpertManager:
         """Copy the rest of a record whose speculative copy was cut short: its block needs it."""
         layer, expert = slot.key
         src = self.store.record(layer, expert)
-        dst = self._arena[self.cache.pool_of_layer[layer]][slot.index]
-        n, s = slot.partial, self._split[layer]
+        n = slot.partial
         try:
-            if s is not None and n < s:
-                slot.first_ready, slot.ready = self.loader.copy_split(
-                    dst[n : src.numel()], src[n:], self.store.tier(layer) == "pinned", s - n
-                )
-            else:
-                slot.first_ready = slot.ready if s is not None else None  # the speculative copy brought the first part
-                slot.ready = self.loader.copy(dst[n : src.numel()], src[n:], self.store.tier(layer) == "pinned")
+            self._copy_into(slot, src, n, src.numel(), self.store.tier(layer) == "pinned")
         except Exception as exc:  # the slot keeps its first bytes; the block's caller unpins it
             raise LoaderError(
                 f"loading the rest of expert {expert} of MoE layer {layer} to {self.device} failed: {exc}. "
@@ -499,6 +492,18 @@ class ExpertManager:
         stats = self.telemetry.layer(layer)
         stats.bytes_h2d += src.numel() - n  # one load, counted when its copy started
         stats.speculated_used += 1
+
+    def _copy_into(self, slot: Slot, src: torch.Tensor, start: int, end: int, pinned: bool, after: object = None) -> None:
+        """Copy bytes [start, end) of the record `src` into `slot` (not "dequant": the bytes land as they
+        are). In two parts when the tensors of the first matmul end inside the range (`slot.first_ready`
+        marks them); when they ended before `start`, the slot's previous copy brought them and its event
+        marks them."""
+        s = self._split[slot.key[0]]
+        split = s - start if s is not None and start < s < end else 0
+        before = slot.ready if s is not None and 0 < start and s <= start else None
+        dst = self._arena[self.cache.pool_of_layer[slot.key[0]]][slot.index]
+        first, slot.ready = self.loader.copy_split(dst[start:end], src[start:end], pinned, split, after)
+        slot.first_ready = first if split else before
 
     def _drop_speculation(self, layer: int | None = None) -> None:
         """Free the slots of speculative copies cut short (of `layer`, or all): nobody will finish them."""
@@ -655,20 +660,15 @@ class ExpertManager:
         try:
             src = self.store.record(*key)
             n = src.numel() if nbytes is None else min(nbytes, src.numel())
-            g = self.cache.pool_of_layer[layer]
             pinned = self.store.tier(layer) == "pinned"
-            slot.first_ready = None
             if self.placement == "dequant":
                 staging, views = self._buffers["staging"][: src.numel()], self._slot_views(layer, slot)
                 layout, dtype = self.store.layout(layer), self.store.dtype(layer)
                 decode = lambda: self.store.codec.decode(staging, layout, dtype, out=views)  # noqa: E731
+                slot.first_ready = None
                 slot.ready = self.loader.copy(staging, src, pinned, after=slot.free, then=decode)
             else:
-                dst, s = self._arena[g][slot.index], self._split[layer]
-                if s is not None and s < n:
-                    slot.first_ready, slot.ready = self.loader.copy_split(dst[:n], src[:n], pinned, s, after=slot.free)
-                else:
-                    slot.ready = self.loader.copy(dst[:n], src[:n], pinned, after=slot.free)
+                self._copy_into(slot, src, 0, n, pinned, after=slot.free)
             slot.partial = n if n < src.numel() else 0
             if slot.partial:
                 self._cut_short[key] = slot

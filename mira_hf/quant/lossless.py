@@ -283,11 +283,23 @@ def _class_table(hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return class_of, field_of, exps
 
 
+def _blocks(nb: torch.Tensor) -> torch.Tensor:
+    """Each weight's extra-bit count [m] as blocks of CLASS_BLOCK weights [blocks, CLASS_BLOCK], zero-padded."""
+    pad = (-nb.numel()) % CLASS_BLOCK
+    return (torch.cat((nb, nb.new_zeros(pad))) if pad else nb).view(-1, CLASS_BLOCK)
+
+
 def _block_bytes(nb: torch.Tensor) -> torch.Tensor:
     """Bytes of extra bits per block of CLASS_BLOCK weights ([blocks]), from each weight's bit count."""
-    pad = (-nb.numel()) % CLASS_BLOCK
-    blocks = torch.cat((nb, nb.new_zeros(pad))).view(-1, CLASS_BLOCK) if pad else nb.view(-1, CLASS_BLOCK)
-    return (blocks.sum(1) + 7) // 8
+    return (_blocks(nb).sum(1) + 7) // 8
+
+
+def _field_bits(nb: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Bit offset of each weight's field in the extra-bit stream [m] (int64): its block's first byte
+    (`starts` [blocks], int64) and the bits of the fields before it in its block. The encoder and the
+    decoders (torch here, Triton's prefix sum) place fields by this rule."""
+    nbp = _blocks(nb)
+    return ((torch.cumsum(nbp, 1) - nbp) + starts[:, None] * 8).view(-1)[: nb.numel()]
 
 
 def class_code_size(t: torch.Tensor) -> tuple[int, int]:
@@ -340,8 +352,7 @@ def _encode_entry_classes(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor
                 "layout from every expert it will hold: codec.plan_experts(fused)."
             )
         if total:
-            nbp = torch.cat((nb, nb.new_zeros((-m) % CLASS_BLOCK))).view(-1, CLASS_BLOCK)
-            pos = ((torch.cumsum(nbp, 1) - nbp) + starts[:, None] * 8).view(-1)[:m]  # bit of each field, in the chunk
+            pos = _field_bits(nb, starts)  # bit of each field, in the chunk
             has = nb > 0
             pos, v = pos[has], v[has]
             # fields never overlap, so adding them into 64-bit words is OR-ing them; a field crossing a word
@@ -449,9 +460,8 @@ def decode_words_classes_torch(record: torch.Tensor, entry: TensorEntry, out: to
         cb = cls_all[s // 4 : s // 4 + (m + 3) // 4].to(torch.int64)
         c = torch.stack((cb & 3, (cb >> 2) & 3, (cb >> 4) & 3, cb >> 6), 1).reshape(-1)[:m]
         nb = bits_of[c]
-        nbp = torch.cat((nb, nb.new_zeros((-m) % CLASS_BLOCK))).view(-1, CLASS_BLOCK)
-        starts = boff_all[s // CLASS_BLOCK : s // CLASS_BLOCK + nbp.shape[0]].to(torch.int64)
-        off = ((torch.cumsum(nbp, 1) - nbp) + starts[:, None] * 8).view(-1)[:m]  # bit of each field in `extra`
+        starts = boff_all[s // CLASS_BLOCK : s // CLASS_BLOCK - (-m // CLASS_BLOCK)].to(torch.int64)
+        off = _field_bits(nb, starts)  # bit of each field in `extra`
         byte = off >> 3
         window = extra_all[byte].to(torch.int64) | (extra_all[byte + 1].to(torch.int64) << 8)
         value = (window >> (off & 7)) & ((1 << nb) - 1)

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import run  # noqa: E402  (workloads, mira systems, --variant)
-from common import build_config, environment, print_table, write_json  # noqa: E402
+from common import build_config, device_slug, environment, print_table, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel, calibrate  # noqa: E402
 
@@ -160,16 +160,9 @@ def main() -> int:
     result = {"env": environment(), "command": " ".join(["python"] + sys.argv), "args": vars(args), "model": label,
               "prompt_len": prompt_len, "baseline": base, "table": table, "rounds": rows,
               "wall_s": time.perf_counter() - t_start}  # fmt: skip
-    tag = (
-        torch.cuda.get_device_name(device).lower().replace("nvidia ", "nvidia-").replace(" ", "-")
-        if device.type == "cuda"
-        else "cpu"
-    )
-    out = (
-        args.out
-        if args.out.endswith(".json")
-        else os.path.join(args.out, f"{time.strftime('%Y-%m-%d')}-{tag}-{args.model}-ab.json")
-    )
+    slug = device_slug(result["env"], device.type == "cuda")
+    name = f"{result['env']['date']}-{slug}-{args.model}-ab.json"
+    out = args.out if args.out.endswith(".json") else os.path.join(args.out, name)
     write_json(out, result)
     print(f"wrote {out} ({result['wall_s']:.0f} s)")
     return 0

@@ -14,7 +14,6 @@ whose exponent lookup was a gather: NOTES §12.)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from common import write_json  # noqa: E402
 from timing import cuda_time_ms, graph_time_ms  # noqa: E402
 
 from mira_hf.quant import LosslessCodec  # noqa: E402
@@ -161,8 +161,7 @@ def main() -> int:
         "rows": rows,
     }
     path = os.path.join(args.out, "classes_kernel_probe.json") if os.path.isdir(args.out) else args.out
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(path, result)
     print(f"wrote {path}")
     return 0
 

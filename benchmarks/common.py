@@ -6,6 +6,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import time
 from contextlib import contextmanager
 
@@ -130,6 +131,14 @@ def device_bandwidth(nbytes: int = 2 * 2**30, reps: int = 5) -> float:
         times.append(time.perf_counter() - t0)
     times = sorted(times[1:])
     return 2 * nbytes / times[len(times) // 2] / 1e9
+
+
+def device_slug(env: dict, on_gpu: bool = True) -> str:
+    """The device part of a result file's name: `env["device"]` as lowercase words joined by '-'
+    ("NVIDIA H200" -> "nvidia-h200"), or "cpu" when the run was not on the GPU."""
+    if not on_gpu:
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", str(env.get("device", "cpu")).lower()).strip("-")
 
 
 def write_json(path: str, data: dict) -> None:

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-from common import environment, print_table, random_model_on_device, write_json  # noqa: E402
+from common import device_slug, environment, print_table, random_model_on_device, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.predictors import token_union  # noqa: E402
@@ -245,8 +245,7 @@ def main() -> int:
         for n, i in result["systems"].items()
     ]
     print_table(rows, list(rows[0]))
-    slug = env["device"].lower().replace(" ", "-")
-    write_json(os.path.join(args.out, f"{env['date']}-{slug}-decode-profile.json"), result)
+    write_json(os.path.join(args.out, f"{env['date']}-{device_slug(env)}-decode-profile.json"), result)
     return 0
 
 

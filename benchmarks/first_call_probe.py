@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import environment, print_table, write_json  # noqa: E402
+from common import device_slug, environment, print_table, write_json  # noqa: E402
 
 from mira_hf import bundled_model_path  # noqa: E402
 
@@ -54,10 +54,8 @@ def main() -> int:
             rows.append(dict(cudnn_sdp=cudnn, prompt_len=prompt_len, call=call, ms_per_token=1e3 * s / args.new_tokens))
     print_table(rows, list(rows[0]))
     env = environment()
-    slug = env["device"].lower().replace(" ", "-")
-    os.makedirs(args.out, exist_ok=True)
     write_json(
-        os.path.join(args.out, f"{env['date']}-{slug}-first-call.json"),
+        os.path.join(args.out, f"{env['date']}-{device_slug(env)}-first-call.json"),
         dict(env=env, rows=rows, cudnn_sdp_default=True, command="python benchmarks/first_call_probe.py"),
     )
     return 0

@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-from common import environment, print_table, write_json  # noqa: E402
+from common import device_slug, environment, print_table, write_json  # noqa: E402
 from tiny_models import EXTRA_RECIPES, RECIPES, InterruptAt, make_config  # noqa: E402
 
 from mira_hf import LoaderError, MiraConfig, MiraMoEModel  # noqa: E402
@@ -372,8 +372,7 @@ def main() -> int:
     if isinstance(result.get("failures"), list):
         print_table(result["failures"], ["case", "raised", "seconds_to_raise", "consistent_after", "next_generate_exact", "ok"])
     print("peak:", result.get("peak"))
-    slug = str(result["env"].get("device", "cpu")).lower().replace(" ", "-") if DEV.startswith("cuda") else "cpu"
-    os.makedirs(args.out, exist_ok=True)
+    slug = device_slug(result["env"], DEV.startswith("cuda"))
     write_json(os.path.join(args.out, f"{result['env']['date']}-{slug}-reliability.json"), result)
     return 0
 

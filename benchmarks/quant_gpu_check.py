@@ -19,7 +19,6 @@ Prints a table and writes DIR/quant_gpu_check.json. Runs in well under 90 s on a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -30,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import module_version  # noqa: E402
+from common import module_version, write_json  # noqa: E402
 from timing import cuda_time_ms, graph_time_ms  # noqa: E402
 
 from mira_hf.quant import make_codec, triton_available  # noqa: E402
@@ -192,10 +191,8 @@ def main() -> int:
         "wall_s": time.perf_counter() - t_start,
         "rows": rows,
     }
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "quant_gpu_check.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(path, result)
     print(f"wrote {path} ({result['wall_s']:.1f} s)")
     return 0
 

@@ -38,7 +38,6 @@ import gc  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import re  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -67,6 +66,7 @@ import transformers  # noqa: E402
 from common import (  # noqa: E402
     SHAPES,
     device_bandwidth,
+    device_slug,
     environment,
     h2d_bandwidth,
     print_table,
@@ -1344,7 +1344,7 @@ def main(argv=None) -> int:
     )
     deadline = Deadline(args.time_budget_s)
     env = environment()
-    slug = re.sub(r"[^a-z0-9]+", "-", str(env.get("device", "cpu")).lower()).strip("-") + ("-smoke" if args.smoke else "")
+    slug = device_slug(env) + ("-smoke" if args.smoke else "")
     stem = os.path.join(args.out, f"{env['date']}-{slug}")
     os.makedirs(args.out, exist_ok=True)
     result = dict(

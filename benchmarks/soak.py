@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, print_table, write_json  # noqa: E402
+from common import device_slug, environment, print_table, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel, bundled_model_path  # noqa: E402
 
@@ -79,9 +79,8 @@ def main() -> None:
     print_table(rows[:: max(1, len(rows) // 10)] + [rows[-1]], list(rows[0]))
     print("growth after the first chunk:", growth)
     env = environment()
-    slug = "cpu" if args.device == "cpu" else env["device"].lower().replace(" ", "-")
     write_json(
-        os.path.join(args.out, f"{env['date']}-{slug}-soak.json"),
+        os.path.join(args.out, f"{env['date']}-{device_slug(env, args.device != 'cpu')}-soak.json"),
         dict(
             env=env,
             steps=done,

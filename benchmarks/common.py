@@ -105,7 +105,9 @@ def environment() -> dict:
 
 def h2d_bandwidth(nbytes: int = 512 * 2**20, pinned: bool = True, reps: int = 5) -> float:
     """Host→device GB/s for one large copy (median of `reps`)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    from mira_hf.pinned import pinned_empty  # here: scripts put the repository on sys.path after importing this module
+
+    src = pinned_empty(nbytes) if pinned else torch.empty(nbytes, dtype=torch.uint8)  # the memory the store copies from
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     times = []
     for _ in range(reps + 1):

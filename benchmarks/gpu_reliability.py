@@ -70,17 +70,24 @@ def compare(ref: dict, got: dict) -> dict:
 
 
 def host_tiers(root: str) -> list[dict]:
-    """The pageable store (copies through the pinned staging ring) and the disk tier (experts beyond
-    host_budget, memory-mapped from offload_dir) on CUDA: exact, with their copy counts."""
+    """The pinned store (torch's pinned allocator, and slabs page-locked in place as large ones are), the
+    pageable store (copies through the pinned staging ring) and the disk tier (experts beyond host_budget,
+    memory-mapped from offload_dir) on CUDA: exact, with their copy counts."""
+    from mira_hf import pinned
+
     path = save_tiny("mixtral", root)
     ref = outputs(AutoModelForCausalLM.from_pretrained(path).to(DEV).eval())
     rows = []
     for name, kw in (
         ("pinned", dict(host_memory="pinned")),
+        ("pinned-registered", dict(host_memory="pinned")),  # the tiny slabs page-locked in place, as large ones are
         ("pageable", dict(host_memory="pageable")),
         ("disk", dict(host_memory="pageable", host_budget=1, offload_dir=os.path.join(root, "offload"))),
     ):
         row = dict(tier=name)
+        register_min = pinned.REGISTER_MIN_BYTES
+        if name == "pinned-registered":
+            pinned.REGISTER_MIN_BYTES = 0
         try:
             model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device=DEV, **kw), progress=False)
             row["store_tiers"] = model.mira.store.tier_bytes()
@@ -89,6 +96,8 @@ def host_tiers(root: str) -> list[dict]:
             row["exact"] = row["max_abs_logit_diff"] <= 1e-5 and row["greedy_identical"] and row["beam_identical"]
         except Exception as exc:
             row.update(exact=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            pinned.REGISTER_MIN_BYTES = register_min
         rows.append(row)
     return rows
 

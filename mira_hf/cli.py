@@ -630,7 +630,9 @@ def _h2d_bandwidth(device, pinned: bool, nbytes: int = 256 * 2**20) -> float:
     """Bytes per second of one host-to-device copy of `nbytes`, best of 3 after a warm-up copy."""
     import torch
 
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    from .pinned import pinned_empty
+
+    src = pinned_empty(nbytes) if pinned else torch.empty(nbytes, dtype=torch.uint8)  # the memory the store copies from
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     best = float("inf")
     for i in range(4):

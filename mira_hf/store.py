@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .layout import ExpertCodec, IdentityCodec, RawLayout, plan_layer
+from .pinned import pinned_empty
 
 STORE_FORMAT = "mira-packed-store/1"
 STORE_WEIGHTS, STORE_HEADER = "mira_store.safetensors", "mira_store.json"
@@ -152,7 +153,10 @@ class ExpertStore:
                     f.write(record.numpy().data)
             slab = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes)
         else:
-            slab = torch.empty((E, layout.nbytes), dtype=torch.uint8, pin_memory=(tier == "pinned"))
+            if tier == "pinned":  # exactly its size: torch's pinned allocator would round it up to a power of two
+                slab = pinned_empty(nbytes).view(E, layout.nbytes)
+            else:
+                slab = torch.empty((E, layout.nbytes), dtype=torch.uint8)
             if records is not None:
                 slab.copy_(records)
             else:

@@ -59,9 +59,9 @@ class MiraExperts(nn.Module):
         K = top_k_index.shape[1]
         E = self.num_experts
         flat = top_k_index.reshape(-1)  # [T*K]
-        order = torch.argsort(flat, stable=True)  # [T*K] rows grouped by expert
         self.manager.predict_ahead(self.layer, hidden_states, top_k_index)  # its copy is finished by the sync below
         counts = torch.bincount(flat, minlength=E + 1).tolist()  # [E+1] one host sync per block; E = EP sentinel
+        order = torch.argsort(flat, stable=True)  # [T*K] rows grouped by expert; after the sync, off its path
         starts, acc = [], 0
         for c in counts:
             starts.append(acc)

@@ -12,6 +12,12 @@ default's policy without prediction) and `--variant`s, plus, on the bundled mode
 Workloads: run.py's (`mixtral`, `qwen3`: random weights at real dimensions built on the GPU;
 `bundled`: mira-tiny on its held-out text).
 
+Every system's expert store stays in host memory for the whole run, allocated in build order. Where a
+store lands moves its copy speed (on the H200 machine, memory allocated after ~32 GiB of others copies
+~15% slower: NOTES §15), so with Mixtral-size stores the systems built later are handicapped; the
+`store_h2d_gbps` column shows it. Link-bound comparisons of large stores are fairer in run.py, which
+builds one system at a time into freed memory.
+
     python benchmarks/ab.py --model bundled --out benchmarks/results/     # writes DATE-DEVICE-bundled-ab.json
     python benchmarks/ab.py --model mixtral --systems lru,default --variant nosplit:loader.split_copies=false \\
         --rounds 5 --new-tokens 48 --batch 0 --out benchmarks/results/  # ~3 minutes on an H200
@@ -65,6 +71,27 @@ def decode(model, prompt: torch.Tensor, new_tokens: int, device: torch.device) -
         "stall_ms_per_token": 1e3 * s["stall_s"] / max(steps + 1, 1),
         "hit_rate": s["hit_rate"],
     }
+
+
+def store_h2d_gbps(model, device: torch.device) -> float | None:
+    """Host→device GB/s of copies from this system's expert store (every layer's first and last record,
+    best of 3). Where a store lands in host memory moves its copy speed: on the H200 machine, memory
+    allocated after ~32 GiB of others copies 15% slower (NOTES §15), so a system built after others
+    can lose for that reason alone. The table shows it beside each system."""
+    if device.type != "cuda":
+        return None
+    store = model.mira.store
+    records = [store.record(layer, e) for layer in store.layers for e in (0, store.num_experts(layer) - 1)]
+    dst = torch.empty(max(r.numel() for r in records), dtype=torch.uint8, device=device)
+    best = 0.0
+    for _ in range(3):
+        sync(device)
+        t0 = time.perf_counter()
+        for r in records:
+            dst[: r.numel()].copy_(r, non_blocking=True)
+        sync(device)
+        best = max(best, sum(r.numel() for r in records) / (time.perf_counter() - t0) / 1e9)
+    return best
 
 
 def build_system(name: str, wl: run.Workload, budget: float, device: str, calib: torch.Tensor | None):
@@ -128,6 +155,7 @@ def main() -> int:
         g = torch.Generator().manual_seed(args.seed + 1)
         pool = torch.randint(3, vocab, (max(args.rounds, args.batch, 1) + args.batch, prompt_len), generator=g)
     systems = {n: build_system(n, wl, args.budget, str(device), calib) for n in names}
+    store_gbps = {n: store_h2d_gbps(m, device) for n, m in systems.items()}
     batches = ("b1", "b8") if args.batch else ("b1",)
     rows = {n: {b: [] for b in batches} for n in names}
     for r in range(args.rounds):
@@ -144,7 +172,7 @@ def main() -> int:
     base = names[0]
     table = []
     for n in names:
-        row = {"system": n}
+        row = {"system": n, "store_h2d_gbps": store_gbps[n]}
         for b in batches:
             row[f"{b}_tok_s"] = statistics.median(x["tok_s"] for x in rows[n][b])
             row[f"{b}_stall_ms"] = statistics.median(x["stall_ms_per_token"] for x in rows[n][b])
@@ -153,7 +181,7 @@ def main() -> int:
             row[f"{b}_vs_{base}_median"] = statistics.median(ratios)
             row[f"{b}_vs_{base}_min"], row[f"{b}_vs_{base}_max"] = min(ratios), max(ratios)
         table.append(row)
-    cols = ["system"] + [
+    cols = ["system", "store_h2d_gbps"] + [
         f"{b}_{k}" for b in batches for k in ("tok_s", f"vs_{base}_median", f"vs_{base}_min", f"vs_{base}_max", "stall_ms", "hit")
     ]
     print_table(table, cols)

@@ -663,6 +663,7 @@ def run_system(
         log(f"{wl.key} / {system}: ERROR {row['error'][:300]}")
         print("".join(traceback.format_exception(exc)[-6:]), flush=True)
     finally:
+        row["host_rss_gb"] = _host_rss_gb()  # with the system loaded (its expert store included)
         t = time.perf_counter()
         if model is not None or row["status"] == "error":
             _teardown(model)
@@ -670,8 +671,8 @@ def run_system(
             _free_device_cache()
         row["teardown_s"] = time.perf_counter() - t
         row["system_s"] = time.perf_counter() - t0
-        row["host_rss_gb"] = _host_rss_gb()
-        row["pinned_host_gb"] = _pinned_host_gb()
+        row["host_rss_after_gb"] = _host_rss_gb()  # after teardown: host memory the system did not give back
+        row["pinned_host_gb"] = _pinned_host_gb()  # torch's pinned allocator only (expert slabs are locked in place)
     return row
 
 
@@ -954,8 +955,8 @@ COST_COLUMNS = [
     "system s",
     "GPU GB set up",
     "peak GB b1/b8/beam",
-    "host RSS GB",
-    "pinned GB",
+    "host RSS GB loaded/after",
+    "torch pinned GB",
 ]
 
 
@@ -978,8 +979,8 @@ def cost_rows(rows: list[dict]) -> list[dict]:
                 "system s": _n(r.get("system_s"), "{:.1f}"),
                 "GPU GB set up": _n(r.get("gpu_gb_after_setup"), "{:.2f}"),
                 "peak GB b1/b8/beam": "/".join(_n(peaks.get(k), "{:.1f}") for k in ("b1", "b8", "beam")) if peaks else "",
-                "host RSS GB": _n(r.get("host_rss_gb"), "{:.1f}"),
-                "pinned GB": _n(r.get("pinned_host_gb"), "{:.1f}"),
+                "host RSS GB loaded/after": "/".join(_n(r.get(k), "{:.1f}") for k in ("host_rss_gb", "host_rss_after_gb")),
+                "torch pinned GB": _n(r.get("pinned_host_gb"), "{:.1f}"),
             }
         )
     return out

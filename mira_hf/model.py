@@ -20,7 +20,7 @@ from torch import nn
 
 from model_adapters import MoEAdapter, generic_adapter, get_adapter, registered_model_types
 
-from .checkpoint import StreamedExperts, load_model
+from .checkpoint import StreamedExperts, available_host_bytes, load_model
 from .config import AUTO_LOSSLESS_MIN_RECORD_BYTES, MiraConfig, parse_bytes
 from .errors import BudgetError, CheckpointError, ConfigError, DeviceError, MiraError, UnsupportedModelError
 from .layout import IdentityCodec, plan_layer, plan_layer_from
@@ -142,6 +142,7 @@ class MiraMoEModel:
         _check_device_memory(budget.device_bytes, device, model, targets)
         store_bytes = [(layouts[li.ordinal].nbytes if layouts else raw_bytes[li.ordinal]) * li.num_experts for li in layers]
         _check_offload_space(cfg, store_bytes)
+        _check_host_memory(cfg, store_bytes, targets, streamed is not None, bool(getattr(codec, "lossless", False)))
         # The predictor (and its files) is checked before anything changes too.
         router_probs = _router_probs_fn(adapter, targets)
         fingerprint = model_fingerprint(model, targets, specs)
@@ -488,6 +489,30 @@ def _check_offload_space(cfg: MiraConfig, layer_bytes: list[int]) -> None:
         raise BudgetError(
             f"host_budget={cfg.host_budget!r} leaves {disk:,} bytes of experts for offload_dir={cfg.offload_dir!r}, "
             f"but only {free:,} bytes are free there. Give offload_dir a disk with more space, or raise host_budget."
+        )
+
+
+def _check_host_memory(cfg: MiraConfig, layer_bytes: list[int], targets: list[_Target], streamed: bool, exact: bool) -> None:
+    """Refuse a store that cannot fit in host memory, before anything changes (instead of the kernel's
+    OOM killer halfway through). Experts already in host memory with an exact format are freed layer by
+    layer as the store takes them, so only one layer is new memory; otherwise (streamed from the
+    checkpoint, on a GPU, or kept until the end because a lossy format cannot give them back) the whole
+    host tier is."""
+    available = available_host_bytes()
+    if available is None:
+        return
+    host = 0
+    for n in layer_bytes:  # as the store will place them: beyond host_budget, on disk
+        if not over_host_budget(host, n, cfg.host_budget_bytes):
+            host += n
+    in_host = not streamed and all(p.device.type == "cpu" for t in targets for p in t.tensors.values())
+    need = max(layer_bytes, default=0) if in_host and exact else host
+    if need > available:
+        raise BudgetError(
+            f"the expert store needs {need:,} more bytes of host memory ({host:,} in all, {len(layer_bytes)} layers), "
+            f"but only {available:,} are available. Keep part of the experts on disk: MiraConfig(host_budget=..., "
+            "offload_dir=...) (e.g. host_budget='16GiB'), or use a smaller transfer format (quantization='int4'), "
+            "or free host memory."
         )
 
 

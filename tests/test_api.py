@@ -19,7 +19,7 @@ from mira_hf import (
     UnsupportedModelError,
     UnsupportedOperationError,
 )
-from mira_hf.config import QuantConfig
+from mira_hf.config import LoaderConfig, QuantConfig
 from mira_hf.proxy import MiraExperts
 
 IDS = torch.tensor([[4, 8, 15, 16, 23, 42], [1, 2, 3, 5, 8, 13]])
@@ -161,6 +161,40 @@ def test_budget_above_free_device_memory_is_refused_and_model_untouched(tiny_che
         MiraMoEModel.wrap(model, MiraConfig(gpu_budget=1.0, device="cuda"))
     assert not hasattr(model, "mira")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _store_layer_bytes(path, **cfg):
+    probe = MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", **cfg), progress=False)
+    store = probe.mira.store
+    return [store.record_bytes(layer) * store.num_experts(layer) for layer in store.layers]
+
+
+def test_store_larger_than_host_memory_is_refused_and_model_untouched(tiny_checkpoint, monkeypatch):
+    """Experts in host memory with an exact format move into the store one layer at a time: only one
+    layer must be free. A lossy format keeps the originals until the end, and a streamed load or a model
+    on the GPU brings all of it: then the whole store must fit. Refused before anything changes."""
+    import mira_hf.model as mira_model
+
+    path = tiny_checkpoint("mixtral")
+    layers = _store_layer_bytes(path)
+    int4_total = sum(_store_layer_bytes(path, quantization="int4"))
+    model = load_reference(path)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setattr(mira_model, "available_host_bytes", lambda: max(layers) - 1)
+    with pytest.raises(BudgetError, match=r"needs [\d,]+ more bytes of host memory.*only [\d,]+ are available.*host_budget"):
+        MiraMoEModel.wrap(model, MiraConfig(device="cpu", quantization=None))
+    assert not hasattr(model, "mira")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    monkeypatch.setattr(mira_model, "available_host_bytes", lambda: int4_total - 1)
+    with pytest.raises(BudgetError, match=f"needs {int4_total:,} more bytes"):
+        MiraMoEModel.wrap(model, MiraConfig(device="cpu", quantization="int4"))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(BudgetError, match=f"needs {sum(layers):,} more bytes"):  # streamed: every layer is new memory
+        MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", quantization=None, loader=LoaderConfig(stream_experts=True)))
+    # one free layer is enough to move the experts in host memory into an exact store
+    monkeypatch.setattr(mira_model, "available_host_bytes", lambda: max(layers))
+    MiraMoEModel.wrap(model, MiraConfig(device="cpu", quantization=None))
+    assert model.mira.store.tier_bytes()["pageable"] == sum(layers)
 
 
 @pytest.mark.parametrize(

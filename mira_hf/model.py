@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from model_adapters import MoEAdapter, generic_adapter, get_adapter, registered_model_types
+from model_adapters.base import AutoAdapter, auto_adapter, uses_experts_interface
 
 from .checkpoint import StreamedExperts, available_host_bytes, load_model
 from .config import AUTO_LOSSLESS_MIN_RECORD_BYTES, MiraConfig, parse_bytes
@@ -312,11 +313,16 @@ def _resolve_adapter(model_type: str | None, cfg: MiraConfig) -> MoEAdapter:
     if cfg.expert_layer_path is not None:
         return generic_adapter(cfg.expert_layer_path)
     adapter = get_adapter(model_type) if model_type else None
-    if adapter is None:
+    if adapter is not None:
+        return adapter
+    if model_type and uses_experts_interface(model_type) is False:
         raise UnsupportedModelError(
-            f"model_type {model_type!r} has no mira-hf adapter. Supported: {', '.join(registered_model_types())}. {_HOW_TO_ADD}"
+            f"model_type {model_type!r} has no mira-hf adapter, and transformers' code for it builds no experts module "
+            f"(a dense model, or experts outside transformers' experts interface). Supported: "
+            f"{', '.join(registered_model_types())}, and any model whose experts transformers builds with its experts "
+            f"interface. {_HOW_TO_ADD}"
         )
-    return adapter
+    return auto_adapter(model_type)  # found by transformers' experts interface, or refused by _find_targets
 
 
 def _find_targets(
@@ -325,6 +331,20 @@ def _find_targets(
     """Every routed-experts module, validated. `streamed`: module path -> the meta tensors of experts
     left out of the model at load (they are read from the checkpoint instead)."""
     found = adapter.find_experts(model)
+    auto_type = (adapter.model_types or (None,))[0] if isinstance(adapter, AutoAdapter) else None
+    if not found and isinstance(adapter, AutoAdapter):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} (model_type {auto_type!r}) has no mira-hf adapter, and none of its modules "
+            f"is a routed-experts module built by transformers' experts interface. Supported: "
+            f"{', '.join(registered_model_types())}. {_HOW_TO_ADD}"
+        )
+    if found and isinstance(adapter, AutoAdapter):
+        warnings.warn(
+            f"mira-hf: model_type {auto_type!r} has no adapter; serving the {len(found)} routed-experts modules "
+            f"transformers built ({found[0][0]}, ...). Outputs are exact as for every family; the router beside them "
+            "ranks predictions. register_adapter(MoEAdapter(...)) records its routing and checkpoint layout.",
+            stacklevel=4,
+        )
     if not found:
         raise UnsupportedModelError(
             f"{type(model).__name__}: no routed-experts module matches {list(adapter.experts_globs)} "

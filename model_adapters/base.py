@@ -112,3 +112,58 @@ class GenericAdapter(MoEAdapter):
             if name != "experts" and isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == E:
                 return child
         return None
+
+
+def is_transformers_experts(module: nn.Module) -> bool:
+    """Whether `module` is a routed-experts module built by transformers' `@use_experts_implementation`:
+    the flags the decorator sets on every instance, and fused `[E, ...]` expert tensors."""
+    E = getattr(module, "num_experts", None)
+    if not isinstance(E, int) or not all(hasattr(module, flag) for flag in ("has_gate", "has_bias", "is_transposed")):
+        return False
+    down = getattr(module, "down_proj", None)
+    return isinstance(down, torch.Tensor) and down.dim() == 3 and down.shape[0] == E
+
+
+def uses_experts_interface(model_type: str) -> bool | None:
+    """Whether transformers' modeling code of `model_type` builds its experts with `@use_experts_implementation`
+    (the test transformers itself uses to allow switching experts implementations); None when that code is
+    not part of transformers (remote code, or an unknown type)."""
+    import importlib
+    import inspect
+
+    try:
+        from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+        name = model_type_to_module_name(model_type)
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        return "@use_experts_implementation" in inspect.getsource(module)
+    except (ImportError, OSError, TypeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class AutoAdapter(GenericAdapter):
+    """For a model type without an adapter: every module transformers built with its experts interface is
+    served (the proxy reads the layout flags and gate function from the module itself, so outputs are
+    exact as for any family). The router is found beside the experts as in `GenericAdapter`; its logits
+    are scored with a sigmoid where it carries a selection bias (`e_score_correction_bias`, the
+    DeepSeek-V3 style), else a softmax. That only ranks predictions: a family whose routing differs costs
+    prefetch accuracy, never a token."""
+
+    def find_experts(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return [(n, m) for n, m in model.named_modules() if is_transformers_experts(m)]
+
+    def router_probs(self, block: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+        router = self.router(block)
+        if router is None:
+            return None
+        logits = torch.nn.functional.linear(hidden.to(router.weight.dtype), router.weight, getattr(router, "bias", None)).float()
+        bias = getattr(router, "e_score_correction_bias", None)
+        if bias is None:
+            return logits.softmax(dim=-1)
+        return logits.sigmoid() + bias.float()
+
+
+def auto_adapter(model_type: str | None) -> AutoAdapter:
+    """The adapter for a model type that has none (not registered: `model_types` only names it)."""
+    return AutoAdapter(name=f"auto({model_type})", model_types=(model_type,) if model_type else (), experts_globs=())

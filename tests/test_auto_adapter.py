@@ -1,0 +1,69 @@
+"""Model types without an adapter: served through transformers' experts interface (`AutoAdapter`).
+
+Every MoE family transformers builds with `@use_experts_implementation` has one fused experts module the
+proxy can take the place of; only where it sits and how its router scores differ, and an adapter only
+records that. So a family without one is found by the module itself, with a warning, and must compute
+what the unwrapped model computes. Tiny configs are made by shrinking the family's own defaults; a family
+that the installed transformers lacks is skipped (they arrive over 5.17 to 5.24).
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from mira_hf import MiraConfig, MiraMoEModel, UnsupportedModelError
+from model_adapters import registered_model_types
+
+# Families without an adapter (as of this file) whose shrunken defaults build MoE layers on the CPU.
+FAMILIES = [
+    "afmoe", "cohere2_moe", "deepseek_v4", "ernie4_5_moe", "exaone_moe", "granitemoe_swa", "hunyuan_v1_moe",
+    "hy_v3", "hy_v4", "kolibri1", "laguna", "lara_mini", "mellum", "mimo_v2_flash", "minimax_m2", "nemotron_h",
+    "solar_open",
+]  # fmt: skip
+SMALL = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_local_experts=8,
+    num_experts=8, n_routed_experts=8, moe_num_experts=8, num_experts_per_tok=2, moe_k=2, top_k=2,
+    shared_expert_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16,
+    q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, pad_token_id=0, bos_token_id=1,
+    eos_token_id=2,
+)  # fmt: skip
+IDS = torch.tensor([[5, 9, 17, 33, 42, 7, 64, 100, 3, 11]])
+
+
+def tiny(model_type: str):
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls()
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cls(**{k: v for k, v in SMALL.items() if hasattr(defaults, k)})).eval()
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_unregistered_family_is_served_exactly_through_the_experts_interface(model_type, tmp_path):
+    assert model_type not in registered_model_types(), "has an adapter now: move it to the adapter tests"
+    tiny(model_type).save_pretrained(tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with pytest.warns(UserWarning, match=f"model_type '{model_type}' has no adapter; serving the \\d+ routed-experts"):
+        model = MiraMoEModel.from_pretrained(tmp_path, MiraConfig(device="cpu", gpu_budget=0.5), progress=False)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert (model(IDS).logits - ref(IDS).logits).abs().max() <= 1e-5
+        assert torch.equal(model.generate(IDS, **kw), ref.generate(IDS, **kw))
+    assert model.mira.stats()["loads"] > 0  # the experts really were served from the store
+
+
+def test_unknown_model_type_without_experts_modules_is_refused_and_untouched():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.config.model_type = "my_custom_moe"  # not in transformers: only the modules can tell
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedModelError, match="'my_custom_moe'\\) has no mira-hf adapter, and none of its modules"):
+        MiraMoEModel.wrap(model, MiraConfig(device="cpu"))
+    assert not hasattr(model, "mira")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -121,6 +121,8 @@ def is_transformers_experts(module: nn.Module) -> bool:
     if not isinstance(E, int) or not all(hasattr(module, flag) for flag in ("has_gate", "has_bias", "is_transposed")):
         return False
     down = getattr(module, "down_proj", None)
+    if down is None:  # left out of a streamed load (its tensors are read from the checkpoint instead)
+        return "down_proj" in module._parameters
     return isinstance(down, torch.Tensor) and down.dim() == 3 and down.shape[0] == E
 
 

@@ -97,3 +97,27 @@ def test_unregistered_family_streams_its_experts_from_the_checkpoint(model_type,
         model = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False)
     with torch.no_grad():
         assert (model(IDS, use_cache=False).logits - ref(IDS, use_cache=False).logits).abs().max() <= 1e-5
+
+
+def test_vision_language_model_experts_are_served_by_wrap():
+    """A VLM (not an AutoModelForCausalLM: the user builds it with its own class) wrapped in place: the
+    experts of its text decoder are found through transformers' experts interface and outputs stay exact."""
+    import transformers
+
+    if not hasattr(transformers, "Qwen3VLMoeForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no qwen3_vl_moe")
+    from transformers import Qwen3VLMoeConfig
+
+    text = {k: v for k, v in SMALL.items() if hasattr(Qwen3VLMoeConfig().text_config, k)}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    model = transformers.Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(text_config=text, vision_config=vision)).eval()
+    with torch.no_grad():
+        ref = model(input_ids=IDS).logits
+        ref_tokens = model.generate(input_ids=IDS, max_new_tokens=4, do_sample=False)
+    with pytest.warns(UserWarning, match="'qwen3_vl_moe' has no adapter; serving the 2 routed-experts modules"):
+        MiraMoEModel.wrap(model, MiraConfig(device="cpu", gpu_budget=0.5))
+    with torch.no_grad():
+        assert (model(input_ids=IDS).logits - ref).abs().max() <= 1e-5
+        assert torch.equal(model.generate(input_ids=IDS, max_new_tokens=4, do_sample=False), ref_tokens)
+    assert model.mira.stats()["loads"] > 0

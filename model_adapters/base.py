@@ -75,10 +75,14 @@ class MoEAdapter:
             return None
         logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight, getattr(router, "bias", None)).float()
         bias = getattr(router, "e_score_correction_bias", None)
-        if self.router_scoring == "sigmoid":
+        if self.scoring(router) == "sigmoid":
             scores = logits.sigmoid()
             return scores + bias.float() if bias is not None else scores
         return logits.softmax(dim=-1)
+
+    def scoring(self, router: nn.Module) -> str:
+        """How this router's logits become probabilities: `router_scoring`."""
+        return self.router_scoring
 
 
 def layer_index(module_name: str) -> int | None:
@@ -155,15 +159,8 @@ class AutoAdapter(GenericAdapter):
     def find_experts(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return [(n, m) for n, m in model.named_modules() if is_transformers_experts(m)]
 
-    def router_probs(self, block: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
-        router = self.router(block)
-        if router is None:
-            return None
-        logits = torch.nn.functional.linear(hidden.to(router.weight.dtype), router.weight, getattr(router, "bias", None)).float()
-        bias = getattr(router, "e_score_correction_bias", None)
-        if bias is None:
-            return logits.softmax(dim=-1)
-        return logits.sigmoid() + bias.float()
+    def scoring(self, router: nn.Module) -> str:
+        return "sigmoid" if getattr(router, "e_score_correction_bias", None) is not None else "softmax"
 
 
 def auto_adapter(model_type: str | None) -> AutoAdapter:

@@ -27,7 +27,7 @@ from .errors import BudgetError, CheckpointError, ConfigError, DeviceError, Mira
 from .layout import IdentityCodec, plan_layer, plan_layer_from
 from .manager import ExpertManager, LayerInfo, device_buffers, plan_budget
 from .predictors import build_predictor
-from .proxy import KNOWN_EXPERT_TENSORS, MiraExperts
+from .proxy import KNOWN_EXPERT_TENSORS, MiraExperts, MiraScaledExperts
 from .store import ExpertStore, over_host_budget, read_saved_store
 
 _HOW_TO_ADD = (
@@ -207,8 +207,9 @@ class MiraMoEModel:
             if streamed is not None:
                 streamed.close()
         keep.clear()
+        proxy = MiraScaledExperts if adapter.input_scaled else MiraExperts
         for t in targets:
-            setattr(t.parent, t.attr, MiraExperts(t.module, manager, t.ordinal, cfg.cache.prefill_block_tokens))
+            setattr(t.parent, t.attr, proxy(t.module, manager, t.ordinal, cfg.cache.prefill_block_tokens, adapter.expert_flags))
         model.to(device)
         # Per-instance hooks mark forward steps (the heat clock, serialised threads); always_call
         # releases the step even when the forward raises, so an interrupted generate leaves no lock.
@@ -361,9 +362,9 @@ def _find_targets(
         if in_checkpoint:
             tensors = streamed[name]
         unknown = sorted(set(tensors) - set(KNOWN_EXPERT_TENSORS))
-        up = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+        up = "gate_up_proj" if adapter.flag(module, "has_gate", True) else "up_proj"
         problem = None
-        if not isinstance(E, int) or not hasattr(module, "is_transposed"):
+        if not isinstance(E, int) or not (hasattr(module, "is_transposed") or "is_transposed" in adapter.expert_flags):
             problem = "it is not a fused experts module (transformers' @use_experts_implementation layout with `num_experts`)"
         elif unknown:
             problem = f"it holds tensors mira-hf does not know how to compute with: {unknown}"

@@ -37,18 +37,27 @@ class MiraExperts(nn.Module):
     """Routed experts served by an `ExpertManager`. `base` is the original experts module with its
     expert tensors removed (kept for its gate function, activation and flags, and for `unload`)."""
 
-    def __init__(self, base: nn.Module, manager: ExpertManager, layer: int, block_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        base: nn.Module,
+        manager: ExpertManager,
+        layer: int,
+        block_tokens: int | None = None,
+        flags: dict[str, bool] | None = None,
+    ) -> None:
         super().__init__()
         self.base = base
         self.layer = layer
         self.block_tokens = block_tokens  # CacheConfig.prefill_block_tokens: rows per matmul, None = all
         self.num_experts = base.num_experts
         object.__setattr__(self, "manager", manager)  # shared, not a submodule
-        self._up = "gate_up_proj" if getattr(base, "has_gate", True) else "up_proj"
-        self._has_gate = getattr(base, "has_gate", True)
-        self._has_bias = getattr(base, "has_bias", False)
-        self._transposed = getattr(base, "is_transposed", False)
-        self._post_norm = getattr(base, "has_post_expert_norm", False)
+        flags = flags or {}  # the adapter's, for modules without the decorator's flags
+        flag = lambda name, default: bool(getattr(base, name, flags.get(name, default)))  # noqa: E731
+        self._has_gate = flag("has_gate", True)
+        self._up = "gate_up_proj" if self._has_gate else "up_proj"
+        self._has_bias = flag("has_bias", False)
+        self._transposed = flag("is_transposed", False)
+        self._post_norm = flag("has_post_expert_norm", False)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, num_experts={self.num_experts}, record_bytes={self.manager.store.record_bytes(self.layer)}"
@@ -100,7 +109,13 @@ class MiraExperts(nn.Module):
             h = x @ w[self._up] if self._transposed else F.linear(x, w[self._up])
             if self._has_bias:
                 h = h + w[self._up + "_bias"]
-        return self.base._apply_gate(h) if self._has_gate else self.base.act_fn(h)  # [n, I]
+        if not self._has_gate:
+            return self.base.act_fn(h)  # [n, I]
+        apply_gate = getattr(self.base, "_apply_gate", None)  # transformers' decorator gives one to every module
+        if apply_gate is not None:
+            return apply_gate(h)
+        gate, up = h.chunk(2, dim=-1)  # gate columns first, then up (Llama 4's experts)
+        return self.base.act_fn(gate) * up  # [n, I]
 
     def _down_proj(self, h: torch.Tensor, w) -> torch.Tensor:
         # h [n, I] -> [n, H]
@@ -115,3 +130,35 @@ class MiraExperts(nn.Module):
         if self._post_norm:
             y = self.base.post_expert_norm(y)
         return y
+
+
+class MiraScaledExperts(MiraExperts):
+    """Routed experts of a block that scales each expert's input by its routing weight (Llama 4): the
+    forward takes `[E·T, H]` rows, token t of expert e at row e·T + t, zero where the router did not
+    choose e for t, and returns `[E·T, H]`; the block sums over experts. An expert applied to a zero row
+    gives a zero row (these experts have no biases), so only the chosen experts are computed, each on
+    its T rows as the module's own batched matmul does, and the other rows stay zero."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        E = self.num_experts
+        x = hidden_states.view(E, -1, hidden_states.shape[-1])  # [E, T, H]
+        chosen = x.ne(0).any(dim=2)  # [E, T]
+        K = self.manager.layers[self.layer].top_k
+        top_k_index = chosen.t().float().topk(K, dim=1).indices  # [T, K] for the predictor and traces
+        hidden = x.sum(dim=0)  # [T, H]: each token's hidden state times the sum of its weights (> 0)
+        self.manager.predict_ahead(self.layer, hidden, top_k_index)  # its copy is finished by the sync below
+        needed = [e for e, n in enumerate(chosen.sum(dim=1).tolist()) if n]  # one host sync per block
+        out = torch.zeros_like(x)  # [E, T, H]
+        plan = self.manager.begin(self.layer, needed, hidden, top_k_index)
+        try:
+            for e in plan.order:
+                w = self.manager.acquire(plan, e, first_part=True)
+                h = self._up_proj(x[e], w)  # [T, I]
+                self.manager.acquire_rest(plan, e)
+                out[e] = self._down_proj(h, w)
+                self.manager.release(plan, e)
+        finally:
+            self.manager.end(plan)
+        if out.requires_grad:
+            out.register_hook(_no_backward)
+        return out.view(hidden_states.shape)

@@ -56,6 +56,18 @@ class MoEAdapter:
     # Checkpoint layouts of the routed experts, tried in order, for loading them one expert at a time
     # without building the fused tensors. Empty: derived from transformers' own conversion mapping.
     checkpoint_keys: tuple[ExpertKeys, ...] = ()
+    # Layout flags of experts modules that do not carry those of `@use_experts_implementation`
+    # (`is_transposed`, `has_gate`, `has_bias`): what the module's own forward does.
+    expert_flags: dict[str, bool] = field(default_factory=dict, hash=False)
+    # The block scales each expert's *input* by its routing weight and calls the experts module with
+    # `[E·T, H]` rows, every token for every expert (rows of experts a token did not choose are zero),
+    # then sums the `[E·T, H]` outputs over experts itself (Llama 4). Default: the experts module gets
+    # `(hidden [T, H], top_k_index, top_k_weights)` and weighs and sums the outputs (transformers 5).
+    input_scaled: bool = False
+
+    def flag(self, module: nn.Module, name: str, default: bool) -> bool:
+        """A layout flag of an experts module: the module's own (set by transformers' decorator), else the adapter's."""
+        return bool(getattr(module, name, self.expert_flags.get(name, default)))
 
     def find_experts(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The routed-experts modules, in model order."""

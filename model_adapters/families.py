@@ -120,3 +120,18 @@ GRANITEMOE = register_adapter(
         checkpoint_keys=(GRANITE_LINEARS,),
     )
 )
+
+LLAMA4 = register_adapter(
+    MoEAdapter(
+        name="llama4",
+        model_types=("llama4", "llama4_text"),
+        experts_globs=("*.feed_forward.experts",),
+        router_attr="router",
+        router_scoring="sigmoid",
+        notes="MoE layers every `interleave_moe_layer_step`; sigmoid of the top-k logits scales each expert's "
+        "*input*, every expert runs on every token (zero rows where not chosen); transposed `gate_up_proj "
+        "[E, H, 2I]`, `down_proj [E, I, H]`; shared expert on the block",
+        expert_flags={"is_transposed": True, "has_gate": True, "has_bias": False},
+        input_scaled=True,
+    )
+)

@@ -28,6 +28,7 @@ SHAPE_KEYS = {
     "gpt_oss": ("num_local_experts", "num_experts_per_tok"),
     "deepseek_v3": ("n_routed_experts", "num_experts_per_tok"),
     "deepseek_v2": ("n_routed_experts", "num_experts_per_tok"),
+    "llama4": ("num_local_experts", "num_experts_per_tok"),
 }
 PREDICTORS_NO_TRAINING = [p for p in PREDICTORS if p != "learned"]
 _MODELS: dict = {}

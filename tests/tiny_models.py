@@ -109,6 +109,20 @@ RECIPES = {
         "GraniteMoeConfig",
         dict(BASE, num_hidden_layers=2, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2),
     ),
+    # Llama 4 scales each expert's input by its routing weight and runs every expert on every token.
+    "llama4": (
+        "Llama4TextConfig",
+        dict(
+            BASE,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            intermediate_size_mlp=64,
+            head_dim=16,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            interleave_moe_layer_step=1,
+        ),
+    ),
 }
 
 # Further model types served by a registered adapter, checked too.

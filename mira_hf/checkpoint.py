@@ -340,10 +340,9 @@ def load_model(
     (`UnsupportedModelError`) or the checkpoint does not fit in host memory (`BudgetError`), both
     raised before any weight is read.
     """
-    from transformers import AutoModelForCausalLM
-
+    auto = auto_model_class(_model_type(name_or_path, hf_kwargs))
     if stream_experts is False:
-        return AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs), None
+        return auto.from_pretrained(name_or_path, **hf_kwargs), None
     wanted = bool(stream_experts) or host_budget_set
     try:
         index = ShardIndex.find(name_or_path, hf_kwargs)
@@ -354,7 +353,31 @@ def load_model(
     except NotStreamable as exc:
         if wanted:
             _cannot_stream(name_or_path, str(exc), None, bool(stream_experts))
-    return AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs), None
+    return auto.from_pretrained(name_or_path, **hf_kwargs), None
+
+
+def auto_model_class(model_type: str | None):
+    """The transformers auto class that builds `model_type` with its language-model head: the causal LM,
+    else the image-text-to-text model (a vision-language MoE, whose text decoder holds the experts)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+def _model_type(name_or_path, hf_kwargs: dict) -> str | None:
+    from transformers import AutoConfig
+
+    names = ("revision", "cache_dir", "local_files_only", "token", "subfolder", "trust_remote_code")
+    try:
+        return AutoConfig.from_pretrained(name_or_path, **{k: hf_kwargs[k] for k in names if k in hf_kwargs}).model_type
+    except Exception:  # let from_pretrained report what is wrong with the checkpoint
+        return None
 
 
 def load_without_experts(
@@ -366,7 +389,6 @@ def load_without_experts(
     the experts modules do not match the checkpoint, the model is loaded whole (see `_cannot_stream`).
     """
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     names = ("revision", "cache_dir", "local_files_only", "token", "subfolder", "trust_remote_code")
     config = AutoConfig.from_pretrained(name_or_path, **{k: hf_kwargs[k] for k in names if k in hf_kwargs})
@@ -374,9 +396,9 @@ def load_without_experts(
         raise NotStreamable("it defines its own modeling code (auto_map)")
     if getattr(config, "quantization_config", None) is not None:
         raise NotStreamable("it is pre-quantized (quantization_config): transformers' quantizer reads its experts")
-    base = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    base = auto_model_class(config.model_type)._model_mapping.get(type(config), None)
     if base is None:
-        raise NotStreamable(f"{type(config).__name__} has no causal-LM class in transformers")
+        raise NotStreamable(f"{type(config).__name__} has no language-model class in transformers")
     state: dict[str, object] = {}
 
     def strip_experts(model: torch.nn.Module) -> None:

@@ -66,7 +66,8 @@ class MiraMoEModel:
         expert at a time straight into the store, so host memory at load stays near the non-expert
         weights plus `host_budget` (see `mira_hf.checkpoint`). The result is the same model.
 
-        `hf_kwargs` go to `AutoModelForCausalLM.from_pretrained` (`dtype`, `revision`, `trust_remote_code`, ...),
+        `hf_kwargs` go to `AutoModelForCausalLM.from_pretrained` (`AutoModelForImageTextToText` for a vision-language
+        checkpoint, which has no causal-LM class) (`dtype`, `revision`, `trust_remote_code`, ...),
         except `device_map`: mira-hf places weights itself (non-experts on `mira_config.device`, experts in host memory).
         """
         cfg = _check_config(mira_config)

@@ -121,3 +121,28 @@ def test_vision_language_model_experts_are_served_by_wrap():
         assert (model(input_ids=IDS).logits - ref).abs().max() <= 1e-5
         assert torch.equal(model.generate(input_ids=IDS, max_new_tokens=4, do_sample=False), ref_tokens)
     assert model.mira.stats()["loads"] > 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_vision_language_checkpoint_loads_with_from_pretrained(tmp_path, stream):
+    """A VLM checkpoint has no causal-LM class: from_pretrained builds its image-text-to-text model (the
+    text decoder holds the experts), whole or with the experts read one at a time from the checkpoint."""
+    import transformers
+
+    if not hasattr(transformers, "Qwen3VLMoeForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no qwen3_vl_moe")
+    from transformers import AutoModelForImageTextToText, Qwen3VLMoeConfig
+
+    text = {k: v for k, v in SMALL.items() if hasattr(Qwen3VLMoeConfig().text_config, k)}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    cfg = Qwen3VLMoeConfig(text_config=text, vision_config=vision)
+    transformers.Qwen3VLMoeForConditionalGeneration(cfg).save_pretrained(tmp_path)
+    ref = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    mira_cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=stream))
+    with pytest.warns(UserWarning, match="has no adapter"):
+        model = MiraMoEModel.from_pretrained(tmp_path, mira_cfg, progress=False)
+    assert type(model).__name__ == "Qwen3VLMoeForConditionalGeneration"
+    with torch.no_grad():
+        assert (model(input_ids=IDS).logits - ref(input_ids=IDS).logits).abs().max() <= 1e-5
+    assert model.mira.stats()["loads"] > 0

@@ -28,7 +28,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from common import device_slug, environment, print_table, write_json  # noqa: E402
-from tiny_models import EXTRA_RECIPES, RECIPES, InterruptAt, make_config  # noqa: E402
+from tiny_models import AUTO_FAMILIES, EXTRA_RECIPES, RECIPES, InterruptAt, make_auto_config, make_config  # noqa: E402
 
 from mira_hf import LoaderError, MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.config import QuantConfig  # noqa: E402
@@ -43,8 +43,9 @@ COMBOS = [("lru", None), ("heat", "auto"), ("priority", "markov"), ("heat", "glo
 
 
 def save_tiny(name: str, root: str) -> str:
+    """A tiny random model of an adapter family, or of a family without an adapter (`AUTO_FAMILIES`), saved."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(make_config(name))
+    model = AutoModelForCausalLM.from_config(make_auto_config(name) if name in AUTO_FAMILIES else make_config(name))
     path = os.path.join(root, name)
     model.save_pretrained(path)
     return path
@@ -149,13 +150,16 @@ def min_fraction(path: str) -> float:
 
 def exactness(root: str) -> list[dict]:
     rows = []
-    for name in sorted(RECIPES) + sorted(EXTRA_RECIPES):
+    auto = [n for n in AUTO_FAMILIES if make_auto_config(n) is not None]  # those this transformers has
+    for name in sorted(RECIPES) + sorted(EXTRA_RECIPES) + auto:
         if ONLY and name not in ONLY:
             continue
         path = save_tiny(name, root)
         ref = outputs(AutoModelForCausalLM.from_pretrained(path).to(DEV).eval())
         frac = min_fraction(path)
         combos = [(*c, None, "auto", frac) for c in (COMBOS if name == "mixtral" else COMBOS[:2])]
+        if name in auto:  # served without an adapter: the default, then lossless records as for every family
+            combos = combos[1:2]
         # lossless records (the classes exponent code, the default) decoded by the Triton kernel, both placements;
         # 0.5: the packed placement's decode scratch comes out of the budget
         combos += [("heat", "auto", "lossless", placement, 0.5) for placement in ("packed", "dequant")]

@@ -9,45 +9,24 @@ that the installed transformers lacks is skipped (they arrive over 5.17 to 5.24)
 
 import pytest
 import torch
+from tiny_models import AUTO_FAMILIES as FAMILIES
+from tiny_models import AUTO_SMALL as SMALL
+from tiny_models import make_auto_config
 from transformers import AutoModelForCausalLM
 
 from mira_hf import MiraConfig, MiraMoEModel, UnsupportedModelError
 from mira_hf.config import LoaderConfig
 from model_adapters import registered_model_types
 
-# Families without an adapter (as of this file) whose shrunken defaults build MoE layers on the CPU.
-FAMILIES = [
-    "afmoe", "axk2", "bailing_hybrid", "cohere2_moe", "deepseek_v32", "deepseek_v4", "ernie4_5_moe", "exaone_moe",
-    "glm4_moe_lite", "glm_moe_dsa", "granitemoe_swa", "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "kimi_linear",
-    "kolibri1", "laguna", "lara_mini", "mellum", "mimo_v2_flash", "minimax_m2", "nemotron_h", "solar_open", "zaya",
-]  # fmt: skip
-# Per-family fixes to the shrunken defaults: MLA attention needs as many KV heads as heads; ZAYA routes top-1.
-OVERRIDES = {t: dict(num_key_value_heads=4) for t in ("axk2", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa")}
-OVERRIDES["zaya"] = dict(num_experts_per_tok=1)
-# Hybrid families: one full-attention layer, or transformers' generate finds no layer to measure its cache by.
-HYBRID = dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"])
-OVERRIDES.update(jamba=dict(attn_layer_period=2, attn_layer_offset=1), kimi_linear=HYBRID, bailing_hybrid=HYBRID)
-SMALL = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_local_experts=8,
-    num_experts=8, n_routed_experts=8, moe_num_experts=8, num_experts_per_tok=2, moe_k=2, top_k=2,
-    shared_expert_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16,
-    q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, pad_token_id=0, bos_token_id=1,
-    eos_token_id=2,
-)  # fmt: skip
 IDS = torch.tensor([[5, 9, 17, 33, 42, 7, 64, 100, 3, 11]])
 
 
 def tiny(model_type: str):
-    from transformers import CONFIG_MAPPING
-
-    if model_type not in CONFIG_MAPPING:
+    config = make_auto_config(model_type)
+    if config is None:
         pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
-    cls = CONFIG_MAPPING[model_type]
-    defaults = cls()
     torch.manual_seed(0)
-    kw = dict(SMALL, **OVERRIDES.get(model_type, {}))
-    return AutoModelForCausalLM.from_config(cls(**{k: v for k, v in kw.items() if hasattr(defaults, k)})).eval()
+    return AutoModelForCausalLM.from_config(config).eval()
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

@@ -164,6 +164,42 @@ EXTRA_RECIPES = {
 }
 
 
+# Families without an adapter (as of this file) whose shrunken defaults build MoE layers on the CPU.
+AUTO_FAMILIES = [
+    "afmoe", "axk2", "bailing_hybrid", "cohere2_moe", "deepseek_v32", "deepseek_v4", "ernie4_5_moe", "exaone_moe",
+    "glm4_moe_lite", "glm_moe_dsa", "granitemoe_swa", "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "kimi_linear",
+    "kolibri1", "laguna", "lara_mini", "mellum", "mimo_v2_flash", "minimax_m2", "nemotron_h", "solar_open", "zaya",
+]  # fmt: skip
+# Per-family fixes to the shrunken defaults: MLA attention needs as many KV heads as heads; ZAYA routes top-1.
+AUTO_OVERRIDES = {t: dict(num_key_value_heads=4) for t in ("axk2", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa")}
+AUTO_OVERRIDES["zaya"] = dict(num_experts_per_tok=1)
+# Hybrid families: one full-attention layer, or transformers' generate finds no layer to measure its cache by.
+HYBRID = dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"])
+AUTO_OVERRIDES.update(
+    jamba=dict(attn_layer_period=2, attn_layer_offset=1),
+    kimi_linear=dict(HYBRID, num_key_value_heads=4),  # its full-attention layers are MLA
+    bailing_hybrid=dict(HYBRID, num_key_value_heads=4),
+)
+AUTO_SMALL = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_local_experts=8,
+    num_experts=8, n_routed_experts=8, moe_num_experts=8, num_experts_per_tok=2, moe_k=2, top_k=2,
+    shared_expert_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16,
+    q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, pad_token_id=0, bos_token_id=1,
+    eos_token_id=2,
+)  # fmt: skip
+
+
+def make_auto_config(model_type: str):
+    """A tiny config of a family without an adapter: its own defaults shrunk (None if transformers lacks it)."""
+    if model_type not in transformers.CONFIG_MAPPING:
+        return None
+    cls = transformers.CONFIG_MAPPING[model_type]
+    defaults = cls()
+    kw = dict(AUTO_SMALL, **AUTO_OVERRIDES.get(model_type, {}))
+    return cls(**{k: v for k, v in kw.items() if hasattr(defaults, k)})
+
+
 def make_config(name: str):
     cls_name, kwargs = {**RECIPES, **EXTRA_RECIPES}[name]
     return getattr(transformers, cls_name)(**kwargs)

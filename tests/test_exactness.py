@@ -97,6 +97,36 @@ def test_padded_batch_generate_is_token_identical(tiny_checkpoint, name):
     assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
 
 
+MORE_MODES = {
+    "static cache": dict(do_sample=False, cache_implementation="static"),
+    "no cache": dict(do_sample=False, use_cache=False),
+    "3 samples per prompt": dict(do_sample=True, num_return_sequences=3, top_p=0.9),
+    "penalties": dict(do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=2),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MORE_MODES))
+def test_other_generation_modes_are_token_identical(tiny_checkpoint, mode):
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path, "min")
+    ids = torch.tensor([[0, 0, 5, 9, 14, 33], [7, 21, 4, 8, 11, 3]])
+    kw = dict(MORE_MODES[mode], attention_mask=(ids != 0).long(), max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
+    torch.manual_seed(7)
+    expected = ref.generate(ids, **kw)
+    torch.manual_seed(7)
+    assert torch.equal(model.generate(ids, **kw), expected)
+
+
+def test_assisted_decoding_with_a_draft_model_is_token_identical(tiny_checkpoint):
+    """Speculative decoding: a draft model proposes tokens and the wrapped model verifies several at once."""
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path, "min")
+    ids = torch.tensor([[7, 21, 4, 8, 11, 3]])
+    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    expected = ref.generate(ids, assistant_model=load_reference(path), **kw)
+    assert torch.equal(model.generate(ids, assistant_model=load_reference(path), **kw), expected)
+
+
 def test_streamer_receives_the_same_tokens(tiny_checkpoint):
     from transformers.generation.streamers import BaseStreamer
 

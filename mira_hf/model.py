@@ -424,9 +424,11 @@ class _StepHooks:
     def __init__(self, manager: ExpertManager) -> None:
         self.manager = manager
 
+    @torch.compiler.disable  # the manager's lock and clock run eagerly under torch.compile (see MiraExperts.forward)
     def before(self, module, args, kwargs) -> None:
         self.manager.enter_forward(_starts_sequence(kwargs))
 
+    @torch.compiler.disable
     def after(self, module, args, output) -> None:
         self.manager.exit_forward()
 

@@ -62,6 +62,9 @@ class MiraExperts(nn.Module):
     def extra_repr(self) -> str:
         return f"layer={self.layer}, num_experts={self.num_experts}, record_bytes={self.manager.store.record_bytes(self.layer)}"
 
+    # torch.compile runs the rest of the model compiled and this module eagerly: its host syncs and the
+    # manager's state (slots, events, counters) are not graph material, and tracing them only recompiles.
+    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         # T tokens, K experts per token, H hidden, E experts; rows r = t * K + k
         T, H = hidden_states.shape
@@ -139,6 +142,7 @@ class MiraScaledExperts(MiraExperts):
     gives a zero row (these experts have no biases), so only the chosen experts are computed, each on
     its T rows as the module's own batched matmul does, and the other rows stay zero."""
 
+    @torch.compiler.disable  # as MiraExperts.forward
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         E = self.num_experts
         x = hidden_states.view(E, -1, hidden_states.shape[-1])  # [E, T, H]

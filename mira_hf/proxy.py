@@ -79,21 +79,30 @@ class MiraExperts(nn.Module):
             starts.append(acc)
             acc += c
         needed = [e for e in range(E) if counts[e]]
-        weights = top_k_weights.reshape(-1, 1)  # [T*K, 1]
-        out = hidden_states.new_zeros((T * K, H), dtype=torch.float32)  # [T*K, H]
+        routed = T * K - counts[E]  # rows of real experts (the EP sentinel E sorts last); the rest stay zero
+        order = order[:routed]
+        x = hidden_states[order // K]  # [routed, H]: each row's token, grouped by expert (one gather, not one per expert)
+        y = None  # [routed, H], the experts' outputs in the same order
         plan = self.manager.begin(self.layer, needed, hidden_states, top_k_index)
         try:
             for e in plan.order:
                 w = self.manager.acquire(plan, e, first_part=True)  # the rest of the record may still be crossing
-                rows = order[starts[e] : starts[e] + counts[e]]  # [n], in token order (stable sort)
-                for part in rows.split(self.block_tokens) if self.block_tokens else (rows,):  # token blocks share w
-                    h = self._up_proj(hidden_states[part // K], w)  # [n, I]
+                start, end = starts[e], starts[e] + counts[e]  # its rows, in token order (stable sort)
+                step = self.block_tokens or counts[e]  # token blocks share w
+                for a in range(start, end, step):
+                    b = min(end, a + step)
+                    h = self._up_proj(x[a:b], w)  # [n, I]
                     self.manager.acquire_rest(plan, e)
-                    y = self._down_proj(h, w)  # [n, H]
-                    out[part] = y.float() * weights[part].float()
+                    part = self._down_proj(h, w)  # [n, H]
+                    if y is None:
+                        y = part.new_empty((routed, H))
+                    y[a:b] = part
                 self.manager.release(plan, e)
         finally:
             self.manager.end(plan)
+        out = hidden_states.new_zeros((T * K, H), dtype=torch.float32)  # [T*K, H]
+        if y is not None:
+            out[order] = y.float() * top_k_weights.reshape(-1, 1)[order].float()  # one weighting and scatter for all rows
         result = out.view(T, K, H).sum(dim=1).to(hidden_states.dtype)  # [T, H]
         if result.requires_grad:  # a forward with autograd on: say why a backward cannot work, before autograd does
             result.register_hook(_no_backward)

@@ -329,7 +329,12 @@ class StreamedExperts:
 
 
 def load_model(
-    name_or_path, adapter: MoEAdapter, hf_kwargs: dict, stream_experts: bool | None, host_budget_set: bool
+    name_or_path,
+    adapter: MoEAdapter,
+    hf_kwargs: dict,
+    stream_experts: bool | None,
+    host_budget_set: bool,
+    model_type: str | None = None,
 ) -> tuple[torch.nn.Module, StreamedExperts | None]:
     """Load the model for wrapping: without its routed experts when they are streamed (the second value
     says where to read them), else whole through transformers (`None`).
@@ -338,9 +343,9 @@ def load_model(
     or the checkpoint is larger than the available host memory. When it is wanted but impossible, the
     model is loaded whole with a warning, unless the user asked for it explicitly
     (`UnsupportedModelError`) or the checkpoint does not fit in host memory (`BudgetError`), both
-    raised before any weight is read.
+    raised before any weight is read. `model_type` (config.json's) picks the transformers auto class.
     """
-    auto = auto_model_class(_model_type(name_or_path, hf_kwargs))
+    auto = auto_model_class(model_type)
     if stream_experts is False:
         return auto.from_pretrained(name_or_path, **hf_kwargs), None
     wanted = bool(stream_experts) or host_budget_set
@@ -368,16 +373,6 @@ def auto_model_class(model_type: str | None):
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
-
-
-def _model_type(name_or_path, hf_kwargs: dict) -> str | None:
-    from transformers import AutoConfig
-
-    names = ("revision", "cache_dir", "local_files_only", "token", "subfolder", "trust_remote_code")
-    try:
-        return AutoConfig.from_pretrained(name_or_path, **{k: hf_kwargs[k] for k in names if k in hf_kwargs}).model_type
-    except Exception:  # let from_pretrained report what is wrong with the checkpoint
-        return None
 
 
 def load_without_experts(

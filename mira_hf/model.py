@@ -27,7 +27,7 @@ from .errors import BudgetError, CheckpointError, ConfigError, DeviceError, Mira
 from .layout import IdentityCodec, plan_layer, plan_layer_from
 from .manager import ExpertManager, LayerInfo, device_buffers, plan_budget
 from .predictors import build_predictor
-from .proxy import KNOWN_EXPERT_TENSORS, MiraExperts, MiraScaledExperts
+from .proxy import KNOWN_EXPERT_TENSORS, LAYOUT_FLAGS, MiraExperts, MiraScaledExperts
 from .store import ExpertStore, over_host_budget, read_saved_store
 
 _HOW_TO_ADD = (
@@ -87,7 +87,14 @@ class MiraMoEModel:
         adapter = _resolve_adapter(config_dict.get("model_type"), cfg)  # fail before loading any weight
         hf_kwargs.setdefault("dtype", "auto")
         try:
-            model, streamed = load_model(name_or_path, adapter, hf_kwargs, cfg.loader.stream_experts, cfg.host_budget is not None)
+            model, streamed = load_model(
+                name_or_path,
+                adapter,
+                hf_kwargs,
+                cfg.loader.stream_experts,
+                cfg.host_budget is not None,
+                config_dict.get("model_type"),
+            )
         except MiraError:
             raise
         except Exception as exc:
@@ -210,7 +217,8 @@ class MiraMoEModel:
         keep.clear()
         proxy = MiraScaledExperts if adapter.input_scaled else MiraExperts
         for t in targets:
-            setattr(t.parent, t.attr, proxy(t.module, manager, t.ordinal, cfg.cache.prefill_block_tokens, adapter.expert_flags))
+            flags = {n: adapter.flag(t.module, n, default) for n, default in LAYOUT_FLAGS.items()}
+            setattr(t.parent, t.attr, proxy(t.module, manager, t.ordinal, flags, cfg.cache.prefill_block_tokens))
         model.to(device)
         # Per-instance hooks mark forward steps (the heat clock, serialised threads); always_call
         # releases the step even when the forward raises, so an interrupted generate leaves no lock.
@@ -363,7 +371,7 @@ def _find_targets(
         if in_checkpoint:
             tensors = streamed[name]
         unknown = sorted(set(tensors) - set(KNOWN_EXPERT_TENSORS))
-        up = "gate_up_proj" if adapter.flag(module, "has_gate", True) else "up_proj"
+        up = "gate_up_proj" if adapter.flag(module, "has_gate", LAYOUT_FLAGS["has_gate"]) else "up_proj"
         problem = None
         if not isinstance(E, int) or not (hasattr(module, "is_transposed") or "is_transposed" in adapter.expert_flags):
             problem = "it is not a fused experts module (transformers' @use_experts_implementation layout with `num_experts`)"
@@ -496,15 +504,9 @@ def _check_device_memory(capacity: int, device: torch.device, model: nn.Module, 
 
 def _check_offload_space(cfg: MiraConfig, layer_bytes: list[int]) -> None:
     """Experts beyond `host_budget` go to `offload_dir`: refuse a load that cannot fit there."""
-    budget = cfg.host_budget_bytes
-    if budget is None:
+    if cfg.host_budget_bytes is None:
         return
-    host = disk = 0
-    for n in layer_bytes:  # as the store will place them
-        if over_host_budget(host, n, budget):
-            disk += n
-        else:
-            host += n
+    _, disk = _host_and_disk_bytes(layer_bytes, cfg.host_budget_bytes)
     path = os.path.abspath(cfg.offload_dir)
     while not os.path.exists(path):
         path = os.path.dirname(path)
@@ -516,6 +518,17 @@ def _check_offload_space(cfg: MiraConfig, layer_bytes: list[int]) -> None:
         )
 
 
+def _host_and_disk_bytes(layer_bytes: list[int], host_budget: int | None) -> tuple[int, int]:
+    """Bytes of the store in host memory and on disk, layer by layer as `ExpertStore` places them."""
+    host = disk = 0
+    for n in layer_bytes:
+        if over_host_budget(host, n, host_budget):
+            disk += n
+        else:
+            host += n
+    return host, disk
+
+
 def _check_host_memory(cfg: MiraConfig, layer_bytes: list[int], targets: list[_Target], streamed: bool, exact: bool) -> None:
     """Refuse a store that cannot fit in host memory, before anything changes (instead of the kernel's
     OOM killer halfway through). Experts already in host memory with an exact format are freed layer by
@@ -525,10 +538,7 @@ def _check_host_memory(cfg: MiraConfig, layer_bytes: list[int], targets: list[_T
     available = available_host_bytes()
     if available is None:
         return
-    host = 0
-    for n in layer_bytes:  # as the store will place them: beyond host_budget, on disk
-        if not over_host_budget(host, n, cfg.host_budget_bytes):
-            host += n
+    host, _ = _host_and_disk_bytes(layer_bytes, cfg.host_budget_bytes)
     in_host = not streamed and all(p.device.type == "cpu" for t in targets for p in t.tensors.values())
     need = max(layer_bytes, default=0) if in_host and exact else host
     if need > available:

@@ -31,6 +31,8 @@ def _no_backward(grad: torch.Tensor) -> torch.Tensor:
 
 # Expert tensor names of transformers' fused experts modules (per expert after dropping dim 0).
 KNOWN_EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+# The layout flags the proxy computes with, and their values where neither the module nor its adapter sets them.
+LAYOUT_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "has_post_expert_norm": False}
 
 
 class MiraExperts(nn.Module):
@@ -42,8 +44,8 @@ class MiraExperts(nn.Module):
         base: nn.Module,
         manager: ExpertManager,
         layer: int,
+        flags: dict[str, bool],  # every LAYOUT_FLAGS entry, resolved for `base` (MoEAdapter.flag)
         block_tokens: int | None = None,
-        flags: dict[str, bool] | None = None,
     ) -> None:
         super().__init__()
         self.base = base
@@ -51,13 +53,11 @@ class MiraExperts(nn.Module):
         self.block_tokens = block_tokens  # CacheConfig.prefill_block_tokens: rows per matmul, None = all
         self.num_experts = base.num_experts
         object.__setattr__(self, "manager", manager)  # shared, not a submodule
-        flags = flags or {}  # the adapter's, for modules without the decorator's flags
-        flag = lambda name, default: bool(getattr(base, name, flags.get(name, default)))  # noqa: E731
-        self._has_gate = flag("has_gate", True)
+        self._has_gate = flags["has_gate"]
         self._up = "gate_up_proj" if self._has_gate else "up_proj"
-        self._has_bias = flag("has_bias", False)
-        self._transposed = flag("is_transposed", False)
-        self._post_norm = flag("has_post_expert_norm", False)
+        self._has_bias = flags["has_bias"]
+        self._transposed = flags["is_transposed"]
+        self._post_norm = flags["has_post_expert_norm"]
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, num_experts={self.num_experts}, record_bytes={self.manager.store.record_bytes(self.layer)}"
@@ -91,9 +91,7 @@ class MiraExperts(nn.Module):
                 step = self.block_tokens or counts[e]  # token blocks share w
                 for a in range(start, end, step):
                     b = min(end, a + step)
-                    h = self._up_proj(x[a:b], w)  # [n, I]
-                    self.manager.acquire_rest(plan, e)
-                    part = self._down_proj(h, w)  # [n, H]
+                    part = self._expert(plan, e, w, x[a:b])  # [n, H]
                     if y is None:
                         y = part.new_empty((routed, H))
                     y[a:b] = part
@@ -107,6 +105,13 @@ class MiraExperts(nn.Module):
         if result.requires_grad:  # a forward with autograd on: say why a backward cannot work, before autograd does
             result.register_hook(_no_backward)
         return result
+
+    def _expert(self, plan, e: int, w, x: torch.Tensor) -> torch.Tensor:
+        """Expert `e` (acquired with `first_part=True`) on rows x [n, H] -> [n, H]: the up half may start
+        before the rest of its record has landed; the down half waits for it."""
+        h = self._up_proj(x, w)  # [n, I]
+        self.manager.acquire_rest(plan, e)
+        return self._down_proj(h, w)
 
     # One expert, exactly as transformers' experts implementations compute it, in two halves: the first
     # reads only the up (gate_up) tensors, which a record split in two parts brings first.
@@ -166,9 +171,7 @@ class MiraScaledExperts(MiraExperts):
         try:
             for e in plan.order:
                 w = self.manager.acquire(plan, e, first_part=True)
-                h = self._up_proj(x[e], w)  # [T, I]
-                self.manager.acquire_rest(plan, e)
-                out[e] = self._down_proj(h, w)
+                out[e] = self._expert(plan, e, w, x[e])  # [T, H]
                 self.manager.release(plan, e)
         finally:
             self.manager.end(plan)

@@ -31,7 +31,10 @@ from common import device_slug, environment, print_table, write_json  # noqa: E4
 from tiny_models import AUTO_FAMILIES, EXTRA_RECIPES, RECIPES, InterruptAt, make_auto_config, make_config  # noqa: E402
 
 from mira_hf import LoaderError, MiraConfig, MiraMoEModel  # noqa: E402
-from mira_hf.config import QuantConfig  # noqa: E402
+from mira_hf.config import LoaderConfig, QuantConfig  # noqa: E402
+
+# The tiny models' records are far below LoaderConfig.split_min_bytes: 0 keeps the split-copy path under test.
+SPLIT_ALL = LoaderConfig(split_min_bytes=0)
 
 DEV = "cuda"
 PROMPTS = torch.tensor([[5, 9, 14, 33, 7, 21], [0, 0, 11, 3, 8, 40]])  # row 1 left-padded
@@ -124,6 +127,7 @@ def speculation(root: str) -> list[dict]:
                     quantization=quantization,
                     host_memory=host_memory,
                     prediction=PredictorConfig(speculate_bytes=3000),
+                    loader=SPLIT_ALL,
                 )
                 model = MiraMoEModel.from_pretrained(path, cfg, progress=False)
                 row.update(compare(ref, outputs(model)))
@@ -169,7 +173,7 @@ def exactness(root: str) -> list[dict]:
             try:
                 cfg = MiraConfig(
                     gpu_budget=budget, device=DEV, policy=policy, predictor=predictor, quantization=quantization,
-                    quant=QuantConfig(placement=placement),
+                    quant=QuantConfig(placement=placement), loader=SPLIT_ALL,
                 )  # fmt: skip
                 model = MiraMoEModel.from_pretrained(path, cfg, progress=False)
                 row.update(compare(ref, outputs(model)))

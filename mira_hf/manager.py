@@ -163,6 +163,7 @@ class ExpertManager:
         warmup_steps: int = 3,
         placement: str = "dequant",
         split_copies: bool = True,
+        split_min_bytes: int = 0,  # MiraConfig's default: LoaderConfig.split_min_bytes
     ) -> None:
         self.store = store
         self.layers = {li.ordinal: li for li in layers}
@@ -187,8 +188,11 @@ class ExpertManager:
         self.speculate_bytes = spec if self.placement != "dequant" else 0
         # Records copied in two parts where a slot holds them as they are (LoaderConfig.split_copies): the
         # tensors of the first matmul, then the rest, so the first matmul (and its decode) overlaps the rest.
+        split = split_copies and self.placement != "dequant"
         self._split = {
-            li.ordinal: split_point(store.layout(li.ordinal)) if split_copies and self.placement != "dequant" else None
+            li.ordinal: split_point(store.layout(li.ordinal))
+            if split and store.record_bytes(li.ordinal) >= split_min_bytes
+            else None
             for li in layers
         }
         self._predicted: dict[Key, float] = {}  # latest predicted probability of use this step
@@ -335,7 +339,9 @@ class ExpertManager:
                     stats.hot_hits += 1
                 slot.pins += 1
                 plan.slots[e] = slot
-                (in_flight if slot.ready is not None and not slot.ready.query() else ready).append(e)
+                if slot.ready is not None and slot.ready.query():
+                    slot.ready = slot.first_ready = None  # landed: its later readers need no wait (no CUDA call per hit)
+                (in_flight if slot.ready is not None else ready).append(e)
             stats.misses += len(misses) + len(finishing)
             self.telemetry.count_uses(len(experts) - len(misses) - len(finishing), len(experts))
             plan.order = ready + in_flight + finishing + misses
@@ -450,10 +456,10 @@ class ExpertManager:
                 self._layer_probs[target] = probs.tolist()
                 self._next_step.add(target)
                 continue
-            order = torch.argsort(probs, descending=True).tolist()
             values = probs.tolist()
             self._layer_probs[target] = values  # the nearest prediction comes last and wins
-            chosen = [e for e in order if values[e] >= cfg.confidence]
+            chosen = [e for e, v in enumerate(values) if v >= cfg.confidence]
+            chosen.sort(key=values.__getitem__, reverse=True)  # most likely first (stable: ties by index)
             self._pending_predictions.setdefault(target, []).append((target - layer, set(chosen)))
             for e in chosen:
                 self._predicted[(target, e)] = max(self._predicted.get((target, e), 0.0), values[e])

@@ -153,7 +153,7 @@ class MiraMoEModel:
         _check_offload_space(cfg, store_bytes)
         _check_host_memory(cfg, store_bytes, targets, streamed is not None, bool(getattr(codec, "lossless", False)))
         # The predictor (and its files) is checked before anything changes too.
-        router_probs = _router_probs_fn(adapter, targets)
+        router_probs = RouterTable(adapter, targets)
         fingerprint = model_fingerprint(model, targets, specs)
         predictor = build_predictor(cfg.predictor, layers, router_probs, cfg.prediction, cfg.predictor_path, model, fingerprint)
         pinned = device.type == "cuda" and cfg.host_memory in ("auto", "pinned")
@@ -199,6 +199,7 @@ class MiraMoEModel:
                 predictor_config=cfg.prediction,
                 placement=cfg.quant.placement,
                 split_copies=cfg.loader.split_copies,
+                split_min_bytes=cfg.loader.split_min_bytes,
             )
             manager.router_probs, manager.fingerprint, manager.predictor = router_probs, fingerprint, predictor
             manager.quantization = cfg.quantization  # "auto" resolved
@@ -450,15 +451,25 @@ def _starts_sequence(kwargs: dict) -> bool:
     return length is not None and length() == 0
 
 
-def _router_probs_fn(adapter: MoEAdapter, targets: list[_Target]):
-    """(layer ordinal, hidden [T, H]) -> the router of that layer applied to `hidden`: [T, E] probabilities."""
-    blocks = {t.ordinal: t.parent for t in targets}
+class RouterTable:
+    """The wrapped model's routers by MoE layer ordinal, for predictors: called as `(layer, hidden [T, H])
+    -> [T, E]` router probabilities (a `RouterProbs`), and `linear(layer)`, the router as one linear map
+    (`RouterLinear`) or None, resolved once (the gate predictor applies it at every block)."""
 
-    def router_probs(layer: int, hidden: torch.Tensor) -> torch.Tensor | None:
+    def __init__(self, adapter: MoEAdapter, targets: list[_Target]) -> None:
+        self._adapter = adapter
+        self._blocks = {t.ordinal: t.parent for t in targets}
+        self._linear: dict = {}
+
+    def __call__(self, layer: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        linear = self.linear(layer)
         with torch.no_grad():
-            return adapter.router_probs(blocks[layer], hidden)
+            return None if linear is None else linear.probs(hidden)
 
-    return router_probs
+    def linear(self, layer: int):
+        if layer not in self._linear:
+            self._linear[layer] = self._adapter.router_linear(self._blocks[layer])
+        return self._linear[layer]
 
 
 def _top_k(model: nn.Module, t: _Target) -> int:

@@ -21,10 +21,11 @@ bandwidth, never a token: the true expert is always computed.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from .errors import ConfigError
@@ -91,33 +92,122 @@ def token_union(per_token: torch.Tensor, top_k: int) -> torch.Tensor:
     return 1 - torch.prod(1 - p, dim=0)  # [E]
 
 
+# Up to this many tokens per block (decode steps, small batches) the gate predictor scores on the host:
+# fewer kernel launches than scoring on the device, whose launches cost more host time than NumPy does
+# on a few thousand numbers. Longer blocks (prefill) score on the device and copy [E] per target.
+HOST_SCORING_TOKENS = 64
+
+
 class GatePredictor:
+    """The router of layer L+d applied to layer L's hidden state, for d = 1..lookahead.
+
+    Where every target's router is one linear map (`router_probs.linear(layer)`, a wrapped model's
+    `RouterTable`), a decode step costs one matmul per target, a concatenation and one device→host
+    copy into a pinned buffer kept per layer; the scoring and the union over tokens run on the host
+    (`HostScores`) once the proxy's sync has brought the logits. On a model whose copies take
+    microseconds, host time per block is its decode speed (benchmarks/NOTES.md §16)."""
+
     name = "gate"
 
     def __init__(self, layers: list[int], top_k: dict[int, int], router_probs: RouterProbs, config: PredictorConfig) -> None:
         self.layers, self.top_k, self.router_probs, self.config = layers, top_k, router_probs, config
+        self._plans: dict[int, tuple | None] = {}  # layer -> (targets, routers, scoring per target), or None
+        self._buffers: dict[int, torch.Tensor] = {}  # layer -> pinned [HOST_SCORING_TOKENS, ΣE] logits (CUDA)
 
     def observe(self, layer, hidden, top_k_index) -> None:
         pass
 
     def predict(self, layer, hidden):
-        targets, parts = [], []
-        for d in range(1, self.config.lookahead + 1):
-            target = layer + d
-            if target in self.top_k:
-                probs = self.router_probs(target, hidden)
-                if probs is not None:
-                    targets.append(target)
-                    parts.append(token_union(probs, self.top_k[target]))
-        if not parts:
+        plan = self._plan(layer)
+        if plan is not None:
+            targets, routers, scoring = plan
+            parts = [r.logits(hidden) for r in routers]  # [T, E_t] each
+            if hidden.shape[0] <= HOST_SCORING_TOKENS:
+                flat = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [T, ΣE]
+                return HostScores(targets, scoring, self._to_host(layer, flat))
+            probs = [r.probs_from(logits) for r, logits in zip(routers, parts)]
+        else:
+            targets = [layer + d for d in range(1, self.config.lookahead + 1) if layer + d in self.top_k]
+            probs = [self.router_probs(t, hidden) for t in targets]
+            targets, probs = [t for t, p in zip(targets, probs) if p is not None], [p for p in probs if p is not None]
+        if not probs:
             return {}
+        parts = [token_union(p, self.top_k[t]) for t, p in zip(targets, probs)]
         # one device→host copy for all target layers; non-blocking (pinned) on CUDA: the proxy asks before
         # its block's host sync, which completes the copy (see ExpertManager.predict_ahead)
         flat = torch.cat(parts).to("cpu", non_blocking=True)
         return dict(zip(targets, flat.split([p.numel() for p in parts])))
 
+    def _plan(self, layer: int) -> tuple | None:
+        """The targets of `layer`, their routers as linear maps and how each scores (None: no target, or
+        some router is not one linear map)."""
+        if layer not in self._plans:
+            targets = [layer + d for d in range(1, self.config.lookahead + 1) if layer + d in self.top_k]
+            linear = getattr(self.router_probs, "linear", None)
+            routers = [linear(t) for t in targets] if linear is not None and targets else None
+            if routers is None or any(r is None for r in routers):
+                self._plans[layer] = None
+            else:
+                scoring = [
+                    (r.scoring, None if r.correction is None else r.correction.detach().float().cpu().numpy(), self.top_k[t], r.weight.shape[0])
+                    for t, r in zip(targets, routers)
+                ]  # fmt: skip
+                self._plans[layer] = (targets, routers, scoring)
+        return self._plans[layer]
+
+    def _to_host(self, layer: int, logits: torch.Tensor) -> torch.Tensor:
+        """`logits [T, ΣE]` on the host: on CUDA a non-blocking copy into this layer's pinned buffer, read
+        after the block's sync, in the same block, before the layer's next prediction overwrites it."""
+        if logits.device.type != "cuda":
+            return logits.detach()
+        buf = self._buffers.get(layer)
+        if buf is None or buf.shape[1] != logits.shape[1] or buf.dtype != logits.dtype:
+            buf = self._buffers[layer] = torch.empty((HOST_SCORING_TOKENS, logits.shape[1]), dtype=logits.dtype, pin_memory=True)
+        view = buf[: logits.shape[0]]
+        view.copy_(logits, non_blocking=True)
+        return view
+
     def reset(self) -> None:
         pass
+
+
+class HostScores(Mapping):
+    """`{target layer: [E] probability of use}` from the concatenated router logits of the targets for
+    the block's tokens (`host [T, ΣE]`), scored with NumPy when first read: softmax, or sigmoid plus
+    the selection bias; then the union over tokens and their top-k picks (`token_union`). Read only
+    after the device→host copy is done (the proxy's sync)."""
+
+    def __init__(self, targets: list[int], scoring: list[tuple[str, np.ndarray | None, int, int]], host: torch.Tensor) -> None:
+        self._targets, self._scoring, self._host = targets, scoring, host  # scoring: (kind, bias, top-k, E) per target
+        self._values: dict[int, torch.Tensor] | None = None
+
+    def _scores(self) -> dict[int, torch.Tensor]:
+        if self._values is None:
+            z_all = self._host.float().numpy()  # [T, ΣE]
+            self._values, start = {}, 0
+            for target, (kind, correction, k, E) in zip(self._targets, self._scoring):
+                z = z_all[:, start : start + E]
+                start += E
+                if kind == "sigmoid":
+                    p = 1 / (1 + np.exp(-z))
+                    if correction is not None:
+                        p = p + correction
+                else:
+                    e = np.exp(z - z.max(axis=1, keepdims=True))
+                    p = e / e.sum(axis=1, keepdims=True)
+                q = np.clip(p * np.float32(k), 0, 1)  # [T, E]
+                u = q[0] if q.shape[0] == 1 else 1 - np.prod(1 - q, axis=0)
+                self._values[target] = torch.from_numpy(u.astype(np.float32, copy=False))
+        return self._values
+
+    def __getitem__(self, target: int) -> torch.Tensor:
+        return self._scores()[target]
+
+    def __iter__(self):
+        return iter(self._targets)
+
+    def __len__(self) -> int:
+        return len(self._targets)
 
 
 class MarkovPredictor:

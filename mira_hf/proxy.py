@@ -72,7 +72,13 @@ class MiraExperts(nn.Module):
         E = self.num_experts
         flat = top_k_index.reshape(-1)  # [T*K]
         self.manager.predict_ahead(self.layer, hidden_states, top_k_index)  # its copy is finished by the sync below
-        counts = torch.bincount(flat, minlength=E + 1).tolist()  # [E+1] one host sync per block; E = EP sentinel
+        if T == 1:
+            picks = flat.tolist()  # [K] one host sync per block
+            if len(set(picks)) == K:  # distinct experts (as top-k picks are)
+                return self._decode_step(hidden_states, top_k_index, top_k_weights, picks)
+            counts = [picks.count(e) for e in range(E + 1)]
+        else:
+            counts = torch.bincount(flat, minlength=E + 1).tolist()  # [E+1] one host sync per block; E = EP sentinel
         order = torch.argsort(flat, stable=True)  # [T*K] rows grouped by expert; after the sync, off its path
         starts, acc = [], 0
         for c in counts:
@@ -103,6 +109,35 @@ class MiraExperts(nn.Module):
             out[order] = y.float() * top_k_weights.reshape(-1, 1)[order].float()  # one weighting and scatter for all rows
         result = out.view(T, K, H).sum(dim=1).to(hidden_states.dtype)  # [T, H]
         if result.requires_grad:  # a forward with autograd on: say why a backward cannot work, before autograd does
+            result.register_hook(_no_backward)
+        return result
+
+    def _decode_step(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, picks: list[int]
+    ) -> torch.Tensor:
+        """`forward` for one token (a decode step) whose K `picks` are distinct: each expert's output row
+        goes to its slot k directly, without the sort, gather and scatter that group many tokens' rows by
+        expert (launch-bound models spend their decode time on such launches). The same arithmetic as
+        `forward`, so the same bits."""
+        H, E = hidden_states.shape[1], self.num_experts
+        slot_of = {e: k for k, e in enumerate(picks) if e != E}  # E = EP sentinel: its row stays zero
+        y = hidden_states.new_zeros((len(picks), H)) if len(slot_of) < len(picks) else None  # [K, H]
+        plan = self.manager.begin(self.layer, sorted(slot_of), hidden_states, top_k_index)
+        try:
+            for e in plan.order:
+                w = self.manager.acquire(plan, e, first_part=True)
+                part = self._expert(plan, e, w, hidden_states)  # [1, H]
+                if y is None:
+                    y = part.new_empty((len(picks), H))
+                y[slot_of[e]] = part[0]
+                self.manager.release(plan, e)
+        finally:
+            self.manager.end(plan)
+        if y is None:  # every pick was the EP sentinel
+            return hidden_states.new_zeros((1, H))
+        out = y.float() * top_k_weights.reshape(-1, 1).float()  # [K, H]
+        result = out.view(1, len(picks), H).sum(dim=1).to(hidden_states.dtype)  # [1, H]
+        if result.requires_grad:
             result.register_hook(_no_backward)
         return result
 

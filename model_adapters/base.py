@@ -45,6 +45,32 @@ class ExpertKeys:
 
 
 @dataclass(frozen=True)
+class RouterLinear:
+    """A router that is one linear map, then a scoring: what predictors apply to earlier hidden states."""
+
+    weight: torch.Tensor  # [E, H]
+    bias: torch.Tensor | None  # [E]
+    scoring: str  # "softmax", or "sigmoid" (plus `correction`, the DeepSeek-V3 selection bias)
+    correction: torch.Tensor | None  # [E]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, E], in the router's dtype."""
+        return torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+
+    def probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, E] float32 probabilities (sigmoid scores for sigmoid routers)."""
+        return self.probs_from(self.logits(hidden))
+
+    def probs_from(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [T, E] -> [T, E] float32 probabilities."""
+        logits = logits.float()
+        if self.scoring == "sigmoid":
+            scores = logits.sigmoid()
+            return scores + self.correction.float() if self.correction is not None else scores
+        return logits.softmax(dim=-1)
+
+
+@dataclass(frozen=True)
 class MoEAdapter:
     name: str  # family name, for messages
     model_types: tuple[str, ...]  # config.model_type values served
@@ -79,18 +105,18 @@ class MoEAdapter:
     def router_probs(self, block: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
         """Approximate routing probabilities `[T, E]` of `block` for `hidden [T, H]`: used only to
         *predict* experts (never to route), so an approximation costs bandwidth, not correctness."""
+        linear = self.router_linear(block)
+        return None if linear is None else linear.probs(hidden)
+
+    def router_linear(self, block: nn.Module) -> RouterLinear | None:
+        """`block`'s router as one linear map and a scoring, or None where it has no `[E, H]` weight."""
         router = self.router(block)
-        if router is None:
-            return None
-        weight = _get_path(router, self.router_weight_attr)
+        weight = None if router is None else _get_path(router, self.router_weight_attr)
         if weight is None:
             return None
-        logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight, getattr(router, "bias", None)).float()
-        bias = getattr(router, "e_score_correction_bias", None)
-        if self.scoring(router) == "sigmoid":
-            scores = logits.sigmoid()
-            return scores + bias.float() if bias is not None else scores
-        return logits.softmax(dim=-1)
+        return RouterLinear(
+            weight, getattr(router, "bias", None), self.scoring(router), getattr(router, "e_score_correction_bias", None)
+        )
 
     def scoring(self, router: nn.Module) -> str:
         """How this router's logits become probabilities: `router_scoring`."""

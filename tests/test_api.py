@@ -221,6 +221,12 @@ def test_bad_config_values_are_refused(kwargs, match):
         MiraConfig(**kwargs)
 
 
+@pytest.mark.parametrize("value", [-1, 1.5, True, "4MiB"])
+def test_bad_split_min_bytes_is_refused(value):
+    with pytest.raises(ConfigError, match=f"split_min_bytes={value!r}: must be an int ≥ 0"):
+        LoaderConfig(split_min_bytes=value)
+
+
 def test_config_is_frozen():
     cfg = MiraConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -473,3 +473,19 @@ def test_the_rest_of_a_speculative_copy_is_split_where_the_first_part_is_missing
     assert waits == (["first3", "done3"] if before else ["done2", "done3"])
     assert torch.equal(m._arena[m.cache.pool_of_layer[1]][slot.index][:record], m.store.record(1, 0))
     m.exit_forward()
+
+
+def test_records_below_split_min_bytes_are_copied_in_one_piece(tiny_checkpoint):
+    """`LoaderConfig.split_min_bytes`: a record smaller than it is one copy (a second copy call would
+    cost the host more than its last part takes to cross); at 0 every record that can split does."""
+    from mira_hf import MiraConfig, MiraMoEModel
+    from mira_hf.config import LoaderConfig
+
+    path = tiny_checkpoint("mixtral")
+    record = None
+    for split_min, splits in ((None, False), (0, True)):
+        loader = LoaderConfig() if split_min is None else LoaderConfig(split_min_bytes=split_min)
+        model = MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", quantization=None, loader=loader), progress=False)
+        record = model.mira.store.record_bytes(0)
+        assert record < LoaderConfig().split_min_bytes
+        assert all((s is not None) == splits for s in model.mira._split.values())

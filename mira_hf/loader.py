@@ -153,6 +153,17 @@ class Loader:
             self._latencies.append(max(issued.elapsed_time(done), 0.0) / 1e3)
         del self._pending_latency[:n]
 
+    def stall_total(self) -> float:
+        """Stall seconds so far of the copies whose timing is known, without waiting for any: on CUDA the
+        waits whose end event has completed (in order), on CPU every synchronous demand copy."""
+        done = 0
+        for _layer, _start, end in self._stalls:
+            if not end.query():
+                break
+            done += 1
+        self._resolve(done)
+        return sum(self._stall_by_layer.values())
+
     def latencies(self) -> list[float]:
         """Issue-to-ready seconds of the latest copies (at most LATENCY_SAMPLES; resolves pending ones: syncs)."""
         self._resolve_latency()

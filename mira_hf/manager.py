@@ -22,6 +22,7 @@ from .errors import BudgetError, ConcurrencyError, ConfigError, LoaderError, Uns
 from .heat import HeatConfig, HeatTracker
 from .layout import IdentityCodec, PackedWeights, split_point
 from .loader import Loader
+from .payoff import PayoffGate
 from .policies import HeatPolicy, LRUPolicy, PriorityConfig, PriorityPolicy
 from .predictors import Predictor, PredictorConfig
 from .store import ExpertStore
@@ -177,6 +178,10 @@ class ExpertManager:
         self.heat = HeatTracker({li.ordinal: li.num_experts for li in layers}, heat)
         self.predictor = predictor
         self.predictor_config = predictor_config or PredictorConfig()
+        # Prediction pauses while it costs more host time than the stalls it removes (PredictorConfig.pause_unprofitable).
+        pause = self.predictor_config.pause_unprofitable
+        self._gate = PayoffGate(self.predictor_config.payoff_window_steps)
+        self._gate_on = device.type == "cuda" if pause is None else pause
         self.warmup_steps = warmup_steps  # first steps: prefetches only fill free slots, nothing is evicted
         # How a slot holds an expert: "raw" (checkpoint bytes), "dequant" (packed records dequantised
         # into a slot of the checkpoint dtype) or "packed" (packed records, computed from as they are).
@@ -321,6 +326,7 @@ class ExpertManager:
             self._expire_prefetches(layer)
             stats = self.telemetry.layer(layer)
             ready, in_flight, finishing, misses = [], [], [], []
+            stage_hits = 0
             plan = BlockPlan(layer, [])
             for e in experts:
                 slot = self.cache.lookup((layer, e))
@@ -333,6 +339,8 @@ class ExpertManager:
                     plan.slots[e] = slot
                     plan.loading.add(e)
                     continue
+                if slot.prefetched and not slot.used_since_load:
+                    stage_hits += 1  # a miss this prefetch avoided (PayoffGate)
                 if slot.tier == STAGE:
                     stats.stage_hits += 1
                 else:
@@ -343,6 +351,7 @@ class ExpertManager:
                     slot.ready = slot.first_ready = None  # landed: its later readers need no wait (no CUDA call per hit)
                 (in_flight if slot.ready is not None else ready).append(e)
             stats.misses += len(misses) + len(finishing)
+            self._gate.count_block(stage_hits, len(misses) + len(finishing))
             self.telemetry.count_uses(len(experts) - len(misses) - len(finishing), len(experts))
             plan.order = ready + in_flight + finishing + misses
             plan.pending.extend(misses)
@@ -353,11 +362,13 @@ class ExpertManager:
                 self._issue(plan)
                 if ahead is not None:
                     plan.predictions = ahead
-                elif self.predictor is not None and hidden is not None and top_k_index is not None:
+                elif self.predicting and hidden is not None and top_k_index is not None:
+                    t0 = time.perf_counter()
                     self.predictor.observe(layer, hidden, top_k_index)
                     plan.predictions = self.predictor.predict(layer, hidden)
                     if self.loader.cuda:  # no predict_ahead: finish the non-blocking copies before `end` reads them
                         torch.cuda.current_stream(self.device).synchronize()
+                    self._gate.charge(time.perf_counter() - t0)
             except BaseException:
                 self._unpin(plan)  # the caller never gets the plan, so it cannot end() it
                 raise
@@ -367,11 +378,13 @@ class ExpertManager:
         """Let the predictor see this block's routing and guess later layers *before* the block's host
         sync (the proxy's expert counts): on CUDA its device work and its copy to the host are then
         finished by that one sync instead of needing one of their own. `begin` uses the result."""
-        if self.predictor is None:
+        if not self.predicting:
             return
         with self._lock:
+            t0 = time.perf_counter()
             self.predictor.observe(layer, hidden, top_k_index)
             self._ahead[layer] = self.predictor.predict(layer, hidden)
+            self._gate.charge(time.perf_counter() - t0)
 
     def acquire(self, plan: BlockPlan, expert: int, first_part: bool = False) -> dict[str, torch.Tensor]:
         """The device tensors of `expert`, once its copy is done (the compute stream waits on it). With
@@ -419,11 +432,14 @@ class ExpertManager:
         compute is already queued, so these copies still overlap it."""
         with self._lock:
             self._unpin(plan)
+            t0 = time.perf_counter()
             if plan.predictions:
                 predictions, plan.predictions = plan.predictions, None
                 self._stage(plan.layer, predictions)
             if plan.layer == self._last_ordinal and self.staging_enabled:
                 self._stage_next_step()
+            if self.predicting:
+                self._gate.charge(time.perf_counter() - t0)
 
     def prefetch(self, layer: int, experts: Sequence[int], probabilities: Sequence[float] | None = None) -> int:
         """Stage `experts` of `layer` (with their probabilities of use) into STAGE slots ahead of need;
@@ -524,6 +540,11 @@ class ExpertManager:
             self.heat.feedback(*key, used=False)
 
     @property
+    def predicting(self) -> bool:
+        """Whether the predictor runs now: there is one, and the payoff gate has not paused it."""
+        return self.predictor is not None and (self._gate.active or not self._gate_on)
+
+    @property
     def staging_enabled(self) -> bool:
         """Whether predictions are turned into copies now: only while the predictor has been right
         often enough (predictions are still made and scored, so staging resumes when it recovers)."""
@@ -571,6 +592,8 @@ class ExpertManager:
 
     def _end_step(self) -> None:
         self._drop_speculation()
+        if self._gate_on and self.predictor is not None:
+            self._gate.end_step(self.loader.stall_total())
         self.telemetry.end_step()
         self.heat.end_step()
         self._predicted.clear()
@@ -734,6 +757,8 @@ class ExpertManager:
                 quantization=self.quantization,
                 placement=self.placement,
                 host_only_experts=len(self.host_only),
+                prediction_active=self.predicting,  # False while the payoff gate has paused prediction
+                prediction_paused_steps=self._gate.paused_steps,
             )
             return out
 
@@ -751,6 +776,7 @@ class ExpertManager:
         with self._lock:
             self.loader.reset_stalls()
             self.telemetry.reset()
+            self._gate.reset_stats()
 
     def set_host_only(self, experts: Mapping[int, Sequence[int]]) -> None:
         """Mark experts as host-only: `{layer: [expert, ...]}` (replaces the previous marking; `{}` clears

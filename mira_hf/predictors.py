@@ -53,6 +53,12 @@ class PredictorConfig:
     # least this: when the link is the bottleneck, a wrong guess costs a whole expert's transfer.
     min_precision: float = 0.6
     precision_decay: float = 0.9  # weight of the past in the running precision estimate
+    # Pause prediction (and staging) while it costs the host more time per block than the stalls it
+    # removes, reviewed every `payoff_window_steps` forward steps (`mira_hf.payoff.PayoffGate`): on a
+    # model whose copies land before they are needed, prediction only adds host time. None: on CUDA;
+    # True: on any device (on CPU a miss's stall is its synchronous copy); False: never pause.
+    pause_unprofitable: bool | None = None
+    payoff_window_steps: int = 32
     # Speculation: after a block's own copies are queued, the link idles until the next block's router
     # has run and the host has seen its experts. Into that idle time goes the first `speculate_bytes`
     # of the next layer's likeliest guess that is not resident (records larger than that only); the
@@ -64,6 +70,18 @@ class PredictorConfig:
     def __post_init__(self) -> None:
         if self.lookahead < 1 or self.stage_lookahead < 1:
             raise ConfigError(f"PredictorConfig.lookahead={self.lookahead}, stage_lookahead={self.stage_lookahead}: must be ≥ 1.")
+        if self.pause_unprofitable not in (None, True, False):
+            raise ConfigError(
+                f"PredictorConfig.pause_unprofitable={self.pause_unprofitable!r}: must be None (on CUDA), True or False."
+            )
+        if (
+            isinstance(self.payoff_window_steps, bool)
+            or not isinstance(self.payoff_window_steps, int)
+            or self.payoff_window_steps < 1
+        ):
+            raise ConfigError(
+                f"PredictorConfig.payoff_window_steps={self.payoff_window_steps!r}: must be an int ≥ 1 (forward steps)."
+            )
         if not 0 <= self.confidence <= 1 or not 0 < self.markov_cumulative <= 1 or not 0 <= self.stage_probability <= 1:
             raise ConfigError("PredictorConfig.confidence, stage_probability and markov_cumulative must be in [0, 1].")
         if self.speculate_bytes is not None and (

@@ -70,6 +70,7 @@ def decode(model, prompt: torch.Tensor, new_tokens: int, device: torch.device) -
         "tok_s": steps * prompt.shape[0] / max(total - first, 1e-9),
         "stall_ms_per_token": 1e3 * s["stall_s"] / max(steps + 1, 1),
         "hit_rate": s["hit_rate"],
+        "predicting": s["prediction_active"] and s["prediction_paused_steps"] == 0,  # the payoff gate never paused it
     }
 
 
@@ -179,12 +180,15 @@ def main() -> int:
             row[f"{b}_tok_s"] = statistics.median(x["tok_s"] for x in rows[n][b])
             row[f"{b}_stall_ms"] = statistics.median(x["stall_ms_per_token"] for x in rows[n][b])
             row[f"{b}_hit"] = statistics.median(x["hit_rate"] for x in rows[n][b])
+            row[f"{b}_predicting"] = sum(x["predicting"] for x in rows[n][b]) / len(rows[n][b])  # share of rounds
             ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(rows[n][b], rows[base][b], strict=True)]  # same round
             row[f"{b}_vs_{base}_median"] = statistics.median(ratios)
             row[f"{b}_vs_{base}_min"], row[f"{b}_vs_{base}_max"] = min(ratios), max(ratios)
         table.append(row)
     cols = ["system", "store_h2d_gbps"] + [
-        f"{b}_{k}" for b in batches for k in ("tok_s", f"vs_{base}_median", f"vs_{base}_min", f"vs_{base}_max", "stall_ms", "hit")
+        f"{b}_{k}"
+        for b in batches
+        for k in ("tok_s", f"vs_{base}_median", f"vs_{base}_min", f"vs_{base}_max", "stall_ms", "hit", "predicting")
     ]
     print_table(table, cols)
     result = {"env": environment(), "command": " ".join(["python"] + sys.argv), "args": vars(args), "model": label,

@@ -135,10 +135,16 @@ class ExpertCache:
         A prefetch stops there: it never evicts HOT, nor another prefetch still awaiting its use.
         A demand load then takes from HOT, and only last from prefetches awaiting use.
         With a `one_ranking` policy, HOT and idle STAGE form one group (for a prefetch too)."""
-        unpinned = [s for s in pool.slots if s.pins == 0]
-        awaiting = [s.key for s in unpinned if s.awaiting]
-        idle_stage = [s.key for s in unpinned if s.tier == STAGE and not s.awaiting]
-        hot = [s.key for s in unpinned if s.tier == HOT]
+        awaiting, idle_stage, hot = [], [], []
+        for s in pool.slots:  # one pass: a pool of fine-grained experts holds hundreds of slots
+            if s.pins:
+                continue
+            if s.awaiting:
+                awaiting.append(s.key)
+            if s.tier == HOT:
+                hot.append(s.key)
+            elif not s.awaiting:
+                idle_stage.append(s.key)
         groups = [idle_stage + hot] if pool.policy.one_ranking else [idle_stage, hot]
         if staged:
             return [[k for k in groups[0] if prefetch_may_evict is None or prefetch_may_evict(k)]]

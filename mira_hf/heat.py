@@ -59,8 +59,12 @@ class HeatTracker:
         self._step_active = {layer: np.zeros(num_experts[layer], bool) for layer in self.layers}
         self._window = {layer: np.zeros(num_experts[layer], np.float32) for layer in self.layers}
         # Share of recent forward steps in which each expert was used (EMA over ~10 steps): an estimate of
-        # the probability that its layer will use it next time, for eviction by expected next use.
-        self.use_rate = {layer: np.zeros(num_experts[layer], np.float32) for layer in self.layers}
+        # the probability that its layer will use it next time, for eviction by expected next use. One
+        # table [layers, max experts] (`use_rate_row[layer]` its row) so a victim search over hundreds of
+        # slots reads it in one NumPy gather; `use_rate[layer]` are views of its rows.
+        self.use_rate_table = np.zeros((len(self.layers), max(num_experts.values(), default=0)), np.float32)
+        self.use_rate_row = {layer: i for i, layer in enumerate(self.layers)}
+        self.use_rate = {layer: self.use_rate_table[i, : num_experts[layer]] for i, layer in enumerate(self.layers)}
         self._periods_in_window = 0
         self._last_tick = time.monotonic()
 

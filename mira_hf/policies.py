@@ -14,6 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from .cache import Key
 from .errors import ConfigError
 from .heat import HeatTracker
@@ -84,13 +86,12 @@ class HeatPolicy(LRUPolicy):
         keys = list(dict.fromkeys(candidates))
         if not keys:
             return None
-        values = self.keep_values(keys)
-        best = min(values)
-        tied = [k for k, v in zip(keys, values) if v == best]
+        values = np.asarray(self.keep_values(keys))
+        tied = np.flatnonzero(values == values.min())
         if len(tied) > 1:  # equal value: the least recently used of them
-            tied_set = set(tied)
-            return next((k for k in self._order if k in tied_set), tied[0])
-        return tied[0]
+            tied_set = {keys[i] for i in tied}
+            return next((k for k in self._order if k in tied_set), keys[tied[0]])
+        return keys[tied[0]]
 
 
 @dataclass(frozen=True)

@@ -489,3 +489,23 @@ def test_records_below_split_min_bytes_are_copied_in_one_piece(tiny_checkpoint):
         record = model.mira.store.record_bytes(0)
         assert record < LoaderConfig().split_min_bytes
         assert all((s is not None) == splits for s in model.mira._split.values())
+
+
+def test_keep_values_in_numpy_equal_the_loop_bit_for_bit():
+    """From 32 keys on, `keep_values` ranks in NumPy; the values must be exactly the loop's (the same
+    victims, so the same counts), with and without guesses, wherever the step stands."""
+    import numpy as np
+
+    m = make_manager(layers=3, experts=32, slots=48, stage_fraction=0.0, policy="heat")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        m.enter_forward()
+        for layer in range(3):
+            run_block(m, layer, sorted(set(torch.randint(0, 32, (4,), generator=g).tolist())))
+        m.exit_forward()
+    keys = [(layer, e) for layer in range(3) for e in range(32)]
+    for last, guesses in ((-1, {}), (0, {1: torch.rand(32, generator=g).tolist()}), (2, {0: [0.5] * 32, 2: [1.0] * 32})):
+        m._last_layer, m._layer_probs = last, guesses
+        batched = m.keep_values(keys)
+        looped = [v for i in range(0, len(keys), 16) for v in m.keep_values(keys[i : i + 16])]
+        assert isinstance(batched, np.ndarray) and batched.tolist() == looped

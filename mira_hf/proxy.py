@@ -119,24 +119,27 @@ class MiraExperts(nn.Module):
         goes to its slot k directly, without the sort, gather and scatter that group many tokens' rows by
         expert (launch-bound models spend their decode time on such launches). The same arithmetic as
         `forward`, so the same bits."""
-        H, E = hidden_states.shape[1], self.num_experts
-        slot_of = {e: k for k, e in enumerate(picks) if e != E}  # E = EP sentinel: its row stays zero
-        y = hidden_states.new_zeros((len(picks), H)) if len(slot_of) < len(picks) else None  # [K, H]
+        H, E, K = hidden_states.shape[1], self.num_experts, len(picks)
+        slot_of = {e: k for k, e in enumerate(picks) if e != E}
+        sentinel = [k for k, e in enumerate(picks) if e == E]  # the EP sentinel's slot: its row stays zero
+        y = None  # [K, H], in the experts' output dtype as in `forward`
         plan = self.manager.begin(self.layer, sorted(slot_of), hidden_states, top_k_index)
         try:
             for e in plan.order:
                 w = self.manager.acquire(plan, e, first_part=True)
                 part = self._expert(plan, e, w, hidden_states)  # [1, H]
                 if y is None:
-                    y = part.new_empty((len(picks), H))
+                    y = part.new_zeros((K, H)) if sentinel else part.new_empty((K, H))
                 y[slot_of[e]] = part[0]
                 self.manager.release(plan, e)
         finally:
             self.manager.end(plan)
-        if y is None:  # every pick was the EP sentinel
+        if y is None:  # the only pick was the EP sentinel
             return hidden_states.new_zeros((1, H))
         out = y.float() * top_k_weights.reshape(-1, 1).float()  # [K, H]
-        result = out.view(1, len(picks), H).sum(dim=1).to(hidden_states.dtype)  # [1, H]
+        if sentinel:
+            out[sentinel] = 0  # as in `forward`, where the sentinel's row is never weighted
+        result = out.view(1, K, H).sum(dim=1).to(hidden_states.dtype)  # [1, H]
         if result.requires_grad:
             result.register_hook(_no_backward)
         return result

@@ -192,7 +192,11 @@ def stats_table(stats: Mapping[str, Any], extra: Sequence[tuple[str, str]] = ())
     ]
     if stats.get("predictor_precision") is not None or stats.get("predictor_recall") is not None:
         precision, recall = _pct(stats.get("predictor_precision")), _pct(stats.get("predictor_recall"))
-        pairs.append(("predictor", f"precision {precision}, recall {recall}"))
+        text = f"precision {precision}, recall {recall}"
+        if stats.get("prediction_paused_steps"):  # the payoff gate: prediction cost more host time than it saved
+            state = "paused now" if stats.get("prediction_active") is False else "running now"
+            text += f"; paused {stats['prediction_paused_steps']} steps (it cost more host time than the stalls it removed; {state})"
+        pairs.append(("predictor", text))
     if stats.get("capacity_bytes") is not None:
         cache = f"{format_bytes(stats['capacity_bytes'])} in {g('slots')} slots on {g('device')}"
         pairs.append(("expert cache", f"{cache} (budget {format_bytes(stats.get('budget_bytes'))})"))

@@ -124,3 +124,10 @@ def test_prometheus_missing_names_the_pip_command(manager, monkeypatch):
 
     with pytest.raises(MissingDependencyError, match=r'pip install "mira-hf\[prometheus\]"'):
         MiraCollector(manager)
+
+
+def test_stats_table_says_when_the_payoff_gate_paused_prediction(manager):
+    stats = dict(manager.stats(), predictor_precision=0.8, predictor_recall=0.7)
+    assert "paused" not in report.stats_table(dict(stats, prediction_paused_steps=0))
+    text = report.stats_table(dict(stats, prediction_paused_steps=40, prediction_active=False))
+    assert "precision 80.0%, recall 70.0%; paused 40 steps" in text and "paused now" in text

@@ -183,7 +183,7 @@ class ExpertManager:
             self._heat_row[layer] = row
         self.predictor = predictor
         self.predictor_config = predictor_config or PredictorConfig()
-        # Prediction pauses while it costs more host time than the stalls it removes (PredictorConfig.pause_unprofitable).
+        # Prediction pauses while it costs more host time than the stalls it could remove (PredictorConfig.pause_unprofitable).
         pause = self.predictor_config.pause_unprofitable
         self._gate = PayoffGate(self.predictor_config.payoff_window_steps)
         self._gate_on = device.type == "cuda" if pause is None else pause

@@ -54,7 +54,7 @@ class PredictorConfig:
     min_precision: float = 0.6
     precision_decay: float = 0.9  # weight of the past in the running precision estimate
     # Pause prediction (and staging) while it costs the host more time per block than the stalls it
-    # removes, reviewed every `payoff_window_steps` forward steps (`mira_hf.payoff.PayoffGate`): on a
+    # could remove, reviewed every `payoff_window_steps` forward steps (`mira_hf.payoff.PayoffGate`): on a
     # model whose copies land before they are needed, prediction only adds host time. None: on CUDA;
     # True: on any device (on CPU a miss's stall is its synchronous copy); False: never pause.
     pause_unprofitable: bool | None = None

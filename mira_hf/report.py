@@ -195,7 +195,7 @@ def stats_table(stats: Mapping[str, Any], extra: Sequence[tuple[str, str]] = ())
         text = f"precision {precision}, recall {recall}"
         if stats.get("prediction_paused_steps"):  # the payoff gate: prediction cost more host time than it saved
             state = "paused now" if stats.get("prediction_active") is False else "running now"
-            text += f"; paused {stats['prediction_paused_steps']} steps (it cost more host time than the stalls it removed; {state})"
+            text += f"; paused {stats['prediction_paused_steps']} steps (it cost more host time than the stalls it could remove; {state})"
         pairs.append(("predictor", text))
     if stats.get("capacity_bytes") is not None:
         cache = f"{format_bytes(stats['capacity_bytes'])} in {g('slots')} slots on {g('device')}"

@@ -1,4 +1,4 @@
-"""The payoff gate: prediction pauses while it costs the host more per block than the stalls it removes."""
+"""The payoff gate: prediction pauses while it costs the host more per block than the stalls it could remove."""
 
 import pytest
 import torch
@@ -27,10 +27,10 @@ def test_the_gate_arithmetic_on_a_hand_computed_sequence():
     assert gate.active and gate.pays()  # nothing measured: predict
     # window 1, predicting: 2 blocks per step at 100 µs each; per step 1 stage hit and 2 misses that stall 10 µs in all
     total = _window(gate, 4, 2, 100e-6, 1, 2, 10e-6, 0.0)
-    # stall per miss 40 µs / 8 = 5 µs; hits per block 4 / 8 = 0.5; 0.5 × 5 µs = 2.5 µs < cost 100 µs: pause
-    assert gate.stall_per_miss == pytest.approx(5e-6) and gate.hits_per_block == 0.5
+    # stall per miss 40 µs / 8 = 5 µs; uses at risk per block (4 hits + 8 misses) / 8 = 1.5; 7.5 µs < cost 100 µs: pause
+    assert gate.stall_per_miss == pytest.approx(5e-6) and gate.at_risk_per_block == 1.5
     assert gate.cost_per_block == pytest.approx(100e-6) and not gate.active and gate.paused_steps == 0
-    # window 2, paused: the misses now stall 1 ms each (a busy link): 0.5 × 1 ms ≥ 100 µs: predict again
+    # window 2, paused: the misses now stall 1 ms each (a busy link): 1 at risk per block × 1 ms ≥ 100 µs: predict again
     total = _window(gate, 4, 2, 100e-6, 0, 2, 2e-3, total)
     assert gate.paused_steps == 4 and gate.stall_per_miss == pytest.approx(1e-3) and gate.active
     # window 3, predicting, stalls gone: pause (one window in 3 predicts from now on: windows 4, 5 paused, 6 probes)
@@ -39,11 +39,19 @@ def test_the_gate_arithmetic_on_a_hand_computed_sequence():
     total = _window(gate, 4, 2, 100e-6, 0, 2, 0.0, total)
     assert not gate.active and gate.paused_steps == 8
     total = _window(gate, 4, 2, 100e-6, 0, 2, 0.0, total)
-    assert gate.active and gate.paused_steps == 12  # the probe: window 6 predicts to measure cost and hits again
+    assert gate.active and gate.paused_steps == 12  # the probe: window 6 predicts to measure its cost again
     _window(gate, 4, 2, 100e-6, 1, 2, 0.0, total)
     assert not gate.active and gate.paused_steps == 12  # still does not pay
     gate.reset_stats()
     assert gate.paused_steps == 0
+
+
+def test_misses_that_stall_keep_prediction_on_even_when_it_staged_nothing():
+    """A link-bound window in which no prefetch was used (staging paused by the precision gate, or wrong
+    guesses): prediction could still remove a 1 ms stall per block for 100 µs, so it stays on."""
+    gate = PayoffGate(window_steps=4)
+    _window(gate, 4, 2, 100e-6, 0, 1, 1e-3, 0.0)
+    assert gate.active and gate.at_risk_per_block == 0.5 and gate.stall_per_miss == pytest.approx(1e-3)
 
 
 def test_a_window_without_misses_keeps_the_last_stall_estimate():
@@ -82,12 +90,13 @@ def test_prediction_pauses_where_copies_cost_nothing_and_outputs_stay_identical(
         assert (s["prediction_paused_steps"] > 0) == paused and s["prediction_active"] == (not paused)
         gate = model.mira._gate
         if paused:
-            assert gate.hits_per_block * gate.stall_per_miss < gate.cost_per_block
+            assert gate.at_risk_per_block * gate.stall_per_miss < gate.cost_per_block
 
 
 def test_the_manager_feeds_the_gate_what_it_measured(tiny_checkpoint):
-    """Every demand miss made to stall 10 ms (as a busy link would): the gate sees 10 ms per miss, the
-    predictor's host time per block, and the uses served by prefetches; it decides by `pays()`."""
+    """Every demand miss made to stall 10 ms (as a busy link would): the gate sees 10 ms per miss and the
+    predictor's host time per block, and predicts whenever a window had uses at risk (a window in which
+    every expert was resident pauses it until misses come back)."""
     path = tiny_checkpoint("mixtral")
     pc = PredictorConfig(pause_unprofitable=True, payoff_window_steps=4, stage_probability=0.3)
     model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.75, device="cpu", prediction=pc), progress=False).eval()
@@ -101,6 +110,6 @@ def test_the_manager_feeds_the_gate_what_it_measured(tiny_checkpoint):
     ids = torch.tensor([[5, 9, 14, 33, 7, 21, 2, 8]])
     model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
     assert sum(reviews) == 25 // 4  # 25 forward steps (prefill + 24), a review every 4
-    assert gate.stall_per_miss == pytest.approx(10e-3) and 0 < gate.cost_per_block < 1e-2
-    assert gate.active == gate.pays() or gate._paused_windows == 0  # the latest review's decision (or a probe)
-    assert model.mira.stats()["prefetch_used"] > 0
+    assert gate.stall_per_miss == pytest.approx(10e-3) and 0 < gate.cost_per_block < 1e-3 and gate.at_risk_per_block > 0
+    s = model.mira.stats()
+    assert s["prediction_active"] and s["prediction_paused_steps"] <= 4 and s["prefetch_used"] > 0

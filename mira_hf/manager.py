@@ -779,7 +779,7 @@ class ExpertManager:
                 quantization=self.quantization,
                 placement=self.placement,
                 host_only_experts=len(self.host_only),
-                prediction_active=self.predicting,  # False while the payoff gate has paused prediction
+                prediction_active=self.predicting,  # the predictor runs now (False without one, or paused by the payoff gate)
                 prediction_paused_steps=self._gate.paused_steps,
             )
             return out

@@ -135,6 +135,7 @@ class GatePredictor:
     def observe(self, layer, hidden, top_k_index) -> None:
         pass
 
+    @torch.no_grad()  # guesses, never part of a graph (a forward with autograd on reaches here too)
     def predict(self, layer, hidden):
         plan = self._plan(layer)
         if plan is not None:

@@ -264,8 +264,12 @@ def test_forward_with_autograd_on_works_and_backward_is_a_clear_error(tiny_check
     path = tiny_checkpoint("mixtral")
     model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device="cpu"), progress=False)
     expected = _logits(model)
+    gate, graphs = model.mira.predictor, []
+    to_host = gate._to_host
+    gate._to_host = lambda layer, logits: graphs.append(logits.requires_grad) or to_host(layer, logits)
     out = model(IDS, labels=IDS)
     assert out.logits.requires_grad and torch.equal(out.logits.detach(), expected)
+    assert graphs and not any(graphs)  # the gate's guesses build no graph (on CUDA they land in a reused pinned buffer)
     with pytest.raises(UnsupportedOperationError, match="backward through mira-hf's offloaded experts"):
         out.loss.backward()
     assert torch.equal(_logits(model), expected)  # still serves after the refused backward

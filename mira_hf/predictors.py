@@ -22,10 +22,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from .errors import ConfigError
@@ -111,8 +110,8 @@ def token_union(per_token: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 # Up to this many tokens per block (decode steps, small batches) the gate predictor scores on the host:
-# fewer kernel launches than scoring on the device, whose launches cost more host time than NumPy does
-# on a few thousand numbers. Longer blocks (prefill) score on the device and copy [E] per target.
+# fewer kernel launches than scoring on the device, whose launches cost more host time than scoring a
+# few thousand numbers on the host does. Longer blocks (prefill) score on the device and copy [E] per target.
 HOST_SCORING_TOKENS = 64
 
 
@@ -129,7 +128,7 @@ class GatePredictor:
 
     def __init__(self, layers: list[int], top_k: dict[int, int], router_probs: RouterProbs, config: PredictorConfig) -> None:
         self.layers, self.top_k, self.router_probs, self.config = layers, top_k, router_probs, config
-        self._plans: dict[int, tuple | None] = {}  # layer -> (targets, routers, scoring per target), or None
+        self._plans: dict[int, tuple | None] = {}  # layer -> (targets, routers, host scorers), or None
         self._buffers: dict[int, torch.Tensor] = {}  # layer -> pinned [HOST_SCORING_TOKENS, ΣE] logits (CUDA)
 
     def observe(self, layer, hidden, top_k_index) -> None:
@@ -139,11 +138,11 @@ class GatePredictor:
     def predict(self, layer, hidden):
         plan = self._plan(layer)
         if plan is not None:
-            targets, routers, scoring = plan
+            targets, routers, scorers = plan
             parts = [r.logits(hidden) for r in routers]  # [T, E_t] each
             if hidden.shape[0] <= HOST_SCORING_TOKENS:
                 flat = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [T, ΣE]
-                return HostScores(targets, scoring, self._to_host(layer, flat))
+                return HostScores(targets, scorers, self._to_host(layer, flat))
             probs = [r.probs_from(logits) for r, logits in zip(routers, parts)]
         else:
             targets = [layer + d for d in range(1, self.config.lookahead + 1) if layer + d in self.top_k]
@@ -158,8 +157,9 @@ class GatePredictor:
         return dict(zip(targets, flat.split([p.numel() for p in parts])))
 
     def _plan(self, layer: int) -> tuple | None:
-        """The targets of `layer`, their routers as linear maps and how each scores (None: no target, or
-        some router is not one linear map)."""
+        """The targets of `layer`, their routers as linear maps, and per target the router with its selection
+        bias on the host and its top-k (what `HostScores` scores with). None: no target, or some router is not
+        one linear map."""
         if layer not in self._plans:
             targets = [layer + d for d in range(1, self.config.lookahead + 1) if layer + d in self.top_k]
             linear = getattr(self.router_probs, "linear", None)
@@ -167,11 +167,8 @@ class GatePredictor:
             if routers is None or any(r is None for r in routers):
                 self._plans[layer] = None
             else:
-                scoring = [
-                    (r.scoring, None if r.correction is None else r.correction.detach().float().cpu().numpy(), self.top_k[t], r.weight.shape[0])
-                    for t, r in zip(targets, routers)
-                ]  # fmt: skip
-                self._plans[layer] = (targets, routers, scoring)
+                on_host = [r if r.correction is None else replace(r, correction=r.correction.detach().cpu()) for r in routers]
+                self._plans[layer] = (targets, routers, [(r, self.top_k[t]) for t, r in zip(targets, on_host)])
         return self._plans[layer]
 
     def _to_host(self, layer: int, logits: torch.Tensor) -> torch.Tensor:
@@ -192,31 +189,22 @@ class GatePredictor:
 
 class HostScores(Mapping):
     """`{target layer: [E] probability of use}` from the concatenated router logits of the targets for
-    the block's tokens (`host [T, ΣE]`), scored with NumPy when first read: softmax, or sigmoid plus
-    the selection bias; then the union over tokens and their top-k picks (`token_union`). Read only
-    after the device→host copy is done (the proxy's sync)."""
+    the block's tokens (`host [T, ΣE]`), scored on the host when first read, as the device path scores:
+    each target's router scoring (`RouterLinear.probs_from`), then `token_union`. Read only after the
+    device→host copy is done (the proxy's sync). `scorers`: per target, its router (selection bias on the
+    host) and top-k."""
 
-    def __init__(self, targets: list[int], scoring: list[tuple[str, np.ndarray | None, int, int]], host: torch.Tensor) -> None:
-        self._targets, self._scoring, self._host = targets, scoring, host  # scoring: (kind, bias, top-k, E) per target
+    def __init__(self, targets: list[int], scorers: list[tuple], host: torch.Tensor) -> None:
+        self._targets, self._scorers, self._host = targets, scorers, host
         self._values: dict[int, torch.Tensor] | None = None
 
     def _scores(self) -> dict[int, torch.Tensor]:
         if self._values is None:
-            z_all = self._host.float().numpy()  # [T, ΣE]
             self._values, start = {}, 0
-            for target, (kind, correction, k, E) in zip(self._targets, self._scoring):
-                z = z_all[:, start : start + E]
+            for target, (router, k) in zip(self._targets, self._scorers):
+                E = router.weight.shape[0]
+                self._values[target] = token_union(router.probs_from(self._host[:, start : start + E]), k)
                 start += E
-                if kind == "sigmoid":
-                    p = 1 / (1 + np.exp(-z))
-                    if correction is not None:
-                        p = p + correction
-                else:
-                    e = np.exp(z - z.max(axis=1, keepdims=True))
-                    p = e / e.sum(axis=1, keepdims=True)
-                q = np.clip(p * np.float32(k), 0, 1)  # [T, E]
-                u = q[0] if q.shape[0] == 1 else 1 - np.prod(1 - q, axis=0)
-                self._values[target] = torch.from_numpy(u.astype(np.float32, copy=False))
         return self._values
 
     def __getitem__(self, target: int) -> torch.Tensor:

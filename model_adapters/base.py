@@ -102,14 +102,9 @@ class MoEAdapter:
     def router(self, block: nn.Module) -> nn.Module | None:
         return getattr(block, self.router_attr, None)
 
-    def router_probs(self, block: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Approximate routing probabilities `[T, E]` of `block` for `hidden [T, H]`: used only to
-        *predict* experts (never to route), so an approximation costs bandwidth, not correctness."""
-        linear = self.router_linear(block)
-        return None if linear is None else linear.probs(hidden)
-
     def router_linear(self, block: nn.Module) -> RouterLinear | None:
-        """`block`'s router as one linear map and a scoring, or None where it has no `[E, H]` weight."""
+        """`block`'s router as one linear map and a scoring, or None where it has no `[E, H]` weight. Used
+        only to *predict* experts (never to route), so an approximation costs bandwidth, not correctness."""
         router = self.router(block)
         weight = None if router is None else _get_path(router, self.router_weight_attr)
         if weight is None:

@@ -29,6 +29,13 @@ def _no_backward(grad: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _guarded(result: torch.Tensor) -> torch.Tensor:
+    """`result` of a forward with autograd on: say why a backward cannot work, before autograd does."""
+    if result.requires_grad:
+        result.register_hook(_no_backward)
+    return result
+
+
 # Expert tensor names of transformers' fused experts modules (per expert after dropping dim 0).
 KNOWN_EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 # The layout flags the proxy computes with, and their values where neither the module nor its adapter sets them.
@@ -89,28 +96,23 @@ class MiraExperts(nn.Module):
         order = order[:routed]
         x = hidden_states[order // K]  # [routed, H]: each row's token, grouped by expert (one gather, not one per expert)
         y = None  # [routed, H], the experts' outputs in the same order
-        plan = self.manager.begin(self.layer, needed, hidden_states, top_k_index)
-        try:
-            for e in plan.order:
-                w = self.manager.acquire(plan, e, first_part=True)  # the rest of the record may still be crossing
-                start, end = starts[e], starts[e] + counts[e]  # its rows, in token order (stable sort)
-                step = self.block_tokens or counts[e]  # token blocks share w
-                for a in range(start, end, step):
-                    b = min(end, a + step)
-                    part = self._expert(plan, e, w, x[a:b])  # [n, H]
-                    if y is None:
-                        y = part.new_empty((routed, H))
-                    y[a:b] = part
-                self.manager.release(plan, e)
-        finally:
-            self.manager.end(plan)
+
+        def compute(plan, e: int, w) -> None:
+            nonlocal y
+            start, end = starts[e], starts[e] + counts[e]  # its rows, in token order (stable sort)
+            step = self.block_tokens or counts[e]  # token blocks share w
+            for a in range(start, end, step):
+                b = min(end, a + step)
+                part = self._expert(plan, e, w, x[a:b])  # [n, H]
+                if y is None:
+                    y = part.new_empty((routed, H))
+                y[a:b] = part
+
+        self._serve(needed, hidden_states, top_k_index, compute)
         out = hidden_states.new_zeros((T * K, H), dtype=torch.float32)  # [T*K, H]
         if y is not None:
             out[order] = y.float() * top_k_weights.reshape(-1, 1)[order].float()  # one weighting and scatter for all rows
-        result = out.view(T, K, H).sum(dim=1).to(hidden_states.dtype)  # [T, H]
-        if result.requires_grad:  # a forward with autograd on: say why a backward cannot work, before autograd does
-            result.register_hook(_no_backward)
-        return result
+        return _guarded(out.view(T, K, H).sum(dim=1).to(hidden_states.dtype))  # [T, H]
 
     def _decode_step(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, picks: list[int]
@@ -123,26 +125,34 @@ class MiraExperts(nn.Module):
         slot_of = {e: k for k, e in enumerate(picks) if e != E}
         sentinel = [k for k, e in enumerate(picks) if e == E]  # the EP sentinel's slot: its row stays zero
         y = None  # [K, H], in the experts' output dtype as in `forward`
-        plan = self.manager.begin(self.layer, sorted(slot_of), hidden_states, top_k_index)
-        try:
-            for e in plan.order:
-                w = self.manager.acquire(plan, e, first_part=True)
-                part = self._expert(plan, e, w, hidden_states)  # [1, H]
-                if y is None:
-                    y = part.new_zeros((K, H)) if sentinel else part.new_empty((K, H))
-                y[slot_of[e]] = part[0]
-                self.manager.release(plan, e)
-        finally:
-            self.manager.end(plan)
+
+        def compute(plan, e: int, w) -> None:
+            nonlocal y
+            part = self._expert(plan, e, w, hidden_states)  # [1, H]
+            if y is None:
+                y = part.new_zeros((K, H)) if sentinel else part.new_empty((K, H))
+            y[slot_of[e]] = part[0]
+
+        self._serve(sorted(slot_of), hidden_states, top_k_index, compute)
         if y is None:  # the only pick was the EP sentinel
             return hidden_states.new_zeros((1, H))
         out = y.float() * top_k_weights.reshape(-1, 1).float()  # [K, H]
         if sentinel:
             out[sentinel] = 0  # as in `forward`, where the sentinel's row is never weighted
-        result = out.view(1, K, H).sum(dim=1).to(hidden_states.dtype)  # [1, H]
-        if result.requires_grad:
-            result.register_hook(_no_backward)
-        return result
+        return _guarded(out.view(1, K, H).sum(dim=1).to(hidden_states.dtype))  # [1, H]
+
+    def _serve(self, needed: list[int], hidden: torch.Tensor, top_k_index: torch.Tensor, compute) -> None:
+        """One block call of the manager's protocol: `begin`, then for each expert in `plan.order` (resident
+        first) `acquire` its first part (the rest of the record may still be crossing: `_expert` waits for
+        it), `compute(plan, e, w)`, `release`; `end` even when a compute raises (it unpins the slots)."""
+        plan = self.manager.begin(self.layer, needed, hidden, top_k_index)
+        try:
+            for e in plan.order:
+                w = self.manager.acquire(plan, e, first_part=True)
+                compute(plan, e, w)
+                self.manager.release(plan, e)
+        finally:
+            self.manager.end(plan)
 
     def _expert(self, plan, e: int, w, x: torch.Tensor) -> torch.Tensor:
         """Expert `e` (acquired with `first_part=True`) on rows x [n, H] -> [n, H]: the up half may start
@@ -205,14 +215,9 @@ class MiraScaledExperts(MiraExperts):
         self.manager.predict_ahead(self.layer, hidden, top_k_index)  # its copy is finished by the sync below
         needed = [e for e, n in enumerate(chosen.sum(dim=1).tolist()) if n]  # one host sync per block
         out = torch.zeros_like(x)  # [E, T, H]
-        plan = self.manager.begin(self.layer, needed, hidden, top_k_index)
-        try:
-            for e in plan.order:
-                w = self.manager.acquire(plan, e, first_part=True)
-                out[e] = self._expert(plan, e, w, x[e])  # [T, H]
-                self.manager.release(plan, e)
-        finally:
-            self.manager.end(plan)
-        if out.requires_grad:
-            out.register_hook(_no_backward)
-        return out.view(hidden_states.shape)
+
+        def compute(plan, e: int, w) -> None:
+            out[e] = self._expert(plan, e, w, x[e])  # [T, H]
+
+        self._serve(needed, hidden, top_k_index, compute)
+        return _guarded(out).view(hidden_states.shape)

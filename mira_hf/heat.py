@@ -60,11 +60,12 @@ class HeatTracker:
         self._window = {layer: np.zeros(num_experts[layer], np.float32) for layer in self.layers}
         # Share of recent forward steps in which each expert was used (EMA over ~10 steps): an estimate of
         # the probability that its layer will use it next time, for eviction by expected next use. One
-        # table [layers, max experts] (`use_rate_row[layer]` its row) so a victim search over hundreds of
-        # slots reads it in one NumPy gather; `use_rate[layer]` are views of its rows.
-        self.use_rate_table = np.zeros((len(self.layers), max(num_experts.values(), default=0)), np.float32)
-        self.use_rate_row = {layer: i for i, layer in enumerate(self.layers)}
-        self.use_rate = {layer: self.use_rate_table[i, : num_experts[layer]] for i, layer in enumerate(self.layers)}
+        # table [layers, max experts] so a victim search over hundreds of slots reads it in one NumPy gather
+        # (`use_rates`); `use_rate[layer]` are views of its rows.
+        self._use_rate_table = np.zeros((len(self.layers), max(num_experts.values(), default=0)), np.float32)
+        self._row_of_layer = np.zeros(max(self.layers, default=-1) + 1, np.intp)  # layer -> its row of the table
+        self._row_of_layer[self.layers] = np.arange(len(self.layers))
+        self.use_rate = {layer: self._use_rate_table[i, : num_experts[layer]] for i, layer in enumerate(self.layers)}
         self._periods_in_window = 0
         self._last_tick = time.monotonic()
 
@@ -100,6 +101,10 @@ class HeatTracker:
             self._step_active[layer][:] = False
         if self.config.clock == "steps":
             self._end_period()
+
+    def use_rates(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """`use_rate` of each (layers[i], experts[i]) pair, in one gather (float32)."""
+        return self._use_rate_table[self._row_of_layer[layers], experts]
 
     def score(self, layer: int, expert: int) -> float:
         return float(self.scores[layer][expert])

@@ -178,9 +178,6 @@ class ExpertManager:
         self.loader = Loader(device, ring_bytes, timeout_s=copy_timeout_s)
         self.telemetry = Telemetry()
         self.heat = HeatTracker({li.ordinal: li.num_experts for li in layers}, heat)
-        self._heat_row = np.zeros(max(self.layers) + 1, np.intp)  # layer ordinal -> its row of heat.use_rate_table
-        for layer, row in self.heat.use_rate_row.items():
-            self._heat_row[layer] = row
         self.predictor = predictor
         self.predictor_config = predictor_config or PredictorConfig()
         # Prediction pauses while it costs more host time than the stalls it could remove (PredictorConfig.pause_unprofitable).
@@ -672,7 +669,7 @@ class ExpertManager:
         n, L = len(keys), len(self.layers)
         pairs = np.fromiter(itertools.chain.from_iterable(keys), np.intp, 2 * n).reshape(n, 2)
         layers, experts = pairs[:, 0], pairs[:, 1]
-        p = self.heat.use_rate_table[self._heat_row[layers], experts].astype(np.float64)
+        p = self.heat.use_rates(layers, experts).astype(np.float64)
         p[p <= 1e-3] = 1e-3
         q = p.copy()
         for layer, guesses in self._layer_probs.items():  # the layers with a guess: a few

@@ -38,31 +38,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import run  # noqa: E402  (workloads, mira systems, --variant)
-from common import build_config, device_slug, environment, print_table, write_json  # noqa: E402
+from common import build_config, device_slug, environment, print_table, sync, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel, calibrate  # noqa: E402
 
 EXTRA_SYSTEMS = {"heat-only": dict(predictor=None), "default+learned": {}}  # default+learned: bundled only
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def decode(model, prompt: torch.Tensor, new_tokens: int, device: torch.device) -> dict:
+def decode(model, prompt: torch.Tensor, new_tokens: int) -> dict:
     """Decode tokens/s (all sequences of the batch) after the first token (the prefill's time, measured
     by a 1-token call, is taken off), with mira's stall time and hit rate for the whole call."""
     kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
-    sync(device)
+    sync()
     t0 = time.perf_counter()
     model.generate(prompt, max_new_tokens=1, **kw)
-    sync(device)
+    sync()
     first = time.perf_counter() - t0
     model.mira.reset_stats()
     t0 = time.perf_counter()
     out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-    sync(device)
+    sync()
     total = time.perf_counter() - t0
     s = model.mira.stats()
     steps = (out.shape[1] - prompt.shape[1]) - 1
@@ -86,11 +81,11 @@ def store_h2d_gbps(model, device: torch.device) -> float | None:
     dst = torch.empty(max(r.numel() for r in records), dtype=torch.uint8, device=device)
     best = 0.0
     for _ in range(3):
-        sync(device)
+        sync()
         t0 = time.perf_counter()
         for r in records:
             dst[: r.numel()].copy_(r, non_blocking=True)
-        sync(device)
+        sync()
         best = max(best, sum(r.numel() for r in records) / (time.perf_counter() - t0) / 1e9)
     return best
 
@@ -166,12 +161,12 @@ def main() -> int:
         for n in order:
             with torch.no_grad():
                 if r == 0:  # warm-up: kernels, allocator, pinned buffers, the heat tables (at both batch sizes)
-                    decode(systems[n], p1, 4, device)
+                    decode(systems[n], p1, 4)
                     if args.batch:
-                        decode(systems[n], pb, 4, device)
-                rows[n]["b1"].append(decode(systems[n], p1, args.new_tokens, device))
+                        decode(systems[n], pb, 4)
+                rows[n]["b1"].append(decode(systems[n], p1, args.new_tokens))
                 if args.batch:
-                    rows[n]["b8"].append(decode(systems[n], pb, args.new_tokens, device))
+                    rows[n]["b8"].append(decode(systems[n], pb, args.new_tokens))
     base = names[0]
     table = []
     for n in names:

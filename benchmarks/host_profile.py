@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import run  # noqa: E402  (the bundled workload and run.py's systems)
-from ab import EXTRA_SYSTEMS, sync  # noqa: E402
-from common import device_slug, environment, print_table, write_json  # noqa: E402
+from ab import EXTRA_SYSTEMS  # noqa: E402
+from common import device_slug, environment, print_table, sync, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
 
@@ -63,12 +63,12 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _generate(model, prompt, n, device):
+def _generate(model, prompt, n):
     kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
-    sync(device)
+    sync()
     t0 = time.perf_counter()
     model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
-    sync(device)
+    sync()
     return time.perf_counter() - t0
 
 
@@ -80,20 +80,20 @@ def profile_system(name: str, wl, budget: float, device: torch.device, prompt, n
         overrides = dict(EXTRA_SYSTEMS.get(name, run.MIRA_OVERRIDES.get(name, {})))
         MiraMoEModel.wrap(model, MiraConfig(gpu_budget=budget, device=str(device), **overrides))
     model.eval()
-    _generate(model, prompt, 16, device)  # warm-up
-    one = min(_generate(model, prompt, 1, device) for _ in range(3))  # prefill + 1 token, taken off
-    times = [_generate(model, prompt, new_tokens + 1, device) - one for _ in range(repeats)]
+    _generate(model, prompt, 16)  # warm-up
+    one = min(_generate(model, prompt, 1) for _ in range(3))  # prefill + 1 token, taken off
+    times = [_generate(model, prompt, new_tokens + 1) - one for _ in range(repeats)]
     ms = 1e3 * sorted(times)[len(times) // 2] / new_tokens
     with _CountOps() as c1:
-        _generate(model, prompt, 1, device)
+        _generate(model, prompt, 1)
     with _CountOps() as c:
-        _generate(model, prompt, new_tokens + 1, device)
+        _generate(model, prompt, new_tokens + 1)
     ops = (c.n - c1.n) / new_tokens
     if hasattr(model, "mira"):
         model.mira.reset_stats()
     prof = cProfile.Profile()
     prof.enable()
-    _generate(model, prompt, new_tokens + 1, device)
+    _generate(model, prompt, new_tokens + 1)
     prof.disable()
     st = pstats.Stats(prof).stats  # (file, line, func) -> (cc, nc, tt, ct, callers)
     watched = {}

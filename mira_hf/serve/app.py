@@ -1,0 +1,320 @@
+"""The OpenAI-compatible app over one loaded model, on transformers' serving stack.
+
+transformers' `ChatCompletionHandler` and `CompletionHandler` do the work (chat template, continuous batching
+through their `GenerationState`/`CBGenerateManager`, OpenAI response and SSE chunk schemas); a small
+`ModelManager` subclass hands them the model mira-hf already loaded instead of loading one by name.
+transformers' own app factory is not used: it also routes endpoints that load, list or unload other models,
+and its errors are not OpenAI-shaped. This app routes /v1/chat/completions, /v1/completions, /v1/models,
+/health and /metrics, checks each request first (`checks`) and answers every error as `{"error": {...}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from .options import PLAIN_CHAT_TEMPLATE, ServeConfig, require_serve
+
+require_serve("mira_hf.serve")
+
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.exceptions import HTTPException, RequestValidationError  # noqa: E402
+from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
+from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
+from transformers.cli.serving.chat_completion import ChatCompletionHandler  # noqa: E402
+from transformers.cli.serving.completion import CompletionHandler  # noqa: E402
+from transformers.cli.serving.model_manager import ModelManager  # noqa: E402
+from transformers.cli.serving.utils import CBWorkerDeadError, GenerationState, Modality  # noqa: E402
+
+from . import checks, memory  # noqa: E402
+from .metrics import build_registry  # noqa: E402
+
+logger = logging.getLogger("mira_hf.serve")
+READY_TIMEOUT_S = 300.0  # the batching thread builds its KV cache on start; a failure there surfaces sooner
+
+
+class LoadedModelManager(ModelManager):
+    """transformers' model manager holding one model that is already loaded (by `MiraMoEModel.from_pretrained`
+    or `wrap`): every request resolves to it; it never loads, lists or unloads another. The model stays the
+    caller's: `shutdown()` leaves it in place."""
+
+    def __init__(self, model, tokenizer, name: str) -> None:
+        super().__init__(device=str(model.device), dtype="auto", model_timeout=-1)
+        self.force_model = name  # handlers refuse any other name and use this one when none is given
+        self._model, self._tokenizer = model, tokenizer
+
+    def process_model_name(self, model_id: str) -> str:
+        return model_id
+
+    def load_model_and_processor(self, model_id_and_revision: str, *args, **kwargs):
+        return self._model, self._tokenizer
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _Runtime:
+    """What the app holds between start-up and shutdown."""
+
+    def __init__(self) -> None:
+        self.cb = None  # transformers' ContinuousBatchingManager, once started
+        self.limits: checks.Limits | None = None
+        self.split: dict | None = None
+
+
+def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None) -> FastAPI:
+    """A FastAPI app serving `model` (a transformers causal LM, usually wrapped by mira-hf) with `tokenizer`.
+
+    Continuous batching starts with the app (its lifespan) and stops with it; the model's attention
+    implementation is kept, and every request is decoded greedily, so a request's tokens are those of
+    `model.generate(ids, do_sample=False, max_new_tokens=...)`. `on_ready(split)` is called once the KV cache
+    exists, with `memory.memory_split(...)`. Run it with uvicorn, `serve(...)` or `BackgroundServer`.
+    """
+    config = config or ServeConfig()
+    name = config.model_name
+    runtime = _Runtime()
+    model_manager = LoadedModelManager(model, tokenizer, name)
+    state = GenerationState(
+        continuous_batching=True, cb_config=memory.kv_cache_config(model, config.kv_cache_memory, config.max_batch_tokens)
+    )
+    template_kwargs = (
+        {} if getattr(tokenizer, "chat_template", None) else {"chat_template": config.chat_template or PLAIN_CHAT_TEMPLATE}
+    )
+    chat_handler = ChatCompletionHandler(
+        model_manager=model_manager, generation_state=state, chat_template_kwargs=template_kwargs
+    )
+    completion_handler = CompletionHandler(model_manager=model_manager, generation_state=state)
+    registry, mira_collector, serve_collector = build_registry(model, name, lambda: runtime.cb)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await asyncio.to_thread(_start_batching, model, config, state, runtime)
+        if on_ready is not None:
+            on_ready(runtime.split)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.shutdown)
+
+    app = FastAPI(title=f"mira-hf: {name}", lifespan=lifespan)
+    app.state.mira_runtime = runtime
+
+    def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+        return JSONResponse(checks.RequestError(status, message, param, code).body(), status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException):
+        status = 400 if exc.status_code == 422 else exc.status_code  # OpenAI answers a bad field with 400
+        return error(status, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError):
+        return error(400, f"invalid request: {exc.errors()}")
+
+    def check_chat(body: dict) -> None:
+        limits = runtime.limits
+        checks.check_common(body, limits)
+        messages = checks.check_messages(body)
+        extra = body.get("chat_template_kwargs", {})
+        if not isinstance(extra, dict):
+            raise checks.RequestError(400, "chat_template_kwargs must be a JSON object.", param="chat_template_kwargs")
+        rendered = ChatCompletionHandler.get_processor_inputs_from_messages(messages, Modality.LLM)
+        try:  # as the handler will tokenise it (same template and arguments)
+            ids = tokenizer.apply_chat_template(
+                rendered,
+                add_generation_prompt=True,
+                tools=body.get("tools"),
+                tokenize=True,
+                return_dict=True,
+                **{**template_kwargs, **extra},
+            )["input_ids"]
+        except Exception as exc:  # a template error is the request's: its messages do not fit the template
+            raise checks.RequestError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+        checks.settle_max_tokens(body, len(ids), limits, ("max_completion_tokens", "max_tokens"), "messages")
+
+    def check_completion(body: dict) -> None:
+        limits = runtime.limits
+        checks.check_common(body, limits)
+        prompt = checks.check_prompt(body)
+        checks.settle_max_tokens(body, len(tokenizer(prompt)["input_ids"]), limits, ("max_tokens",), "prompt")
+
+    async def answer(endpoint: str, request: Request, check, handler, id_prefix: str) -> Response:
+        start = time.perf_counter()
+        serve_collector.started()
+        outcome = {"status": 500, "streaming": False}
+
+        def finish(tokens: int | None) -> None:
+            seconds = time.perf_counter() - start
+            if outcome["streaming"]:
+                serve_collector.finished(endpoint, outcome["status"], seconds)
+            if tokens and mira_collector is not None:
+                mira_collector.record_tokens(tokens, seconds)
+
+        try:
+            body = checks.parse_body(await request.body())
+            check(body)
+            response = await handler.handle_request(body, f"{id_prefix}-{uuid.uuid4().hex}")
+            outcome["status"] = response.status_code
+            if isinstance(response, StreamingResponse):
+                outcome["streaming"] = True
+                response.body_iterator = _observed_stream(response.body_iterator, finish)
+            else:
+                finish(_completion_tokens(response.body))
+            return response
+        except checks.RequestError as exc:
+            outcome["status"] = exc.status
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except HTTPException as exc:
+            outcome["status"] = 400 if exc.status_code == 422 else exc.status_code
+            return error(outcome["status"], str(exc.detail))
+        except CBWorkerDeadError as exc:
+            outcome["status"] = 503
+            return error(503, f"the batching worker stopped: {exc}. Restart the server.", code="service_unavailable")
+        except Exception as exc:
+            logger.exception("request to %s failed", endpoint)
+            return error(500, f"the server failed on this request: {type(exc).__name__}: {exc}")
+        finally:
+            if not outcome["streaming"]:
+                serve_collector.finished(endpoint, outcome["status"], time.perf_counter() - start)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await answer("chat", request, check_chat, chat_handler, "chatcmpl")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer("completions", request, check_completion, completion_handler, "cmpl")
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "mira-hf"}]}
+
+    @app.get("/health")
+    async def health():
+        if runtime.cb is None:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        if not state.is_cb_alive():
+            return JSONResponse({"status": "unhealthy", "reason": "the batching worker stopped"}, status_code=503)
+        return {"status": "ok", "model": name}
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _start_batching(model, config: ServeConfig, state: GenerationState, runtime: _Runtime) -> None:
+    """Start transformers' continuous batching with the server's one decoding setting (greedy) and wait until
+    its KV cache exists, so the request limits and the memory split are known before the first request."""
+    gen = copy.deepcopy(model.generation_config)
+    gen.do_sample = False
+    gen.temperature = gen.top_p = gen.top_k = None
+    gen.num_beams = 1
+    gen.max_new_tokens = config.default_max_tokens
+    gen.use_cache = False  # the batching manager keeps its own paged cache
+    manager = state.get_manager(config.model_name, use_cb=True)
+    manager.init_cb(model, gen)
+    cb = manager._cb  # the ContinuousBatchingManager init_cb started (transformers keeps it on this attribute)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while getattr(cb, "batch_processor", None) is None:
+        fatal = cb.background_thread_status.fatal_error
+        if fatal is not None or not cb.is_running():
+            raise RuntimeError(f"continuous batching failed to start: {fatal or 'its thread stopped'}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"continuous batching built no KV cache within {READY_TIMEOUT_S:.0f} s")
+        time.sleep(0.01)
+    kv = memory.kv_usage(cb)
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    kv_tokens = kv["blocks_total"] * kv["tokens_per_block"]
+    runtime.limits = checks.Limits(
+        model_name=config.model_name,
+        max_total_tokens=min(kv_tokens, context) if context else kv_tokens,
+        default_max_tokens=config.default_max_tokens,
+        greedy=True,
+    )
+    runtime.split = memory.memory_split(model, cb)
+    runtime.cb = cb
+
+
+async def _observed_stream(chunks, finish):
+    """Pass the SSE chunks through; at the end, report the completion tokens of the final `usage` chunk."""
+    tokens = None
+    try:
+        async for chunk in chunks:
+            text = chunk if isinstance(chunk, str) else chunk.decode()
+            if '"usage"' in text:
+                tokens = _completion_tokens(text.rsplit("data: ", 1)[-1].encode()) or tokens
+            yield chunk
+    finally:
+        finish(tokens)
+
+
+def _completion_tokens(body: bytes) -> int | None:
+    try:
+        return json.loads(body)["usage"]["completion_tokens"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def serve(model, tokenizer, config: ServeConfig | None = None, host: str = "127.0.0.1", port: int = 8000, on_ready=None) -> None:
+    """Serve until interrupted (Ctrl-C). `host="0.0.0.0"` listens on every interface."""
+    import uvicorn
+
+    uvicorn.run(build_app(model, tokenizer, config, on_ready=on_ready), host=host, port=port, log_level="warning")
+
+
+class BackgroundServer:
+    """The app on a uvicorn server in a background thread (tests, notebooks, load tests):
+
+        with BackgroundServer(build_app(model, tokenizer)) as server:
+            requests.post(server.url + "/v1/completions", json={...})
+
+    `port=0` takes a free port; `server.port` tells which. `stop()` (or leaving the block) shuts it down.
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = READY_TIMEOUT_S) -> None:
+        import uvicorn
+
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
+        self._thread = threading.Thread(target=self._server.run, name="mira-serve", daemon=True)
+        self._start_timeout_s = start_timeout_s
+        self.host = host
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + self._start_timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the server stopped while starting (see the log above)")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the server did not start within {self._start_timeout_s:.0f} s")
+            time.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,139 @@
+"""How one device's memory is split between the expert cache and the paged KV cache of continuous batching.
+
+mira-hf sizes the expert cache at load (`MiraConfig.gpu_budget`); transformers' continuous batching then sizes
+its paged KV cache from what is left, unless it is told a size. `kv_cache_config` turns a KV byte budget into
+the `ContinuousBatchingConfig(num_blocks=...)` transformers takes; `memory_split` reports what each part got
+once the cache exists. Imports torch and transformers only inside functions (the CLI imports this module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import parse_bytes
+from ..errors import ConfigError
+
+# On a CPU, transformers would size the KV cache from host RAM (0.9 x what the process does not use): tens of
+# GiB of zeros. 64 MiB holds ~21k tokens of the bundled model; pass kv_cache_memory for more.
+CPU_DEFAULT_KV_BYTES = 64 * 2**20
+DEFAULT_PAGE_TOKENS = 256  # transformers' default page (block) size, tokens per whole-model block
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of K and V for one token across all layers, at the model's dtype (what one cached token costs)."""
+    text = model.config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
+
+
+def kv_cache_config(model, kv_cache_memory: int | str | None, max_batch_tokens: int | None = None):
+    """`ContinuousBatchingConfig` whose paged cache holds `kv_cache_memory` bytes (rounded down to whole blocks).
+
+    `None` leaves the size to transformers (a share of the device memory free after the model and the expert
+    cache are loaded) on an accelerator, and uses `CPU_DEFAULT_KV_BYTES` on a CPU. The model's attention
+    implementation is kept (no automatic switch to flash attention), so served tokens are the model's own.
+    """
+    from transformers import ContinuousBatchingConfig
+
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    kwargs: dict = {}
+    if "auto_switch_to_flash" in fields:
+        kwargs["auto_switch_to_flash"] = False
+    if max_batch_tokens is not None:
+        kwargs["max_batch_tokens"] = max_batch_tokens
+    if kv_cache_memory is None and model.device.type == "cpu":
+        kv_cache_memory = CPU_DEFAULT_KV_BYTES
+    if kv_cache_memory is not None:
+        nbytes = parse_bytes(kv_cache_memory, "kv_cache_memory")
+        page = ContinuousBatchingConfig().page_size if "page_size" in fields else ContinuousBatchingConfig().block_size
+        per_block = kv_bytes_per_token(model) * page
+        if nbytes < per_block:
+            raise ConfigError(
+                f"kv_cache_memory={kv_cache_memory!r} is less than one KV block ({per_block} bytes: {page} tokens of "
+                f"{kv_bytes_per_token(model)} bytes). Give at least {per_block} bytes, or leave it unset."
+            )
+        kwargs["num_blocks"] = nbytes // per_block
+    return ContinuousBatchingConfig(**kwargs)
+
+
+def page_tokens(cb_manager) -> int:
+    """Tokens per whole-model KV block of a running manager ("page_size" since transformers 5.18, "block_size" before)."""
+    cfg = cb_manager.continuous_batching_config
+    return getattr(cfg, "page_size", None) or getattr(cfg, "block_size", None) or DEFAULT_PAGE_TOKENS
+
+
+def kv_usage(cb_manager) -> dict | None:
+    """`{"blocks_total", "blocks_used", "tokens_per_block", "bytes"}` of the paged cache, or None before it exists."""
+    processor = getattr(cb_manager, "batch_processor", None)
+    cache = getattr(processor, "cache", None)
+    if cache is None:
+        return None
+    total = int(cache.num_blocks)
+    if hasattr(cache, "compute_free_capacity"):  # transformers >= 5.18: free share of the sector pool
+        used = total - round(total * cache.compute_free_capacity())
+    elif hasattr(cache, "get_num_free_blocks"):
+        used = total - int(cache.get_num_free_blocks())
+    else:
+        used = None
+    tensor = getattr(cache, "cache_tensor", None)
+    if tensor is not None:
+        nbytes = tensor.numel() * tensor.element_size()
+    else:  # one tensor per layer for K and V
+        tensors = list(getattr(cache, "key_cache", [])) + list(getattr(cache, "value_cache", []))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return dict(blocks_total=total, blocks_used=used, tokens_per_block=page_tokens(cb_manager), bytes=nbytes)
+
+
+def queue_depth(cb_manager) -> dict | None:
+    """`{"waiting", "active"}` requests of the batching manager, or None before its scheduler exists."""
+    processor = getattr(cb_manager, "batch_processor", None)
+    scheduler = getattr(processor, "scheduler", None)
+    if scheduler is None:
+        return None
+    queued = cb_manager.input_queue.qsize()  # submitted, not yet taken by the scheduler
+    return dict(waiting=queued + len(scheduler.waiting_requests), active=len(scheduler.active_requests))
+
+
+def memory_split(model, cb_manager) -> dict:
+    """Where the model's device memory goes: weights resident there, the expert cache, the KV cache, and (on CUDA)
+    what is still free. Bytes; the KV entries are None until the batching manager has built its cache."""
+    import torch
+
+    device = model.device
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if t.device == device)
+    manager = getattr(model, "mira", None)
+    kv = kv_usage(cb_manager)
+    out = dict(
+        device=str(device),
+        weights_bytes=weights,
+        expert_cache_bytes=manager.device_bytes if manager is not None else 0,
+        kv_cache_bytes=kv["bytes"] if kv else None,
+        kv_blocks=kv["blocks_total"] if kv else None,
+        kv_tokens=kv["blocks_total"] * kv["tokens_per_block"] if kv else None,
+        kv_bytes_per_token=kv_bytes_per_token(model),
+        free_bytes=None,
+    )
+    if device.type == "cuda":
+        out["free_bytes"] = torch.cuda.mem_get_info(device)[0]
+    return out
+
+
+def format_split(split: dict) -> str:
+    """One line per part, for the server's start-up message."""
+    from ..report import format_bytes
+
+    def size(n):
+        return "not built yet" if n is None else format_bytes(n)
+
+    lines = [
+        f"device memory on {split['device']}:",
+        f"  weights on the device   {size(split['weights_bytes'])}",
+        f"  expert cache            {size(split['expert_cache_bytes'])}",
+        f"  KV cache (paged)        {size(split['kv_cache_bytes'])}"
+        + (f", {split['kv_blocks']} blocks, {split['kv_tokens']} tokens" if split["kv_blocks"] is not None else ""),
+    ]
+    if split["free_bytes"] is not None:
+        lines.append(f"  still free              {size(split['free_bytes'])}")
+    return "\n".join(lines)

@@ -1,0 +1,66 @@
+"""What `mira serve` needs installed, and its settings (no heavy import here: the CLI validates before loading)."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from ..config import parse_bytes
+from ..errors import ConfigError, MissingDependencyError
+
+SERVE_EXTRA = "serve"
+# transformers' serving stack (its own `is_serve_available`) plus uvicorn to run it and prometheus_client for /metrics
+SERVE_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic", "prometheus_client")
+# For a tokenizer without a chat template: the messages' text, one per line, and nothing added for the reply, so a
+# chat request to a base model continues the text as a completion would.
+PLAIN_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% if not loop.last %}\n{% endif %}{% endfor %}"
+
+
+def missing_serve_packages() -> list[str]:
+    """The packages of the `serve` extra that are not installed."""
+    return [name for name in SERVE_PACKAGES if importlib.util.find_spec(name) is None]
+
+
+def is_serve_available() -> bool:
+    """Whether `mira serve` / `mira_hf.serve.build_app` can run: fastapi, uvicorn, openai, pydantic, prometheus_client."""
+    return not missing_serve_packages()
+
+
+def require_serve(feature: str = "mira serve") -> None:
+    missing = missing_serve_packages()
+    if missing:
+        raise MissingDependencyError(
+            f"{feature} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed: "
+            f'pip install "mira-hf[{SERVE_EXTRA}]".'
+        )
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Settings of the OpenAI-compatible server.
+
+    model_name: the id clients send as "model" and /v1/models lists.
+    default_max_tokens: completion tokens when a request gives no max_tokens (capped by the room left).
+    kv_cache_memory: bytes (int or "2GiB") of the paged KV cache; None: transformers sizes it from the device
+        memory left after the weights and the expert cache (on a CPU, 64 MiB).
+    max_batch_tokens: tokens per forward step of the batch (None: transformers' default).
+    chat_template: Jinja template for a tokenizer that has none (None: the messages' text, one per line).
+    """
+
+    model_name: str = "mira-tiny"
+    default_max_tokens: int = 256
+    kv_cache_memory: int | str | None = None
+    max_batch_tokens: int | None = None
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ConfigError(f"ServeConfig.model_name={self.model_name!r}: give the non-empty name clients will send.")
+        for name in ("default_max_tokens", "max_batch_tokens"):
+            value = getattr(self, name)
+            if value is None and name == "max_batch_tokens":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"ServeConfig.{name}={value!r}: must be an integer ≥ 1.")
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory, "kv_cache_memory")

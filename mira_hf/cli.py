@@ -6,6 +6,7 @@
     mira bench run -- --models bundled                   # a script of benchmarks/
     mira stats run.json                                  # summary of a saved stats or trace file
     mira env --model PATH                                # GPU, PCIe, bandwidth, versions and a suggested gpu_budget
+    mira serve PATH --port 8000 --kv-cache-memory 4GiB   # OpenAI-compatible server (pip install "mira-hf[serve]")
 
 A user mistake (bad budget, missing model, unknown policy, ...) prints one line, `mira: error: ...`, and exits
 with status 2, as argparse does for bad arguments; `--traceback` shows the full traceback instead.
@@ -111,6 +112,22 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="summarise a saved stats or routing-trace JSON file", description=_doc(cmd_stats))
     s.add_argument("file", metavar="FILE", help="JSON written by `mira generate --stats-out` or `mira calibrate`")
     s.set_defaults(run=cmd_stats)
+
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching", description=_doc(cmd_serve))
+    v.add_argument("model", nargs="?", default=BUNDLED_NAME, metavar="MODEL", help=model_help)
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    v.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    v.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default: MODEL as given)")
+    v.add_argument("--max-tokens", type=int, default=256, metavar="N", help="completion tokens when a request gives none (256)")
+    v.add_argument(
+        "--kv-cache-memory",
+        metavar="B",
+        help="bytes of the paged KV cache, e.g. 4GiB (default: a share of the device memory left after the weights and "
+        "the expert cache; 64MiB on a CPU)",
+    )
+    v.add_argument("--memory-report", action="store_true", help="print how device memory is split, then exit")
+    _add_model_options(v, budget_default="0.25", policies=policies, predictors=predictors)
+    v.set_defaults(run=cmd_serve)
 
     e = sub.add_parser("env", help="GPU, PCIe, copy bandwidth, host memory and library versions", description=_doc(cmd_env))
     e.add_argument("--model", metavar="PATH", help="also suggest a gpu_budget for this model directory (or mira-tiny)")
@@ -327,6 +344,41 @@ def _write_json(path: str | os.PathLike, data: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
+
+
+# -- serve ------------------------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve MODEL over HTTP with an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models,
+    /health, /metrics), many requests at once through transformers' continuous batching. Prints how the device
+    memory is split between weights, expert cache and KV cache. Needs pip install "mira-hf[serve]"."""
+    from .serve.options import ServeConfig, require_serve
+
+    serve_config = ServeConfig(  # validated before anything loads
+        model_name=args.served_model_name or args.model,
+        default_max_tokens=args.max_tokens,
+        kv_cache_memory=parse_budget(args.kv_cache_memory),
+    )
+    require_serve()
+    cfg = _mira_config(args)
+    model, tokenizer = _load(_model_source(args.model), cfg, args.dtype)
+
+    import logging
+
+    from .serve.app import BackgroundServer, build_app, serve
+    from .serve.memory import format_split
+
+    logging.getLogger("transformers.cli.serving").setLevel(logging.ERROR)  # one warning per request otherwise
+    if args.memory_report:
+        with BackgroundServer(build_app(model, tokenizer, serve_config, on_ready=lambda split: print(format_split(split)))):
+            pass
+        return 0
+
+    def ready(split: dict) -> None:
+        print(format_split(split))
+        print(f"serving {serve_config.model_name!r} on http://{args.host}:{args.port} (Ctrl-C stops)", flush=True)
+
+    serve(model, tokenizer, serve_config, host=args.host, port=args.port, on_ready=ready)
+    return 0
 
 
 # -- calibrate --------------------------------------------------------------------------------------

@@ -1,0 +1,225 @@
+"""`mira serve`: the OpenAI-compatible server gives the tokens `model.generate` gives (greedy), streamed or not,
+one request or many at once; bad requests get an OpenAI-style error and the server keeps serving; /metrics
+shows the expert cache, KV blocks and queue. The server runs in-process on 127.0.0.1, on a free port."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from mira_hf import MiraConfig, MiraMoEModel
+from mira_hf.bundled import bundled_model_path
+from mira_hf.cli import main
+from mira_hf.errors import ConfigError
+from mira_hf.serve import ServeConfig, is_serve_available, missing_serve_packages
+from mira_hf.serve.options import PLAIN_CHAT_TEMPLATE
+
+pytestmark = pytest.mark.skipif(
+    not is_serve_available(), reason=f'needs {", ".join(missing_serve_packages())}: pip install "mira-hf[serve]"'
+)
+
+NEW_TOKENS = 8
+TIMEOUT_S = 300  # per HTTP request; a loaded CI machine decodes the tiny model in well under that
+PROMPTS = ["def fib(n):", "import os\n", "class Stack:", "for i in range(10):", "# sort a list", "x = [", "while True:", "print("]
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(server url, tokenizer, model, {(kind, prompt): reference new tokens}, app) for the bundled model on the CPU.
+    The references are computed before the server starts, so only one thread ever runs the model at a time."""
+    from transformers import AutoTokenizer
+
+    from mira_hf.serve import BackgroundServer, build_app
+
+    path = bundled_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.25, device="cpu"), progress=False, dtype=torch.float32)
+    model.eval()
+    references = {}
+    for kind, prompt in [("completion", p) for p in PROMPTS] + [("chat", PROMPTS[0])]:
+        ids = prompt_ids(tokenizer, kind, prompt)
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        references[kind, prompt] = out[0, len(ids) :].tolist()
+    app = build_app(model, tokenizer, ServeConfig(default_max_tokens=NEW_TOKENS))
+    with BackgroundServer(app) as server:
+        yield server.url, tokenizer, model, references, app
+
+
+def prompt_ids(tokenizer, kind: str, prompt: str) -> list[int]:
+    if kind == "completion":
+        return tokenizer(prompt)["input_ids"]
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(
+        messages, chat_template=PLAIN_CHAT_TEMPLATE, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+
+
+def post(url: str, body, raw: bool = False):
+    """(status, parsed JSON) of a POST; `raw=True` sends `body` (bytes) as it is."""
+    data = body if raw else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def stream(url: str, body: dict) -> list[dict]:
+    """The JSON events of a server-sent-event response, in order."""
+    request = urllib.request.Request(
+        url, data=json.dumps({**body, "stream": True}).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    events = []
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: ") :]))
+    return events
+
+
+def test_streamed_chat_gives_the_tokens_of_generate(served):
+    url, tokenizer, _, references, _ = served
+    expected = references["chat", PROMPTS[0]]
+    events = stream(url + "/v1/chat/completions", {"model": "mira-tiny", "messages": [{"role": "user", "content": PROMPTS[0]}]})
+    assert not any("error" in e for e in events), events
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert events[-1]["usage"]["completion_tokens"] == len(expected)
+    assert events[-1]["choices"][0]["finish_reason"] == ("length" if len(expected) == NEW_TOKENS else "stop")
+
+
+def test_concurrent_requests_give_the_tokens_of_generate(served):
+    url, tokenizer, _, references, _ = served
+
+    def ask(prompt: str):
+        return post(url + "/v1/completions", {"model": "mira-tiny", "prompt": prompt, "max_tokens": NEW_TOKENS})
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(ask, PROMPTS))
+    for prompt, (status, body) in zip(PROMPTS, answers):
+        expected = references["completion", prompt]
+        assert status == 200, body
+        assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True), prompt
+        assert body["usage"] == {
+            "prompt_tokens": len(tokenizer(prompt)["input_ids"]),
+            "completion_tokens": len(expected),
+            "total_tokens": len(tokenizer(prompt)["input_ids"]) + len(expected),
+        }
+
+
+def test_non_streamed_chat_gives_the_tokens_of_generate(served):
+    url, tokenizer, _, references, _ = served
+    status, body = post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}]})
+    assert status == 200, body
+    assert body["object"] == "chat.completion" and body["model"] == "mira-tiny"
+    assert body["choices"][0]["message"]["content"] == tokenizer.decode(references["chat", PROMPTS[0]], skip_special_tokens=True)
+
+
+BAD_REQUESTS = [
+    # (endpoint, body, raw, status, param, code)
+    (
+        "chat/completions",
+        {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]},
+        False,
+        404,
+        "model",
+        "model_not_found",
+    ),
+    ("completions", {"prompt": "def f():", "max_tokens": 100_000}, False, 400, "max_tokens", "context_length_exceeded"),
+    ("chat/completions", b'{"messages": [', True, 400, None, None),
+    ("chat/completions", {"model": "mira-tiny"}, False, 400, "messages", None),
+    ("chat/completions", {"messages": [{"content": "no role"}]}, False, 400, "messages[0]", None),
+    ("chat/completions", [1, 2], False, 400, None, None),
+    ("completions", {"prompt": "x", "temperature": 0.7}, False, 400, "temperature", "unsupported_parameter"),
+    ("completions", {"prompt": "x", "n": 3}, False, 400, "n", "unsupported_parameter"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, False, 400, "max_tokens", None),
+    ("completions", {"prompt": ""}, False, 400, "prompt", None),
+    ("completions", {"prompt": "x", "no_such_field": 1}, False, 400, None, None),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,raw,status,param,code", BAD_REQUESTS)
+def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(served, endpoint, body, raw, status, param, code):
+    url, tokenizer, _, references, _ = served
+    got, answer = post(f"{url}/v1/{endpoint}", body, raw=raw)
+    assert got == status, answer
+    error = answer["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert (error["param"], error["code"]) == (param, code)
+    got, answer = post(url + "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": NEW_TOKENS})
+    assert got == 200 and answer["choices"][0]["text"] == tokenizer.decode(
+        references["completion", PROMPTS[1]], skip_special_tokens=True
+    )
+
+
+def test_models_health_and_unknown_routes(served):
+    url = served[0]
+    status, text = get(url + "/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(text)["data"]] == ["mira-tiny"]
+    assert get(url + "/health") == (200, json.dumps({"status": "ok", "model": "mira-tiny"}, separators=(",", ":")))
+    status, text = get(url + "/v1/nothing")
+    assert status == 404 and json.loads(text)["error"]["type"] == "invalid_request_error"
+
+
+def test_metrics_show_expert_cache_kv_blocks_and_requests(served):
+    url, _, model, _, _ = served
+    post(url + "/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 2})
+    status, text = get(url + "/metrics")
+    assert status == 200
+    values = {
+        line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")
+    }
+    assert values['mira_serve_kv_blocks{model="mira-tiny"}'] == 64 * 2**20 // (3072 * 256)  # the CPU default, whole blocks
+    assert values['mira_serve_kv_block_tokens{model="mira-tiny"}'] == 256
+    assert 0 <= values['mira_serve_kv_blocks_used{model="mira-tiny"}'] <= values['mira_serve_kv_blocks{model="mira-tiny"}']
+    assert values['mira_serve_queue_waiting{model="mira-tiny"}'] >= 0
+    assert values['mira_serve_requests_total{endpoint="completions",model="mira-tiny",status="200"}'] >= 1
+    assert values['mira_tokens_generated_total{model="mira-tiny"}'] >= 2
+    assert values['mira_forward_steps_total{model="mira-tiny"}'] == model.mira.stats()["steps"]
+    assert 'mira_hit_rate{model="mira-tiny"}' in values
+
+
+def test_memory_split_reports_the_expert_cache_and_kv_cache(served):
+    from mira_hf.serve.memory import kv_cache_config
+
+    _, _, model, _, app = served
+    split = app.state.mira_runtime.split
+    blocks = 64 * 2**20 // (3072 * 256)  # the CPU default, 64 MiB, in whole blocks of 256 tokens x 3072 bytes
+    assert (split["kv_blocks"], split["kv_tokens"], split["kv_bytes_per_token"]) == (blocks, blocks * 256, 3072)
+    assert split["kv_cache_bytes"] >= blocks * 256 * 3072
+    assert split["expert_cache_bytes"] == model.mira.device_bytes > 0
+    assert kv_cache_config(model, "8MiB").num_blocks == 8 * 2**20 // (3072 * 256)
+    with pytest.raises(ConfigError, match="less than one KV block"):
+        kv_cache_config(model, 1000)
+
+
+def test_serve_config_is_validated():
+    with pytest.raises(ConfigError, match="default_max_tokens"):
+        ServeConfig(default_max_tokens=0)
+    with pytest.raises(ConfigError, match="kv_cache_memory"):
+        ServeConfig(kv_cache_memory="lots")
+
+
+def test_cli_serve_refuses_a_bad_flag_before_loading(capsys):
+    assert main(["serve", "--kv-cache-memory", "lots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mira: error: kv_cache_memory='lots' is not a size") and len(err.splitlines()) == 1
+    assert main(["serve", "--help"]) == 0

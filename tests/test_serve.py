@@ -5,6 +5,7 @@ shows the expert cache, KV blocks and queue. The server runs in-process on 127.0
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -77,6 +78,13 @@ def get(url: str) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}."""
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")
+    }
 
 
 def stream(url: str, body: dict) -> list[dict]:
@@ -184,9 +192,7 @@ def test_metrics_show_expert_cache_kv_blocks_and_requests(served):
     post(url + "/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 2})
     status, text = get(url + "/metrics")
     assert status == 200
-    values = {
-        line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")
-    }
+    values = metric_values(text)
     assert values['mira_serve_kv_blocks{model="mira-tiny"}'] == 64 * 2**20 // (3072 * 256)  # the CPU default, whole blocks
     assert values['mira_serve_kv_block_tokens{model="mira-tiny"}'] == 256
     assert 0 <= values['mira_serve_kv_blocks_used{model="mira-tiny"}'] <= values['mira_serve_kv_blocks{model="mira-tiny"}']
@@ -223,3 +229,28 @@ def test_cli_serve_refuses_a_bad_flag_before_loading(capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("mira: error: kv_cache_memory='lots' is not a size") and len(err.splitlines()) == 1
     assert main(["serve", "--help"]) == 0
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_decoding(served):
+    url, tokenizer, model, references, _ = served
+    steps_before = model.mira.stats()["steps"]
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps({"prompt": PROMPTS[0], "max_tokens": 600, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        assert response.readline().startswith(b"data: ")  # decoding has started; then the client goes away
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:  # the batch empties once the request is cancelled
+        values = metric_values(get(url + "/metrics")[1])
+        if values['mira_serve_batch_active{model="mira-tiny"}'] == 0 == values['mira_serve_queue_waiting{model="mira-tiny"}']:
+            break
+        assert time.monotonic() < deadline, "the disconnected request still runs"
+        time.sleep(0.05)
+    assert values['mira_serve_kv_blocks_used{model="mira-tiny"}'] == 0
+    assert model.mira.stats()["steps"] - steps_before < 600  # stopped early: fewer decode steps than it asked for
+    status, answer = post(url + "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": NEW_TOKENS})
+    assert status == 200 and answer["choices"][0]["text"] == tokenizer.decode(
+        references["completion", PROMPTS[1]], skip_special_tokens=True
+    )

@@ -256,6 +256,9 @@ async def _observed_stream(chunks, finish):
                 tokens = _completion_tokens(text.rsplit("data: ", 1)[-1].encode()) or tokens
             yield chunk
     finally:
+        close = getattr(chunks, "aclose", None)
+        if close is not None:  # on a client disconnect: transformers' generator then cancels the request's decoding
+            await close()
         finish(tokens)
 
 

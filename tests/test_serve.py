@@ -204,7 +204,7 @@ def test_metrics_show_expert_cache_kv_blocks_and_requests(served):
 
 
 def test_memory_split_reports_the_expert_cache_and_kv_cache(served):
-    from mira_hf.serve.memory import kv_cache_config
+    from mira_hf.serve.memory import batching_config
 
     _, _, model, _, app = served
     split = app.state.mira_runtime.split
@@ -212,9 +212,11 @@ def test_memory_split_reports_the_expert_cache_and_kv_cache(served):
     assert (split["kv_blocks"], split["kv_tokens"], split["kv_bytes_per_token"]) == (blocks, blocks * 256, 3072)
     assert split["kv_cache_bytes"] >= blocks * 256 * 3072
     assert split["expert_cache_bytes"] == model.mira.device_bytes > 0
-    assert kv_cache_config(model, "8MiB").num_blocks == 8 * 2**20 // (3072 * 256)
+    config = batching_config(model, "8MiB")
+    assert config.num_blocks == 8 * 2**20 // (3072 * 256)
+    assert config.use_cuda_graph is False  # a graph would replay one step's expert placement
     with pytest.raises(ConfigError, match="less than one KV block"):
-        kv_cache_config(model, 1000)
+        batching_config(model, 1000)
 
 
 def test_serve_config_is_validated():
@@ -248,8 +250,10 @@ def test_a_client_that_disconnects_mid_stream_frees_its_decoding(served):
             break
         assert time.monotonic() < deadline, "the disconnected request still runs"
         time.sleep(0.05)
+    # Stopped within a few steps of the disconnect, its blocks freed (had it run on, it would have completed
+    # blocks of 256 tokens, which transformers keeps for prefix reuse after a request ends).
+    assert model.mira.stats()["steps"] - steps_before < 100
     assert values['mira_serve_kv_blocks_used{model="mira-tiny"}'] == 0
-    assert model.mira.stats()["steps"] - steps_before < 600  # stopped early: fewer decode steps than it asked for
     status, answer = post(url + "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": NEW_TOKENS})
     assert status == 200 and answer["choices"][0]["text"] == tokenizer.decode(
         references["completion", PROMPTS[1]], skip_special_tokens=True

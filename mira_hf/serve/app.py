@@ -81,7 +81,7 @@ def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None
     runtime = _Runtime()
     model_manager = LoadedModelManager(model, tokenizer, name)
     state = GenerationState(
-        continuous_batching=True, cb_config=memory.kv_cache_config(model, config.kv_cache_memory, config.max_batch_tokens)
+        continuous_batching=True, cb_config=memory.batching_config(model, config.kv_cache_memory, config.max_batch_tokens)
     )
     template_kwargs = (
         {} if getattr(tokenizer, "chat_template", None) else {"chat_template": config.chat_template or PLAIN_CHAT_TEMPLATE}

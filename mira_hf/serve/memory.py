@@ -1,7 +1,7 @@
 """How one device's memory is split between the expert cache and the paged KV cache of continuous batching.
 
 mira-hf sizes the expert cache at load (`MiraConfig.gpu_budget`); transformers' continuous batching then sizes
-its paged KV cache from what is left, unless it is told a size. `kv_cache_config` turns a KV byte budget into
+its paged KV cache from what is left, unless it is told a size. `batching_config` turns a KV byte budget into
 the `ContinuousBatchingConfig(num_blocks=...)` transformers takes; `memory_split` reports what each part got
 once the cache exists. Imports torch and transformers only inside functions (the CLI imports this module).
 """
@@ -28,12 +28,15 @@ def kv_bytes_per_token(model) -> int:
     return 2 * text.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
 
 
-def kv_cache_config(model, kv_cache_memory: int | str | None, max_batch_tokens: int | None = None):
+def batching_config(model, kv_cache_memory: int | str | None, max_batch_tokens: int | None = None):
     """`ContinuousBatchingConfig` whose paged cache holds `kv_cache_memory` bytes (rounded down to whole blocks).
 
     `None` leaves the size to transformers (a share of the device memory free after the model and the expert
     cache are loaded) on an accelerator, and uses `CPU_DEFAULT_KV_BYTES` on a CPU. The model's attention
     implementation is kept (no automatic switch to flash attention), so served tokens are the model's own.
+    A wrapped model runs without CUDA graphs: its experts move between host and device and its cache changes
+    from step to step, which a captured graph would replay frozen (asynchronous batching, which transformers
+    turns on only with graphs, stays off with them).
     """
     from transformers import ContinuousBatchingConfig
 
@@ -41,6 +44,8 @@ def kv_cache_config(model, kv_cache_memory: int | str | None, max_batch_tokens: 
     kwargs: dict = {}
     if "auto_switch_to_flash" in fields:
         kwargs["auto_switch_to_flash"] = False
+    if getattr(model, "mira", None) is not None:
+        kwargs["use_cuda_graph"] = False
     if max_batch_tokens is not None:
         kwargs["max_batch_tokens"] = max_batch_tokens
     if kv_cache_memory is None and model.device.type == "cpu":

@@ -59,7 +59,11 @@ class ServeCollector:
         if kv is not None:
             yield self._gauge("mira_serve_kv_blocks", "Blocks of the paged KV cache.", kv["blocks_total"])
             if kv["blocks_used"] is not None:
-                yield self._gauge("mira_serve_kv_blocks_used", "Blocks of the paged KV cache in use.", kv["blocks_used"])
+                yield self._gauge(
+                    "mira_serve_kv_blocks_used",
+                    "Blocks of the paged KV cache not free: held by requests, or kept for prefix reuse.",
+                    kv["blocks_used"],
+                )
             yield self._gauge("mira_serve_kv_cache_bytes", "Bytes of the paged KV cache.", kv["bytes"])
             yield self._gauge("mira_serve_kv_block_tokens", "Tokens per KV block (all layers).", kv["tokens_per_block"])
         depth = memory.queue_depth(cb) if cb is not None else None

@@ -215,6 +215,7 @@ def test_memory_split_reports_the_expert_cache_and_kv_cache(served):
     config = batching_config(model, "8MiB")
     assert config.num_blocks == 8 * 2**20 // (3072 * 256)
     assert config.use_cuda_graph is False  # a graph would replay one step's expert placement
+    assert config.max_batch_tokens == 1024  # on a CPU, rather than buffers sized from host RAM
     with pytest.raises(ConfigError, match="less than one KV block"):
         batching_config(model, 1000)
 

@@ -16,6 +16,9 @@ from ..errors import ConfigError
 # On a CPU, transformers would size the KV cache from host RAM (0.9 x what the process does not use): tens of
 # GiB of zeros. 64 MiB holds ~21k tokens of the bundled model; pass kv_cache_memory for more.
 CPU_DEFAULT_KV_BYTES = 64 * 2**20
+# Likewise tokens per forward step: transformers sizes its per-step buffers (attention masks over the whole cache
+# among them) for 8192 tokens, or from host RAM in older releases; 1024 covers 32 decoding requests and prompt chunks.
+CPU_DEFAULT_BATCH_TOKENS = 1024
 DEFAULT_PAGE_TOKENS = 256  # transformers' default page (block) size, tokens per whole-model block
 
 
@@ -46,6 +49,8 @@ def batching_config(model, kv_cache_memory: int | str | None, max_batch_tokens: 
         kwargs["auto_switch_to_flash"] = False
     if getattr(model, "mira", None) is not None:
         kwargs["use_cuda_graph"] = False
+    if max_batch_tokens is None and model.device.type == "cpu":
+        max_batch_tokens = CPU_DEFAULT_BATCH_TOKENS
     if max_batch_tokens is not None:
         kwargs["max_batch_tokens"] = max_batch_tokens
     if kv_cache_memory is None and model.device.type == "cpu":

@@ -43,7 +43,7 @@ class ServeConfig:
     default_max_tokens: completion tokens when a request gives no max_tokens (capped by the room left).
     kv_cache_memory: bytes (int or "2GiB") of the paged KV cache; None: transformers sizes it from the device
         memory left after the weights and the expert cache (on a CPU, 64 MiB).
-    max_batch_tokens: tokens per forward step of the batch (None: transformers' default).
+    max_batch_tokens: tokens per forward step of the batch (None: transformers' default; on a CPU, 1024).
     chat_template: Jinja template for a tokenizer that has none (None: the messages' text, one per line).
     """
 

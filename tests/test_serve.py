@@ -259,3 +259,36 @@ def test_a_client_that_disconnects_mid_stream_frees_its_decoding(served):
     assert status == 200 and answer["choices"][0]["text"] == tokenizer.decode(
         references["completion", PROMPTS[1]], skip_special_tokens=True
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_concurrent_requests_give_the_tokens_of_generate_and_the_split_is_reported():
+    """On a GPU: experts copied from host memory while the batch decodes, the KV cache sized by transformers from
+    the memory left after the expert cache (fp32, so batched and one-at-a-time attention round alike)."""
+    from transformers import AutoTokenizer
+
+    from mira_hf.serve import BackgroundServer, build_app
+
+    path = bundled_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.25, device="cuda"), progress=False, dtype=torch.float32)
+    model.eval()
+    references = {}
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        references[prompt] = out[0, len(ids) :].tolist()
+    app = build_app(model, tokenizer, ServeConfig(default_max_tokens=NEW_TOKENS))
+    with BackgroundServer(app) as server:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(lambda p: post(server.url + "/v1/completions", {"prompt": p}), PROMPTS))
+        split = app.state.mira_runtime.split
+    for prompt, (status, body) in zip(PROMPTS, answers):
+        assert status == 200, body
+        assert body["choices"][0]["text"] == tokenizer.decode(references[prompt], skip_special_tokens=True), prompt
+        assert body["usage"]["completion_tokens"] == len(references[prompt])
+    assert split["device"].startswith("cuda") and split["free_bytes"] > 0
+    assert split["expert_cache_bytes"] == model.mira.device_bytes > 0
+    assert split["kv_cache_bytes"] >= split["kv_blocks"] * split["kv_bytes_per_token"] * 256 > 0

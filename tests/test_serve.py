@@ -292,3 +292,21 @@ def test_on_cuda_concurrent_requests_give_the_tokens_of_generate_and_the_split_i
     assert split["device"].startswith("cuda") and split["free_bytes"] > 0
     assert split["expert_cache_bytes"] == model.mira.device_bytes > 0
     assert split["kv_cache_bytes"] >= split["kv_blocks"] * split["kv_bytes_per_token"] * 256 > 0
+
+
+@pytest.mark.slow
+def test_load_script_runs_mira_serve_and_loses_no_request(tmp_path):
+    """benchmarks/serve_load.py end to end: `mira serve` in a subprocess on 127.0.0.1, a few concurrent clients."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "benchmarks" / "serve_load.py"), "--device", "cpu", "--requests", "8", "--clients", "4"]
+    cmd += ["--baseline-requests", "1", "--max-tokens", "4", "--time-limit-s", "600", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (result,) = tmp_path.glob("*-cpu-serve-load.json")
+    rows = json.loads(result.read_text())["results"]
+    assert [(r["requests"], r["ok"], r["lost"]) for r in rows] == [(1, 1, 0), (8, 8, 0)]
+    assert 0 < rows[-1]["tokens"] <= 8 * 4 and rows[-1]["p95_s"] >= rows[-1]["p50_s"] > 0

@@ -335,6 +335,7 @@ def load_model(
     stream_experts: bool | None,
     host_budget_set: bool,
     model_type: str | None = None,
+    encoded: bool = False,
 ) -> tuple[torch.nn.Module, StreamedExperts | None]:
     """Load the model for wrapping: without its routed experts when they are streamed (the second value
     says where to read them), else whole through transformers (`None`).
@@ -344,6 +345,8 @@ def load_model(
     model is loaded whole with a warning, unless the user asked for it explicitly
     (`UnsupportedModelError`) or the checkpoint does not fit in host memory (`BudgetError`), both
     raised before any weight is read. `model_type` (config.json's) picks the transformers auto class.
+    `encoded`: the experts will be encoded into records (or read from the record cache), so the model
+    never needs them: streamed whenever the checkpoint allows, else loaded whole without a warning.
     """
     auto = auto_model_class(model_type)
     if stream_experts is False:
@@ -353,7 +356,7 @@ def load_model(
         index = ShardIndex.find(name_or_path, hf_kwargs)
         available = available_host_bytes()
         wanted = wanted or (available is not None and index.nbytes > available)
-        if wanted:
+        if wanted or encoded:
             return load_without_experts(name_or_path, adapter, index, hf_kwargs, bool(stream_experts))
     except NotStreamable as exc:
         if wanted:

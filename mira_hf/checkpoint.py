@@ -137,6 +137,37 @@ def _resolve(name_or_path, filename: str, hf_kwargs: dict) -> str | None:
         return None
 
 
+def missing_checkpoint_error(name_or_path, hf_kwargs: dict, exc: Exception) -> CheckpointError:
+    """One line saying that `name_or_path` is neither a checkpoint directory nor a model the hub gave,
+    and what to do (the hub's own message, first line only, says why)."""
+    name = str(name_or_path)
+    why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if os.path.isdir(name):
+        return CheckpointError(f"{name} holds no config.json ({why}): give the directory save_pretrained wrote.")
+    if hf_kwargs.get("local_files_only") or _offline():
+        off = "local_files_only=True" if hf_kwargs.get("local_files_only") else "HF_HUB_OFFLINE=1"
+        where = hf_kwargs.get("cache_dir") or "the Hugging Face cache"
+        return CheckpointError(
+            f"{name!r} is not a local directory and not in {where}, and downloads are off ({off}): download it "
+            f"first (hf download {name}), drop {off}, or give a local directory."
+        )
+    return CheckpointError(
+        f"{name!r} is not a local directory and the hub did not give it ({why}): check the id, the revision and "
+        "the token (gated and private models need token=...)."
+    )
+
+
+def _offline() -> bool:
+    """Whether huggingface_hub is in offline mode (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE)."""
+    try:
+        from huggingface_hub import is_offline_mode
+    except ImportError:  # huggingface_hub < 1.0
+        from huggingface_hub import constants
+
+        return bool(constants.HF_HUB_OFFLINE)
+    return bool(is_offline_mode())
+
+
 def available_host_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (Linux), or None where unknown."""
     try:

@@ -21,7 +21,7 @@ from torch import nn
 from model_adapters import MoEAdapter, generic_adapter, get_adapter, registered_model_types
 from model_adapters.base import AutoAdapter, auto_adapter, uses_experts_interface
 
-from .checkpoint import StreamedExperts, available_host_bytes, load_model
+from .checkpoint import StreamedExperts, available_host_bytes, load_model, missing_checkpoint_error
 from .config import AUTO_LOSSLESS_MIN_RECORD_BYTES, MiraConfig, parse_bytes
 from .encode import encoder_for
 from .errors import (
@@ -70,7 +70,9 @@ class MiraMoEModel:
     def from_pretrained(
         name_or_path: str | os.PathLike, mira_config: MiraConfig | None = None, *, progress: bool = True, **hf_kwargs
     ):
-        """Load a causal-LM MoE checkpoint (local directory or hub id already in the local cache).
+        """Load a causal-LM MoE checkpoint: a local directory, or a hub id (downloaded into the Hugging Face
+        cache as transformers does, honouring `revision`, `token`, `cache_dir`, `local_files_only` and
+        `HF_HUB_OFFLINE`).
 
         With a `host_budget` (or a checkpoint larger than the available host memory, or
         `LoaderConfig(stream_experts=True)`), the routed experts are read from the safetensors shards one
@@ -394,10 +396,7 @@ def _raw_config(name_or_path, hf_kwargs: dict) -> dict:
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(name_or_path, **_config_kwargs(hf_kwargs))
     except OSError as exc:
-        raise CheckpointError(
-            f"no model found at {name_or_path!s}: {exc}. Give a local directory holding config.json and the weights, "
-            "or a hub id already in the local Hugging Face cache (mira-hf never downloads)."
-        ) from exc
+        raise missing_checkpoint_error(name_or_path, hf_kwargs, exc) from None  # one line: no chained traceback
     return config_dict
 
 

@@ -123,7 +123,7 @@ class RecordCache:
                 os.rename(tmp, self.directory)  # atomic; fails if another load has put its entry there first
             except OSError:
                 pass
-        except OSError as exc:  # a full or read-only disk costs the next load an encode, nothing more
+        except Exception as exc:  # a full or read-only disk costs the next load an encode, nothing more
             warnings.warn(f"mira-hf: could not write the record cache in {self.root} ({exc}).", stacklevel=2)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -56,12 +56,12 @@ def write_store(directory: str, slabs: dict[int, torch.Tensor], codec_spec: dict
         f.write(struct.pack("<Q", len(head)) + head)
         f.truncate(start + offset)
         fd, at = f.fileno(), start
-        with ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="mira-store-write") as pool:
-            for layer in layers:
-                flat = slabs[layer].reshape(-1)
-                jobs = [pool.submit(_write_chunk, fd, flat, a, at) for a in range(0, flat.numel(), CHUNK_BYTES)]
-                crcs[layer] = [j.result() for j in jobs]
-                at += flat.numel()
+        for layer in layers:
+            flat = slabs[layer].reshape(-1)
+            crcs[layer] = _parallel(
+                lambda a, flat=flat, at=at: _write_chunk(fd, flat, a, at), range(0, flat.numel(), CHUNK_BYTES)
+            )
+            at += flat.numel()
     header = dict(
         format=STORE_FORMAT,
         codec=codec_spec,
@@ -159,18 +159,17 @@ class SavedStore:
                 raise CorruptStoreError(
                     f"{self._weights}: layer {layer} has {len(info['crc32'])} checksums for {len(chunks)} chunks"
                 )
+            step = self.header["chunk_bytes"]
             fd = os.open(self._weights, os.O_RDONLY)
             try:
-                with ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="mira-store-read") as pool:
-                    step = self.header["chunk_bytes"]
-                    jobs = [pool.submit(_read_chunk, fd, flat[a : a + step], base + a) for a in chunks]
-                    for i, (job, want) in enumerate(zip(jobs, info["crc32"])):
-                        if job.result() != want:
-                            raise CorruptStoreError(
-                                f"{self._weights}: layer {layer}, bytes {i * step:,}+ do not match their checksum (damaged)."
-                            )
+                got = _parallel(lambda a: _read_chunk(fd, flat[a : a + step], base + a), chunks)
             finally:
                 os.close(fd)
+            for i, (crc, want) in enumerate(zip(got, info["crc32"])):
+                if crc != want:
+                    raise CorruptStoreError(
+                        f"{self._weights}: layer {layer}, bytes {i * step:,}+ do not match their checksum (damaged)."
+                    )
 
         return fill
 
@@ -184,3 +183,32 @@ def _read_chunk(fd: int, dst: torch.Tensor, offset: int) -> int:
             raise CorruptStoreError(f"the saved records end early (at byte {offset + got:,}): truncated.")
         got += n
     return zlib.crc32(view)
+
+
+def _parallel(fn, items, threads: int = _IO_THREADS) -> list:
+    """[fn(x) for x in items] on up to `threads` threads (pread/pwrite and zlib release the GIL). Plain
+    threads, not an executor: a cache write may still run while the interpreter exits, when executors
+    refuse new work. The first exception is raised once every thread has stopped."""
+    items = list(items)
+    out, errors, lock, next_i = [None] * len(items), [], threading.Lock(), [0]
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = next_i[0]
+                next_i[0] += 1
+            if i >= len(items) or errors:
+                return
+            try:
+                out[i] = fn(items[i])
+            except BaseException as exc:  # handed to the caller below
+                errors.append(exc)
+
+    workers = [threading.Thread(target=work, name="mira-store-io") for _ in range(min(threads, len(items)))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    return out

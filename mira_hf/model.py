@@ -154,7 +154,9 @@ class MiraMoEModel:
         # Record layouts: from saved records (store_path, or the record cache), else planned (lossless
         # reads the weights here: its records reserve room for their escapes).
         fingerprint = model_fingerprint(model, targets, specs)
-        encoder = encoder_for(device, max(raw_bytes.values(), default=0), progress)
+        # what the model takes on the device once loaded: the rest may hold experts between the two passes
+        after = budget_bytes + _bytes_to_move(model, targets, device) if device.type == "cuda" else 0
+        encoder = encoder_for(device, max(raw_bytes.values(), default=0), progress, keep_free_bytes=after)
         saved, cache = _saved_records(cfg, codec, fingerprint, streamed, specs)
         layouts = _saved_layouts(codec, targets, specs, saved) if saved is not None else None
         if layouts is None and saved is not None:  # the saved layouts do not fit these experts
@@ -168,19 +170,27 @@ class MiraMoEModel:
         if layouts is None and cfg.quantization is not None:
             with encoder.progress_pass(f"planning {codec.name} records", all_bytes):
                 layouts = {
-                    t.ordinal: encoder.plan_layer(codec, specs[t.ordinal], t.module.num_experts, _experts(t, streamed))
+                    t.ordinal: encoder.plan_layer(
+                        codec, specs[t.ordinal], t.module.num_experts, _experts(t, streamed), key=t.ordinal
+                    )
                     for t in targets
                 }
         layouts = layouts or {}
-        slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else raw_bytes
-        budget = plan_budget(layers, slot_bytes, budget_bytes, buffers=device_buffers(placement, codec, layouts))
-        _check_device_memory(budget.device_bytes, device, model, targets)
-        store_bytes = [(layouts[li.ordinal].nbytes if layouts else raw_bytes[li.ordinal]) * li.num_experts for li in layers]
-        _check_offload_space(cfg, store_bytes)
-        _check_host_memory(cfg, store_bytes, targets, streamed is not None, bool(getattr(codec, "lossless", False)))
-        # The predictor (and its files) is checked before anything changes too.
-        router_probs = RouterTable(adapter, targets)
-        predictor = build_predictor(cfg.predictor, layers, router_probs, cfg.prediction, cfg.predictor_path, model, fingerprint)
+        try:  # experts kept on the device between the passes are given back if a check fails
+            slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else raw_bytes
+            budget = plan_budget(layers, slot_bytes, budget_bytes, buffers=device_buffers(placement, codec, layouts))
+            _check_device_memory(budget.device_bytes, device, model, targets)
+            store_bytes = [(layouts[li.ordinal].nbytes if layouts else raw_bytes[li.ordinal]) * li.num_experts for li in layers]
+            _check_offload_space(cfg, store_bytes)
+            _check_host_memory(cfg, store_bytes, targets, streamed is not None, bool(getattr(codec, "lossless", False)))
+            # The predictor (and its files) is checked before anything changes too.
+            router_probs = RouterTable(adapter, targets)
+            predictor = build_predictor(
+                cfg.predictor, layers, router_probs, cfg.prediction, cfg.predictor_path, model, fingerprint
+            )
+        except BaseException:
+            encoder.finish()
+            raise
         pinned = device.type == "cuda" and cfg.host_memory in ("auto", "pinned")
         store = ExpertStore(
             codec, pinned=pinned, host_budget_bytes=cfg.host_budget_bytes, offload_dir=cfg.offload_dir, encoder=encoder
@@ -235,6 +245,7 @@ class MiraMoEModel:
                 else:
                     _restore_tensors(t, store)
             store.close()
+            encoder.finish()  # experts kept on the device between the passes
             raise
         finally:
             if streamed is not None:

@@ -133,8 +133,8 @@ class ExpertStore:
                     for e in range(E):
                         os.pwrite(f.fileno(), records[e].numpy().data, e * layout.nbytes)
                 else:  # record by record: one expert of working memory (per encoding thread)
-                    sink = lambda e, record: os.pwrite(f.fileno(), record.numpy().data, e * layout.nbytes)  # noqa: E731
-                    self._encode(layout, E, expert, sink, extra)
+                    sink = lambda e, record: os.pwrite(f.fileno(), record.cpu().numpy().data, e * layout.nbytes)  # noqa: E731
+                    self._encode(layer, layout, E, expert, sink, extra)
             slab = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes)
         else:
             if tier == "pinned":  # exactly its size: torch's pinned allocator would round it up to a power of two
@@ -149,7 +149,7 @@ class ExpertStore:
                 for e in range(E):
                     self.codec.encode(expert(e), layout, slab[e])
             else:
-                self.encoder.encode_into(self.codec, layout, E, expert, slab, extra)
+                self.encoder.encode_into(self.codec, layout, E, expert, slab, extra, key=layer)
             self._host_bytes += nbytes
         self._slabs[layer] = _Slab(slab, layout, tier, dtype, raw_layout, path)
 
@@ -159,14 +159,16 @@ class ExpertStore:
             return "disk"
         return "pinned" if self.pinned else "pageable"
 
-    def _encode(self, layout, E: int, expert: Callable, sink: Callable[[int, torch.Tensor], None], extra: dict) -> None:
+    def _encode(
+        self, layer: int, layout, E: int, expert: Callable, sink: Callable[[int, torch.Tensor], None], extra: dict
+    ) -> None:
         if isinstance(self.codec, IdentityCodec):
             record = torch.empty(layout.nbytes, dtype=torch.uint8)
             for e in range(E):
                 self.codec.encode(expert(e), layout, record)
                 sink(e, record)
         else:
-            self.encoder.encode_layer(self.codec, layout, E, expert, sink, extra)
+            self.encoder.encode_layer(self.codec, layout, E, expert, sink, extra, key=layer)
 
     # -- reading --------------------------------------------------------------------------------
     @property

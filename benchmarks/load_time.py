@@ -61,7 +61,7 @@ def write_checkpoint(path: str, layers: int, smoke: bool) -> dict:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)  # trained-like exponents; the default init leaves some tensors constant
-    model.save_pretrained(path)
+    model.cpu().save_pretrained(path)  # from host memory: what any writer of a checkpoint does
     del model
     with open(marker, "w") as f:
         json.dump(shape, f)

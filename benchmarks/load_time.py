@@ -190,7 +190,8 @@ def main() -> int:
     if args.cpu_encode_experts and deadline - time.perf_counter() > 60:
         encode = cpu_encode_rate(args.smoke, args.cpu_encode_experts)
     cols = ["run", "quantization", "load_s", "vs_none", "encoded_experts", "store_bytes", "cache_write_after_load_s", "process_s"]
-    print(print_table(rows, cols))
+    if rows:
+        print_table(rows, cols)
     if encode:
         print(
             f"CPU encode ({encode['weights_gb']:.2f} GB of bf16 weights): "

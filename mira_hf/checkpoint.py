@@ -137,6 +137,37 @@ def _resolve(name_or_path, filename: str, hf_kwargs: dict) -> str | None:
         return None
 
 
+def missing_checkpoint_error(name_or_path, hf_kwargs: dict, exc: Exception) -> CheckpointError:
+    """One line saying that `name_or_path` is neither a checkpoint directory nor a model the hub gave,
+    and what to do (the hub's own message, first line only, says why)."""
+    name = str(name_or_path)
+    why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if os.path.isdir(name):
+        return CheckpointError(f"{name} holds no config.json ({why}): give the directory save_pretrained wrote.")
+    if hf_kwargs.get("local_files_only") or _offline():
+        off = "local_files_only=True" if hf_kwargs.get("local_files_only") else "HF_HUB_OFFLINE=1"
+        where = hf_kwargs.get("cache_dir") or "the Hugging Face cache"
+        return CheckpointError(
+            f"{name!r} is not a local directory and not in {where}, and downloads are off ({off}): download it "
+            f"first (hf download {name}), drop {off}, or give a local directory."
+        )
+    return CheckpointError(
+        f"{name!r} is not a local directory and the hub did not give it ({why}): check the id, the revision and "
+        "the token (gated and private models need token=...)."
+    )
+
+
+def _offline() -> bool:
+    """Whether huggingface_hub is in offline mode (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE)."""
+    try:
+        from huggingface_hub import is_offline_mode
+    except ImportError:  # huggingface_hub < 1.0
+        from huggingface_hub import constants
+
+        return bool(constants.HF_HUB_OFFLINE)
+    return bool(is_offline_mode())
+
+
 def available_host_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (Linux), or None where unknown."""
     try:
@@ -335,6 +366,7 @@ def load_model(
     stream_experts: bool | None,
     host_budget_set: bool,
     model_type: str | None = None,
+    encoded: bool = False,
 ) -> tuple[torch.nn.Module, StreamedExperts | None]:
     """Load the model for wrapping: without its routed experts when they are streamed (the second value
     says where to read them), else whole through transformers (`None`).
@@ -344,6 +376,8 @@ def load_model(
     model is loaded whole with a warning, unless the user asked for it explicitly
     (`UnsupportedModelError`) or the checkpoint does not fit in host memory (`BudgetError`), both
     raised before any weight is read. `model_type` (config.json's) picks the transformers auto class.
+    `encoded`: the experts will be encoded into records (or read from the record cache), so the model
+    never needs them: streamed whenever the checkpoint allows, else loaded whole without a warning.
     """
     auto = auto_model_class(model_type)
     if stream_experts is False:
@@ -353,7 +387,7 @@ def load_model(
         index = ShardIndex.find(name_or_path, hf_kwargs)
         available = available_host_bytes()
         wanted = wanted or (available is not None and index.nbytes > available)
-        if wanted:
+        if wanted or encoded:
             return load_without_experts(name_or_path, adapter, index, hf_kwargs, bool(stream_experts))
     except NotStreamable as exc:
         if wanted:

@@ -125,8 +125,16 @@ class LoaderConfig:
     # Records smaller than this are copied in one piece even with `split_copies`: their last part
     # crosses in less time (~25 µs for 4 MiB at 55 GB/s) than a second copy call costs the host.
     split_min_bytes: int = 4 * 2**20
+    # Where encoded expert records are cached (`mira_hf.record_cache`), so a second load of a checkpoint
+    # reads them instead of encoding again: "auto" ($MIRA_HF_RECORD_CACHE, else $HF_HOME/mira-hf/records),
+    # a directory, or None (off).
+    record_cache: str | None = "auto"
 
     def __post_init__(self) -> None:
+        if self.record_cache is not None and (not isinstance(self.record_cache, str) or not self.record_cache):
+            raise ConfigError(
+                f"record_cache={self.record_cache!r}: give 'auto' (under the Hugging Face cache), a directory, or None to turn it off."
+            )
         if self.split_copies not in (True, False):
             raise ConfigError(f"split_copies={self.split_copies!r}: must be True or False.")
         if isinstance(self.split_min_bytes, bool) or not isinstance(self.split_min_bytes, int) or self.split_min_bytes < 0:

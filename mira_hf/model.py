@@ -21,14 +21,25 @@ from torch import nn
 from model_adapters import MoEAdapter, generic_adapter, get_adapter, registered_model_types
 from model_adapters.base import AutoAdapter, auto_adapter, uses_experts_interface
 
-from .checkpoint import StreamedExperts, available_host_bytes, load_model
+from .checkpoint import StreamedExperts, available_host_bytes, load_model, missing_checkpoint_error
 from .config import AUTO_LOSSLESS_MIN_RECORD_BYTES, MiraConfig, parse_bytes
-from .errors import BudgetError, CheckpointError, ConfigError, DeviceError, MiraError, UnsupportedModelError
-from .layout import IdentityCodec, plan_layer, plan_layer_from
+from .encode import encoder_for
+from .errors import (
+    BudgetError,
+    CheckpointError,
+    ConfigError,
+    DeviceError,
+    IncompatibleFileError,
+    MiraError,
+    UnsupportedModelError,
+)
+from .layout import IdentityCodec
 from .manager import ExpertManager, LayerInfo, device_buffers, plan_budget
 from .predictors import build_predictor
 from .proxy import KNOWN_EXPERT_TENSORS, LAYOUT_FLAGS, MiraExperts, MiraScaledExperts
-from .store import ExpertStore, over_host_budget, read_saved_store
+from .record_cache import RecordCache, default_root
+from .saved_store import CorruptStoreError, SavedStore
+from .store import ExpertStore, codec_spec, over_host_budget
 
 _HOW_TO_ADD = (
     "Pass MiraConfig(expert_layer_path='model.layers.*.mlp.experts') (the glob of its routed-experts modules), "
@@ -59,7 +70,9 @@ class MiraMoEModel:
     def from_pretrained(
         name_or_path: str | os.PathLike, mira_config: MiraConfig | None = None, *, progress: bool = True, **hf_kwargs
     ):
-        """Load a causal-LM MoE checkpoint (local directory or hub id already in the local cache).
+        """Load a causal-LM MoE checkpoint: a local directory, or a hub id (downloaded into the Hugging Face
+        cache as transformers does, honouring `revision`, `token`, `cache_dir`, `local_files_only` and
+        `HF_HUB_OFFLINE`).
 
         With a `host_budget` (or a checkpoint larger than the available host memory, or
         `LoaderConfig(stream_experts=True)`), the routed experts are read from the safetensors shards one
@@ -94,6 +107,8 @@ class MiraMoEModel:
                 cfg.loader.stream_experts,
                 cfg.host_budget is not None,
                 config_dict.get("model_type"),
+                # encoded records never need the experts in the model ("auto" encodes only on a GPU)
+                encoded=cfg.quantization not in (None, "auto") or (cfg.quantization == "auto" and device.type == "cuda"),
             )
         except MiraError:
             raise
@@ -136,29 +151,51 @@ class MiraMoEModel:
         user_cfg, cfg = cfg, _resolve_format(cfg, device, specs, raw_bytes, all_bytes, budget_bytes)
         codec = _make_codec(cfg)
         placement = cfg.quant.placement if cfg.quantization is not None else "raw"
-        # Record layouts (lossless reads the weights here: its records reserve room for their escapes).
-        if cfg.quantization is None:
-            layouts = {}
-        elif streamed is not None:  # the modules hold meta tensors: plan from the checkpoint, one expert at a time
-            layouts = {
-                t.ordinal: plan_layer_from(codec, specs[t.ordinal], t.module.num_experts, streamed.expert_fn(t.name))
-                for t in targets
-            }
-        else:
-            layouts = {t.ordinal: plan_layer(codec, t.tensors) for t in targets}
-        slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else raw_bytes
-        budget = plan_budget(layers, slot_bytes, budget_bytes, buffers=device_buffers(placement, codec, layouts))
-        _check_device_memory(budget.device_bytes, device, model, targets)
-        store_bytes = [(layouts[li.ordinal].nbytes if layouts else raw_bytes[li.ordinal]) * li.num_experts for li in layers]
-        _check_offload_space(cfg, store_bytes)
-        _check_host_memory(cfg, store_bytes, targets, streamed is not None, bool(getattr(codec, "lossless", False)))
-        # The predictor (and its files) is checked before anything changes too.
-        router_probs = RouterTable(adapter, targets)
+        # Record layouts: from saved records (store_path, or the record cache), else planned (lossless
+        # reads the weights here: its records reserve room for their escapes).
         fingerprint = model_fingerprint(model, targets, specs)
-        predictor = build_predictor(cfg.predictor, layers, router_probs, cfg.prediction, cfg.predictor_path, model, fingerprint)
+        # what the model takes on the device once loaded: the rest may hold experts between the two passes
+        after = budget_bytes + _bytes_to_move(model, targets, device) if device.type == "cuda" else 0
+        encoder = encoder_for(device, max(raw_bytes.values(), default=0), progress, keep_free_bytes=after)
+        saved, cache = _saved_records(cfg, codec, fingerprint, streamed, specs)
+        layouts = _saved_layouts(codec, targets, specs, saved) if saved is not None else None
+        if layouts is None and saved is not None:  # the saved layouts do not fit these experts
+            if cache is None:
+                raise IncompatibleFileError(
+                    f"the expert store in {cfg.store_path} does not hold records of these experts in this format. Drop "
+                    "store_path to encode again, then save a new store with model.mira.save_store(dir)."
+                )
+            cache.drop("its layouts do not fit this checkpoint")
+            saved = None
+        if layouts is None and cfg.quantization is not None:
+            with encoder.progress_pass(f"planning {codec.name} records", all_bytes):
+                layouts = {
+                    t.ordinal: encoder.plan_layer(
+                        codec, specs[t.ordinal], t.module.num_experts, _experts(t, streamed), key=t.ordinal
+                    )
+                    for t in targets
+                }
+        layouts = layouts or {}
+        try:  # experts kept on the device between the passes are given back if a check fails
+            slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else raw_bytes
+            budget = plan_budget(layers, slot_bytes, budget_bytes, buffers=device_buffers(placement, codec, layouts))
+            _check_device_memory(budget.device_bytes, device, model, targets)
+            store_bytes = [(layouts[li.ordinal].nbytes if layouts else raw_bytes[li.ordinal]) * li.num_experts for li in layers]
+            _check_offload_space(cfg, store_bytes)
+            _check_host_memory(cfg, store_bytes, targets, streamed is not None, bool(getattr(codec, "lossless", False)))
+            # The predictor (and its files) is checked before anything changes too.
+            router_probs = RouterTable(adapter, targets)
+            predictor = build_predictor(
+                cfg.predictor, layers, router_probs, cfg.prediction, cfg.predictor_path, model, fingerprint
+            )
+        except BaseException:
+            encoder.finish()
+            raise
         pinned = device.type == "cuda" and cfg.host_memory in ("auto", "pinned")
-        store = ExpertStore(codec, pinned=pinned, host_budget_bytes=cfg.host_budget_bytes, offload_dir=cfg.offload_dir)
-        saved = read_saved_store(cfg.store_path, store.codec_spec(), fingerprint) if cfg.store_path else {}
+        store = ExpertStore(
+            codec, pinned=pinned, host_budget_bytes=cfg.host_budget_bytes, offload_dir=cfg.offload_dir, encoder=encoder
+        )
+        encoding = cfg.quantization is not None and saved is None
 
         # Validation done: from here on, any failure rolls back to the untouched model.
         # Exact records (uncompressed or lossless) restore exactly, so each layer's tensors are dropped as soon
@@ -168,22 +205,18 @@ class MiraMoEModel:
         keep = {}
         stripped: list[_Target] = []
         try:
-            for t in _progress(targets, progress, "reading experts" if streamed else "storing experts"):
-                layout = layouts.get(t.ordinal)
-                if streamed is not None:  # nothing in the model to free or to give back on failure
-                    E = t.module.num_experts
-                    expert = streamed.expert_fn(t.name)
-                    store.add_layer_from(
-                        t.ordinal, specs[t.ordinal], E, expert, records=saved.pop(t.ordinal, None), layout=layout
-                    )
-                    continue
-                store.add_layer(t.ordinal, t.tensors, records=saved.pop(t.ordinal, None), layout=layout)
-                if not store.exact:
-                    keep[t.ordinal] = {n: t.module.get_parameter(n) for n in t.tensors}
-                for n in t.tensors:
-                    t.module.register_parameter(n, None)
-                t.tensors = {}  # the store holds them now: drop the last reference, one layer at a time
-                stripped.append(t)
+            with encoder.progress_pass(f"encoding {codec.name} records", all_bytes if encoding else 0):
+                for t in _progress(targets, progress and not encoding, "reading experts" if streamed else "storing experts"):
+                    saved = _add_layer(store, t, specs[t.ordinal], layouts.get(t.ordinal), streamed, saved, cache)
+                    if streamed is not None:  # nothing in the model to free or to give back on failure
+                        continue
+                    if not store.exact:
+                        keep[t.ordinal] = {n: t.module.get_parameter(n) for n in t.tensors}
+                    for n in t.tensors:
+                        t.module.register_parameter(n, None)
+                    t.tensors = {}  # the store holds them now: drop the last reference, one layer at a time
+                    stripped.append(t)
+            encoder.finish()
             manager = ExpertManager(
                 store,
                 layers,
@@ -203,6 +236,7 @@ class MiraMoEModel:
             )
             manager.router_probs, manager.fingerprint, manager.predictor = router_probs, fingerprint, predictor
             manager.quantization = cfg.quantization  # "auto" resolved
+            manager.record_cache = cache  # None when the records are not cached
         except BaseException:
             for t in stripped:
                 if t.ordinal in keep:
@@ -211,11 +245,14 @@ class MiraMoEModel:
                 else:
                     _restore_tensors(t, store)
             store.close()
+            encoder.finish()  # experts kept on the device between the passes
             raise
         finally:
             if streamed is not None:
                 streamed.close()
         keep.clear()
+        if cache is not None and saved is None:  # encoded here (or the entry was dropped): cache the records
+            cache.write(store.slabs(), store.plans())
         proxy = MiraScaledExperts if adapter.input_scaled else MiraExperts
         for t in targets:
             flags = {n: adapter.flag(t.module, n, default) for n, default in LAYOUT_FLAGS.items()}
@@ -262,6 +299,63 @@ def _resolve_format(cfg: MiraConfig, device: torch.device, specs: dict, raw_byte
     if placement == "auto":
         placement = "packed" if q == "lossless" else "dequant"
     return cfg.replace(quantization=q, quant=dataclasses.replace(cfg.quant, placement=placement))
+
+
+def _experts(t: _Target, streamed: StreamedExperts | None):
+    """`e -> {name: expert e's tensor}` of one target: read from the checkpoint, or views of its tensors."""
+    if streamed is not None:
+        return streamed.expert_fn(t.name)
+    return lambda e: {n: x[e] for n, x in t.tensors.items()}
+
+
+def _saved_records(
+    cfg: MiraConfig, codec, fingerprint: dict, streamed: StreamedExperts | None, specs: dict
+) -> tuple[SavedStore | None, RecordCache | None]:
+    """The saved records this load reads instead of encoding: `store_path` (an error if they do not fit),
+    else the record cache's entry for this checkpoint and format (None on a miss), and that cache."""
+    if cfg.quantization is None:
+        return None, None
+    if cfg.store_path is not None:
+        return SavedStore(cfg.store_path, codec_spec(codec), fingerprint), None
+    if streamed is None or cfg.loader.record_cache is None:  # only a checkpoint's files identify the weights
+        return None, None
+    root = default_root() if cfg.loader.record_cache == "auto" else cfg.loader.record_cache
+    cache = RecordCache(root, streamed.index.files, codec_spec(codec), fingerprint, specs)
+    return cache.open(), cache
+
+
+def _saved_layouts(codec, targets: list[_Target], specs: dict, saved: SavedStore) -> dict | None:
+    """Each layer's layout rebuilt from the saved plan arguments (no weight read), or None where the saved
+    records do not fit these experts in this format."""
+    layouts = {}
+    for t in targets:
+        if t.ordinal not in saved.layers:
+            return None
+        args = saved.plan(t.ordinal)
+        if args is None and hasattr(codec, "plan_args"):
+            return None
+        layout = codec.plan(specs[t.ordinal], **args) if args is not None else codec.plan(specs[t.ordinal])
+        if saved.shape(t.ordinal) != (t.module.num_experts, layout.nbytes):
+            return None
+        layouts[t.ordinal] = layout
+    return layouts
+
+
+def _add_layer(store: ExpertStore, t: _Target, specs, layout, streamed, saved: SavedStore | None, cache: RecordCache | None):
+    """Store one target's experts: its saved records when there are some, else encoded (or copied) from
+    its weights. A cache entry found damaged here is dropped and the layer encoded; returns the saved
+    records still in use (None once dropped)."""
+    E = t.module.num_experts
+    if saved is not None:
+        try:
+            store.add_layer_from(t.ordinal, specs, E, _experts(t, streamed), records=saved.fill(t.ordinal), layout=layout)
+            return saved
+        except CorruptStoreError as exc:
+            if cache is None:
+                raise
+            cache.drop(str(exc))
+    store.add_layer_from(t.ordinal, specs, E, _experts(t, streamed), layout=layout)
+    return None
 
 
 def _make_codec(cfg: MiraConfig):
@@ -313,10 +407,7 @@ def _raw_config(name_or_path, hf_kwargs: dict) -> dict:
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(name_or_path, **_config_kwargs(hf_kwargs))
     except OSError as exc:
-        raise CheckpointError(
-            f"no model found at {name_or_path!s}: {exc}. Give a local directory holding config.json and the weights, "
-            "or a hub id already in the local Hugging Face cache (mira-hf never downloads)."
-        ) from exc
+        raise missing_checkpoint_error(name_or_path, hf_kwargs, exc) from None  # one line: no chained traceback
     return config_dict
 
 

@@ -9,44 +9,20 @@ Three host tiers, fastest first:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from .encode import RecordEncoder
 from .layout import ExpertCodec, IdentityCodec, RawLayout, plan_layer
 from .pinned import pinned_empty
 
-STORE_FORMAT = "mira-packed-store/1"
-STORE_WEIGHTS, STORE_HEADER = "mira_store.safetensors", "mira_store.json"
 
-
-def read_saved_store(directory: str, codec_spec: dict, fingerprint: dict) -> dict[int, torch.Tensor]:
-    """Records of a store saved by `ExpertStore.save`, memory-mapped, after checking that they were
-    made from this model's weights in this format. Raises `IncompatibleFileError` otherwise."""
-    from safetensors.torch import load_file
-
-    from .errors import IncompatibleFileError
-
-    path = os.path.join(directory, STORE_HEADER)
-    try:
-        with open(path) as f:
-            header = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise IncompatibleFileError(
-            f"{directory} holds no saved expert store ({STORE_HEADER}: {exc}). Save one with model.mira.save_store(dir)."
-        ) from exc
-    if header.get("format") != STORE_FORMAT:
-        raise IncompatibleFileError(f"{path}: format {header.get('format')!r}, expected {STORE_FORMAT!r}.")
-    for what, mine, theirs in (("format", codec_spec, header.get("codec")), ("model", fingerprint, header.get("fingerprint"))):
-        if mine != theirs:
-            raise IncompatibleFileError(
-                f"the expert store in {directory} was made for another {what}: it has {theirs}, this load needs {mine}. "
-                "Drop store_path to quantise again, then save a new store with model.mira.save_store(dir)."
-            )
-    return {int(k.removeprefix("layer_")): v for k, v in load_file(os.path.join(directory, STORE_WEIGHTS)).items()}
+def codec_spec(codec) -> dict:
+    """What identifies a codec's record format (saved records are only reused with the same one)."""
+    return dict(name=codec.name, group_size=getattr(codec, "group_size", None), inner=repr(getattr(codec, "inner", codec)))
 
 
 def over_host_budget(host_bytes: int, nbytes: int, host_budget_bytes: int | None) -> bool:
@@ -74,8 +50,12 @@ class ExpertStore:
         pinned: bool = False,
         host_budget_bytes: int | None = None,
         offload_dir: str | None = None,
+        encoder: RecordEncoder | None = None,
     ) -> None:
+        """encoder: where records are encoded (a `RecordEncoder`: the CUDA device, or host threads);
+        default: on the CPU, one expert at a time."""
         self.codec = codec or IdentityCodec()
+        self.encoder = encoder or RecordEncoder("cpu", workers=1)
         self.pinned = pinned
         self.host_budget_bytes = host_budget_bytes
         self.offload_dir = offload_dir
@@ -113,13 +93,15 @@ class ExpertStore:
         num_experts: int,
         expert: Callable[[int], Mapping[str, torch.Tensor]],
         calib: torch.Tensor | None = None,
-        records: torch.Tensor | None = None,
+        records: torch.Tensor | Callable[[torch.Tensor], None] | None = None,
         layout: object | None = None,
     ) -> None:
         """Build one layer's records from `expert(e) -> {name: tensor of that expert}`, one expert at a
         time (`specs`: name -> (per-expert shape, dtype)). A disk-tier layer is written record by record,
         so loading a checkpoint expert by expert needs one expert of working memory, not one layer.
-        `layout`: planned by the caller when the codec needs the weights to plan (lossless)."""
+        `layout`: planned by the caller when the codec needs the weights to plan (lossless). `records`: the
+        layer's saved records, a uint8 tensor [E, record_bytes] or `fill(rows)` that writes them into the
+        store's own slab (read straight from a saved store, `mira_hf.saved_store`); `expert` is not called."""
         E = num_experts
         if layout is None:
             if hasattr(self.codec, "plan_experts"):
@@ -128,7 +110,7 @@ class ExpertStore:
                 )
             layout = self.codec.plan(specs)
         raw_layout = IdentityCodec().plan(specs)
-        if records is not None and tuple(records.shape) != (E, layout.nbytes):
+        if isinstance(records, torch.Tensor) and tuple(records.shape) != (E, layout.nbytes):
             from .errors import IncompatibleFileError
 
             raise IncompatibleFileError(
@@ -143,25 +125,31 @@ class ExpertStore:
         if tier == "disk":
             os.makedirs(self.offload_dir, exist_ok=True)
             path = os.path.join(self.offload_dir, f"mira_experts_layer{layer:04d}.bin")
-            record = torch.empty(layout.nbytes, dtype=torch.uint8)
             with open(path, "wb") as f:
-                for e in range(E):
-                    if records is not None:
-                        record.copy_(records[e])
-                    else:
-                        self._encode(expert(e), layout, record, extra)
-                    f.write(record.numpy().data)
+                f.truncate(nbytes)
+                if callable(records):  # straight into the file, through a shared mapping of it
+                    records(torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes))
+                elif records is not None:
+                    for e in range(E):
+                        os.pwrite(f.fileno(), records[e].numpy().data, e * layout.nbytes)
+                else:  # record by record: one expert of working memory (per encoding thread)
+                    sink = lambda e, record: os.pwrite(f.fileno(), record.cpu().numpy().data, e * layout.nbytes)  # noqa: E731
+                    self._encode(layer, layout, E, expert, sink, extra)
             slab = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes)
         else:
             if tier == "pinned":  # exactly its size: torch's pinned allocator would round it up to a power of two
                 slab = pinned_empty(nbytes).view(E, layout.nbytes)
             else:
                 slab = torch.empty((E, layout.nbytes), dtype=torch.uint8)
-            if records is not None:
+            if callable(records):
+                records(slab)
+            elif records is not None:
                 slab.copy_(records)
-            else:
+            elif isinstance(self.codec, IdentityCodec):  # the checkpoint's bytes: copies, nothing to compute
                 for e in range(E):
-                    self._encode(expert(e), layout, slab[e], extra)
+                    self.codec.encode(expert(e), layout, slab[e])
+            else:
+                self.encoder.encode_into(self.codec, layout, E, expert, slab, extra, key=layer)
             self._host_bytes += nbytes
         self._slabs[layer] = _Slab(slab, layout, tier, dtype, raw_layout, path)
 
@@ -171,11 +159,16 @@ class ExpertStore:
             return "disk"
         return "pinned" if self.pinned else "pageable"
 
-    def _encode(self, tensors: Mapping[str, torch.Tensor], layout, out: torch.Tensor, extra: dict) -> None:
+    def _encode(
+        self, layer: int, layout, E: int, expert: Callable, sink: Callable[[int, torch.Tensor], None], extra: dict
+    ) -> None:
         if isinstance(self.codec, IdentityCodec):
-            self.codec.encode(tensors, layout, out)
+            record = torch.empty(layout.nbytes, dtype=torch.uint8)
+            for e in range(E):
+                self.codec.encode(expert(e), layout, record)
+                sink(e, record)
         else:
-            self.codec.encode(tensors, layout, out, **extra)
+            self.encoder.encode_layer(self.codec, layout, E, expert, sink, extra, key=layer)
 
     # -- reading --------------------------------------------------------------------------------
     @property
@@ -233,27 +226,25 @@ class ExpertStore:
         return {name: torch.stack([p[name] for p in per_expert]).to(slab.dtype) for name in per_expert[0]}
 
     def save(self, directory: str, fingerprint: dict) -> None:
-        """Write every record (safetensors, one tensor per layer) and a JSON header, so a later load
-        with `MiraConfig(store_path=directory)` reads them instead of quantising again."""
-        from safetensors.torch import save_file
+        """Write every record and a header (`mira_hf.saved_store`), so a later load with
+        `MiraConfig(store_path=directory)` reads them instead of quantising again."""
+        from .saved_store import write_store
 
-        os.makedirs(directory, exist_ok=True)
-        save_file(
-            {f"layer_{layer}": s.data.contiguous() for layer, s in self._slabs.items()}, os.path.join(directory, STORE_WEIGHTS)
-        )
-        header = dict(
-            format=STORE_FORMAT,
-            codec=self.codec_spec(),
-            fingerprint=fingerprint,
-            record_bytes={str(layer): s.layout.nbytes for layer, s in self._slabs.items()},
-        )
-        with open(os.path.join(directory, STORE_HEADER), "w") as f:
-            json.dump(header, f, indent=1)
+        write_store(directory, self.slabs(), self.codec_spec(), fingerprint, self.plans())
+
+    def slabs(self) -> dict[int, torch.Tensor]:
+        """Each layer's records, uint8 [E, record_bytes] (the store's own memory: read, never write)."""
+        return {layer: s.data for layer, s in self._slabs.items()}
+
+    def plans(self) -> dict[int, dict | None]:
+        """Each layer's layout arguments for `codec.plan(specs, **args)` where the layout depends on the
+        weights (`codec.plan_args`), else None: what a saved store needs to rebuild its layouts."""
+        plan_args = getattr(self.codec, "plan_args", None)
+        return {layer: plan_args(s.layout) if plan_args else None for layer, s in self._slabs.items()}
 
     def codec_spec(self) -> dict:
         """What identifies the record format (a saved store is only reused with the same one)."""
-        codec = self.codec
-        return dict(name=codec.name, group_size=getattr(codec, "group_size", None), inner=repr(getattr(codec, "inner", codec)))
+        return codec_spec(self.codec)
 
     def close(self) -> None:
         """Drop every record and remove the disk files this store wrote."""

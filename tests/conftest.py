@@ -1,12 +1,14 @@
 import importlib.util
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
+os.environ.setdefault("MIRA_HF_RECORD_CACHE", tempfile.mkdtemp(prefix="mira-records-"))  # never the user's cache
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from tiny_models import EXTRA_RECIPES, RECIPES, make_config  # noqa: E402

@@ -191,3 +191,29 @@ def test_interleaved_ab_smoke_alternates_systems_and_refuses_unknown_ones(tmp_pa
         cmd[:5] + ["--systems", "lru,default+learned", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
     )
     assert bad.returncode != 0 and "default+learned" in bad.stderr and not list(tmp_path.glob("*-ab.json"))
+
+
+@pytest.mark.slow  # three fresh processes: ~1 min on a 2-core CPU
+def test_load_time_smoke_times_three_loads_and_reads_the_cache(tmp_path):
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "load_time.py"),
+            "--smoke",
+            "--dir",
+            str(tmp_path / "ckpt"),
+            "--out",
+            str(tmp_path / "out"),
+            "--cpu-encode-experts",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    (path,) = (tmp_path / "out").glob("*-cpu-load-time.json")
+    rows = {r["run"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["none"]["quantization"] is None and rows["first"]["quantization"] == "lossless"
+    assert rows["first"]["encoded_experts"] > 0 and rows["cached"]["encoded_experts"] == 0
+    assert rows["first"]["store_bytes"] == rows["cached"]["store_bytes"] < rows["none"]["store_bytes"]

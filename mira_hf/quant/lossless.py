@@ -185,13 +185,15 @@ def build_lossless_layout(
 
 
 # Elements per step of encode / the torch decode on a CPU: 2**18 int16 words (512 KiB) keep each
-# step's temporaries in L2 (measured 3-5x faster than whole-tensor ops on Mixtral tensors). On a
-# GPU one step per tensor: fewer launches, one sync (nonzero) per tensor.
+# step's temporaries in L2. On a GPU, steps of 2**24 weights: a few launches and syncs per tensor,
+# and temporaries bounded (~130 MB of int64 per step) whatever the tensor's size. The step never
+# changes the bits (the encoder's blocks and escapes do not depend on it).
 _CHUNK = 1 << 18
+_DEVICE_CHUNK = 1 << 24
 
 
 def _chunk(t: torch.Tensor) -> int:
-    return _CHUNK if t.device.type == "cpu" else max(t.numel() + t.numel() % 2, 2)
+    return _CHUNK if t.device.type == "cpu" else min(_DEVICE_CHUNK, max(t.numel() + t.numel() % 2, 2))
 
 
 def _high_low(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -259,7 +261,7 @@ def escape_count(t: torch.Tensor) -> int:
 
 def _class_chunk(t: torch.Tensor) -> int:
     """Elements per step of the classes code: whole blocks (and whole class bytes)."""
-    return _CHUNK if t.device.type == "cpu" else max(-(-t.numel() // CLASS_BLOCK) * CLASS_BLOCK, CLASS_BLOCK)
+    return _CHUNK if t.device.type == "cpu" else min(_DEVICE_CHUNK, max(-(-t.numel() // CLASS_BLOCK) * CLASS_BLOCK, CLASS_BLOCK))
 
 
 def _class_table(hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -302,28 +304,43 @@ def _field_bits(nb: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     return ((torch.cumsum(nbp, 1) - nbp) + starts[:, None] * 8).view(-1)[: nb.numel()]
 
 
+def _class_info(hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The classes code of one tensor from its exponent histogram [256]: (info [256] int16, exps [8]
+    int32, escapes). info[e] packs exponent e's class (bits 0-1), its extra-bit count (2-4), its field
+    (5-8) and whether it escapes (bit 9), so the encoder looks each weight up once."""
+    class_of, field_of, exps = _class_table(hist)
+    bits_of = torch.tensor(_BITS_OF_CLASS, dtype=torch.int64, device=hist.device)[class_of]
+    escaped = (class_of == 3) & (field_of == CLASS_WINDOW)
+    info = class_of | (bits_of << 2) | (field_of << 5) | (escaped.long() << 9)
+    return info.to(torch.int16), exps, int(hist[escaped].sum())
+
+
+def _lookup(info: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """info[exponent] of each 16-bit high word [m] (int16): one gather with int32 indices."""
+    return info.index_select(0, _exponents(hi).to(torch.int32))
+
+
+def _block_sizes(nb: torch.Tensor) -> torch.Tensor:
+    """Bytes of extra bits per block of CLASS_BLOCK weights ([blocks], int64) from each weight's bit count
+    (int16; a block's sum is at most 4 * CLASS_BLOCK)."""
+    return (_blocks(nb).sum(1, dtype=torch.int32) + 7).div_(8, rounding_mode="floor").to(torch.int64)
+
+
 def class_code_size(t: torch.Tensor) -> tuple[int, int]:
     """(escapes, bytes of extra bits) of one tensor under the classes code (what its record must hold)."""
     hi, _ = _high_low(t)
-    class_of, field_of, _ = _class_table(_histogram(hi))
-    bits_of = torch.tensor(_BITS_OF_CLASS, device=hi.device)[class_of]  # [256]
-    escaped = (class_of == 3) & (field_of == CLASS_WINDOW)  # [256]
-    escapes = nbytes = 0
-    step = _class_chunk(hi)
+    info, _, escapes = _class_info(_histogram(hi))
+    nbytes, step = 0, _class_chunk(hi)
     for s in range(0, hi.numel(), step):
-        e = _exponents(hi[s : s + step]).long()
-        escapes += int(escaped[e].sum())
-        nbytes += int(_block_bytes(bits_of[e]).sum())
+        nbytes += int(_block_sizes((_lookup(info, hi[s : s + step]) >> 2) & 7).sum())
     return escapes, nbytes
 
 
 def _encode_entry_classes(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor) -> int:
     """Write one tensor's sections under the classes code; returns its escape count."""
     hi, lo = _high_low(t)
-    class_of, field_of, exps = _class_table(_histogram(hi))
+    info, exps, escapes = _class_info(_histogram(hi))
     dev = hi.device
-    bits_of = torch.tensor(_BITS_OF_CLASS, dtype=torch.int64, device=dev)[class_of]  # [256]
-    escaped = (class_of == 3) & (field_of == CLASS_WINDOW)
     here = lambda x: x if x.device == out.device else x.to(out.device)  # noqa: E731
     sm_all, cls_all = section_view(out, entry.section("sm")), section_view(out, entry.section("cls"))
     boff_all = section_view(out, entry.section("boff"), torch.int32)
@@ -334,15 +351,15 @@ def _encode_entry_classes(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor
     for s in range(0, hi.numel(), step):  # s: a multiple of CLASS_BLOCK (and of 4)
         x = hi[s : s + step]
         m = x.numel()
-        ex = _exponents(x).long()
-        esc.append(escaped[ex].nonzero().squeeze(1) + s)
-        c, nb, v = class_of[ex], bits_of[ex], field_of[ex]
-        c4 = torch.cat((c, c.new_zeros((-m) % 4)))
-        cls_all[s // 4 : s // 4 + c4.numel() // 4].copy_(
-            here((c4[0::4] | c4[1::4] << 2 | c4[2::4] << 4 | c4[3::4] << 6).to(torch.uint8))
-        )
+        code = _lookup(info, x)  # [m] int16: class | bits << 2 | field << 5 | escaped << 9
+        if escapes:  # rare: the histogram says whether any weight of the tensor escapes
+            esc.append((code >> 9).nonzero().squeeze(1) + s)
+        c = (code & 3).to(torch.uint8)
+        c4 = torch.cat((c, c.new_zeros((-m) % 4))).view(-1, 4)
+        cls_all[s // 4 : s // 4 + c4.shape[0]].copy_(here(c4[:, 0] | c4[:, 1] << 2 | c4[:, 2] << 4 | c4[:, 3] << 6))
         sm_all[s : s + m].copy_(here(_sign_mantissa(x)))
-        sizes = _block_bytes(nb)  # [blocks]
+        nb = (code >> 2) & 7  # [m] int16
+        sizes = _block_sizes(nb)  # [blocks]
         starts = torch.cumsum(sizes, 0) - sizes  # first byte of each block, in this chunk
         boff_all[s // CLASS_BLOCK : s // CLASS_BLOCK + sizes.numel()].copy_(here((starts + at).to(torch.int32)))
         total = int(sizes.sum())
@@ -352,15 +369,16 @@ def _encode_entry_classes(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor
                 "layout from every expert it will hold: codec.plan_experts(fused)."
             )
         if total:
-            pos = _field_bits(nb, starts)  # bit of each field, in the chunk
-            has = nb > 0
-            pos, v = pos[has], v[has]
+            nbp = _blocks(nb)
+            pos = ((torch.cumsum(nbp, 1, dtype=torch.int32) - nbp) + (starts[:, None] * 8).to(torch.int32)).view(-1)[:m]
+            pos = pos.to(torch.int64)  # bit of each field in the chunk (its bits were counted above: < 2**31)
+            v = ((code >> 5) & 15).to(torch.int64)  # 0 where a weight has no extra bits: adding it changes nothing
             # fields never overlap, so adding them into 64-bit words is OR-ing them; a field crossing a word
             # boundary puts its high bits into the next word. Little-endian words are the bytes, LSB first.
             words = torch.zeros(-(-total // 8) + 1, dtype=torch.int64, device=dev)
             shift = pos & 63
             words.scatter_add_(0, pos >> 6, v << shift)
-            cross = shift > 60
+            cross = (shift > 60).nonzero().squeeze(1)
             words.scatter_add_(0, (pos[cross] >> 6) + 1, v[cross] >> (64 - shift[cross]))
             extra_all[at : at + total].copy_(here(words.view(torch.uint8)[:total]))
         at += total
@@ -371,9 +389,9 @@ def _encode_entry_classes(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor
 def _encode_entry(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor) -> int:
     """Write one tensor's sections into the record `out`; returns its escape count."""
     hi, lo = _high_low(t)
-    base, _ = _best_base(_histogram(hi))
-    n, dev = hi.numel(), hi.device
-    same = out.device == dev
+    base, escapes = _best_base(_histogram(hi))
+    n = hi.numel()
+    here = lambda x: x if x.device == out.device else x.to(out.device)  # noqa: E731
     sm_all = section_view(out, entry.section("sm"))
     codes_all = section_view(out, entry.section("codes"))
     esc, step = [], _chunk(hi)
@@ -383,13 +401,13 @@ def _encode_entry(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor) -> int
         code = (e - (base + 1)).clamp_(max=WINDOW)  # uint8 wraps below base+1: in the window iff < WINDOW
         code += 1  # 1..WINDOW in the window, ESCAPE_CODE outside
         code.masked_fill_(e == 0, 0)
-        esc.append((code == ESCAPE_CODE).nonzero().squeeze(1) + s)
+        if escapes:  # the histogram says whether any weight of the tensor escapes
+            esc.append((code == ESCAPE_CODE).nonzero().squeeze(1) + s)
         if code.numel() % 2:
             code = torch.cat((code, code.new_zeros(1)))
-        sm = _sign_mantissa(x)
         packed = code[0::2] | (code[1::2] << 4)
-        sm_all[s : s + x.numel()].copy_(sm if same else sm.to(out.device))
-        codes_all[s // 2 : s // 2 + packed.numel()].copy_(packed if same else packed.to(out.device))
+        sm_all[s : s + x.numel()].copy_(here(_sign_mantissa(x)))
+        codes_all[s // 2 : s // 2 + packed.numel()].copy_(here(packed))
     return _write_escapes(hi, lo, esc, base, entry, out)
 
 
@@ -548,17 +566,43 @@ class LosslessCodec:
         """As `plan_experts`, reading the experts one at a time (`expert(e) -> {name: tensor}`): a
         checkpoint streamed from disk is planned without holding a whole layer."""
         _check_specs(specs)
+        return self.plan_from_sizes(specs, [self.expert_sizes(expert(e)) for e in range(num_experts)])
+
+    def expert_sizes(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+        """What one expert's record must hold, per encoded tensor: (escapes, bytes of extra bits; 0 for
+        the nibble code). Computed on the tensors' device; `plan_from_sizes` combines the experts'."""
+        sizes = {}
+        for name, t in tensors.items():
+            if t.dim() >= 2 and t.dtype in SUPPORTED_DTYPES:
+                sizes[name] = (escape_count(t), 0) if self.code == "nibble" else class_code_size(t)
+        return sizes
+
+    def plan_from_sizes(
+        self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], sizes: list[Mapping[str, tuple[int, int]]]
+    ) -> PackedLayout:
+        """The layout for experts whose `expert_sizes` are `sizes`: room for the most any of them needs."""
+        _check_specs(specs)
         capacity = {name: 0 for name, (shape, _) in specs.items() if len(shape) >= 2}
         extra = dict.fromkeys(capacity, 0)
-        for e in range(num_experts):
-            tensors = expert(e)
+        for expert in sizes:
             for name in capacity:
-                if self.code == "nibble":
-                    capacity[name] = max(capacity[name], escape_count(tensors[name]))
-                else:
-                    escapes, nbytes = class_code_size(tensors[name])
-                    capacity[name], extra[name] = max(capacity[name], escapes), max(extra[name], nbytes)
+                escapes, nbytes = expert[name]
+                capacity[name], extra[name] = max(capacity[name], escapes), max(extra[name], nbytes)
         return build_lossless_layout(specs, capacity, extra if self.code == "classes" else None)
+
+    def plan_args(self, layout: PackedLayout) -> dict:
+        """What `plan` needs to rebuild `layout` from its specs (escape capacity and extra bytes per
+        tensor), as JSON-able numbers: a saved store keeps them instead of reading the weights again."""
+        capacity, extra = {}, {}
+        for entry in layout.entries:
+            names = {s.name: s for s in entry.sections}
+            if entry.quantized:
+                capacity[entry.name] = names["esc_index"].nbytes // 4
+                if "extra" in names:
+                    extra[entry.name] = names["extra"].nbytes - 2
+            elif len(entry.shape) >= 2:
+                capacity[entry.name] = entry.numel  # an escape per weight: more than raw, so it stays raw
+        return {"capacity": capacity, "extra": extra}
 
     def scratch_bytes(self, layout: PackedLayout) -> int:
         """Device bytes `linear` decodes one weight into (placement "packed"): the largest 2-D one."""

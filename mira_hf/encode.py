@@ -1,0 +1,234 @@
+"""Encoding expert records at load time: where the codec computes, and how many experts at once.
+
+A codec whose records are computed from the weights (lossless, int8/int4) costs a pass over every
+expert at load. `RecordEncoder` runs that pass on the CUDA device when the model has one (each expert
+is copied there, encoded into a device record and copied back: the host only moves bytes), else on
+host threads, several experts at once (torch releases the GIL inside its ops). Either way the record's
+bits are those of the codec's own `encode`: the device only changes where the same ops run.
+
+Device memory while loading: one expert's tensors, one record and the codec's temporaries (bounded
+by its step size, ~1 GB for the lossless code), given back when the load ends; it is not taken from
+`gpu_budget`, which the cache allocates afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import torch
+
+Expert = Callable[[int], Mapping[str, torch.Tensor]]  # e -> {tensor name: expert e's tensor}
+
+
+def default_workers() -> int:
+    """Host threads for encoding on a CPU: the cores this process may use, at most 16."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 16))
+
+
+class RecordEncoder:
+    """Computes expert records (and the layouts that depend on the weights) on one device.
+
+    device: where the codec computes: a CUDA device, or the CPU (`workers` experts at once).
+    progress: a byte-counting progress bar (tqdm) per pass.
+    """
+
+    def __init__(
+        self, device: torch.device | str = "cpu", workers: int | None = None, progress: bool = False, stash_bytes: int = 0
+    ) -> None:
+        """stash_bytes: device memory (outside the cache budget, only while loading) that keeps experts
+        read for planning until they are encoded, so each is read from the checkpoint and copied to the
+        device once; experts beyond it are read again."""
+        self.device = torch.device(device)
+        # On a GPU one expert at a time: the device is busy with one expert's ops already, and the
+        # host's part (reading the next expert) overlaps through the copy.
+        self.workers = 1 if self.device.type != "cpu" else (workers or default_workers())
+        self.progress = progress
+        self.experts_encoded = 0  # experts encoded by this encoder (tests count them)
+        self._lock = threading.Lock()
+        self._buffers = threading.local()
+        self._bar = None
+        self._stash: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._stash_left = stash_bytes if self.device.type != "cpu" else 0
+
+    def __repr__(self) -> str:
+        return f"RecordEncoder(device={str(self.device)!r}, workers={self.workers})"
+
+    # -- the two passes --------------------------------------------------------------------------
+    def plan_layer(
+        self, codec, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], num_experts: int, expert: Expert, key=None
+    ):
+        """The layer's record layout; a codec that plans from the weights (`expert_sizes`,
+        `plan_from_sizes`) reads every expert here, on this encoder's device (kept there for
+        `encode_*(key=key)` while the stash has room)."""
+        sizes_of = getattr(codec, "expert_sizes", None)
+        if sizes_of is None:
+            return codec.plan(specs)
+        nbytes = _raw_bytes(specs)
+
+        def sizes(e: int, tensors: Mapping[str, torch.Tensor]):
+            if key is not None and self._stash_left >= nbytes:
+                self._stash[(key, e)] = dict(tensors)
+                self._stash_left -= nbytes
+            return sizes_of(tensors)
+
+        sizes = self._map(num_experts, expert, sizes, nbytes)
+        return codec.plan_from_sizes(specs, sizes)
+
+    def encode_layer(
+        self,
+        codec,
+        layout,
+        num_experts: int,
+        expert: Expert,
+        sink: Callable[[int, torch.Tensor], object],
+        extra: dict | None = None,
+        key=None,
+    ) -> None:
+        """Encode every expert of a layer; `sink(e, record)` takes each record (uint8 [layout.nbytes] on
+        this encoder's device, valid until `sink` returns; called from worker threads on a CPU)."""
+        extra = extra or {}
+
+        def one(e: int, tensors: Mapping[str, torch.Tensor]) -> None:
+            record = self._record(layout.nbytes)
+            codec.encode(tensors, layout, record, **extra)
+            sink(e, record)
+            self._count()
+
+        self._map(num_experts, expert, one, _entries_bytes(layout), key)
+
+    def encode_into(
+        self, codec, layout, num_experts: int, expert: Expert, slab: torch.Tensor, extra: dict | None = None, key=None
+    ) -> None:
+        """`encode_layer` into the rows of a host slab [E, layout.nbytes]: a CPU encoder writes each
+        record in place, a device encoder copies it there (one copy; at link speed into a pinned slab)."""
+        if self.device.type != "cpu":
+            self.encode_layer(codec, layout, num_experts, expert, lambda e, record: slab[e].copy_(record), extra, key)
+            return
+        extra = extra or {}
+
+        def one(e: int, tensors: Mapping[str, torch.Tensor]) -> None:
+            codec.encode(tensors, layout, slab[e], **extra)
+            self._count()
+
+        self._map(num_experts, expert, one, _entries_bytes(layout), key)
+
+    def finish(self) -> None:
+        """Give back the device memory the encoding used (its buffers and the allocator's cache)."""
+        self._buffers = threading.local()
+        self._stash.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    @contextmanager
+    def progress_pass(self, desc: str, total_bytes: int):
+        """One progress bar (bytes of weights, ETA) over every layer encoded or planned inside."""
+        self._bar = _bar(self.progress and total_bytes > 0, total_bytes, desc)
+        try:
+            yield
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+            self._bar = None
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _count(self) -> None:
+        with self._lock:
+            self.experts_encoded += 1
+
+    def _record(self, nbytes: int) -> torch.Tensor:
+        """This thread's record buffer on the device (reused expert after expert)."""
+        buf = getattr(self._buffers, "record", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._buffers.record = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf[:nbytes]
+
+    def _map(
+        self, n: int, expert: Expert, fn: Callable[[int, Mapping[str, torch.Tensor]], object], nbytes_each: int, key=None
+    ) -> list:
+        """[fn(e, expert e's tensors on this device) for e < n]. Reading an expert (`expert(e)`, from
+        a checkpoint reader that need not be thread-safe) is serialised; the codec's work runs on
+        `workers` threads (CPU), or on the device while a host thread reads the next expert."""
+        own = self._bar is None  # a layer on its own gets its own bar
+        bar = _bar(self.progress, n * nbytes_each, "encoding records") if own else self._bar
+        read_lock = threading.Lock()
+
+        def read(e: int) -> Mapping[str, torch.Tensor]:
+            stashed = self._stash.pop((key, e), None) if key is not None else None
+            if stashed is not None:  # read and copied here while planning
+                return stashed
+            with read_lock:
+                return expert(e)
+
+        def step(e: int, tensors: Mapping[str, torch.Tensor]):
+            out = fn(e, {k: t if t.device == self.device else t.to(self.device) for k, t in tensors.items()})
+            if bar is not None:
+                bar.update(nbytes_each)
+            return out
+
+        try:
+            if self.device.type != "cpu" or self.workers == 1 or n == 1:
+                with ThreadPoolExecutor(1, thread_name_prefix="mira-read") as reader:
+                    ahead = reader.submit(read, 0) if n else None
+                    out = []
+                    for e in range(n):
+                        tensors = ahead.result()
+                        ahead = reader.submit(read, e + 1) if e + 1 < n else None
+                        out.append(step(e, tensors))
+                    return out
+            threads = torch.get_num_threads()
+            try:
+                # one intra-op thread per worker: the experts are the parallelism (no oversubscribed cores)
+                with ThreadPoolExecutor(
+                    min(self.workers, n), thread_name_prefix="mira-encode", initializer=torch.set_num_threads, initargs=(1,)
+                ) as pool:
+                    futures = [pool.submit(lambda e: step(e, read(e)), e) for e in range(n)]
+                    return [f.result() for f in futures]  # in order; the first failure is raised
+            finally:
+                torch.set_num_threads(threads)
+        finally:
+            if own and bar is not None:
+                bar.close()
+
+
+def _raw_bytes(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
+    n = 0
+    for shape, dtype in specs.values():
+        k = dtype.itemsize
+        for d in shape:
+            k *= d
+        n += k
+    return n
+
+
+def _entries_bytes(layout) -> int:
+    entries = getattr(layout, "entries", None)
+    return sum(e.numel * e.dtype.itemsize for e in entries) if entries else layout.nbytes
+
+
+def _bar(enabled: bool, total: int, desc: str):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+
+
+def encoder_for(device: torch.device, expert_bytes: int, progress: bool, keep_free_bytes: int = 0) -> RecordEncoder:
+    """Encode on `device` when it is a CUDA device with room for one expert, its record and the codec's
+    temporaries (~1 GB), else on host threads. The device memory beyond that and `keep_free_bytes`
+    (what the loaded model will take there) stashes experts between planning and encoding."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        working = 2 * expert_bytes + 2**31
+        if free > working:
+            return RecordEncoder(device, progress=progress, stash_bytes=max(free - working - keep_free_bytes - 2**30, 0))
+    return RecordEncoder("cpu", progress=progress)

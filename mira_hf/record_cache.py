@@ -1,0 +1,150 @@
+"""The record cache: encoded expert records kept on disk, so the next load of a checkpoint reads them
+instead of encoding every expert again.
+
+An entry is a saved store (`mira_hf.saved_store`) in `<root>/<key>/`, where `root` is
+`LoaderConfig.record_cache` ("auto": `$MIRA_HF_RECORD_CACHE`, else `$HF_HOME/mira-hf/records`) and `key` hashes everything the
+records depend on: the checkpoint's files (path, size, modification time), the model's fingerprint
+(shapes and router weights), the codec and its settings, and `RECORD_FORMAT_VERSION`. Changing any
+of them gives another key, so a stale entry is never found; the header repeats the identity and is
+checked too. A truncated or damaged entry fails its size or CRC checks while it is read: it is
+dropped and the records are encoded again (and written again).
+
+Writing is atomic: the entry is written into a temporary directory beside it, then renamed into
+place. A load that is interrupted leaves no entry (only its temporary directory, removed by a later
+write once its process is gone); two loads of the same checkpoint at once both encode, the first
+rename wins and the other drops its copy. Entries are never modified in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import uuid
+import warnings
+
+import torch
+
+from .saved_store import STORE_FORMAT, CorruptStoreError, SavedStore, write_store
+
+# Bump when the bytes a codec writes for the same weights change (any codec): older entries are not found.
+RECORD_FORMAT_VERSION = 1
+_TMP = ".tmp-"
+
+
+def default_root() -> str:
+    """`$MIRA_HF_RECORD_CACHE` if set, else `$HF_HOME/mira-hf/records` (HF_HOME as huggingface_hub
+    resolves it: ~/.cache/huggingface by default)."""
+    if os.environ.get("MIRA_HF_RECORD_CACHE"):
+        return os.environ["MIRA_HF_RECORD_CACHE"]
+    try:
+        from huggingface_hub import constants
+
+        home = constants.HF_HOME
+    except Exception:  # an old huggingface_hub: its documented default
+        home = os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface"))
+    return os.path.join(home, "mira-hf", "records")
+
+
+def checkpoint_identity(files: list[str]) -> list[list]:
+    """Each weight file as [real path, size, mtime_ns]: a rewritten or replaced file gives another identity."""
+    out = []
+    for path in files:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+        out.append([real, st.st_size, st.st_mtime_ns])
+    return out
+
+
+class RecordCache:
+    """The cache entry of one checkpoint in one record format."""
+
+    def __init__(self, root: str, files: list[str], codec_spec: dict, fingerprint: dict, specs: dict) -> None:
+        self.root = root
+        self.identity = dict(
+            records=RECORD_FORMAT_VERSION,
+            store=STORE_FORMAT,
+            checkpoint=checkpoint_identity(files),
+            model=fingerprint,
+            specs={str(layer): {n: [list(shape), str(dtype)] for n, (shape, dtype) in s.items()} for layer, s in specs.items()},
+        )
+        self.codec_spec = codec_spec
+        text = json.dumps([self.identity, codec_spec], sort_keys=True)
+        self.key = hashlib.sha256(text.encode()).hexdigest()[:40]
+        self.directory = os.path.join(root, self.key)
+        self.writer: threading.Thread | None = None
+
+    def open(self) -> SavedStore | None:
+        """The entry, its header checked; None when there is none. An entry that is not what it should
+        be (damaged header, wrong size) is dropped and None returned."""
+        if not os.path.isdir(self.directory):
+            return None
+        try:
+            return SavedStore(self.directory, self.codec_spec, self.identity)
+        except CorruptStoreError as exc:
+            self.drop(str(exc))
+        except Exception as exc:  # another identity under this key (a hash collision) or an unreadable file
+            self.drop(str(exc))
+        return None
+
+    def drop(self, reason: str) -> None:
+        """Remove the entry (renamed away first, so no load can open it half removed)."""
+        warnings.warn(f"mira-hf: the record cache entry {self.directory} is unusable ({reason}); encoding again.", stacklevel=3)
+        trash = os.path.join(self.root, f"{_TMP}{self.key}-{uuid.uuid4().hex[:8]}-drop")
+        try:
+            os.rename(self.directory, trash)
+        except OSError:
+            return  # already dropped (or replaced) by another load
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def write(self, slabs: dict[int, torch.Tensor], plans: dict, background: bool = True) -> None:
+        """Save the records as this entry, atomically; in a background thread by default (the slabs are
+        read only, and the load does not wait). The process waits for it at exit (`self.writer`)."""
+        if background:
+            self.writer = threading.Thread(target=self._write, args=(slabs, plans), name="mira-record-cache", daemon=False)
+            self.writer.start()
+        else:
+            self._write(slabs, plans)
+
+    def wait(self) -> None:
+        """Until the background write (if any) has finished."""
+        if self.writer is not None:
+            self.writer.join()
+
+    def _write(self, slabs: dict[int, torch.Tensor], plans: dict) -> None:
+        tmp = os.path.join(self.root, f"{_TMP}{self.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            _remove_orphans(self.root)
+            write_store(tmp, slabs, self.codec_spec, self.identity, plans)
+            try:
+                os.rename(tmp, self.directory)  # atomic; fails if another load has put its entry there first
+            except OSError:
+                pass
+        except Exception as exc:  # a full or read-only disk costs the next load an encode, nothing more
+            warnings.warn(f"mira-hf: could not write the record cache in {self.root} ({exc}).", stacklevel=2)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_orphans(root: str) -> None:
+    """Temporary directories of writes whose process is gone (an interrupted load)."""
+    for name in os.listdir(root):
+        if not name.startswith(_TMP):
+            continue
+        parts = name[len(_TMP) :].split("-")
+        pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+        if pid is None or not _alive(pid):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -21,7 +21,8 @@ Budget = Union[int, float, str, None]
 
 POLICIES = ("lru", "heat", "priority")
 PREDICTORS: tuple[str | None, ...] = (None, "auto", "gate", "markov", "global", "position", "hybrid", "learned")
-QUANTIZATIONS: tuple[str | None, ...] = ("auto", None, "lossless", "int8", "int4", "nf4")
+# "fp8_block" and "mxfp4" name pre-quantized checkpoints' own formats (served as stored, never encoded into).
+QUANTIZATIONS: tuple[str | None, ...] = ("auto", None, "lossless", "int8", "int4", "nf4", "fp8_block", "mxfp4")
 PLACEMENTS = ("auto", "dequant", "packed")
 LOSSLESS_CODES = ("nibble", "classes")  # mira_hf.quant.lossless.CODES
 # quantization="auto" picks "lossless" only for expert records at least this large. Decoding a packed

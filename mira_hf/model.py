@@ -253,14 +253,12 @@ def _resolve_format(
     """`cfg` with `quantization="auto"` and `placement="auto"` made concrete for this model, device and
     budget. Auto only ever picks an exact format: "lossless" where copies are the bottleneck (a CUDA
     device, a budget smaller than the experts, records of ≥ AUTO_LOSSLESS_MIN_RECORD_BYTES), else None.
-    `native`: the codec of a pre-quantized checkpoint read in its own bytes: its format, packed where
-    transformers computes that format natively on `device`, else decoded into slots as transformers
-    dequantizes it."""
+    `native`: the codec of a pre-quantized checkpoint read in its own bytes: its format, records decoded
+    into slots as transformers' dequantize path loads them ("dequant"); "packed" only on request, where
+    the codec runs transformers' own kernels on packed records (`computes_natively`)."""
     if native is not None:
-        placement = cfg.quant.placement
-        if placement == "auto":
-            placement = "packed" if native.computes_natively(device) else "dequant"
-        elif placement == "packed" and not native.computes_natively(device):
+        placement = "dequant" if cfg.quant.placement == "auto" else cfg.quant.placement
+        if placement == "packed" and not native.computes_natively(device):
             raise ConfigError(
                 f"QuantConfig(placement='packed') was given for {native.name} experts, but transformers computes "
                 f"{native.name} with its own kernels only on GPUs that support them (not on {device}), and dequantizes "

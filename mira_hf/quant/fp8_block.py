@@ -7,13 +7,18 @@ holds one expert's weights (`gate_up_proj`: the checkpoint's `gate_proj` and `up
 the other) and scales (`gate_up_proj_scale_inv`, likewise): 1 byte per weight plus 4 per block, about
 0.5x of bf16's bytes.
 
-Decoding (placement "dequant", and wherever transformers dequantizes: CPU, GPUs below compute
-capability 8.9) repeats transformers' `Fp8Dequantize` for each checkpoint tensor: the block size is
-the tensor's shape over its scale grid, and the weight is `(fp8.float() * scale.float()).to(dtype)`,
-one float32 product per element, so the same bits on every device. On a GPU where transformers
-computes FP8 natively, placement "packed" keeps records packed in their slots and runs each
-projection through transformers' own `fp8_linear` (DeepGEMM or the finegrained-fp8 Triton kernel, as
-its FP8 experts do) on the record's weight and scales.
+Decoding (placement "dequant", the default) repeats transformers' `Fp8Dequantize` for each checkpoint
+tensor: the block size is the tensor's shape over its scale grid, and the weight is
+`(fp8.float() * scale.float()).to(dtype)`, one float32 product per element, so the same bits on every
+device. That is what transformers computes where it dequantizes at load (a CPU, GPUs below compute
+capability 8.9, or `FineGrainedFP8Config(dequantize=True)`); the other weights are loaded that way too.
+
+On a GPU where transformers computes FP8 natively (compute capability ≥ 8.9, its kernels loadable),
+`QuantConfig(placement="packed")` keeps records packed in their slots (half of bf16's bytes: twice the
+experts per budget) and runs each projection through transformers' own `fp8_linear` (DeepGEMM or the
+finegrained-fp8 Triton kernel, the call its FP8 experts make per expert) on the record's weight and
+scales; the non-expert weights stay dequantized, so the model is neither transformers' native FP8 load
+nor its dequantized one (benchmarks/quant_native_check.py measures both differences on a GPU).
 """
 
 from __future__ import annotations

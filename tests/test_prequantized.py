@@ -17,7 +17,12 @@ from mira_hf.config import LoaderConfig
 from mira_hf.quant.fp8_block import dequantize_fp8
 from mira_hf.quant.mxfp4 import dequantize_mxfp4
 
-CASES = [(f, "fp8_block") for f in FP8_FAMILIES] + [("gpt_oss", "mxfp4")]
+# CI runs one family per format; the others (several seconds each on a CPU) run with -m slow.
+FAST = ("qwen3_moe", "gpt_oss")
+CASES = [
+    pytest.param(f, c, marks=() if f in FAST else pytest.mark.slow)
+    for f, c in [(f, "fp8_block") for f in FP8_FAMILIES] + [("gpt_oss", "mxfp4")]
+]
 IDS = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(5))
 GREEDY = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
 BEAM = dict(max_new_tokens=6, do_sample=False, num_beams=3, pad_token_id=0)
@@ -109,7 +114,7 @@ def test_same_weights_logits_and_tokens_as_transformers(quantized_checkpoint, fa
 def test_outputs_do_not_depend_on_the_budget_or_host_tier(quantized_checkpoint, tmp_path):
     path = quantized_checkpoint("qwen3_moe")
     outs = []
-    for kw in (dict(gpu_budget=1.0), dict(gpu_budget=0.25), dict(gpu_budget=0.25, host_budget=1, offload_dir=str(tmp_path))):
+    for kw in (dict(gpu_budget=1.0), dict(gpu_budget=0.25, host_budget=1, offload_dir=str(tmp_path))):
         model = _load(path, **kw)
         with torch.no_grad():
             outs.append(model(IDS).logits)
@@ -176,3 +181,34 @@ def test_decoding_repeats_transformers_dequantize_bit_for_bit():
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def test_packed_fp8_records_compute_through_transformers_fp8_linear(quantized_checkpoint, monkeypatch):
+    """Placement "packed" (a GPU with FP8 kernels) keeps records packed in their slots and calls transformers'
+    `fp8_linear` on each record's weight and scales. Here its kernel is stood in for by the dequantized
+    weight's matmul, so the wiring (slot views, records copied in two parts, block size) is checked on a CPU:
+    the same logits as decoding into slots, with more experts per budget."""
+    import torch.nn.functional as F
+    import transformers.integrations.finegrained_fp8 as finegrained_fp8
+
+    from mira_hf.config import QuantConfig
+    from mira_hf.quant.fp8_block import Fp8BlockCodec
+
+    calls = []
+
+    def kernel_stand_in(x, weight, scale_inv, block_size, *args, **kwargs):
+        assert weight.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32
+        calls.append(block_size)
+        return F.linear(x, dequantize_fp8(weight, scale_inv, x.dtype))
+
+    monkeypatch.setattr(finegrained_fp8, "fp8_linear", kernel_stand_in)
+    monkeypatch.setattr(Fp8BlockCodec, "computes_natively", lambda self, device: True)
+    path = quantized_checkpoint("qwen3_moe")
+    kw = dict(dtype=torch.float32, gpu_budget=0.25, loader=LoaderConfig(split_min_bytes=0))
+    packed = _load(path, quant=QuantConfig(placement="packed"), **kw)
+    decoded = _load(path, **kw)
+    assert packed.mira.placement == "packed" and decoded.mira.placement == "dequant"
+    with torch.no_grad():
+        assert torch.equal(packed(IDS).logits, decoded(IDS).logits)
+    assert calls and all(b == [128, 128] for b in calls)
+    assert packed.mira.stats()["slots"] > decoded.mira.stats()["slots"]

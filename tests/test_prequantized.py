@@ -86,19 +86,26 @@ def test_experts_are_stored_as_the_checkpoint_stores_them(quantized_checkpoint, 
 
 
 @pytest.mark.parametrize("family,codec", CASES)
-def test_same_weights_logits_and_tokens_as_transformers(quantized_checkpoint, family, codec):
-    """fp32: logits torch.equal to transformers' own load, greedy and beam tokens identical. bf16 (the
-    checkpoint's dtype): every expert decodes to transformers' weights bit for bit, and the logits equal
-    transformers' load wrapped whole (the proxy combines its K rows in fp32, transformers in bf16, so
-    bf16 logits are compared within the wrapped model, as for any bf16 checkpoint)."""
+def test_fp32_logits_and_tokens_equal_transformers(quantized_checkpoint, family, codec):
+    """Loaded in fp32, logits torch.equal to transformers' own load, greedy and beam tokens identical."""
     path = quantized_checkpoint(family)
     ref, model = _reference(path, torch.float32), _load(path, dtype=torch.float32, gpu_budget=0.5)
+    experts_dtype = {p.dtype for n, p in ref.named_parameters() if ".experts." in n and n.endswith("proj")}
+    if experts_dtype != {torch.float32}:  # transformers 5.17 dequantizes MXFP4 experts to bf16 whatever the dtype
+        pytest.skip(f"this transformers dequantizes the {codec} experts to {experts_dtype} in an fp32 model")
     assert model.mira.store.codec.name == codec
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, ref(IDS).logits)
     assert torch.equal(model.generate(IDS[:1], **GREEDY), ref.generate(IDS[:1], **GREEDY))
     assert torch.equal(model.generate(IDS[:1], **BEAM), ref.generate(IDS[:1], **BEAM))
 
+
+@pytest.mark.parametrize("family,codec", CASES)
+def test_bf16_weights_are_transformers_bit_for_bit(quantized_checkpoint, family, codec):
+    """In the checkpoint's dtype (bf16) every expert decodes to transformers' weights bit for bit, and the
+    logits and beams equal those of transformers' load wrapped whole (the proxy sums its K rows in fp32 and
+    transformers in bf16, so bf16 logits are compared within wrapped models, as for any bf16 checkpoint)."""
+    path = quantized_checkpoint(family)
     ref, model = _reference(path), _load(path)
     whole = _load(path, loader=LoaderConfig(stream_experts=False))  # transformers' dequantized load, wrapped
     assert model.mira.store.dtype(0) == torch.bfloat16 and whole.mira.store.codec.name == "none"
@@ -108,7 +115,7 @@ def test_same_weights_logits_and_tokens_as_transformers(quantized_checkpoint, fa
     back = model.unload()  # every expert as this store decodes it
     expected = ref.state_dict()
     assert back.state_dict().keys() == expected.keys()
-    assert all(torch.equal(t, expected[k]) for k, t in back.state_dict().items())
+    assert all(t.dtype == expected[k].dtype and torch.equal(t, expected[k]) for k, t in back.state_dict().items())
 
 
 def test_outputs_do_not_depend_on_the_budget_or_host_tier(quantized_checkpoint, tmp_path):

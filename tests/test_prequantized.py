@@ -219,3 +219,17 @@ def test_packed_fp8_records_compute_through_transformers_fp8_linear(quantized_ch
         assert torch.equal(packed(IDS).logits, decoded(IDS).logits)
     assert calls and all(b == [128, 128] for b in calls)
     assert packed.mira.stats()["slots"] > decoded.mira.stats()["slots"]
+
+
+def test_an_expert_stored_in_another_format_than_the_first_is_refused():
+    """Records are planned from a layer's first expert; a later one in another dtype (which a copy would
+    silently convert) is an error naming both."""
+    from mira_hf.quant import CodecInputError, make_codec
+
+    codec = make_codec("fp8_block", pieces={"down_proj": 1}, block_size=[128, 128])
+    fp8 = {"down_proj": torch.zeros(128, 256, dtype=torch.float8_e4m3fn), "down_proj_scale_inv": torch.ones(1, 2)}
+    layout = codec.plan_experts_from({"down_proj": ((128, 256), torch.bfloat16)}, 2, lambda e: fp8)
+    record = torch.empty(layout.nbytes, dtype=torch.uint8)
+    codec.encode(fp8, layout, record)
+    with pytest.raises(CodecInputError, match="torch.bfloat16.*float8_e4m3fn"):
+        codec.encode({**fp8, "down_proj": torch.zeros(128, 256, dtype=torch.bfloat16)}, layout, record)

@@ -112,9 +112,11 @@ class NativeCodec:
         """Copy the checkpoint's tensors of one expert into its record (scales take the record's dtype)."""
         for spec in layout.raw.tensors:
             t = tensors[spec.name]
-            if tuple(t.shape) != spec.shape:
+            widened = spec.dtype == torch.float32 and t.dtype in (torch.float32, torch.bfloat16, torch.float16)  # scales
+            if tuple(t.shape) != spec.shape or not (t.dtype == spec.dtype or widened):
                 raise CodecInputError(
-                    f"{self.name}: {spec.name} has shape {tuple(t.shape)}, the layer's records hold {spec.shape}."
+                    f"{self.name}: {spec.name} is {t.dtype} {list(t.shape)} in the checkpoint, but the layer's records "
+                    f"hold {spec.dtype} {list(spec.shape)} (planned from its first expert): the experts differ in format."
                 )
             IdentityCodec.view(out, spec).copy_(t)
 

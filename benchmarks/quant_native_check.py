@@ -5,15 +5,17 @@ deepseek_v3, qwen3_moe, glm4_moe, qwen3_next, minimax_m2; MXFP4 for gpt_oss), on
 
     transformers' own load of the directory (device_map="cuda"): which path it took on this GPU
         (native FP8 experts / Triton MXFP4 experts, or dequantized), or the error it raised;
-    transformers' dequantize path (FineGrainedFP8Config / Mxfp4Config(dequantize=True));
+    transformers' dequantize path (FineGrainedFP8Config / Mxfp4Config(dequantize=True)), with its default
+        experts implementation and with experts_implementation="eager";
     MiraMoEModel.from_pretrained (25 % budget), placement "dequant" (the default), and for FP8
         placement "packed" (transformers' fp8_linear on packed records) where this GPU computes FP8;
     for each pair: logits torch.equal and max |diff|, greedy and beam tokens identical;
     store bytes, the checkpoint's expert bytes and the bf16 bytes of the same experts.
 
-Mira's default path is expected to equal the dequantize path bit for bit in fp32 (as on the CPU; in bf16
-the proxy sums its K rows in fp32 where transformers sums in bf16, as for any bf16 checkpoint), and to
-differ from the native-kernel path by FP8/FP4 activation rounding. Prints a table, writes JSON.
+On the CPU mira's default path equals the dequantize path bit for bit in fp32 (in bf16 the proxy sums its K
+rows in fp32 where transformers sums in bf16, as for any bf16 checkpoint, so bf16 is compared with the whole
+load too). On a GPU the fp32 question is whether transformers' kernels round as the proxy's F.linear does
+(the eager row), and the native-kernel path differs by FP8/FP4 activation rounding. Prints a table, writes JSON.
 
     python benchmarks/quant_native_check.py --out benchmarks/results/quant_native_check.json
     python benchmarks/quant_native_check.py --device cpu --families qwen3_moe gpt_oss --out /tmp/q.json  # smoke
@@ -49,10 +51,12 @@ GREEDY = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
 BEAM = dict(max_new_tokens=6, do_sample=False, num_beams=3, pad_token_id=0)
 
 
-def _transformers(path: str, device: str, dtype, dequantize: bool):
+def _transformers(path: str, device: str, dtype, dequantize: bool, experts_implementation: str | None = None):
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
     kw = {"dtype": dtype, "device_map": device}
+    if experts_implementation is not None:
+        kw["experts_implementation"] = experts_implementation
     if dequantize:
         with open(os.path.join(path, "config.json")) as f:
             method = json.load(f)["quantization_config"]["quant_method"]
@@ -105,9 +109,15 @@ def _expert_bytes(path: str, model) -> int:
 def check(family: str, path: str, device: str, dtype) -> dict:
     row: dict = {"family": family, "dtype": str(dtype).removeprefix("torch.")}
     refs = {}
-    for label, dequantize in (("transformers", False), ("transformers_dequantize", True)):
+    # its default experts kernels (grouped_mm; native FP8/MXFP4 ones where it keeps those formats), and the
+    # per-expert eager loop of its dequantized model (the F.linear per expert that mira's proxy runs)
+    for label, dequantize, impl in (
+        ("transformers", False, None),
+        ("transformers_dequantize", True, None),
+        ("transformers_dequantize_eager", True, "eager"),
+    ):
         try:
-            model, experts = _transformers(path, device, dtype, dequantize)
+            model, experts = _transformers(path, device, dtype, dequantize, impl)
             refs[label] = _outputs(model, device)
             row[f"{label}_experts"] = experts
             del model

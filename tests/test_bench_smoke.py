@@ -184,7 +184,7 @@ def test_quant_native_check_smoke_finds_the_cpu_path_exact(tmp_path):
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     (row,) = json.loads(out.read_text())["rows"]
     comparisons = [v for v in row.values() if isinstance(v, dict)]
-    assert len(comparisons) == 3 and all(all(v[k] for k in v if k != "max_abs_diff") for v in comparisons)
+    assert len(comparisons) == 4 and all(all(v[k] for k in v if k != "max_abs_diff") for v in comparisons)
     assert row["codec"] == "mxfp4" and row["store_bytes"] < 1.1 * row["checkpoint_expert_bytes"]
 
 

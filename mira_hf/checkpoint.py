@@ -309,6 +309,115 @@ def plan_keys(
     return plan
 
 
+# -- pre-quantized checkpoints ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NativeKeys:
+    """Where one quantized fused tensor of a pre-quantized checkpoint is: key templates of its weights and
+    of their scales, each concatenated along dim 0 when there are several (`gate_proj`, `up_proj`)."""
+
+    weights: tuple[str, ...]
+    scales: tuple[str, ...]
+
+
+def _config_dict(quantization) -> dict:
+    return dict(quantization) if isinstance(quantization, dict) else quantization.to_dict()
+
+
+def native_codec_name(quantization) -> str | None:
+    """The codec serving a pre-quantized checkpoint's experts in the bytes it stores them in ("fp8_block",
+    "mxfp4"), from config.json's `quantization_config`; None for a checkpoint that is not quantized.
+    Raises `NotStreamable` naming the format of a quantized checkpoint served otherwise."""
+    if not quantization:
+        return None
+    qc = _config_dict(quantization)
+    method = qc.get("quant_method")
+    if method == "fp8":
+        unsupported = [
+            f"{k}={qc.get(k)!r}"
+            for k, ok in (
+                ("weight_block_size", qc.get("weight_block_size") is not None),
+                ("scale_fmt", qc.get("scale_fmt") in (None, "float")),
+                ("expert_dtype", qc.get("expert_dtype") in (None, "fp8")),
+                ("activation_scheme", qc.get("activation_scheme") in (None, "dynamic")),
+            )
+            if not ok
+        ]
+        if unsupported:
+            raise NotStreamable(
+                f"it is an FP8 checkpoint with {', '.join(unsupported)}; mira-hf reads the experts of FP8 checkpoints "
+                "with block scales (weight_block_size), float scales and dynamic activations itself"
+            )
+        return "fp8_block"
+    if method == "mxfp4":
+        return "mxfp4"
+    raise NotStreamable(
+        f"it is pre-quantized with quant_method={method!r}, whose experts transformers' quantizer reads; mira-hf reads "
+        "the experts of 'fp8' (block-wise) and 'mxfp4' checkpoints itself"
+    )
+
+
+def _fp8_keys(module: str, tensor: str, templates: tuple[str, ...]) -> NativeKeys:
+    """FP8: the planned weight keys, each with its `weight_scale_inv` (a stacked `<fused>_scale_inv`)."""
+    scales = tuple(t[: -len("weight")] + "weight_scale_inv" if t.endswith(".weight") else t + "_scale_inv" for t in templates)
+    return NativeKeys(templates, scales)
+
+
+def _mxfp4_keys(module: str, tensor: str, templates: tuple[str, ...]) -> NativeKeys:
+    """MXFP4 (gpt-oss): `<fused>_blocks` and `<fused>_scales`, stacked over experts."""
+    return NativeKeys((f"{module}.{tensor}_blocks",), (f"{module}.{tensor}_scales",))
+
+
+# codec -> (NativeKeys of a quantized tensor, whether its weights are planned with the unquantized ones first)
+_NATIVE_KEYS = {"fp8_block": (_fp8_keys, True), "mxfp4": (_mxfp4_keys, False)}
+
+
+def _present(index: ShardIndex, templates: tuple[str, ...], E: int) -> str | None:
+    """None if every expert's tensor of `templates` is in the checkpoint, else what is missing."""
+    for t in templates:
+        if "{e}" in t:
+            missing = [t.format(e=e) for e in range(E) if t.format(e=e) not in index.entries]
+            if missing:
+                return f"no {missing[0]}"
+        elif t not in index.entries:
+            return f"no {t}"
+        elif not index.entries[t].shape or index.entries[t].shape[0] != E:
+            return f"{t} has shape {list(index.entries[t].shape)}, expected [{E}, ...]"
+    return None
+
+
+def plan_native_keys(
+    codec_name: str,
+    quantization,
+    adapter: MoEAdapter,
+    model: torch.nn.Module,
+    modules: dict[str, dict[str, torch.Tensor]],
+    index: ShardIndex,
+):
+    """`plan_keys` for a pre-quantized checkpoint: (keys of the tensors it stores unquantized (biases), cast
+    to the model dtype as usual; `NativeKeys` of the quantized ones, read as stored; the codec serving
+    them). Raises `NotStreamable` naming what was looked for when the checkpoint does not fit."""
+    from .quant import make_codec
+
+    keys_of, plan_weights = _NATIVE_KEYS[codec_name]
+    plain = {n: {t: m for t, m in ts.items() if plan_weights or t.endswith("_bias")} for n, ts in modules.items()}
+    keys = plan_keys(adapter, model, plain, index)
+    native: dict[str, dict[str, NativeKeys]] = {}
+    for name, tensors in modules.items():
+        native[name] = {}
+        E = next(iter(tensors.values())).shape[0]
+        for tensor in [t for t in tensors if not t.endswith("_bias")]:
+            nk = keys_of(name, tensor, keys[name].pop(tensor, ()))
+            problem = _present(index, nk.weights, E) or _present(index, nk.scales, E)
+            if problem:
+                raise NotStreamable(f"the {codec_name} experts of {name} are not where mira-hf looks for them ({problem})")
+            native[name][tensor] = nk
+    pieces = {tensor: len(nk.weights) for per in native.values() for tensor, nk in per.items()}
+    if any(len(nk.weights) != pieces[t] for per in native.values() for t, nk in per.items()):
+        raise NotStreamable("its experts modules store their weights in different numbers of tensors")
+    options = {"block_size": _config_dict(quantization).get("weight_block_size")} if codec_name == "fp8_block" else {}
+    return keys, native, make_codec(codec_name, pieces=pieces, **options)
+
+
 # -- loading ---------------------------------------------------------------------------------------------
 @dataclass
 class StreamedExperts:
@@ -317,22 +426,31 @@ class StreamedExperts:
     index: ShardIndex
     meta: dict[str, dict[str, torch.Tensor]]  # module path -> {tensor name: meta tensor [E, ...]}
     keys: dict[str, dict[str, tuple[str, ...]]]  # module path -> {tensor name: checkpoint key templates}
+    # A pre-quantized checkpoint: module path -> {tensor name: NativeKeys} of its quantized tensors, read as
+    # stored; `codec` serves them (its records hold those tensors).
+    native: dict[str, dict[str, NativeKeys]] = field(default_factory=dict)
+    codec: object | None = None
     _handles: dict[str, object] = field(default_factory=dict)
 
     def expert_fn(self, module: str) -> Callable[[int], dict[str, torch.Tensor]]:
         """`e -> {tensor name: expert e's tensor}` of one experts module, read from the shards and cast to
-        the model's dtype exactly as transformers' loader casts it."""
-        meta, keys = self.meta[module], self.keys[module]
+        the model's dtype exactly as transformers' loader casts it. The quantized tensors of a pre-quantized
+        checkpoint come as stored, with their scales (`<name><codec.scale_suffix>`)."""
+        meta, keys, native = self.meta[module], self.keys[module], self.native.get(module, {})
 
         def expert(e: int) -> dict[str, torch.Tensor]:
-            out = {}
-            for name, templates in keys.items():
-                pieces = [self._read(t, e) for t in templates]
-                x = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-                out[name] = x.to(meta[name].dtype)
+            out = {name: self._read_all(templates, e).to(meta[name].dtype) for name, templates in keys.items()}
+            for name, nk in native.items():
+                out[name] = self._read_all(nk.weights, e)
+                out[name + self.codec.scale_suffix] = self._read_all(nk.scales, e)
             return out
 
         return expert
+
+    def _read_all(self, templates: tuple[str, ...], e: int) -> torch.Tensor:
+        """Expert e's tensor of `templates`, its pieces concatenated along dim 0 (transformers' Concatenate(dim=1))."""
+        pieces = [self._read(t, e) for t in templates]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
     def _read(self, template: str, e: int) -> torch.Tensor:
         key = template.format(e=e)
@@ -367,15 +485,17 @@ def load_model(
     host_budget_set: bool,
     model_type: str | None = None,
     encoded: bool = False,
+    quantization_config: dict | None = None,
 ) -> tuple[torch.nn.Module, StreamedExperts | None]:
     """Load the model for wrapping: without its routed experts when they are streamed (the second value
     says where to read them), else whole through transformers (`None`).
 
-    Streaming is used when `stream_experts` is True, or when it is None (auto) and a host budget is set
-    or the checkpoint is larger than the available host memory. When it is wanted but impossible, the
-    model is loaded whole with a warning, unless the user asked for it explicitly
-    (`UnsupportedModelError`) or the checkpoint does not fit in host memory (`BudgetError`), both
-    raised before any weight is read. `model_type` (config.json's) picks the transformers auto class.
+    Streaming is used when `stream_experts` is True, or when it is None (auto) and a host budget is set,
+    the checkpoint is larger than the available host memory or it is pre-quantized in a format served in
+    its own bytes (`native_codec_name`). When it is wanted but impossible (or the checkpoint is quantized
+    in another format), the model is loaded whole with a warning, unless the user asked for streaming
+    explicitly (`UnsupportedModelError`) or the checkpoint does not fit in host memory (`BudgetError`),
+    both raised before any weight is read. `model_type` and `quantization_config` are config.json's.
     `encoded`: the experts will be encoded into records (or read from the record cache), so the model
     never needs them: streamed whenever the checkpoint allows, else loaded whole without a warning.
     """
@@ -384,13 +504,14 @@ def load_model(
         return auto.from_pretrained(name_or_path, **hf_kwargs), None
     wanted = bool(stream_experts) or host_budget_set
     try:
+        native = native_codec_name(quantization_config)
         index = ShardIndex.find(name_or_path, hf_kwargs)
         available = available_host_bytes()
-        wanted = wanted or (available is not None and index.nbytes > available)
+        wanted = wanted or native is not None or (available is not None and index.nbytes > available)
         if wanted or encoded:
             return load_without_experts(name_or_path, adapter, index, hf_kwargs, bool(stream_experts))
     except NotStreamable as exc:
-        if wanted:
+        if wanted or quantization_config is not None:
             _cannot_stream(name_or_path, str(exc), None, bool(stream_experts))
     return auto.from_pretrained(name_or_path, **hf_kwargs), None
 
@@ -423,8 +544,13 @@ def load_without_experts(
     config = AutoConfig.from_pretrained(name_or_path, **{k: hf_kwargs[k] for k in names if k in hf_kwargs})
     if getattr(config, "auto_map", None):
         raise NotStreamable("it defines its own modeling code (auto_map)")
-    if getattr(config, "quantization_config", None) is not None:
-        raise NotStreamable("it is pre-quantized (quantization_config): transformers' quantizer reads its experts")
+    quantization = getattr(config, "quantization_config", None)
+    native = native_codec_name(quantization)
+    if native is not None:
+        # The experts are read here; the other weights load as transformers loads this checkpoint where it
+        # dequantizes (its dequantize path: FP8 linears to the model dtype; gpt-oss quantizes only experts).
+        config.quantization_config = {**_config_dict(quantization), "dequantize": True}
+        hf_kwargs = {**hf_kwargs, "config": config}
     base = auto_model_class(config.model_type)._model_mapping.get(type(config), None)
     if base is None:
         raise NotStreamable(f"{type(config).__name__} has no language-model class in transformers")
@@ -437,7 +563,10 @@ def load_without_experts(
         try:
             if not modules or not all(isinstance(getattr(m, "num_experts", None), int) for _, m in found):
                 raise NotStreamable(f"no fused experts module matches {list(adapter.experts_globs)}")
-            keys = plan_keys(adapter, model, modules, index)
+            if native is None:
+                keys, native_keys, codec = plan_keys(adapter, model, modules, index), {}, None
+            else:
+                keys, native_keys, codec = plan_native_keys(native, quantization, adapter, model, modules, index)
         except NotStreamable as exc:
             _cannot_stream(name_or_path, str(exc), index.nbytes, explicit)
             return
@@ -454,7 +583,7 @@ def load_without_experts(
             model._keys_to_ignore_on_load_unexpected = ignored + patterns
         else:
             model._keys_to_ignore_on_load_unexpected = set(ignored or ()) | set(patterns)
-        state["experts"] = StreamedExperts(index, modules, keys)
+        state["experts"] = StreamedExperts(index, modules, keys, native_keys, codec)
 
     def __init__(self, config, *args, **kwargs):
         base.__init__(self, config, *args, **kwargs)

@@ -21,7 +21,8 @@ Budget = Union[int, float, str, None]
 
 POLICIES = ("lru", "heat", "priority")
 PREDICTORS: tuple[str | None, ...] = (None, "auto", "gate", "markov", "global", "position", "hybrid", "learned")
-QUANTIZATIONS: tuple[str | None, ...] = ("auto", None, "lossless", "int8", "int4", "nf4")
+# "fp8_block" and "mxfp4" name pre-quantized checkpoints' own formats (served as stored, never encoded into).
+QUANTIZATIONS: tuple[str | None, ...] = ("auto", None, "lossless", "int8", "int4", "nf4", "fp8_block", "mxfp4")
 PLACEMENTS = ("auto", "dequant", "packed")
 LOSSLESS_CODES = ("nibble", "classes")  # mira_hf.quant.lossless.CODES
 # quantization="auto" picks "lossless" only for expert records at least this large. Decoding a packed
@@ -207,6 +208,9 @@ class MiraConfig:
         (`QuantConfig.lossless_code`; 0.75× with "nibble"; see `mira_hf.quant.lossless`). `"int8"`,
         `"int4"`: mira-hf's packed group-wise format (see `QuantConfig`); `"nf4"`: bitsandbytes. These
         three change the numbers.
+        A pre-quantized checkpoint (FP8 with block scales, MXFP4) keeps its experts in its own bytes:
+        `"auto"` and `None` pick its format (`"fp8_block"`, `"mxfp4"`), computed as transformers' dequantize
+        path computes it; other formats are refused for it, and these two for any other checkpoint.
     host_memory: `"pinned"` (fastest copies; pinning takes ~0.5 s per GB at load), `"pageable"`
         (instant load, copies go through a pinned staging ring) or `"auto"` (pinned on CUDA).
     host_budget: host bytes for the expert store; experts beyond it are read from disk

@@ -70,7 +70,8 @@ class RecordEncoder:
         `encode_*(key=key)` while the stash has room)."""
         sizes_of = getattr(codec, "expert_sizes", None)
         if sizes_of is None:
-            return codec.plan(specs)
+            plan_from = getattr(codec, "plan_experts_from", None)  # records shaped by the checkpoint's tensors
+            return plan_from(specs, num_experts, expert) if plan_from is not None else codec.plan(specs)
         nbytes = _raw_bytes(specs)
 
         def sizes(e: int, tensors: Mapping[str, torch.Tensor]):

@@ -21,7 +21,14 @@ from torch import nn
 from model_adapters import MoEAdapter, generic_adapter, get_adapter, registered_model_types
 from model_adapters.base import AutoAdapter, auto_adapter, uses_experts_interface
 
-from .checkpoint import StreamedExperts, available_host_bytes, load_model, missing_checkpoint_error
+from .checkpoint import (
+    NotStreamable,
+    StreamedExperts,
+    available_host_bytes,
+    load_model,
+    missing_checkpoint_error,
+    native_codec_name,
+)
 from .config import AUTO_LOSSLESS_MIN_RECORD_BYTES, MiraConfig, parse_bytes
 from .encode import encoder_for
 from .errors import (
@@ -37,6 +44,7 @@ from .layout import IdentityCodec
 from .manager import ExpertManager, LayerInfo, device_buffers, plan_budget
 from .predictors import build_predictor
 from .proxy import KNOWN_EXPERT_TENSORS, LAYOUT_FLAGS, MiraExperts, MiraScaledExperts
+from .quant import NATIVE_CODECS
 from .record_cache import RecordCache, default_root
 from .saved_store import CorruptStoreError, SavedStore
 from .store import ExpertStore, codec_spec, over_host_budget
@@ -98,6 +106,7 @@ class MiraMoEModel:
                 "trust it: pass trust_remote_code=True to MiraMoEModel.from_pretrained."
             )
         adapter = _resolve_adapter(config_dict.get("model_type"), cfg)  # fail before loading any weight
+        _check_prequantized(cfg, config_dict.get("quantization_config"), name_or_path)
         hf_kwargs.setdefault("dtype", "auto")
         try:
             model, streamed = load_model(
@@ -109,6 +118,7 @@ class MiraMoEModel:
                 config_dict.get("model_type"),
                 # encoded records never need the experts in the model ("auto" encodes only on a GPU)
                 encoded=cfg.quantization not in (None, "auto") or (cfg.quantization == "auto" and device.type == "cuda"),
+                quantization_config=config_dict.get("quantization_config"),
             )
         except MiraError:
             raise
@@ -148,8 +158,9 @@ class MiraMoEModel:
         # A fractional budget is a share of the checkpoint's expert bytes, whatever the transfer format.
         all_bytes = sum(raw_bytes[li.ordinal] * li.num_experts for li in layers)
         budget_bytes = _budget_bytes(cfg.gpu_budget, all_bytes, device, model, targets)
-        user_cfg, cfg = cfg, _resolve_format(cfg, device, specs, raw_bytes, all_bytes, budget_bytes)
-        codec = _make_codec(cfg)
+        native = streamed.codec if streamed is not None else None  # a pre-quantized checkpoint's own format
+        user_cfg, cfg = cfg, _resolve_format(cfg, device, specs, raw_bytes, all_bytes, budget_bytes, native)
+        codec = native if native is not None else _make_codec(cfg)
         placement = cfg.quant.placement if cfg.quantization is not None else "raw"
         # Record layouts: from saved records (store_path, or the record cache), else planned (lossless
         # reads the weights here: its records reserve room for their escapes).
@@ -280,10 +291,30 @@ class MiraMoEModel:
 
 
 # -- helpers --------------------------------------------------------------------------------------
-def _resolve_format(cfg: MiraConfig, device: torch.device, specs: dict, raw_bytes: dict, all_bytes: int, budget_bytes: int):
+def _resolve_format(
+    cfg: MiraConfig, device: torch.device, specs: dict, raw_bytes: dict, all_bytes: int, budget_bytes: int, native=None
+):
     """`cfg` with `quantization="auto"` and `placement="auto"` made concrete for this model, device and
     budget. Auto only ever picks an exact format: "lossless" where copies are the bottleneck (a CUDA
-    device, a budget smaller than the experts, records of ≥ AUTO_LOSSLESS_MIN_RECORD_BYTES), else None."""
+    device, a budget smaller than the experts, records of ≥ AUTO_LOSSLESS_MIN_RECORD_BYTES), else None.
+    `native`: the codec of a pre-quantized checkpoint read in its own bytes: its format, records decoded
+    into slots as transformers' dequantize path loads them ("dequant"); "packed" only on request, where
+    the codec runs transformers' own kernels on packed records (`computes_natively`)."""
+    if native is not None:
+        placement = "dequant" if cfg.quant.placement == "auto" else cfg.quant.placement
+        if placement == "packed" and not native.computes_natively(device):
+            raise ConfigError(
+                f"QuantConfig(placement='packed') was given for {native.name} experts, but transformers computes "
+                f"{native.name} with its own kernels only on GPUs that support them (not on {device}), and dequantizes "
+                "elsewhere; mira-hf does the same. Use placement='auto' or 'dequant'."
+            )
+        return cfg.replace(quantization=native.name, quant=dataclasses.replace(cfg.quant, placement=placement))
+    if cfg.quantization in NATIVE_CODECS:
+        raise ConfigError(
+            f"quantization={cfg.quantization!r} names the format of pre-quantized checkpoints, which mira-hf serves in "
+            "their own bytes when it loads one with from_pretrained; it does not quantize other weights into it. Use "
+            "quantization='auto', None, 'lossless', 'int8', 'int4' or 'nf4'."
+        )
     q = cfg.quantization
     if q == "auto":
         dtypes = {dtype for s in specs.values() for _, dtype in s.values()}
@@ -314,6 +345,8 @@ def _saved_records(
     """The saved records this load reads instead of encoding: `store_path` (an error if they do not fit),
     else the record cache's entry for this checkpoint and format (None on a miss), and that cache."""
     if cfg.quantization is None:
+        return None, None
+    if cfg.quantization in NATIVE_CODECS:  # the checkpoint's own bytes: read as stored, nothing encoded to keep
         return None, None
     if cfg.store_path is not None:
         return SavedStore(cfg.store_path, codec_spec(codec), fingerprint), None
@@ -356,6 +389,22 @@ def _add_layer(store: ExpertStore, t: _Target, specs, layout, streamed, saved: S
             cache.drop(str(exc))
     store.add_layer_from(t.ordinal, specs, E, _experts(t, streamed), layout=layout)
     return None
+
+
+def _check_prequantized(cfg: MiraConfig, quantization_config: dict | None, name_or_path) -> None:
+    """Refuse, before loading, a transfer format other than the checkpoint's own for a pre-quantized checkpoint
+    read in its own bytes: encoding its experts again would lose what the checkpoint holds or add nothing."""
+    try:
+        native = native_codec_name(quantization_config)
+    except NotStreamable:  # another quantized format: loaded by transformers, then wrapped as any model
+        return
+    if native is not None and cfg.quantization not in ("auto", None, native):
+        raise ConfigError(
+            f"quantization={cfg.quantization!r} was given, but {name_or_path!s} is pre-quantized "
+            f"({quantization_config.get('quant_method')!r}): mira-hf keeps its experts in the checkpoint's own bytes "
+            f"({native!r}), which each use decodes exactly as transformers does. Drop quantization (or pass "
+            f"'auto' or {native!r})."
+        )
 
 
 def _make_codec(cfg: MiraConfig):

@@ -175,6 +175,19 @@ def test_lossless_gpu_check_smoke_runs_and_finds_everything_exact(tmp_path):
     assert all(r["ratio"] < 0.76 for r in result["experts"])
 
 
+@pytest.mark.slow
+def test_quant_native_check_smoke_finds_the_cpu_path_exact(tmp_path):
+    """benchmarks/quant_native_check.py on the CPU, where transformers dequantizes: every comparison exact."""
+    out = tmp_path / "quant_native.json"
+    script = ROOT / "benchmarks" / "quant_native_check.py"
+    cmd = [sys.executable, str(script), "--device", "cpu", "--families", "gpt_oss", "--dtypes", "float32", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    (row,) = json.loads(out.read_text())["rows"]
+    comparisons = [v for v in row.values() if isinstance(v, dict)]
+    assert len(comparisons) == 4 and all(all(v[k] for k in v if k != "max_abs_diff") for v in comparisons)
+    assert row["codec"] == "mxfp4" and row["store_bytes"] < 1.1 * row["checkpoint_expert_bytes"]
+
+
 def test_interleaved_ab_smoke_alternates_systems_and_refuses_unknown_ones(tmp_path):
     """benchmarks/ab.py: every system decodes in every round, ratios are taken against the first system
     in the same round, and a system it cannot build is refused before any model is built."""

@@ -39,11 +39,14 @@ from .packed import (
 )
 
 SUPPORTED_CODECS = ("int8", "int4", "nf4", "lossless")
+# Formats of pre-quantized checkpoints, served in their own bytes (`mira_hf.quant.native`): never encoded into.
+NATIVE_CODECS = ("fp8_block", "mxfp4")
 
 __all__ = [
     "ALIGN_BYTES",
     "FUSED_MAX_TOKENS",
     "HEADER_BYTES",
+    "NATIVE_CODECS",
     "SUPPORTED_CODECS",
     "LosslessCodec",
     "CodecInputError",
@@ -63,9 +66,10 @@ __all__ = [
 
 
 def make_codec(name: str | None, **kw: Any) -> ExpertCodec:
-    """The codec called `name` ("int8", "int4", "nf4" or "lossless"); `kw` go to QuantSpec
-    (int8/int4: group_size, symmetric, double_quant, refine_iters, superblock_groups) or Nf4Codec
-    (group_size); "lossless" takes `code` ("nibble" or "classes"). nf4 needs bitsandbytes: pip install "mira-hf[quant]".
+    """The codec called `name` ("int8", "int4", "nf4", "lossless", or one of NATIVE_CODECS); `kw` go to
+    QuantSpec (int8/int4: group_size, symmetric, double_quant, refine_iters, superblock_groups) or Nf4Codec
+    (group_size); "lossless" takes `code` ("nibble" or "classes"); the native codecs take what the checkpoint
+    says (`pieces`, fp8_block's `block_size`). nf4 needs bitsandbytes: pip install "mira-hf[quant]".
     """
     if name in ("int8", "int4"):
         if "fmt" in kw:
@@ -77,6 +81,14 @@ def make_codec(name: str | None, **kw: Any) -> ExpertCodec:
         return Nf4Codec(**_known(kw, Nf4Codec, name))
     if name == "lossless":
         return LosslessCodec(**_known(kw, LosslessCodec, name))
+    if name == "fp8_block":  # pieces, block_size: from the checkpoint (mira_hf.checkpoint.plan_native_keys)
+        from .fp8_block import Fp8BlockCodec
+
+        return Fp8BlockCodec(**_known(kw, Fp8BlockCodec, name))
+    if name == "mxfp4":
+        from .mxfp4 import Mxfp4Codec
+
+        return Mxfp4Codec(**_known(kw, Mxfp4Codec, name))
     hint = " None means no compression, which the runtime's identity codec handles." if name is None else ""
     raise ConfigError(f"codec {name!r} is not a compressed format; supported: {list(SUPPORTED_CODECS)}.{hint}")
 

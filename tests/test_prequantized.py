@@ -1,0 +1,235 @@
+"""Pre-quantized checkpoints (FP8 with block scales, MXFP4) are served with their experts in the checkpoint's
+own bytes, and compute what transformers' own loading of the same directory computes.
+
+On a CPU transformers dequantizes both formats at load (FP8: "requires a GPU or XPU, we will default to
+dequantizing"; MXFP4: "requires use_kernels=True ... We will dequantize"), so the reference here is
+`AutoModelForCausalLM.from_pretrained(dir)`, which takes that dequantize path by itself."""
+
+import glob
+
+import pytest
+import torch
+from quantized_checkpoints import FP8_FAMILIES, write_fp8_checkpoint, write_mxfp4_checkpoint
+from safetensors import safe_open
+
+from mira_hf import ConfigError, MiraConfig, MiraMoEModel, UnsupportedModelError
+from mira_hf.config import LoaderConfig
+from mira_hf.quant.fp8_block import dequantize_fp8
+from mira_hf.quant.mxfp4 import dequantize_mxfp4
+
+# CI runs one family per format; the others (several seconds each on a CPU) run with -m slow.
+FAST = ("qwen3_moe", "gpt_oss")
+CASES = [
+    pytest.param(f, c, marks=() if f in FAST else pytest.mark.slow)
+    for f, c in [(f, "fp8_block") for f in FP8_FAMILIES] + [("gpt_oss", "mxfp4")]
+]
+IDS = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+GREEDY = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+BEAM = dict(max_new_tokens=6, do_sample=False, num_beams=3, pad_token_id=0)
+
+
+@pytest.fixture(scope="session")
+def quantized_checkpoint(tmp_path_factory):
+    """family -> directory of a tiny checkpoint in the hub's pre-quantized layout, written once per session."""
+    cache = {}
+
+    def get(family: str) -> str:
+        if family not in cache:
+            path = str(tmp_path_factory.mktemp(f"prequantized-{family}"))
+            cache[family] = write_mxfp4_checkpoint(path) if family == "gpt_oss" else write_fp8_checkpoint(family, path)
+        return cache[family]
+
+    return get
+
+
+def _load(path: str, **kw):
+    hf = {"dtype": kw.pop("dtype")} if "dtype" in kw else {}
+    return MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", **kw), progress=False, **hf).eval()
+
+
+def _reference(path: str, dtype=None):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, **({"dtype": dtype} if dtype else {})).eval()
+
+
+def _expert_bytes(path: str, model) -> tuple[int, int]:
+    """(bytes of the routed experts' tensors in the checkpoint's shards, bytes of those experts in the model's
+    dtype, as transformers holds them after dequantizing)."""
+    prefixes = tuple(t.name + "." for t in model._mira_targets)
+    prefixes += tuple(p.replace(".mlp.", ".block_sparse_moe.") for p in prefixes)  # MiniMax-M2's checkpoint names
+    stored = 0
+    for f in glob.glob(f"{path}/*.safetensors"):
+        with safe_open(f, "pt") as h:
+            for k in h.keys():
+                if k.startswith(prefixes):
+                    t = h.get_slice(k)
+                    n = 1
+                    for s in t.get_shape():
+                        n *= s
+                    stored += n * {"F8_E4M3": 1, "U8": 1, "F32": 4, "BF16": 2}[t.get_dtype()]
+    store = model.mira.store
+    return stored, sum(store.raw_layout(li).payload_bytes * store.num_experts(li) for li in store.layers)
+
+
+@pytest.mark.parametrize("family,codec", CASES)
+def test_experts_are_stored_as_the_checkpoint_stores_them(quantized_checkpoint, family, codec):
+    path = quantized_checkpoint(family)
+    model = _load(path)
+    store = model.mira.store
+    assert model.mira.quantization == codec and store.codec.name == codec and model.mira.placement == "dequant"
+    stored, bf16 = _expert_bytes(path, model)
+    payload = sum(store.layout(li).payload_bytes * store.num_experts(li) for li in store.layers)
+    assert payload == stored  # every expert byte of the checkpoint, nothing else (weights, scales, biases)
+    assert store.nbytes <= stored * 1.05  # plus alignment
+    assert store.nbytes < (0.51 if codec == "fp8_block" else 0.30) * bf16
+
+
+@pytest.mark.parametrize("family,codec", CASES)
+def test_fp32_logits_and_tokens_equal_transformers(quantized_checkpoint, family, codec):
+    """Loaded in fp32, logits torch.equal to transformers' own load, greedy and beam tokens identical."""
+    path = quantized_checkpoint(family)
+    ref, model = _reference(path, torch.float32), _load(path, dtype=torch.float32, gpu_budget=0.5)
+    experts_dtype = {p.dtype for n, p in ref.named_parameters() if ".experts." in n and n.endswith("proj")}
+    if experts_dtype != {torch.float32}:  # transformers 5.17 dequantizes MXFP4 experts to bf16 whatever the dtype
+        pytest.skip(f"this transformers dequantizes the {codec} experts to {experts_dtype} in an fp32 model")
+    assert model.mira.store.codec.name == codec
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+    assert torch.equal(model.generate(IDS[:1], **GREEDY), ref.generate(IDS[:1], **GREEDY))
+    assert torch.equal(model.generate(IDS[:1], **BEAM), ref.generate(IDS[:1], **BEAM))
+
+
+@pytest.mark.parametrize("family,codec", CASES)
+def test_bf16_weights_are_transformers_bit_for_bit(quantized_checkpoint, family, codec):
+    """In the checkpoint's dtype (bf16) every expert decodes to transformers' weights bit for bit, and the
+    logits and beams equal those of transformers' load wrapped whole (the proxy sums its K rows in fp32 and
+    transformers in bf16, so bf16 logits are compared within wrapped models, as for any bf16 checkpoint)."""
+    path = quantized_checkpoint(family)
+    ref, model = _reference(path), _load(path)
+    whole = _load(path, loader=LoaderConfig(stream_experts=False))  # transformers' dequantized load, wrapped
+    assert model.mira.store.dtype(0) == torch.bfloat16 and whole.mira.store.codec.name == "none"
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, whole(IDS).logits)
+    assert torch.equal(model.generate(IDS[:1], **BEAM), whole.generate(IDS[:1], **BEAM))
+    back = model.unload()  # every expert as this store decodes it
+    expected = ref.state_dict()
+    assert back.state_dict().keys() == expected.keys()
+    assert all(t.dtype == expected[k].dtype and torch.equal(t, expected[k]) for k, t in back.state_dict().items())
+
+
+def test_outputs_do_not_depend_on_the_budget_or_host_tier(quantized_checkpoint, tmp_path):
+    path = quantized_checkpoint("qwen3_moe")
+    outs = []
+    for kw in (dict(gpu_budget=1.0), dict(gpu_budget=0.25, host_budget=1, offload_dir=str(tmp_path))):
+        model = _load(path, **kw)
+        with torch.no_grad():
+            outs.append(model(IDS).logits)
+        if "host_budget" in kw:
+            assert model.mira.store.tier_bytes()["disk"] == model.mira.store.nbytes
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8", "lossless"])
+def test_another_format_for_a_prequantized_checkpoint_is_refused_before_loading(quantized_checkpoint, quantization):
+    with pytest.raises(ConfigError, match="pre-quantized.*own bytes"):
+        _load(quantized_checkpoint("qwen3_moe"), quantization=quantization)
+
+
+def test_the_checkpoint_format_can_be_named_but_not_asked_of_other_checkpoints(quantized_checkpoint, tiny_checkpoint):
+    assert _load(quantized_checkpoint("gpt_oss"), quantization="mxfp4").mira.quantization == "mxfp4"
+    with pytest.raises(ConfigError, match="names the format of pre-quantized checkpoints"):
+        _load(tiny_checkpoint("qwen3_moe"), quantization="fp8_block")
+
+
+def test_packed_placement_is_refused_where_transformers_dequantizes(quantized_checkpoint):
+    from mira_hf.config import QuantConfig
+
+    with pytest.raises(ConfigError, match="placement='packed'"):
+        _load(quantized_checkpoint("qwen3_moe"), quant=QuantConfig(placement="packed"))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors", "bitsandbytes"])
+def test_other_quantized_formats_are_named_in_the_warning_or_error(tiny_checkpoint, tmp_path, method):
+    import json
+    import shutil
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint("qwen3_moe"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=f"quant_method='{method}'"):
+        _load(str(path), loader=LoaderConfig(stream_experts=True))
+    with pytest.warns(UserWarning, match=f"quant_method='{method}'"):
+        try:  # the whole load is transformers' (which may need that format's package)
+            _load(str(path))
+        except Exception:
+            pass
+
+
+def test_decoding_repeats_transformers_dequantize_bit_for_bit():
+    """Grids that are not square, extreme exponents (0, 255), fp32/bf16/fp16 targets."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(384, 256, generator=g) * 60).to(torch.float8_e4m3fn)
+    s = torch.rand(3, 2, generator=g) * 1e-2
+    blocks = torch.randint(0, 256, (4, 48, 3, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(110, 140, (4, 48, 3), generator=g, dtype=torch.uint8)
+    scales[0, 0, :2] = torch.tensor([0, 255], dtype=torch.uint8)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(dequantize_fp8(w, s, dtype), Fp8Dequantize(None)._dequantize_one(w, s, output_dtype=dtype))
+        ref = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, in, out]
+        got = torch.stack([dequantize_mxfp4(blocks[e], scales[e], dtype) for e in range(4)])
+        assert _bits(got).equal(_bits(ref))  # bit patterns: exponent 255 gives inf * 0 = nan, never torch.equal
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def test_packed_fp8_records_compute_through_transformers_fp8_linear(quantized_checkpoint, monkeypatch):
+    """Placement "packed" (a GPU with FP8 kernels) keeps records packed in their slots and calls transformers'
+    `fp8_linear` on each record's weight and scales. Here its kernel is stood in for by the dequantized
+    weight's matmul, so the wiring (slot views, records copied in two parts, block size) is checked on a CPU:
+    the same logits as decoding into slots, with more experts per budget."""
+    import torch.nn.functional as F
+    import transformers.integrations.finegrained_fp8 as finegrained_fp8
+
+    from mira_hf.config import QuantConfig
+    from mira_hf.quant.fp8_block import Fp8BlockCodec
+
+    calls = []
+
+    def kernel_stand_in(x, weight, scale_inv, block_size, *args, **kwargs):
+        assert weight.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32
+        calls.append(block_size)
+        return F.linear(x, dequantize_fp8(weight, scale_inv, x.dtype))
+
+    monkeypatch.setattr(finegrained_fp8, "fp8_linear", kernel_stand_in)
+    monkeypatch.setattr(Fp8BlockCodec, "computes_natively", lambda self, device: True)
+    path = quantized_checkpoint("qwen3_moe")
+    kw = dict(dtype=torch.float32, gpu_budget=0.25, loader=LoaderConfig(split_min_bytes=0))
+    packed = _load(path, quant=QuantConfig(placement="packed"), **kw)
+    decoded = _load(path, **kw)
+    assert packed.mira.placement == "packed" and decoded.mira.placement == "dequant"
+    with torch.no_grad():
+        assert torch.equal(packed(IDS).logits, decoded(IDS).logits)
+    assert calls and all(b == [128, 128] for b in calls)
+    assert packed.mira.stats()["slots"] > decoded.mira.stats()["slots"]
+
+
+def test_an_expert_stored_in_another_format_than_the_first_is_refused():
+    """Records are planned from a layer's first expert; a later one in another dtype (which a copy would
+    silently convert) is an error naming both."""
+    from mira_hf.quant import CodecInputError, make_codec
+
+    codec = make_codec("fp8_block", pieces={"down_proj": 1}, block_size=[128, 128])
+    fp8 = {"down_proj": torch.zeros(128, 256, dtype=torch.float8_e4m3fn), "down_proj_scale_inv": torch.ones(1, 2)}
+    layout = codec.plan_experts_from({"down_proj": ((128, 256), torch.bfloat16)}, 2, lambda e: fp8)
+    record = torch.empty(layout.nbytes, dtype=torch.uint8)
+    codec.encode(fp8, layout, record)
+    with pytest.raises(CodecInputError, match="torch.bfloat16.*float8_e4m3fn"):
+        codec.encode({**fp8, "down_proj": torch.zeros(128, 256, dtype=torch.bfloat16)}, layout, record)

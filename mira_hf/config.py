@@ -15,7 +15,6 @@ from typing import Union
 from .errors import ConfigError, MissingDependencyError
 from .heat import HeatConfig
 from .policies import PriorityConfig
-from .predictors import PredictorConfig
 
 Budget = Union[int, float, str, None]
 
@@ -160,20 +159,94 @@ class QuantConfig:
     lossless_code: str = "classes"
 
     def __post_init__(self) -> None:
-        if self.lossless_code not in LOSSLESS_CODES:
-            raise ConfigError(
-                f"QuantConfig.lossless_code={self.lossless_code!r}: supported are {', '.join(map(repr, LOSSLESS_CODES))}."
-            )
-        if self.placement not in PLACEMENTS:
-            raise ConfigError(f"QuantConfig.placement={self.placement!r}: supported are {', '.join(map(repr, PLACEMENTS))}.")
+        for name, allowed in (("lossless_code", LOSSLESS_CODES), ("placement", PLACEMENTS)):
+            object.__setattr__(self, name, normalize_choice(f"QuantConfig.{name}", getattr(self, name), allowed))
         if not isinstance(self.group_size, int) or self.group_size < 16 or self.group_size & (self.group_size - 1):
             raise ConfigError(f"QuantConfig.group_size={self.group_size!r}: must be a power of two ≥ 16 (default 64).")
 
 
-def _check_choice(name: str, value: object, allowed: tuple, hint: str) -> None:
-    if value not in allowed:
-        shown = ", ".join(repr(a) for a in allowed)
-        raise ConfigError(f"{name}={value!r} is not supported. Supported: {shown}. {hint}")
+@dataclass(frozen=True)
+class PredictorConfig:
+    """How experts are predicted and staged ahead of the router (`MiraConfig.prediction`)."""
+
+    lookahead: int = 2  # layers ahead that predictions are made (they also rank evictions)
+    confidence: float = 0.3  # minimum probability for a guess to be counted (scored for precision)
+    # Copies are made only for the next `stage_lookahead` layers and for guesses at least this likely:
+    # on a saturated link a wrong copy costs a whole expert's transfer, and a copy issued two layers
+    # early evicts sooner than needed (offline evaluation: benchmarks/NOTES.md sections 7, 8 and 11;
+    # 0.95 since the learned predictor's next-step head: 1.29× Belady's bytes on mira-tiny, 0.9 gave 1.31×).
+    stage_lookahead: int = 1
+    stage_probability: float = 0.95
+    max_staged_per_layer: int | None = None  # None: 2 × top-k
+    markov_warmup_tokens: int = 1000  # tokens of routing that form the first Markov estimate (no re-checks before)
+    markov_cumulative: float = 0.8  # candidates kept up to this cumulative probability
+    markov_recheck_tokens: int = 256  # every N tokens, re-estimate if accuracy dropped
+    position_window_tokens: int = 64
+    hybrid_switch_tokens: int = 512
+    # Stage only while the predictor's recent precision (share of staged guesses that were used) is at
+    # least this: when the link is the bottleneck, a wrong guess costs a whole expert's transfer.
+    min_precision: float = 0.6
+    precision_decay: float = 0.9  # weight of the past in the running precision estimate
+    # Pause prediction (and staging) while it costs the host more time per block than the stalls it
+    # could remove, reviewed every `payoff_window_steps` forward steps (`mira_hf.payoff.PayoffGate`): on a
+    # model whose copies land before they are needed, prediction only adds host time. None: on CUDA;
+    # True: on any device (on CPU a miss's stall is its synchronous copy); False: never pause.
+    pause_unprofitable: bool | None = None
+    payoff_window_steps: int = 32
+    # Speculation: after a block's own copies are queued, the link idles until the next block's router
+    # has run and the host has seen its experts. Into that idle time goes the first `speculate_bytes`
+    # of the next layer's likeliest guess that is not resident (records larger than that only); the
+    # next block finishes the copy if it uses the expert and drops it otherwise, so a wrong guess costs
+    # idle link time, not a transfer. None: 48 MiB on CUDA; 0 (off) on CPU, where copies are
+    # synchronous and the link never idles. Off with QuantConfig placement "dequant" (it decodes whole records).
+    speculate_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.lookahead < 1 or self.stage_lookahead < 1:
+            raise ConfigError(f"PredictorConfig.lookahead={self.lookahead}, stage_lookahead={self.stage_lookahead}: must be ≥ 1.")
+        if self.pause_unprofitable not in (None, True, False):
+            raise ConfigError(
+                f"PredictorConfig.pause_unprofitable={self.pause_unprofitable!r}: must be None (on CUDA), True or False."
+            )
+        if (
+            isinstance(self.payoff_window_steps, bool)
+            or not isinstance(self.payoff_window_steps, int)
+            or self.payoff_window_steps < 1
+        ):
+            raise ConfigError(
+                f"PredictorConfig.payoff_window_steps={self.payoff_window_steps!r}: must be an int ≥ 1 (forward steps)."
+            )
+        if not 0 <= self.confidence <= 1 or not 0 < self.markov_cumulative <= 1 or not 0 <= self.stage_probability <= 1:
+            raise ConfigError("PredictorConfig.confidence, stage_probability and markov_cumulative must be in [0, 1].")
+        if self.speculate_bytes is not None and (
+            isinstance(self.speculate_bytes, bool) or not isinstance(self.speculate_bytes, int) or self.speculate_bytes < 0
+        ):
+            raise ConfigError(
+                f"PredictorConfig.speculate_bytes={self.speculate_bytes!r}: give a number of bytes ≥ 0 (0 turns "
+                "speculation off) or None for the default (48 MiB on CUDA, off on CPU)."
+            )
+
+
+def spelling(value: object) -> str:
+    """How a user types a choice: `None` is written "none" (in Python and on the command line alike)."""
+    return "none" if value is None else str(value)
+
+
+def choices_text(allowed: tuple) -> str:
+    """Choices as the user types them: `none, auto, gate`."""
+    return ", ".join(spelling(a) for a in allowed)
+
+
+def normalize_choice(name: str, value: object, allowed: tuple, hint: str = "") -> object:
+    """The stored form of a choice typed in any case ("LRU", "None", None -> "lru", None), or `ConfigError`
+    naming what was given and the choices as they are typed."""
+    if isinstance(value, str):
+        for a in allowed:
+            if value.strip().lower() == spelling(a):
+                return a
+    elif value is None and None in allowed:
+        return None
+    raise ConfigError(f"{name}={value!r} is not supported. Supported: {choices_text(allowed)} (any case). {hint}".rstrip())
 
 
 @dataclass(frozen=True)
@@ -242,13 +315,19 @@ class MiraConfig:
             )
         if isinstance(b, (int, str)) and not isinstance(b, float):
             parse_bytes(b, "gpu_budget")
+        choices = (
+            ("policy", POLICIES),
+            ("predictor", PREDICTORS),
+            ("quantization", QUANTIZATIONS),
+            ("host_memory", HOST_MEMORY_KINDS),
+        )
+        for name, allowed in choices:  # frozen: the normalized spelling is stored in place
+            object.__setattr__(self, name, normalize_choice(name, getattr(self, name), allowed))
+        if isinstance(self.device, str):
+            object.__setattr__(self, "device", self.device.strip().lower())
         if self.device is not None:
             if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
                 raise ConfigError(f"device={self.device!r}: supported are 'cpu', 'cuda' and 'cuda:N'.")
-        _check_choice("policy", self.policy, POLICIES, "Pick one of those in MiraConfig(policy=...).")
-        _check_choice("predictor", self.predictor, PREDICTORS, "Pick one of those in MiraConfig(predictor=...).")
-        _check_choice("quantization", self.quantization, QUANTIZATIONS, "Pick one of those in MiraConfig(quantization=...).")
-        _check_choice("host_memory", self.host_memory, HOST_MEMORY_KINDS, "")
         if self.quantization == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
             raise MissingDependencyError(
                 "quantization='nf4' needs bitsandbytes, which is not installed. Install it with "
@@ -292,3 +371,25 @@ class MiraConfig:
     @property
     def host_budget_bytes(self) -> int | None:
         return None if self.host_budget is None else parse_bytes(self.host_budget, "host_budget")
+
+
+def config_from_arguments(mira_config: MiraConfig | None, keywords: dict, where: str) -> MiraConfig:
+    """The `MiraConfig` of a call given either `mira_config=` or MiraConfig's fields as keywords (the
+    transformers habit: `from_pretrained(path, gpu_budget=0.25)`). The fields are taken out of `keywords`;
+    what is left is not MiraConfig's. Both at once is a `ConfigError`, before anything loads."""
+    names = {f.name for f in dataclasses.fields(MiraConfig)}
+    given = {k: keywords.pop(k) for k in list(keywords) if k in names}
+    if mira_config is None:
+        return MiraConfig(**given)
+    if not isinstance(mira_config, MiraConfig):
+        raise ConfigError(
+            f"mira_config must be a MiraConfig, got {type(mira_config).__name__}. Build one, MiraConfig(gpu_budget='12GiB'), "
+            f"or pass its fields as keywords: {where}(..., gpu_budget='12GiB')."
+        )
+    if given:
+        shown = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        raise ConfigError(
+            f"{where} got both mira_config and MiraConfig fields as keywords ({shown}). Pass one or the other: "
+            f"mira_config=cfg.replace({shown}), or only the keywords."
+        )
+    return mira_config

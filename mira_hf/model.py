@@ -22,7 +22,7 @@ from model_adapters import MoEAdapter, generic_adapter, get_adapter, registered_
 from model_adapters.base import AutoAdapter, auto_adapter, uses_experts_interface
 
 from .checkpoint import StreamedExperts, available_host_bytes, load_model
-from .config import AUTO_LOSSLESS_MIN_RECORD_BYTES, MiraConfig, parse_bytes
+from .config import AUTO_LOSSLESS_MIN_RECORD_BYTES, MiraConfig, config_from_arguments, parse_bytes
 from .errors import BudgetError, CheckpointError, ConfigError, DeviceError, MiraError, UnsupportedModelError
 from .layout import IdentityCodec, plan_layer, plan_layer_from
 from .manager import ExpertManager, LayerInfo, device_buffers, plan_budget
@@ -61,6 +61,9 @@ class MiraMoEModel:
     ):
         """Load a causal-LM MoE checkpoint (local directory or hub id already in the local cache).
 
+        Settings: `mira_config=MiraConfig(...)`, or MiraConfig's fields as keywords
+        (`from_pretrained(path, gpu_budget=0.25, policy="lru")`); not both.
+
         With a `host_budget` (or a checkpoint larger than the available host memory, or
         `LoaderConfig(stream_experts=True)`), the routed experts are read from the safetensors shards one
         expert at a time straight into the store, so host memory at load stays near the non-expert
@@ -70,7 +73,7 @@ class MiraMoEModel:
         checkpoint, which has no causal-LM class) (`dtype`, `revision`, `trust_remote_code`, ...),
         except `device_map`: mira-hf places weights itself (non-experts on `mira_config.device`, experts in host memory).
         """
-        cfg = _check_config(mira_config)
+        cfg = config_from_arguments(mira_config, hf_kwargs, "MiraMoEModel.from_pretrained")
         if "device_map" in hf_kwargs:
             raise ConfigError(
                 f"device_map={hf_kwargs['device_map']!r} was given, but mira-hf places weights itself: non-expert weights "
@@ -107,10 +110,17 @@ class MiraMoEModel:
         return MiraMoEModel._wrap(model, cfg, device, progress, streamed)
 
     @staticmethod
-    def wrap(model: nn.Module, mira_config: MiraConfig | None = None, *, progress: bool = False):
+    def wrap(model: nn.Module, mira_config: MiraConfig | None = None, *, progress: bool = False, **config_fields):
         """Wrap a model already in CPU memory (e.g. in a notebook). Idempotent: wrapping a wrapped model
-        with the same config returns it unchanged."""
-        cfg = _check_config(mira_config)
+        with the same config returns it unchanged. Settings: `mira_config=MiraConfig(...)`, or MiraConfig's
+        fields as keywords (`wrap(model, gpu_budget=0.25)`); not both."""
+        cfg = config_from_arguments(mira_config, config_fields, "MiraMoEModel.wrap")
+        if config_fields:
+            fields = ", ".join(f.name for f in dataclasses.fields(MiraConfig))
+            raise ConfigError(
+                f"MiraMoEModel.wrap got unexpected keywords {', '.join(sorted(config_fields))}: it takes the model, "
+                f"mira_config or MiraConfig's fields ({fields}), and progress."
+            )
         manager = getattr(model, "mira", None)
         if isinstance(manager, ExpertManager):
             if model._mira_config == cfg:
@@ -275,16 +285,6 @@ def _make_codec(cfg: MiraConfig):
     return PaddedCodec(make_codec(cfg.quantization, group_size=cfg.quant.group_size), cfg.quant.group_size)
 
 
-def _check_config(cfg: MiraConfig | None) -> MiraConfig:
-    if cfg is None:
-        return MiraConfig()
-    if not isinstance(cfg, MiraConfig):
-        raise ConfigError(
-            f"mira_config must be a MiraConfig, got {type(cfg).__name__}. Build one: MiraConfig(gpu_budget='12GiB')."
-        )
-    return cfg
-
-
 def _resolve_device(name: str | None) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -313,11 +313,23 @@ def _raw_config(name_or_path, hf_kwargs: dict) -> dict:
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(name_or_path, **_config_kwargs(hf_kwargs))
     except OSError as exc:
-        raise CheckpointError(
-            f"no model found at {name_or_path!s}: {exc}. Give a local directory holding config.json and the weights, "
-            "or a hub id already in the local Hugging Face cache (mira-hf never downloads)."
-        ) from exc
+        raise CheckpointError(_not_found_message(os.fspath(name_or_path), exc)) from exc
     return config_dict
+
+
+def _not_found_message(path: str, exc: OSError) -> str:
+    """What to say when config.json cannot be read: a missing path is said so, not in the hub's words."""
+    todo = "Give a local directory holding config.json and the weights, or a hub id already in the local Hugging Face cache."
+    if os.path.isdir(path):
+        return f"{path} is a directory but holds no readable config.json. {todo}"
+    if os.path.exists(path):
+        return f"{path} is a file; a model is a directory holding config.json and the weights. {todo}"
+    where = f"no such directory (relative to {os.getcwd()})" if not os.path.isabs(path) else "no such directory"
+    hub_id = not path.startswith((".", "~", "/")) and path.count("/") <= 1 and "\\" not in path
+    if not hub_id:
+        return f"{path} does not exist: {where}. {todo}"
+    detail = " ".join(str(exc).split()).rstrip(". ")
+    return f"{path} does not exist: {where}, and it could not be loaded as a hub id ({detail}). {todo}"
 
 
 def _resolve_adapter(model_type: str | None, cfg: MiraConfig) -> MoEAdapter:

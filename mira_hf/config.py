@@ -73,7 +73,7 @@ class CacheConfig:
     """How the GPU expert arena is split between tiers."""
 
     # Share of slots reserved for experts in flight or prefetched (STAGE); the rest hold resident
-    # experts (HOT). The design's default: a quarter of the arena.
+    # experts (HOT). A quarter of the arena by default.
     stage_fraction: float = 0.25
     # Demand copies one block keeps in flight, in bytes (at least two copies). The link moves one
     # copy at a time, so two in flight keep it busy; each further slot a block takes evicts an expert
@@ -81,7 +81,7 @@ class CacheConfig:
     # them through two slots keeps the other layers' experts resident).
     demand_inflight_bytes: int = 64 * 2**20
     # Token-block prefill (opt-in): an expert computes its rows of a block this many tokens at a time, so
-    # a long prompt's activations stay bounded (the design's blocks of 16-64 tokens; each expert is still
+    # a long prompt's activations stay bounded (blocks of 16-64 tokens work well; each expert is still
     # loaded once per block call and shared by its token blocks). None (default): all its rows at once.
     # A matmul over fewer rows may round differently in the last bits, so with a block size the outputs
     # are close to the unwrapped model's but not bit-identical (fp32 logits within ~1e-5).
@@ -93,7 +93,7 @@ class CacheConfig:
         b = self.prefill_block_tokens
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ConfigError(
-                f"prefill_block_tokens={b!r}: give a number of tokens ≥ 1 (the design uses 16-64), or None to compute "
+                f"prefill_block_tokens={b!r}: give a number of tokens ≥ 1 (16-64 work well), or None to compute "
                 "each expert's rows at once (bit-identical outputs, the default)."
             )
         if (
@@ -108,7 +108,7 @@ class CacheConfig:
 class LoaderConfig:
     """How experts cross from host memory to the device."""
 
-    # Pinned staging ring used by a pageable store and by the disk tier (the design's "DMA buffer").
+    # Pinned staging ring used by a pageable store and by the disk tier (a pinned buffer the copy engine reads).
     staging_ring_bytes: int = 128 * 2**20
     # Seconds a caller waits for a background copy before it raises instead of hanging.
     copy_timeout_s: float = 60.0
@@ -148,13 +148,13 @@ class QuantConfig:
     # the cache and are computed from packed weights (≈3.7× more int4 experts in the same budget;
     # lossless: ≈1.33×, minus one decoded weight of scratch). Either way the device buffers this
     # needs (a staging record, or the scratch) are taken from gpu_budget. "auto": "packed" for
-    # "lossless" (more experts per budget, measured faster on the H200: benchmarks/NOTES.md §9),
+    # "lossless" (more experts per budget, measured faster on the H200: benchmarks/NOTES.md, "Transfer formats"),
     # "dequant" for the lossy formats (faster at batch 1).
     placement: str = "auto"
     # The lossless format's exponent code: "classes" (a 2-bit class plus 0-4 extra bits: 0.69x bf16's
     # bytes, decoded with a prefix sum per block of 256 weights) or "nibble" (4 bits per weight: 0.75x;
     # its decode is ~3x faster, 0.1 vs 0.27 ms per 58.7 M weights on the H200). Both bit-exact. "classes"
-    # measured as fast or faster end to end on the H200 (benchmarks/NOTES.md §12). Encoding "classes" on a
+    # measured as fast or faster end to end on the H200 (benchmarks/NOTES.md, "Transfer formats"). Encoding "classes" on a
     # CPU is ~5x slower than "nibble" (at load; on a GPU both are fast).
     lossless_code: str = "classes"
 
@@ -171,18 +171,18 @@ class PredictorConfig:
 
     lookahead: int = 2  # layers ahead that predictions are made (they also rank evictions)
     confidence: float = 0.3  # minimum probability for a guess to be counted (scored for precision)
-    # Copies are made only for the next `stage_lookahead` layers and for guesses at least this likely:
-    # on a saturated link a wrong copy costs a whole expert's transfer, and a copy issued two layers
-    # early evicts sooner than needed (offline evaluation: benchmarks/NOTES.md sections 7, 8 and 11;
-    # 0.95 since the learned predictor's next-step head: 1.29× Belady's bytes on mira-tiny, 0.9 gave 1.31×).
+    # Copies ahead of the router are made only for the next `stage_lookahead` layers: a copy issued two
+    # layers early evicts an expert sooner than needed.
     stage_lookahead: int = 1
+    # ... and only for guesses at least this likely: on a saturated link a wrong copy costs a whole
+    # expert's transfer (mira-tiny, offline: 1.29× Belady's bytes at 0.95, 1.31× at 0.9; benchmarks/NOTES.md, "Prediction").
     stage_probability: float = 0.95
-    max_staged_per_layer: int | None = None  # None: 2 × top-k
+    max_staged_per_layer: int | None = None  # copies ahead of need one layer may hold; None: 2 × top-k
     markov_warmup_tokens: int = 1000  # tokens of routing that form the first Markov estimate (no re-checks before)
     markov_cumulative: float = 0.8  # candidates kept up to this cumulative probability
     markov_recheck_tokens: int = 256  # every N tokens, re-estimate if accuracy dropped
-    position_window_tokens: int = 64
-    hybrid_switch_tokens: int = 512
+    position_window_tokens: int = 64  # "position": tokens over which each layer's expert frequency is counted
+    hybrid_switch_tokens: int = 512  # "hybrid": tokens of a sequence predicted by "markov" before "position" takes over
     # Stage only while the predictor's recent precision (share of staged guesses that were used) is at
     # least this: when the link is the bottleneck, a wrong guess costs a whole expert's transfer.
     min_precision: float = 0.6
@@ -192,7 +192,7 @@ class PredictorConfig:
     # model whose copies land before they are needed, prediction only adds host time. None: on CUDA;
     # True: on any device (on CPU a miss's stall is its synchronous copy); False: never pause.
     pause_unprofitable: bool | None = None
-    payoff_window_steps: int = 32
+    payoff_window_steps: int = 32  # forward steps per payoff review (one window in 32 predicts again while paused)
     # Speculation: after a block's own copies are queued, the link idles until the next block's router
     # has run and the host has seen its experts. Into that idle time goes the first `speculate_bytes`
     # of the next layer's likeliest guess that is not resident (records larger than that only); the
@@ -257,9 +257,10 @@ class MiraConfig:
         float in (0, 1] meaning that fraction of all routed-expert bytes. `None` = all experts if
         they fit in 90% of the device's free memory, else that much.
     device: `"cuda"`, `"cuda:N"` or `"cpu"`; `None` picks cuda when available.
-    policy: cache eviction policy: `"lru"` (reactive baseline), `"heat"` (adaptive heat scores),
-        `"priority"` (predicted probability, recency and transfer cost).
-    predictor: how experts are staged ahead of the router. `None`: no prefetch; `"auto"`: `"learned"`
+    policy: cache eviction policy: `"lru"` (reactive baseline), `"heat"` (evict the expert whose next use is
+        expected furthest away), `"priority"` (predicted probability, recency and transfer cost). Choices are
+        read in any case.
+    predictor: how experts are staged ahead of the router. `"none"` (or `None`): no prefetch; `"auto"`: `"learned"`
         when `predictor_path` is given, else `"gate"` (needs no training); or one of `"gate"`,
         `"markov"`, `"global"`, `"position"`, `"hybrid"`, `"learned"`.
     predictor_path: directory written by `model.mira.save_predictor()` (a calibrated `"learned"` predictor).
@@ -267,7 +268,7 @@ class MiraConfig:
         (encode once); refused if made from other weights or in another format.
     quantization: expert transfer format. `"auto"` (default): `"lossless"` on a CUDA device when the
         budget cannot hold every expert and the experts are bf16/fp32 records of ≥ 32 MiB, else `None`
-        (both exact; `model.mira.quantization` says which). `None`: the checkpoint's dtype, bit-exact.
+        (both exact; `model.mira.quantization` says which). `"none"` (or `None`): the checkpoint's dtype, bit-exact.
         `"lossless"`: bit-exact too, ~0.69× the bytes for bf16 experts with the default exponent code
         (`QuantConfig.lossless_code`; 0.75× with "nibble"; see `mira_hf.quant.lossless`). `"int8"`,
         `"int4"`: mira-hf's packed group-wise format (see `QuantConfig`); `"nf4"`: bitsandbytes. These
@@ -285,7 +286,7 @@ class MiraConfig:
 
     gpu_budget: Budget = None
     device: str | None = None
-    policy: str = "heat"  # measured best on real routing (benchmarks/NOTES.md); "lru" is the reactive baseline
+    policy: str = "heat"  # measured best on real routing (benchmarks/NOTES.md, "Eviction"); "lru" is the reactive baseline
     predictor: str | None = "auto"  # "learned" when calibrated (predictor_path), else "gate": no training needed
     quantization: str | None = "auto"  # exact either way; lossless only where the link is the bottleneck
     host_memory: str = "auto"

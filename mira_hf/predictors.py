@@ -63,7 +63,7 @@ class GatePredictor:
     `RouterTable`), a decode step costs one matmul per target, a concatenation and one device→host
     copy into a pinned buffer kept per layer; the scoring and the union over tokens run on the host
     (`HostScores`) once the proxy's sync has brought the logits. On a model whose copies take
-    microseconds, host time per block is its decode speed (benchmarks/NOTES.md §16)."""
+    microseconds, host time per block is its decode speed (benchmarks/NOTES.md, "Launch-bound decode")."""
 
     name = "gate"
 

@@ -62,3 +62,14 @@ def test_a_field_without_a_comment_is_refused(generator):
 
     with pytest.raises(SystemExit, match="silent"):
         generator.field_docs(Bare)
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    ci = [line for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines() if line.startswith("python")]
+    assert len(ci) == 1, "CI runs one command line: the README's"
+    assert f"```bash\n{ci[0]}\n```" in readme
+
+
+def test_the_readme_stays_short():
+    assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 250

@@ -137,7 +137,9 @@ def main() -> int:
         print("ab: no CUDA device; --smoke (or --device cpu) checks the script", file=sys.stderr)
         return 2
     t_start = time.perf_counter()
-    if device.type == "cuda":  # its per-sequence-length graph builds would land on whichever system runs first (NOTES.md, "Measuring")
+    if (
+        device.type == "cuda"
+    ):  # its per-sequence-length graph builds would land on whichever system runs first (NOTES.md, "Measuring")
         torch.backends.cuda.enable_cudnn_sdp(False)
     prompt_len = args.prompt_len or (64 if bundled else 512)
     calib = None

@@ -1256,7 +1256,7 @@ def parse_args(argv=None):
         choices=("on", "off"),
         default="off",
         help="PyTorch's cuDNN attention backend. off (default): it is suspected of building a graph per new sequence "
-        "length, which made the first system measured on a workload slower than the rest (NOTES.md, "Measuring"); "
+        "length, which made the first system measured on a workload slower than the rest (NOTES.md, 'Measuring'); "
         "benchmarks/first_call_probe.py checks that",
     )
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, a few tokens: checks the script in seconds")

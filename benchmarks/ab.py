@@ -2,7 +2,7 @@
 
 Decode speed of the default against LRU moves by ±5% (Mixtral shape) to ±30% (mira-tiny) between
 machines and processes, so one row per system in separate runs cannot order systems that differ by
-less (NOTES §12, §14). This script builds every system once, then alternates them round by round on
+less (NOTES.md, "Measuring"). This script builds every system once, then alternates them round by round on
 the same prompts (who goes first alternates too), and reports per system the median decode tokens/s,
 stall time and hit rate, and the median, min and max of its per-round ratio to the first system.
 
@@ -14,7 +14,7 @@ Workloads: run.py's (`mixtral`, `qwen3`: random weights at real dimensions built
 
 Every system's expert store stays in host memory for the whole run, allocated in build order. Where a
 store lands moves its copy speed (on the H200 machine, memory allocated after ~32 GiB of others copies
-~15% slower: NOTES §15), so with Mixtral-size stores the systems built later are handicapped; the
+~15% slower: NOTES.md, "Measuring"), so with Mixtral-size stores the systems built later are handicapped; the
 `store_h2d_gbps` column shows it. Link-bound comparisons of large stores are fairer in run.py, which
 builds one system at a time into freed memory.
 
@@ -72,7 +72,7 @@ def decode(model, prompt: torch.Tensor, new_tokens: int) -> dict:
 def store_h2d_gbps(model, device: torch.device) -> float | None:
     """Host→device GB/s of copies from this system's expert store (every layer's first and last record,
     best of 3). Where a store lands in host memory moves its copy speed: on the H200 machine, memory
-    allocated after ~32 GiB of others copies 15% slower (NOTES §15), so a system built after others
+    allocated after ~32 GiB of others copies 15% slower (NOTES.md, "Measuring"), so a system built after others
     can lose for that reason alone. The table shows it beside each system."""
     if device.type != "cuda":
         return None
@@ -137,7 +137,9 @@ def main() -> int:
         print("ab: no CUDA device; --smoke (or --device cpu) checks the script", file=sys.stderr)
         return 2
     t_start = time.perf_counter()
-    if device.type == "cuda":  # its per-sequence-length graph builds would land on whichever system runs first (NOTES §10)
+    if (
+        device.type == "cuda"
+    ):  # its per-sequence-length graph builds would land on whichever system runs first (NOTES.md, "Measuring")
         torch.backends.cuda.enable_cudnn_sdp(False)
     prompt_len = args.prompt_len or (64 if bundled else 512)
     calib = None

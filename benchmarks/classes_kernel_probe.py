@@ -6,7 +6,7 @@ one alternative prefix sum (a matmul with a triangular matrix on the tensor core
 counts are small integers), over launch shapes, each exact variant checked bit for bit against the
 torch reference; the nibble kernel on the same tensor for scale. Prints a table and writes JSON.
 (`2026-11-30-nvidia-h200-classes-kernel-probe*.json` were measured on the earlier rank-table format,
-whose exponent lookup was a gather: NOTES §12.)
+whose exponent lookup was a gather: NOTES.md, "Transfer formats".)
 
     python benchmarks/classes_kernel_probe.py --out /tmp/probe.json
 """

@@ -1,7 +1,7 @@
 """Where a decode step's time goes on the GPU, and how good the gate predictor's guesses are.
 
 The profiler's own host cost turns the default's decode host-bound (100 ms per step instead of 55 on the
-Mixtral shape, NOTES §15), so its link gaps are not a real run's: `gap_probe.py` times the link with CUDA
+Mixtral shape, NOTES.md, "Measuring"), so its link gaps are not a real run's: `gap_probe.py` times the link with CUDA
 events alone. The gate scoring below is unaffected.
 
     python benchmarks/decode_profile.py --out DIR     # ~2-3 minutes on an H200; writes DIR/<date>-<device>-decode-profile.json

@@ -1,4 +1,4 @@
-"""Probe for the start-up cost seen in every H200 run (benchmarks/NOTES.md §9): the first system
+"""Probe for the start-up cost seen in every H200 run (benchmarks/NOTES.md, "Measuring"): the first system
 measured on a workload decoded ~55–100 ms per step slower than the same system measured later.
 Suspect: cuDNN attention (one of PyTorch's SDPA backends) builds an execution graph for every new
 sequence length, so the first decode over lengths never seen in this process pays one build per step.

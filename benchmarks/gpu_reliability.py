@@ -1,4 +1,4 @@
-"""Reliability on a CUDA device (issue #7): exactness of every adapter family and of each policy and
+"""Reliability on a CUDA device: exactness of every adapter family and of each policy and
 predictor on the GPU, failures that surface and leave the model usable (an injected copy failure, an
 injected CUDA out-of-memory while staging, a real CUDA out-of-memory in the middle of a forward, a
 KeyboardInterrupt), and peak GPU memory against non-expert weights + budget + activations.

@@ -6,7 +6,7 @@ Allocates a Mixtral-layer slab (2.82 GB, `mira_hf.pinned.pinned_empty`), times 8
 then adds 8 GiB of touched ordinary memory ("ballast") and repeats, up to 48 GiB. On the H200 machine (one
 NUMA node of 52 GB reported, 128 GB in all) copies from memory allocated after ~32 GiB of ballast ran at
 45-47 GB/s instead of 55: where a store lands in host memory moves the copy speed, so systems built later
-in one process can copy slower (benchmarks/NOTES.md §15).
+in one process can copy slower (benchmarks/NOTES.md, "Measuring").
 """
 
 import json

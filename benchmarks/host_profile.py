@@ -1,7 +1,7 @@
 """Where a launch-bound decode spends its host time: mira-tiny (the bundled model) at a budget, per system.
 
 On the bundled model every expert copy takes microseconds, so decode speed is host time: Python and
-CUDA API calls per MoE block (NOTES §12, §14). This script decodes with each system twice, once timed
+CUDA API calls per MoE block (NOTES.md, "Launch-bound decode"). This script decodes with each system twice, once timed
 and once under cProfile, and reports per token: the wall time, the number of torch ops dispatched and
 CUDA API calls made by the manager (events created, recorded, queried, waited on; copies issued), and
 the host time inside the manager's verbs and the predictor (cProfile's cumulative time, which counts

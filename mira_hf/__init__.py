@@ -1,7 +1,11 @@
 """mira-hf: run Mixture-of-Experts transformers models on one GPU that cannot hold all their experts."""
 
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING
+
 from .bundled import bundled_model_path
-from .calibrate import calibrate
 from .config import CacheConfig, LoaderConfig, MiraConfig
 from .errors import (
     BudgetError,
@@ -16,8 +20,35 @@ from .errors import (
     UnsupportedModelError,
     UnsupportedOperationError,
 )
-from .manager import ExpertManager
-from .model import MiraMoEModel
+
+if TYPE_CHECKING:
+    from .calibrate import calibrate
+    from .manager import ExpertManager
+    from .model import MiraMoEModel
+
+# Imported on first use: they import torch and transformers, which take seconds, and `mira --help`,
+# a bad flag or `from mira_hf import MiraConfig` should not wait for them.
+_LAZY = {"MiraMoEModel": "model", "ExpertManager": "manager", "calibrate": "calibrate"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """`mira_hf.calibrate` is the function: importing the submodule of that name must not replace it."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __version__ = "0.1.0"
 

@@ -6,8 +6,9 @@ pool's arena (allocated by the manager), and a policy picks victims. Two tiers s
 - STAGE: experts in flight, prefetched and not yet used, or demoted from HOT; evicted first.
 A prefetch may only take a free or STAGE slot: a guess never pushes out a HOT expert. A policy that
 ranks every resident expert by its expected next use (`one_ranking = True`, the heat policy) uses
-the tiers for telemetry only: its victim is the least valuable unpinned expert of either tier, and a
-prefetch is limited by the caller's admission rule instead.
+the tiers for nothing: its victim is the least valuable unpinned expert of either tier, and a
+prefetch is limited by the caller's admission rule instead. These tiers are eviction groups; what a
+user sees (`ExpertManager.tier_of`, `stats()`) labels an expert by whether it was used since its copy.
 Pinned slots (in use by the block being computed) are never evicted.
 """
 

@@ -50,7 +50,7 @@ def calibrate(
         or a list) tokenised with `tokenizer` (default: `AutoTokenizer.from_pretrained(model.name_or_path)`).
     lookahead: layers ahead each layer predicts (default: the manager's `PredictorConfig.lookahead`).
     epochs, batch_size (tokens per step), lr: Adam training of all layers' networks at once.
-    pos_weight: weight of a missed expert relative to a wrongly staged one (the design: 3-5).
+    pos_weight: weight of a missed expert relative to a wrongly staged one (3-5 work well).
     max_tokens: tokens recorded at most. Recording keeps every MoE layer's hidden state per token, in the
         model's dtype: tokens × layers × hidden × 2 bytes for bf16 (16384 tokens ≈ 4.3 GB for Mixtral-8x7B).
     validation_fraction: share of tokens held out (in runs of 64) for the reported recall/precision.

@@ -139,22 +139,33 @@ def _resolve(name_or_path, filename: str, hf_kwargs: dict) -> str | None:
 
 def missing_checkpoint_error(name_or_path, hf_kwargs: dict, exc: Exception) -> CheckpointError:
     """One line saying that `name_or_path` is neither a checkpoint directory nor a model the hub gave,
-    and what to do (the hub's own message, first line only, says why)."""
+    and what to do (the hub's own message, first line only, says why; never the hub validator's text
+    for something that is plainly a path)."""
     name = str(name_or_path)
-    why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    why = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(". ")
     if os.path.isdir(name):
         return CheckpointError(f"{name} holds no config.json ({why}): give the directory save_pretrained wrote.")
+    if os.path.exists(name):
+        return CheckpointError(f"{name} is a file; a model is a directory holding config.json and the weights.")
+    where = f"{name} does not exist: no such directory" + ("" if os.path.isabs(name) else f" (relative to {os.getcwd()})")
+    if not _looks_like_hub_id(name):
+        return CheckpointError(f"{where}. Give a local directory holding config.json and the weights, or a hub id.")
     if hf_kwargs.get("local_files_only") or _offline():
         off = "local_files_only=True" if hf_kwargs.get("local_files_only") else "HF_HUB_OFFLINE=1"
-        where = hf_kwargs.get("cache_dir") or "the Hugging Face cache"
+        cache = hf_kwargs.get("cache_dir") or "the Hugging Face cache"
         return CheckpointError(
-            f"{name!r} is not a local directory and not in {where}, and downloads are off ({off}): download it "
-            f"first (hf download {name}), drop {off}, or give a local directory."
+            f"{where}, and as a hub id it is not in {cache} while downloads are off ({off}): download it first "
+            f"(hf download {name}), drop {off}, or give a local directory."
         )
     return CheckpointError(
-        f"{name!r} is not a local directory and the hub did not give it ({why}): check the id, the revision and "
-        "the token (gated and private models need token=...)."
+        f"{where}, and the hub did not give it as a model id ({why}): check the id, the revision and the token "
+        "(gated and private models need token=...)."
     )
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    """`org/name` or `name`: what the hub accepts as a model id (a path with ./, ~, / or more parts is not)."""
+    return not name.startswith((".", "~", "/")) and name.count("/") <= 1 and "\\" not in name and bool(name)
 
 
 def _offline() -> bool:

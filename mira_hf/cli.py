@@ -31,7 +31,7 @@ from pathlib import Path
 
 from . import report
 from .bundled import BUNDLED_NAME, resolve_model_name
-from .config import POLICIES, PREDICTORS, QUANTIZATIONS, MiraConfig
+from .config import POLICIES, PREDICTORS, QUANTIZATIONS, MiraConfig, choices_text, spelling
 from .errors import MiraError
 
 # What a user can get wrong; anything else is a bug and keeps its traceback.
@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--traceback", action="store_true", help="show the full traceback of errors (for bug reports)")
     parser.set_defaults(command=None, traceback=False)
     sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
-    policies = ", ".join(POLICIES)
-    predictors = ", ".join(p for p in PREDICTORS if p) or "none yet"
+    policies = choices_text(POLICIES)
+    predictors = choices_text(PREDICTORS)
     model_help = f'model directory or hub id already in the local cache (default: "{BUNDLED_NAME}", the bundled model)'
 
     g = sub.add_parser("generate", help="generate text and print cache statistics", description=_doc(cmd_generate))
@@ -155,14 +155,14 @@ def _add_model_options(p: argparse.ArgumentParser, budget_default: str | None, p
             "--predictor",
             default=defaults["predictor"],
             metavar="P",
-            help=f"expert predictor for prefetching: {predictors}, or none (default {defaults['predictor']})",
+            help=f"expert predictor for prefetching: {predictors} (default {spelling(defaults['predictor'])})",
         )
-    formats = ", ".join("none" if q is None else q for q in QUANTIZATIONS)
+    formats = choices_text(QUANTIZATIONS)
     p.add_argument(
         "--quantization",
         default=defaults["quantization"],
         metavar="Q",
-        help=f"expert transfer format: {formats} (default {defaults['quantization']}: lossless where copies are the "
+        help=f"expert transfer format: {formats} (default {spelling(defaults['quantization'])}: lossless where copies are the "
         "bottleneck, else none; int8/int4/nf4 change the numbers)",
     )
     p.add_argument("--device", default=None, metavar="D", help="cpu, cuda or cuda:N (default: cuda if available)")
@@ -189,19 +189,21 @@ def parse_budget(text: str | None) -> int | float | str | None:
 
 
 def _mira_config(args: argparse.Namespace) -> MiraConfig:
-    """Validated before anything loads, so a bad flag fails in milliseconds."""
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    """Validated before anything loads, so a bad flag fails in milliseconds (torch is imported only after)."""
     predictor_path = getattr(args, "predictor_path", None)
-    return MiraConfig(
+    cfg = MiraConfig(
         gpu_budget=parse_budget(args.budget),
-        device=device,
+        device=args.device,
         policy=args.policy,
-        predictor=None if getattr(args, "predictor", None) in (None, "none") else args.predictor,
-        quantization=None if args.quantization == "none" else args.quantization,
+        predictor=getattr(args, "predictor", None),  # spelled as typed: MiraConfig reads "none", "Gate", ...
+        quantization=args.quantization,
         **({"predictor_path": predictor_path} if predictor_path else {}),
     )
+    if cfg.device is None:
+        import torch
+
+        cfg = cfg.replace(device="cuda" if torch.cuda.is_available() else "cpu")
+    return cfg
 
 
 def _torch_dtype(name: str | None, device: str):
@@ -254,14 +256,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Generate a completion of --prompt, streaming the text, then print what the expert cache did:
     hit rate, bytes moved host to device, stall time, tokens/s and peak GPU memory. MODEL defaults to the
     bundled mira-tiny, which runs in seconds on a CPU."""
-    import torch
-
     if args.max_new_tokens < 1 or args.num_beams < 1:
         raise ValueError("--max-new-tokens and --num-beams must be ≥ 1.")
     if args.temperature is not None and not args.do_sample:
         raise ValueError("--temperature applies to sampling: add --do-sample.")
     cfg = _mira_config(args)
     source = _model_source(args.model)
+    import torch  # after the arguments are checked: a mistake is reported without waiting for it
+
     model, tokenizer = _load(source, cfg, args.dtype)
     inputs = tokenizer(args.prompt, return_tensors="pt").to(model.device)
     if inputs["input_ids"].shape[-1] == 0:

@@ -15,7 +15,6 @@ from typing import Union
 from .errors import ConfigError, MissingDependencyError
 from .heat import HeatConfig
 from .policies import PriorityConfig
-from .predictors import PredictorConfig
 
 Budget = Union[int, float, str, None]
 
@@ -75,7 +74,7 @@ class CacheConfig:
     """How the GPU expert arena is split between tiers."""
 
     # Share of slots reserved for experts in flight or prefetched (STAGE); the rest hold resident
-    # experts (HOT). The design's default: a quarter of the arena.
+    # experts (HOT). A quarter of the arena by default.
     stage_fraction: float = 0.25
     # Demand copies one block keeps in flight, in bytes (at least two copies). The link moves one
     # copy at a time, so two in flight keep it busy; each further slot a block takes evicts an expert
@@ -83,7 +82,7 @@ class CacheConfig:
     # them through two slots keeps the other layers' experts resident).
     demand_inflight_bytes: int = 64 * 2**20
     # Token-block prefill (opt-in): an expert computes its rows of a block this many tokens at a time, so
-    # a long prompt's activations stay bounded (the design's blocks of 16-64 tokens; each expert is still
+    # a long prompt's activations stay bounded (blocks of 16-64 tokens work well; each expert is still
     # loaded once per block call and shared by its token blocks). None (default): all its rows at once.
     # A matmul over fewer rows may round differently in the last bits, so with a block size the outputs
     # are close to the unwrapped model's but not bit-identical (fp32 logits within ~1e-5).
@@ -95,7 +94,7 @@ class CacheConfig:
         b = self.prefill_block_tokens
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ConfigError(
-                f"prefill_block_tokens={b!r}: give a number of tokens ≥ 1 (the design uses 16-64), or None to compute "
+                f"prefill_block_tokens={b!r}: give a number of tokens ≥ 1 (16-64 work well), or None to compute "
                 "each expert's rows at once (bit-identical outputs, the default)."
             )
         if (
@@ -110,7 +109,7 @@ class CacheConfig:
 class LoaderConfig:
     """How experts cross from host memory to the device."""
 
-    # Pinned staging ring used by a pageable store and by the disk tier (the design's "DMA buffer").
+    # Pinned staging ring used by a pageable store and by the disk tier (a pinned buffer the copy engine reads).
     staging_ring_bytes: int = 128 * 2**20
     # Seconds a caller waits for a background copy before it raises instead of hanging.
     copy_timeout_s: float = 60.0
@@ -158,31 +157,105 @@ class QuantConfig:
     # the cache and are computed from packed weights (≈3.7× more int4 experts in the same budget;
     # lossless: ≈1.33×, minus one decoded weight of scratch). Either way the device buffers this
     # needs (a staging record, or the scratch) are taken from gpu_budget. "auto": "packed" for
-    # "lossless" (more experts per budget, measured faster on the H200: benchmarks/NOTES.md §9),
+    # "lossless" (more experts per budget, measured faster on the H200: benchmarks/NOTES.md, "Transfer formats"),
     # "dequant" for the lossy formats (faster at batch 1).
     placement: str = "auto"
     # The lossless format's exponent code: "classes" (a 2-bit class plus 0-4 extra bits: 0.69x bf16's
     # bytes, decoded with a prefix sum per block of 256 weights) or "nibble" (4 bits per weight: 0.75x;
     # its decode is ~3x faster, 0.1 vs 0.27 ms per 58.7 M weights on the H200). Both bit-exact. "classes"
-    # measured as fast or faster end to end on the H200 (benchmarks/NOTES.md §12). Encoding "classes" on a
+    # measured as fast or faster end to end on the H200 (benchmarks/NOTES.md, "Transfer formats"). Encoding "classes" on a
     # CPU is ~5x slower than "nibble" (at load; on a GPU both are fast).
     lossless_code: str = "classes"
 
     def __post_init__(self) -> None:
-        if self.lossless_code not in LOSSLESS_CODES:
-            raise ConfigError(
-                f"QuantConfig.lossless_code={self.lossless_code!r}: supported are {', '.join(map(repr, LOSSLESS_CODES))}."
-            )
-        if self.placement not in PLACEMENTS:
-            raise ConfigError(f"QuantConfig.placement={self.placement!r}: supported are {', '.join(map(repr, PLACEMENTS))}.")
+        for name, allowed in (("lossless_code", LOSSLESS_CODES), ("placement", PLACEMENTS)):
+            object.__setattr__(self, name, normalize_choice(f"QuantConfig.{name}", getattr(self, name), allowed))
         if not isinstance(self.group_size, int) or self.group_size < 16 or self.group_size & (self.group_size - 1):
             raise ConfigError(f"QuantConfig.group_size={self.group_size!r}: must be a power of two ≥ 16 (default 64).")
 
 
-def _check_choice(name: str, value: object, allowed: tuple, hint: str) -> None:
-    if value not in allowed:
-        shown = ", ".join(repr(a) for a in allowed)
-        raise ConfigError(f"{name}={value!r} is not supported. Supported: {shown}. {hint}")
+@dataclass(frozen=True)
+class PredictorConfig:
+    """How experts are predicted and staged ahead of the router (`MiraConfig.prediction`)."""
+
+    lookahead: int = 2  # layers ahead that predictions are made (they also rank evictions)
+    confidence: float = 0.3  # minimum probability for a guess to be counted (scored for precision)
+    # Copies ahead of the router are made only for the next `stage_lookahead` layers: a copy issued two
+    # layers early evicts an expert sooner than needed.
+    stage_lookahead: int = 1
+    # ... and only for guesses at least this likely: on a saturated link a wrong copy costs a whole
+    # expert's transfer (mira-tiny, offline: 1.29× Belady's bytes at 0.95, 1.31× at 0.9; benchmarks/NOTES.md, "Prediction").
+    stage_probability: float = 0.95
+    max_staged_per_layer: int | None = None  # copies ahead of need one layer may hold; None: 2 × top-k
+    markov_warmup_tokens: int = 1000  # tokens of routing that form the first Markov estimate (no re-checks before)
+    markov_cumulative: float = 0.8  # candidates kept up to this cumulative probability
+    markov_recheck_tokens: int = 256  # every N tokens, re-estimate if accuracy dropped
+    position_window_tokens: int = 64  # "position": tokens over which each layer's expert frequency is counted
+    hybrid_switch_tokens: int = 512  # "hybrid": tokens of a sequence predicted by "markov" before "position" takes over
+    # Stage only while the predictor's recent precision (share of staged guesses that were used) is at
+    # least this: when the link is the bottleneck, a wrong guess costs a whole expert's transfer.
+    min_precision: float = 0.6
+    precision_decay: float = 0.9  # weight of the past in the running precision estimate
+    # Pause prediction (and staging) while it costs the host more time per block than the stalls it
+    # could remove, reviewed every `payoff_window_steps` forward steps (`mira_hf.payoff.PayoffGate`): on a
+    # model whose copies land before they are needed, prediction only adds host time. None: on CUDA;
+    # True: on any device (on CPU a miss's stall is its synchronous copy); False: never pause.
+    pause_unprofitable: bool | None = None
+    payoff_window_steps: int = 32  # forward steps per payoff review (one window in 32 predicts again while paused)
+    # Speculation: after a block's own copies are queued, the link idles until the next block's router
+    # has run and the host has seen its experts. Into that idle time goes the first `speculate_bytes`
+    # of the next layer's likeliest guess that is not resident (records larger than that only); the
+    # next block finishes the copy if it uses the expert and drops it otherwise, so a wrong guess costs
+    # idle link time, not a transfer. None: 48 MiB on CUDA; 0 (off) on CPU, where copies are
+    # synchronous and the link never idles. Off with QuantConfig placement "dequant" (it decodes whole records).
+    speculate_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.lookahead < 1 or self.stage_lookahead < 1:
+            raise ConfigError(f"PredictorConfig.lookahead={self.lookahead}, stage_lookahead={self.stage_lookahead}: must be ≥ 1.")
+        if self.pause_unprofitable not in (None, True, False):
+            raise ConfigError(
+                f"PredictorConfig.pause_unprofitable={self.pause_unprofitable!r}: must be None (on CUDA), True or False."
+            )
+        if (
+            isinstance(self.payoff_window_steps, bool)
+            or not isinstance(self.payoff_window_steps, int)
+            or self.payoff_window_steps < 1
+        ):
+            raise ConfigError(
+                f"PredictorConfig.payoff_window_steps={self.payoff_window_steps!r}: must be an int ≥ 1 (forward steps)."
+            )
+        if not 0 <= self.confidence <= 1 or not 0 < self.markov_cumulative <= 1 or not 0 <= self.stage_probability <= 1:
+            raise ConfigError("PredictorConfig.confidence, stage_probability and markov_cumulative must be in [0, 1].")
+        if self.speculate_bytes is not None and (
+            isinstance(self.speculate_bytes, bool) or not isinstance(self.speculate_bytes, int) or self.speculate_bytes < 0
+        ):
+            raise ConfigError(
+                f"PredictorConfig.speculate_bytes={self.speculate_bytes!r}: give a number of bytes ≥ 0 (0 turns "
+                "speculation off) or None for the default (48 MiB on CUDA, off on CPU)."
+            )
+
+
+def spelling(value: object) -> str:
+    """How a user types a choice: `None` is written "none" (in Python and on the command line alike)."""
+    return "none" if value is None else str(value)
+
+
+def choices_text(allowed: tuple) -> str:
+    """Choices as the user types them: `none, auto, gate`."""
+    return ", ".join(spelling(a) for a in allowed)
+
+
+def normalize_choice(name: str, value: object, allowed: tuple, hint: str = "") -> object:
+    """The stored form of a choice typed in any case ("LRU", "None", None -> "lru", None), or `ConfigError`
+    naming what was given and the choices as they are typed."""
+    if isinstance(value, str):
+        for a in allowed:
+            if value.strip().lower() == spelling(a):
+                return a
+    elif value is None and None in allowed:
+        return None
+    raise ConfigError(f"{name}={value!r} is not supported. Supported: {choices_text(allowed)} (any case). {hint}".rstrip())
 
 
 @dataclass(frozen=True)
@@ -193,9 +266,10 @@ class MiraConfig:
         float in (0, 1] meaning that fraction of all routed-expert bytes. `None` = all experts if
         they fit in 90% of the device's free memory, else that much.
     device: `"cuda"`, `"cuda:N"` or `"cpu"`; `None` picks cuda when available.
-    policy: cache eviction policy: `"lru"` (reactive baseline), `"heat"` (adaptive heat scores),
-        `"priority"` (predicted probability, recency and transfer cost).
-    predictor: how experts are staged ahead of the router. `None`: no prefetch; `"auto"`: `"learned"`
+    policy: cache eviction policy: `"lru"` (reactive baseline), `"heat"` (evict the expert whose next use is
+        expected furthest away), `"priority"` (predicted probability, recency and transfer cost). Choices are
+        read in any case.
+    predictor: how experts are staged ahead of the router. `"none"` (or `None`): no prefetch; `"auto"`: `"learned"`
         when `predictor_path` is given, else `"gate"` (needs no training); or one of `"gate"`,
         `"markov"`, `"global"`, `"position"`, `"hybrid"`, `"learned"`.
     predictor_path: directory written by `model.mira.save_predictor()` (a calibrated `"learned"` predictor).
@@ -203,7 +277,7 @@ class MiraConfig:
         (encode once); refused if made from other weights or in another format.
     quantization: expert transfer format. `"auto"` (default): `"lossless"` on a CUDA device when the
         budget cannot hold every expert and the experts are bf16/fp32 records of ≥ 32 MiB, else `None`
-        (both exact; `model.mira.quantization` says which). `None`: the checkpoint's dtype, bit-exact.
+        (both exact; `model.mira.quantization` says which). `"none"` (or `None`): the checkpoint's dtype, bit-exact.
         `"lossless"`: bit-exact too, ~0.69× the bytes for bf16 experts with the default exponent code
         (`QuantConfig.lossless_code`; 0.75× with "nibble"; see `mira_hf.quant.lossless`). `"int8"`,
         `"int4"`: mira-hf's packed group-wise format (see `QuantConfig`); `"nf4"`: bitsandbytes. These
@@ -224,7 +298,7 @@ class MiraConfig:
 
     gpu_budget: Budget = None
     device: str | None = None
-    policy: str = "heat"  # measured best on real routing (benchmarks/NOTES.md); "lru" is the reactive baseline
+    policy: str = "heat"  # measured best on real routing (benchmarks/NOTES.md, "Eviction"); "lru" is the reactive baseline
     predictor: str | None = "auto"  # "learned" when calibrated (predictor_path), else "gate": no training needed
     quantization: str | None = "auto"  # exact either way; lossless only where the link is the bottleneck
     host_memory: str = "auto"
@@ -254,13 +328,19 @@ class MiraConfig:
             )
         if isinstance(b, (int, str)) and not isinstance(b, float):
             parse_bytes(b, "gpu_budget")
+        choices = (
+            ("policy", POLICIES),
+            ("predictor", PREDICTORS),
+            ("quantization", QUANTIZATIONS),
+            ("host_memory", HOST_MEMORY_KINDS),
+        )
+        for name, allowed in choices:  # frozen: the normalized spelling is stored in place
+            object.__setattr__(self, name, normalize_choice(name, getattr(self, name), allowed))
+        if isinstance(self.device, str):
+            object.__setattr__(self, "device", self.device.strip().lower())
         if self.device is not None:
             if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
                 raise ConfigError(f"device={self.device!r}: supported are 'cpu', 'cuda' and 'cuda:N'.")
-        _check_choice("policy", self.policy, POLICIES, "Pick one of those in MiraConfig(policy=...).")
-        _check_choice("predictor", self.predictor, PREDICTORS, "Pick one of those in MiraConfig(predictor=...).")
-        _check_choice("quantization", self.quantization, QUANTIZATIONS, "Pick one of those in MiraConfig(quantization=...).")
-        _check_choice("host_memory", self.host_memory, HOST_MEMORY_KINDS, "")
         if self.quantization == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
             raise MissingDependencyError(
                 "quantization='nf4' needs bitsandbytes, which is not installed. Install it with "
@@ -304,3 +384,25 @@ class MiraConfig:
     @property
     def host_budget_bytes(self) -> int | None:
         return None if self.host_budget is None else parse_bytes(self.host_budget, "host_budget")
+
+
+def config_from_arguments(mira_config: MiraConfig | None, keywords: dict, where: str) -> MiraConfig:
+    """The `MiraConfig` of a call given either `mira_config=` or MiraConfig's fields as keywords (the
+    transformers habit: `from_pretrained(path, gpu_budget=0.25)`). The fields are taken out of `keywords`;
+    what is left is not MiraConfig's. Both at once is a `ConfigError`, before anything loads."""
+    names = {f.name for f in dataclasses.fields(MiraConfig)}
+    given = {k: keywords.pop(k) for k in list(keywords) if k in names}
+    if mira_config is None:
+        return MiraConfig(**given)
+    if not isinstance(mira_config, MiraConfig):
+        raise ConfigError(
+            f"mira_config must be a MiraConfig, got {type(mira_config).__name__}. Build one, MiraConfig(gpu_budget='12GiB'), "
+            f"or pass its fields as keywords: {where}(..., gpu_budget='12GiB')."
+        )
+    if given:
+        shown = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        raise ConfigError(
+            f"{where} got both mira_config and MiraConfig fields as keywords ({shown}). Pass one or the other: "
+            f"mira_config=cfg.replace({shown}), or only the keywords."
+        )
+    return mira_config

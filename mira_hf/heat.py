@@ -1,6 +1,6 @@
 """Per-expert heat scores: the adaptive cache's memory of which experts matter lately.
 
-One score in [0, 1] per (layer, expert), from the design:
+One score in [0, 1] per (layer, expert):
 - +0.1 per activation;
 - ×0.95 per idle period (a period in which the expert was not activated);
 - a sliding window of activation counts: when a window closes, each expert's count, normalised by
@@ -8,7 +8,7 @@ One score in [0, 1] per (layer, expert), from the design:
 - prediction feedback: a staged expert that was used +0.03, one evicted unused −0.05.
 An expert with score ≥ `hot_threshold` (0.3) belongs in HOT; below it, it is the first to go.
 The clock is forward steps by default (deterministic, reproducible); `clock="wall"` uses the
-design's 100 ms decay period and 500 ms window.
+100 ms decay period and 500 ms window.
 """
 
 from __future__ import annotations
@@ -23,15 +23,17 @@ from .errors import ConfigError
 
 @dataclass(frozen=True)
 class HeatConfig:
-    activation_gain: float = 0.1
-    decay_per_period: float = 0.95
-    window_periods: int = 5  # 5 × 100 ms = the design's 500 ms window
-    window_gain: float = 0.1  # weight of the normalised window count
-    used_prefetch_gain: float = 0.03
-    wasted_prefetch_penalty: float = 0.05
-    hot_threshold: float = 0.3
-    clock: str = "steps"  # "steps": one period per forward step; "wall": one per `period_s`
-    period_s: float = 0.1
+    """The heat score of each expert (`policy="heat"`), a number in [0, 1] (`MiraConfig.heat`)."""
+
+    activation_gain: float = 0.1  # added to an expert's score each time a block uses it
+    decay_per_period: float = 0.95  # an expert's score is multiplied by this after each period it was not used
+    window_periods: int = 5  # periods per counting window (5 × 100 ms = a 500 ms window on the wall clock)
+    window_gain: float = 0.1  # when a window closes: + this × the expert's count over the layer's largest count
+    used_prefetch_gain: float = 0.03  # added when an expert copied ahead of need is used
+    wasted_prefetch_penalty: float = 0.05  # taken away when an expert copied ahead of need is evicted unused
+    hot_threshold: float = 0.3  # the heat policy counts an expert as frequently used from this score on
+    clock: str = "steps"  # "steps": one period per forward step (reproducible); "wall": one per `period_s`
+    period_s: float = 0.1  # seconds per period with clock="wall"
 
     def __post_init__(self) -> None:
         if self.clock not in ("steps", "wall"):

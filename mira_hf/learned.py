@@ -5,7 +5,7 @@ distance d = 1..lookahead, which experts layer L+d will route that token to, and
 target L itself) which experts layer L will route the *next* token to. The within-step heads stage
 copies; the next-step head ranks evictions across the step boundary (and the first layer's is copied
 once a step's last layer has run: nothing within a step predicts it), which is where Belady's optimal
-cache gets its advantage (benchmarks/NOTES.md §11):
+cache gets its advantage (benchmarks/NOTES.md, "Prediction"):
 
     hidden [T, H] -> standardise -> low-rank projection [T, r] -> Linear [T, w] -> GELU -> Linear [T, ΣE]
 
@@ -33,8 +33,8 @@ VERSION = 1
 WEIGHTS_FILE = "predictor.safetensors"
 META_FILE = "predictor.json"
 
-PARAMETER_SHARE = 0.01  # the design's budget: all predictor networks ≤ 1% of the model's parameters
-MAX_RANK = 64  # the design's cap: rank = min(64, what fits in the share)
+PARAMETER_SHARE = 0.01  # all predictor networks together ≤ 1% of the model's parameters
+MAX_RANK = 64  # rank = min(64, what fits in the share)
 MIN_RANK = 8  # floor for toy models, whose 1% would allow a rank of 1-2; there the floor wins over the share
 WIDTH_PER_RANK = 2  # MLP width = 2 × rank
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .cache import STAGE, ExpertCache, Key, Slot, SlotPool
+from .cache import ExpertCache, Key, Slot, SlotPool
 from .errors import BudgetError, ConcurrencyError, ConfigError, LoaderError, UnsupportedOperationError
 from .heat import HeatConfig, HeatTracker
 from .layout import IdentityCodec, PackedWeights, split_point
@@ -341,9 +341,10 @@ class ExpertManager:
                     plan.slots[e] = slot
                     plan.loading.add(e)
                     continue
+                # Labels (one meaning everywhere, `tier_of`): a "stage" hit is the first use of an expert
+                # copied ahead of need, a miss the prediction avoided; a "hot" hit reuses a kept expert.
                 if slot.prefetched and not slot.used_since_load:
-                    stage_hits += 1  # a miss this prefetch avoided (PayoffGate)
-                if slot.tier == STAGE:
+                    stage_hits += 1  # for PayoffGate
                     stats.stage_hits += 1
                 else:
                     stats.hot_hits += 1
@@ -869,9 +870,13 @@ class ExpertManager:
         return plot_hit_rate(self)
 
     def tier_of(self, layer: int, expert: int) -> str | None:
-        """ "hot", "stage" or None (not resident)."""
+        """ "hot" (on the device and used since its copy), "stage" (on the device or in flight, copied ahead of
+        its use and not used yet) or None (not on the device). The same labels as `stats()`' `hot_hits` and
+        `stage_hits`; the cache's eviction groups (`ExpertCache`) are its own business."""
         slot = self.cache.lookup((layer, expert))
-        return None if slot is None else slot.tier
+        if slot is None:
+            return None
+        return "hot" if slot.used_since_load else "stage"
 
     def close(self) -> None:
         """Release the device arena (after unload)."""

@@ -29,7 +29,7 @@ from .checkpoint import (
     missing_checkpoint_error,
     native_codec_name,
 )
-from .config import AUTO_LOSSLESS_MIN_RECORD_BYTES, MiraConfig, parse_bytes
+from .config import AUTO_LOSSLESS_MIN_RECORD_BYTES, MiraConfig, config_from_arguments, parse_bytes
 from .encode import encoder_for
 from .errors import (
     BudgetError,
@@ -82,6 +82,9 @@ class MiraMoEModel:
         cache as transformers does, honouring `revision`, `token`, `cache_dir`, `local_files_only` and
         `HF_HUB_OFFLINE`).
 
+        Settings: `mira_config=MiraConfig(...)`, or MiraConfig's fields as keywords
+        (`from_pretrained(path, gpu_budget=0.25, policy="lru")`); not both.
+
         With a `host_budget` (or a checkpoint larger than the available host memory, or
         `LoaderConfig(stream_experts=True)`), the routed experts are read from the safetensors shards one
         expert at a time straight into the store, so host memory at load stays near the non-expert
@@ -91,7 +94,7 @@ class MiraMoEModel:
         checkpoint, which has no causal-LM class) (`dtype`, `revision`, `trust_remote_code`, ...),
         except `device_map`: mira-hf places weights itself (non-experts on `mira_config.device`, experts in host memory).
         """
-        cfg = _check_config(mira_config)
+        cfg = config_from_arguments(mira_config, hf_kwargs, "MiraMoEModel.from_pretrained")
         if "device_map" in hf_kwargs:
             raise ConfigError(
                 f"device_map={hf_kwargs['device_map']!r} was given, but mira-hf places weights itself: non-expert weights "
@@ -132,10 +135,17 @@ class MiraMoEModel:
         return MiraMoEModel._wrap(model, cfg, device, progress, streamed)
 
     @staticmethod
-    def wrap(model: nn.Module, mira_config: MiraConfig | None = None, *, progress: bool = False):
+    def wrap(model: nn.Module, mira_config: MiraConfig | None = None, *, progress: bool = False, **config_fields):
         """Wrap a model already in CPU memory (e.g. in a notebook). Idempotent: wrapping a wrapped model
-        with the same config returns it unchanged."""
-        cfg = _check_config(mira_config)
+        with the same config returns it unchanged. Settings: `mira_config=MiraConfig(...)`, or MiraConfig's
+        fields as keywords (`wrap(model, gpu_budget=0.25)`); not both."""
+        cfg = config_from_arguments(mira_config, config_fields, "MiraMoEModel.wrap")
+        if config_fields:
+            fields = ", ".join(f.name for f in dataclasses.fields(MiraConfig))
+            raise ConfigError(
+                f"MiraMoEModel.wrap got unexpected keywords {', '.join(sorted(config_fields))}: it takes the model, "
+                f"mira_config or MiraConfig's fields ({fields}), and progress."
+            )
         manager = getattr(model, "mira", None)
         if isinstance(manager, ExpertManager):
             if model._mira_config == cfg:
@@ -416,16 +426,6 @@ def _make_codec(cfg: MiraConfig):
     if cfg.quantization == "lossless":  # element-wise: any shape, no groups to pad
         return make_codec("lossless", code=cfg.quant.lossless_code)
     return PaddedCodec(make_codec(cfg.quantization, group_size=cfg.quant.group_size), cfg.quant.group_size)
-
-
-def _check_config(cfg: MiraConfig | None) -> MiraConfig:
-    if cfg is None:
-        return MiraConfig()
-    if not isinstance(cfg, MiraConfig):
-        raise ConfigError(
-            f"mira_config must be a MiraConfig, got {type(cfg).__name__}. Build one: MiraConfig(gpu_budget='12GiB')."
-        )
-    return cfg
 
 
 def _resolve_device(name: str | None) -> torch.device:

@@ -9,7 +9,7 @@ there the gate pauses it (the cache policy keeps running, ranking by recent use)
 (Mixtral shape) a miss stalls for milliseconds, far more than prediction costs a block, and the gate
 keeps it on, also through windows in which it staged little (the precision gate paused staging, or the
 guesses were wrong): wrongly predicting costs at most its host time; wrongly pausing, the stalls.
-Measured, not assumed (benchmarks/NOTES.md §16):
+Measured, not assumed (benchmarks/NOTES.md, "Launch-bound decode"):
 
 - while predicting, per block: host seconds spent on prediction (`cost`);
 - always, per block: uses at risk (demand misses, and uses served by a prefetch), and the stall seconds

@@ -96,11 +96,12 @@ class HeatPolicy(LRUPolicy):
 
 @dataclass(frozen=True)
 class PriorityConfig:
-    """Weights of the priority score; each term is in [0, 1]."""
+    """Weights of the priority score (`policy="priority"`, `MiraConfig.priority`); each term is in [0, 1]
+    and the expert with the lowest weighted sum is evicted."""
 
-    predicted_weight: float = 0.6
-    recency_weight: float = 0.3
-    cost_weight: float = 0.1
+    predicted_weight: float = 0.6  # × the predictor's probability that the expert is used soon
+    recency_weight: float = 0.3  # × 1 / (1 + forward steps since its last use)
+    cost_weight: float = 0.1  # × its reload cost (record size, ×2 from a pageable store, ×4 from disk; scaled to [0, 1])
 
     def __post_init__(self) -> None:
         if min(self.predicted_weight, self.recency_weight, self.cost_weight) < 0:

@@ -22,74 +22,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Protocol
 
 import torch
 
+from .config import PredictorConfig  # defined beside the other configs; importable from here too
 from .errors import ConfigError
 
 RouterProbs = Callable[[int, torch.Tensor], "torch.Tensor | None"]  # (layer, hidden [T,H]) -> [T,E] probabilities
-
-
-@dataclass(frozen=True)
-class PredictorConfig:
-    lookahead: int = 2  # layers ahead that predictions are made (they also rank evictions)
-    confidence: float = 0.3  # minimum probability for a guess to be counted (scored for precision)
-    # Copies are made only for the next `stage_lookahead` layers and for guesses at least this likely:
-    # on a saturated link a wrong copy costs a whole expert's transfer, and a copy issued two layers
-    # early evicts sooner than needed (offline evaluation: benchmarks/NOTES.md sections 7, 8 and 11;
-    # 0.95 since the learned predictor's next-step head: 1.29× Belady's bytes on mira-tiny, 0.9 gave 1.31×).
-    stage_lookahead: int = 1
-    stage_probability: float = 0.95
-    max_staged_per_layer: int | None = None  # None: 2 × top-k
-    markov_warmup_tokens: int = 1000  # tokens of routing that form the first Markov estimate (no re-checks before)
-    markov_cumulative: float = 0.8  # candidates kept up to this cumulative probability
-    markov_recheck_tokens: int = 256  # every N tokens, re-estimate if accuracy dropped
-    position_window_tokens: int = 64
-    hybrid_switch_tokens: int = 512
-    # Stage only while the predictor's recent precision (share of staged guesses that were used) is at
-    # least this: when the link is the bottleneck, a wrong guess costs a whole expert's transfer.
-    min_precision: float = 0.6
-    precision_decay: float = 0.9  # weight of the past in the running precision estimate
-    # Pause prediction (and staging) while it costs the host more time per block than the stalls it
-    # could remove, reviewed every `payoff_window_steps` forward steps (`mira_hf.payoff.PayoffGate`): on a
-    # model whose copies land before they are needed, prediction only adds host time. None: on CUDA;
-    # True: on any device (on CPU a miss's stall is its synchronous copy); False: never pause.
-    pause_unprofitable: bool | None = None
-    payoff_window_steps: int = 32
-    # Speculation: after a block's own copies are queued, the link idles until the next block's router
-    # has run and the host has seen its experts. Into that idle time goes the first `speculate_bytes`
-    # of the next layer's likeliest guess that is not resident (records larger than that only); the
-    # next block finishes the copy if it uses the expert and drops it otherwise, so a wrong guess costs
-    # idle link time, not a transfer. None: 48 MiB on CUDA; 0 (off) on CPU, where copies are
-    # synchronous and the link never idles. Off with QuantConfig placement "dequant" (it decodes whole records).
-    speculate_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.lookahead < 1 or self.stage_lookahead < 1:
-            raise ConfigError(f"PredictorConfig.lookahead={self.lookahead}, stage_lookahead={self.stage_lookahead}: must be ≥ 1.")
-        if self.pause_unprofitable not in (None, True, False):
-            raise ConfigError(
-                f"PredictorConfig.pause_unprofitable={self.pause_unprofitable!r}: must be None (on CUDA), True or False."
-            )
-        if (
-            isinstance(self.payoff_window_steps, bool)
-            or not isinstance(self.payoff_window_steps, int)
-            or self.payoff_window_steps < 1
-        ):
-            raise ConfigError(
-                f"PredictorConfig.payoff_window_steps={self.payoff_window_steps!r}: must be an int ≥ 1 (forward steps)."
-            )
-        if not 0 <= self.confidence <= 1 or not 0 < self.markov_cumulative <= 1 or not 0 <= self.stage_probability <= 1:
-            raise ConfigError("PredictorConfig.confidence, stage_probability and markov_cumulative must be in [0, 1].")
-        if self.speculate_bytes is not None and (
-            isinstance(self.speculate_bytes, bool) or not isinstance(self.speculate_bytes, int) or self.speculate_bytes < 0
-        ):
-            raise ConfigError(
-                f"PredictorConfig.speculate_bytes={self.speculate_bytes!r}: give a number of bytes ≥ 0 (0 turns "
-                "speculation off) or None for the default (48 MiB on CUDA, off on CPU)."
-            )
 
 
 class Predictor(Protocol):
@@ -122,7 +63,7 @@ class GatePredictor:
     `RouterTable`), a decode step costs one matmul per target, a concatenation and one device→host
     copy into a pinned buffer kept per layer; the scoring and the union over tokens run on the host
     (`HostScores`) once the proxy's sync has brought the logits. On a model whose copies take
-    microseconds, host time per block is its decode speed (benchmarks/NOTES.md §16)."""
+    microseconds, host time per block is its decode speed (benchmarks/NOTES.md, "Launch-bound decode")."""
 
     name = "gate"
 

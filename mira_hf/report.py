@@ -38,20 +38,20 @@ def heat_table(manager):
     """pandas DataFrame, one row per (layer, expert), in layer then expert order.
 
     Columns: `layer` and `expert` (ints), `score` (heat in [0, 1]), `count` (activations since load),
-    `share` (count / the layer's total, 0 for a layer never run), `tier` ("hot", "stage" or "" when not
-    resident on the device) and `is_hot` (score ≥ `manager.heat.config.hot_threshold`).
+    `share` (count / the layer's total, 0 for a layer never run), `tier` ("hot": on the device and used since
+    its copy; "stage": copied ahead of its use, not used yet; "" when not on the device; `tier_of`) and
+    `is_hot` (`tier == "hot"`: never true for an expert that is not on the device).
     """
     pd = optional_import("pandas", NOTEBOOK_EXTRA, "heat_table()")
     counts = manager.expert_counts()
     scores = manager.heat_scores()
-    threshold = manager.heat.config.hot_threshold
     rows = []
     for layer in sorted(counts):
         total = sum(counts[layer])
         for expert, (count, score) in enumerate(zip(counts[layer], scores[layer])):
             share = count / total if total else 0.0
             tier = manager.tier_of(layer, expert) or ""
-            rows.append((layer, expert, score, count, share, tier, score >= threshold))
+            rows.append((layer, expert, score, count, share, tier, tier == "hot"))
     table = pd.DataFrame(rows, columns=list(HEAT_TABLE_COLUMNS))
     return table.astype(
         {"layer": "int64", "expert": "int64", "score": "float64", "count": "int64", "share": "float64", "is_hot": "bool"}
@@ -98,7 +98,7 @@ def plot_heatmap(manager, value: str = "score"):
     ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
     if width <= 32:
         ax.set_xticks(range(width))
-    title = f"Expert heat (hot ≥ {manager.heat.config.hot_threshold:g})" if value == "score" else "Expert activations"
+    title = "Expert heat score" if value == "score" else "Expert activations"
     ax.set_title(title)
     return fig
 
@@ -178,7 +178,7 @@ def stats_table(stats: Mapping[str, Any], extra: Sequence[tuple[str, str]] = ())
         return default if value is None else value
 
     uses = g("hits", 0) + g("misses", 0)
-    hit_rate = f"{_pct(stats.get('hit_rate'))}  ({g('hits')} of {uses} expert uses; {g('hot_hits')} hot, {g('stage_hits')} stage)"
+    hit_rate = f"{_pct(stats.get('hit_rate'))}  ({g('hits')} of {uses} expert uses; {g('hot_hits')} reused, {g('stage_hits')} prefetched)"
     copies = f"{g('loads')}  ({g('prefetches', 0)} prefetched: {g('prefetch_used', 0)} used, {g('prefetch_wasted', 0)} wasted)"
     pairs = [
         *extra,

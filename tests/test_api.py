@@ -209,7 +209,7 @@ def test_store_larger_than_host_memory_is_refused_and_model_untouched(tiny_check
         (dict(gpu_budget=-5), "positive"),
         (dict(gpu_budget=[1]), "expected bytes"),
         (dict(device="tpu"), "supported are 'cpu', 'cuda'"),
-        (dict(policy="fifo"), "policy='fifo' is not supported. Supported: 'lru'"),
+        (dict(policy="fifo"), "policy='fifo' is not supported. Supported: lru, heat"),
         (dict(predictor="oracle"), "predictor='oracle' is not supported"),
         (dict(quantization="int3"), "quantization='int3' is not supported"),
         (dict(host_budget="1GiB"), "offload_dir"),

@@ -102,7 +102,7 @@ def test_stats_summarises_a_saved_stats_file(generated, capsys):
         (["generate", "--prompt", "x", "--budget", "lots"], ["gpu_budget='lots'"]),
         (["generate", "--prompt", "x", "--budget", "1.5"], ["gpu_budget=1.5"]),
         (["generate", "/nonexistent/model", "--prompt", "x"], ["/nonexistent/model"]),
-        (["generate", "--prompt", "x", "--policy", "fifo"], ["policy='fifo'", "'lru'"]),
+        (["generate", "--prompt", "x", "--policy", "fifo"], ["policy='fifo'", "Supported: lru, heat, priority"]),
         (["generate", "--prompt", "x", "--temperature", "0.7"], ["--do-sample"]),
         (["stats", "/nonexistent/run.json"], ["no such file"]),
         (["calibrate", "mira-tiny", "--data", "/nonexistent.txt", "--out", "/tmp/x"], ["--data"]),

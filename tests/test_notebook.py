@@ -9,11 +9,19 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 
 
-def test_committed_notebook_has_no_outputs():
+def test_committed_notebook_is_executed_and_uses_the_defaults():
+    """Committed with its outputs (readable on GitHub without running it): every code cell ran, in order, without
+    an error, the plots are there, and it builds models with mira-hf's defaults but for the budget it explains."""
     nbformat = pytest.importorskip("nbformat")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and all(not c.outputs and c.execution_count is None for c in code)
+    assert code and [c.execution_count for c in code] == list(range(1, len(code) + 1))
+    outputs = [o for c in code for o in c.outputs]
+    assert all(c.outputs for c in code) and not [o for o in outputs if o.output_type == "error"]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2
+    source = "\n".join(c.source for c in code)
+    assert "MiraConfig(" not in source and "gpu_budget=0.25" in source
+    assert "gpu_budget=0.25" in nb.cells[0].source and "nbconvert --to notebook --execute" in nb.cells[0].source
 
 
 def test_quickstart_notebook_runs(monkeypatch):

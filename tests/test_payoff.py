@@ -73,7 +73,7 @@ def test_bad_gate_settings_are_refused(kwargs, match):
 
 def test_prediction_pauses_where_copies_cost_nothing_and_outputs_stay_identical(tiny_checkpoint):
     """On CPU with `pause_unprofitable=True`, misses whose copies stall nothing (as on a GPU where records land
-    before they are needed; here every stall is recorded as 0, so the test does not hang on this machine's
+    before they are needed; here every stall is recorded as 0, so the test does not depend on the host's
     timing): prediction pauses at the first review. The default on CPU never pauses. Tokens equal the
     unwrapped model's either way."""
     path = tiny_checkpoint("mixtral")

@@ -1,7 +1,7 @@
 """Pinned expert slabs: page-locked in place at exactly their size (torch's pinned allocator would round
 each one up to a power of two), unlocked when the last view is freed, torch's allocator as the fallback.
-The CUDA runtime is replaced by a fake that records the calls (this machine has no GPU; the H200 run
-`benchmarks/pin_probe.py` measures the real one)."""
+The CUDA runtime is replaced by a fake that records the calls (the tests run without a GPU;
+`benchmarks/pin_probe.py` measures the real one on a GPU)."""
 
 import gc
 

@@ -245,5 +245,5 @@ def test_hub_ids_resolve_under_hf_home(ckpt, tmp_path):
     assert "loaded True" in run.stdout, run.stderr[-2000:]
     assert run.returncode == 1
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("mira_hf.errors.CheckpointError: 'org/not-there' is not a local directory")
+    assert last.startswith("mira_hf.errors.CheckpointError: org/not-there does not exist: no such directory")
     assert "Retrying" not in run.stderr and "During handling" not in run.stderr

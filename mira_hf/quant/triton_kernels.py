@@ -272,7 +272,7 @@ def _lossless_kernel(sm_ptr, codes_ptr, lo_ptr, meta_ptr, out_ptr, n, FP32: tl.c
 
 # classes-decode launch: blocks of 256 weights per program, warps. Window layout, one Mixtral expert (176 M bf16
 # weights) on the H200: 1 block × 2 warps 0.51 ms, 4 × 4 0.56-0.61, 16 × 4 0.67-0.70, 1 × 8 1.7
-# (benchmarks/lossless_gpu_check.py launch sweep, `...-lossless-window-sweep.json`, NOTES §14)
+# (benchmarks/lossless_gpu_check.py launch sweep, `...-lossless-window-sweep.json`, benchmarks/NOTES.md, "Transfer formats")
 CLASS_BLOCKS_PER_PROGRAM = 1
 CLASS_WARPS = 2
 

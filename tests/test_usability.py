@@ -1,0 +1,198 @@
+"""What a new user runs into first: the transformers habits (`from_pretrained(path, gpu_budget=...)`), one
+spelling per choice in Python and on the command line, a missing path said plainly, an instant `mira --help`,
+labels that mean one thing, and an unambiguous import name for the adapters."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mira_hf import CheckpointError, ConfigError, MiraConfig, MiraMoEModel, bundled_model_path, cli
+from mira_hf.config import HOST_MEMORY_KINDS, POLICIES, PREDICTORS, QUANTIZATIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- MiraConfig's fields as keywords ----------------------------------------------------------------
+def test_from_pretrained_takes_mira_config_fields_as_keywords():
+    model = MiraMoEModel.from_pretrained(
+        bundled_model_path(), gpu_budget=0.25, device="cpu", policy="LRU", predictor="none", dtype=torch.float32, progress=False
+    )
+    cfg = model._mira_config
+    assert (cfg.gpu_budget, cfg.device, cfg.policy, cfg.predictor) == (0.25, "cpu", "lru", None)
+    assert model.dtype == torch.float32  # the rest still goes to transformers
+    assert model.mira.stats()["hits"] == 0
+
+
+def test_mira_config_and_its_fields_together_are_refused_before_loading(tmp_path):
+    missing = tmp_path / "never-read"  # the error comes before any file is looked at
+    with pytest.raises(ConfigError, match=r"both mira_config and MiraConfig fields.*gpu_budget=0\.5"):
+        MiraMoEModel.from_pretrained(missing, MiraConfig(device="cpu"), gpu_budget=0.5)
+
+
+def test_wrap_takes_mira_config_fields_as_keywords(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("mixtral"))
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        want = model(ids).logits
+    with pytest.raises(ConfigError, match="unexpected keywords gpu_budegt"):
+        MiraMoEModel.wrap(model, gpu_budegt=0.5)
+    with pytest.raises(ConfigError, match="both mira_config"):
+        MiraMoEModel.wrap(model, MiraConfig(device="cpu"), policy="lru")
+    assert not hasattr(model, "mira")  # refused before anything changed
+    wrapped = MiraMoEModel.wrap(model, gpu_budget=0.5, device="cpu", policy="lru")
+    assert wrapped._mira_config == MiraConfig(gpu_budget=0.5, device="cpu", policy="lru")
+    with torch.no_grad():
+        assert torch.equal(wrapped(ids).logits, want)
+
+
+# -- one spelling per choice, any case --------------------------------------------------------------
+@pytest.mark.parametrize(
+    "field, typed, stored",
+    [
+        ("policy", "LRU", "lru"),
+        ("policy", "Heat", "heat"),
+        ("predictor", "none", None),
+        ("predictor", "None", None),
+        ("predictor", None, None),
+        ("predictor", "GATE", "gate"),
+        ("quantization", "none", None),
+        ("quantization", "Lossless", "lossless"),
+        ("host_memory", "Pageable", "pageable"),
+    ],
+)
+def test_choices_are_read_in_any_case_with_none_spelled_none(field, typed, stored):
+    assert getattr(MiraConfig(**{field: typed}), field) == stored
+
+
+@pytest.mark.parametrize("field, allowed", [("policy", POLICIES), ("predictor", PREDICTORS), ("quantization", QUANTIZATIONS)])
+def test_a_wrong_choice_lists_the_choices_as_typed(field, allowed):
+    with pytest.raises(ConfigError) as info:
+        MiraConfig(**{field: "nonsense"})
+    message = str(info.value)
+    shown = ", ".join("none" if a is None else a for a in allowed)
+    assert f"{field}='nonsense'" in message and f"Supported: {shown}" in message
+    assert "None," not in message and "'" not in message.split("Supported:")[1]
+
+
+def test_host_memory_choices_are_typed_as_listed():
+    assert all(MiraConfig(host_memory=kind.upper()).host_memory == kind for kind in HOST_MEMORY_KINDS)
+
+
+def test_cli_and_python_accept_the_same_spellings():
+    parser = cli.build_parser()
+    for typed in ("none", "None", "NONE"):
+        args = parser.parse_args(["generate", "--prompt", "x", "--predictor", typed, "--quantization", typed, "--policy", "LRU"])
+        cfg = cli._mira_config(args)
+        assert (cfg.predictor, cfg.quantization, cfg.policy) == (None, None, "lru")
+        assert cfg == cfg.replace(predictor=typed, quantization=typed, policy="LRU")  # Python reads them alike
+    generate_help = parser._subparsers._group_actions[0].choices["generate"].format_help()
+    assert "none, auto, gate" in " ".join(generate_help.split())
+
+
+# -- a missing path is said to be missing -------------------------------------------------------------
+@pytest.mark.parametrize("given", ["checkpoints/does-not-exist", "./does-not-exist", "/does/not/exist/model"])
+def test_a_missing_local_path_says_it_does_not_exist(given, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CheckpointError) as info:
+        MiraMoEModel.from_pretrained(given, device="cpu")
+    message = str(info.value)
+    assert message.startswith(f"{given} does not exist: no such directory")
+    assert "Repo id must be" not in message and ".." not in message.replace("../", "")
+
+
+# -- `mira --help` does not import torch or transformers ------------------------------------------------
+def _modules_after(code: str) -> set[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
+    return set(out.split())
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["generate", "--help"], ["bench", "--help"], ["generate", "--prompt", "x", "--policy", "nonsense"]],
+)
+def test_help_and_argument_errors_import_neither_torch_nor_transformers(argv):
+    code = (
+        "import sys, contextlib, io\n"
+        "from mira_hf import cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        f"    rc = cli.main({argv!r})\n"
+        "assert rc in (0, 2), rc\n"
+        "print(' '.join(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))\n"
+    )
+    assert _modules_after(code) == set()
+
+
+def test_python_m_mira_hf_cli_help_imports_neither():
+    code = (
+        "import runpy, sys, contextlib, io\n"
+        "sys.argv = ['mira', '--help']\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n"
+        "        runpy.run_module('mira_hf.cli', run_name='__main__')\n"
+        "    except SystemExit as exc:\n"
+        "        assert exc.code == 0\n"
+        "print(' '.join(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))\n"
+    )
+    assert _modules_after(code) == set()
+
+
+def test_the_package_still_offers_its_api_lazily():
+    import mira_hf
+
+    assert mira_hf.MiraMoEModel is MiraMoEModel
+    from mira_hf.calibrate import calibrate
+
+    assert mira_hf.calibrate is calibrate  # the function, even after its module of the same name was imported
+
+
+# -- hot and stage mean one thing: used since its copy, or copied ahead of its use ---------------------
+def _generate(policy: str, predictor: str):
+    from transformers import AutoTokenizer
+
+    path = bundled_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = MiraMoEModel.from_pretrained(
+        path, gpu_budget=0.25, device="cpu", policy=policy, predictor=predictor, dtype=torch.float32, progress=False
+    )
+    model.generate(**tok("def fibonacci(n):", return_tensors="pt"), max_new_tokens=16, do_sample=False)
+    return model.mira
+
+
+@pytest.mark.parametrize("policy", ["lru", "heat"])
+def test_without_prediction_every_hit_is_a_reuse(policy):
+    manager = _generate(policy, "none")
+    s = manager.stats()
+    assert s["hits"] > 0 and s["hot_hits"] == s["hits"] and s["stage_hits"] == 0
+
+
+def test_stage_hits_are_the_prefetches_that_were_used():
+    pytest.importorskip("pandas")
+    manager = _generate("heat", "gate")
+    s = manager.stats()
+    assert s["stage_hits"] == s["prefetch_used"] and s["hot_hits"] + s["stage_hits"] == s["hits"]
+    table = manager.heat_table()
+    assert not (table["is_hot"] & (table["tier"] == "")).any()  # nothing is hot off the device
+    assert (table["is_hot"] == (table["tier"] == "hot")).all()
+
+
+# -- packaging -----------------------------------------------------------------------------------------
+def test_adapters_have_an_unambiguous_import_name():
+    import model_adapters
+    from mira_hf import adapters
+
+    assert adapters.register_adapter is model_adapters.register_adapter
+    assert set(adapters.__all__) == set(model_adapters.__all__)
+    assert all(getattr(adapters, name) is getattr(model_adapters, name) for name in adapters.__all__)
+
+
+def test_the_sdist_leaves_the_tests_out():
+    lines = (ROOT / "MANIFEST.in").read_text().splitlines()
+    assert "prune tests" in lines

@@ -479,6 +479,10 @@ class RouterTable:
             self._linear[layer] = self._adapter.router_linear(self._blocks[layer])
         return self._linear[layer]
 
+    def forget_routers(self) -> None:
+        """Resolve the routers again at their next use: a cast or move replaced their buffers."""
+        self._linear.clear()
+
 
 def _top_k(model: nn.Module, t: _Target) -> int:
     """Experts per token for this layer (the minimum working set), from the block, router or config."""

@@ -235,6 +235,13 @@ class ExpertState:
         for proxy in self.proxies.values():
             self.expose(proxy)
 
+    def forget_routers(self) -> None:
+        """After a cast or move: predictors take the routers again (their buffers are new tensors)."""
+        for holder in (self.manager.router_probs, self.manager.predictor):
+            forget = getattr(holder, "forget_routers", None)
+            if forget is not None:
+                forget()
+
 
 @dataclass(frozen=True)
 class _Change:
@@ -280,6 +287,8 @@ def _model_apply(model: nn.Module, fn, recurse: bool = True):
         return type(model)._apply(model, fn, recurse)
     finally:
         state.applying = False
+        if change is not None:
+            state.forget_routers()
 
 
 def proxy_apply(proxy: nn.Module, fn, recurse: bool = True):

@@ -162,3 +162,15 @@ def test_calls_of_apply_that_change_neither_dtype_nor_device_leave_the_experts_a
     model.share_memory()
     copy.copy(model.config)
     assert torch.equal(_logits(model), expected)
+
+
+def test_predictors_read_the_routers_of_the_cast_model(tiny_checkpoint):
+    """A cast gives the routers' buffers (DeepSeek-V3's selection bias) new tensors: the gate predictor
+    reads those, not the ones from before the cast."""
+    model = _wrapped(tiny_checkpoint("deepseek_v3"), predictor="gate")
+    _logits(model)
+    model.bfloat16()
+    _logits(model)
+    block = model.model.layers[2].mlp
+    assert model.mira.router_probs.linear(1).correction is block.gate.e_score_correction_bias
+    assert model.mira.predictor._plan(0)[1][0].correction is block.gate.e_score_correction_bias

@@ -83,13 +83,13 @@ def test_a_cast_to_a_budget_that_no_longer_fits_is_refused_before_anything_chang
     assert torch.equal(_logits(model), expected)
 
 
-@pytest.mark.parametrize("cast", ["half", "bfloat16", "float"])
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "double"])
 def test_a_cast_of_lossy_experts_is_refused_before_anything_changes(tiny_checkpoint, cast):
     model = _wrapped(tiny_checkpoint("mixtral"), quantization="int8")
     expected, records = _logits(model), model.mira.store._slabs[0].data.clone()
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     with pytest.raises(UnsupportedOperationError, match="int8 \\(lossy\\).*Nothing was changed.*from_pretrained"):
-        getattr(model, cast)() if cast != "float" else model.double()
+        getattr(model, cast)()
     assert {n: p.dtype for n, p in model.named_parameters()} == dtypes
     assert torch.equal(model.mira.store._slabs[0].data, records)
     assert torch.equal(_logits(model), expected)
@@ -174,3 +174,23 @@ def test_predictors_read_the_routers_of_the_cast_model(tiny_checkpoint):
     block = model.model.layers[2].mlp
     assert model.mira.router_probs.linear(1).correction is block.gate.e_score_correction_bias
     assert model.mira.predictor._plan(0)[1][0].correction is block.gate.e_score_correction_bias
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_moves_between_cpu_and_cuda_take_the_cache_along_and_serve_exactly(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path)
+    _logits(model)  # experts resident in the CPU cache
+    model.cuda()
+    assert model.device.type == "cuda" and model.mira.device.type == "cuda"
+    assert all(arena.device.type == "cuda" for arena in model.mira._arena.values())
+    assert all(p.device.type == "cpu" for n, p in model.named_parameters() if ".experts." in n)  # the store stays
+    with torch.no_grad():
+        got, want = model(IDS.cuda()).logits, ref.cuda()(IDS.cuda()).logits
+    assert torch.equal(got, want)
+    model.bfloat16()
+    ref.bfloat16()
+    with torch.no_grad():
+        assert torch.equal(model(IDS.cuda()).logits, ref(IDS.cuda()).logits)
+    model.float().cpu()
+    assert model.mira.device.type == "cpu" and torch.equal(_logits(model), _logits(ref.float().cpu()))

@@ -2,6 +2,7 @@
 before anything changes (the model, its store and its forward stay as they were)."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -194,3 +195,16 @@ def test_moves_between_cpu_and_cuda_take_the_cache_along_and_serve_exactly(tiny_
         assert torch.equal(model(IDS.cuda()).logits, ref(IDS.cuda()).logits)
     model.float().cpu()
     assert model.mira.device.type == "cpu" and torch.equal(_logits(model), _logits(ref.float().cpu()))
+
+
+def test_a_cast_re_encodes_experts_on_the_disk_tier(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("mixtral")
+    model = _wrapped(path, host_budget="1KB", offload_dir=str(tmp_path))
+    assert model.mira.store.tier(0) == model.mira.store.tier(1) == "disk"
+    files = sorted(os.listdir(tmp_path))
+    model.bfloat16()
+    ref = load_reference(path).bfloat16()
+    assert model.mira.store.tier(0) == "disk" and sorted(os.listdir(tmp_path)) == files  # rewritten in place of the old
+    assert torch.equal(_logits(model), _logits(ref)) and _same(model.state_dict(), ref.state_dict())
+    model.unload()
+    assert os.listdir(tmp_path) == []

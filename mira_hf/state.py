@@ -13,12 +13,12 @@ into the store (strict semantics as torch's: missing, unexpected and mis-shaped 
 same way) and empties the cache, so the next forward computes with the loaded weights.
 
 `model.to(dtype)`, `.half()`, `.bfloat16()`, `.float()`, `.to(device)`, `.cuda()`, `.cpu()` reach every
-module through `nn.Module._apply(fn)`. The model's own `_apply` (set per instance) first learns what `fn`
-does from a one-element probe, checks that the store can follow (a dtype its codec holds exactly, a slot
-plan that fits the budget on the target device) and raises before anything changes otherwise; then it
-re-encodes the store to the new dtype exactly as casting each expert tensor would, rebuilds the
-manager's cache on the target device, and lets `fn` reach the other weights. A proxy never applies `fn`
-to its expert parameters itself.
+module through `nn.Module._apply(fn)`. The `_apply` of the model and of every module above a proxy (set
+per instance) first learns what `fn` does from a one-element probe, checks that the store can follow (a
+dtype its codec holds exactly, a slot plan that fits the budget on the target device, a module that holds
+every layer's experts) and raises before anything changes otherwise; then it re-encodes the store to the
+new dtype exactly as casting each expert tensor would, rebuilds the manager's cache on the target device,
+and lets `fn` reach the other weights. A proxy never applies `fn` to its expert parameters itself.
 """
 
 from __future__ import annotations
@@ -235,6 +235,31 @@ class ExpertState:
         for proxy in self.proxies.values():
             self.expose(proxy)
 
+    def apply_from(self, module: nn.Module, fn, recurse: bool):
+        """`module._apply(fn)` with the experts following: learn what `fn` does, refuse before anything changes
+        what the store cannot follow (or a cast or move of a part of the model that holds only some of the
+        experts: the layers share one store and cache), re-encode and relocate, then let `fn` reach the rest."""
+        dtypes, device = self.target(fn)
+        if device != self.manager.device or any(a != b for a, b in dtypes.items()):
+            inside = {id(m) for m in module.modules()}
+            if not all(id(p) in inside for p in self.proxies.values()):
+                raise UnsupportedOperationError(
+                    f"a part of a mira-hf model ({type(module).__name__}) was cast or moved: its experts share one host "
+                    "store and device cache with the other layers, so they follow only a cast or move of a module that "
+                    "holds them all. Nothing was changed. Call model.to(...), model.half(), model.float() or "
+                    "model.cuda() on the model itself."
+                )
+        change = self.plan_change(dtypes, device)
+        if change is not None:
+            self.apply_change(change)
+        self.applying = True
+        try:
+            return type(module)._apply(module, fn, recurse)
+        finally:
+            self.applying = False
+            if change is not None:
+                self.forget_routers()
+
     def forget_routers(self) -> None:
         """After a cast or move: predictors take the routers again (their buffers are new tensors)."""
         for holder in (self.manager.router_probs, self.manager.predictor):
@@ -255,20 +280,28 @@ class _Change:
 def install(
     model: nn.Module, manager: ExpertManager, proxies: list, requires_grad: Mapping[int, Mapping[str, bool]], replan: Replan
 ) -> None:
-    """Give each proxy its expert parameters and state-dict hooks, and the model its `_apply` (per instance)."""
+    """Give each proxy its expert parameters and state-dict hook, and the model and every module above a
+    proxy an `_apply` of their own (per instance), so that a cast or move from any of them is served or refused
+    before it changes anything."""
     state = ExpertState(manager, {p.layer: p for p in proxies}, replan)
     for proxy in proxies:
         object.__setattr__(proxy, "_mira_state", state)  # shared, not a submodule
         state.expose(proxy, requires_grad.get(proxy.layer))
         proxy._mira_hook = proxy.register_state_dict_post_hook(_unwrapped_names)
-    model._mira_state = state
-    model._apply = types.MethodType(_model_apply, model)
+    served = {id(p) for p in proxies}
+    for module in model.modules():
+        if id(module) not in served and any(id(m) in served for m in module.modules()):
+            module._mira_state = state
+            module._apply = types.MethodType(_ancestor_apply, module)
 
 
 def uninstall(model: nn.Module) -> None:
-    """Undo `install` (for `unload`): the proxies lose their expert parameters and hooks, the model its `_apply`."""
-    state: ExpertState = model.__dict__.pop("_mira_state")
-    model.__dict__.pop("_apply", None)
+    """Undo `install` (for `unload`)."""
+    state: ExpertState = model._mira_state
+    for module in model.modules():
+        if module.__dict__.get("_mira_state") is state:
+            del module.__dict__["_mira_state"]
+            module.__dict__.pop("_apply", None)
     for proxy in state.proxies.values():
         state.hide(proxy)
         proxy._mira_hook.remove()
@@ -276,37 +309,23 @@ def uninstall(model: nn.Module) -> None:
         proxy.__dict__.pop("_mira_state", None)
 
 
-def _model_apply(model: nn.Module, fn, recurse: bool = True):
-    """The wrapped model's `_apply`: the experts follow a cast or move first, or it raises before anything changes."""
-    state: ExpertState = model._mira_state
-    change = state.plan_change(*state.target(fn))
-    if change is not None:
-        state.apply_change(change)
-    state.applying = True
-    try:
-        return type(model)._apply(model, fn, recurse)
-    finally:
-        state.applying = False
-        if change is not None:
-            state.forget_routers()
+def _ancestor_apply(module: nn.Module, fn, recurse: bool = True):
+    """`_apply` of the model and of every module above a proxy."""
+    state: ExpertState = module._mira_state
+    if state.applying:  # reached from a cast or move of a module above, which the experts follow already
+        return type(module)._apply(module, fn, recurse)
+    return state.apply_from(module, fn, recurse)
 
 
 def proxy_apply(proxy: nn.Module, fn, recurse: bool = True):
-    """A proxy's `_apply`: `fn` reaches its other members (`base`), never its expert parameters (the model's
-    `_apply` moves and casts those through the store). A cast or move of a part of the model that holds a
-    proxy is refused: the experts of every layer share one store and cache."""
+    """A proxy's `_apply`: `fn` reaches its other members (`base`), never its expert parameters (those follow
+    a cast or move through the store)."""
+    state: ExpertState | None = getattr(proxy, "_mira_state", None)
+    if state is not None and not state.applying:
+        return state.apply_from(proxy, fn, recurse)
     if recurse:
         for child in proxy.children():
             child._apply(fn)
-    state: ExpertState | None = getattr(proxy, "_mira_state", None)
-    if state is not None and not state.applying:
-        dtypes, device = state.target(fn)
-        if device != state.manager.device or any(a != b for a, b in dtypes.items()):
-            raise UnsupportedOperationError(
-                "a part of a mira-hf model was cast or moved: its experts share one host store and device cache with "
-                "every other layer, so they follow only a cast or move of the whole model. Call model.to(...), "
-                "model.half(), model.float() or model.cuda() on the model itself."
-            )
     return proxy
 
 

@@ -148,12 +148,22 @@ def test_moves_to_the_same_device_change_nothing_and_others_are_refused_before_a
     assert torch.equal(_logits(model), expected)
 
 
-def test_a_cast_of_a_part_holding_experts_is_refused(tiny_checkpoint):
+@pytest.mark.parametrize("part", ["model.layers.0", "model.layers.1.mlp", "model.layers.0.mlp.experts"])
+def test_a_cast_of_a_part_holding_some_experts_is_refused_before_anything_changes(tiny_checkpoint, part):
     model = _wrapped(tiny_checkpoint("mixtral"))
-    expected = _logits(model)
-    with pytest.raises(UnsupportedOperationError, match="whole model.*model.half\\(\\)"):
-        model.model.layers[0].mlp.experts.half()
-    assert model.mira.store.dtype(0) == torch.float32 and torch.equal(_logits(model), expected)
+    expected, before = _logits(model), _snapshot(model)
+    with pytest.raises(UnsupportedOperationError, match="Nothing was changed.*model.half\\(\\)"):
+        model.get_submodule(part).half()
+    assert _same(model.state_dict(), before) and torch.equal(_logits(model), expected)
+
+
+def test_a_cast_of_a_part_holding_every_expert_is_served(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    model, ref = _wrapped(path), load_reference(path)
+    model.model.half()
+    ref.model.half()
+    assert model.mira.store.dtype(0) == torch.float16 and model.lm_head.weight.dtype == torch.float32
+    assert _same(model.state_dict(), ref.state_dict())
 
 
 def test_calls_of_apply_that_change_neither_dtype_nor_device_leave_the_experts_alone(tiny_checkpoint):

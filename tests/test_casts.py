@@ -219,3 +219,24 @@ def test_a_cast_re_encodes_experts_on_the_disk_tier(tiny_checkpoint, tmp_path):
     assert torch.equal(_logits(model), _logits(ref)) and _same(model.state_dict(), ref.state_dict())
     model.unload()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_model_casts_on_its_device_and_moves_to_the_cpu_and_back(tiny_checkpoint):
+    """Wrapped on CUDA (pinned store, gpu_budget=None: sized from free memory at load)."""
+    path = tiny_checkpoint("mixtral")
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(device="cuda"), progress=False).eval()
+    ref = load_reference(path).cuda()
+    budget = model.mira.budget.budget_bytes
+    model.bfloat16()
+    ref.bfloat16()
+    with torch.no_grad():
+        assert torch.equal(model(IDS.cuda()).logits, ref(IDS.cuda()).logits)
+    assert model.mira.budget.budget_bytes == budget and model.mira.store.tier(0) == "pinned"
+    model.cpu()
+    ref.cpu()
+    assert model.mira.device.type == "cpu" and torch.equal(_logits(model), _logits(ref))
+    model.cuda()
+    ref.cuda()
+    with torch.no_grad():
+        assert torch.equal(model(IDS.cuda()).logits, ref(IDS.cuda()).logits)

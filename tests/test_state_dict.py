@@ -152,3 +152,13 @@ def test_optimizer_device_dtype_and_modes_see_an_ordinary_model(tiny_checkpoint)
     assert model.train() is model and model.training and all(m.training for m in model.modules())
     assert model.eval() is model and not any(m.training for m in model.modules())
     assert torch.equal(_logits(model), expected)
+
+
+def test_load_state_dict_into_a_quantized_model_quantizes_the_loaded_weights(tiny_checkpoint):
+    """int8 experts: loading other weights gives what wrapping those weights with int8 gives."""
+    model = _wrapped(tiny_checkpoint("mixtral"), quantization="int8")
+    _logits(model)
+    other = _other_weights("mixtral")
+    model.load_state_dict(other.state_dict())
+    expected = MiraMoEModel.wrap(other, MiraConfig(device="cpu", gpu_budget=0.5, quantization="int8"))
+    assert torch.equal(_logits(model), _logits(expected))

@@ -168,40 +168,15 @@ class ExpertManager:
         split_copies: bool = True,
         split_min_bytes: int = 0,  # MiraConfig's default: LoaderConfig.split_min_bytes
     ) -> None:
-        self.store = store
         self.layers = {li.ordinal: li for li in layers}
         self._first_ordinal, self._last_ordinal = min(self.layers), max(self.layers)
-        # Demand copies a block keeps in flight (see CacheConfig.demand_inflight_bytes): ≥ 2 per layer.
-        self._depth = {li.ordinal: max(2, -(-demand_inflight_bytes // store.record_bytes(li.ordinal))) for li in layers}
-        self.budget = budget
-        self.device = device
-        self.loader = Loader(device, ring_bytes, timeout_s=copy_timeout_s)
         self.telemetry = Telemetry()
         self.heat = HeatTracker({li.ordinal: li.num_experts for li in layers}, heat)
         self.predictor = predictor
         self.predictor_config = predictor_config or PredictorConfig()
         # Prediction pauses while it costs more host time than the stalls it could remove (PredictorConfig.pause_unprofitable).
-        pause = self.predictor_config.pause_unprofitable
         self._gate = PayoffGate(self.predictor_config.payoff_window_steps)
-        self._gate_on = device.type == "cuda" if pause is None else pause
         self.warmup_steps = warmup_steps  # first steps: prefetches only fill free slots, nothing is evicted
-        # How a slot holds an expert: "raw" (checkpoint bytes), "dequant" (packed records dequantised
-        # into a slot of the checkpoint dtype) or "packed" (packed records, computed from as they are).
-        self.placement = placement if store.quantized else "raw"
-        # Speculative copies of the next layer's guesses (PredictorConfig.speculate_bytes): only where a
-        # copy lands in its slot as is ("dequant" decodes whole records) and the link can idle (CUDA).
-        spec = self.predictor_config.speculate_bytes
-        spec = (48 * 2**20 if device.type == "cuda" else 0) if spec is None else spec
-        self.speculate_bytes = spec if self.placement != "dequant" else 0
-        # Records copied in two parts where a slot holds them as they are (LoaderConfig.split_copies): the
-        # tensors of the first matmul, then the rest, so the first matmul (and its decode) overlaps the rest.
-        split = split_copies and self.placement != "dequant"
-        self._split = {
-            li.ordinal: split_point(store.layout(li.ordinal))
-            if split and store.record_bytes(li.ordinal) >= split_min_bytes
-            else None
-            for li in layers
-        }
         self._predicted: dict[Key, float] = {}  # latest predicted probability of use this step
         # layer -> latest [E] prediction: for a layer not yet run this step, or (layers in _next_step) for its next step
         self._layer_probs: dict[int, list[float]] = {}
@@ -209,14 +184,61 @@ class ExpertManager:
         self._precision: float | None = None  # running precision of the predictor's guesses
         self._pending_predictions: dict[int, list[tuple[int, set[int]]]] = {}  # target layer -> [(distance, set)]
         self._ahead: dict[int, dict] = {}  # layer -> predictions made by predict_ahead, for its begin()
-        self._cut_short: dict[Key, Slot] = {}  # speculative copies cut short, until finished or dropped
-        self._staged: dict[int, list[Slot]] = {}  # layer -> slots given to its prefetches since its last block
         self.host_only: frozenset[Key] = frozenset()  # experts that never keep a slot (set_host_only)
         self.recorder = None  # optional callable(layer, hidden [T,H], top_k_index [T,K]): traces, calibration
         self.router_probs = None  # (layer, hidden) -> [T, E] router probabilities, set by the model wrapper
         self.fingerprint: dict = {}  # identifies the wrapped model (files made for another model are refused)
         self.quantization: str | None = None  # the transfer format in use (MiraConfig.quantization, "auto" resolved)
         self._lock = threading.RLock()
+        # What `_place` builds the cache and loader from, kept for `relocate`.
+        self._slot_options = dict(
+            policy=policy,
+            priority=priority,
+            stage_fraction=stage_fraction,
+            demand_inflight_bytes=demand_inflight_bytes,
+            ring_bytes=ring_bytes,
+            copy_timeout_s=copy_timeout_s,
+            placement=placement,
+            split_copies=split_copies,
+            split_min_bytes=split_min_bytes,
+        )
+        self._place(store, budget, device)
+        self._last_layer = -1
+        self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
+        self._forward_owner: int | None = None
+
+    def _place(self, store: ExpertStore, budget: BudgetPlan, device: torch.device) -> None:
+        """Build everything that depends on the records, the slot plan and the device: the loader, the
+        slot arenas and codec buffers, and an empty cache (`__init__`, and `relocate` after a cast or move)."""
+        o = self._slot_options
+        layers = list(self.layers.values())
+        self.store = store
+        # Demand copies a block keeps in flight (see CacheConfig.demand_inflight_bytes): ≥ 2 per layer.
+        self._depth = {li.ordinal: max(2, -(-o["demand_inflight_bytes"] // store.record_bytes(li.ordinal))) for li in layers}
+        self.budget = budget
+        self.device = device
+        self.loader = Loader(device, o["ring_bytes"], timeout_s=o["copy_timeout_s"])
+        pause = self.predictor_config.pause_unprofitable
+        self._gate_on = device.type == "cuda" if pause is None else pause
+        # How a slot holds an expert: "raw" (checkpoint bytes), "dequant" (packed records dequantised
+        # into a slot of the checkpoint dtype) or "packed" (packed records, computed from as they are).
+        self.placement = o["placement"] if store.quantized else "raw"
+        # Speculative copies of the next layer's guesses (PredictorConfig.speculate_bytes): only where a
+        # copy lands in its slot as is ("dequant" decodes whole records) and the link can idle (CUDA).
+        spec = self.predictor_config.speculate_bytes
+        spec = (48 * 2**20 if device.type == "cuda" else 0) if spec is None else spec
+        self.speculate_bytes = spec if self.placement != "dequant" else 0
+        # Records copied in two parts where a slot holds them as they are (LoaderConfig.split_copies): the
+        # tensors of the first matmul, then the rest, so the first matmul (and its decode) overlaps the rest.
+        split = o["split_copies"] and self.placement != "dequant"
+        self._split = {
+            li.ordinal: split_point(store.layout(li.ordinal))
+            if split and store.record_bytes(li.ordinal) >= o["split_min_bytes"]
+            else None
+            for li in layers
+        }
+        self._cut_short: dict[Key, Slot] = {}  # speculative copies cut short, until finished or dropped
+        self._staged: dict[int, list[Slot]] = {}  # layer -> slots given to its prefetches since its last block
         largest = max(budget.slot_bytes.values())
         tier_factor = {"pinned": 1.0, "pageable": 2.0, "disk": 4.0}  # relative reload cost per byte
         self._cost = {
@@ -226,8 +248,8 @@ class ExpertManager:
         pools = {}
         self._arena: dict[Hashable, torch.Tensor] = {}
         for g, n in budget.n_slots.items():
-            n_stage = int(n * stage_fraction)
-            pools[g] = SlotPool(budget.slot_bytes[g], n, n_stage, self._make_policy(policy, priority))
+            n_stage = int(n * o["stage_fraction"])
+            pools[g] = SlotPool(budget.slot_bytes[g], n, n_stage, self._make_policy(o["policy"], o["priority"]))
             # One allocation per pool, made once: slots are views, so the budget is never exceeded.
             self._arena[g] = torch.empty((n, budget.slot_bytes[g]), dtype=torch.uint8, device=device)
         # Codec buffers, taken from the budget by the plan: "dequant" copies land in one staging record
@@ -242,9 +264,19 @@ class ExpertManager:
         self._buffers = {k: torch.empty(n, dtype=torch.uint8, device=device) for k, n in need.items()}
         self.cache = ExpertCache(pools, budget.pool_of_layer)
         self._views: dict[tuple, object] = {}  # (pool, slot, layer) -> tensors or PackedWeights
-        self._last_layer = -1
-        self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
-        self._forward_owner: int | None = None
+
+    def relocate(self, store: ExpertStore, budget: BudgetPlan, device: torch.device) -> None:
+        """Serve from `store` (e.g. re-encoded by a cast, or rewritten by `load_state_dict`) with slots
+        planned by `budget` on `device` (the model moved there). Every copy in flight finishes first; the
+        cache starts empty (what it held is stale or elsewhere). Counters, heat and the predictor stay."""
+        with self._lock:
+            self.loader.synchronize()
+            self._drop_speculation()
+            self._arena.clear()
+            self._buffers.clear()
+            self._views.clear()
+            self._ahead.clear()
+            self._place(store, budget, device)
 
     def _make_policy(self, name: str, priority: PriorityConfig | None):
         if name == "heat":

@@ -9,6 +9,7 @@ gives back an ordinary model; `model.save_pretrained()` writes an ordinary check
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import types
@@ -47,6 +48,8 @@ from .proxy import KNOWN_EXPERT_TENSORS, LAYOUT_FLAGS, MiraExperts, MiraScaledEx
 from .quant import NATIVE_CODECS
 from .record_cache import RecordCache, default_root
 from .saved_store import CorruptStoreError, SavedStore
+from .state import install as install_state
+from .state import uninstall as uninstall_state
 from .store import ExpertStore, codec_spec, over_host_budget
 
 _HOW_TO_ADD = (
@@ -275,9 +278,11 @@ class MiraMoEModel:
         if cache is not None and saved is None:  # encoded here (or the entry was dropped): cache the records
             cache.write(store.slabs(), store.plans())
         proxy = MiraScaledExperts if adapter.input_scaled else MiraExperts
+        proxies = []
         for t in targets:
             flags = {n: adapter.flag(t.module, n, default) for n, default in LAYOUT_FLAGS.items()}
-            setattr(t.parent, t.attr, proxy(t.module, manager, t.ordinal, flags, cfg.cache.prefill_block_tokens))
+            proxies.append(proxy(t.module, manager, t.ordinal, flags, cfg.cache.prefill_block_tokens))
+            setattr(t.parent, t.attr, proxies[-1])
         model.to(device)
         # Per-instance hooks mark forward steps (the heat clock, serialised threads); always_call
         # releases the step even when the forward raises, so an interrupted generate leaves no lock.
@@ -292,6 +297,9 @@ class MiraMoEModel:
         model._mira_hooks = hooks
         model.unload = types.MethodType(_unload, model)
         model.save_pretrained = types.MethodType(_save_pretrained, model)
+        # The experts as parameters (views of the store), and casts and moves that the store follows.
+        replan = functools.partial(_replan, model, user_cfg, layers, targets)
+        install_state(model, manager, proxies, {t.ordinal: t.requires_grad for t in targets}, replan)
         return model
 
     @staticmethod
@@ -611,6 +619,10 @@ class RouterTable:
             self._linear[layer] = self._adapter.router_linear(self._blocks[layer])
         return self._linear[layer]
 
+    def forget_routers(self) -> None:
+        """Resolve the routers again at their next use: a cast or move replaced their buffers."""
+        self._linear.clear()
+
 
 def _top_k(model: nn.Module, t: _Target) -> int:
     """Experts per token for this layer (the minimum working set), from the block, router or config."""
@@ -635,16 +647,22 @@ def _budget_bytes(budget, all_bytes: int, device: torch.device, model: nn.Module
 
 
 def _bytes_to_move(model: nn.Module, targets: list[_Target], device: torch.device) -> int:
-    """Bytes of non-expert weights and buffers that `model.to(device)` will still copy there."""
+    """Bytes of non-expert weights and buffers that `model.to(device)` will still copy there (the experts,
+    before wrapping the modules' tensors, after it the proxies' parameters, stay in the store)."""
     experts = {t.tensors[n].data_ptr() for t in targets for n in t.tensors}
-    tensors = [*model.parameters(), *model.buffers()]
+    served = {id(p) for m in model.modules() if isinstance(m, MiraExperts) for p in m.parameters(recurse=False)}
+    tensors = [x for x in [*model.parameters(), *model.buffers()] if id(x) not in served]
     return sum(x.numel() * x.element_size() for x in tensors if x.device != device and x.data_ptr() not in experts)
 
 
-def _check_device_memory(capacity: int, device: torch.device, model: nn.Module, targets: list[_Target]) -> None:
+def _check_device_memory(
+    capacity: int, device: torch.device, model: nn.Module, targets: list[_Target], reclaim_bytes: int = 0
+) -> None:
+    """`reclaim_bytes`: device memory freed before the arena is allocated (the arena a new plan replaces)."""
     if device.type != "cuda":
         return
     free, _ = torch.cuda.mem_get_info(device)
+    free += reclaim_bytes
     need = capacity + _bytes_to_move(model, targets, device)
     if need > free:
         raise BudgetError(
@@ -701,6 +719,26 @@ def _check_host_memory(cfg: MiraConfig, layer_bytes: list[int], targets: list[_T
         )
 
 
+def _replan(
+    model: nn.Module, cfg: MiraConfig, layers: list[LayerInfo], targets: list[_Target], layouts, raw_bytes, device: torch.device
+):
+    """The slot plan of a wrapped model whose records changed (`layouts`, `raw_bytes`: per layer, after a
+    cast or a load) or that moves to `device`, from the budget it was wrapped with; raises `BudgetError`
+    before anything changes. A fraction budget is a share of the experts' bytes in their new dtype."""
+    manager: ExpertManager = model.mira
+    all_bytes = sum(raw_bytes[li.ordinal] * li.num_experts for li in layers)
+    same = device == manager.device
+    if cfg.gpu_budget is None and device.type == "cuda" and same:
+        budget_bytes = manager.budget.budget_bytes  # what free memory gave at wrap; it now excludes the arena
+    else:
+        budget_bytes = _budget_bytes(cfg.gpu_budget, all_bytes, device, model, targets)
+    placement = manager.placement
+    slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else dict(raw_bytes)
+    budget = plan_budget(layers, slot_bytes, budget_bytes, buffers=device_buffers(placement, manager.store.codec, layouts))
+    _check_device_memory(budget.device_bytes, device, model, targets, reclaim_bytes=manager.device_bytes if same else 0)
+    return budget
+
+
 def _progress(items, enabled: bool, desc: str):
     if not enabled:
         return items
@@ -727,6 +765,7 @@ def _unload(model: nn.Module) -> nn.Module:
     """Give back an ordinary transformers model, on the CPU, with every expert in place."""
     manager: ExpertManager = model.mira
     _warn_if_lossy(manager, "unload() gives back")
+    uninstall_state(model)
     for hook in model._mira_hooks:
         hook.remove()
     manager.close()
@@ -745,10 +784,10 @@ def _save_pretrained(model: nn.Module, save_directory, **kwargs):
     if "state_dict" in kwargs:
         raise ConfigError("save_pretrained of a mira-hf model builds the state dict itself; do not pass state_dict.")
     _warn_if_lossy(model.mira, "save_pretrained() writes")
-    state = model.state_dict()
-    for t in model._mira_targets:
-        for key in [k for k in state if k.startswith(t.name + ".base.")]:
-            state[t.name + "." + key[len(t.name + ".base.") :]] = state.pop(key)
+    with warnings.catch_warnings():  # state_dict() would say it again for every layer
+        warnings.simplefilter("ignore")
+        state = model.state_dict()
+    for t in model._mira_targets:  # one contiguous tensor each (views of raw records share their slab)
         for n, tensor in model.mira.store.fused(t.ordinal).items():
             state[f"{t.name}.{n}"] = tensor
     return type(model).save_pretrained(model, save_directory, state_dict=state, **kwargs)

@@ -127,6 +127,12 @@ class GatePredictor:
     def reset(self) -> None:
         pass
 
+    def forget_routers(self) -> None:
+        """Take the routers from `router_probs` again at their next use (a cast or move of the model replaced
+        their buffers, e.g. a selection bias, which the plans hold)."""
+        self._plans.clear()
+        self._buffers.clear()
+
 
 class HostScores(Mapping):
     """`{target layer: [E] probability of use}` from the concatenated router logits of the targets for

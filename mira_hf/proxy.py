@@ -18,6 +18,7 @@ from torch import nn
 from .errors import UnsupportedOperationError
 from .layout import PackedWeights
 from .manager import ExpertManager
+from .state import proxy_apply
 
 
 def _no_backward(grad: torch.Tensor) -> torch.Tensor:
@@ -195,6 +196,22 @@ class MiraExperts(nn.Module):
         if self._post_norm:
             y = self.base.post_expert_norm(y)
         return y
+
+    # -- the experts as this module's parameters (`mira_hf.state`): state dict, load, casts, moves --------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        state = getattr(self, "_mira_state", None)
+        if state is None or not state.save(self, destination, prefix, keep_vars):
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        state = getattr(self, "_mira_state", None)
+        if state is None:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        else:
+            state.load(self, state_dict, prefix, missing_keys, unexpected_keys, error_msgs)
+
+    def _apply(self, fn, recurse=True):
+        return proxy_apply(self, fn, recurse)
 
 
 class MiraScaledExperts(MiraExperts):

@@ -225,6 +225,88 @@ class ExpertStore:
         per_expert = [self.codec.decode(slab.data[e], slab.layout, slab.dtype) for e in range(E)]
         return {name: torch.stack([p[name] for p in per_expert]).to(slab.dtype) for name in per_expert[0]}
 
+    def expert_views(self, layer: int) -> dict[str, torch.Tensor] | None:
+        """`name -> [E, ...]` over every expert of `layer`, as typed strided views of its slab (no copy;
+        writing into them writes the records), or None where records are encoded (`quantized`)."""
+        if self.quantized:
+            return None
+        slab = self._slabs[layer]
+        E, R = slab.data.shape
+        views = {}
+        for spec in slab.layout.tensors:
+            size = spec.dtype.itemsize  # record_bytes and offsets are multiples of ALIGN_BYTES, so of this
+            typed = slab.data.view(spec.dtype)  # [E, R / size]
+            strides, step = [], 1
+            for dim in reversed(spec.shape):
+                strides.insert(0, step)
+                step *= dim
+            offset = typed.storage_offset() + spec.offset // size
+            views[spec.name] = typed.as_strided((E, *spec.shape), (R // size, *strides), offset)
+        return views
+
+    def expert_specs(self, layer: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (per-expert shape, dtype) of `layer`'s expert tensors, as the checkpoint has them."""
+        return {t.name: (t.shape, t.dtype) for t in self._slabs[layer].raw_layout.tensors}
+
+    def plan_rewrite(self, layer: int, fused: Mapping[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None):
+        """The record layout `layer` would get from `rewrite(layer, fused, dtype)`, planned before anything
+        changes (a lossless layout depends on the values). Raises the codec's error for a dtype it cannot hold."""
+        specs = self.expert_specs(layer)
+        dtype = dtype or self._slabs[layer].dtype
+        new_specs = {n: (shape, dtype) for n, (shape, _) in specs.items()}
+        E = self.num_experts(layer)
+        if not hasattr(self.codec, "plan_experts"):
+            return self.codec.plan(new_specs)
+        return self.codec.plan_experts_from(new_specs, E, self._rewritten(layer, fused, dtype))
+
+    def rewrite(self, layer: int, fused: Mapping[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None, layout=None):
+        """Encode `layer` again: with the tensors in `fused` (`name -> [E, ...]`, some or all of them) in place of
+        the stored ones, and/or every tensor cast to `dtype`, exactly as casting the original tensors would.
+        Records of the same size are written in place; otherwise the layer gets a new slab in the tier the host
+        budget gives it (host memory grows by at most this layer meanwhile). `layout`: from `plan_rewrite`."""
+        old = self._slabs[layer]
+        dtype = dtype or old.dtype
+        layout = layout if layout is not None else self.plan_rewrite(layer, fused, dtype)
+        expert = self._rewritten(layer, fused, dtype)
+        E = self.num_experts(layer)
+        if dtype == old.dtype and layout == old.layout:
+            # each expert's record is read (expert(e)) before its own sink overwrites it
+            self._encode(layer, layout, E, expert, lambda e, record: old.data[e].copy_(record), {})
+            return
+        specs = {n: (shape, dtype) for n, (shape, _) in self.expert_specs(layer).items()}
+        parked = None
+        if old.path is not None:  # the new records take the file's name; the old mapping keeps its (renamed) file
+            parked = old.path + ".old"
+            os.replace(old.path, parked)
+        else:
+            self._host_bytes -= old.data.numel()
+        try:
+            self.add_layer_from(layer, specs, E, expert, layout=layout)
+        except BaseException:
+            self._slabs[layer] = old
+            if parked is not None:
+                os.replace(parked, old.path)
+            else:
+                self._host_bytes += old.data.numel()
+            raise
+        if parked is not None:
+            os.remove(parked)
+
+    def _rewritten(self, layer: int, fused: Mapping[str, torch.Tensor] | None, dtype: torch.dtype):
+        """`e -> {name: tensor}`: expert e of `layer` as stored, with `fused` replacing tensors, cast to `dtype`."""
+        slab = self._slabs[layer]
+        fused = fused or {}
+
+        def expert(e: int) -> dict[str, torch.Tensor]:
+            stored = self.codec.decode(slab.data[e], slab.layout, slab.dtype) if len(fused) < len(slab.raw_layout.tensors) else {}
+            out = {}
+            for spec in slab.raw_layout.tensors:
+                t = fused[spec.name][e] if spec.name in fused else stored[spec.name].to(slab.dtype)
+                out[spec.name] = t.to(dtype)
+            return out
+
+        return expert
+
     def save(self, directory: str, fingerprint: dict) -> None:
         """Write every record and a header (`mira_hf.saved_store`), so a later load with
         `MiraConfig(store_path=directory)` reads them instead of quantising again."""

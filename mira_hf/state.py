@@ -1,0 +1,336 @@
+"""The routed experts as the wrapped model's parameters: state dict, `load_state_dict`, casts and moves.
+
+Each `MiraExperts` proxy holds its layer's expert tensors as parameters under their original names
+(`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, ...), so `state_dict()`, `named_parameters()`,
+`num_parameters()` and `get_memory_footprint()` see what the unwrapped model has:
+- uncompressed records: each parameter is a strided view of its layer's host slab (no copy; the store
+  *is* the weights). It stays in host memory whatever `model.device` is;
+- encoded records (lossless, int8/int4/nf4): each parameter is a placeholder on the `meta` device (shape
+  and dtype only, no memory); `state_dict()` gives a decoded copy instead, with a warning where the
+  format is lossy (the values are the dequantized ones, not the checkpoint's).
+The device holds only the manager's cache, never all experts. `load_state_dict` writes expert tensors
+into the store (strict semantics as torch's: missing, unexpected and mis-shaped keys are reported the
+same way) and empties the cache, so the next forward computes with the loaded weights.
+
+`model.to(dtype)`, `.half()`, `.bfloat16()`, `.float()`, `.to(device)`, `.cuda()`, `.cpu()` reach every
+module through `nn.Module._apply(fn)`. The `_apply` of the model and of every module above a proxy (set
+per instance) first learns what `fn` does from a one-element probe, checks that the store can follow (a
+dtype its codec holds exactly, a slot plan that fits the budget on the target device, a module that holds
+every layer's experts) and raises before anything changes otherwise; then it re-encodes the store to the
+new dtype exactly as casting each expert tensor would, rebuilds the manager's cache on the target device,
+and lets `fn` reach the other weights. A proxy never applies `fn` to its expert parameters itself.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .errors import ConfigError, DeviceError, UnsupportedOperationError
+from .layout import IdentityCodec
+from .manager import BudgetPlan, ExpertManager
+
+# (new record layouts by layer, uncompressed record bytes by layer, device) -> the slot plan there (raises BudgetError)
+Replan = Callable[[Mapping[int, object], Mapping[int, int], torch.device], BudgetPlan]
+
+SUPPORTED_DEVICES = ("cpu", "cuda")
+
+
+class ExpertState:
+    """One per wrapped model, shared by its proxies: the manager, the proxies by layer, and how to plan
+    slots again after the records changed size or the model moved."""
+
+    def __init__(self, manager: ExpertManager, proxies: Mapping[int, nn.Module], replan: Replan) -> None:
+        self.manager = manager
+        self.proxies = dict(proxies)
+        self.replan = replan
+        self.applying = False  # a cast or move of the whole model is under way (its proxies follow it)
+
+    @property
+    def store(self):
+        return self.manager.store
+
+    # -- parameters -----------------------------------------------------------------------------
+    def expose(self, proxy: nn.Module, requires_grad: Mapping[str, bool] | None = None) -> None:
+        """(Re)point `proxy`'s expert parameters at its layer's records: views of raw slabs, else meta
+        placeholders. A parameter that exists keeps its identity (optimizers and user references stay valid)."""
+        store, layer = self.store, proxy.layer
+        views = store.expert_views(layer)
+        E = store.num_experts(layer)
+        for name, (shape, dtype) in store.expert_specs(layer).items():
+            data = views[name] if views is not None else torch.empty((E, *shape), dtype=dtype, device="meta")
+            param = proxy._parameters.get(name)
+            if param is not None:
+                param.data = data
+            else:
+                grad = True if requires_grad is None else requires_grad.get(name, True)
+                proxy.register_parameter(name, nn.Parameter(data, requires_grad=grad))
+
+    def hide(self, proxy: nn.Module) -> None:
+        for name in self.store.expert_specs(proxy.layer):
+            proxy._parameters.pop(name, None)
+
+    # -- state dict -----------------------------------------------------------------------------
+    def save(self, proxy: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> bool:
+        """Put decoded copies of an encoded layer's tensors in `destination`; False where the parameters
+        (views of raw records) go in as they are."""
+        store = self.store
+        if not store.quantized:
+            return False
+        if not store.exact:
+            warnings.warn(
+                f"the experts are stored as {store.codec.name}: state_dict() gives their dequantized values, not "
+                "the checkpoint's. Load the model again without quantization for the original weights.",
+                stacklevel=4,
+            )
+        for name, tensor in store.fused(proxy.layer).items():
+            destination[prefix + name] = tensor
+        return True
+
+    def load(
+        self,
+        proxy: nn.Module,
+        state_dict: dict,
+        prefix: str,
+        missing_keys: list,
+        unexpected_keys: list,
+        error_msgs: list,
+    ) -> None:
+        """`proxy`'s part of `load_state_dict`, as torch's `_load_from_state_dict` reports it: expert tensors
+        are cast to the stored dtype (as `copy_` would) and written into the store; keys of the original
+        experts module's other members go to `proxy.base`, whose own load reads them."""
+        store, layer = self.store, proxy.layer
+        E = store.num_experts(layer)
+        specs = store.expert_specs(layer)
+        given = {}
+        for name, (shape, _) in specs.items():
+            key = prefix + name
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor):
+                error_msgs.append(
+                    f'While copying the parameter named "{key}", expected torch.Tensor or Tensor-like object from '
+                    f"checkpoint but received {type(value)}"
+                )
+            elif tuple(value.shape) != (E, *shape):
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, the shape in "
+                    f"current model is {torch.Size((E, *shape))}."
+                )
+            elif value.is_meta:
+                error_msgs.append(f"{key}: the given tensor is on the meta device (it holds no values to load).")
+            else:
+                given[name] = value
+        base = proxy.base
+        base_names = {*base._parameters, *base._buffers, *base._modules}
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            head = key[len(prefix) :].split(".", 1)[0]
+            if head in specs or head == "base":
+                continue
+            if head in base_names:  # the unwrapped model's name of a member the proxy keeps on `base`
+                state_dict[prefix + "base." + key[len(prefix) :]] = state_dict.pop(key)
+            else:
+                unexpected_keys.append(key)
+        if not given:
+            return
+        dtype = store.dtype(layer)
+        fused = {n: t.detach().to("cpu", dtype).contiguous() for n, t in given.items()}
+        try:
+            self.write(layer, fused)
+        except (ConfigError, ValueError) as exc:  # a budget the new records do not fit: the layer is unchanged
+            error_msgs.append(f"{prefix}*: {exc}")
+
+    def write(self, layer: int, fused: Mapping[str, torch.Tensor]) -> None:
+        """Encode `fused` (some or all of `layer`'s tensors, `[E, ...]`, the stored dtype) into the store and
+        empty the manager's cache. A record that changes size (lossless) is planned first: a plan that does
+        not fit raises before anything changes."""
+        store, manager = self.store, self.manager
+        layout = store.plan_rewrite(layer, fused)
+        budget = manager.budget
+        if layout != store.layout(layer):
+            layouts = {li: store.layout(li) for li in store.layers}
+            layouts[layer] = layout
+            budget = self.replan(layouts, {li: store.raw_layout(li).nbytes for li in store.layers}, manager.device)
+        manager.loader.synchronize()  # no copy still reads the records about to change
+        store.rewrite(layer, fused, layout=layout)
+        manager.relocate(store, budget, manager.device)
+        self.expose(self.proxies[layer])
+
+    # -- casts and moves ------------------------------------------------------------------------
+    def target(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[dict[torch.dtype, torch.dtype], torch.device]:
+        """What `fn` does to the experts: stored dtype -> new dtype, and the device the cache goes to,
+        from a one-element probe of each stored dtype on the cache's device. Raises before anything changes
+        where the probe fails (e.g. `.cuda()` without a GPU) or the target is no supported device."""
+        manager = self.manager
+        dtypes, device = {}, manager.device
+        for dtype in {self.store.dtype(layer) for layer in self.store.layers}:
+            try:
+                out = fn(torch.zeros(1, dtype=dtype, device=manager.device))
+            except Exception as exc:
+                raise DeviceError(
+                    f"this cast or move cannot reach the experts (a probe of it on {manager.device} raised: {exc}). "
+                    "Nothing was changed."
+                ) from exc
+            dtypes[dtype], device = out.dtype, out.device
+        if device.type not in SUPPORTED_DEVICES:
+            raise DeviceError(
+                f"the model was asked to move to {device}; mira-hf keeps the expert cache on {', '.join(SUPPORTED_DEVICES)} "
+                f"devices only. Nothing was changed: keep it on {manager.device}, or move it to a CUDA device."
+            )
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return dtypes, device
+
+    def plan_change(self, dtypes: Mapping[torch.dtype, torch.dtype], device: torch.device):
+        """Check that the store can follow a cast (`dtypes`: stored -> new) and/or move (`device`), and
+        return what applies it (new layouts and slot plan), or None where nothing changes for the experts."""
+        store, manager = self.store, self.manager
+        cast = {layer: dtypes[store.dtype(layer)] for layer in store.layers if dtypes[store.dtype(layer)] != store.dtype(layer)}
+        if not cast and device == manager.device:
+            return None
+        for layer, dtype in cast.items():
+            old = store.dtype(layer)
+            if not (dtype.is_floating_point and old.is_floating_point):
+                raise ConfigError(
+                    f"the experts are stored as {old} and cannot be cast to {dtype}: mira-hf casts floating-point "
+                    "experts to floating-point dtypes. Nothing was changed."
+                )
+            if store.quantized and not store.exact:
+                raise UnsupportedOperationError(
+                    f"the experts are stored as {store.codec.name} (lossy): casting them to {dtype} would not give what "
+                    f"casting the original model gives. Nothing was changed. Load the model again in that dtype "
+                    f"(MiraMoEModel.from_pretrained(..., dtype={dtype})), or call model.unload() (dequantized weights) "
+                    "and cast that."
+                )
+        layouts = {layer: store.layout(layer) for layer in store.layers}
+        raw_bytes = {layer: store.raw_layout(layer).nbytes for layer in store.layers}
+        for layer, dtype in cast.items():
+            try:
+                layouts[layer] = store.plan_rewrite(layer, dtype=dtype)
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"cannot cast the experts to {dtype}: {exc} Nothing was changed; call model.unload(), cast, and wrap "
+                    "it again with the transfer format you want."
+                ) from exc
+            specs = {n: (shape, dtype) for n, (shape, _) in store.expert_specs(layer).items()}
+            raw_bytes[layer] = IdentityCodec().plan(specs).nbytes
+        budget = self.replan(layouts, raw_bytes, device)
+        return _Change(cast, layouts, budget, device)
+
+    def apply_change(self, change: _Change) -> None:
+        """Re-encode the cast layers (one at a time), rebuild the cache on the target device, and point
+        every proxy's parameters at the new records."""
+        store, manager = self.store, self.manager
+        manager.loader.synchronize()
+        for layer, dtype in change.cast.items():
+            store.rewrite(layer, dtype=dtype, layout=change.layouts[layer])
+        manager.relocate(store, change.budget, change.device)
+        for proxy in self.proxies.values():
+            self.expose(proxy)
+
+    def apply_from(self, module: nn.Module, fn, recurse: bool):
+        """`module._apply(fn)` with the experts following: learn what `fn` does, refuse before anything changes
+        what the store cannot follow (or a cast or move of a part of the model that holds only some of the
+        experts: the layers share one store and cache), re-encode and relocate, then let `fn` reach the rest."""
+        dtypes, device = self.target(fn)
+        if device != self.manager.device or any(a != b for a, b in dtypes.items()):
+            inside = {id(m) for m in module.modules()}
+            if not all(id(p) in inside for p in self.proxies.values()):
+                raise UnsupportedOperationError(
+                    f"a part of a mira-hf model ({type(module).__name__}) was cast or moved: its experts share one host "
+                    "store and device cache with the other layers, so they follow only a cast or move of a module that "
+                    "holds them all. Nothing was changed. Call model.to(...), model.half(), model.float() or "
+                    "model.cuda() on the model itself."
+                )
+        change = self.plan_change(dtypes, device)
+        if change is not None:
+            self.apply_change(change)
+        self.applying = True
+        try:
+            return type(module)._apply(module, fn, recurse)
+        finally:
+            self.applying = False
+            if change is not None:
+                self.forget_routers()
+
+    def forget_routers(self) -> None:
+        """After a cast or move: predictors take the routers again (their buffers are new tensors)."""
+        for holder in (self.manager.router_probs, self.manager.predictor):
+            forget = getattr(holder, "forget_routers", None)
+            if forget is not None:
+                forget()
+
+
+@dataclass(frozen=True)
+class _Change:
+    cast: dict[int, torch.dtype]  # layer -> new dtype (layers whose dtype changes)
+    layouts: dict[int, object]  # layer -> record layout after the change
+    budget: BudgetPlan  # the slot plan on the target device
+    device: torch.device
+
+
+# -- the wrapped model's side ---------------------------------------------------------------------
+def install(
+    model: nn.Module, manager: ExpertManager, proxies: list, requires_grad: Mapping[int, Mapping[str, bool]], replan: Replan
+) -> None:
+    """Give each proxy its expert parameters and state-dict hook, and the model and every module above a
+    proxy an `_apply` of their own (per instance), so that a cast or move from any of them is served or refused
+    before it changes anything."""
+    state = ExpertState(manager, {p.layer: p for p in proxies}, replan)
+    for proxy in proxies:
+        object.__setattr__(proxy, "_mira_state", state)  # shared, not a submodule
+        state.expose(proxy, requires_grad.get(proxy.layer))
+        proxy._mira_hook = proxy.register_state_dict_post_hook(_unwrapped_names)
+    served = {id(p) for p in proxies}
+    for module in model.modules():
+        if id(module) not in served and any(id(m) in served for m in module.modules()):
+            module._mira_state = state
+            module._apply = types.MethodType(_ancestor_apply, module)
+
+
+def uninstall(model: nn.Module) -> None:
+    """Undo `install` (for `unload`)."""
+    state: ExpertState = model._mira_state
+    for module in model.modules():
+        if module.__dict__.get("_mira_state") is state:
+            del module.__dict__["_mira_state"]
+            module.__dict__.pop("_apply", None)
+    for proxy in state.proxies.values():
+        state.hide(proxy)
+        proxy._mira_hook.remove()
+        proxy.__dict__.pop("_mira_hook", None)
+        proxy.__dict__.pop("_mira_state", None)
+
+
+def _ancestor_apply(module: nn.Module, fn, recurse: bool = True):
+    """`_apply` of the model and of every module above a proxy."""
+    state: ExpertState = module._mira_state
+    if state.applying:  # reached from a cast or move of a module above, which the experts follow already
+        return type(module)._apply(module, fn, recurse)
+    return state.apply_from(module, fn, recurse)
+
+
+def proxy_apply(proxy: nn.Module, fn, recurse: bool = True):
+    """A proxy's `_apply`: `fn` reaches its other members (`base`), never its expert parameters (those follow
+    a cast or move through the store)."""
+    state: ExpertState | None = getattr(proxy, "_mira_state", None)
+    if state is not None and not state.applying:
+        return state.apply_from(proxy, fn, recurse)
+    if recurse:
+        for child in proxy.children():
+            child._apply(fn)
+    return proxy
+
+
+def _unwrapped_names(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """State-dict post-hook of a proxy: members of the original experts module that the proxy keeps on `base`
+    (`prefix.base.x`) get their unwrapped names (`prefix.x`)."""
+    for key in [k for k in state_dict if k.startswith(prefix + "base.")]:
+        state_dict[prefix + key[len(prefix) + len("base.") :]] = state_dict.pop(key)

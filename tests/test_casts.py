@@ -1,0 +1,242 @@
+"""Casts and moves of a wrapped model: served exactly as the same cast of the unwrapped model, or refused
+before anything changes (the model, its store and its forward stay as they were)."""
+
+import copy
+import os
+
+import pytest
+import torch
+from conftest import load_reference
+from transformers import AutoModelForCausalLM
+
+from mira_hf import BudgetError, ConfigError, DeviceError, MiraConfig, MiraMoEModel, UnsupportedOperationError
+
+IDS = torch.tensor([[4, 8, 15, 16, 23, 42, 7], [1, 2, 3, 5, 8, 13, 21]])
+
+# name -> what it does to a module. Every cast changes the dtype the experts compute in.
+CASTS = {
+    "half": lambda m: m.half(),
+    "bfloat16": lambda m: m.bfloat16(),
+    "to_bf16": lambda m: m.to(torch.bfloat16),
+    "to_fp16": lambda m: m.to(torch.float16),
+    "to_cpu_bf16": lambda m: m.to("cpu", torch.bfloat16),
+}
+# Families whose combine of expert outputs is exact in bf16 and fp16 today, so a cast wrapped model equals the
+# cast unwrapped one bit for bit (also deepseek_v2 and glm4_moe; phimoe in bf16 only). gpt_oss, granitemoe, olmoe,
+# qwen2_moe, qwen3_moe and qwen3_next weigh expert outputs in the hidden dtype in transformers' own code, which the
+# proxy's fp32 combine does not follow yet: their casts are served, within a few bf16 ulps.
+EXACT_FAMILIES = ["mixtral", "deepseek_v3", "llama4"]
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def _wrapped(path, **kw):
+    return MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", **{"gpu_budget": 0.5, **kw}), progress=False).eval()
+
+
+def _snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same(a, b):
+    return list(a) == list(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", EXACT_FAMILIES)
+@pytest.mark.parametrize("cast", sorted(CASTS))
+def test_a_cast_gives_what_the_same_cast_of_the_unwrapped_model_gives(tiny_checkpoint, name, cast):
+    path = tiny_checkpoint(name)
+    ref, model = CASTS[cast](load_reference(path)), _wrapped(path)
+    _logits(model)  # the cache holds fp32 experts before the cast
+    assert CASTS[cast](model) is model
+    assert model.dtype == ref.dtype and {p.dtype for p in model.parameters()} == {ref.dtype}
+    assert model.mira.store.dtype(0) == ref.dtype
+    assert torch.equal(_logits(model), _logits(ref))
+    assert _same(model.state_dict(), ref.state_dict())
+
+
+def test_float_after_a_bf16_load_serves_fp32_and_rescales_a_fraction_budget(tiny_checkpoint):
+    """The notebook habit: load in bf16, then `model.float()`."""
+    path = tiny_checkpoint("mixtral")
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", gpu_budget=0.5), dtype=torch.bfloat16, progress=False)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval().float()
+    budget = model.mira.stats()["budget_bytes"]
+    _logits(model)
+    model.float()
+    assert model.dtype == torch.float32 and model.mira.store.dtype(1) == torch.float32
+    assert torch.equal(_logits(model), _logits(ref))
+    assert model.mira.stats()["budget_bytes"] == 2 * budget  # half of the experts' bytes, now in fp32
+
+
+def test_a_cast_to_a_budget_that_no_longer_fits_is_refused_before_anything_changes(tiny_checkpoint):
+    """A byte budget of three bf16 experts holds the top-2 of a layer in bf16, not in fp32."""
+    path = tiny_checkpoint("mixtral")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    record = 64 * 64 * 2 * 3  # one bf16 expert: gate_up [128, 64] and down [64, 64]
+    MiraMoEModel.wrap(model, MiraConfig(device="cpu", gpu_budget=3 * record))
+    assert model.mira.store.record_bytes(0) == record
+    before, expected = _snapshot(model), _logits(model)
+    with pytest.raises(BudgetError, match="below the minimum working set"):
+        model.float()
+    assert model.dtype == torch.bfloat16 and _same(model.state_dict(), before)
+    assert torch.equal(_logits(model), expected)
+
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "double"])
+def test_a_cast_of_lossy_experts_is_refused_before_anything_changes(tiny_checkpoint, cast):
+    model = _wrapped(tiny_checkpoint("mixtral"), quantization="int8")
+    expected, records = _logits(model), model.mira.store._slabs[0].data.clone()
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    with pytest.raises(UnsupportedOperationError, match="int8 \\(lossy\\).*Nothing was changed.*from_pretrained"):
+        getattr(model, cast)()
+    assert {n: p.dtype for n, p in model.named_parameters()} == dtypes
+    assert torch.equal(model.mira.store._slabs[0].data, records)
+    assert torch.equal(_logits(model), expected)
+
+
+def test_lossless_experts_follow_bf16_exactly_and_refuse_fp16(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    model = _wrapped(path, quantization="lossless")
+    expected = _logits(model)
+    with pytest.raises(ConfigError, match="cannot cast the experts to torch.float16.*lossless.*Nothing was changed"):
+        model.half()
+    assert model.dtype == torch.float32 and torch.equal(_logits(model), expected)
+    model.bfloat16()
+    assert model.mira.store.quantized and model.mira.store.dtype(0) == torch.bfloat16
+    ref = load_reference(path).bfloat16()
+    assert torch.equal(_logits(model), _logits(ref))
+    assert _same(model.state_dict(), ref.state_dict())
+
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16"])
+def test_unload_and_save_pretrained_after_a_cast_give_one_dtype(tiny_checkpoint, tmp_path, cast):
+    path = tiny_checkpoint("mixtral")
+    model = _wrapped(path)
+    getattr(model, cast)()
+    ref = getattr(load_reference(path), cast)()
+    model.save_pretrained(tmp_path)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto").eval()
+    assert {p.dtype for p in saved.parameters()} == {ref.dtype}
+    # the same weights (logits differ from a cast model's in any model loaded in a dtype: it keeps rotary buffers in fp32)
+    assert _same(saved.state_dict(), ref.state_dict())
+    back = model.unload()
+    assert {p.dtype for p in back.parameters()} == {ref.dtype}
+    assert _same(back.state_dict(), ref.state_dict()) and torch.equal(_logits(back), _logits(ref))
+
+
+def test_static_cache_generation_after_a_cast(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    model, ref = _wrapped(path).bfloat16(), load_reference(path).bfloat16()
+    kw = dict(max_new_tokens=8, do_sample=False, cache_implementation="static", pad_token_id=0)
+    assert torch.equal(model.generate(IDS, **kw), ref.generate(IDS, **kw))
+
+
+def test_moves_to_the_same_device_change_nothing_and_others_are_refused_before_anything_changes(tiny_checkpoint):
+    model = _wrapped(tiny_checkpoint("mixtral"))
+    expected, before = _logits(model), _snapshot(model)
+    arena = model.mira._arena
+    assert model.cpu() is model and model.to("cpu") is model and model.to(model.device) is model
+    assert model.mira._arena is arena  # a move to where it is keeps the cache
+    with pytest.raises(DeviceError, match="mira-hf keeps the expert cache on cpu, cuda devices only.*Nothing was changed"):
+        model.to("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceError, match="Nothing was changed"):
+            model.cuda()
+    assert model.device == torch.device("cpu") and _same(model.state_dict(), before)
+    assert torch.equal(_logits(model), expected)
+
+
+@pytest.mark.parametrize("part", ["model.layers.0", "model.layers.1.mlp", "model.layers.0.mlp.experts"])
+def test_a_cast_of_a_part_holding_some_experts_is_refused_before_anything_changes(tiny_checkpoint, part):
+    model = _wrapped(tiny_checkpoint("mixtral"))
+    expected, before = _logits(model), _snapshot(model)
+    with pytest.raises(UnsupportedOperationError, match="Nothing was changed.*model.half\\(\\)"):
+        model.get_submodule(part).half()
+    assert _same(model.state_dict(), before) and torch.equal(_logits(model), expected)
+
+
+def test_a_cast_of_a_part_holding_every_expert_is_served(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    model, ref = _wrapped(path), load_reference(path)
+    model.model.half()
+    ref.model.half()
+    assert model.mira.store.dtype(0) == torch.float16 and model.lm_head.weight.dtype == torch.float32
+    assert _same(model.state_dict(), ref.state_dict())
+
+
+def test_calls_of_apply_that_change_neither_dtype_nor_device_leave_the_experts_alone(tiny_checkpoint):
+    model = _wrapped(tiny_checkpoint("mixtral"))
+    expected = _logits(model)
+    model.requires_grad_(False)
+    model.share_memory()
+    copy.copy(model.config)
+    assert torch.equal(_logits(model), expected)
+
+
+def test_predictors_read_the_routers_of_the_cast_model(tiny_checkpoint):
+    """A cast gives the routers' buffers (DeepSeek-V3's selection bias) new tensors: the gate predictor
+    reads those, not the ones from before the cast."""
+    model = _wrapped(tiny_checkpoint("deepseek_v3"), predictor="gate")
+    _logits(model)
+    model.bfloat16()
+    _logits(model)
+    block = model.model.layers[2].mlp
+    assert model.mira.router_probs.linear(1).correction is block.gate.e_score_correction_bias
+    assert model.mira.predictor._plan(0)[1][0].correction is block.gate.e_score_correction_bias
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_moves_between_cpu_and_cuda_take_the_cache_along_and_serve_exactly(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path)
+    _logits(model)  # experts resident in the CPU cache
+    model.cuda()
+    assert model.device.type == "cuda" and model.mira.device.type == "cuda"
+    assert all(arena.device.type == "cuda" for arena in model.mira._arena.values())
+    assert all(p.device.type == "cpu" for n, p in model.named_parameters() if ".experts." in n)  # the store stays
+    with torch.no_grad():
+        got, want = model(IDS.cuda()).logits, ref.cuda()(IDS.cuda()).logits
+    assert torch.equal(got, want)
+    model.bfloat16()
+    ref.bfloat16()
+    with torch.no_grad():
+        assert torch.equal(model(IDS.cuda()).logits, ref(IDS.cuda()).logits)
+    model.float().cpu()
+    assert model.mira.device.type == "cpu" and torch.equal(_logits(model), _logits(ref.float().cpu()))
+
+
+def test_a_cast_re_encodes_experts_on_the_disk_tier(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("mixtral")
+    model = _wrapped(path, host_budget="1KB", offload_dir=str(tmp_path))
+    assert model.mira.store.tier(0) == model.mira.store.tier(1) == "disk"
+    files = sorted(os.listdir(tmp_path))
+    model.bfloat16()
+    ref = load_reference(path).bfloat16()
+    assert model.mira.store.tier(0) == "disk" and sorted(os.listdir(tmp_path)) == files  # rewritten in place of the old
+    assert torch.equal(_logits(model), _logits(ref)) and _same(model.state_dict(), ref.state_dict())
+    model.unload()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_model_casts_on_its_device_and_moves_to_the_cpu_and_back(tiny_checkpoint):
+    """Wrapped on CUDA (pinned store, gpu_budget=None: sized from free memory at load)."""
+    path = tiny_checkpoint("mixtral")
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(device="cuda"), progress=False).eval()
+    ref = load_reference(path).cuda()
+    budget = model.mira.budget.budget_bytes
+    model.bfloat16()
+    ref.bfloat16()
+    with torch.no_grad():
+        assert torch.equal(model(IDS.cuda()).logits, ref(IDS.cuda()).logits)
+    assert model.mira.budget.budget_bytes == budget and model.mira.store.tier(0) == "pinned"
+    model.cpu()
+    ref.cpu()
+    assert model.mira.device.type == "cpu" and torch.equal(_logits(model), _logits(ref))
+    model.cuda()
+    ref.cuda()
+    with torch.no_grad():
+        assert torch.equal(model(IDS.cuda()).logits, ref(IDS.cuda()).logits)

@@ -1,0 +1,164 @@
+"""A wrapped model's routed experts are its parameters, as in the unwrapped model: the same state dict
+(names, shapes, dtypes, values), parameter counts and footprint, and `load_state_dict` writes experts."""
+
+import os
+
+import pytest
+import torch
+from conftest import ALL_TINY, load_reference
+from tiny_models import make_config
+from transformers import AutoModelForCausalLM
+
+from mira_hf import MiraConfig, MiraMoEModel
+
+IDS = torch.tensor([[4, 8, 15, 16, 23, 42, 7], [1, 2, 3, 5, 8, 13, 21]])
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def _wrapped(path, **kw):
+    return MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", **{"gpu_budget": 0.5, **kw}), progress=False).eval()
+
+
+def _other_weights(name):
+    """The state dict of another random model of the same family (other values, same names)."""
+    torch.manual_seed(1)
+    return AutoModelForCausalLM.from_config(make_config(name)).eval()
+
+
+@pytest.mark.parametrize("name", ALL_TINY)
+def test_state_dict_and_parameters_equal_the_unwrapped_models(tiny_checkpoint, name):
+    path = tiny_checkpoint(name)
+    ref, model = load_reference(path), _wrapped(path)
+    expected, got = ref.state_dict(), model.state_dict()
+    assert list(got) == list(expected)
+    for key, value in expected.items():
+        assert got[key].shape == value.shape and got[key].dtype == value.dtype, key
+        assert torch.equal(got[key], value), key
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert model.num_parameters() == ref.num_parameters()
+    assert model.num_parameters(only_trainable=True) == ref.num_parameters(only_trainable=True)
+    assert model.get_memory_footprint() == ref.get_memory_footprint()
+
+
+def test_expert_parameters_are_views_of_the_host_store(tiny_checkpoint):
+    """Uncompressed records: each expert parameter views its layer's slab (no copy, never on the device)."""
+    model = _wrapped(tiny_checkpoint("mixtral"))
+    store = model.mira.store
+    for proxy in (m for m in model.modules() if hasattr(m, "manager")):
+        slab = store._slabs[proxy.layer].data
+        for name, param in proxy.named_parameters(recurse=False):
+            assert param.device.type == "cpu" and param.untyped_storage().data_ptr() == slab.untyped_storage().data_ptr()
+            assert param.shape[0] == store.num_experts(proxy.layer), name
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4"])
+def test_state_dict_round_trip_into_a_fresh_unwrapped_model(tiny_checkpoint, tmp_path, name):
+    path = tiny_checkpoint(name)
+    ref, model = load_reference(path), _wrapped(path)
+    torch.save(model.state_dict(), tmp_path / "sd.pt")
+    fresh = _other_weights(name)
+    result = fresh.load_state_dict(torch.load(tmp_path / "sd.pt"), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(_logits(fresh), _logits(ref))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "llama4"])
+@pytest.mark.parametrize("quantization", [None, "lossless"])
+def test_load_state_dict_into_a_wrapped_model_serves_the_loaded_weights(tiny_checkpoint, name, quantization):
+    """After a forward has filled the cache, loading other weights gives their outputs exactly (no stale
+    expert survives in a slot), and the state dict reads them back."""
+    path = tiny_checkpoint(name)
+    model = _wrapped(path, quantization=quantization)
+    _logits(model)  # experts resident in the cache
+    other = _other_weights(name)
+    result = model.load_state_dict(other.state_dict(), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(_logits(model), _logits(other))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in other.state_dict().items())
+
+
+def test_lossless_experts_are_meta_placeholders_and_state_dict_decodes_them(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path, quantization="lossless")
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.is_meta and experts.gate_up_proj.shape == ref.model.layers[0].mlp.experts.gate_up_proj.shape
+    assert model.num_parameters() == ref.num_parameters()
+    got = model.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())
+
+
+def test_lossy_state_dict_warns_that_it_gives_dequantized_weights(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path, quantization="int8")
+    with pytest.warns(UserWarning, match="int8: state_dict\\(\\) gives their dequantized values"):
+        got = model.state_dict()
+    expected = ref.state_dict()
+    assert list(got) == list(expected)
+    assert all(got[k].shape == v.shape and got[k].dtype == v.dtype for k, v in expected.items())
+
+
+def test_missing_unexpected_and_mis_shaped_keys_are_reported_as_torch_reports_them(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    partial = {k: v for k, v in _other_weights("mixtral").state_dict().items() if k != key}
+    partial["model.layers.1.mlp.experts.w9"] = torch.zeros(3)
+    # the same lists as the unwrapped model reports
+    expected = load_reference(path).load_state_dict(partial, strict=False)
+    got = model.load_state_dict(partial, strict=False)
+    assert got.missing_keys == expected.missing_keys == [key]
+    assert got.unexpected_keys == expected.unexpected_keys == ["model.layers.1.mlp.experts.w9"]
+    assert torch.equal(model.state_dict()[key], before[key])  # what was not given stays
+    with pytest.raises(RuntimeError, match=f'(?s)Missing key\\(s\\) in state_dict: "{key}".*Unexpected key'):
+        model.load_state_dict(partial, strict=True)
+    bad = dict(ref.state_dict())
+    bad[key] = torch.zeros(8, 3, 64)
+    with pytest.raises(RuntimeError, match=f"size mismatch for {key}: copying a param with shape"):
+        load_reference(path).load_state_dict(bad)
+    model.load_state_dict(before)
+    with pytest.raises(RuntimeError, match=f"size mismatch for {key}: copying a param with shape"):
+        model.load_state_dict(bad)
+    assert torch.equal(model.state_dict()[key], before[key])  # the mis-shaped tensor changed nothing
+    assert torch.equal(_logits(model), _logits(ref))
+
+
+def test_a_reload_from_a_weightless_checkpoint_misses_every_parameter_of_the_wrapped_model(tiny_checkpoint, tmp_path):
+    """transformers' check that no parameter goes unreported: save, replace the weights by a placeholder,
+    reload; the missing keys are exactly the wrapped model's parameter and buffer names."""
+    from safetensors.torch import save_file
+
+    model = _wrapped(tiny_checkpoint("mixtral"))
+    model.save_pretrained(tmp_path)
+    for f in os.listdir(tmp_path):
+        if f.endswith(".safetensors") or f.endswith(".json") and "index" in f:
+            os.remove(tmp_path / f)
+    save_file({"tensor": torch.tensor([1, 2])}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    names = {n for n, _ in model.named_parameters()} | set(model.state_dict())
+    assert set(info["missing_keys"]) == names
+
+
+def test_optimizer_device_dtype_and_modes_see_an_ordinary_model(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    model = _wrapped(path)
+    expected = _logits(model)
+    assert model.device == torch.device("cpu") and model.dtype == torch.float32
+    torch.optim.AdamW(model.parameters(), lr=1e-3)  # accepts every parameter (experts get no gradient)
+    assert model.train() is model and model.training and all(m.training for m in model.modules())
+    assert model.eval() is model and not any(m.training for m in model.modules())
+    assert torch.equal(_logits(model), expected)
+
+
+def test_load_state_dict_into_a_quantized_model_quantizes_the_loaded_weights(tiny_checkpoint):
+    """int8 experts: loading other weights gives what wrapping those weights with int8 gives."""
+    model = _wrapped(tiny_checkpoint("mixtral"), quantization="int8")
+    _logits(model)
+    other = _other_weights("mixtral")
+    model.load_state_dict(other.state_dict())
+    expected = MiraMoEModel.wrap(other, MiraConfig(device="cpu", gpu_budget=0.5, quantization="int8"))
+    assert torch.equal(_logits(model), _logits(expected))

@@ -50,11 +50,11 @@ def skewed(name: str, **overrides):
     return copy.deepcopy(_BUILT[key])
 
 
-def pair(name: str, dtype: torch.dtype, impl: str | None = None, **overrides):
+def pair(name: str, dtype: torch.dtype, impl: str | None = None, mira: dict | None = None, **overrides):
     """(unwrapped, wrapped) copies of the same model in `dtype`; `impl` set on both (on the wrapped one
-    after wrapping, through its `set_experts_implementation`)."""
+    after wrapping, through its `set_experts_implementation`); `mira`: more MiraConfig fields."""
     ref = skewed(name, **overrides).to(dtype)
-    model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.5))
+    model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.5, **(mira or {})))
     if impl is not None:
         ref.set_experts_implementation(impl)
         model.set_experts_implementation(impl)
@@ -95,6 +95,20 @@ def test_each_experts_implementation_is_reproduced(name, impl, dtype):
     with biases; nemotron_h: non-gated experts, eager sums in the weights' dtype."""
     ref, model = pair(name, dtype, impl)
     assert model.config._experts_implementation == impl
+    assert differences(ref, model) == []
+
+
+@pytest.mark.parametrize("placement", ["packed", "dequant"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_lossless_records_are_bit_identical(name, impl, dtype, placement):
+    """Lossless transfer records, decoded in the slot ("dequant") or inside the matmul ("packed")."""
+    from mira_hf.config import QuantConfig
+
+    mira = dict(quantization="lossless", quant=QuantConfig(placement=placement))
+    ref, model = pair(name, dtype, impl, mira)
+    assert model.mira.placement == placement
     assert differences(ref, model) == []
 
 

@@ -37,9 +37,10 @@ EAGER_SUMS_IN_WEIGHTS_DTYPE = frozenset({"NemotronHExperts"})
 
 def implementation_of(base: nn.Module) -> str:
     """The implementation transformers would run `base` (an original experts module) with now. A module
-    without a config runs its own forward ("eager"), as transformers' decorator does then."""
+    not built by transformers' decorator (which sets `is_concatenated` on each instance), or one without
+    a config, runs its own forward: "eager"."""
     name = getattr(getattr(base, "config", None), "_experts_implementation", None)
-    return "eager" if name is None else name
+    return "eager" if name is None or not hasattr(base, "is_concatenated") else name
 
 
 def _refusal(name: object, when: str) -> str:

@@ -77,9 +77,17 @@ def differences(ref, model, ids=IDS, steps: int = 3) -> list[str]:
     return found
 
 
+def _every_family_and_dtype():
+    """Every family in every dtype; the families without an adapter run bf16 in CI (where the arithmetic
+    of the combine differs most) and fp32/fp16 with the slow tests, to keep CI short."""
+    for name in ALL_TINY + AUTO_FAMILIES:
+        for dtype in DTYPES:
+            slow = name in AUTO_FAMILIES and dtype != torch.bfloat16
+            yield pytest.param(name, dtype, marks=[pytest.mark.slow] if slow else [], id=f"{name}-{str(dtype)[6:]}")
+
+
 @pytest.mark.filterwarnings("ignore:mira-hf. model_type")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", ALL_TINY + AUTO_FAMILIES)
+@pytest.mark.parametrize("name, dtype", list(_every_family_and_dtype()))
 def test_logits_are_bit_identical_in_every_dtype(name, dtype):
     ref, model = pair(name, dtype)
     assert differences(ref, model) == []
@@ -88,7 +96,7 @@ def test_logits_are_bit_identical_in_every_dtype(name, dtype):
 
 @pytest.mark.filterwarnings("ignore:mira-hf. model_type")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("impl", ["eager", "batched_mm"])  # grouped_mm, the default: every family above
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "nemotron_h"])
 def test_each_experts_implementation_is_reproduced(name, impl, dtype):
     """mixtral: fp32 routing weights; qwen3_moe: weights in the hidden dtype; gpt_oss: transposed experts
@@ -100,9 +108,8 @@ def test_each_experts_implementation_is_reproduced(name, impl, dtype):
 
 @pytest.mark.parametrize("placement", ["packed", "dequant"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
-def test_lossless_records_are_bit_identical(name, impl, dtype, placement):
+def test_lossless_records_are_bit_identical(name, dtype, placement, impl="grouped_mm"):
     """Lossless transfer records, decoded in the slot ("dequant") or inside the matmul ("packed")."""
     from mira_hf.config import QuantConfig
 

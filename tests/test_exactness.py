@@ -197,7 +197,7 @@ def test_token_block_prefill_is_close_and_loads_each_expert_once(tiny_checkpoint
 
     calls = []
     real = MiraExperts._up_proj
-    monkeypatch.setattr(MiraExperts, "_up_proj", lambda self, x, w: calls.append(x.shape[0]) or real(self, x, w))
+    monkeypatch.setattr(MiraExperts, "_up_proj", lambda self, x, w, *a: calls.append(x.shape[0]) or real(self, x, w, *a))
     with torch.no_grad():
         logits = blocks(ids).logits
         n_blocks, calls[:] = list(calls), []

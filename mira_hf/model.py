@@ -41,6 +41,7 @@ from .errors import (
     MiraError,
     UnsupportedModelError,
 )
+from .experts_impl import check_model_implementations, checked_set_experts_implementation
 from .layout import IdentityCodec
 from .manager import ExpertManager, LayerInfo, device_buffers, plan_budget
 from .predictors import build_predictor
@@ -165,6 +166,7 @@ class MiraMoEModel:
         config = getattr(model, "config", None)
         adapter = _resolve_adapter(getattr(config, "model_type", None), cfg)
         targets = _find_targets(model, adapter, streamed.meta if streamed else None)
+        check_model_implementations(model)
         layers = [LayerInfo(t.ordinal, t.name, t.module.num_experts, _top_k(model, t)) for t in targets]
         specs = {t.ordinal: {n: (tuple(p.shape[1:]), p.dtype) for n, p in t.tensors.items()} for t in targets}
         raw_bytes = {layer: IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
@@ -297,6 +299,7 @@ class MiraMoEModel:
         model._mira_hooks = hooks
         model.unload = types.MethodType(_unload, model)
         model.save_pretrained = types.MethodType(_save_pretrained, model)
+        model.set_experts_implementation = types.MethodType(checked_set_experts_implementation, model)
         # The experts as parameters (views of the store), and casts and moves that the store follows.
         replan = functools.partial(_replan, model, user_cfg, layers, targets)
         install_state(model, manager, proxies, {t.ordinal: t.requires_grad for t in targets}, replan)
@@ -581,12 +584,22 @@ class _StepHooks:
     def __init__(self, manager: ExpertManager) -> None:
         self.manager = manager
 
-    @torch.compiler.disable  # the manager's lock and clock run eagerly under torch.compile (see MiraExperts.forward)
+    # In a compiled graph the hooks are left out (fullgraph allows no break): the manager then finds step
+    # boundaries from the order of its blocks (`ExpertManager.begin`), and steps are not serialised.
     def before(self, module, args, kwargs) -> None:
+        if not torch.compiler.is_compiling():
+            self._enter(kwargs)
+
+    def after(self, module, args, output) -> None:
+        if not torch.compiler.is_compiling():
+            self._exit()
+
+    @torch.compiler.disable
+    def _enter(self, kwargs: dict) -> None:
         self.manager.enter_forward(_starts_sequence(kwargs))
 
     @torch.compiler.disable
-    def after(self, module, args, output) -> None:
+    def _exit(self) -> None:
         self.manager.exit_forward()
 
 
@@ -774,7 +787,8 @@ def _unload(model: nn.Module) -> nn.Module:
         _restore_tensors(t, manager.store)
         setattr(t.parent, t.attr, t.module)
     manager.store.close()
-    for attr in ("mira", "_mira_config", "_mira_targets", "_mira_hooks", "unload", "save_pretrained"):
+    bound = ("unload", "save_pretrained", "set_experts_implementation")  # the per-instance methods of `_wrap`
+    for attr in ("mira", "_mira_config", "_mira_targets", "_mira_hooks", *bound):
         model.__dict__.pop(attr, None)
     return model
 

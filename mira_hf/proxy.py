@@ -5,8 +5,10 @@ where transformers put them, so routing is transformers' own code (identical num
 `output_router_logits` and the aux loss keep working. The forward has the signature of transformers'
 experts modules, `(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`.
 
-Each (token, slot) row gets its own output row, summed over K in a fixed order at the end: the result
-does not depend on which experts were resident or in which order their copies arrived.
+Each (token, slot) row gets its own output row, weighted and summed over K at the end as the experts
+implementation the unwrapped model would run does (`experts_impl`): the result does not depend on which
+experts were resident or in which order their copies arrived, and is bit-identical to the unwrapped model's.
+Under torch.compile each proxy is one opaque operator (`ops`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import UnsupportedOperationError
+from .experts_impl import batched_linear, check_call, combine, grouped_linear, implementation_of, sum_dtype
 from .layout import PackedWeights
 from .manager import ExpertManager
+from .ops import register
 from .state import proxy_apply
 
 
@@ -45,7 +49,11 @@ LAYOUT_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "ha
 
 class MiraExperts(nn.Module):
     """Routed experts served by an `ExpertManager`. `base` is the original experts module with its
-    expert tensors removed (kept for its gate function, activation and flags, and for `unload`)."""
+    expert tensors removed (kept for its gate function, activation, flags and config, and for `unload`).
+
+    Computes what `base` computes under the experts implementation its config names at the call
+    (`mira_hf.experts_impl`): the same matmuls on the same rows, weighted and summed in the same order
+    and dtypes, so the logits are bit-identical to the unwrapped model's."""
 
     def __init__(
         self,
@@ -66,15 +74,20 @@ class MiraExperts(nn.Module):
         self._has_bias = flags["has_bias"]
         self._transposed = flags["is_transposed"]
         self._post_norm = flags["has_post_expert_norm"]
+        self._handle = register(self)  # how the compiled graph's operator finds this module
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, num_experts={self.num_experts}, record_bytes={self.manager.store.record_bytes(self.layer)}"
 
-    # torch.compile runs the rest of the model compiled and this module eagerly: its host syncs and the
-    # manager's state (slots, events, counters) are not graph material, and tracing them only recompiles.
-    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # one opaque operator in the graph (mira_hf.ops): the manager is stateful
+            return torch.ops.mira.experts(self._handle, hidden_states, top_k_index, top_k_weights)
+        return self.serve(hidden_states, top_k_index, top_k_weights)
+
+    def serve(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         # T tokens, K experts per token, H hidden, E experts; rows r = t * K + k
+        impl = implementation_of(self.base)  # read at each call, as transformers does (generate swaps it)
+        check_call(impl)
         T, H = hidden_states.shape
         K = top_k_index.shape[1]
         E = self.num_experts
@@ -83,7 +96,7 @@ class MiraExperts(nn.Module):
         if T == 1:
             picks = flat.tolist()  # [K] one host sync per block
             if len(set(picks)) == K:  # distinct experts (as top-k picks are)
-                return self._decode_step(hidden_states, top_k_index, top_k_weights, picks)
+                return self._decode_step(hidden_states, top_k_index, top_k_weights, picks, impl)
             counts = [picks.count(e) for e in range(E + 1)]
         else:
             counts = torch.bincount(flat, minlength=E + 1).tolist()  # [E+1] one host sync per block; E = EP sentinel
@@ -95,8 +108,12 @@ class MiraExperts(nn.Module):
         needed = [e for e in range(E) if counts[e]]
         routed = T * K - counts[E]  # rows of real experts (the EP sentinel E sorts last); the rest stay zero
         order = order[:routed]
+        if impl == "batched_mm" and self.manager.placement != "packed":
+            rows = self._batched(hidden_states, top_k_index, needed, lambda e: order[starts[e] : starts[e] + counts[e]], routed)
+            return self._combine(rows, None, hidden_states, top_k_index, top_k_weights, impl, flat == E if counts[E] else None)
         x = hidden_states[order // K]  # [routed, H]: each row's token, grouped by expert (one gather, not one per expert)
         y = None  # [routed, H], the experts' outputs in the same order
+        kernel = impl == "grouped_mm" and hidden_states.device.type != "cpu"
 
         def compute(plan, e: int, w) -> None:
             nonlocal y
@@ -104,43 +121,93 @@ class MiraExperts(nn.Module):
             step = self.block_tokens or counts[e]  # token blocks share w
             for a in range(start, end, step):
                 b = min(end, a + step)
-                part = self._expert(plan, e, w, x[a:b])  # [n, H]
+                part = self._expert(plan, e, w, x[a:b], kernel)  # [n, H]
                 if y is None:
                     y = part.new_empty((routed, H))
                 y[a:b] = part
 
         self._serve(needed, hidden_states, top_k_index, compute)
-        out = hidden_states.new_zeros((T * K, H), dtype=torch.float32)  # [T*K, H]
-        if y is not None:
-            out[order] = y.float() * top_k_weights.reshape(-1, 1)[order].float()  # one weighting and scatter for all rows
-        return _guarded(out.view(T, K, H).sum(dim=1).to(hidden_states.dtype))  # [T, H]
+        return self._combine(y, order, hidden_states, top_k_index, top_k_weights, impl, None)
 
     def _decode_step(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, picks: list[int]
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, picks: list[int], impl: str
     ) -> torch.Tensor:
-        """`forward` for one token (a decode step) whose K `picks` are distinct: each expert's output row
+        """`serve` for one token (a decode step) whose K `picks` are distinct: each expert's output row
         goes to its slot k directly, without the sort, gather and scatter that group many tokens' rows by
         expert (launch-bound models spend their decode time on such launches). The same arithmetic as
-        `forward`, so the same bits."""
+        `serve`, so the same bits."""
         H, E, K = hidden_states.shape[1], self.num_experts, len(picks)
         slot_of = {e: k for k, e in enumerate(picks) if e != E}
         sentinel = [k for k, e in enumerate(picks) if e == E]  # the EP sentinel's slot: its row stays zero
-        y = None  # [K, H], in the experts' output dtype as in `forward`
+        if impl == "batched_mm" and self.manager.placement != "packed":
+            rows = self._batched(hidden_states, top_k_index, sorted(slot_of), slot_of.__getitem__, len(slot_of))
+            return self._combine(rows, None, hidden_states, top_k_index, top_k_weights, impl, sentinel or None)
+        y = None  # [K, H], in the experts' output dtype
+        kernel = impl == "grouped_mm" and hidden_states.device.type != "cpu"
 
         def compute(plan, e: int, w) -> None:
             nonlocal y
-            part = self._expert(plan, e, w, hidden_states)  # [1, H]
+            part = self._expert(plan, e, w, hidden_states, kernel)  # [1, H]
             if y is None:
                 y = part.new_zeros((K, H)) if sentinel else part.new_empty((K, H))
             y[slot_of[e]] = part[0]
 
         self._serve(sorted(slot_of), hidden_states, top_k_index, compute)
-        if y is None:  # the only pick was the EP sentinel
-            return hidden_states.new_zeros((1, H))
-        out = y.float() * top_k_weights.reshape(-1, 1).float()  # [K, H]
-        if sentinel:
-            out[sentinel] = 0  # as in `forward`, where the sentinel's row is never weighted
-        return _guarded(out.view(1, K, H).sum(dim=1).to(hidden_states.dtype))  # [1, H]
+        return self._combine(y, None, hidden_states, top_k_index, top_k_weights, impl, sentinel or None)
+
+    def _combine(self, y, order, hidden_states, top_k_index, top_k_weights, impl: str, sentinel) -> torch.Tensor:
+        """Weight and sum the experts' output rows as `impl` does. `y`: [routed, H] rows grouped by
+        expert (row i belongs to (token, slot) `order[i]`), or [T*K, H] in (token, slot) order when
+        `order` is None; None when every pick was the EP sentinel. `sentinel`: the rows to leave at zero
+        (their weight is never applied), or None."""
+        T, H = hidden_states.shape
+        if y is None:
+            return hidden_states.new_zeros((T, H))
+        w = top_k_weights.reshape(-1, 1)  # [T*K, 1]
+        if order is None:
+            parts = y * w  # [T*K, H], dtype promoted as the unwrapped model's `rows * weights`
+            if sentinel is not None:
+                parts[sentinel] = 0
+        else:
+            shape, dtype = (len(w), H), torch.promote_types(y.dtype, w.dtype)
+            parts = y.new_zeros(shape, dtype=dtype) if len(order) < len(w) else y.new_empty(shape, dtype=dtype)
+            parts[order] = y * w[order]  # one weighting and scatter for all rows
+        eager_dtype = sum_dtype(self.base, hidden_states.dtype, top_k_weights.dtype)
+        return _guarded(combine(parts, top_k_index, impl, hidden_states.dtype, eager_dtype))  # [T, H]
+
+    def _batched(self, hidden_states, top_k_index, needed: list[int], rows_of, written: int) -> torch.Tensor | None:
+        """The experts' output rows [T*K, H] in (token, slot) order, as batched_mm computes them: each
+        row multiplied by its own copy of its expert's weights in one `bmm` (gathered as the unwrapped
+        model's `weight[expert_ids]` is; rows of the EP sentinel get zero weights). `rows_of(e)`: expert
+        e's rows (an index, a slot or an index tensor); `written`: how many rows real experts fill."""
+        S = top_k_index.numel()
+        gathered: dict[str, torch.Tensor] = {}
+
+        def put(w, names, rows) -> None:
+            for name in names:
+                buf = gathered.get(name)
+                if buf is None:
+                    shape = (S, *w[name].shape)
+                    buf = gathered[name] = w[name].new_empty(shape) if written == S else w[name].new_zeros(shape)
+                buf[rows] = w[name]
+
+        up = (self._up, self._up + "_bias") if self._has_bias else (self._up,)
+        down = ("down_proj", "down_proj_bias") if self._has_bias else ("down_proj",)
+
+        def compute(plan, e: int, w) -> None:
+            rows = rows_of(e)
+            put(w, up, rows)  # the up half may be copied before the rest of the record lands
+            self.manager.acquire_rest(plan, e)
+            put(w, down, rows)
+
+        self._serve(needed, hidden_states, top_k_index, compute)
+        if not gathered:
+            return None
+        x = hidden_states.repeat_interleave(top_k_index.shape[1], dim=0)  # [S, H]
+        h = batched_linear(x, gathered[self._up], gathered.get(self._up + "_bias"), self._transposed)  # [S, I']
+        h = self._activate(h)  # [S, I]
+        y = batched_linear(h, gathered["down_proj"], gathered.get("down_proj_bias"), self._transposed)  # [S, H]
+        return self.base.post_expert_norm(y) if self._post_norm else y
 
     def _serve(self, needed: list[int], hidden: torch.Tensor, top_k_index: torch.Tensor, compute) -> None:
         """One block call of the manager's protocol: `begin`, then for each expert in `plan.order` (resident
@@ -155,26 +222,32 @@ class MiraExperts(nn.Module):
         finally:
             self.manager.end(plan)
 
-    def _expert(self, plan, e: int, w, x: torch.Tensor) -> torch.Tensor:
+    def _expert(self, plan, e: int, w, x: torch.Tensor, kernel: bool = False) -> torch.Tensor:
         """Expert `e` (acquired with `first_part=True`) on rows x [n, H] -> [n, H]: the up half may start
-        before the rest of its record has landed; the down half waits for it."""
-        h = self._up_proj(x, w)  # [n, I]
+        before the rest of its record has landed; the down half waits for it. `kernel`: multiply with
+        transformers' grouped matmul (grouped_mm off the CPU) instead of `F.linear`."""
+        h = self._up_proj(x, w, kernel)  # [n, I]
         self.manager.acquire_rest(plan, e)
-        return self._down_proj(h, w)
+        return self._down_proj(h, w, kernel)
 
     # One expert, exactly as transformers' experts implementations compute it, in two halves: the first
     # reads only the up (gate_up) tensors, which a record split in two parts brings first.
     # `w`: typed views of the expert's tensors, or `PackedWeights` (placement "packed").
-    def _up_proj(self, x: torch.Tensor, w) -> torch.Tensor:
-        # x [n, H] -> [n, I]
+    def _linear(self, x: torch.Tensor, w, name: str, kernel: bool) -> torch.Tensor:
         if isinstance(w, PackedWeights):
-            h = w.linear(x, self._up, self._transposed)  # [n, 2I] or [n, I]
-            if self._has_bias:
-                h = h + w.raw(self._up + "_bias")
+            y = w.linear(x, name, self._transposed)
+            return y + w.raw(name + "_bias") if self._has_bias else y
+        if kernel:
+            y = grouped_linear(x, w[name], self._transposed)
         else:
-            h = x @ w[self._up] if self._transposed else F.linear(x, w[self._up])
-            if self._has_bias:
-                h = h + w[self._up + "_bias"]
+            y = x @ w[name] if self._transposed else F.linear(x, w[name])
+        return y + w[name + "_bias"] if self._has_bias else y
+
+    def _up_proj(self, x: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
+        # x [n, H] -> [n, I]
+        return self._activate(self._linear(x, w, self._up, kernel))  # [n, 2I] or [n, I] -> [n, I]
+
+    def _activate(self, h: torch.Tensor) -> torch.Tensor:
         if not self._has_gate:
             return self.base.act_fn(h)  # [n, I]
         apply_gate = getattr(self.base, "_apply_gate", None)  # transformers' decorator gives one to every module
@@ -183,19 +256,10 @@ class MiraExperts(nn.Module):
         gate, up = h.chunk(2, dim=-1)  # gate columns first, then up (Llama 4's experts)
         return self.base.act_fn(gate) * up  # [n, I]
 
-    def _down_proj(self, h: torch.Tensor, w) -> torch.Tensor:
+    def _down_proj(self, h: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
         # h [n, I] -> [n, H]
-        if isinstance(w, PackedWeights):
-            y = w.linear(h, "down_proj", self._transposed)  # [n, H]
-            if self._has_bias:
-                y = y + w.raw("down_proj_bias")
-        else:
-            y = h @ w["down_proj"] if self._transposed else F.linear(h, w["down_proj"])
-            if self._has_bias:
-                y = y + w["down_proj_bias"]
-        if self._post_norm:
-            y = self.base.post_expert_norm(y)
-        return y
+        y = self._linear(h, w, "down_proj", kernel)
+        return self.base.post_expert_norm(y) if self._post_norm else y
 
     # -- the experts as this module's parameters (`mira_hf.state`): state dict, load, casts, moves --------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -221,8 +285,12 @@ class MiraScaledExperts(MiraExperts):
     gives a zero row (these experts have no biases), so only the chosen experts are computed, each on
     its T rows as the module's own batched matmul does, and the other rows stay zero."""
 
-    @torch.compiler.disable  # as MiraExperts.forward
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # as MiraExperts.forward
+            return torch.ops.mira.scaled_experts(self._handle, hidden_states)
+        return self.serve(hidden_states)
+
+    def serve(self, hidden_states: torch.Tensor) -> torch.Tensor:
         E = self.num_experts
         x = hidden_states.view(E, -1, hidden_states.shape[-1])  # [E, T, H]
         chosen = x.ne(0).any(dim=2)  # [E, T]

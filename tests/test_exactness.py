@@ -46,7 +46,7 @@ def test_logits_match_unwrapped_model(tiny_checkpoint, name, which):
     with torch.no_grad():
         expected = ref(ids).logits
         got = model(ids).logits
-    assert (got - expected).abs().max().item() <= 1e-5
+    assert torch.equal(got, expected)  # bit-identical (other dtypes: tests/test_fidelity_dtypes.py)
     stats = model.mira.stats()
     assert stats["resident_bytes"] <= stats["budget_bytes"]
     assert stats["hits"] + stats["misses"] > 0
@@ -130,21 +130,6 @@ def test_assisted_decoding_with_a_draft_model_is_token_identical(tiny_checkpoint
     assert torch.equal(model.generate(ids, assistant_model=load_reference(path), **kw), expected)
 
 
-def test_torch_compile_of_a_wrapped_model_matches_eager(tiny_checkpoint):
-    """torch.compile compiles the model around the experts proxies, which run eagerly (`torch.compiler.disable`):
-    same logits, and the experts are still served from the store. aot_eager: no C++ toolchain needed."""
-    path = tiny_checkpoint("mixtral")
-    ref, model = load_reference(path), _wrapped(path, "min")
-    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(5))
-    compiled = torch.compile(model, backend="aot_eager")
-    with torch.no_grad():
-        expected = ref(ids).logits
-        assert (compiled(ids).logits - expected).abs().max() <= 1e-5
-        loads = model.mira.stats()["loads"]
-        assert (compiled(ids).logits - expected).abs().max() <= 1e-5
-    assert loads > 0
-
-
 def test_streamer_receives_the_same_tokens(tiny_checkpoint):
     from transformers.generation.streamers import BaseStreamer
 
@@ -212,7 +197,7 @@ def test_token_block_prefill_is_close_and_loads_each_expert_once(tiny_checkpoint
 
     calls = []
     real = MiraExperts._up_proj
-    monkeypatch.setattr(MiraExperts, "_up_proj", lambda self, x, w: calls.append(x.shape[0]) or real(self, x, w))
+    monkeypatch.setattr(MiraExperts, "_up_proj", lambda self, x, w, *a: calls.append(x.shape[0]) or real(self, x, w, *a))
     with torch.no_grad():
         logits = blocks(ids).logits
         n_blocks, calls[:] = list(calls), []

@@ -1,0 +1,71 @@
+"""The experts proxies as opaque operators, so that `torch.compile(model, fullgraph=True)` works.
+
+A proxy cannot be traced: it syncs with the host to learn which experts a block needs, and its manager
+holds state (cache slots, copies in flight, counters) that a graph must not capture. Under compilation
+each proxy's forward is one call of a custom operator instead; the operator's real implementation finds
+the proxy through an integer handle (a graph holds integers, not modules) and runs it eagerly. Its fake
+implementation gives the output's shape and dtype: those of the hidden states. Tagged
+`cudagraph_unsafe`: a CUDA graph cannot replay host syncs and copies whose targets change every step, so
+Inductor leaves graphs holding the operator out of CUDA-graph capture ("reduce-overhead" still compiles).
+A backward through the operator raises the same error as through the eager proxy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+from torch import nn
+
+_proxies: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
+_handles = itertools.count()
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+def register(proxy: nn.Module) -> int:
+    """A handle for `proxy` (held weakly: an unloaded model's proxies go away with it)."""
+    handle = next(_handles)
+    _proxies[handle] = proxy
+    return handle
+
+
+@torch.library.custom_op("mira::experts", mutates_args=(), tags=_TAGS)
+def experts(handle: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """`MiraExperts.serve`: hidden [T, H], top-k index and weights [T, K] -> [T, H]."""
+    return _proxies[handle].serve(hidden_states, top_k_index, top_k_weights)
+
+
+@experts.register_fake
+def _(handle: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+
+@torch.library.custom_op("mira::scaled_experts", mutates_args=(), tags=_TAGS)
+def scaled_experts(handle: int, hidden_states: torch.Tensor) -> torch.Tensor:
+    """`MiraScaledExperts.serve`: input-scaled rows [E*T, H] -> [E*T, H]."""
+    return _proxies[handle].serve(hidden_states)
+
+
+@scaled_experts.register_fake
+def _(handle: int, hidden_states: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+
+@torch.library.custom_op("mira::refuse_backward", mutates_args=())
+def refuse_backward(grad: torch.Tensor) -> torch.Tensor:
+    """Raises the eager proxy's refusal when a backward reaches the experts. An operator rather than a
+    Python raise: AOTAutograd traces the backward while compiling a forward with autograd on, and the
+    forward itself must still work then (as it does eagerly)."""
+    from .proxy import _no_backward  # imported late: proxy imports this module
+
+    return _no_backward(grad)
+
+
+@refuse_backward.register_fake
+def _(grad: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(grad)
+
+
+experts.register_autograd(lambda ctx, grad: (None, torch.ops.mira.refuse_backward(grad), None, None))
+scaled_experts.register_autograd(lambda ctx, grad: (None, torch.ops.mira.refuse_backward(grad)))

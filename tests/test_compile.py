@@ -1,0 +1,79 @@
+"""torch.compile of a wrapped model: each experts proxy is one opaque operator (`mira::experts`), so the
+whole model compiles with `fullgraph=True`, and compiled generation (static cache) gives the unwrapped
+model's tokens while the experts are still served from the store.
+
+Compiled graphs may fuse and reorder the arithmetic around the experts (they are compiled too in the
+unwrapped model, differently), so compiled logits are compared to eager ones within fp32 noise; tokens
+are compared exactly."""
+
+import pytest
+import torch
+from conftest import load_reference
+
+from mira_hf import MiraConfig, MiraMoEModel
+from mira_hf.errors import UnsupportedOperationError
+from mira_hf.proxy import MiraExperts
+
+IDS = torch.tensor([[5, 9, 17, 33, 42, 7, 64, 100, 3, 11], [8, 1, 4, 90, 2, 6, 71, 3, 3, 12]])
+GEN = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+
+
+def _wrapped(path):
+    return MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.5, device="cpu"), progress=False).eval()
+
+
+def test_the_experts_operator_passes_torch_library_checks(tiny_checkpoint):
+    """Schema, fake (meta) implementation, and dispatch as `torch.library.opcheck` checks them."""
+    model = _wrapped(tiny_checkpoint("qwen3_moe"))
+    proxy = next(m for m in model.modules() if isinstance(m, MiraExperts))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, model.config.hidden_size, generator=g)
+    index = torch.tensor([[0, 5], [2, 1], [7, 0]])
+    weights = torch.rand(3, 2, generator=g)
+    args = (proxy._handle, hidden, index, weights)
+    torch.library.opcheck(torch.ops.mira.experts.default, args, test_utils=("test_schema", "test_faketensor"))
+    with torch.no_grad():
+        assert torch.equal(torch.ops.mira.experts(*args), proxy(hidden, index, weights))
+
+
+@pytest.mark.parametrize("name, fullgraph", [("mixtral", True), ("mixtral", False), ("llama4", True)])
+def test_compiled_forward_matches_eager(tiny_checkpoint, name, fullgraph):
+    path = tiny_checkpoint(name)
+    ref, model = load_reference(path), _wrapped(path)
+    compiled = torch.compile(model, fullgraph=fullgraph, backend="aot_eager")
+    with torch.no_grad():
+        expected = ref(IDS).logits
+        loads = model.mira.stats()["loads"]
+        for _ in range(2):  # the second call runs the cached graph
+            assert (compiled(IDS).logits - expected).abs().max() <= 1e-5
+    assert model.mira.stats()["loads"] > loads  # the experts are still served by the manager
+    assert torch.equal(compiled.generate(IDS, **GEN), ref.generate(IDS, **GEN))
+
+
+@pytest.mark.parametrize(
+    "name, backend",
+    [("mixtral", "aot_eager"), pytest.param("mixtral", "inductor", marks=pytest.mark.slow)]
+    + [pytest.param("qwen3_moe", "inductor", marks=pytest.mark.slow)],
+)
+def test_compiled_generation_with_a_static_cache_is_token_identical(tiny_checkpoint, name, backend):
+    """generate's own compilation (compile_config, static cache), fullgraph=True; Inductor needs a C++
+    toolchain and minutes on a small CPU, so it runs with the slow tests."""
+    from transformers import CompileConfig
+
+    path = tiny_checkpoint(name)
+    ref, model = load_reference(path), _wrapped(path)
+    config = CompileConfig(fullgraph=True, mode="default", backend=backend)
+    config._compile_all_devices = True  # generate compiles on CUDA only unless told otherwise
+    kw = dict(GEN, cache_implementation="static", compile_config=config)
+    expected = ref.generate(IDS, **GEN)
+    assert torch.equal(model.generate(IDS, **kw), expected)
+    assert torch.equal(model.generate(IDS, **kw), expected)  # the compiled step again, for a new sequence
+    assert hasattr(model, "_compiled_call")  # generate did compile the forward
+
+
+def test_compiled_model_refuses_backward_like_the_eager_one(tiny_checkpoint):
+    """A compiled forward with autograd on: the backward says why it cannot work, as the eager proxy's does."""
+    model = _wrapped(tiny_checkpoint("mixtral"))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with pytest.raises(UnsupportedOperationError, match="backward through mira-hf's offloaded experts"):
+        compiled(IDS).logits.sum().backward()

@@ -319,15 +319,16 @@ class StreamedExperts:
     keys: dict[str, dict[str, tuple[str, ...]]]  # module path -> {tensor name: checkpoint key templates}
     _handles: dict[str, object] = field(default_factory=dict)
 
-    def expert_fn(self, module: str) -> Callable[[int], dict[str, torch.Tensor]]:
+    def expert_fn(self, module: str, device: torch.device | str | None = None) -> Callable[[int], dict[str, torch.Tensor]]:
         """`e -> {tensor name: expert e's tensor}` of one experts module, read from the shards and cast to
-        the model's dtype exactly as transformers' loader casts it."""
+        the model's dtype exactly as transformers' loader casts it. `device`: where the pieces go as they
+        are read (concatenated and cast there: the same bits, without a host copy in between)."""
         meta, keys = self.meta[module], self.keys[module]
 
         def expert(e: int) -> dict[str, torch.Tensor]:
             out = {}
             for name, templates in keys.items():
-                pieces = [self._read(t, e) for t in templates]
+                pieces = [self._read(t, e).to(device) if device is not None else self._read(t, e) for t in templates]
                 x = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
                 out[name] = x.to(meta[name].dtype)
             return out

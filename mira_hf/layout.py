@@ -93,14 +93,6 @@ def plan_layer(codec, fused: Mapping[str, torch.Tensor]):
     return codec.plan({name: (tuple(t.shape[1:]), t.dtype) for name, t in fused.items()})
 
 
-def plan_layer_from(codec, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], num_experts: int, expert):
-    """As `plan_layer`, for experts read one at a time (`expert(e) -> {name: tensor}`)."""
-    plan_from = getattr(codec, "plan_experts_from", None)
-    if plan_from is not None:
-        return plan_from(specs, num_experts, expert)
-    return codec.plan(specs)
-
-
 class IdentityCodec:
     """Records hold the checkpoint's bytes unchanged: exact, and decoding is free (views)."""
 

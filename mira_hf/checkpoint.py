@@ -443,24 +443,26 @@ class StreamedExperts:
     codec: object | None = None
     _handles: dict[str, object] = field(default_factory=dict)
 
-    def expert_fn(self, module: str) -> Callable[[int], dict[str, torch.Tensor]]:
+    def expert_fn(self, module: str, device: torch.device | str | None = None) -> Callable[[int], dict[str, torch.Tensor]]:
         """`e -> {tensor name: expert e's tensor}` of one experts module, read from the shards and cast to
         the model's dtype exactly as transformers' loader casts it. The quantized tensors of a pre-quantized
-        checkpoint come as stored, with their scales (`<name><codec.scale_suffix>`)."""
+        checkpoint come as stored, with their scales (`<name><codec.scale_suffix>`). `device`: where the pieces
+        go as they are read (concatenated and cast there: the same bits, without a host copy in between)."""
         meta, keys, native = self.meta[module], self.keys[module], self.native.get(module, {})
 
         def expert(e: int) -> dict[str, torch.Tensor]:
-            out = {name: self._read_all(templates, e).to(meta[name].dtype) for name, templates in keys.items()}
+            out = {name: self._read_all(templates, e, device).to(meta[name].dtype) for name, templates in keys.items()}
             for name, nk in native.items():
-                out[name] = self._read_all(nk.weights, e)
-                out[name + self.codec.scale_suffix] = self._read_all(nk.scales, e)
+                out[name] = self._read_all(nk.weights, e, device)
+                out[name + self.codec.scale_suffix] = self._read_all(nk.scales, e, device)
             return out
 
         return expert
 
-    def _read_all(self, templates: tuple[str, ...], e: int) -> torch.Tensor:
-        """Expert e's tensor of `templates`, its pieces concatenated along dim 0 (transformers' Concatenate(dim=1))."""
-        pieces = [self._read(t, e) for t in templates]
+    def _read_all(self, templates: tuple[str, ...], e: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Expert e's tensor of `templates`, its pieces concatenated along dim 0 (transformers' Concatenate(dim=1)),
+        on `device` (the host where None)."""
+        pieces = [self._read(t, e).to(device) if device is not None else self._read(t, e) for t in templates]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
     def _read(self, template: str, e: int) -> torch.Tensor:

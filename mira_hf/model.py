@@ -197,7 +197,7 @@ class MiraMoEModel:
             with encoder.progress_pass(f"planning {codec.name} records", all_bytes):
                 layouts = {
                     t.ordinal: encoder.plan_layer(
-                        codec, specs[t.ordinal], t.module.num_experts, _experts(t, streamed), key=t.ordinal
+                        codec, specs[t.ordinal], t.module.num_experts, _experts(t, streamed, encoder.device), key=t.ordinal
                     )
                     for t in targets
                 }
@@ -353,10 +353,11 @@ def _resolve_format(
     return cfg.replace(quantization=q, quant=dataclasses.replace(cfg.quant, placement=placement))
 
 
-def _experts(t: _Target, streamed: StreamedExperts | None):
-    """`e -> {name: expert e's tensor}` of one target: read from the checkpoint, or views of its tensors."""
+def _experts(t: _Target, streamed: StreamedExperts | None, device: torch.device | None = None):
+    """`e -> {name: expert e's tensor}` of one target: read from the checkpoint (onto `device`, the
+    encoder's), or views of its tensors."""
     if streamed is not None:
-        return streamed.expert_fn(t.name)
+        return streamed.expert_fn(t.name, device)
     return lambda e: {n: x[e] for n, x in t.tensors.items()}
 
 
@@ -408,7 +409,8 @@ def _add_layer(store: ExpertStore, t: _Target, specs, layout, streamed, saved: S
             if cache is None:
                 raise
             cache.drop(str(exc))
-    store.add_layer_from(t.ordinal, specs, E, _experts(t, streamed), layout=layout)
+    device = store.encoder.device if store.quantized else None  # raw records: copied from host memory into the slab
+    store.add_layer_from(t.ordinal, specs, E, _experts(t, streamed, device), layout=layout)
     return None
 
 

@@ -1,5 +1,7 @@
+import atexit
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 
@@ -8,7 +10,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
-os.environ.setdefault("MIRA_HF_RECORD_CACHE", tempfile.mkdtemp(prefix="mira-records-"))  # never the user's cache
+if "MIRA_HF_RECORD_CACHE" not in os.environ:  # records cached by the tests' loads: never in the user's cache
+    os.environ["MIRA_HF_RECORD_CACHE"] = tempfile.mkdtemp(prefix="mira-records-")
+    atexit.register(shutil.rmtree, os.environ["MIRA_HF_RECORD_CACHE"], ignore_errors=True)  # after cache writers end
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from tiny_models import EXTRA_RECIPES, RECIPES, make_config  # noqa: E402

@@ -375,11 +375,12 @@ def _encode_entry_classes(t: torch.Tensor, entry: TensorEntry, out: torch.Tensor
             v = ((code >> 5) & 15).to(torch.int64)  # 0 where a weight has no extra bits: adding it changes nothing
             # fields never overlap, so adding them into 64-bit words is OR-ing them; a field crossing a word
             # boundary puts its high bits into the next word. Little-endian words are the bytes, LSB first.
-            words = torch.zeros(-(-total // 8) + 1, dtype=torch.int64, device=dev)
+            # (v >> 1) >> (63 - shift) is v >> (64 - shift) without a shift by 64 (0 where nothing crosses).
+            words = torch.zeros(-(-total // 8) + 2, dtype=torch.int64, device=dev)
             shift = pos & 63
-            words.scatter_add_(0, pos >> 6, v << shift)
-            cross = (shift > 60).nonzero().squeeze(1)
-            words.scatter_add_(0, (pos[cross] >> 6) + 1, v[cross] >> (64 - shift[cross]))
+            index = pos >> 6
+            words.scatter_add_(0, index, v << shift)
+            words.scatter_add_(0, index.add_(1), (v >> 1).bitwise_right_shift_(63 - shift))
             extra_all[at : at + total].copy_(here(words.view(torch.uint8)[:total]))
         at += total
     section_view(out, entry.section("exps"), torch.int32).copy_(here(exps))

@@ -692,3 +692,71 @@ def test_keep_values_in_numpy_equal_the_loop_bit_for_bit():
         batched = m.keep_values(keys)
         looped = [v for i in range(0, len(keys), 16) for v in m.keep_values(keys[i : i + 16])]
         assert isinstance(batched, np.ndarray) and batched.tolist() == looped
+
+
+# -- policies on their own ---------------------------------------------------------------------------
+
+
+def test_priority_scores_and_victims_by_hand():
+    """score = 0.6 · predicted + 0.3 · 1 / (1 + steps since last use) + 0.1 · cost; the lowest goes."""
+    from mira_hf.policies import PriorityConfig, PriorityPolicy
+
+    clock, predicted, cost = [0], {"a": 0.5}, {"a": 0.1, "b": 0.2, "c": 0.3, "d": 0.2, "e": 0.2}
+    policy = PriorityPolicy(lambda k: predicted.get(k, 0.0), lambda: clock[0], cost.__getitem__)
+    for key in "abc":  # a at step 0, b at 1, c at 2
+        policy.inserted(key, staged=False)
+        clock[0] += 1
+    clock[0] = 4
+    assert [policy.score(k) for k in "abc"] == pytest.approx(
+        [0.6 * 0.5 + 0.3 / 5 + 0.1 * 0.1, 0.3 / 4 + 0.1 * 0.2, 0.3 / 3 + 0.1 * 0.3]  # 0.37, 0.095, 0.13
+    )
+    assert policy.victim("abc") == "b" and policy.victim("ac") == "c" and policy.victim([]) is None
+    policy.used("b")  # used now: recency 1
+    assert policy.score("b") == pytest.approx(0.3 + 0.02) and policy.victim("abc") == "c"
+    policy.removed("c")
+    assert policy.score("c") == pytest.approx(0.3 + 0.03)  # forgotten: scored as if just used
+    policy.inserted("d", staged=True)
+    policy.inserted("e", staged=True)
+    assert policy.score("d") == policy.score("e") and policy.victim("ed") == "d"  # a tie: the least recently used
+    policy.used("d")
+    assert policy.victim("de") == "e"
+    only_predicted = PriorityPolicy(
+        lambda k: predicted.get(k, 0.0), lambda: clock[0], cost.__getitem__, PriorityConfig(1.0, 0.0, 0.0)
+    )
+    for key in "ab":
+        only_predicted.inserted(key, staged=False)
+    assert [only_predicted.score(k) for k in "ab"] == [0.5, 0.0] and only_predicted.victim("ab") == "b"
+
+
+@pytest.mark.parametrize("field", ["predicted_weight", "recency_weight", "cost_weight"])
+def test_priority_weights_must_not_be_negative(field):
+    from mira_hf import ConfigError
+    from mira_hf.policies import PriorityConfig
+
+    with pytest.raises(ConfigError, match="PriorityConfig weights must be ≥ 0"):
+        PriorityConfig(**{field: -0.01})
+    assert getattr(PriorityConfig(**{field: 0.0}), field) == 0.0  # zero switches a term off
+
+
+def test_heat_policy_breaks_ties_by_recency_and_demotes_the_least_recently_used():
+    from mira_hf.heat import HeatTracker
+    from mira_hf.policies import HeatPolicy
+
+    values = {(0, 0): 0.5, (0, 1): 0.2, (0, 2): 0.2, (0, 3): 0.9}
+    policy = HeatPolicy(HeatTracker({0: 4}), lambda keys: [values[k] for k in keys])
+    for e in (2, 1, 0, 3):
+        policy.inserted((0, e), staged=False)
+    keys = [(0, e) for e in range(4)]
+    assert policy.victim(keys) == (0, 2)  # 1 and 2 tie at 0.2: (0, 2) was used longer ago
+    policy.used((0, 2))
+    assert policy.victim(keys) == (0, 1) and policy.victim([(0, 0), (0, 3)]) == (0, 0) and policy.victim([]) is None
+    assert policy.victim([(0, 3), (0, 3)]) == (0, 3)  # repeated candidates count once
+    assert policy.demote([(0, 0), (0, 3)]) == (0, 0)  # the HOT label drops by recency, not by value
+    heat = HeatTracker({0: 2})
+    by_score = HeatPolicy(heat)  # without keep_values: the heat score ranks
+    heat.activate(0, [1])
+    by_score.inserted((0, 1), staged=False)
+    by_score.inserted((0, 0), staged=False)
+    assert by_score.victim([(0, 0), (0, 1)]) == (0, 0) and not by_score.admit_hot((0, 1))  # 0.1 < 0.3
+    heat.activate(0, [1, 1])
+    assert by_score.admit_hot((0, 1))  # 0.3: the threshold admits

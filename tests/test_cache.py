@@ -760,3 +760,57 @@ def test_heat_policy_breaks_ties_by_recency_and_demotes_the_least_recently_used(
     assert by_score.victim([(0, 0), (0, 1)]) == (0, 0) and not by_score.admit_hot((0, 1))  # 0.1 < 0.3
     heat.activate(0, [1, 1])
     assert by_score.admit_hot((0, 1))  # 0.3: the threshold admits
+
+
+def test_hot_count_tiers_and_slot_state_stay_consistent_through_uses_evictions_and_removals():
+    from mira_hf.heat import HeatTracker
+    from mira_hf.policies import HeatPolicy
+
+    policy = LRUPolicy()
+    cache = ExpertCache({0: SlotPool(1, 3, 1, policy)}, {0: 0, 1: 0})  # 2 HOT + 1 STAGE, layers 0 and 1 share it
+    pool = cache.pools[0]
+
+    def check():
+        assert pool.hot_count == sum(s.tier == "hot" for s in pool.slots if s.key is not None) <= pool.n_hot
+        assert sorted(policy._order) == cache.resident()  # the policy tracks exactly the resident experts
+
+    a, b, c, d, e = (0, 0), (0, 1), (1, 0), (1, 1), (0, 2)
+    slot, _ = cache.allocate(a, staged=False)
+    assert (slot.pins, slot.partial, slot.prefetched, slot.awaiting, slot.used_since_load) == (0, 0, False, False, False)
+    cache.use(slot)
+    cache.use(slot)  # a second use of a HOT expert changes nothing
+    check()
+    for k in (b, c):
+        _touch(cache, k)
+        check()
+    assert [cache.lookup(k).tier for k in (a, b, c)] == ["stage", "hot", "hot"]  # a, least recently used, demoted
+    assert cache.resident(0) == [a, b] and cache.resident(1) == [c]
+    cache.remove(b)  # HOT
+    check()
+    freed = pool.slots[pool._free[-1]]
+    assert (freed.key, freed.pins, freed.ready, freed.first_ready, freed.awaiting, freed.partial) == (
+        None,
+        0,
+        None,
+        None,
+        False,
+        0,
+    )
+    cache.remove(b)  # not resident: nothing to do
+    cache.remove(a)  # STAGE
+    check()
+    # d, e join HOT (c drops to STAGE); a evicts STAGE's c and joins HOT (d drops); b evicts d
+    assert [_touch(cache, k) for k in (d, e, a, b)] == [None, None, c, d]
+    check()
+    guess, _ = cache.allocate((1, 3), staged=True)
+    assert (guess.prefetched, guess.awaiting) == (True, True)
+
+    all_hot = _lru_cache(2)
+    assert [_touch(all_hot, (0, e)) for e in range(3)] == [None, None, (0, 0)]  # a HOT expert evicted
+    assert all_hot.pools[0].hot_count == 2
+
+    heat = HeatTracker({0: 2})
+    cold = ExpertCache({0: SlotPool(1, 2, 0, HeatPolicy(heat))}, {0: 0})
+    slot, _ = cold.allocate((0, 0), staged=False)
+    cold.use(slot)
+    assert slot.tier == "stage" and cold.pools[0].hot_count == 0  # below the heat threshold: not admitted to HOT

@@ -45,6 +45,7 @@ def test_record_sizes_within_a_sixteenth_share_a_pool():
     # 938 ≥ 1000 · 15/16 = 937.5 joins the 1000-byte pool; 937 and 900 do not (900 forms its own)
     assert plan_budget(layers, {0: 1000, 1: 938, 2: 900}, 10**6).pool_of_layer == {0: 1000, 1: 1000, 2: 900}
     assert plan_budget(layers, {0: 1000, 1: 937, 2: 900}, 10**6).pool_of_layer == {0: 1000, 1: 937, 2: 937}
+    assert plan_budget(layers[:2], {0: 1600, 1: 1500}, 10**6).pool_of_layer == {0: 1600, 1: 1600}  # exactly 15/16
     plan = plan_budget(layers[:2], {0: 1000, 1: 938}, 8000)
     assert plan.n_slots == {1000: 8} and plan.slot_bytes == {1000: 1000}  # merged records take slots of the larger size
 
@@ -72,3 +73,14 @@ def test_codec_buffers_are_planned_out_of_the_budget(tiny_checkpoint, placement)
     name = {"dequant": "staging", "packed": "scratch"}[placement]
     assert mira.budget.buffer_bytes == {name: want} and s["quantization"] == "lossless" and s["placement"] == placement
     assert s["capacity_bytes"] + want <= s["budget_bytes"] and mira.device_bytes == s["capacity_bytes"] + want
+
+
+def test_a_pool_shared_by_several_layers_counts_all_their_experts():
+    layers = [LayerInfo(i, f"layers.{i}", 4, 1) for i in range(3)]
+    # pool 1000: layers 0 and 1, 8000 bytes; pool 500: layer 2, 2000 bytes. 5000 bytes → 4000 and 1000
+    assert plan_budget(layers, {0: 1000, 1: 1000, 2: 500}, 5000).n_slots == {1000: 4, 500: 2}
+
+
+def test_the_error_lists_every_codec_buffer():
+    with pytest.raises(BudgetError, match=r"2,000 bytes of codec buffers \(staging, scratch\)"):
+        plan_budget(LAYERS, RECORDS, 3000, buffers={"staging": 1000, "scratch": 1000})

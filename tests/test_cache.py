@@ -752,6 +752,9 @@ def test_heat_policy_breaks_ties_by_recency_and_demotes_the_least_recently_used(
     assert policy.victim(keys) == (0, 1) and policy.victim([(0, 0), (0, 3)]) == (0, 0) and policy.victim([]) is None
     assert policy.victim([(0, 3), (0, 3)]) == (0, 3)  # repeated candidates count once
     assert policy.demote([(0, 0), (0, 3)]) == (0, 0)  # the HOT label drops by recency, not by value
+    untracked = HeatPolicy(HeatTracker({0: 8}), lambda keys: [0.0] * len(keys))
+    assert untracked.victim([(0, 6), (0, 5), (0, 7)]) == (0, 6)  # a tie among keys it never saw: the first given
+    untracked.removed((0, 6))  # forgetting a key it does not hold is a no-op
     heat = HeatTracker({0: 2})
     by_score = HeatPolicy(heat)  # without keep_values: the heat score ranks
     heat.activate(0, [1])

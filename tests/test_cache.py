@@ -701,7 +701,7 @@ def test_priority_scores_and_victims_by_hand():
     """score = 0.6 · predicted + 0.3 · 1 / (1 + steps since last use) + 0.1 · cost; the lowest goes."""
     from mira_hf.policies import PriorityConfig, PriorityPolicy
 
-    clock, predicted, cost = [0], {"a": 0.5}, {"a": 0.1, "b": 0.2, "c": 0.3, "d": 0.2, "e": 0.2}
+    clock, predicted, cost = [0], {"a": 0.5}, {"a": 0.1, "b": 0.2, "c": 0.3, "d": 0.2, "e": 0.2, "z": 0.2}
     policy = PriorityPolicy(lambda k: predicted.get(k, 0.0), lambda: clock[0], cost.__getitem__)
     for key in "abc":  # a at step 0, b at 1, c at 2
         policy.inserted(key, staged=False)
@@ -726,6 +726,10 @@ def test_priority_scores_and_victims_by_hand():
     for key in "ab":
         only_predicted.inserted(key, staged=False)
     assert [only_predicted.score(k) for k in "ab"] == [0.5, 0.0] and only_predicted.victim("ab") == "b"
+    policy.removed("a")
+    policy.removed("z")  # never inserted: a no-op
+    assert "a" not in policy._order and policy.score("z") == policy.score("e")
+    assert policy.victim(["e", "z"]) == "z"  # a tie with a key it holds no record of: that key goes first
 
 
 @pytest.mark.parametrize("field", ["predicted_weight", "recency_weight", "cost_weight"])
@@ -733,7 +737,7 @@ def test_priority_weights_must_not_be_negative(field):
     from mira_hf import ConfigError
     from mira_hf.policies import PriorityConfig
 
-    with pytest.raises(ConfigError, match="PriorityConfig weights must be ≥ 0"):
+    with pytest.raises(ConfigError, match=r"^PriorityConfig weights must be ≥ 0\.$"):
         PriorityConfig(**{field: -0.01})
     assert getattr(PriorityConfig(**{field: 0.0}), field) == 0.0  # zero switches a term off
 
@@ -808,8 +812,10 @@ def test_hot_count_tiers_and_slot_state_stay_consistent_through_uses_evictions_a
     guess, _ = cache.allocate((1, 3), staged=True)
     assert (guess.prefetched, guess.awaiting) == (True, True)
 
-    all_hot = _lru_cache(2)
-    assert [_touch(all_hot, (0, e)) for e in range(3)] == [None, None, (0, 0)]  # a HOT expert evicted
+    all_hot = _lru_cache(3)
+    assert [_touch(all_hot, (0, e)) for e in range(4)] == [None, None, None, (0, 0)]  # a HOT expert evicted
+    assert all_hot.pools[0].hot_count == 3
+    all_hot.remove((0, 1))
     assert all_hot.pools[0].hot_count == 2
 
     heat = HeatTracker({0: 2})

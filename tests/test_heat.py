@@ -129,12 +129,13 @@ def test_windows_close_every_window_periods_and_start_empty():
         h.end_step()
     # 0.1, idle for periods 2..5: × 0.95^4, then the window closes: + 0.1 · 1/1
     assert scores(h) == pytest.approx([0.1 * 0.95**4 + 0.1, 0.0], rel=1e-6) and scores(h, 1) == [0.0, 0.0]
+    h.activate(0, [1])  # period 6, in the second window
     for _ in range(4):
         h.end_step()
-    after_nine = 0.1 * 0.95**8 + 0.1 * 0.95**4
-    assert scores(h)[0] == pytest.approx(after_nine, rel=1e-6)  # the next window (periods 6..10) is still open
-    h.end_step()  # it closes empty: no gain
-    assert scores(h)[0] == pytest.approx(after_nine * 0.95, rel=1e-6)
+    # the second window (periods 6..10) is still open after period 9: expert 1 has only its activation
+    assert scores(h)[1] == pytest.approx(0.1 * 0.95**3, rel=1e-6)
+    h.end_step()  # it closes: expert 1 had the largest count (1) and gains 0.1; expert 0 (0 of 1) nothing
+    assert scores(h) == pytest.approx([(0.1 * 0.95**4 + 0.1) * 0.95**5, 0.1 * 0.95**4 + 0.1], rel=1e-6)
     h.reset()
     h.activate(0, [1])
     for _ in range(4):

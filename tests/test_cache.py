@@ -729,7 +729,9 @@ def test_priority_scores_and_victims_by_hand():
     policy.removed("a")
     policy.removed("z")  # never inserted: a no-op
     assert "a" not in policy._order and policy.score("z") == policy.score("e")
-    assert policy.victim(["e", "z"]) == "z"  # a tie with a key it holds no record of: that key goes first
+    assert (
+        policy.score("b") == policy.score("z") and policy.victim(["b", "z"]) == "z"
+    )  # a tie with a key it holds no record of: that key goes first
 
 
 @pytest.mark.parametrize("field", ["predicted_weight", "recency_weight", "cost_weight"])
@@ -764,7 +766,7 @@ def test_heat_policy_breaks_ties_by_recency_and_demotes_the_least_recently_used(
     heat.activate(0, [1])
     by_score.inserted((0, 1), staged=False)
     by_score.inserted((0, 0), staged=False)
-    assert by_score.victim([(0, 0), (0, 1)]) == (0, 0) and not by_score.admit_hot((0, 1))  # 0.1 < 0.3
+    assert by_score.victim([(0, 1), (0, 0)]) == (0, 0) and not by_score.admit_hot((0, 1))  # 0.1 < 0.3
     heat.activate(0, [1, 1])
     assert by_score.admit_hot((0, 1))  # 0.3: the threshold admits
 

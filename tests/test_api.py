@@ -295,9 +295,18 @@ def test_errors_subclass_builtins():
     assert issubclass(DeviceError, RuntimeError)
 
 
-def test_missing_checkpoint_directory_gives_a_clear_error(tmp_path):
-    with pytest.raises((OSError, MiraError)):
-        MiraMoEModel.from_pretrained(os.fspath(tmp_path / "nope"), MiraConfig(device="cpu"), progress=False)
+@pytest.mark.parametrize("where", ["a missing directory", "a hub id not in the local cache"])
+def test_missing_checkpoint_gives_a_clear_error(tmp_path, where):
+    from mira_hf import CheckpointError
+
+    name = os.fspath(tmp_path / "nope") if where == "a missing directory" else "mira-tests/no-such-model"
+    with pytest.raises(CheckpointError) as err:
+        MiraMoEModel.from_pretrained(name, MiraConfig(device="cpu"), progress=False)
+    assert isinstance(err.value, OSError)  # what transformers raises for the same mistake
+    msg = str(err.value)
+    assert msg.startswith(f"no model found at {name}: ")  # what was given
+    assert "Give a local directory holding config.json and the weights" in msg  # what to do
+    assert "mira-hf never downloads" in msg
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+from mira_hf.cache import Eviction, ExpertCache, SlotPool
 from mira_hf.manager import ExpertManager, LayerInfo, plan_budget
+from mira_hf.policies import LRUPolicy
 from mira_hf.predictors import PredictorConfig
 from mira_hf.store import ExpertStore
 
@@ -59,14 +61,119 @@ def test_lru_counts_match_a_hand_computed_trace():
 
 
 def test_stage_tier_keeps_lru_order():
-    """With a STAGE tier, demoted experts are evicted first, which is still global LRU."""
-    a, b = make_manager(slots=4, stage_fraction=0.0), make_manager(slots=4, stage_fraction=0.5)
-    trace = [(0, [0, 1]), (1, [2, 3]), (0, [1, 2]), (1, [0]), (0, [3, 0]), (1, [1, 2])]
-    for layer, experts in trace:
-        run_block(a, layer, experts)
-        run_block(b, layer, experts)
-    assert a.cache.resident() == b.cache.resident()
-    assert a.stats()["misses"] == b.stats()["misses"]
+    """With a STAGE tier, used experts join HOT, HOT's least recently used drops to STAGE, and STAGE is
+    evicted first: still global LRU. The trace re-uses the oldest experts, so FIFO would evict others."""
+    for stage_fraction, hot, stage in ((0.0, 2, 0), (0.5, 0, 2)):  # 4 slots: 4 HOT / 2 HOT + 2 STAGE
+        m = make_manager(slots=4, stage_fraction=stage_fraction)
+        run_block(m, 0, [0, 1])
+        run_block(m, 1, [0, 1])  # full; with a STAGE tier (0, 0) and (0, 1) were demoted to it
+        assert [m.tier_of(*k) for k in m.cache.resident()] == (
+            ["hot"] * 4 if stage_fraction == 0 else ["stage", "stage", "hot", "hot"]
+        )
+        run_block(m, 0, [0, 1])  # two hits: (0, 0), (0, 1) become the most recently used
+        run_block(m, 1, [2, 3])  # LRU order 10 11 00 01: evicts (1, 0), (1, 1); FIFO would evict (0, 0), (0, 1)
+        assert m.cache.resident() == [(0, 0), (0, 1), (1, 2), (1, 3)]
+        s = m.stats()
+        assert (s["hot_hits"], s["stage_hits"], s["misses"], s["evictions"]) == (hot, stage, 6, 2)
+        assert s["per_layer"][1]["evictions"] == 2 and s["per_layer"][0]["evictions"] == 0
+
+
+def _touch(cache, key):
+    """One use of `key` as a block makes it: a hit uses its slot, a miss takes a slot first. Returns the eviction."""
+    slot = cache.lookup(key)
+    evicted = None
+    if slot is None:
+        slot, evicted = cache.allocate(key, staged=False)
+    cache.use(slot)
+    return None if evicted is None else evicted.key
+
+
+def _lru_cache(n_slots):
+    return ExpertCache({0: SlotPool(1, n_slots, 0, LRUPolicy())}, {0: 0})
+
+
+def test_lru_evicts_the_least_recently_used_not_the_first_loaded_nor_the_least_used():
+    a, b, c, d, e = ((0, i) for i in range(5))
+    cache = _lru_cache(3)
+    evictions = [_touch(cache, k) for k in (a, b, c, a, a, b, d, e)]
+    # By hand, 3 slots: a b c | a a b hit (order c a b) | d evicts c (a b d) | e evicts a (b d e).
+    # FIFO would evict a then b; LFU (a 3, b 2, c 1, d 1 uses) c then d.
+    assert [k for k in evictions if k is not None] == [c, a]
+    assert cache.resident() == [b, d, e]
+    # the eviction order is the order of last use; a removal forgets the key
+    cache.remove(d)
+    assert _touch(cache, a) is None and _touch(cache, c) == b
+
+
+def test_a_demand_load_takes_idle_stage_before_hot_and_awaited_prefetches_last():
+    """Victim groups: idle STAGE, then HOT, then prefetches still awaiting their block (never pinned slots)."""
+    cache = ExpertCache({0: SlotPool(1, 3, 1, LRUPolicy())}, {0: 0})  # 2 HOT + 1 STAGE
+    hot = [(0, 0), (0, 1)]
+    for k in hot:
+        _touch(cache, k)
+    guess, _ = cache.allocate((0, 2), staged=True)  # awaiting its block
+    assert cache.allocate((0, 3), staged=True) == (None, None)  # a guess never evicts HOT nor another guess
+    slot, evicted = cache.allocate((0, 3), staged=False)
+    assert evicted.key == (0, 0) and not evicted.wasted_prefetch  # HOT before an awaited guess
+    cache.lookup((0, 1)).pins = 1
+    cache.lookup((0, 3)).pins = 1
+    slot, evicted = cache.allocate((0, 4), staged=False)
+    assert evicted == Eviction((0, 2), wasted_prefetch=True)  # last: the awaited guess, evicted unused
+    slot.pins = 1
+    assert cache.allocate((0, 5), staged=False) == (None, None)  # everything pinned
+    assert cache.allocate((0, 5), staged=False, evict=False) == (None, None)
+
+
+def _five_steps_of_history(policy):
+    """Two MoE layers, 5 slots, no eviction in 10 forward steps; then layer 0 needs a new expert."""
+    m = make_manager(layers=2, experts=8, slots=5, stage_fraction=0.0, policy=policy)
+    for step in range(1, 11):
+        m.enter_forward()
+        run_block(m, 0, [0, 1] if step in (2, 4, 6, 8) else [0])
+        run_block(m, 1, [0] + ([1] if step <= 7 else []) + ([2] if step >= 8 else []))
+        m.exit_forward()
+    return m
+
+
+@pytest.mark.parametrize("policy, victim", [("lru", (1, 1)), ("heat", (0, 1)), ("priority", (1, 1))])
+def test_each_policy_evicts_its_own_victim_on_a_hand_computed_trace(policy, victim):
+    """The unpinned candidates when step 11's layer 0 needs expert 2 (expert (0, 0) is pinned):
+
+    | expert | loaded | uses (steps)  | last use    | use rate after step 10         | keep value (L=2)    |
+    | (0, 1) | step 2 | 4 (2, 4, 6, 8) | step 8, L0  | 0.1·(.9^8+.9^6+.9^4+.9^2)=.2428 | p/2 = .1214         |
+    | (1, 0) | step 1 | 10 (1..10)    | step 10, L1 | 1 − .9^10 = .6513              | p/(2 − p) = .4829   |
+    | (1, 1) | step 1 | 7 (1..7)      | step 7, L1  | (1 − .9^7)·.9^3 = .3803        | .2348               |
+    | (1, 2) | step 8 | 3 (8..10)     | step 10, L1 | 1 − .9^3 = .271                | .1567               |
+
+    (keep value = 1 / expected layers to the next use = p / (d·p + L·(1 − p)); d = 2 for layer 0, which
+    just ran, and 1 for layer 1, which runs next). LRU evicts (1, 1), the oldest last use; FIFO would
+    evict (1, 0), the first loaded; LFU (1, 2), the fewest uses; heat evicts (0, 1), the lowest keep
+    value. Priority (0.6·predicted + 0.3·recency + 0.1·cost, nothing predicted, equal costs) ranks by
+    recency like LRU."""
+    m = _five_steps_of_history(policy)
+    assert m.cache.resident() == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)] and m.stats()["evictions"] == 0
+    rates = [m.heat.use_rate[layer][e] for layer, e in ((0, 1), (1, 0), (1, 1), (1, 2))]
+    by_hand = [0.1 * (0.9**8 + 0.9**6 + 0.9**4 + 0.9**2), 1 - 0.9**10, (1 - 0.9**7) * 0.9**3, 1 - 0.9**3]
+    assert rates == pytest.approx(by_hand, rel=1e-6)
+    m.enter_forward()
+    assert run_block(m, 0, [0, 2]) == {0: 0.0, 2: 2.0}
+    m.exit_forward()
+    assert m.cache.resident() == sorted({(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)} - {victim})
+    s = m.stats()
+    # 34 uses in steps 1..10 (layer 0: 4 × 2 + 6 × 1; layer 1: 7 × 2 + 3 × 2), 5 of them first loads; step 11: a hit, a miss
+    assert (s["evictions"], s["per_layer"][victim[0]]["evictions"], s["hits"], s["misses"]) == (1, 1, 29 + 1, 5 + 1)
+
+
+def test_heat_keep_values_follow_the_expected_distance_by_hand():
+    m = _five_steps_of_history("heat")
+    m._last_layer = 0  # inside step 11, layer 0 running
+    keys = [(0, 1), (1, 0), (1, 1), (1, 2)]
+    p = [0.1 * (0.9**8 + 0.9**6 + 0.9**4 + 0.9**2), 1 - 0.9**10, (1 - 0.9**7) * 0.9**3, 1 - 0.9**3]
+    assert m.keep_values(keys) == pytest.approx([p[0] / 2] + [q / (2 - q) for q in p[1:]], rel=1e-6)
+    assert [m.layers_until(0), m.layers_until(1)] == [2, 1]
+    assert m.expected_distance((1, 2)) == pytest.approx(1 + 2 * (1 - p[3]) / p[3], rel=1e-6)
+    assert m.expected_distance((1, 2), probability=1.0) == pytest.approx(1.0)  # certain: its layer runs next
+    assert m.expected_distance((0, 7)) == pytest.approx(2 + 2 * (1 - 1e-3) / 1e-3)  # never used: the 1e-3 floor
 
 
 def test_block_needing_more_experts_than_slots_streams_through():
@@ -108,15 +215,91 @@ def test_prefetch_never_evicts_hot_experts():
 
 
 def test_prefetched_expert_counts_as_stage_hit_and_waste_is_counted():
-    m = make_manager(layers=1, experts=4, slots=4, stage_fraction=0.5)
+    m = make_manager(layers=1, experts=6, slots=4, stage_fraction=0.5)  # 2 HOT + 2 STAGE
     assert m.prefetch(0, [2, 3]) == 2
-    run_block(m, 0, [2])
+    run_block(m, 0, [2])  # a stage hit: the prefetch was used
     s = m.stats()
-    assert s["stage_hits"] == 1 and s["prefetches"] == 2 and s["prefetch_used"] == 1
-    run_block(m, 0, [0, 1])  # fill the two free slots
-    run_block(m, 0, [1])
-    run_block(m, 0, [0])  # nothing evicted yet: 4 slots, 4 experts
-    assert m.stats()["prefetch_wasted"] == 0
+    assert (s["stage_hits"], s["prefetches"], s["prefetch_used"], s["prefetch_wasted"]) == (1, 2, 1, 0)
+    run_block(m, 0, [0, 1])  # the two free slots; HOT is over its size: (0, 2) drops to STAGE
+    assert [m.tier_of(0, e) for e in range(4)] == ["hot", "hot", "stage", "stage"]
+    run_block(m, 0, [4])  # evicts STAGE's least recently used: (0, 3), prefetched and never used
+    assert m.cache.lookup((0, 3)) is None
+    s = m.stats()
+    record = m.store.record_bytes(0)
+    assert (s["prefetch_wasted"], s["evictions"], s["prefetches"], s["loads"]) == (1, 1, 2, 5)
+    assert (s["stage_hits"], s["hot_hits"], s["hits"], s["misses"], s["hit_rate"]) == (1, 0, 1, 3, 0.25)
+    assert s["bytes_h2d"] == 5 * record and s["per_layer"][0]["prefetch_wasted"] == 1
+    # heat: (0, 2) +0.1 (used) +0.03 (a used prefetch), then one idle step ×0.95; (0, 3) −0.05 (wasted), kept at 0
+    assert m.heat.score(0, 2) == pytest.approx(0.13 * 0.95) and m.heat.score(0, 3) == 0.0
+    run_block(m, 0, [5])  # the next victim, (0, 2), was a prefetch but was used: not wasted
+    assert m.stats()["prefetch_wasted"] == 1 and m.stats()["evictions"] == 2
+
+
+def test_every_counter_of_stats_on_a_hand_computed_trace():
+    """Each counter of `stats()` made non-zero by a trace whose value is known."""
+    m = make_manager(layers=2, experts=4, slots=3, stage_fraction=0.0)
+    record = m.store.record_bytes(0)
+    m.enter_forward()
+    run_block(m, 0, [0, 1])
+    m._stage(0, {1: torch.tensor([0.9, 0.4, 0.1, 0.0])})  # guesses for layer 1: 0 and 1 (confidence 0.3), not copied (< 0.95)
+    run_block(m, 1, [0, 2])  # tp 1 (0), fp 1 (1), fn 1 (2); (1, 2) evicts the least recently used, (0, 0)
+    m.exit_forward()
+    m.enter_forward()
+    run_block(m, 0, [1])  # a hit
+    m.exit_forward()
+    s = m.stats()
+    assert (s["steps"], s["hits"], s["hot_hits"], s["misses"], s["loads"], s["evictions"]) == (2, 1, 1, 4, 4, 1)
+    assert s["hit_rate"] == 0.2 and m.hit_rate_history() == [0.0, 1.0]
+    assert s["bytes_h2d"] == 4 * record
+    assert s["predictor_precision"] == 0.5 and s["predictor_recall"] == 0.5
+    assert s["per_layer"][1]["precision@1"] == 0.5 and s["per_layer"][1]["recall@1"] == 0.5
+    assert "recall@1" not in s["per_layer"][0]  # nothing was predicted for layer 0
+    assert s["stall_s"] == pytest.approx(sum(m.loader.stalls().values())) and s["stall_s"] > 0  # CPU: the copies
+    assert s["per_layer"][0]["stall_s"] + s["per_layer"][1]["stall_s"] == pytest.approx(s["stall_s"])
+    assert (s["budget_bytes"], s["capacity_bytes"], s["resident_bytes"], s["buffer_bytes"], s["slots"]) == (
+        3 * record,
+        3 * record,
+        3 * record,
+        0,
+        3,
+    )
+    assert (s["device"], s["quantization"], s["placement"], s["host_only_experts"]) == ("cpu", None, "raw", 0)
+    assert (s["prediction_active"], s["prediction_paused_steps"]) == (False, 0)  # no predictor
+    m.loader.latencies = lambda: [0.5, 0.1, 0.4, 0.2, 0.3]
+    assert (m.stats()["load_latency_p50_s"], m.stats()["load_latency_p95_s"]) == (0.3, 0.5)
+    m.reset_stats()
+    s = m.stats()
+    assert (s["steps"], s["hits"], s["misses"], s["loads"], s["bytes_h2d"], s["stall_s"]) == (0, 0, 0, 0, 0, 0.0)
+    assert s["predictor_precision"] is None and s["hit_rate"] == 0.0 and m.hit_rate_history() == []
+    assert s["resident_bytes"] == 3 * record  # the cache keeps its experts
+
+
+# Where each counter of `stats()` is made non-zero and checked against a known value. A new counter
+# needs a test and an entry here.
+STATS_CHECKED_BY = {
+    **dict.fromkeys(
+        ("hot_hits", "misses", "loads", "evictions", "bytes_h2d", "hits", "hit_rate", "steps", "stall_s"),
+        "test_every_counter_of_stats_on_a_hand_computed_trace",
+    ),
+    **dict.fromkeys(("predictor_precision", "predictor_recall", "load_latency_p50_s", "load_latency_p95_s"), "the same"),
+    **dict.fromkeys(("budget_bytes", "capacity_bytes", "resident_bytes", "slots", "device", "placement"), "the same"),
+    **dict.fromkeys(
+        ("stage_hits", "prefetches", "prefetch_used", "prefetch_wasted"), "test_prefetched_expert_counts_as_stage_hit..."
+    ),
+    **dict.fromkeys(("speculated", "speculated_used"), "test_a_speculative_copy_is_finished_when_its_expert_is_used"),
+    "host_only_experts": "test_host_only_experts_are_computed_but_never_keep_a_slot",
+    "buffer_bytes": "test_budget.py::test_codec_buffers_are_planned_out_of_the_budget",
+    "quantization": "test_api.py::test_default_config_reports_the_format_it_resolved (None), test_codec_buffers_...",
+    **dict.fromkeys(
+        ("prediction_active", "prediction_paused_steps"),
+        "test_payoff.py::test_prediction_pauses_where_copies_cost_nothing_and_outputs_stay_identical",
+    ),
+    "per_layer": "test_lru_counts_match_a_hand_computed_trace",
+}
+
+
+def test_every_counter_of_stats_is_checked_somewhere():
+    assert set(make_manager().stats()) == set(STATS_CHECKED_BY)
 
 
 def test_resident_bytes_never_exceed_budget():
@@ -509,3 +692,136 @@ def test_keep_values_in_numpy_equal_the_loop_bit_for_bit():
         batched = m.keep_values(keys)
         looped = [v for i in range(0, len(keys), 16) for v in m.keep_values(keys[i : i + 16])]
         assert isinstance(batched, np.ndarray) and batched.tolist() == looped
+
+
+# -- policies on their own ---------------------------------------------------------------------------
+
+
+def test_priority_scores_and_victims_by_hand():
+    """score = 0.6 · predicted + 0.3 · 1 / (1 + steps since last use) + 0.1 · cost; the lowest goes."""
+    from mira_hf.policies import PriorityConfig, PriorityPolicy
+
+    clock, predicted, cost = [0], {"a": 0.5}, {"a": 0.1, "b": 0.2, "c": 0.3, "d": 0.2, "e": 0.2, "z": 0.2}
+    policy = PriorityPolicy(lambda k: predicted.get(k, 0.0), lambda: clock[0], cost.__getitem__)
+    for key in "abc":  # a at step 0, b at 1, c at 2
+        policy.inserted(key, staged=False)
+        clock[0] += 1
+    clock[0] = 4
+    assert [policy.score(k) for k in "abc"] == pytest.approx(
+        [0.6 * 0.5 + 0.3 / 5 + 0.1 * 0.1, 0.3 / 4 + 0.1 * 0.2, 0.3 / 3 + 0.1 * 0.3]  # 0.37, 0.095, 0.13
+    )
+    assert policy.victim("abc") == "b" and policy.victim("ac") == "c" and policy.victim([]) is None
+    policy.used("b")  # used now: recency 1
+    assert policy.score("b") == pytest.approx(0.3 + 0.02) and policy.victim("abc") == "c"
+    policy.removed("c")
+    assert policy.score("c") == pytest.approx(0.3 + 0.03)  # forgotten: scored as if just used
+    policy.inserted("d", staged=True)
+    policy.inserted("e", staged=True)
+    assert policy.score("d") == policy.score("e") and policy.victim("ed") == "d"  # a tie: the least recently used
+    policy.used("d")
+    assert policy.victim("de") == "e"
+    only_predicted = PriorityPolicy(
+        lambda k: predicted.get(k, 0.0), lambda: clock[0], cost.__getitem__, PriorityConfig(1.0, 0.0, 0.0)
+    )
+    for key in "ab":
+        only_predicted.inserted(key, staged=False)
+    assert [only_predicted.score(k) for k in "ab"] == [0.5, 0.0] and only_predicted.victim("ab") == "b"
+    policy.removed("a")
+    policy.removed("z")  # never inserted: a no-op
+    assert "a" not in policy._order and policy.score("z") == policy.score("e")
+    assert (
+        policy.score("b") == policy.score("z") and policy.victim(["b", "z"]) == "z"
+    )  # a tie with a key it holds no record of: that key goes first
+
+
+@pytest.mark.parametrize("field", ["predicted_weight", "recency_weight", "cost_weight"])
+def test_priority_weights_must_not_be_negative(field):
+    from mira_hf import ConfigError
+    from mira_hf.policies import PriorityConfig
+
+    with pytest.raises(ConfigError, match=r"^PriorityConfig weights must be ≥ 0\.$"):
+        PriorityConfig(**{field: -0.01})
+    assert getattr(PriorityConfig(**{field: 0.0}), field) == 0.0  # zero switches a term off
+
+
+def test_heat_policy_breaks_ties_by_recency_and_demotes_the_least_recently_used():
+    from mira_hf.heat import HeatTracker
+    from mira_hf.policies import HeatPolicy
+
+    values = {(0, 0): 0.5, (0, 1): 0.2, (0, 2): 0.2, (0, 3): 0.9}
+    policy = HeatPolicy(HeatTracker({0: 4}), lambda keys: [values[k] for k in keys])
+    for e in (2, 1, 0, 3):
+        policy.inserted((0, e), staged=False)
+    keys = [(0, e) for e in range(4)]
+    assert policy.victim(keys) == (0, 2)  # 1 and 2 tie at 0.2: (0, 2) was used longer ago
+    policy.used((0, 2))
+    assert policy.victim(keys) == (0, 1) and policy.victim([(0, 0), (0, 3)]) == (0, 0) and policy.victim([]) is None
+    assert policy.victim([(0, 3), (0, 3)]) == (0, 3)  # repeated candidates count once
+    assert policy.demote([(0, 0), (0, 3)]) == (0, 0)  # the HOT label drops by recency, not by value
+    untracked = HeatPolicy(HeatTracker({0: 8}), lambda keys: [0.0] * len(keys))
+    assert untracked.victim([(0, 6), (0, 5), (0, 7)]) == (0, 6)  # a tie among keys it never saw: the first given
+    untracked.removed((0, 6))  # forgetting a key it does not hold is a no-op
+    heat = HeatTracker({0: 2})
+    by_score = HeatPolicy(heat)  # without keep_values: the heat score ranks
+    heat.activate(0, [1])
+    by_score.inserted((0, 1), staged=False)
+    by_score.inserted((0, 0), staged=False)
+    assert by_score.victim([(0, 1), (0, 0)]) == (0, 0) and not by_score.admit_hot((0, 1))  # 0.1 < 0.3
+    heat.activate(0, [1, 1])
+    assert by_score.admit_hot((0, 1))  # 0.3: the threshold admits
+
+
+def test_hot_count_tiers_and_slot_state_stay_consistent_through_uses_evictions_and_removals():
+    from mira_hf.heat import HeatTracker
+    from mira_hf.policies import HeatPolicy
+
+    policy = LRUPolicy()
+    cache = ExpertCache({0: SlotPool(1, 3, 1, policy)}, {0: 0, 1: 0})  # 2 HOT + 1 STAGE, layers 0 and 1 share it
+    pool = cache.pools[0]
+
+    def check():
+        assert pool.hot_count == sum(s.tier == "hot" for s in pool.slots if s.key is not None) <= pool.n_hot
+        assert sorted(policy._order) == cache.resident()  # the policy tracks exactly the resident experts
+
+    a, b, c, d, e = (0, 0), (0, 1), (1, 0), (1, 1), (0, 2)
+    slot, _ = cache.allocate(a, staged=False)
+    assert (slot.pins, slot.partial, slot.prefetched, slot.awaiting, slot.used_since_load) == (0, 0, False, False, False)
+    cache.use(slot)
+    cache.use(slot)  # a second use of a HOT expert changes nothing
+    check()
+    for k in (b, c):
+        _touch(cache, k)
+        check()
+    assert [cache.lookup(k).tier for k in (a, b, c)] == ["stage", "hot", "hot"]  # a, least recently used, demoted
+    assert cache.resident(0) == [a, b] and cache.resident(1) == [c]
+    cache.remove(b)  # HOT
+    check()
+    freed = pool.slots[pool._free[-1]]
+    assert (freed.key, freed.pins, freed.ready, freed.first_ready, freed.awaiting, freed.partial) == (
+        None,
+        0,
+        None,
+        None,
+        False,
+        0,
+    )
+    cache.remove(b)  # not resident: nothing to do
+    cache.remove(a)  # STAGE
+    check()
+    # d, e join HOT (c drops to STAGE); a evicts STAGE's c and joins HOT (d drops); b evicts d
+    assert [_touch(cache, k) for k in (d, e, a, b)] == [None, None, c, d]
+    check()
+    guess, _ = cache.allocate((1, 3), staged=True)
+    assert (guess.prefetched, guess.awaiting) == (True, True)
+
+    all_hot = _lru_cache(3)
+    assert [_touch(all_hot, (0, e)) for e in range(4)] == [None, None, None, (0, 0)]  # a HOT expert evicted
+    assert all_hot.pools[0].hot_count == 3
+    all_hot.remove((0, 1))
+    assert all_hot.pools[0].hot_count == 2
+
+    heat = HeatTracker({0: 2})
+    cold = ExpertCache({0: SlotPool(1, 2, 0, HeatPolicy(heat))}, {0: 0})
+    slot, _ = cold.allocate((0, 0), staged=False)
+    cold.use(slot)
+    assert slot.tier == "stage" and cold.pools[0].hot_count == 0  # below the heat threshold: not admitted to HOT

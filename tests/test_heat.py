@@ -5,6 +5,7 @@ periods each expert's window count, divided by the layer's largest, is added wit
 expert that was used +0.03, one evicted unused −0.05 (kept in [0, 1]); HOT when the score is ≥ 0.3.
 On the step clock a period is one forward step."""
 
+import numpy as np
 import pytest
 
 from mira_hf.errors import ConfigError
@@ -96,3 +97,73 @@ def test_reset_clears_every_table():
 def test_heat_config_is_validated(bad, field):
     with pytest.raises(ConfigError, match=field):
         HeatConfig(**bad)
+
+
+def test_boundary_settings_are_accepted_and_messages_name_the_field():
+    for ok in (dict(decay_per_period=1.0), dict(window_periods=1), dict(hot_threshold=0.0), dict(hot_threshold=1.0)):
+        HeatConfig(**ok)  # the edges of each range are valid
+    with pytest.raises(ConfigError, match=r"^HeatConfig\.window_periods must be ≥ 1 and period_s > 0\.$"):
+        HeatConfig(window_periods=0)
+
+
+def test_tables_have_the_documented_types_and_a_model_without_moe_layers_is_fine():
+    h = HeatTracker({0: 3, 2: 5})
+    assert h.scores[0].dtype == np.float32 and h.use_rate[2].dtype == np.float32 and h.counts[0].dtype == np.int64
+    assert h._window[0].dtype == np.float32 and h._step_active[0].dtype == np.bool_
+    empty = HeatTracker({})
+    empty.end_step()
+    assert empty.layers == [] and empty.use_rates(np.array([], np.intp), np.array([], np.intp)).size == 0
+
+
+def test_the_threshold_itself_is_hot():
+    h = HeatTracker({0: 2}, HeatConfig(activation_gain=0.25, hot_threshold=0.5))
+    h.activate(0, [0, 0])  # 0.25 + 0.25 = 0.5 exactly
+    h.activate(0, [1])
+    assert h.is_hot(0, 0) and not h.is_hot(0, 1)
+
+
+def test_windows_close_every_window_periods_and_start_empty():
+    h = HeatTracker({0: 2, 1: 2})  # layer 1 is never used: its window stays empty (no 0 / 0)
+    h.activate(0, [0])  # one activation in the window: the largest count is 1
+    for _ in range(5):
+        h.end_step()
+    # 0.1, idle for periods 2..5: × 0.95^4, then the window closes: + 0.1 · 1/1
+    assert scores(h) == pytest.approx([0.1 * 0.95**4 + 0.1, 0.0], rel=1e-6) and scores(h, 1) == [0.0, 0.0]
+    h.activate(0, [1])  # period 6, in the second window
+    for _ in range(4):
+        h.end_step()
+    # the second window (periods 6..10) is still open after period 9: expert 1 has only its activation
+    assert scores(h)[1] == pytest.approx(0.1 * 0.95**3, rel=1e-6)
+    h.end_step()  # it closes: expert 1 had the largest count (1) and gains 0.1; expert 0 (0 of 1) nothing
+    assert scores(h) == pytest.approx([(0.1 * 0.95**4 + 0.1) * 0.95**5, 0.1 * 0.95**4 + 0.1], rel=1e-6)
+    h.reset()
+    h.activate(0, [1])
+    for _ in range(4):
+        h.end_step()
+    assert scores(h)[1] == pytest.approx(0.1 * 0.95**3, rel=1e-6)  # after a reset too, a window is 5 periods
+    h.end_step()
+    assert scores(h)[1] == pytest.approx(0.1 * 0.95**4 + 0.1, rel=1e-6)
+
+
+def test_a_window_gain_never_lifts_a_score_above_one():
+    h = HeatTracker({0: 2})
+    for _ in range(5):
+        h.activate(0, [0] * 3)  # at 1.0 from the fourth period on; the window then adds its 0.1
+        h.end_step()
+    assert h.score(0, 0) == 1.0
+
+
+def test_a_long_idle_wall_clock_gap_decays_at_most_1000_periods_and_the_clock_keeps_time(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr("mira_hf.heat.time.monotonic", lambda: now[0])
+    h = HeatTracker({0: 2}, HeatConfig(clock="wall", period_s=0.125, decay_per_period=0.99, window_gain=0.0))
+    h.activate(0, [0])
+    now[0] += 625.0  # 5000 periods
+    h.activate(0, [1])  # active in the first of them, idle for 999 more
+    assert h.score(0, 0) == pytest.approx(0.1 * 0.99**999, rel=1e-4)
+    now[0] += 0.0625  # half a period: nothing passes
+    h.activate(0, [1])
+    assert h.score(0, 0) == pytest.approx(0.1 * 0.99**999, rel=1e-4)
+    now[0] += 0.0625  # now a whole one since the last tick
+    h.activate(0, [1])
+    assert h.score(0, 0) == pytest.approx(0.1 * 0.99**1000, rel=1e-4)

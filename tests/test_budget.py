@@ -1,0 +1,86 @@
+"""Budget planning: how a byte budget becomes device buffers and slots, on numbers worked out by hand."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from mira_hf import BudgetError, MiraConfig, MiraMoEModel
+from mira_hf.config import QuantConfig
+from mira_hf.manager import LayerInfo, device_buffers, plan_budget
+
+# Layer 0: 8 experts of 1000 bytes, top-2; layer 1: 4 experts of 500 bytes, top-1. Expert bytes: 8000 + 2000.
+LAYERS = [LayerInfo(0, "layers.0.mlp.experts", 8, 2), LayerInfo(1, "layers.1.mlp.experts", 4, 1)]
+RECORDS = {0: 1000, 1: 500}
+
+
+def test_slots_are_split_by_each_pools_share_of_expert_bytes_after_the_buffers():
+    plan = plan_budget(LAYERS, RECORDS, 6000, buffers={"staging": 1000})
+    # 5000 bytes for slots: pool 1000 gets 5000 · 8000/10000 = 4000 → 4 slots, pool 500 gets 1000 → 2 slots
+    assert plan.pool_of_layer == {0: 1000, 1: 500} and plan.slot_bytes == {1000: 1000, 500: 500}
+    assert plan.n_slots == {1000: 4, 500: 2}
+    assert (plan.capacity_bytes, plan.device_bytes, plan.buffer_bytes) == (5000, 6000, {"staging": 1000})
+    # a share that is not a whole number of slots rounds down: 5999 − 1000 = 4999 → 3999 // 1000, 999 // 500
+    assert plan_budget(LAYERS, RECORDS, 5999, buffers={"staging": 1000}).n_slots == {1000: 3, 500: 1}
+    # never more slots than the pool has experts
+    assert plan_budget(LAYERS, RECORDS, 10**9).n_slots == {1000: 8, 500: 4}
+
+
+def test_the_minimum_working_set_is_the_boundary_and_the_error_names_it():
+    # minimum: top-k records of one layer per pool (2 · 1000 + 1 · 500) plus the buffers (1000) = 3500
+    plan = plan_budget(LAYERS, RECORDS, 3500, buffers={"staging": 1000})
+    assert plan.n_slots == {1000: 2, 500: 1}
+    with pytest.raises(BudgetError) as err:
+        plan_budget(LAYERS, RECORDS, 3499, buffers={"staging": 1000})
+    msg = str(err.value)
+    assert "gpu_budget of 3,499 bytes" in msg and "3,500 bytes" in msg and "10,000 bytes hold every expert" in msg
+    assert "1,000 bytes of codec buffers (staging)" in msg and "fraction ≥ 0.350" in msg
+    with pytest.raises(BudgetError, match="minimum working set of this model: 2,500 bytes \\(the top-k experts of one layer;"):
+        plan_budget(LAYERS, RECORDS, 2499)  # without buffers the message names none
+    with pytest.raises(BudgetError):
+        plan_budget(LAYERS, RECORDS, 500, buffers={"staging": 1000})  # buffers larger than the budget
+
+
+def test_record_sizes_within_a_sixteenth_share_a_pool():
+    layers = [LayerInfo(i, f"layers.{i}", 4, 1) for i in range(3)]
+    # 938 ≥ 1000 · 15/16 = 937.5 joins the 1000-byte pool; 937 and 900 do not (900 forms its own)
+    assert plan_budget(layers, {0: 1000, 1: 938, 2: 900}, 10**6).pool_of_layer == {0: 1000, 1: 1000, 2: 900}
+    assert plan_budget(layers, {0: 1000, 1: 937, 2: 900}, 10**6).pool_of_layer == {0: 1000, 1: 937, 2: 937}
+    assert plan_budget(layers[:2], {0: 1600, 1: 1500}, 10**6).pool_of_layer == {0: 1600, 1: 1600}  # exactly 15/16
+    plan = plan_budget(layers[:2], {0: 1000, 1: 938}, 8000)
+    assert plan.n_slots == {1000: 8} and plan.slot_bytes == {1000: 1000}  # merged records take slots of the larger size
+
+
+def test_device_buffers_by_placement():
+    layouts = {0: SimpleNamespace(nbytes=700), 1: SimpleNamespace(nbytes=900)}
+    with_scratch = SimpleNamespace(scratch_bytes=lambda layout: layout.nbytes // 2)
+    assert device_buffers("dequant", with_scratch, layouts) == {"staging": 900}  # the largest record
+    assert device_buffers("packed", with_scratch, layouts) == {"scratch": 450}  # the largest scratch
+    assert device_buffers("packed", SimpleNamespace(), layouts) == {}  # a codec that computes without a scratch
+    assert device_buffers("raw", with_scratch, layouts) == {}
+
+
+@pytest.mark.parametrize("placement", ["dequant", "packed"])
+def test_codec_buffers_are_planned_out_of_the_budget(tiny_checkpoint, placement):
+    """Lossless on the tiny Mixtral (hidden 64, intermediate 64, fp32): "dequant" copies land in one staging
+    record (the largest); "packed" decodes a weight at a time into a scratch the size of the largest one,
+    gate_up_proj [128, 64] fp32 = 32768 bytes. Both come out of the budget before the slots."""
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, quantization="lossless", quant=QuantConfig(placement=placement))
+    model = MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), cfg, progress=False)
+    mira = model.mira
+    want = max(mira.store.record_bytes(layer) for layer in mira.layers) if placement == "dequant" else 128 * 64 * 4
+    s = mira.stats()
+    assert s["buffer_bytes"] == want
+    name = {"dequant": "staging", "packed": "scratch"}[placement]
+    assert mira.budget.buffer_bytes == {name: want} and s["quantization"] == "lossless" and s["placement"] == placement
+    assert s["capacity_bytes"] + want <= s["budget_bytes"] and mira.device_bytes == s["capacity_bytes"] + want
+
+
+def test_a_pool_shared_by_several_layers_counts_all_their_experts():
+    layers = [LayerInfo(i, f"layers.{i}", 4, 1) for i in range(3)]
+    # pool 1000: layers 0 and 1, 8000 bytes; pool 500: layer 2, 2000 bytes. 5000 bytes → 4000 and 1000
+    assert plan_budget(layers, {0: 1000, 1: 1000, 2: 500}, 5000).n_slots == {1000: 4, 500: 2}
+
+
+def test_the_error_lists_every_codec_buffer():
+    with pytest.raises(BudgetError, match=r"2,000 bytes of codec buffers \(staging, scratch\)"):
+        plan_budget(LAYERS, RECORDS, 3000, buffers={"staging": 1000, "scratch": 1000})

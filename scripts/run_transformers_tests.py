@@ -44,7 +44,8 @@ SLOW_TESTS = {
     "implementations, which a wrapped model replaces by its proxy",
     "test_bc_torch_dtype": "~30 s; loads the model once per dtype spelling",
     "test_can_init_all_missing_weights": "~15 s; weight initialisation of a model built from scratch",
-    "compile": "torch.compile tests: minutes each on a CPU",
+    "compil": "torch.compile tests (test_*compile*, test_generate_compilation_all_outputs): minutes each on a CPU",
+    "test_training_overfit": "~270 s: trains the model for many steps (a wrapped model refuses backward at once)",
     "test_torch_export": "torch.export tests: minutes each",
     "test_flash_attn": "flash attention: needs a CUDA GPU",
 }

@@ -133,10 +133,48 @@ def compare(unwrapped: dict, wrapped: dict) -> dict:
     }
 
 
+# Why a test that passes unwrapped fails wrapped, by what its error says (first match wins).
+CATEGORIES = (
+    ("a", "backward/training: refused by design", ("backward through mira-hf",)),
+    (
+        "b",
+        "state_dict/parameters/casts/moves: experts live in the store, outside the modules' parameters",
+        ("to have the same dtype", "Items in the first set", "TP-plan", "state_dict", "num_parameters", "parameters"),
+    ),
+    ("c", "compile/bf16 arithmetic/experts_implementation", ("compile", "bfloat16", "experts_implementation", "grouped_mm")),
+    ("d", "budget below the minimum working set: refused by design", ("below the minimum working set",)),
+)
+
+
+def triage(error: str | None) -> str:
+    for category, _, needles in CATEGORIES:
+        if error and any(n in error for n in needles):
+            return category
+    return "d"
+
+
+def finish(result: dict) -> None:
+    """Totals over the families, and each wrapped-only failure's category."""
+    families = result["families"]
+    for entry in families.values():
+        for f in entry["wrapped_only_failures"]:
+            f["category"] = triage(f["error"])
+    totals = {mode: {k: sum(f[mode][k] for f in families.values()) for k in ("run", "pass", "fail", "skip")}
+              for mode in ("unwrapped", "wrapped")}  # fmt: skip
+    totals["wrapped_only_failures"] = sum(len(f["wrapped_only_failures"]) for f in families.values())
+    by_category = {c: 0 for c, _, _ in CATEGORIES}
+    for entry in families.values():
+        for f in entry["wrapped_only_failures"]:
+            by_category[f["category"]] += 1
+    totals["wrapped_only_by_category"] = by_category
+    result["totals"] = totals
+    result["categories"] = {c: what for c, what, _ in CATEGORIES}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tests-root", required=True, help="transformers source tree of the installed version")
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES, help="none: only recount")
     parser.add_argument("--timeout-s", type=int, default=1800, help="wall-clock limit of one pytest run")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>-cpu-transformers-tests.json)")
     args = parser.parse_args()
@@ -172,6 +210,7 @@ def main() -> None:
                   f"({s['wall_s']:.0f} s)", flush=True)  # fmt: skip
         families[family] = {
             "date": date,
+            "deselected": sorted(SLOW_TESTS),
             "unwrapped": summarize(runs["unwrapped"]),
             "wrapped": summarize(runs["wrapped"]),
             **compare(runs["unwrapped"], runs["wrapped"]),
@@ -180,10 +219,7 @@ def main() -> None:
             print(f"  wrapped only: {f['test']}: {f['error']}", flush=True)
         with open(out, "w") as fh:  # written after each family: a later interruption keeps what ran
             json.dump(result, fh, indent=1)
-    totals = {mode: {k: sum(f[mode][k] for f in families.values()) for k in ("run", "pass", "fail", "skip")}
-              for mode in ("unwrapped", "wrapped")}  # fmt: skip
-    totals["wrapped_only_failures"] = sum(len(f["wrapped_only_failures"]) for f in families.values())
-    result["totals"] = totals
+    finish(result)
     with open(out, "w") as fh:
         json.dump(result, fh, indent=1)
     print(f"wrote {out}")

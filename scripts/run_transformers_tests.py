@@ -129,6 +129,7 @@ def compare(unwrapped: dict, wrapped: dict) -> dict:
             {"test": t, "error": w[t]["error"]} for t in both if u[t]["outcome"] == "pass" and w[t]["outcome"] == "fail"
         ],
         "unwrapped_only_failures": [t for t in both if u[t]["outcome"] == "fail" and w[t]["outcome"] == "pass"],
+        "skipped_only_wrapped": [t for t in both if w[t]["outcome"] == "skip" != u[t]["outcome"]],
         "failing_in_both": [{"test": t, "error": u[t]["error"]} for t in both if u[t]["outcome"] == w[t]["outcome"] == "fail"],
     }
 

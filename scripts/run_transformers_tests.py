@@ -75,7 +75,7 @@ def _parse_junit(path: str) -> dict[str, dict]:
     return results
 
 
-def run_family(tests_root: str, family: str, wrapped: bool, timeout_s: int, k_expr: str) -> dict:
+def run_family(tests_root: str, family: str, wrapped: bool, timeout_s: int, k_expr: str, fallback: float | None = None) -> dict:
     test_file = f"tests/models/{family}/test_modeling_{family}.py"
     with tempfile.TemporaryDirectory() as tmp:
         junit = os.path.join(tmp, "junit.xml")
@@ -87,6 +87,8 @@ def run_family(tests_root: str, family: str, wrapped: bool, timeout_s: int, k_ex
             cmd[4:4] = ["-p", "mira_wrap_plugin"]
             env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "scripts"), env.get("PYTHONPATH", "")])
             env["MIRA_WRAP_STATS"] = stats
+            if fallback is not None:
+                env["MIRA_WRAP_FALLBACK_BUDGET"] = str(fallback)
         start = time.monotonic()
         try:
             proc = subprocess.run(cmd, cwd=tests_root, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -158,7 +160,7 @@ def finish(result: dict) -> None:
     """Totals over the families, and each wrapped-only failure's category."""
     families = result["families"]
     for entry in families.values():
-        for f in entry["wrapped_only_failures"]:
+        for f in entry["wrapped_only_failures"] + entry.get("with_fallback_budget", {}).get("wrapped_only_failures", []):
             f["category"] = triage(f["error"])
     totals = {mode: {k: sum(f[mode][k] for f in families.values()) for k in ("run", "pass", "fail", "skip")}
               for mode in ("unwrapped", "wrapped")}  # fmt: skip
@@ -177,6 +179,13 @@ def main() -> None:
     parser.add_argument("--tests-root", required=True, help="transformers source tree of the installed version")
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES, help="none: only recount")
     parser.add_argument("--timeout-s", type=int, default=1800, help="wall-clock limit of one pytest run")
+    parser.add_argument(
+        "--fallback-budget",
+        type=float,
+        default=None,
+        help="also wrap models whose minimum working set is above 0.25 with this budget; the result goes to each "
+        "family's 'with_fallback_budget' entry",
+    )
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>-cpu-transformers-tests.json)")
     args = parser.parse_args()
 
@@ -205,18 +214,22 @@ def main() -> None:
     for family in args.families:  # one family and one mode at a time: the machine is shared
         runs = {}
         for mode in ("unwrapped", "wrapped"):
-            runs[mode] = run_family(args.tests_root, family, mode == "wrapped", args.timeout_s, k_expr)
+            runs[mode] = run_family(args.tests_root, family, mode == "wrapped", args.timeout_s, k_expr, args.fallback_budget)
             s = summarize(runs[mode])
             print(f"{family:12s} {mode:9s} run={s['run']:4d} pass={s['pass']:4d} fail={s['fail']:3d} skip={s['skip']:3d} "
                   f"({s['wall_s']:.0f} s)", flush=True)  # fmt: skip
-        families[family] = {
+        entry = {
             "date": date,
             "deselected": sorted(SLOW_TESTS),
             "unwrapped": summarize(runs["unwrapped"]),
             "wrapped": summarize(runs["wrapped"]),
             **compare(runs["unwrapped"], runs["wrapped"]),
         }
-        for f in families[family]["wrapped_only_failures"]:
+        if args.fallback_budget is None:
+            families[family] = entry
+        else:
+            families.setdefault(family, {})["with_fallback_budget"] = dict(entry, fallback_budget=args.fallback_budget)
+        for f in entry["wrapped_only_failures"]:
             print(f"  wrapped only: {f['test']}: {f['error']}", flush=True)
         with open(out, "w") as fh:  # written after each family: a later interruption keeps what ran
             json.dump(result, fh, indent=1)

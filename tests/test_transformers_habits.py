@@ -93,6 +93,8 @@ def test_generation_mode_on_a_padded_batch_is_token_identical(name, mode):
 def test_assisted_decoding_is_token_identical(name, assistant):
     """Candidate tokens, from a draft model (wrapped too) or from n-grams of the prompt, verified several at a
     time by the model (transformers supports both for one sequence only)."""
+    if name == "qwen3_next":
+        pytest.skip("transformers refuses assisted generation for stateful (linear-attention) models")
     ref, model = _pair(name)
     prompt = torch.tensor([[5, 9, 14, 33, 5, 9, 14, 60]])  # a repeated n-gram for prompt lookup to find
     kw = dict(input_ids=prompt, do_sample=False)

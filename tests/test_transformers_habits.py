@@ -6,8 +6,6 @@ generation mode, dict outputs with scores and router logits, left padding, a KV 
 `scripts/run_transformers_tests.py` runs those suites on wrapped models; each behaviour they rely on is
 asserted here against the unwrapped model, built from the same weights, on every tiny family. Where mira-hf
 promises exactness (fp32 on the CPU: logits, scores, router logits, losses) the comparison is `torch.equal`.
-
-Behaviours not kept yet are marked `xfail(strict=True)`: the mark must be removed once they hold.
 """
 
 import copy
@@ -286,28 +284,21 @@ def test_unload_gives_back_the_unwrapped_models_parameters(name):
     assert model.num_parameters() == ref.num_parameters()
 
 
-# -- what transformers' tests check that a wrapped model does not keep yet ---------------------------------
-# A wrapped model's routed-experts tensors live in the store, not in its modules, so transformers' views of
-# its parameters (state_dict, parameters(), num_parameters()) and its casts and moves do not reach them yet.
-PARAMETERS = "routed experts live in the expert store, outside state_dict() / parameters() of the wrapped model"
-CASTS = "a dtype cast of a wrapped model does not reach the stored experts"
+# -- parameters, casts and experts implementations, as transformers' tests check them -------------------
 
 
-@pytest.mark.xfail(strict=True, reason=PARAMETERS)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_num_parameters_counts_the_experts(name):
     ref, model = _pair(name)
     assert model.num_parameters() == ref.num_parameters()
 
 
-@pytest.mark.xfail(strict=True, reason=PARAMETERS)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_state_dict_holds_the_expert_tensors(name):
     ref, model = _pair(name)
     assert set(model.state_dict()) == set(ref.state_dict())
 
 
-@pytest.mark.xfail(strict=True, reason=CASTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_a_cast_wrapped_model_computes_what_the_cast_unwrapped_model_computes(name, dtype):
@@ -317,22 +308,12 @@ def test_a_cast_wrapped_model_computes_what_the_cast_unwrapped_model_computes(na
         assert torch.equal(model(IDS).logits, ref(IDS).logits)
 
 
-ARITHMETIC = "the proxy computes each expert one way, not as the model's selected experts implementation does"
-
-
 def _implementation_cases():
-    """(family, dtype, experts implementation), marked xfail where the wrapped logits are not yet the bits the
-    unwrapped model computes with that implementation (a model wrapped after its cast to the dtype)."""
+    """(family, dtype, experts implementation): a model wrapped after its cast to the dtype."""
     for name in CI_FAMILIES:
         for dtype in (torch.float32, torch.bfloat16):
             for impl in ("eager", "batched_mm", "grouped_mm"):
-                differs = (
-                    (dtype == torch.float32 and impl == "batched_mm")
-                    or (dtype == torch.bfloat16 and impl == "eager")
-                    or (dtype == torch.bfloat16 and name == "gpt_oss")
-                )
-                marks = pytest.mark.xfail(strict=True, reason=ARITHMETIC) if differs else ()
-                yield pytest.param(name, dtype, impl, marks=marks, id=f"{name}-{str(dtype)[6:]}-{impl}")
+                yield pytest.param(name, dtype, impl, id=f"{name}-{str(dtype)[6:]}-{impl}")
 
 
 @pytest.mark.parametrize("name, dtype, impl", list(_implementation_cases()))

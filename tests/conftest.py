@@ -56,10 +56,11 @@ def kernel_device():
         sys.modules.pop("mira_hf.quant.triton_kernels", None)  # later imports get compiled kernels
 
 
-def load_reference(path: str):
+def load_reference(path: str, dtype=None):
+    """The unwrapped model of a checkpoint, loaded by transformers (in `dtype`, as mira-hf is given it)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path).eval()
+    return AutoModelForCausalLM.from_pretrained(path, **({"dtype": dtype} if dtype is not None else {})).eval()
 
 
 # Property-based test profiles: "ci" is bounded for CI; "long" for local soak runs

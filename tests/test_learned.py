@@ -123,8 +123,7 @@ def test_outputs_are_identical_with_the_learned_predictor(gate_model, learned_mo
     with torch.no_grad():
         logits = learned_model(ids).logits
         assert torch.equal(logits, gate_model(ids).logits)  # what was staged never changes a result
-        # Against transformers' own experts only the order of the fp32 sum over K differs.
-        assert (logits - ref(ids).logits).abs().max() <= 1e-4
+        assert torch.equal(logits, ref(ids).logits)  # and what transformers' own experts compute
     prompt = HELDOUT[18:19, :16]
     kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert torch.equal(learned_model.generate(prompt, **kw), ref.generate(prompt, **kw))

@@ -18,7 +18,6 @@ are chosen so that all networks together hold at most 1% of the model's paramete
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 
@@ -79,15 +78,9 @@ def choose_sizes(hidden_size: int, out_sizes: Sequence[int], n_model: int | None
 
 
 def model_parameters(model: nn.Module) -> int:
-    """Parameters of a transformers model, routed experts included even when mira-hf holds them in
-    host memory (a wrapped model's modules no longer own them)."""
-    n = sum(p.numel() for p in model.parameters())
-    manager = getattr(model, "mira", None)
-    if manager is not None:
-        fp = manager.fingerprint
-        per_expert = sum(math.prod(shape) for shape in fp.get("expert_shapes", {}).values())
-        n += per_expert * sum(fp.get("num_experts", ()))
-    return n
+    """Parameters of a transformers model. A wrapped model's routed experts are among its parameters
+    (views of the store, or placeholders for encoded records), so they are counted once, as unwrapped."""
+    return sum(p.numel() for p in model.parameters())
 
 
 class LearnedPredictor:

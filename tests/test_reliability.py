@@ -94,7 +94,7 @@ def test_truncated_checkpoint_gives_a_clear_error(tiny_checkpoint, tmp_path):
 
 
 def test_missing_model_directory_gives_a_clear_error(tmp_path):
-    with pytest.raises(CheckpointError, match="no model found"):
+    with pytest.raises(CheckpointError, match="does not exist: no such directory"):
         MiraMoEModel.from_pretrained(tmp_path / "nope", MiraConfig(device="cpu"), progress=False)
 
 

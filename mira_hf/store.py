@@ -254,10 +254,7 @@ class ExpertStore:
         specs = self.expert_specs(layer)
         dtype = dtype or self._slabs[layer].dtype
         new_specs = {n: (shape, dtype) for n, (shape, _) in specs.items()}
-        E = self.num_experts(layer)
-        if not hasattr(self.codec, "plan_experts"):
-            return self.codec.plan(new_specs)
-        return self.codec.plan_experts_from(new_specs, E, self._rewritten(layer, fused, dtype))
+        return self.encoder.plan_layer(self.codec, new_specs, self.num_experts(layer), self._rewritten(layer, fused, dtype))
 
     def rewrite(self, layer: int, fused: Mapping[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None, layout=None):
         """Encode `layer` again: with the tensors in `fused` (`name -> [E, ...]`, some or all of them) in place of

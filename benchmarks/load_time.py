@@ -99,6 +99,7 @@ def child(args) -> None:
                 encoder=repr(store.encoder),
                 store_bytes=store.nbytes,
                 tiers=store.tier_bytes(),
+                stages=model.mira_load_report().as_dict(),  # after the cache write: its seconds are in
             )
         ),
         flush=True,
@@ -197,6 +198,11 @@ def main() -> int:
             f"CPU encode ({encode['weights_gb']:.2f} GB of bf16 weights): "
             + ", ".join(f"{k} {v['gbps']:.3f} GB/s" for k, v in encode.items() if isinstance(v, dict))
         )
+    for r in rows:
+        print(f"{r['run']} stages (seconds summed over threads, GB, GB/s):")
+        for stage, v in r["stages"]["stages"].items():
+            rate = f"{v['bytes'] / 1e9:9.2f} GB {v['gbps']:7.2f} GB/s" if v["gbps"] else ""
+            print(f"  {stage:<12}{v['seconds']:8.2f} s {rate}")
     for f in failed:
         print("NOT MEASURED:", f)
     env = environment()

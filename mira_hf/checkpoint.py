@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ import torch
 from model_adapters import MoEAdapter
 
 from .errors import BudgetError, CheckpointError, UnsupportedModelError
+from .load_report import LoadReport
 
 # safetensors dtype names (header strings) -> torch dtypes.
 _DTYPES = {
@@ -441,6 +443,7 @@ class StreamedExperts:
     # stored; `codec` serves them (its records hold those tensors).
     native: dict[str, dict[str, NativeKeys]] = field(default_factory=dict)
     codec: object | None = None
+    report: LoadReport = field(default_factory=LoadReport)  # read and h2d seconds go here
     _handles: dict[str, object] = field(default_factory=dict)
 
     def expert_fn(self, module: str, device: torch.device | str | None = None) -> Callable[[int], dict[str, torch.Tensor]]:
@@ -462,7 +465,10 @@ class StreamedExperts:
     def _read_all(self, templates: tuple[str, ...], e: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Expert e's tensor of `templates`, its pieces concatenated along dim 0 (transformers' Concatenate(dim=1)),
         on `device` (the host where None)."""
-        pieces = [self._read(t, e).to(device) if device is not None else self._read(t, e) for t in templates]
+        pieces = [self._read(t, e) for t in templates]
+        if device is not None:
+            with self.report.span("h2d", sum(p.nbytes for p in pieces)):
+                pieces = [p.to(device) for p in pieces]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
     def _read(self, template: str, e: int) -> torch.Tensor:
@@ -470,7 +476,10 @@ class StreamedExperts:
         entry = self.index.entries[key]
         try:
             f = self._handles.get(entry.file) or self._open(entry.file)
-            return f.get_tensor(key) if "{e}" in template else f.get_slice(key)[e]
+            t0 = time.perf_counter()
+            t = f.get_tensor(key) if "{e}" in template else f.get_slice(key)[e]
+            self.report.add("read", time.perf_counter() - t0, t.nbytes)
+            return t
         except Exception as exc:
             raise CheckpointError(
                 f"could not read {key} from {entry.file}: {exc}. The file changed or is corrupted: copy it again."

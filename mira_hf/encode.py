@@ -21,6 +21,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .load_report import LoadReport
+
 Expert = Callable[[int], Mapping[str, torch.Tensor]]  # e -> {tensor name: expert e's tensor}
 
 
@@ -41,12 +43,18 @@ class RecordEncoder:
     """
 
     def __init__(
-        self, device: torch.device | str = "cpu", workers: int | None = None, progress: bool = False, stash_bytes: int = 0
+        self,
+        device: torch.device | str = "cpu",
+        workers: int | None = None,
+        progress: bool = False,
+        stash_bytes: int = 0,
+        report: LoadReport | None = None,
     ) -> None:
         """stash_bytes: device memory (outside the cache budget, only while loading) that keeps experts
         read for planning until they are encoded, so each is read from the checkpoint and copied to the
-        device once; experts beyond it are read again."""
+        device once; experts beyond it are read again. report: where the load's stage timings go."""
         self.device = torch.device(device)
+        self.report = report if report is not None else LoadReport()
         # On a GPU one expert at a time: the device is busy with one expert's ops already, and the
         # host's part (reading the next expert) overlaps through the copy.
         self.workers = 1 if self.device.type != "cpu" else (workers or default_workers())
@@ -78,7 +86,8 @@ class RecordEncoder:
             if key is not None and self._stash_left >= nbytes:
                 self._stash[(key, e)] = dict(tensors)
                 self._stash_left -= nbytes
-            return sizes_of(tensors)
+            with self.report.device_span("plan", self.device, nbytes):
+                return sizes_of(tensors)
 
         sizes = self._map(num_experts, expert, sizes, nbytes)
         return codec.plan_from_sizes(specs, sizes)
@@ -96,11 +105,14 @@ class RecordEncoder:
         """Encode every expert of a layer; `sink(e, record)` takes each record (uint8 [layout.nbytes] on
         this encoder's device, valid until `sink` returns; called from worker threads on a CPU)."""
         extra = extra or {}
+        nbytes = _entries_bytes(layout)
 
         def one(e: int, tensors: Mapping[str, torch.Tensor]) -> None:
             record = self._record(layout.nbytes)
-            codec.encode(tensors, layout, record, **extra)
-            sink(e, record)
+            with self.report.device_span("encode", self.device, nbytes):
+                codec.encode(tensors, layout, record, **extra)
+            with self.report.device_span("d2h", self.device, layout.nbytes):
+                sink(e, record)
             self._count()
 
         self._map(num_experts, expert, one, _entries_bytes(layout), key)
@@ -115,8 +127,11 @@ class RecordEncoder:
             return
         extra = extra or {}
 
+        nbytes = _entries_bytes(layout)
+
         def one(e: int, tensors: Mapping[str, torch.Tensor]) -> None:
-            codec.encode(tensors, layout, slab[e], **extra)
+            with self.report.span("encode", nbytes):
+                codec.encode(tensors, layout, slab[e], **extra)
             self._count()
 
         self._map(num_experts, expert, one, _entries_bytes(layout), key)
@@ -181,7 +196,8 @@ class RecordEncoder:
                     ahead = reader.submit(read, 0) if n else None
                     out = []
                     for e in range(n):
-                        tensors = ahead.result()
+                        with self.report.span("wait"):
+                            tensors = ahead.result()
                         ahead = reader.submit(read, e + 1) if e + 1 < n else None
                         out.append(step(e, tensors))
                     return out
@@ -223,7 +239,9 @@ def _bar(enabled: bool, total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
 
 
-def encoder_for(device: torch.device, expert_bytes: int, progress: bool, keep_free_bytes: int = 0) -> RecordEncoder:
+def encoder_for(
+    device: torch.device, expert_bytes: int, progress: bool, keep_free_bytes: int = 0, report: LoadReport | None = None
+) -> RecordEncoder:
     """Encode on `device` when it is a CUDA device with room for one expert, its record and the codec's
     temporaries (~1 GB), else on host threads. The device memory beyond that and `keep_free_bytes`
     (what the loaded model will take there) stashes experts between planning and encoding."""
@@ -231,5 +249,6 @@ def encoder_for(device: torch.device, expert_bytes: int, progress: bool, keep_fr
         free, _ = torch.cuda.mem_get_info(device)
         working = 2 * expert_bytes + 2**31
         if free > working:
-            return RecordEncoder(device, progress=progress, stash_bytes=max(free - working - keep_free_bytes - 2**30, 0))
-    return RecordEncoder("cpu", progress=progress)
+            stash = max(free - working - keep_free_bytes - 2**30, 0)
+            return RecordEncoder(device, progress=progress, stash_bytes=stash, report=report)
+    return RecordEncoder("cpu", progress=progress, report=report)

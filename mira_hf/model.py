@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import os
 import shutil
+import sys
 import types
 import warnings
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from .errors import (
 )
 from .experts_impl import check_model_implementations, checked_set_experts_implementation
 from .layout import IdentityCodec
+from .load_report import LoadReport
 from .manager import ExpertManager, LayerInfo, device_buffers, plan_budget
 from .predictors import build_predictor
 from .proxy import KNOWN_EXPERT_TENSORS, LAYOUT_FLAGS, MiraExperts, MiraScaledExperts
@@ -115,18 +117,20 @@ class MiraMoEModel:
         adapter = _resolve_adapter(config_dict.get("model_type"), cfg)  # fail before loading any weight
         _check_prequantized(cfg, config_dict.get("quantization_config"), name_or_path)
         hf_kwargs.setdefault("dtype", "auto")
+        report = LoadReport()
         try:
-            model, streamed = load_model(
-                name_or_path,
-                adapter,
-                hf_kwargs,
-                cfg.loader.stream_experts,
-                cfg.host_budget is not None,
-                config_dict.get("model_type"),
-                # encoded records never need the experts in the model ("auto" encodes only on a GPU)
-                encoded=cfg.quantization not in (None, "auto") or (cfg.quantization == "auto" and device.type == "cuda"),
-                quantization_config=config_dict.get("quantization_config"),
-            )
+            with report.span("model"):
+                model, streamed = load_model(
+                    name_or_path,
+                    adapter,
+                    hf_kwargs,
+                    cfg.loader.stream_experts,
+                    cfg.host_budget is not None,
+                    config_dict.get("model_type"),
+                    # encoded records never need the experts in the model ("auto" encodes only on a GPU)
+                    encoded=cfg.quantization not in (None, "auto") or (cfg.quantization == "auto" and device.type == "cuda"),
+                    quantization_config=config_dict.get("quantization_config"),
+                )
         except MiraError:
             raise
         except Exception as exc:
@@ -136,7 +140,7 @@ class MiraMoEModel:
                     "corrupted: copy or download it again (nothing was changed)."
                 ) from exc
             raise
-        return MiraMoEModel._wrap(model, cfg, device, progress, streamed)
+        return MiraMoEModel._wrap(model, cfg, device, progress, streamed, report)
 
     @staticmethod
     def wrap(model: nn.Module, mira_config: MiraConfig | None = None, *, progress: bool = False, **config_fields):
@@ -160,9 +164,18 @@ class MiraMoEModel:
         return MiraMoEModel._wrap(model, cfg, _resolve_device(cfg.device), progress)
 
     @staticmethod
-    def _wrap(model: nn.Module, cfg: MiraConfig, device: torch.device, progress: bool, streamed: StreamedExperts | None = None):
+    def _wrap(
+        model: nn.Module,
+        cfg: MiraConfig,
+        device: torch.device,
+        progress: bool,
+        streamed: StreamedExperts | None = None,
+        report: LoadReport | None = None,
+    ):
         """Replace the routed experts. `streamed`: the model was loaded without them (`load_model`);
-        they are read from the checkpoint into the store instead of taken from the modules."""
+        they are read from the checkpoint into the store instead of taken from the modules. `report`:
+        the load's stage timings (`model.mira_load_report()`)."""
+        report = report if report is not None else LoadReport()
         config = getattr(model, "config", None)
         adapter = _resolve_adapter(getattr(config, "model_type", None), cfg)
         targets = _find_targets(model, adapter, streamed.meta if streamed else None)
@@ -182,8 +195,12 @@ class MiraMoEModel:
         fingerprint = model_fingerprint(model, targets, specs)
         # what the model takes on the device once loaded: the rest may hold experts between the two passes
         after = budget_bytes + _bytes_to_move(model, targets, device) if device.type == "cuda" else 0
-        encoder = encoder_for(device, max(raw_bytes.values(), default=0), progress, keep_free_bytes=after)
+        encoder = encoder_for(device, max(raw_bytes.values(), default=0), progress, keep_free_bytes=after, report=report)
+        if streamed is not None:
+            streamed.report = report
         saved, cache = _saved_records(cfg, codec, fingerprint, streamed, specs)
+        if cache is not None:
+            cache.report = report
         layouts = _saved_layouts(codec, targets, specs, saved) if saved is not None else None
         if layouts is None and saved is not None:  # the saved layouts do not fit these experts
             if cache is None:
@@ -303,6 +320,10 @@ class MiraMoEModel:
         # The experts as parameters (views of the store), and casts and moves that the store follows.
         replan = functools.partial(_replan, model, user_cfg, layers, targets)
         install_state(model, manager, proxies, {t.ordinal: t.requires_grad for t in targets}, replan)
+        report.finish()
+        model.mira_load_report = lambda: report
+        if progress:  # the progress bars' last line: where the load's time went
+            print(f"mira-hf: {report}", file=sys.stderr, flush=True)
         return model
 
     @staticmethod
@@ -789,7 +810,7 @@ def _unload(model: nn.Module) -> nn.Module:
         _restore_tensors(t, manager.store)
         setattr(t.parent, t.attr, t.module)
     manager.store.close()
-    bound = ("unload", "save_pretrained", "set_experts_implementation")  # the per-instance methods of `_wrap`
+    bound = ("unload", "save_pretrained", "set_experts_implementation", "mira_load_report")  # per-instance, from `_wrap`
     for attr in ("mira", "_mira_config", "_mira_targets", "_mira_hooks", *bound):
         model.__dict__.pop(attr, None)
     return model

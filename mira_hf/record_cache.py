@@ -22,11 +22,13 @@ import json
 import os
 import shutil
 import threading
+import time
 import uuid
 import warnings
 
 import torch
 
+from .load_report import LoadReport
 from .saved_store import STORE_FORMAT, CorruptStoreError, SavedStore, write_store
 
 # Bump when the bytes a codec writes for the same weights change (any codec): older entries are not found.
@@ -75,6 +77,7 @@ class RecordCache:
         self.key = hashlib.sha256(text.encode()).hexdigest()[:40]
         self.directory = os.path.join(root, self.key)
         self.writer: threading.Thread | None = None
+        self.report: LoadReport | None = None  # the load's report: the write's seconds and bytes go there
 
     def open(self) -> SavedStore | None:
         """The entry, its header checked; None when there is none. An entry that is not what it should
@@ -118,7 +121,10 @@ class RecordCache:
         try:
             os.makedirs(self.root, exist_ok=True)
             _remove_orphans(self.root)
+            t0 = time.perf_counter()
             write_store(tmp, slabs, self.codec_spec, self.identity, plans)
+            if self.report is not None:
+                self.report.add("cache_write", time.perf_counter() - t0, sum(s.numel() for s in slabs.values()))
             try:
                 os.rename(tmp, self.directory)  # atomic; fails if another load has put its entry there first
             except OSError:

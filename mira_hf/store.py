@@ -137,17 +137,22 @@ class ExpertStore:
                     self._encode(layer, layout, E, expert, sink, extra)
             slab = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes)
         else:
-            if tier == "pinned":  # exactly its size: torch's pinned allocator would round it up to a power of two
-                slab = pinned_empty(nbytes).view(E, layout.nbytes)
-            else:
-                slab = torch.empty((E, layout.nbytes), dtype=torch.uint8)
+            report = self.encoder.report
+            with report.span("pin", nbytes):
+                if tier == "pinned":  # exactly its size: torch's pinned allocator would round it up to a power of two
+                    slab = pinned_empty(nbytes).view(E, layout.nbytes)
+                else:
+                    slab = torch.empty((E, layout.nbytes), dtype=torch.uint8)
             if callable(records):
-                records(slab)
+                with report.span("cache_read", nbytes):
+                    records(slab)
             elif records is not None:
                 slab.copy_(records)
             elif isinstance(self.codec, IdentityCodec):  # the checkpoint's bytes: copies, nothing to compute
                 for e in range(E):
-                    self.codec.encode(expert(e), layout, slab[e])
+                    tensors = expert(e)
+                    with report.span("copy", layout.nbytes):
+                        self.codec.encode(tensors, layout, slab[e])
             else:
                 self.encoder.encode_into(self.codec, layout, E, expert, slab, extra, key=layer)
             self._host_bytes += nbytes

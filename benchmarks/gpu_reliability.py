@@ -4,6 +4,11 @@ injected CUDA out-of-memory while staging, a real CUDA out-of-memory in the midd
 KeyboardInterrupt), and peak GPU memory against non-expert weights + budget + activations.
 
     python benchmarks/gpu_reliability.py --out DIR     # ~1-2 minutes on an H200; writes DIR/<date>-<device>-reliability.json
+    python benchmarks/gpu_reliability.py --dtype bfloat16 --out DIR   # ...-<device>-bfloat16-reliability.json
+
+Every model, the unwrapped reference and the wrapped one alike, is loaded in `--dtype` (float32 by default); "exact"
+means the wrapped model's logits equal the reference's bit for bit (`torch.equal`, in that dtype) and its greedy
+and beam tokens are identical. max_abs_logit_diff is reported beside it.
 
 The CPU test suite checks the same behaviours on CPU (tests/test_reliability.py, tests/test_exactness.py).
 """
@@ -32,11 +37,14 @@ from tiny_models import AUTO_FAMILIES, EXTRA_RECIPES, RECIPES, InterruptAt, make
 
 from mira_hf import LoaderError, MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.config import LoaderConfig, QuantConfig  # noqa: E402
+from mira_hf.quant.lossless import SUPPORTED_DTYPES as LOSSLESS_DTYPES  # noqa: E402
 
 # The tiny models' records are far below LoaderConfig.split_min_bytes: 0 keeps the split-copy path under test.
 SPLIT_ALL = LoaderConfig(split_min_bytes=0)
 
 DEV = "cuda"
+DTYPE = torch.float32  # --dtype: every model of the run, reference and wrapped, is loaded in it
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROMPTS = torch.tensor([[5, 9, 14, 33, 7, 21], [0, 0, 11, 3, 8, 40]])  # row 1 left-padded
 MASK = (PROMPTS != 0).long()
 GEN = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -54,10 +62,19 @@ def save_tiny(name: str, root: str) -> str:
     return path
 
 
+def reference(path: str):
+    """The unwrapped model, in the run's dtype, on the device."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE).to(DEV).eval()
+
+
+def wrapped(path: str, cfg: MiraConfig):
+    return MiraMoEModel.from_pretrained(path, cfg, progress=False, dtype=DTYPE)
+
+
 def outputs(model) -> dict:
     ids, mask = PROMPTS.to(DEV), MASK.to(DEV)
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        logits = model(input_ids=ids, attention_mask=mask).logits  # in the model's dtype: compared bit for bit
     return dict(
         logits=logits,
         greedy=model.generate(ids, attention_mask=mask, **GEN),
@@ -66,11 +83,15 @@ def outputs(model) -> dict:
 
 
 def compare(ref: dict, got: dict) -> dict:
-    return dict(
-        max_abs_logit_diff=(ref["logits"] - got["logits"]).abs().max().item(),
+    """How the wrapped model's outputs differ from the reference's; `exact`: logits equal bit for bit, tokens identical."""
+    row = dict(
+        logits_equal=torch.equal(ref["logits"], got["logits"]),
+        max_abs_logit_diff=(ref["logits"].float() - got["logits"].float()).abs().max().item(),
         greedy_identical=torch.equal(ref["greedy"], got["greedy"]),
         beam_identical=torch.equal(ref["beam"], got["beam"]),
     )
+    row["exact"] = row["logits_equal"] and row["greedy_identical"] and row["beam_identical"]
+    return row
 
 
 def host_tiers(root: str) -> list[dict]:
@@ -80,7 +101,7 @@ def host_tiers(root: str) -> list[dict]:
     from mira_hf import pinned
 
     path = save_tiny("mixtral", root)
-    ref = outputs(AutoModelForCausalLM.from_pretrained(path).to(DEV).eval())
+    ref = outputs(reference(path))
     rows = []
     for name, kw in (
         ("pinned", dict(host_memory="pinned")),
@@ -93,11 +114,10 @@ def host_tiers(root: str) -> list[dict]:
         if name == "pinned-registered":
             pinned.REGISTER_MIN_BYTES = 0
         try:
-            model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device=DEV, **kw), progress=False)
+            model = wrapped(path, MiraConfig(gpu_budget=0.3, device=DEV, **kw))
             row["store_tiers"] = model.mira.store.tier_bytes()
             row.update(compare(ref, outputs(model)))
             row["loads"] = model.mira.stats()["loads"]
-            row["exact"] = row["max_abs_logit_diff"] <= 1e-5 and row["greedy_identical"] and row["beam_identical"]
         except Exception as exc:
             row.update(exact=False, error=f"{type(exc).__name__}: {exc}"[:300])
         finally:
@@ -115,8 +135,10 @@ def speculation(root: str) -> list[dict]:
     rows = []
     for name in ("mixtral", "qwen3_moe"):
         path = save_tiny(name, root)
-        ref = outputs(AutoModelForCausalLM.from_pretrained(path).to(DEV).eval())
+        ref = outputs(reference(path))
         for quantization, host_memory in ((None, "pinned"), ("lossless", "pinned"), (None, "pageable")):
+            if quantization == "lossless" and DTYPE not in LOSSLESS_DTYPES:
+                continue  # lossless records hold bf16 and fp32 weights only
             row = dict(family=name, quantization=quantization, host_memory=host_memory)
             try:
                 cfg = MiraConfig(
@@ -129,11 +151,10 @@ def speculation(root: str) -> list[dict]:
                     prediction=PredictorConfig(speculate_bytes=3000),
                     loader=SPLIT_ALL,
                 )
-                model = MiraMoEModel.from_pretrained(path, cfg, progress=False)
+                model = wrapped(path, cfg)
                 row.update(compare(ref, outputs(model)))
                 s = model.mira.stats()
                 row.update(speculated=s["speculated"], speculated_used=s["speculated_used"], dropped=s["prefetch_wasted"])
-                row["exact"] = row["max_abs_logit_diff"] <= 1e-5 and row["greedy_identical"] and row["beam_identical"]
             except Exception as exc:
                 row.update(exact=False, error=f"{type(exc).__name__}: {exc}"[:300])
             rows.append(row)
@@ -144,7 +165,7 @@ def min_fraction(path: str) -> float:
     """The smallest budget fraction the model accepts (the top-k experts of one layer)."""
     for f in (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5):
         try:
-            m = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=f, device=DEV), progress=False)
+            m = wrapped(path, MiraConfig(gpu_budget=f, device=DEV))
         except Exception:
             continue
         m.unload()
@@ -159,14 +180,15 @@ def exactness(root: str) -> list[dict]:
         if ONLY and name not in ONLY:
             continue
         path = save_tiny(name, root)
-        ref = outputs(AutoModelForCausalLM.from_pretrained(path).to(DEV).eval())
+        ref = outputs(reference(path))
         frac = min_fraction(path)
         combos = [(*c, None, "auto", frac) for c in (COMBOS if name == "mixtral" else COMBOS[:2])]
         if name in auto:  # served without an adapter: the default, then lossless records as for every family
             combos = combos[1:2]
         # lossless records (the classes exponent code, the default) decoded by the Triton kernel, both placements;
         # 0.5: the packed placement's decode scratch comes out of the budget
-        combos += [("heat", "auto", "lossless", placement, 0.5) for placement in ("packed", "dequant")]
+        if DTYPE in LOSSLESS_DTYPES:  # lossless records hold bf16 and fp32 weights only
+            combos += [("heat", "auto", "lossless", placement, 0.5) for placement in ("packed", "dequant")]
         for policy, predictor, quantization, placement, budget in combos:
             row = dict(family=name, budget=budget, policy=policy, predictor=predictor, quantization=quantization)
             row["placement"] = placement
@@ -175,9 +197,8 @@ def exactness(root: str) -> list[dict]:
                     gpu_budget=budget, device=DEV, policy=policy, predictor=predictor, quantization=quantization,
                     quant=QuantConfig(placement=placement), loader=SPLIT_ALL,
                 )  # fmt: skip
-                model = MiraMoEModel.from_pretrained(path, cfg, progress=False)
+                model = wrapped(path, cfg)
                 row.update(compare(ref, outputs(model)))
-                row["exact"] = row["max_abs_logit_diff"] <= 1e-5 and row["greedy_identical"] and row["beam_identical"]
             except Exception as exc:
                 row.update(exact=False, error=f"{type(exc).__name__}: {exc}"[:300])
             rows.append(row)
@@ -193,11 +214,11 @@ def _consistent(model) -> bool:
 def failures(root: str) -> list[dict]:
     path = save_tiny("mixtral", root)
     ids = PROMPTS[:1].to(DEV)
-    expected = AutoModelForCausalLM.from_pretrained(path).to(DEV).eval().generate(ids, **GEN)
+    expected = reference(path).generate(ids, **GEN)
     rows = []
 
     def case(name: str, inject, expect: type, restore=None):
-        model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device=DEV), progress=False)
+        model = wrapped(path, MiraConfig(gpu_budget=0.3, device=DEV))
         model.generate(ids, **GEN)  # warm
         undo = inject(model)
         t0 = time.perf_counter()
@@ -255,7 +276,7 @@ def failures(root: str) -> list[dict]:
 
     # A real CUDA OOM in the middle of a forward: cap this process's device memory just above what is
     # allocated now, then ask for a batch whose activations cannot fit.
-    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device=DEV), progress=False)
+    model = wrapped(path, MiraConfig(gpu_budget=0.3, device=DEV))
     model.generate(ids, **GEN)
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.empty_cache()
@@ -345,14 +366,16 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--families", default="", help="comma-separated adapter families (default: all)")
     ap.add_argument("--device", default="cuda", help="cpu only checks that the script runs (no OOM or peak parts)")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of every model, reference and wrapped")
     args = ap.parse_args()
-    global DEV
-    DEV = args.device
+    global DEV, DTYPE
+    DEV, DTYPE = args.device, DTYPES[args.dtype]
     ONLY.extend(f for f in args.families.split(",") if f)
     if DEV.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device: this script checks GPU behaviour (the CPU suite covers the rest)")
         return 2
-    result = dict(env=environment(), command="python benchmarks/gpu_reliability.py")
+    command = "python benchmarks/gpu_reliability.py" + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
+    result = dict(env=environment(), command=command, dtype=args.dtype, exact="logits torch.equal, tokens identical")
     with tempfile.TemporaryDirectory() as root:
         parts = [
             ("exactness", lambda: exactness(root)),
@@ -372,25 +395,26 @@ def main() -> int:
     if isinstance(result.get("exactness"), list):
         print_table(
             result["exactness"],
-            ["family", "budget", "policy", "predictor", "quantization", "placement", "max_abs_logit_diff", "greedy_identical"]
-            + ["beam_identical", "exact"],
+            ["family", "budget", "policy", "predictor", "quantization", "placement", "logits_equal", "max_abs_logit_diff"]
+            + ["greedy_identical", "beam_identical", "exact"],
         )
     if isinstance(result.get("host_tiers"), list):
         print_table(
             result["host_tiers"],
-            ["tier", "store_tiers", "max_abs_logit_diff", "greedy_identical", "beam_identical", "loads", "exact"],
+            ["tier", "store_tiers", "logits_equal", "max_abs_logit_diff", "greedy_identical", "beam_identical", "loads", "exact"],
         )
     if isinstance(result.get("speculation"), list):
         print_table(
             result["speculation"],
-            ["family", "quantization", "host_memory", "max_abs_logit_diff", "greedy_identical", "beam_identical"]
+            ["family", "quantization", "host_memory", "logits_equal", "max_abs_logit_diff", "greedy_identical", "beam_identical"]
             + ["speculated", "speculated_used", "dropped", "exact"],
         )
     if isinstance(result.get("failures"), list):
         print_table(result["failures"], ["case", "raised", "seconds_to_raise", "consistent_after", "next_generate_exact", "ok"])
     print("peak:", result.get("peak"))
     slug = device_slug(result["env"], DEV.startswith("cuda"))
-    write_json(os.path.join(args.out, f"{result['env']['date']}-{slug}-reliability.json"), result)
+    suffix = "" if args.dtype == "float32" else f"-{args.dtype}"
+    write_json(os.path.join(args.out, f"{result['env']['date']}-{slug}{suffix}-reliability.json"), result)
     return 0
 
 

@@ -93,7 +93,7 @@ class ShardIndex:
 
     @staticmethod
     def find(name_or_path, hf_kwargs: dict) -> ShardIndex:
-        """The safetensors shards of a local directory or a hub id in the local cache.
+        """The safetensors shards of a local directory or a hub id (downloaded into the local cache if not there).
         Raises `NotStreamable` when the weights are not plain safetensors shards."""
         given = sorted(k for k in _NOT_SAFETENSORS_KWARGS if hf_kwargs.get(k) is not None)
         if given or hf_kwargs.get("use_safetensors") is False:
@@ -106,8 +106,7 @@ class ShardIndex:
             except (OSError, ValueError, KeyError) as exc:
                 raise CheckpointError(f"{index} is not a valid safetensors index ({exc}): copy it again.") from exc
             files = []
-            for name in names:
-                path = _resolve(name_or_path, name, hf_kwargs)
+            for name, path in zip(names, _resolve_all(name_or_path, names, hf_kwargs)):
                 if path is None:
                     raise CheckpointError(
                         f"{name_or_path!s}: shard {name} listed in model.safetensors.index.json is missing. "
@@ -119,6 +118,31 @@ class ShardIndex:
         if single is None:
             raise NotStreamable("it has no safetensors weights (model.safetensors or its index)")
         return ShardIndex([single])
+
+
+def _resolve_all(name_or_path, filenames: list[str], hf_kwargs: dict) -> list[str | None]:
+    """Local paths of several checkpoint files, None for each one the checkpoint lacks. The files of a hub
+    id that are not in the local cache are downloaded together, several at once, as transformers downloads a
+    model's shards (one file at a time they would arrive one after another)."""
+    if os.path.isdir(name_or_path) or len(filenames) < 2:
+        return [_resolve(name_or_path, f, hf_kwargs) for f in filenames]
+    from transformers.utils.hub import cached_files
+
+    kwargs = {k: hf_kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token") if k in hf_kwargs}
+    try:
+        got = cached_files(
+            name_or_path,
+            filenames,
+            subfolder=hf_kwargs.get("subfolder") or "",
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+            **kwargs,
+        )
+    except OSError:
+        got = None
+    if got is not None and len(got) == len(filenames):
+        return list(got)
+    return [_resolve(name_or_path, f, hf_kwargs) for f in filenames]  # each one alone: which are missing
 
 
 def _data_offsets(path: str) -> dict[str, int]:

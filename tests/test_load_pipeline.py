@@ -1,5 +1,6 @@
 """The loading pipeline's parts: experts read on several threads in order, slabs page-locked ahead."""
 
+import os
 import threading
 import time
 
@@ -109,3 +110,33 @@ def test_reserved_pinned_slabs_are_used_in_order_and_budget_layers_go_to_disk(mo
     assert stages["pin"]["bytes"] == 2 * layer_bytes and "pin_wait" in stages
     store.close()
 
+
+def _hub_cache(tmp_path, source: str) -> str:
+    """`source` as the hub's cache holds model mira/tiny-sharded at one commit; returns the cache dir."""
+    import shutil
+
+    repo = tmp_path / "hub" / "models--mira--tiny-sharded"
+    shutil.copytree(source, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    return str(tmp_path / "hub")
+
+
+def test_every_shard_of_a_hub_checkpoint_is_found_and_a_missing_one_is_named(tmp_path):
+    from tiny_models import make_config
+    from transformers import AutoModelForCausalLM
+
+    from mira_hf import CheckpointError
+    from mira_hf.checkpoint import ShardIndex
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(make_config("mixtral")).save_pretrained(tmp_path / "src", max_shard_size="100KB")
+    shards = sorted(p.name for p in (tmp_path / "src").glob("*.safetensors"))
+    assert len(shards) > 2
+    cache = _hub_cache(tmp_path, str(tmp_path / "src"))
+    kw = dict(cache_dir=cache, local_files_only=True)
+    index = ShardIndex.find("mira/tiny-sharded", kw)
+    assert [os.path.basename(f) for f in index.files] == shards
+    os.remove(os.path.join(cache, "models--mira--tiny-sharded", "snapshots", "0" * 40, shards[1]))
+    with pytest.raises(CheckpointError, match=f"shard {shards[1]} listed in model.safetensors.index.json is missing"):
+        ShardIndex.find("mira/tiny-sharded", kw)

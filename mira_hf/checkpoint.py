@@ -590,7 +590,8 @@ class StreamedExperts:
                 self._staging.pop()
         from .pinned import pinned_empty
 
-        return pinned_empty(nbytes), torch.cuda.Stream(device)
+        with torch.cuda.device(device):  # page-locked in the context of the device it is copied to
+            return pinned_empty(nbytes), torch.cuda.Stream(device)
 
     def _open(self, path: str):
         from safetensors import safe_open

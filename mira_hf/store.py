@@ -180,7 +180,10 @@ class ExpertStore:
         if not self.pinned:
             return  # pageable slabs cost nothing until they are written
         if self._pin_pool is None:
-            self._pin_pool = ThreadPoolExecutor(1, thread_name_prefix="mira-pin")
+            # page-locked in the caller's CUDA context (a new thread would start on device 0)
+            device = torch.cuda.current_device() if torch.cuda.is_available() else None
+            init = (torch.cuda.set_device, (device,)) if device is not None else (None, ())
+            self._pin_pool = ThreadPoolExecutor(1, thread_name_prefix="mira-pin", initializer=init[0], initargs=init[1])
             self._reserved_host_bytes = self._host_bytes
         for layer, nbytes in layer_bytes.items():
             if layer in self._reserved or layer in self._slabs:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -60,6 +61,7 @@ class _Entry:
     file: str
     shape: tuple[int, ...]
     dtype: torch.dtype | None
+    offset: int | None = None  # of the tensor's first byte in `file` (None: read through safetensors)
 
 
 class ShardIndex:
@@ -76,10 +78,12 @@ class ShardIndex:
         self.entries: dict[str, _Entry] = {}
         for path in files:
             try:
+                offsets = _data_offsets(path)
                 with safe_open(path, framework="pt") as f:
                     for key in f.keys():
                         s = f.get_slice(key)
-                        self.entries[key] = _Entry(path, tuple(s.get_shape()), _DTYPES.get(s.get_dtype()))
+                        entry = _Entry(path, tuple(s.get_shape()), _DTYPES.get(s.get_dtype()), offsets.get(key))
+                        self.entries[key] = entry
             except Exception as exc:  # SafetensorError (not importable by name in every version) or OSError
                 raise CheckpointError(
                     f"could not read the checkpoint shard {path}: {exc}. The file is missing, truncated or corrupted: "
@@ -89,7 +93,7 @@ class ShardIndex:
 
     @staticmethod
     def find(name_or_path, hf_kwargs: dict) -> ShardIndex:
-        """The safetensors shards of a local directory or a hub id in the local cache.
+        """The safetensors shards of a local directory or a hub id (downloaded into the local cache if not there).
         Raises `NotStreamable` when the weights are not plain safetensors shards."""
         given = sorted(k for k in _NOT_SAFETENSORS_KWARGS if hf_kwargs.get(k) is not None)
         if given or hf_kwargs.get("use_safetensors") is False:
@@ -102,8 +106,7 @@ class ShardIndex:
             except (OSError, ValueError, KeyError) as exc:
                 raise CheckpointError(f"{index} is not a valid safetensors index ({exc}): copy it again.") from exc
             files = []
-            for name in names:
-                path = _resolve(name_or_path, name, hf_kwargs)
+            for name, path in zip(names, _resolve_all(name_or_path, names, hf_kwargs)):
                 if path is None:
                     raise CheckpointError(
                         f"{name_or_path!s}: shard {name} listed in model.safetensors.index.json is missing. "
@@ -115,6 +118,40 @@ class ShardIndex:
         if single is None:
             raise NotStreamable("it has no safetensors weights (model.safetensors or its index)")
         return ShardIndex([single])
+
+
+def _resolve_all(name_or_path, filenames: list[str], hf_kwargs: dict) -> list[str | None]:
+    """Local paths of several checkpoint files, None for each one the checkpoint lacks. The files of a hub
+    id that are not in the local cache are downloaded together, several at once, as transformers downloads a
+    model's shards (one file at a time they would arrive one after another)."""
+    if os.path.isdir(name_or_path) or len(filenames) < 2:
+        return [_resolve(name_or_path, f, hf_kwargs) for f in filenames]
+    from transformers.utils.hub import cached_files
+
+    kwargs = {k: hf_kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token") if k in hf_kwargs}
+    try:
+        got = cached_files(
+            name_or_path,
+            filenames,
+            subfolder=hf_kwargs.get("subfolder") or "",
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+            **kwargs,
+        )
+    except OSError:
+        got = None
+    if got is not None and len(got) == len(filenames):
+        return list(got)
+    return [_resolve(name_or_path, f, hf_kwargs) for f in filenames]  # each one alone: which are missing
+
+
+def _data_offsets(path: str) -> dict[str, int]:
+    """Each tensor's first byte in a safetensors file (an 8-byte little-endian header length, the JSON
+    header, then the data), so experts are read with `pread` straight into their tensors."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
 
 
 def _resolve(name_or_path, filename: str, hf_kwargs: dict) -> str | None:
@@ -445,6 +482,9 @@ class StreamedExperts:
     codec: object | None = None
     report: LoadReport = field(default_factory=LoadReport)  # read and h2d seconds go here
     _handles: dict[str, object] = field(default_factory=dict)
+    _fds: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _staging: list = field(default_factory=list)  # free (page-locked buffer, CUDA stream) pairs of the readers
 
     def expert_fn(self, module: str, device: torch.device | str | None = None) -> Callable[[int], dict[str, torch.Tensor]]:
         """`e -> {tensor name: expert e's tensor}` of one experts module, read from the shards and cast to
@@ -460,30 +500,98 @@ class StreamedExperts:
                 out[name + self.codec.scale_suffix] = self._read_all(nk.scales, e, device)
             return out
 
+        expert.thread_safe = True  # pread of each piece: several readers may call it at once (`RecordEncoder`)
         return expert
 
     def _read_all(self, templates: tuple[str, ...], e: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Expert e's tensor of `templates`, its pieces concatenated along dim 0 (transformers' Concatenate(dim=1)),
         on `device` (the host where None)."""
-        pieces = [self._read(t, e) for t in templates]
-        if device is not None:
-            with self.report.span("h2d", sum(p.nbytes for p in pieces)):
-                pieces = [p.to(device) for p in pieces]
+        device = torch.device(device) if device is not None else None
+        pieces = [self._read(t, e, device) for t in templates]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
-    def _read(self, template: str, e: int) -> torch.Tensor:
+    def _read(self, template: str, e: int, device: torch.device | None = None) -> torch.Tensor:
         key = template.format(e=e)
         entry = self.index.entries[key]
+        row = None if "{e}" in template else e
         try:
-            f = self._handles.get(entry.file) or self._open(entry.file)
-            t0 = time.perf_counter()
-            t = f.get_tensor(key) if "{e}" in template else f.get_slice(key)[e]
-            self.report.add("read", time.perf_counter() - t0, t.nbytes)
-            return t
+            if entry.offset is None or entry.dtype is None:  # a dtype torch has no name for: safetensors reads it
+                with self._lock:  # a safetensors handle is not shared between threads
+                    f = self._handles.get(entry.file) or self._open(entry.file)
+                    t0 = time.perf_counter()
+                    t = f.get_tensor(key) if row is None else f.get_slice(key)[e]
+                self.report.add("read", time.perf_counter() - t0, t.nbytes)
+            elif device is not None and device.type == "cuda":
+                return self._pread_to_device(entry, row, device)
+            else:
+                shape = entry.shape if row is None else entry.shape[1:]
+                t = torch.empty(shape, dtype=entry.dtype)
+                with self.report.span("read", t.nbytes):
+                    self._pread(entry, row, t.view(-1).view(torch.uint8))
         except Exception as exc:
             raise CheckpointError(
                 f"could not read {key} from {entry.file}: {exc}. The file changed or is corrupted: copy it again."
             ) from exc
+        if device is None or device.type == "cpu":
+            return t
+        with self.report.span("h2d", t.nbytes):
+            return t.to(device)
+
+    def _pread(self, entry: _Entry, row: int | None, dst: torch.Tensor) -> None:
+        """Read `entry`'s bytes (row `row` of it along dim 0 where given) into `dst` (uint8, host, contiguous,
+        its size) with `pread`: the GIL is released while the bytes move, so readers on several threads read
+        at once, each straight into its destination."""
+        view = memoryview(dst.numpy()).cast("B")
+        offset = entry.offset + (0 if row is None else row * len(view))
+        with self._lock:
+            fd = self._fds.get(entry.file)
+            if fd is None:
+                fd = self._fds[entry.file] = os.open(entry.file, os.O_RDONLY)
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n <= 0:
+                raise OSError(f"the file ends {len(view) - got} bytes before the tensor does")
+            got += n
+
+    def _pread_to_device(self, entry: _Entry, row: int | None, device: torch.device) -> torch.Tensor:
+        """`entry`'s tensor (or row) on a CUDA device: read into a page-locked staging buffer (reused for
+        the whole load, so no page is faulted in or locked again), then copied at link speed on the buffer's
+        own stream. The copy is waited for before returning: the buffer goes back to the next read, and the
+        tensor is complete for whichever stream uses it next."""
+        shape = entry.shape if row is None else entry.shape[1:]
+        out = torch.empty(shape, dtype=entry.dtype, device=device)  # on the caller's stream, as any tensor
+        nbytes = out.numel() * out.element_size()
+        if nbytes == 0:
+            return out
+        staging, stream = self._take_staging(nbytes, device)
+        try:
+            with self.report.span("read", nbytes):
+                self._pread(entry, row, staging[:nbytes])
+            with self.report.span("h2d", nbytes):
+                # the block `out` got may have been freed by work still queued on the caller's stream
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    out.view(-1).view(torch.uint8).copy_(staging[:nbytes], non_blocking=True)
+                stream.synchronize()
+        finally:
+            with self._lock:
+                self._staging.append((staging, stream))
+        return out
+
+    def _take_staging(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Stream]:
+        """A page-locked staging buffer of at least `nbytes` and a stream for its copies, for one read: kept
+        for the whole load (one per reader at most), so pages are locked once, not once per piece."""
+        with self._lock:
+            fits = [i for i, (buf, _) in enumerate(self._staging) if buf.numel() >= nbytes]
+            if fits:
+                return self._staging.pop(fits[0])
+            if self._staging:  # too small for this piece: unlocked when dropped, a larger one is locked instead
+                self._staging.pop()
+        from .pinned import pinned_empty
+
+        with torch.cuda.device(device):  # page-locked in the context of the device it is copied to
+            return pinned_empty(nbytes), torch.cuda.Stream(device)
 
     def _open(self, path: str):
         from safetensors import safe_open
@@ -497,6 +605,12 @@ class StreamedExperts:
 
     def close(self) -> None:
         self._handles.clear()
+        with self._lock:
+            self._staging.clear()  # the readers' staging buffers: unlocked once the last copy from them is done
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
 
 
 def load_model(

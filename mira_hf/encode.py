@@ -15,15 +15,22 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 
 from .load_report import LoadReport
 
 Expert = Callable[[int], Mapping[str, torch.Tensor]]  # e -> {tensor name: expert e's tensor}
+T = TypeVar("T")
+# Threads reading experts ahead of the encoder (each `pread`s one expert's pieces with the GIL released):
+# one thread copies the page cache at ~1.3 GB/s (benchmarks/NOTES.md, "Loading"); memory bandwidth and
+# the host-to-device link allow several times that.
+READERS = 8
 
 
 def default_workers() -> int:
@@ -49,12 +56,15 @@ class RecordEncoder:
         progress: bool = False,
         stash_bytes: int = 0,
         report: LoadReport | None = None,
+        readers: int | None = None,
     ) -> None:
         """stash_bytes: device memory (outside the cache budget, only while loading) that keeps experts
         read for planning until they are encoded, so each is read from the checkpoint and copied to the
-        device once; experts beyond it are read again. report: where the load's stage timings go."""
+        device once; experts beyond it are read again. report: where the load's stage timings go.
+        readers: threads reading experts ahead of the encoder (default: `READERS`, at most the cores)."""
         self.device = torch.device(device)
         self.report = report if report is not None else LoadReport()
+        self.readers = readers or min(READERS, default_workers())
         # On a GPU one expert at a time: the device is busy with one expert's ops already, and the
         # host's part (reading the next expert) overlaps through the copy.
         self.workers = 1 if self.device.type != "cpu" else (workers or default_workers())
@@ -170,17 +180,20 @@ class RecordEncoder:
     def _map(
         self, n: int, expert: Expert, fn: Callable[[int, Mapping[str, torch.Tensor]], object], nbytes_each: int, key=None
     ) -> list:
-        """[fn(e, expert e's tensors on this device) for e < n]. Reading an expert (`expert(e)`, from
-        a checkpoint reader that need not be thread-safe) is serialised; the codec's work runs on
-        `workers` threads (CPU), or on the device while a host thread reads the next expert."""
+        """[fn(e, expert e's tensors on this device) for e < n]. Experts are read (`expert(e)`) on
+        `readers` threads ahead of the codec when the reader says it is thread-safe (`expert.thread_safe`,
+        the checkpoint's pread reader), else one at a time; the codec's work runs on `workers` threads
+        (CPU), or on the device while the host threads read the next experts."""
         own = self._bar is None  # a layer on its own gets its own bar
         bar = _bar(self.progress, n * nbytes_each, "encoding records") if own else self._bar
-        read_lock = threading.Lock()
+        read_lock = None if getattr(expert, "thread_safe", False) else threading.Lock()
 
         def read(e: int) -> Mapping[str, torch.Tensor]:
             stashed = self._stash.pop((key, e), None) if key is not None else None
             if stashed is not None:  # read and copied here while planning
                 return stashed
+            if read_lock is None:
+                return expert(e)
             with read_lock:
                 return expert(e)
 
@@ -192,15 +205,16 @@ class RecordEncoder:
 
         try:
             if self.device.type != "cpu" or self.workers == 1 or n == 1:
-                with ThreadPoolExecutor(1, thread_name_prefix="mira-read") as reader:
-                    ahead = reader.submit(read, 0) if n else None
+                ahead = read_ahead(n, read, self.readers if read_lock is None else 1)
+                try:
                     out = []
                     for e in range(n):
                         with self.report.span("wait"):
-                            tensors = ahead.result()
-                        ahead = reader.submit(read, e + 1) if e + 1 < n else None
+                            tensors = next(ahead)
                         out.append(step(e, tensors))
                     return out
+                finally:
+                    ahead.close()
             threads = torch.get_num_threads()
             try:
                 # one intra-op thread per worker: the experts are the parallelism (no oversubscribed cores)
@@ -214,6 +228,22 @@ class RecordEncoder:
         finally:
             if own and bar is not None:
                 bar.close()
+
+
+def read_ahead(n: int, read: Callable[[int], T], readers: int) -> Iterator[T]:
+    """read(e) for e < n, in order, computed on `readers` threads with at most `readers + 1` results
+    waiting (bounded memory: that many experts). Close the iterator to stop early: reads not started are
+    cancelled and running ones finish before it returns."""
+    with ThreadPoolExecutor(max(1, readers), thread_name_prefix="mira-read") as pool:
+        pending: deque = deque()
+        try:
+            for e in range(n):
+                while len(pending) <= readers and e + len(pending) < n:
+                    pending.append(pool.submit(read, e + len(pending)))
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
 
 
 def _raw_bytes(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
@@ -243,12 +273,15 @@ def encoder_for(
     device: torch.device, expert_bytes: int, progress: bool, keep_free_bytes: int = 0, report: LoadReport | None = None
 ) -> RecordEncoder:
     """Encode on `device` when it is a CUDA device with room for one expert, its record and the codec's
-    temporaries (~1 GB), else on host threads. The device memory beyond that and `keep_free_bytes`
-    (what the loaded model will take there) stashes experts between planning and encoding."""
+    temporaries (~1 GB), else on host threads. Readers ahead of the encoder hold up to two experts each on
+    the device (one being copied, one waiting); the device memory beyond them and `keep_free_bytes` (what
+    the loaded model will take there) stashes experts between planning and encoding."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         working = 2 * expert_bytes + 2**31
         if free > working:
-            stash = max(free - working - keep_free_bytes - 2**30, 0)
-            return RecordEncoder(device, progress=progress, stash_bytes=stash, report=report)
+            per_reader = 2 * max(expert_bytes, 1)
+            readers = int(max(1, min(READERS, default_workers(), (free - working) // per_reader)))
+            stash = max(free - working - readers * per_reader - keep_free_bytes - 2**30, 0)
+            return RecordEncoder(device, progress=progress, stash_bytes=stash, report=report, readers=readers)
     return RecordEncoder("cpu", progress=progress, report=report)

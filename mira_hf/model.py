@@ -210,14 +210,25 @@ class MiraMoEModel:
                 )
             cache.drop("its layouts do not fit this checkpoint")
             saved = None
+        pinned = device.type == "cuda" and cfg.host_memory in ("auto", "pinned")
+        store = ExpertStore(
+            codec, pinned=pinned, host_budget_bytes=cfg.host_budget_bytes, offload_dir=cfg.offload_dir, encoder=encoder
+        )
         if layouts is None and cfg.quantization is not None:
+            layouts = {}
+            # A streamed store all in host memory is page-locked layer by layer while the next layers are
+            # planned, in order, while the rest of the store (at most its raw size) fits besides.
+            early, reserved = streamed is not None and cfg.host_budget_bytes is None, 0
             with encoder.progress_pass(f"planning {codec.name} records", all_bytes):
-                layouts = {
-                    t.ordinal: encoder.plan_layer(
-                        codec, specs[t.ordinal], t.module.num_experts, _experts(t, streamed, encoder.device), key=t.ordinal
-                    )
-                    for t in targets
-                }
+                for i, t in enumerate(targets):
+                    expert = _experts(t, streamed, encoder.device)
+                    layouts[t.ordinal] = encoder.plan_layer(codec, specs[t.ordinal], t.module.num_experts, expert, key=t.ordinal)
+                    nbytes = t.module.num_experts * layouts[t.ordinal].nbytes
+                    unplanned = sum(raw_bytes[u.ordinal] * u.module.num_experts for u in targets[i + 1 :])
+                    early = early and _host_has_room(reserved + nbytes + unplanned)
+                    if early:
+                        store.reserve({t.ordinal: nbytes})
+                        reserved += nbytes
         layouts = layouts or {}
         try:  # experts kept on the device between the passes are given back if a check fails
             slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else raw_bytes
@@ -232,13 +243,13 @@ class MiraMoEModel:
                 cfg.predictor, layers, router_probs, cfg.prediction, cfg.predictor_path, model, fingerprint
             )
         except BaseException:
+            store.close()  # slabs page-locked while planning
             encoder.finish()
             raise
-        pinned = device.type == "cuda" and cfg.host_memory in ("auto", "pinned")
-        store = ExpertStore(
-            codec, pinned=pinned, host_budget_bytes=cfg.host_budget_bytes, offload_dir=cfg.offload_dir, encoder=encoder
-        )
         encoding = cfg.quantization is not None and saved is None
+        store.reserve(
+            {t.ordinal: t.module.num_experts * (layouts[t.ordinal].nbytes if layouts else raw_bytes[t.ordinal]) for t in targets}
+        )
 
         # Validation done: from here on, any failure rolls back to the untouched model.
         # Exact records (uncompressed or lossless) restore exactly, so each layer's tensors are dropped as soon
@@ -732,6 +743,12 @@ def _host_and_disk_bytes(layer_bytes: list[int], host_budget: int | None) -> tup
         else:
             host += n
     return host, disk
+
+
+def _host_has_room(nbytes: int) -> bool:
+    """Whether `nbytes` of host memory are available now (unknown: no)."""
+    available = available_host_bytes()
+    return available is not None and nbytes <= available
 
 
 def _check_host_memory(cfg: MiraConfig, layer_bytes: list[int], targets: list[_Target], streamed: bool, exact: bool) -> None:

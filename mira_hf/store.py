@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from .encode import RecordEncoder
+from .encode import RecordEncoder, read_ahead
 from .layout import ExpertCodec, IdentityCodec, RawLayout, plan_layer
 from .pinned import pinned_empty
 
@@ -61,6 +62,9 @@ class ExpertStore:
         self.offload_dir = offload_dir
         self._slabs: dict[int, _Slab] = {}
         self._host_bytes = 0
+        self._reserved: dict[int, tuple[int, Future]] = {}  # layer -> (bytes, its pinned slab being allocated)
+        self._pin_pool: ThreadPoolExecutor | None = None
+        self._reserved_host_bytes = 0
 
     # -- building -------------------------------------------------------------------------------
     def add_layer(
@@ -138,25 +142,61 @@ class ExpertStore:
             slab = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes)
         else:
             report = self.encoder.report
-            with report.span("pin", nbytes):
-                if tier == "pinned":  # exactly its size: torch's pinned allocator would round it up to a power of two
-                    slab = pinned_empty(nbytes).view(E, layout.nbytes)
-                else:
-                    slab = torch.empty((E, layout.nbytes), dtype=torch.uint8)
+            reserved = self._reserved.pop(layer, None)
+            if not self._reserved and self._pin_pool is not None:
+                self._pin_pool.shutdown(wait=False)  # its thread ends after the last slab
+                self._pin_pool = None
+            if tier == "pinned" and reserved is not None and reserved[0] == nbytes:
+                with report.span("pin_wait"):
+                    slab = reserved[1].result().view(E, layout.nbytes)
+            elif tier == "pinned":
+                slab = self._pinned(nbytes).view(E, layout.nbytes)
+            else:
+                slab = torch.empty((E, layout.nbytes), dtype=torch.uint8)
             if callable(records):
                 with report.span("cache_read", nbytes):
                     records(slab)
             elif records is not None:
                 slab.copy_(records)
             elif isinstance(self.codec, IdentityCodec):  # the checkpoint's bytes: copies, nothing to compute
-                for e in range(E):
-                    tensors = expert(e)
-                    with report.span("copy", layout.nbytes):
-                        self.codec.encode(tensors, layout, slab[e])
+                readers = self.encoder.readers if getattr(expert, "thread_safe", False) else 1
+                ahead = read_ahead(E, expert, readers)
+                try:
+                    for e, tensors in enumerate(ahead):
+                        with report.span("copy", layout.nbytes):
+                            self.codec.encode(tensors, layout, slab[e])
+                finally:
+                    ahead.close()
             else:
                 self.encoder.encode_into(self.codec, layout, E, expert, slab, extra, key=layer)
             self._host_bytes += nbytes
         self._slabs[layer] = _Slab(slab, layout, tier, dtype, raw_layout, path)
+
+    def reserve(self, layer_bytes: Mapping[int, int]) -> None:
+        """Page-lock the pinned slabs of layers about to be added (ordinal -> bytes, in the order
+        `add_layer_from` will get them; a layer reserved already is skipped) on a background thread, one
+        after another, so page-locking a layer overlaps reading and encoding the ones before it. A layer
+        added with another size gets its own slab; `close` drops the slabs not taken."""
+        if not self.pinned:
+            return  # pageable slabs cost nothing until they are written
+        if self._pin_pool is None:
+            # page-locked in the caller's CUDA context (a new thread would start on device 0)
+            device = torch.cuda.current_device() if torch.cuda.is_available() else None
+            init = (torch.cuda.set_device, (device,)) if device is not None else (None, ())
+            self._pin_pool = ThreadPoolExecutor(1, thread_name_prefix="mira-pin", initializer=init[0], initargs=init[1])
+            self._reserved_host_bytes = self._host_bytes
+        for layer, nbytes in layer_bytes.items():
+            if layer in self._reserved or layer in self._slabs:
+                continue
+            if over_host_budget(self._reserved_host_bytes, nbytes, self.host_budget_bytes):
+                continue  # the disk tier (what `next_tier` will say)
+            self._reserved_host_bytes += nbytes
+            self._reserved[layer] = (nbytes, self._pin_pool.submit(self._pinned, nbytes))
+
+    def _pinned(self, nbytes: int) -> torch.Tensor:
+        # exactly its size: torch's pinned allocator would round it up to a power of two
+        with self.encoder.report.span("pin", nbytes):
+            return pinned_empty(nbytes)
 
     def next_tier(self, nbytes: int) -> str:
         """The tier a layer of `nbytes` would go to if added now: host until `host_budget` is used up."""
@@ -337,3 +377,9 @@ class ExpertStore:
                 os.remove(s.path)
         self._slabs.clear()
         self._host_bytes = 0
+        for _, slab in self._reserved.values():
+            slab.cancel()  # one being allocated is freed when its future is
+        self._reserved.clear()
+        if self._pin_pool is not None:
+            self._pin_pool.shutdown(wait=False)
+            self._pin_pool = None

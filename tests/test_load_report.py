@@ -26,7 +26,7 @@ def test_streamed_load_reports_each_stage_with_the_bytes_it_moved(tiny_checkpoin
     assert report["wall_s"] > 0 and set(stages) <= set(STAGES)
     assert stages["model"]["seconds"] > 0
     assert stages["read"]["bytes"] == raw * (2 if quantization else 1)  # lossless on a CPU: plan pass, then encode pass
-    assert stages["pin"]["bytes"] == model.mira.store.nbytes
+    assert "pin" not in stages  # pageable slabs on a CPU: nothing to page-lock
     if quantization is None:
         assert stages["copy"]["bytes"] == raw and "encode" not in stages
     else:

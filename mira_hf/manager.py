@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -89,12 +90,18 @@ def device_buffers(placement: str, codec, layouts: Mapping[int, object]) -> dict
 
 
 def plan_budget(
-    layers: Sequence[LayerInfo], record_bytes: dict[int, int], budget_bytes: int, buffers: Mapping[str, int] | None = None
+    layers: Sequence[LayerInfo],
+    record_bytes: dict[int, int],
+    budget_bytes: int,
+    buffers: Mapping[str, int] | None = None,
+    round_up_from: float | None = None,
 ) -> BudgetPlan:
     """Split `budget_bytes` into slots, one pool per distinct record size, in proportion to each
     pool's share of all expert bytes, after taking out the codec's device `buffers` (see
-    `device_buffers`). Raises `BudgetError` below the minimum working set: those buffers plus the
-    top-k experts of one layer in every pool."""
+    `device_buffers`). Below the minimum working set (those buffers plus the top-k experts of one
+    layer in every pool) raises `BudgetError`, unless `round_up_from` gives the fraction the budget
+    was derived from: a share of the experts' bytes is then raised to that minimum, with a warning,
+    and the plan's `budget_bytes` is the budget in use."""
     buffers = dict(buffers or {})
     reserved = sum(buffers.values())
     slots_budget = max(budget_bytes - reserved, 0)
@@ -113,6 +120,18 @@ def plan_budget(
         share = slots_budget * total[g] // all_bytes
         n_slots[g] = min(experts[g], share // g)
     minimum = sum(top_k[g] * g for g in total) + reserved
+    if round_up_from is not None and any(n_slots[g] < top_k[g] for g in total):
+        # A fraction is relative to the experts: one too small for this model means "as little as works".
+        n_slots = {g: max(n_slots[g], top_k[g]) for g in total}
+        resolved = sum(n_slots[g] * g for g in total) + reserved
+        if resolved > budget_bytes:  # the budget itself was short, not only its split between the pools
+            warnings.warn(
+                f"mira-hf: gpu_budget={round_up_from} ({budget_bytes:,} bytes) is below the minimum working set of "
+                f"this model; using {resolved:,} bytes (a fraction of {resolved / all_bytes:.3f}: the top-k experts "
+                "of one layer). Give a larger fraction, or a byte budget, to choose the budget yourself.",
+                stacklevel=3,
+            )
+            budget_bytes = resolved
     if any(n_slots[g] < top_k[g] for g in total):
         extra = f" and {reserved:,} bytes of codec buffers ({', '.join(buffers)})" if reserved else ""
         raise BudgetError(

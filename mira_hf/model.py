@@ -232,7 +232,8 @@ class MiraMoEModel:
         layouts = layouts or {}
         try:  # experts kept on the device between the passes are given back if a check fails
             slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else raw_bytes
-            budget = plan_budget(layers, slot_bytes, budget_bytes, buffers=device_buffers(placement, codec, layouts))
+            buffers = device_buffers(placement, codec, layouts)
+            budget = plan_budget(layers, slot_bytes, budget_bytes, buffers, round_up_from=_fraction(cfg.gpu_budget))
             _check_device_memory(budget.device_bytes, device, model, targets)
             store_bytes = [(layouts[li.ordinal].nbytes if layouts else raw_bytes[li.ordinal]) * li.num_experts for li in layers]
             _check_offload_space(cfg, store_bytes)
@@ -693,6 +694,11 @@ def _budget_bytes(budget, all_bytes: int, device: torch.device, model: nn.Module
     return parse_bytes(budget, "gpu_budget")
 
 
+def _fraction(budget) -> float | None:
+    """The budget if it is a fraction of the experts' bytes (raised to the minimum working set when below it)."""
+    return budget if isinstance(budget, float) else None
+
+
 def _bytes_to_move(model: nn.Module, targets: list[_Target], device: torch.device) -> int:
     """Bytes of non-expert weights and buffers that `model.to(device)` will still copy there (the experts,
     before wrapping the modules' tensors, after it the proxies' parameters, stay in the store)."""
@@ -787,7 +793,8 @@ def _replan(
         budget_bytes = _budget_bytes(cfg.gpu_budget, all_bytes, device, model, targets)
     placement = manager.placement
     slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else dict(raw_bytes)
-    budget = plan_budget(layers, slot_bytes, budget_bytes, buffers=device_buffers(placement, manager.store.codec, layouts))
+    buffers = device_buffers(placement, manager.store.codec, layouts)
+    budget = plan_budget(layers, slot_bytes, budget_bytes, buffers, round_up_from=_fraction(cfg.gpu_budget))
     _check_device_memory(budget.device_bytes, device, model, targets, reclaim_bytes=manager.device_bytes if same else 0)
     return budget
 

@@ -1,5 +1,6 @@
 """Budget planning: how a byte budget becomes device buffers and slots, on numbers worked out by hand."""
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -84,3 +85,23 @@ def test_a_pool_shared_by_several_layers_counts_all_their_experts():
 def test_the_error_lists_every_codec_buffer():
     with pytest.raises(BudgetError, match=r"2,000 bytes of codec buffers \(staging, scratch\)"):
         plan_budget(LAYERS, RECORDS, 3000, buffers={"staging": 1000, "scratch": 1000})
+
+
+def test_a_fraction_below_the_minimum_working_set_is_raised_to_it_with_a_warning():
+    # 0.1 of the 10,000 expert bytes is 1,000: below the 3,500 of the top-k records (2 · 1000 + 500) and the buffer
+    with pytest.warns(UserWarning, match=r"gpu_budget=0.1 \(1,000 bytes\) is below .* using 3,500 bytes \(a fraction of 0.350"):
+        plan = plan_budget(LAYERS, RECORDS, 1000, {"staging": 1000}, round_up_from=0.1)
+    assert plan.n_slots == {1000: 2, 500: 1} and plan.budget_bytes == plan.device_bytes == 3500
+    # a split that leaves one pool short of its top-k within a budget that holds every pool's: slots move, silently
+    # (layer 0: 8 experts of 1000 bytes, top-1; layer 1: 4 of 500, top-2; 3000 → 2400 → 2 slots and 600 → 1 slot)
+    layers = [LayerInfo(0, "layers.0.mlp.experts", 8, 1), LayerInfo(1, "layers.1.mlp.experts", 4, 2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = plan_budget(layers, RECORDS, 3000, round_up_from=0.3)
+    assert plan.n_slots == {1000: 2, 500: 2} and plan.budget_bytes == plan.device_bytes == 3000
+    # at or above the minimum a fraction plans as a byte budget does, silently
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plan_budget(LAYERS, RECORDS, 6000, {"staging": 1000}, round_up_from=0.6) == plan_budget(
+            LAYERS, RECORDS, 6000, {"staging": 1000}
+        )

@@ -17,7 +17,7 @@ from conftest import ALL_TINY
 from tiny_models import make_config
 
 from mira_hf import MiraConfig, MiraMoEModel
-from mira_hf.errors import UnsupportedOperationError
+from mira_hf.errors import BudgetError, UnsupportedOperationError
 
 # CI runs every test on three families of distinct layouts (Mixtral's standard experts; DeepSeek-V3's MLA
 # attention, sigmoid group routing and dense first layer; gpt-oss's transposed, biased experts and sliding
@@ -282,6 +282,29 @@ def test_unload_gives_back_the_unwrapped_models_parameters(name):
     model.unload()
     assert _same(dict(model.state_dict()), dict(ref.state_dict()))
     assert model.num_parameters() == ref.num_parameters()
+
+
+# -- budget ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_fraction_below_the_minimum_working_set_serves_at_that_minimum(name):
+    """transformers' test configs route each token to a large share of few experts (DeepSeek-V3's: 8 of 8), so
+    their 0.25 is below the top-k experts of one layer: a fraction is raised to that minimum with a warning and
+    the model is exact; a byte budget below it is refused, the model untouched."""
+    ref, model = _build(name), _build(name)
+    model.load_state_dict(ref.state_dict())
+    with pytest.warns(UserWarning, match=r"gpu_budget=0.01 \([\d,]+ bytes\) is below the minimum working set"):
+        MiraMoEModel.wrap(model, MiraConfig(gpu_budget=0.01, device="cpu"))
+    plan, layers = model.mira.budget, model.mira.layers.values()
+    top_k = {g: max(li.top_k for li in layers if plan.pool_of_layer[li.ordinal] == g) for g in plan.n_slots}
+    assert plan.n_slots == top_k
+    minimum = sum(top_k[g] * plan.slot_bytes[g] for g in top_k) + sum(plan.buffer_bytes.values())
+    assert model.mira.stats()["budget_bytes"] == minimum
+    with torch.no_grad():
+        assert torch.equal(model(PADDED, attention_mask=MASK).logits, ref(PADDED, attention_mask=MASK).logits)
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    with pytest.raises(BudgetError, match=f"below the minimum working set of this model: {minimum:,} bytes"):
+        MiraMoEModel.wrap(ref, MiraConfig(gpu_budget=minimum - 1, device="cpu"))
+    assert not hasattr(ref, "mira") and _same(ref.state_dict(), before)
 
 
 # -- parameters, casts and experts implementations, as transformers' tests check them -------------------

@@ -248,9 +248,15 @@ class MiraMoEModel:
             encoder.finish()
             raise
         encoding = cfg.quantization is not None and saved is None
-        store.reserve(
-            {t.ordinal: t.module.num_experts * (layouts[t.ordinal].nbytes if layouts else raw_bytes[t.ordinal]) for t in targets}
-        )
+        # Slabs page-locked ahead, for streamed experts only: experts in the model's host memory are freed one
+        # layer at a time as they are stored, and slabs locked ahead would hold the whole store beside them.
+        if streamed is not None:
+            store.reserve(
+                {
+                    t.ordinal: t.module.num_experts * (layouts[t.ordinal].nbytes if layouts else raw_bytes[t.ordinal])
+                    for t in targets
+                }
+            )
 
         # Validation done: from here on, any failure rolls back to the untouched model.
         # Exact records (uncompressed or lossless) restore exactly, so each layer's tensors are dropped as soon

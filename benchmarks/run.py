@@ -65,7 +65,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import transformers  # noqa: E402
 from common import (  # noqa: E402
-    SHAPES,
     device_bandwidth,
     device_slug,
     environment,
@@ -82,42 +81,7 @@ from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.replay import belady_misses  # noqa: E402
 from model_adapters import get_adapter  # noqa: E402
 
-# Tiny stand-ins for --smoke (CPU, seconds). Registered in the shared shape table so they are built
-# exactly like the real shapes.
-SHAPES.update(
-    {
-        "mixtral-smoke": dict(
-            model="MixtralConfig",
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            max_position_embeddings=256,
-        ),
-        "qwen3-smoke": dict(
-            model="Qwen3MoeConfig",
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            num_experts=16,
-            num_experts_per_tok=4,
-            norm_topk_prob=True,
-            max_position_embeddings=256,
-        ),
-    }
-)
-
-# workload key -> (label, shape on the GPU, shape in --smoke); shape None = the bundled trained model
+# workload key -> (label, shape on the GPU, shape in --smoke: common.SMOKE_SHAPES); shape None = the bundled trained model
 WORKLOADS = {
     "mixtral": ("Mixtral-8x7B shape, 8 layers (random bf16)", "mixtral-8x7b-8l", "mixtral-smoke"),
     "qwen3": ("Qwen3-30B-A3B shape, 12 layers (random bf16)", "qwen3-30b-a3b-12l", "qwen3-smoke"),

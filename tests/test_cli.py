@@ -175,7 +175,7 @@ def test_bench_runs_a_script_with_its_arguments(tmp_path, monkeypatch, capsys):
     bench = tmp_path / "benchmarks"
     bench.mkdir()
     (bench / "echo.py").write_text('"""Echo."""\nimport sys\nprint("args", sys.argv[1:])\nsys.exit(3)\n')
-    monkeypatch.setattr(cli, "_benchmarks_dir", lambda: bench)
+    monkeypatch.setattr(cli.bench, "_benchmarks_dir", lambda: bench)
     rc, out, _ = run(["bench", "echo", "--", "--models", "bundled"], capsys)
     assert rc == 3 and "args ['--models', 'bundled']" in out
 

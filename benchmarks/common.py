@@ -45,9 +45,18 @@ SHAPES = {
 }
 
 
+# Tiny stand-ins for --smoke runs (CPU, seconds): shape name -> a recipe of mira_hf.testing (the tests' tiny models).
+SMOKE_SHAPES = {"mixtral-smoke": "mixtral", "qwen3-smoke": "qwen3_moe"}
+
+
 def build_config(shape: str):
+    """The transformers config of `shape`: a key of `SHAPES` (real dimensions) or of `SMOKE_SHAPES`."""
     import transformers
 
+    if shape in SMOKE_SHAPES:
+        from mira_hf.testing import make_config  # here: scripts put the repository on sys.path after importing this module
+
+        return make_config(SMOKE_SHAPES[shape])
     kw = dict(SHAPES[shape])
     return getattr(transformers, kw.pop("model"))(**kw)
 

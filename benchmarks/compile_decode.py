@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import run  # noqa: E402  (registers the smoke shapes beside the real ones)
+import run  # noqa: E402  (run.py's workloads and their --smoke shapes)
 from common import device_slug, environment, print_table, random_model_on_device, sync, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402

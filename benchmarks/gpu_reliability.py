@@ -32,13 +32,12 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from common import device_slug, environment, print_table, write_json  # noqa: E402
-from tiny_models import AUTO_FAMILIES, EXTRA_RECIPES, RECIPES, InterruptAt, make_auto_config, make_config  # noqa: E402
 
 from mira_hf import LoaderError, MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.config import LoaderConfig, QuantConfig  # noqa: E402
 from mira_hf.quant.lossless import SUPPORTED_DTYPES as LOSSLESS_DTYPES  # noqa: E402
+from mira_hf.testing import AUTO_FAMILIES, EXTRA_RECIPES, RECIPES, InterruptAt, make_auto_config, make_config  # noqa: E402
 
 # The tiny models' records are far below LoaderConfig.split_min_bytes: 0 keeps the split-copy path under test.
 SPLIT_ALL = LoaderConfig(split_min_bytes=0)

@@ -23,22 +23,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, random_model_on_device, sync, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
+from mira_hf.testing import make_config  # noqa: E402
 
 
 def exactness(dtype: torch.dtype) -> dict:
     """Small Mixtral (fp32 or bf16): logits and 64 greedy tokens, mira at 25% vs all resident on CUDA."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
 
     torch.manual_seed(0)
-    cfg = MixtralConfig(
+    # the tiny Mixtral recipe, widened: 512 hidden, 64 per head, 4 layers (no padding row: every token id is random)
+    cfg = make_config(
+        "mixtral",
         vocab_size=1000,
         hidden_size=512,
         intermediate_size=1024,
         num_hidden_layers=4,
         num_attention_heads=8,
-        num_key_value_heads=2,
-        num_local_experts=8,
-        num_experts_per_tok=2,
+        head_dim=64,
+        pad_token_id=None,
     )
     cpu = MixtralForCausalLM(cfg).to(dtype).eval()
     ref = copy.deepcopy(cpu).cuda()

@@ -3,7 +3,7 @@ policy × predictor at several budgets, beside Belady's optimal demand cache on 
 
 Models: the bundled trained mira-tiny on its held-out text (the learned predictor calibrated on
 windows [0, calib_windows), evaluation on the next eval_windows), and a tiny random Mixtral
-(tests/tiny_models.py recipe, `--random-layers` MoE layers) on random tokens, for contrast.
+(mira_hf.testing recipe, `--random-layers` MoE layers) on random tokens, for contrast.
 
     python benchmarks/offline_eval.py [--quick] [--eval-windows 8] [--eval-tokens 128] [--no-sweep] [--out DIR]
 
@@ -29,7 +29,6 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from common import environment, print_table, write_json  # noqa: E402
 
@@ -311,8 +310,9 @@ def main() -> None:
 
     # -- a tiny random Mixtral on random tokens (no structure to learn: the contrast) ----------------
     if not args.no_random:
-        from tiny_models import make_config
         from transformers import AutoModelForCausalLM
+
+        from mira_hf.testing import make_config
 
         cfg = make_config("mixtral")
         cfg.num_hidden_layers = args.random_layers

@@ -689,12 +689,22 @@ def _top_k(model: nn.Module, t: _Target) -> int:
     return 1
 
 
+# gpu_budget=None: the experts' share of the device memory left free, after the non-expert weights; the rest is
+# headroom for activations and the KV cache.
+FREE_MEMORY_SHARE = 0.9
+
+
+def default_budget_bytes(free_bytes: int, expert_bytes: int, non_expert_bytes: int) -> int:
+    """The expert budget of `gpu_budget=None` on a CUDA device: every expert if they fit in 90% of the free device
+    memory less the non-expert weights still to move there, else that much (at least 1 byte). `mira env` suggests it."""
+    return max(min(expert_bytes, int(free_bytes * FREE_MEMORY_SHARE) - non_expert_bytes), 1)
+
+
 def _budget_bytes(budget, all_bytes: int, device: torch.device, model: nn.Module, targets: list[_Target]) -> int:
     if budget is None:
         if device.type != "cuda":
             return all_bytes
-        free = int(torch.cuda.mem_get_info(device)[0] * 0.9) - _bytes_to_move(model, targets, device)
-        return max(min(all_bytes, free), 1)
+        return default_budget_bytes(torch.cuda.mem_get_info(device)[0], all_bytes, _bytes_to_move(model, targets, device))
     if isinstance(budget, float):
         return max(int(budget * all_bytes), 1)
     return parse_bytes(budget, "gpu_budget")

@@ -3,7 +3,8 @@
 A trace is recorded once from a wrapped model (`record_trace`) and replayed many times through the
 cache, policies and predictors (`mira_hf.replay`) without running the model again. Recording is
 decode-like: one token per forward per sequence, with the KV cache, so each step is one block call
-per MoE layer, exactly what the expert cache sees while generating.
+per MoE layer, exactly what the expert cache sees while generating. `record_topk` records only the
+chosen experts of a corpus, one full-sequence forward per chunk (what `mira calibrate` writes).
 
 Files are safetensors (tensors) plus a JSON sidecar (everything else); never pickle.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -193,11 +196,8 @@ def record_trace(model, input_ids: torch.Tensor, progress: bool = True) -> Routi
         seen.add(layer)
 
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    previous, training = manager.recorder, model.training
-    manager.recorder = recorder
-    model.eval()  # no router jitter or dropout: the routing a deployed model does
     ids = input_ids.to(model.device, torch.long)
-    try:
+    with _recording(model, recorder):
         cache = DynamicCache(config=model.config)
         steps = range(S)
         if progress:
@@ -213,9 +213,6 @@ def record_trace(model, input_ids: torch.Tensor, progress: bool = True) -> Routi
                         f"step {step}: only MoE layers {sorted(seen)} of {layers} routed the new tokens; a trace needs "
                         "every MoE layer to route every token (top-k routing)."
                     )
-    finally:
-        manager.recorder = previous
-        model.train(training)
     experts = experts.permute(2, 0, 1, 3).reshape(B * S, L, K)  # sequence-major: step b*S + t
     if hidden is not None:
         hidden = hidden.permute(2, 0, 1, 3).reshape(B * S, L, -1)
@@ -227,3 +224,58 @@ def record_trace(model, input_ids: torch.Tensor, progress: bool = True) -> Routi
         [manager.store.record_bytes(li) for li in layers],
         dict(manager.fingerprint),
     )
+
+
+def record_topk(model, chunks: Sequence[torch.Tensor], progress: bool = True) -> dict[int, torch.Tensor]:
+    """Teacher-forced routing of token `chunks` (1-D id tensors) through a wrapped model: per MoE layer, the
+    experts its router chose for every token, `[N, K]` on the CPU, N being all chunks' tokens in order.
+
+    Unlike `record_trace`, one full-sequence forward per chunk (no KV cache) and no hidden states: a corpus of
+    thousands of tokens routes in a few forwards. The top-k is the router's own, read from the same hook.
+    """
+    manager = getattr(model, "mira", None)
+    if manager is None:
+        raise ConfigError("record_topk needs a wrapped model (MiraMoEModel.from_pretrained or MiraMoEModel.wrap).")
+    parts: dict[int, list[torch.Tensor]] = {}
+
+    def recorder(layer: int, h: torch.Tensor, top_k_index: torch.Tensor) -> None:
+        parts.setdefault(layer, []).append(top_k_index.detach().cpu())  # [T, K]
+
+    total = sum(len(c) for c in chunks)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="routing", unit="tok")
+    try:
+        with _recording(model, recorder), torch.inference_mode():
+            for chunk in chunks:
+                model(input_ids=chunk[None].to(model.device, torch.long), use_cache=False)
+                if bar is not None:
+                    bar.update(len(chunk))
+    finally:
+        if bar is not None:
+            bar.close()
+    topk = {layer: torch.cat(p) for layer, p in sorted(parts.items())}
+    short = sorted(layer for layer in manager.layers if layer not in topk or topk[layer].shape[0] != total)
+    if short:
+        raise UnsupportedModelError(
+            f"MoE layers {short} of {sorted(manager.layers)} routed fewer than the {total} tokens given; recording "
+            "needs every MoE layer to route every token (top-k routing)."
+        )
+    return topk
+
+
+@contextmanager
+def _recording(model, recorder: Callable[[int, torch.Tensor, torch.Tensor], None]) -> Iterator[None]:
+    """Route through `recorder(layer, hidden [T, H], top_k_index [T, K])` with the model in eval mode (no router
+    jitter or dropout: the routing a deployed model does); the manager's recorder and the model's mode come back after."""
+    manager = model.mira
+    previous, training = manager.recorder, model.training
+    manager.recorder = recorder
+    model.eval()
+    try:
+        yield
+    finally:
+        manager.recorder = previous
+        model.train(training)

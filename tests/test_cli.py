@@ -175,7 +175,7 @@ def test_bench_runs_a_script_with_its_arguments(tmp_path, monkeypatch, capsys):
     bench = tmp_path / "benchmarks"
     bench.mkdir()
     (bench / "echo.py").write_text('"""Echo."""\nimport sys\nprint("args", sys.argv[1:])\nsys.exit(3)\n')
-    monkeypatch.setattr(cli, "_benchmarks_dir", lambda: bench)
+    monkeypatch.setattr(cli.bench, "_benchmarks_dir", lambda: bench)
     rc, out, _ = run(["bench", "echo", "--", "--models", "bundled"], capsys)
     assert rc == 3 and "args ['--models', 'bundled']" in out
 
@@ -185,3 +185,36 @@ def test_env_reports_versions_and_suggests_a_budget(capsys):
     assert rc == 0
     for text in ("torch", "transformers", "safetensors", "memory", "routed experts", "gpu_budget"):
         assert text in out
+
+
+def test_env_counts_the_checkpoint_bytes_from_its_headers():
+    from safetensors.torch import load_file
+
+    from mira_hf.cli import env
+
+    path = bundled_model_path()
+    expert, other, layers, files = env._checkpoint_bytes(path)
+    tensors = load_file(f"{path}/{files[0]}")
+    assert files == ["model.safetensors"] and len(layers) == 6
+    assert expert == sum(t.nbytes for k, t in tensors.items() if ".experts." in k)
+    assert expert + other == sum(t.nbytes for t in tensors.values())
+
+
+def test_env_suggests_the_budget_that_gpu_budget_none_gives(monkeypatch):
+    """On a GPU, `mira env --model` suggests what the library itself would take: min(all experts, 0.9 x free
+    memory - non-expert weights), and says so when the non-expert weights do not fit."""
+    import torch
+
+    from mira_hf import report
+    from mira_hf.cli import env
+    from mira_hf.model import default_budget_bytes
+
+    expert, other, _, _ = env._checkpoint_bytes(bundled_model_path())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for free, share in ((10 * (expert + other), "every expert fits"), (2 * other + expert // 2, "% of the experts")):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_, free=free: (free, 2 * free))
+        text = dict(env._budget_suggestion("mira-tiny"))["gpu_budget"]
+        want = default_budget_bytes(free, expert, other)
+        assert text.startswith(f'"{report.format_bytes(want).replace(" ", "")}" (') and share in text
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (other, 2 * other))
+    assert "do not fit in 90%" in dict(env._budget_suggestion("mira-tiny"))["gpu_budget"]

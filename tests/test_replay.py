@@ -7,7 +7,7 @@ from conftest import load_reference
 from mira_hf import IncompatibleFileError, MiraConfig, MiraMoEModel
 from mira_hf.predictors import PredictorConfig
 from mira_hf.replay import belady, lru_reference, replay
-from mira_hf.trace import RoutingTrace, record_trace
+from mira_hf.trace import RoutingTrace, record_topk, record_trace
 
 POLICIES = ("lru", "heat", "priority")
 
@@ -163,6 +163,19 @@ def test_record_trace_gives_the_models_own_routing(tiny_checkpoint):
     # the recorded hidden states drive the router-based predictors in a replay
     r = replay(trace, budget=0.5, policy="lru", predictor="gate", router_probs=model.mira.router_probs)
     assert r["steps"] == B * S and r["recall@1"] is not None
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])  # softmax top-k; sigmoid scores, group-limited top-k
+def test_record_topk_gives_each_tokens_routing_in_one_forward_per_chunk(tiny_checkpoint, family):
+    """`mira calibrate`'s recording: the experts each router chose, the same as the decode-like trace's."""
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    model = MiraMoEModel.from_pretrained(tiny_checkpoint(family), MiraConfig(gpu_budget=1.0, device="cpu"), progress=False)
+    trace = record_trace(model, ids, progress=False)
+    topk = record_topk(model, list(ids), progress=False)  # two chunks of 6 tokens
+    assert sorted(topk) == sorted(model.mira.layers) and model.mira.recorder is None
+    for layer, chosen in topk.items():
+        assert chosen.shape == (12, model.mira.layers[layer].top_k)
+        assert torch.equal(chosen.sort(-1).values, trace.experts[:, layer].sort(-1).values)
 
 
 def _h200_trace() -> RoutingTrace:

@@ -88,7 +88,7 @@ def test_cli_and_python_accept_the_same_spellings():
     parser = cli.build_parser()
     for typed in ("none", "None", "NONE"):
         args = parser.parse_args(["generate", "--prompt", "x", "--predictor", typed, "--quantization", typed, "--policy", "LRU"])
-        cfg = cli._mira_config(args)
+        cfg = cli.options.mira_config(args)
         assert (cfg.predictor, cfg.quantization, cfg.policy) == (None, None, "lru")
         assert cfg == cfg.replace(predictor=typed, quantization=typed, policy="LRU")  # Python reads them alike
     generate_help = parser._subparsers._group_actions[0].choices["generate"].format_help()

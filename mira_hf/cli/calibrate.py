@@ -1,0 +1,138 @@
+"""`mira calibrate`: route a corpus, write each token's top-k experts, and train the learned predictor."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+
+from ..bundled import BUNDLED_NAME
+from ..errors import MiraError
+from .options import add_model_options, doc, load, mira_config, model_source, write_json
+
+# Teacher-forced router top-k per token; not `mira_hf.trace.RoutingTrace` (decode-like, with hidden states).
+TOPK_FORMAT = "mira-router-topk/1"
+TOPK_NAME = "router_topk"  # DIR/router_topk.safetensors + DIR/router_topk.json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser(
+        "calibrate", help="record routing over a corpus and train the learned predictor", description=doc(cmd_calibrate)
+    )
+    c.add_argument("model", metavar="MODEL", help=f'model directory or "{BUNDLED_NAME}"')
+    c.add_argument("--data", required=True, metavar="FILE", help='UTF-8 text file, or a .safetensors file with "input_ids"')
+    c.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
+    c.add_argument("--max-tokens", type=int, default=16384, metavar="N", help="tokens to route at most (default 16384)")
+    c.add_argument("--chunk-tokens", type=int, default=512, metavar="N", help="tokens per forward pass (default 512)")
+    add_model_options(c, budget_default=None, predictors=False)
+    c.add_argument("--traces-only", action="store_true", help="skip predictor training even when mira_hf.calibrate is installed")
+    c.set_defaults(run=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Route a corpus through MODEL with teacher forcing and record, per MoE layer, the top-k experts of every
+    token (router_topk.safetensors) and per-expert counts (router_topk.json, readable by `mira stats`). Then,
+    unless --traces-only, train the learned predictor on the same tokens (mira_hf.calibrate) and save it in DIR."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ..trace import record_topk
+
+    if args.max_tokens < 2 or args.chunk_tokens < 2:
+        raise ValueError("--max-tokens and --chunk-tokens must be ≥ 2.")
+    cfg = mira_config(args)
+    source = model_source(args.model)
+    data_path = Path(args.data)
+    if not data_path.is_file():
+        raise FileNotFoundError(f"--data {args.data}: no such file.")
+    is_tensor_file = data_path.suffix == ".safetensors"
+    model, tokenizer = load(source, cfg, args.dtype, with_tokenizer=not is_tensor_file)
+    max_len = getattr(model.config, "max_position_embeddings", None) or args.chunk_tokens
+    chunk_tokens = min(args.chunk_tokens, max_len)
+    chunks = _token_chunks(data_path, tokenizer, args.max_tokens, chunk_tokens)
+    total = sum(len(c) for c in chunks)
+    if total == 0:
+        raise ValueError(f"--data {args.data} holds no tokens.")
+    topk = record_topk(model, chunks)  # {MoE layer: [N, K]}, the routers' own choices
+    num_experts = max(model.mira.layers[layer].num_experts for layer in topk)
+    top_k = max(indices.shape[1] for indices in topk.values())
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        "input_ids": torch.cat(chunks).to(torch.int32),
+        "chunk_lengths": torch.tensor([len(c) for c in chunks], dtype=torch.int64),
+    }
+    layers = {}
+    for layer, indices in topk.items():  # [N, K]
+        tensors[f"topk.{layer}"] = indices.to(torch.int32)
+        counts = torch.bincount(indices.reshape(-1).long(), minlength=num_experts)[:num_experts]
+        layers[str(layer)] = {"counts": counts.tolist()}
+    tensors["counts"] = torch.stack([torch.tensor(layers[str(layer)]["counts"]) for layer in sorted(topk)])  # [L, E]
+    summary = {
+        "format": TOPK_FORMAT,
+        "model": args.model,
+        "data": str(data_path),
+        "tokens": total,
+        "chunks": len(chunks),
+        "num_layers": len(topk),
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "tensors": f"{TOPK_NAME}.safetensors",
+        "layers": layers,
+    }
+    tensors_path, summary_path = out_dir / f"{TOPK_NAME}.safetensors", out_dir / f"{TOPK_NAME}.json"
+    save_file(tensors, str(tensors_path), metadata={"format": TOPK_FORMAT})
+    write_json(summary_path, summary)
+    print(f"routed {total:,} tokens in {len(chunks)} chunks through {len(topk)} MoE layers (top-{top_k} of {num_experts})")
+    print(f"wrote {tensors_path}  (input_ids [N], topk.<layer> [N, {top_k}], counts [L, E])")
+    print(f"wrote {summary_path}  (summary: mira stats {summary_path})")
+
+    learn = None if args.traces_only else _learned_calibrate()
+    if learn is None:
+        if not args.traces_only:
+            print("learned predictor: skipped (mira_hf.calibrate is not available in this installation)")
+        return 0
+    learn(model, chunks, out_dir=str(out_dir), max_tokens=total)
+    print(f"learned predictor written to {out_dir}: mira generate {args.model} --predictor learned --predictor-path {out_dir}")
+    return 0
+
+
+def _token_chunks(path: Path, tokenizer, max_tokens: int, chunk_tokens: int) -> list:
+    """The first `max_tokens` tokens of `path`, as 1-D int64 chunks of at most `chunk_tokens`.
+    A .safetensors file gives its "input_ids" (each row a chunk source); a text file is tokenised."""
+    import torch
+
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            if "input_ids" not in f.keys():
+                raise MiraError(f"{path} has no 'input_ids' tensor (has {sorted(f.keys())[:6]}).")
+            ids = f.get_tensor("input_ids").long()
+        rows = ids.reshape(-1, ids.shape[-1]) if ids.dim() > 1 else ids[None]
+    else:
+        # ~4 characters per token in practice; 32 is a generous cap so a huge corpus is not read whole.
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read(max_tokens * 32)
+        # verbose=False: a corpus is longer than the model's context on purpose; it is cut into chunks below
+        rows = torch.tensor(tokenizer(text, verbose=False)["input_ids"], dtype=torch.long)[None]
+    chunks, left = [], max_tokens
+    for row in rows:
+        for piece in row.split(chunk_tokens):
+            if left <= 0:
+                return chunks
+            chunks.append(piece[:left])
+            left -= len(chunks[-1])
+    return chunks
+
+
+def _learned_calibrate():
+    """`mira_hf.calibrate.calibrate` if that module exists (it is optional); errors inside it propagate."""
+    try:
+        module = importlib.import_module("mira_hf.calibrate")
+    except ModuleNotFoundError as exc:
+        if exc.name == "mira_hf.calibrate":
+            return None
+        raise
+    return getattr(module, "calibrate", None)

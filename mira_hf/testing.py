@@ -1,0 +1,228 @@
+"""Tiny random MoE models of every adapter family, built from config objects (CPU, no hub access).
+
+The one table of tiny configs that the tests (`tests/`), the benchmarks' CPU `--smoke` runs and the GPU checks
+build from; it ships with the package so a new adapter can be checked the same way:
+
+    from mira_hf.testing import make_config
+    model = AutoModelForCausalLM.from_config(make_config("mixtral"))
+
+Also the generate stopping criterion the reliability checks interrupt `generate` with.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+BASE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# adapter family name -> (config class name, kwargs). One per registered adapter family.
+RECIPES = {
+    "mixtral": (
+        "MixtralConfig",
+        dict(BASE, num_hidden_layers=2, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, head_dim=16),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            BASE,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            shared_expert_intermediate_size=32,
+            norm_topk_prob=False,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            BASE,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            head_dim=16,
+            norm_topk_prob=True,
+        ),
+    ),
+    # MLA: key/value heads must equal the heads; do not pass head_dim.
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            BASE,
+            num_key_value_heads=4,
+            num_hidden_layers=3,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+        ),
+    ),
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        dict(
+            BASE,
+            num_key_value_heads=4,
+            num_hidden_layers=3,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+        ),
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            BASE,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=16,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
+    "olmoe": ("OlmoeConfig", dict(BASE, num_hidden_layers=2, intermediate_size=64, num_experts=8, num_experts_per_tok=2)),
+    "phimoe": ("PhimoeConfig", dict(BASE, num_hidden_layers=2, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2)),
+    "granitemoe": (
+        "GraniteMoeConfig",
+        dict(BASE, num_hidden_layers=2, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2),
+    ),
+    # Llama 4 scales each expert's input by its routing weight and runs every expert on every token.
+    "llama4": (
+        "Llama4TextConfig",
+        dict(
+            BASE,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            intermediate_size_mlp=64,
+            head_dim=16,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            interleave_moe_layer_step=1,
+        ),
+    ),
+}
+
+# Further model types served by a registered adapter, checked too.
+EXTRA_RECIPES = {
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        dict(
+            BASE,
+            num_hidden_layers=3,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            head_dim=16,
+        ),
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        dict(
+            BASE,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            shared_expert_intermediate_size=32,
+            head_dim=16,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        ),
+    ),
+}
+
+
+# Families without an adapter (as of this file) whose shrunken defaults build MoE layers on the CPU.
+AUTO_FAMILIES = [
+    "afmoe", "axk2", "bailing_hybrid", "cohere2_moe", "deepseek_v32", "deepseek_v4", "ernie4_5_moe", "exaone_moe",
+    "glm4_moe_lite", "glm_moe_dsa", "granitemoe_swa", "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "kimi_linear",
+    "kolibri1", "laguna", "lara_mini", "mellum", "mimo_v2_flash", "minimax_m2", "nemotron_h", "solar_open", "zaya",
+]  # fmt: skip
+# Per-family fixes to the shrunken defaults: MLA attention needs as many KV heads as heads; ZAYA routes top-1.
+AUTO_OVERRIDES = {t: dict(num_key_value_heads=4) for t in ("axk2", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa")}
+AUTO_OVERRIDES["zaya"] = dict(num_experts_per_tok=1)
+# Hybrid families: one full-attention layer, or transformers' generate finds no layer to measure its cache by.
+HYBRID = dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"])
+AUTO_OVERRIDES.update(
+    jamba=dict(attn_layer_period=2, attn_layer_offset=1),
+    kimi_linear=dict(HYBRID, num_key_value_heads=4),  # its full-attention layers are MLA
+    bailing_hybrid=dict(HYBRID, num_key_value_heads=4),
+)
+AUTO_SMALL = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_local_experts=8,
+    num_experts=8, n_routed_experts=8, moe_num_experts=8, num_experts_per_tok=2, moe_k=2, top_k=2,
+    shared_expert_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16,
+    q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, pad_token_id=0, bos_token_id=1,
+    eos_token_id=2,
+)  # fmt: skip
+
+
+def make_auto_config(model_type: str):
+    """A tiny config of a family without an adapter: its own defaults shrunk (None if transformers lacks it)."""
+    if model_type not in transformers.CONFIG_MAPPING:
+        return None
+    cls = transformers.CONFIG_MAPPING[model_type]
+    defaults = cls()
+    kw = dict(AUTO_SMALL, **AUTO_OVERRIDES.get(model_type, {}))
+    return cls(**{k: v for k, v in kw.items() if hasattr(defaults, k)})
+
+
+def make_config(name: str, **overrides):
+    """The tiny config of `name` (a key of `RECIPES` or `EXTRA_RECIPES`), with `overrides` on top of its recipe."""
+    cls_name, kwargs = {**RECIPES, **EXTRA_RECIPES}[name]
+    return getattr(transformers, cls_name)(**{**kwargs, **overrides})
+
+
+class InterruptAt(transformers.StoppingCriteria):
+    """Raises KeyboardInterrupt at its `at`-th call: a Ctrl-C in the middle of `generate`
+    (tests/test_reliability.py on CPU, benchmarks/gpu_reliability.py on CUDA)."""
+
+    def __init__(self, at: int):
+        self.at, self.n = at, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.n += 1
+        if self.n == self.at:
+            raise KeyboardInterrupt
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

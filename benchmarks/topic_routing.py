@@ -159,8 +159,9 @@ def shape_routing(model, prompts: torch.Tensor, targets: RoutingTargets = Routin
     del hs
     sigma_tok = max(added, emb.float().std().item())
     beta = targets.topic_share * sigma_tok * math.sqrt(H)
-    g = torch.Generator(device="cpu").manual_seed(seed + 1)
-    rows = torch.randn(V, H, generator=g).to(dev) * sigma_tok
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)  # small draws: the same on every device
+    gd = torch.Generator(device=dev).manual_seed(seed + 2)  # large ones, drawn where they are used
+    rows = torch.randn(V, H, generator=gd, device=dev) * sigma_tok
     rows += beta * basis[topic_of(torch.arange(V, device=dev), targets.topics)]
     tied = head is not None and head.weight.data_ptr() == emb.data_ptr()
     emb.copy_(rows.to(emb.dtype))
@@ -171,7 +172,7 @@ def shape_routing(model, prompts: torch.Tensor, targets: RoutingTargets = Routin
         dict(
             popularity=torch.randn(E, generator=g).to(dev),
             preference=torch.randn(E, targets.topics, generator=g).to(dev),
-            directions=torch.randn(E, H, generator=g).to(dev),
+            directions=torch.randn(E, H, generator=gd, device=dev),
         )
         for _ in routers
     ]

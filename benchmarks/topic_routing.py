@@ -23,7 +23,9 @@ the model's own weights (no module is replaced or patched; transformers' routing
   projections): skew from `b`, reuse from consecutive tokens sharing a topic, next-layer predictability
   from every layer reading the same topic, and token-to-token variation from `xi`.
   `sigma_pop` and `sigma_tok_noise` are solved on that idealised logit model for the targets
-  (`solve_logit_model`), then corrected from the routing the calibration forward produced.
+  (`solve_logit_model`), then corrected from the routing the calibration forward produced. Each layer's
+  `b`, `R` and `G` are the previous layer's, experts relabelled by a random permutation, mixed with fresh
+  draws at `layer_correlation`: experts of consecutive layers have affinities, as in trained models.
 * **Topics that persist while decoding.** The LM head gets `gamma * v_c(j)` added to each token's row, so
   greedy decoding stays on the current token's topic with the probability the prompts were written with
   (`gamma` solved on the calibration forward's final hidden states).
@@ -52,6 +54,7 @@ class RoutingTargets:
     reuse: float = 0.40  # share of a token's experts the previous token used too
     topics: int = 16  # token classes; each layer's routers prefer a different expert set per class
     p_stay: float = 0.85  # chance that the next token keeps its topic (prompts and greedy decoding)
+    layer_correlation: float = 0.6  # of a layer's router parameters with the previous layer's (experts relabelled)
     topic_share: float = 0.25  # topic direction's size relative to a token's embedding, at the first layer
     correction_rounds: int = 2  # calibration forwards after the first, each correcting toward the targets
 
@@ -168,14 +171,7 @@ def shape_routing(model, prompts: torch.Tensor, targets: RoutingTargets = Routin
     del rows
 
     # 2. Routers, fitted layer by layer in calibration forwards; then corrected toward the targets.
-    per_layer = [
-        dict(
-            popularity=torch.randn(E, generator=g).to(dev),
-            preference=torch.randn(E, targets.topics, generator=g).to(dev),
-            directions=torch.randn(E, H, generator=gd, device=dev),
-        )
-        for _ in routers
-    ]
+    per_layer = _layer_draws(len(routers), E, H, targets, g, gd, dev)
     solved = solve_logit_model(E, K, targets)
     history = []
     aim = (targets.top20_share, targets.reuse)
@@ -195,7 +191,7 @@ def shape_routing(model, prompts: torch.Tensor, targets: RoutingTargets = Routin
         history.append(dict(round="best", **solved, **_reached(routed, E, targets)))
 
     # 3. The LM head: stay on the current token's topic with p_stay when decoding greedily.
-    gamma, stay = (None, None) if tied else _fit_head(head, final, topic, basis, targets)
+    gamma, stay = (None, None) if tied or head is None else _fit_head(head, final, topic, basis, targets)
     return dict(
         targets=asdict(targets),
         seed=seed,
@@ -211,6 +207,25 @@ def shape_routing(model, prompts: torch.Tensor, targets: RoutingTargets = Routin
         rounds=history,
         topic_snr_by_layer=[f["snr"] for f in fitted],
     )
+
+
+def _layer_draws(L: int, E: int, H: int, targets: RoutingTargets, g, gd, dev) -> list[dict]:
+    """Each layer's popularity [E], topic preferences [E, topics] and token directions [E, H]: the previous
+    layer's, with experts relabelled by a random permutation, mixed with fresh draws at `layer_correlation`
+    (experts of consecutive layers have affinities, under arbitrary expert numbering, as in trained models)."""
+    rho = targets.layer_correlation
+    out: list[dict] = []
+    for _ in range(L):
+        fresh = dict(
+            popularity=torch.randn(E, generator=g).to(dev),
+            preference=torch.randn(E, targets.topics, generator=g).to(dev),
+            directions=torch.randn(E, H, generator=gd, device=dev),
+        )
+        if out:
+            perm = torch.randperm(E, generator=g).to(dev)
+            fresh = {k: rho * out[-1][k][perm] + math.sqrt(1 - rho**2) * v for k, v in fresh.items()}
+        out.append(fresh)
+    return out
 
 
 def _reached(routed: list[torch.Tensor], E: int, targets: RoutingTargets) -> dict:

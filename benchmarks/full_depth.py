@@ -304,8 +304,17 @@ def pcie_floor(facts: dict, manager, rec1: list, bw: dict) -> dict:
     return lim
 
 
-def run_budget(plan: Plan, key: str, budget, args, s: run.Settings, deadline: run.Deadline, bw: dict, result: dict) -> dict:
-    """Make the model (build + shape + wrap, or write + load a checkpoint), measure it, tear it down."""
+def greedy_tokens(model, prompt: torch.Tensor, s: run.Settings) -> torch.Tensor:
+    """`s.new_tokens` greedy tokens after `prompt` [1, S], on the CPU."""
+    kw = dict(max_new_tokens=s.new_tokens, min_new_tokens=s.new_tokens, do_sample=False, pad_token_id=run._pad_id(model))
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), **kw).cpu()
+
+
+def run_budget(
+    plan: Plan, key: str, budget, args, s: run.Settings, deadline: run.Deadline, bw: dict, result: dict, reference: dict
+) -> dict:
+    """Make the model (build + shape + wrap, or write + load a checkpoint), measure it, tear it down. `reference`
+    keeps the all-resident model's greedy tokens (measured with the first budget) for the later ones."""
     row: dict = dict(model=key, budget=budget, status="ok", notes=[])
     shape = plan.smoke_shape if args.smoke else plan.shape
     targets = RoutingTargets()
@@ -331,6 +340,7 @@ def run_budget(plan: Plan, key: str, budget, args, s: run.Settings, deadline: ru
                 res = measure(model, prompts, s, deadline)
                 res.pop("_records")
                 result["resident"] = res
+                reference["tokens"] = greedy_tokens(model, prompts[:1], s)
             run._free_device_cache()
             t = time.perf_counter()
             MiraMoEModel.wrap(model, MiraConfig(gpu_budget=budget, device=s.device))
@@ -380,6 +390,8 @@ def run_budget(plan: Plan, key: str, budget, args, s: run.Settings, deadline: ru
         row["status"] = m.pop("status")
         row.update(m)
         row["routing"] = routing_summary(rec1, rec8, s.batch, num_experts)
+        if "tokens" in reference and deadline.remaining() > 0:  # exactness at full depth: the same greedy tokens
+            row["same_tokens_as_resident"] = bool(torch.equal(greedy_tokens(model, prompts[:1], s), reference["tokens"]))
         if rec1:
             row["floor"] = pcie_floor(facts, manager, rec1, bw)
             if row.get("decode_tok_s_b1") and row["floor"]["transfer_s"]:
@@ -420,6 +432,7 @@ COLUMNS = [
     "top-20% share",
     "reuse",
     "next-layer recall",
+    "same tokens",
 ]
 
 
@@ -475,6 +488,7 @@ def table_rows(result: dict) -> list[dict]:
                 "top-20% share": _stat(r, "top20_share"),
                 "reuse": _stat(r, "reuse"),
                 "next-layer recall": _stat(r, "next_layer_recall"),
+                "same tokens": {True: "yes", False: "NO", None: ""}[r.get("same_tokens_as_resident")],
             }
         )
     return rows
@@ -502,7 +516,8 @@ def render_markdown(results: list[dict]) -> str:
         "a token reads over device-memory bandwidth; x floor = measured batch-1 time per token over it. Routing columns: "
         "prompt / greedy-decode means over MoE layers (top-20% share: of routing taken by the top 20% of experts; "
         "reuse: share of a token's experts the previous token used; next-layer recall: share of a token's experts "
-        "predicted from its previous layer's experts by co-occurrence counts).",
+        "predicted from its previous layer's experts by co-occurrence counts). Same tokens: the wrapped model's greedy "
+        "tokens equal the all-resident model's.",
     ]
     for result in results:
         chance = ((result["rows"] or [{}])[0].get("routing") or {}).get("prompt") or {}
@@ -602,11 +617,12 @@ def main(argv=None) -> int:
     )
     log(f"{env.get('device')}: torch {env['torch']}, transformers {env['transformers']}; writing {stem}.*")
     result["bandwidth"] = run.measure_bandwidth(args.smoke)
+    reference: dict = {}
     for budget in budgets:
         if result["rows"] and deadline.remaining() < result["rows"][-1]["system_s"]:  # would not finish in time
             result["rows"].append(dict(model=args.model, budget=budget, status="skipped", notes=["time budget"]))
             continue
-        row = run_budget(plan, args.model, budget, args, s, deadline, result["bandwidth"], result)
+        row = run_budget(plan, args.model, budget, args, s, deadline, result["bandwidth"], result, reference)
         result["rows"].append(row)
         result["elapsed_s"] = time.perf_counter() - _T_START
         write_outputs(result, stem)

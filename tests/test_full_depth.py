@@ -201,3 +201,5 @@ def test_smoke_run_writes_results_with_routing_statistics_beside_the_numbers(tmp
         assert stats["tokens"] > 0 and 0 < stats["reuse"]["mean"] <= 1 and stats["top20_share"]["mean"] > 0
     if model == "gpt-oss":
         assert row["load_first_s"] > 0 and row["load_cached_s"] > 0 and row["cache"]["quantization"] == "mxfp4"
+    else:  # built whole, measured all resident first: the wrapped model decodes the same tokens
+        assert result["resident"]["decode_tok_s_b8"] > 0 and row["same_tokens_as_resident"] is True

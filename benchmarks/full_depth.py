@@ -17,9 +17,11 @@ cache and a second, cached load), TTFT of a 512-token prompt, decode tokens/s at
 peak GPU memory, host RSS, mira's hit rate, stall share and bytes per token, and the PCIe floor: the bytes
 Belady's optimal cache with the same slots moves per decode token (replayed over the batch-1 routing) over
 the measured pinned H2D bandwidth and over 55 GB/s. Where the model was built whole on the GPU, the same
-measurements of the all-resident model come first (`--no-resident` skips them).
+measurements of the all-resident model come first (`--no-resident` skips them), and each wrapped model's
+greedy tokens are compared with the all-resident model's.
 
     python benchmarks/full_depth.py --model mixtral --out $OUT              # GPU; writes OUT/DATE-DEVICE-full-depth-mixtral.{json,md}
+    python benchmarks/full_depth.py --model qwen3 --budget 8GiB --out $OUT  # one budget: ...-full-depth-qwen3-8GiB.{json,md}
     python benchmarks/full_depth.py --model qwen3 --smoke --out /tmp/fd     # CPU, tiny shapes: checks the script
     python benchmarks/full_depth.py --render A.json B.json --md benchmarks/results/DATE-DEVICE-full-depth.md
 """
@@ -605,7 +607,8 @@ def main(argv=None) -> int:
     s = settings(args, plan)
     deadline = run.Deadline(args.time_budget_s)
     env = environment()
-    stem = os.path.join(args.out, f"{env['date']}-{device_slug(env, not args.smoke)}-full-depth-{args.model}")
+    name = args.model + "".join(f"-{b}" for b in args.budget or [])  # one file per invocation
+    stem = os.path.join(args.out, f"{env['date']}-{device_slug(env, not args.smoke)}-full-depth-{name}")
     os.makedirs(args.out, exist_ok=True)
     result = dict(
         env=env,

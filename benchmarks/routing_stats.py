@@ -55,7 +55,7 @@ def next_layer_recall(a: torch.Tensor, b: torch.Tensor, num_experts_b: int) -> d
     half = a.shape[0] // 2
     if half == 0:
         return dict(cooccurrence=None, popularity=None)
-    Ea = int(a.max().item()) + 1
+    Ea = max(int(a.max().item()) + 1, 1)
     counts = torch.zeros(Ea, num_experts_b, dtype=torch.float64)
     for i in range(a.shape[1]):
         for j in range(K):

@@ -43,6 +43,47 @@ SHAPES = {
         max_position_embeddings=4096,
     ),
 }
+# The same models at full depth, and two more at real per-expert dimensions (benchmarks/full_depth.py).
+SHAPES["mixtral-8x7b"] = dict(SHAPES["mixtral-8x7b-8l"], num_hidden_layers=32)
+SHAPES["qwen3-30b-a3b"] = dict(SHAPES["qwen3-30b-a3b-12l"], num_hidden_layers=48)
+SHAPES["gpt-oss-20b"] = dict(
+    model="GptOssConfig",
+    vocab_size=201088,
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_hidden_layers=24,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    sliding_window=128,
+)
+# DeepSeek-V3's dimensions (hidden 7168, experts of 2048, MLA attention, group-limited top-8), cut to 8 layers
+# (the first dense, as V3's first three) of 64 routed experts: 7 x 64 experts of 44 M weights, 19.7 GB in FP8.
+SHAPES["deepseek-v3-8l-64e"] = dict(
+    model="DeepseekV3Config",
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=8,
+    first_k_dense_replace=1,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_shared_experts=1,
+    n_routed_experts=64,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    max_position_embeddings=4096,
+)
 
 
 # Tiny stand-ins for --smoke runs (CPU, seconds): shape name -> a recipe of mira_hf.testing (the tests' tiny models).

@@ -79,8 +79,9 @@ def _save_bf16(config, path: str, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def _write(path: str, state: dict[str, torch.Tensor], quantization_config: dict, shards: int) -> None:
-    """Write `state` as `shards` safetensors shards with an index, and add `quantization_config` to config.json."""
+def write_shards(path: str, state: dict[str, torch.Tensor], quantization_config: dict, shards: int) -> None:
+    """Write `state` (CPU tensors) as `shards` safetensors shards with an index, and add `quantization_config`
+    to the config.json already in `path`."""
     keys = sorted(state)
     if shards == 1:
         save_file({k: state[k].contiguous() for k in keys}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
@@ -107,13 +108,22 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> t
     bm, bn = block
     out, inp = w.shape
     rows, cols = -(-out // bm), -(-inp // bn)
-    padded = torch.zeros(rows * bm, cols * bn, dtype=torch.float32)
+    padded = torch.zeros(rows * bm, cols * bn, dtype=torch.float32, device=w.device)
     padded[:out, :inp] = w.float()
     tiles = padded.view(rows, bm, cols, bn)
     amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)  # [rows, cols]
     scale_inv = amax / torch.finfo(torch.float8_e4m3fn).max
     q = (tiles / scale_inv[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     return q.view(rows * bm, cols * bn)[:out, :inp].contiguous(), scale_inv.float()
+
+
+def fp8_tensors(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one bf16 tensor `key` of an FP8 fine-grained checkpoint: the weight and its
+    `weight_scale_inv` for the linear weights those checkpoints quantize, else the tensor as it is."""
+    if key.endswith(".weight") and t.dim() == 2 and not any(k in key for k in _FP8_KEEP):
+        q, scale = quantize_fp8_block(t)
+        return {key: q, key[: -len("weight")] + "weight_scale_inv": scale}
+    return {key: t}
 
 
 def write_fp8_checkpoint(family: str, path: str, seed: int = 0, shards: int = 2, **overrides) -> str:
@@ -123,11 +133,8 @@ def write_fp8_checkpoint(family: str, path: str, seed: int = 0, shards: int = 2,
     state = _save_bf16(config, path, seed)
     out = {}
     for key, t in state.items():
-        if key.endswith(".weight") and t.dim() == 2 and not any(k in key for k in _FP8_KEEP):
-            out[key], out[key[: -len("weight")] + "weight_scale_inv"] = quantize_fp8_block(t)
-        else:
-            out[key] = t
-    _write(path, out, dict(FP8_QUANTIZATION_CONFIG), shards)
+        out.update(fp8_tensors(key, t))
+    write_shards(path, out, dict(FP8_QUANTIZATION_CONFIG), shards)
     return path
 
 
@@ -140,9 +147,20 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x.abs().amax(dim=-1).clamp(min=2.0**-126)
     exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)  # x / 2**exp fits in [-6, 6]
     scaled = x / torch.exp2(exp)[..., None]
-    codes = (scaled[..., None] - _FP4_VALUES).abs().argmin(dim=-1).to(torch.uint8)  # nearest e2m1 value
+    codes = (scaled[..., None] - _FP4_VALUES.to(w.device)).abs().argmin(dim=-1).to(torch.uint8)  # nearest e2m1 value
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks.contiguous(), (exp + 127).to(torch.uint8)
+
+
+def mxfp4_tensors(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one bf16 tensor `key` of a gpt-oss MXFP4 checkpoint: `_blocks` and `_scales` for
+    the routed experts' weights, else the tensor as it is."""
+    if key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        # in memory [E, in, out] (x @ W); stored [E, out, in/32, 16] with blocks along `in`; one expert at a
+        # time, which bounds the temporaries at real sizes
+        parts = [quantize_mxfp4(w.transpose(0, 1)) for w in t]
+        return {key + "_blocks": torch.stack([b for b, _ in parts]), key + "_scales": torch.stack([s for _, s in parts])}
+    return {key: t}
 
 
 def write_mxfp4_checkpoint(path: str, seed: int = 0, shards: int = 2, **overrides) -> str:
@@ -152,10 +170,6 @@ def write_mxfp4_checkpoint(path: str, seed: int = 0, shards: int = 2, **override
     state = _save_bf16(config, path, seed)
     out = {}
     for key, t in state.items():
-        if key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-            # in memory [E, in, out] (x @ W); stored [E, out, in/32, 16] with blocks along `in`
-            out[key + "_blocks"], out[key + "_scales"] = quantize_mxfp4(t.transpose(1, 2))
-        else:
-            out[key] = t
-    _write(path, out, dict(MXFP4_QUANTIZATION_CONFIG), shards)
+        out.update(mxfp4_tensors(key, t))
+    write_shards(path, out, dict(MXFP4_QUANTIZATION_CONFIG), shards)
     return path

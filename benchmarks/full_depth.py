@@ -54,7 +54,14 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))  # the hub-layout checkpoint writers
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import run  # noqa: E402  (measuring helpers; registers the mixtral/qwen3 smoke shapes)
+from bench.clock import Deadline  # noqa: E402
+from bench.limits import compute_limit  # noqa: E402
+from bench.measure import (  # noqa: E402
+    OutOfTime, PeakMemory, Settings, decode_phase, empty_host_cache, free_device_cache, generate_timed,
+    host_rss_gb, measure_bandwidth, pinned_host_gb, trace_steps,
+)  # fmt: skip
+from bench.systems import _teardown  # noqa: E402
+from bench.workloads import _pad_id, model_facts  # noqa: E402
 from common import SHAPES, device_slug, environment, print_table, random_model_on_device, write_json  # noqa: E402
 from routing_stats import from_records, routing_stats  # noqa: E402
 from topic_routing import RoutingTargets, shape_routing, topic_prompts  # noqa: E402
@@ -208,8 +215,8 @@ def drop_from_page_cache(path: str) -> bool:
 
 
 # -- one model -----------------------------------------------------------------------------------
-def settings(args, plan: Plan) -> run.Settings:
-    return run.Settings(
+def settings(args, plan: Plan) -> Settings:
+    return Settings(
         args.device,
         args.prompt_len,
         args.new_tokens or plan.new_tokens,
@@ -222,26 +229,26 @@ def settings(args, plan: Plan) -> run.Settings:
     )
 
 
-def measure(model, prompts: torch.Tensor, s: run.Settings, deadline: run.Deadline, manager=None) -> dict:
+def measure(model, prompts: torch.Tensor, s: Settings, deadline: Deadline, manager=None) -> dict:
     """TTFT, decode tok/s at batch 1 and `s.batch`, beam tok/s and peak GPU memory per phase; for a mira model
     its counters (decode phase) and the routing recorded in the batch-1 and batch-`s.batch` generations."""
-    pad = run._pad_id(model)
-    peak = run.PeakMemory(s.device.startswith("cuda"))
+    pad = _pad_id(model)
+    peak = PeakMemory(s.device.startswith("cuda"))
     out: dict = dict(status="ok", notes=[])
     rec1: list = []
     rec8: list = []
 
     def gen(x, n, beams=1, probe=None):
         if deadline.remaining() <= 0:
-            raise run.OutOfTime
-        return run.generate_timed(model, x, n, beams, pad, deadline, probe)
+            raise OutOfTime
+        return generate_timed(model, x, n, beams, pad, deadline, probe)
 
     phases = [("b1", prompts[:1], rec1), (f"b{s.batch}", prompts[: s.batch], rec8), ("beam", prompts[:1], None)]
     for key, x, rec in phases:
         peak.start()
         try:
             if rec is not None:
-                d = run.decode_phase(gen, x, s.new_tokens, s.warmup_tokens, manager, rec if manager is not None else None)
+                d = decode_phase(gen, x, s.new_tokens, s.warmup_tokens, manager, rec if manager is not None else None)
                 out[key] = {k: v for k, v in d.items()}
                 if d["new_tokens"] < s.new_tokens:
                     out["status"] = "partial"
@@ -250,7 +257,7 @@ def measure(model, prompts: torch.Tensor, s: run.Settings, deadline: run.Deadlin
                 gen(x, s.warmup_tokens, beams=s.beams)
                 total, got, _ = gen(x, s.beam_tokens, beams=s.beams)
                 out[key] = dict(total_s=total, new_tokens=got, tok_s=got / total)
-        except run.OutOfTime:
+        except OutOfTime:
             out["status"] = "partial"
             out["notes"].append(f"time budget spent: skipped from {key} on")
             break
@@ -295,25 +302,25 @@ def pcie_floor(facts: dict, manager, rec1: list, bw: dict) -> dict:
     """Belady's bytes per decode token for this cache's slots, over the batch-1 routing, and the time they take
     over the measured H2D bandwidth and over PCIE_GBPS."""
     trace = dict(
-        steps=run.trace_steps(rec1),
+        steps=trace_steps(rec1),
         pool_of_layer=dict(manager.budget.pool_of_layer),
         n_slots=dict(manager.budget.n_slots),
         record_bytes={layer: manager.store.record_bytes(layer) for layer in manager.store.layers},
     )
-    lim = run.compute_limit(facts, trace, bw)
+    lim = compute_limit(facts, trace, bw)
     per_token = lim["belady_bytes_per_token"]
     lim["transfer_s_at_55"] = None if per_token is None else per_token / (PCIE_GBPS * GB)
     return lim
 
 
-def greedy_tokens(model, prompt: torch.Tensor, s: run.Settings) -> torch.Tensor:
+def greedy_tokens(model, prompt: torch.Tensor, s: Settings) -> torch.Tensor:
     """`s.new_tokens` greedy tokens after `prompt` [1, S], on the CPU."""
-    kw = dict(max_new_tokens=s.new_tokens, min_new_tokens=s.new_tokens, do_sample=False, pad_token_id=run._pad_id(model))
+    kw = dict(max_new_tokens=s.new_tokens, min_new_tokens=s.new_tokens, do_sample=False, pad_token_id=_pad_id(model))
     return model.generate(prompt, attention_mask=torch.ones_like(prompt), **kw).cpu()
 
 
 def run_budget(
-    plan: Plan, key: str, budget, args, s: run.Settings, deadline: run.Deadline, bw: dict, result: dict, reference: dict
+    plan: Plan, key: str, budget, args, s: Settings, deadline: Deadline, bw: dict, result: dict, reference: dict
 ) -> dict:
     """Make the model (build + shape + wrap, or write + load a checkpoint), measure it, tear it down. `reference`
     keeps the all-resident model's greedy tokens (measured with the first budget) for the later ones."""
@@ -327,7 +334,7 @@ def run_budget(
         t = time.perf_counter()
         model = random_model_on_device(shape, device=s.device, seed=s.seed)
         row["build_s"] = time.perf_counter() - t
-        facts = run.model_facts(model)
+        facts = model_facts(model)
         result["facts"] = facts
         vocab = model.config.vocab_size
         prompts = topic_prompts(s.batch, s.prompt_len, vocab, targets.topics, targets.p_stay, seed=s.seed + 1).to(s.device)
@@ -343,7 +350,7 @@ def run_budget(
                 res.pop("_records")
                 result["resident"] = res
                 reference["tokens"] = greedy_tokens(model, prompts[:1], s)
-            run._free_device_cache()
+            free_device_cache()
             t = time.perf_counter()
             MiraMoEModel.wrap(model, MiraConfig(gpu_budget=budget, device=s.device))
             row["wrap_s"] = time.perf_counter() - t
@@ -357,16 +364,16 @@ def run_budget(
             )
             del model
             model = None
-            run._free_device_cache()
+            free_device_cache()
             row["page_cache_dropped"] = drop_from_page_cache(path)
             cfg = MiraConfig(gpu_budget=budget, device=s.device)
-            peak = run.PeakMemory(s.device.startswith("cuda"))
+            peak = PeakMemory(s.device.startswith("cuda"))
             peak.start()
             for name in ("load_first_s", "load_cached_s"):
                 if model is not None:
-                    run._teardown(model)
+                    _teardown(model)
                     model = None
-                    run._free_device_cache()
+                    free_device_cache()
                 t = time.perf_counter()
                 model = MiraMoEModel.from_pretrained(path, cfg, progress=False, dtype=torch.bfloat16).eval()
                 row[name] = time.perf_counter() - t
@@ -404,12 +411,12 @@ def run_budget(
         log(f"{key} @ {budget}: ERROR {row['error'][:300]}")
         print("".join(traceback.format_exception(exc)[-8:]), flush=True)
     finally:
-        row["host_rss_gb"] = run._host_rss_gb()  # with the model loaded (the expert store included)
-        row["pinned_host_gb"] = run._pinned_host_gb()
-        run._teardown(model)
+        row["host_rss_gb"] = host_rss_gb()  # with the model loaded (the expert store included)
+        row["pinned_host_gb"] = pinned_host_gb()
+        _teardown(model)
         model = manager = None
-        run._free_device_cache()
-        run._empty_host_cache()
+        free_device_cache()
+        empty_host_cache()
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
         row["system_s"] = time.perf_counter() - t_all
@@ -605,7 +612,7 @@ def main(argv=None) -> int:
         torch.backends.cuda.enable_cudnn_sdp(False)  # it builds a graph per new sequence length (NOTES.md, "Measuring")
     budgets = [_budget(b) for b in args.budget] if args.budget else list(SMOKE["budgets"] if args.smoke else plan.budgets)
     s = settings(args, plan)
-    deadline = run.Deadline(args.time_budget_s)
+    deadline = Deadline(args.time_budget_s)
     env = environment()
     name = args.model + "".join(f"-{b}" for b in args.budget or [])  # one file per invocation
     stem = os.path.join(args.out, f"{env['date']}-{device_slug(env, not args.smoke)}-full-depth-{name}")
@@ -619,7 +626,7 @@ def main(argv=None) -> int:
         rows=[],
     )
     log(f"{env.get('device')}: torch {env['torch']}, transformers {env['transformers']}; writing {stem}.*")
-    result["bandwidth"] = run.measure_bandwidth(args.smoke)
+    result["bandwidth"] = measure_bandwidth(args.smoke)
     reference: dict = {}
     for budget in budgets:
         if result["rows"] and deadline.remaining() < result["rows"][-1]["system_s"]:  # would not finish in time

@@ -122,27 +122,26 @@ class ShardIndex:
 
 def _resolve_all(name_or_path, filenames: list[str], hf_kwargs: dict) -> list[str | None]:
     """Local paths of several checkpoint files, None for each one the checkpoint lacks. The files of a hub
-    id that are not in the local cache are downloaded together, several at once, as transformers downloads a
-    model's shards (one file at a time they would arrive one after another)."""
+    id that are not in the local cache are downloaded several at once, in the order given, as transformers
+    downloads a model's shards (`mira_hf.download.ShardArrivals`); a failed download raises `CheckpointError`."""
     if os.path.isdir(name_or_path) or len(filenames) < 2:
         return [_resolve(name_or_path, f, hf_kwargs) for f in filenames]
-    from transformers.utils.hub import cached_files
+    from .download import ShardArrivals
 
-    kwargs = {k: hf_kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token") if k in hf_kwargs}
+    arrivals = ShardArrivals(str(name_or_path), filenames, hf_kwargs)
+    paths = []
     try:
-        got = cached_files(
-            name_or_path,
-            filenames,
-            subfolder=hf_kwargs.get("subfolder") or "",
-            _raise_exceptions_for_missing_entries=False,
-            _raise_exceptions_for_connection_errors=False,
-            **kwargs,
-        )
-    except OSError:
-        got = None
-    if got is not None and len(got) == len(filenames):
-        return list(got)
-    return [_resolve(name_or_path, f, hf_kwargs) for f in filenames]  # each one alone: which are missing
+        for name in filenames:
+            paths.append(arrivals.wait(name))
+    except Exception as exc:
+        arrivals.cancel()
+        cause = exc.__cause__ or exc  # huggingface_hub's LocalEntryNotFoundError wraps the HTTP error that says why
+        why = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        raise CheckpointError(
+            f"{name_or_path!s}: downloading shard {name} failed ({type(cause).__name__}: {why}). Check the connection, "
+            "the revision and the token, then load again: shards already downloaded stay in the cache."
+        ) from exc
+    return paths
 
 
 def _data_offsets(path: str) -> dict[str, int]:

@@ -90,6 +90,7 @@ class ShardIndex:
                     "copy or download it again (nothing was loaded)."
                 ) from exc
         self.nbytes = sum(os.path.getsize(p) for p in files)
+        self.download_s = 0.0  # resolving a hub id's files in the cache, downloading those not there (`find`)
 
     @staticmethod
     def find(name_or_path, hf_kwargs: dict) -> ShardIndex:
@@ -98,6 +99,16 @@ class ShardIndex:
         given = sorted(k for k in _NOT_SAFETENSORS_KWARGS if hf_kwargs.get(k) is not None)
         if given or hf_kwargs.get("use_safetensors") is False:
             raise NotStreamable(f"from_pretrained was given {given or ['use_safetensors=False']}")
+        start = time.perf_counter()
+        files = ShardIndex._files(name_or_path, hf_kwargs)
+        download_s = 0.0 if os.path.isdir(name_or_path) else time.perf_counter() - start
+        index = ShardIndex(files)
+        index.download_s = download_s
+        return index
+
+    @staticmethod
+    def _files(name_or_path, hf_kwargs: dict) -> list[str]:
+        """Local paths of the checkpoint's safetensors files (a hub id's downloaded into the cache)."""
         index = _resolve(name_or_path, "model.safetensors.index.json", hf_kwargs)
         if index is not None:
             try:
@@ -113,11 +124,11 @@ class ShardIndex:
                         "Copy or download the checkpoint again (nothing was loaded)."
                     )
                 files.append(path)
-            return ShardIndex(files)
+            return files
         single = _resolve(name_or_path, "model.safetensors", hf_kwargs)
         if single is None:
             raise NotStreamable("it has no safetensors weights (model.safetensors or its index)")
-        return ShardIndex([single])
+        return [single]
 
 
 def _resolve_all(name_or_path, filenames: list[str], hf_kwargs: dict) -> list[str | None]:

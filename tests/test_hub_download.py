@@ -56,6 +56,7 @@ def test_hub_id_downloads_its_shards_and_loads_the_same_model(hub, sharded, tmp_
         assert torch.equal(model(IDS).logits, sharded[1])
     shards = _shards(hub)
     assert len(shards) > 2 and len(set(shards)) == len(shards)  # every shard once: transformers downloads none again
+    assert model.mira_load_report().as_dict()["stages"]["download"]["seconds"] > 0
     # Offline, the second load finds everything in the cache and asks the server for nothing.
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     asked = len(hub.requests)
@@ -79,3 +80,14 @@ def test_a_shard_that_fails_to_download_is_a_clear_error(hub, tmp_path):
     hub.fail.add("model-00003-of-00012.safetensors")
     with pytest.raises(CheckpointError, match=r"downloading shard model-00003-of-00012\.safetensors failed"):
         _load(tmp_path)
+
+
+def test_local_files_only_with_a_shard_not_in_the_cache_says_it_is_missing(hub, sharded, tmp_path):
+    _load(tmp_path)  # everything in the cache
+    shard = "model-00003-of-00012.safetensors"
+    for link in tmp_path.glob(f"models--*/snapshots/*/{shard}"):
+        link.unlink()
+    asked = len(hub.requests)
+    with pytest.raises(CheckpointError, match=rf"shard {shard} listed in model.safetensors.index.json is missing"):
+        _load(tmp_path, local_files_only=True)
+    assert len(hub.requests) == asked

@@ -30,6 +30,7 @@ import torch
 
 from model_adapters import MoEAdapter
 
+from .download import ShardArrivals, offline
 from .errors import BudgetError, CheckpointError, UnsupportedModelError
 from .load_report import LoadReport
 
@@ -137,8 +138,6 @@ def _resolve_all(name_or_path, filenames: list[str], hf_kwargs: dict) -> list[st
     downloads a model's shards (`mira_hf.download.ShardArrivals`); a failed download raises `CheckpointError`."""
     if os.path.isdir(name_or_path) or len(filenames) < 2:
         return [_resolve(name_or_path, f, hf_kwargs) for f in filenames]
-    from .download import ShardArrivals
-
     arrivals = ShardArrivals(str(name_or_path), filenames, hf_kwargs)
     paths = []
     try:
@@ -199,7 +198,7 @@ def missing_checkpoint_error(name_or_path, hf_kwargs: dict, exc: Exception) -> C
     where = f"{name} does not exist: no such directory" + ("" if os.path.isabs(name) else f" (relative to {os.getcwd()})")
     if not _looks_like_hub_id(name):
         return CheckpointError(f"{where}. Give a local directory holding config.json and the weights, or a hub id.")
-    if hf_kwargs.get("local_files_only") or _offline():
+    if hf_kwargs.get("local_files_only") or offline():
         off = "local_files_only=True" if hf_kwargs.get("local_files_only") else "HF_HUB_OFFLINE=1"
         cache = hf_kwargs.get("cache_dir") or "the Hugging Face cache"
         return CheckpointError(
@@ -215,17 +214,6 @@ def missing_checkpoint_error(name_or_path, hf_kwargs: dict, exc: Exception) -> C
 def _looks_like_hub_id(name: str) -> bool:
     """`org/name` or `name`: what the hub accepts as a model id (a path with ./, ~, / or more parts is not)."""
     return not name.startswith((".", "~", "/")) and name.count("/") <= 1 and "\\" not in name and bool(name)
-
-
-def _offline() -> bool:
-    """Whether huggingface_hub is in offline mode (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE)."""
-    try:
-        from huggingface_hub import is_offline_mode
-    except ImportError:  # huggingface_hub < 1.0
-        from huggingface_hub import constants
-
-        return bool(constants.HF_HUB_OFFLINE)
-    return bool(is_offline_mode())
 
 
 def available_host_bytes() -> int | None:

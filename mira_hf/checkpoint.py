@@ -30,6 +30,7 @@ import torch
 
 from model_adapters import MoEAdapter
 
+from .download import ShardArrivals, offline
 from .errors import BudgetError, CheckpointError, UnsupportedModelError
 from .load_report import LoadReport
 
@@ -90,6 +91,7 @@ class ShardIndex:
                     "copy or download it again (nothing was loaded)."
                 ) from exc
         self.nbytes = sum(os.path.getsize(p) for p in files)
+        self.download_s = 0.0  # resolving a hub id's files in the cache, downloading those not there (`find`)
 
     @staticmethod
     def find(name_or_path, hf_kwargs: dict) -> ShardIndex:
@@ -98,6 +100,16 @@ class ShardIndex:
         given = sorted(k for k in _NOT_SAFETENSORS_KWARGS if hf_kwargs.get(k) is not None)
         if given or hf_kwargs.get("use_safetensors") is False:
             raise NotStreamable(f"from_pretrained was given {given or ['use_safetensors=False']}")
+        start = time.perf_counter()
+        files = ShardIndex._files(name_or_path, hf_kwargs)
+        download_s = 0.0 if os.path.isdir(name_or_path) else time.perf_counter() - start
+        index = ShardIndex(files)
+        index.download_s = download_s
+        return index
+
+    @staticmethod
+    def _files(name_or_path, hf_kwargs: dict) -> list[str]:
+        """Local paths of the checkpoint's safetensors files (a hub id's downloaded into the cache)."""
         index = _resolve(name_or_path, "model.safetensors.index.json", hf_kwargs)
         if index is not None:
             try:
@@ -113,36 +125,33 @@ class ShardIndex:
                         "Copy or download the checkpoint again (nothing was loaded)."
                     )
                 files.append(path)
-            return ShardIndex(files)
+            return files
         single = _resolve(name_or_path, "model.safetensors", hf_kwargs)
         if single is None:
             raise NotStreamable("it has no safetensors weights (model.safetensors or its index)")
-        return ShardIndex([single])
+        return [single]
 
 
 def _resolve_all(name_or_path, filenames: list[str], hf_kwargs: dict) -> list[str | None]:
     """Local paths of several checkpoint files, None for each one the checkpoint lacks. The files of a hub
-    id that are not in the local cache are downloaded together, several at once, as transformers downloads a
-    model's shards (one file at a time they would arrive one after another)."""
+    id that are not in the local cache are downloaded several at once, in the order given, as transformers
+    downloads a model's shards (`mira_hf.download.ShardArrivals`); a failed download raises `CheckpointError`."""
     if os.path.isdir(name_or_path) or len(filenames) < 2:
         return [_resolve(name_or_path, f, hf_kwargs) for f in filenames]
-    from transformers.utils.hub import cached_files
-
-    kwargs = {k: hf_kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token") if k in hf_kwargs}
+    arrivals = ShardArrivals(str(name_or_path), filenames, hf_kwargs)
+    paths = []
     try:
-        got = cached_files(
-            name_or_path,
-            filenames,
-            subfolder=hf_kwargs.get("subfolder") or "",
-            _raise_exceptions_for_missing_entries=False,
-            _raise_exceptions_for_connection_errors=False,
-            **kwargs,
-        )
-    except OSError:
-        got = None
-    if got is not None and len(got) == len(filenames):
-        return list(got)
-    return [_resolve(name_or_path, f, hf_kwargs) for f in filenames]  # each one alone: which are missing
+        for name in filenames:
+            paths.append(arrivals.wait(name))
+    except Exception as exc:
+        arrivals.cancel()
+        cause = exc.__cause__ or exc  # huggingface_hub's LocalEntryNotFoundError wraps the HTTP error that says why
+        why = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        raise CheckpointError(
+            f"{name_or_path!s}: downloading shard {name} failed ({type(cause).__name__}: {why}). Check the connection, "
+            "the revision and the token, then load again: shards already downloaded stay in the cache."
+        ) from exc
+    return paths
 
 
 def _data_offsets(path: str) -> dict[str, int]:
@@ -189,7 +198,7 @@ def missing_checkpoint_error(name_or_path, hf_kwargs: dict, exc: Exception) -> C
     where = f"{name} does not exist: no such directory" + ("" if os.path.isabs(name) else f" (relative to {os.getcwd()})")
     if not _looks_like_hub_id(name):
         return CheckpointError(f"{where}. Give a local directory holding config.json and the weights, or a hub id.")
-    if hf_kwargs.get("local_files_only") or _offline():
+    if hf_kwargs.get("local_files_only") or offline():
         off = "local_files_only=True" if hf_kwargs.get("local_files_only") else "HF_HUB_OFFLINE=1"
         cache = hf_kwargs.get("cache_dir") or "the Hugging Face cache"
         return CheckpointError(
@@ -205,17 +214,6 @@ def missing_checkpoint_error(name_or_path, hf_kwargs: dict, exc: Exception) -> C
 def _looks_like_hub_id(name: str) -> bool:
     """`org/name` or `name`: what the hub accepts as a model id (a path with ./, ~, / or more parts is not)."""
     return not name.startswith((".", "~", "/")) and name.count("/") <= 1 and "\\" not in name and bool(name)
-
-
-def _offline() -> bool:
-    """Whether huggingface_hub is in offline mode (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE)."""
-    try:
-        from huggingface_hub import is_offline_mode
-    except ImportError:  # huggingface_hub < 1.0
-        from huggingface_hub import constants
-
-        return bool(constants.HF_HUB_OFFLINE)
-    return bool(is_offline_mode())
 
 
 def available_host_bytes() -> int | None:

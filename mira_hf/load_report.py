@@ -22,6 +22,7 @@ import torch
 
 # stage -> what it measures (the order a load goes through them)
 STAGES = {
+    "download": "resolving a hub id's shards in the Hugging Face cache, downloading those not there (within model)",
     "model": "transformers loading the model without its routed experts (non-expert weights)",
     "read": "reading expert pieces from the checkpoint's shards and casting them (host threads)",
     "h2d": "copying the read pieces to the encoding device",

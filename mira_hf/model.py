@@ -131,6 +131,8 @@ class MiraMoEModel:
                     encoded=cfg.quantization not in (None, "auto") or (cfg.quantization == "auto" and device.type == "cuda"),
                     quantization_config=config_dict.get("quantization_config"),
                 )
+            if streamed is not None and streamed.index.download_s:
+                report.add("download", streamed.index.download_s)
         except MiraError:
             raise
         except Exception as exc:

@@ -1,0 +1,93 @@
+"""Loading a hub id that is not in the local cache: the shards are downloaded (several at once, in the
+index's order) from a repository served over HTTP on localhost as the hub serves it, the load is the
+same model, revision and offline mode behave as in transformers, and a failed shard is a clear error."""
+
+import pytest
+import torch
+from fake_hub import FakeHub
+from tiny_models import make_config
+
+from mira_hf import CheckpointError, MiraConfig, MiraMoEModel
+from mira_hf.config import LoaderConfig
+
+REPO = "mira/tiny-sharded"
+IDS = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """A tiny Mixtral saved in several shards, and its logits on IDS."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config("mixtral")).eval()
+    path = tmp_path_factory.mktemp("tiny-sharded")
+    model.save_pretrained(path, max_shard_size="40KB")
+    with torch.no_grad():
+        return str(path), model(IDS).logits
+
+
+@pytest.fixture
+def hub(sharded, monkeypatch):
+    """The checkpoint served as `REPO` (revisions main and v1), huggingface_hub pointed at it and online."""
+    from huggingface_hub import constants
+
+    with FakeHub(REPO, sharded[0], revisions=("main", "v1")) as hub:
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        yield hub
+
+
+def _load(cache_dir, **kw):
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=True))
+    return MiraMoEModel.from_pretrained(REPO, cfg, progress=False, cache_dir=str(cache_dir), **kw).eval()
+
+
+def _shards(hub: FakeHub) -> list[str]:
+    return [f for f in hub.served if f.endswith(".safetensors")]
+
+
+def test_hub_id_downloads_its_shards_and_loads_the_same_model(hub, sharded, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    model = _load(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, sharded[1])
+    shards = _shards(hub)
+    assert len(shards) > 2 and len(set(shards)) == len(shards)  # every shard once: transformers downloads none again
+    assert model.mira_load_report().as_dict()["stages"]["download"]["seconds"] > 0
+    # Offline, the second load finds everything in the cache and asks the server for nothing.
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    asked = len(hub.requests)
+    again = _load(tmp_path)
+    assert len(hub.requests) == asked
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, sharded[1])
+
+
+def test_revision_is_honoured(hub, sharded, tmp_path):
+    model = _load(tmp_path, revision="v1")
+    resolved = [path.split("/")[4] for method, path in hub.requests if "/resolve/" in path]
+    assert "v1" in resolved and set(resolved) <= {"v1", hub.commit}  # the branch, then the commit it points to
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, sharded[1])
+    with pytest.raises(CheckpointError, match="revision"):
+        _load(tmp_path, revision="no-such-branch")
+
+
+def test_a_shard_that_fails_to_download_is_a_clear_error(hub, tmp_path):
+    hub.fail.add("model-00003-of-00012.safetensors")
+    with pytest.raises(CheckpointError, match=r"downloading shard model-00003-of-00012\.safetensors failed"):
+        _load(tmp_path)
+
+
+def test_local_files_only_with_a_shard_not_in_the_cache_says_it_is_missing(hub, sharded, tmp_path):
+    _load(tmp_path)  # everything in the cache
+    shard = "model-00003-of-00012.safetensors"
+    for link in tmp_path.glob(f"models--*/snapshots/*/{shard}"):
+        link.unlink()
+    asked = len(hub.requests)
+    with pytest.raises(CheckpointError, match=rf"shard {shard} listed in model.safetensors.index.json is missing"):
+        _load(tmp_path, local_files_only=True)
+    assert len(hub.requests) == asked

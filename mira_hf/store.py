@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .encode import RecordEncoder
-from .layout import ExpertCodec, IdentityCodec, RawLayout, plan_layer
+from .layout import IdentityCodec, RawLayout, plan_layer
 from .pinned import pinned_empty
 
 
@@ -46,7 +46,7 @@ class ExpertStore:
 
     def __init__(
         self,
-        codec: ExpertCodec | None = None,
+        codec=None,
         pinned: bool = False,
         host_budget_bytes: int | None = None,
         offload_dir: str | None = None,
@@ -145,12 +145,15 @@ class ExpertStore:
                 records(slab)
             elif records is not None:
                 slab.copy_(records)
-            elif isinstance(self.codec, IdentityCodec):  # the checkpoint's bytes: copies, nothing to compute
+            elif not self.quantized:  # the checkpoint's bytes: copies, nothing to compute
                 for e in range(E):
                     self.codec.encode(expert(e), layout, slab[e])
             else:
                 self.encoder.encode_into(self.codec, layout, E, expert, slab, extra, key=layer)
             self._host_bytes += nbytes
+        validate = getattr(self.codec, "validate", None)  # codecs whose records carry a header
+        for e in range(E if validate is not None else 0):  # once, here: a decode on the device never reads it (a sync)
+            validate(slab[e], layout)
         self._slabs[layer] = _Slab(slab, layout, tier, dtype, raw_layout, path)
 
     def next_tier(self, nbytes: int) -> str:
@@ -162,7 +165,7 @@ class ExpertStore:
     def _encode(
         self, layer: int, layout, E: int, expert: Callable, sink: Callable[[int, torch.Tensor], None], extra: dict
     ) -> None:
-        if isinstance(self.codec, IdentityCodec):
+        if not self.quantized:
             record = torch.empty(layout.nbytes, dtype=torch.uint8)
             for e in range(E):
                 self.codec.encode(expert(e), layout, record)
@@ -190,7 +193,7 @@ class ExpertStore:
     @property
     def exact(self) -> bool:
         """Whether decoding gives back the checkpoint's tensors bit for bit (no codec, or lossless)."""
-        return bool(getattr(self.codec, "lossless", False))
+        return self.codec.exact
 
     def dtype(self, layer: int) -> torch.dtype:
         return self._slabs[layer].dtype

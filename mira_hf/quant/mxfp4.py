@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from .native import NativeCodec
-from .packed import CodecInputError
+from .record import CodecInputError
+from .registry import CodecEntry, register_codec
 
 SCALE_SUFFIX = "_scales"
 # transformers.integrations.mxfp4.FP4_VALUES: the e2m1 values by code.
@@ -62,6 +63,9 @@ class Mxfp4Codec(NativeCodec):
         if key not in self._luts:  # made once per device: no host copy at each decode
             self._luts[key] = torch.tensor(FP4_VALUES, dtype=dtype, device=device)
         return self._luts[key]
+
+
+register_codec(CodecEntry("mxfp4", factory=Mxfp4Codec, exact=True, role="native"))
 
 
 def dequantize_mxfp4(

@@ -15,8 +15,7 @@ from typing import Union
 from .errors import ConfigError, MissingDependencyError
 from .heat import HeatConfig
 from .policies import PriorityConfig
-from .quant import codec_names, find_codec_entry
-from .quant.lossless import CODES as LOSSLESS_CODES
+from .quant import LOSSLESS_CODES, codec_names, find_codec_entry
 
 Budget = Union[int, float, str, None]
 

@@ -6,44 +6,28 @@
     codec.decode(cuda_record, layout, torch.bfloat16, out=cache_slot)   # placement "dequant"
     codec.bind(cuda_record, layout).linear(x, "down_proj", False)       # placement "packed"
 
-Modules, lowest first: `registry` (the formats; imports nothing), `record` (the packed record's layout,
-header and checks), `groupwise` and `lossless_bits` (maths), `base` (the `ExpertCodec` protocol and the
-shared codec base), then one module per format, each registering itself: `integer` (int8, int4),
-`nf4` (bitsandbytes, imported when a codec is built), `lossless`, `fp8_block` and `mxfp4`
+Modules, lowest first: `registry` (the formats; imports nothing), `formats` (the built-in entries),
+`record` (the packed record's layout, header and checks), `groupwise` and `lossless_bits` (maths),
+`base` (the `ExpertCodec` protocol and the shared codec base), then one module per format: `integer`
+(int8, int4), `nf4` (bitsandbytes, imported when a codec is built), `lossless`, `fp8_block` and `mxfp4`
 (pre-quantized checkpoints' own bytes, over `native`). `padding` fits group-wise codecs to any shape;
 `triton_kernels` is imported only when a CUDA record is computed. Uncompressed records
 (`quantization=None`) are `mira_hf.layout.IdentityCodec`'s.
+
+Importing this package imports no torch: the codecs and the names below are imported on first use.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-
-# isort: off
-# The built-in formats register themselves, in this order.
-from . import integer, nf4, lossless, fp8_block, mxfp4  # noqa: F401
-
-# isort: on
-from .base import ExpertCodec, RecordCodec, check_options, pack_expert, resolve_backend, triton_available
-from .groupwise import QuantSpec
-from .integer import FUSED_MAX_TOKENS, PackedCodec
-from .lossless import LosslessCodec
-from .nf4 import Nf4Codec
-from .record import (
-    ALIGN_BYTES,
-    HEADER_BYTES,
-    CodecInputError,
-    PackedLayout,
-    Section,
-    TensorEntry,
-    tensor_specs,
-    validate_record,
-)
+from .formats import LOSSLESS_CODES
 from .registry import (
     CodecEntry,
     CodecRegistryError,
+    Lazy,
     codec_names,
     find_codec_entry,
     format_codes,
@@ -53,22 +37,27 @@ from .registry import (
     unregister_codec,
 )
 
+if TYPE_CHECKING:
+    from .base import ExpertCodec
+
+# name -> the module that defines it, imported on first use (torch comes with them)
+_LAZY = {
+    **dict.fromkeys(("ALIGN_BYTES", "HEADER_BYTES", "CodecInputError", "PackedLayout", "Section", "TensorEntry"), "record"),
+    **dict.fromkeys(("tensor_specs", "validate_record"), "record"),
+    **dict.fromkeys(("BoundRecord", "ExpertCodec", "RecordCodec", "check_options", "pack_expert", "resolve_backend"), "base"),
+    "triton_available": "base",
+    "QuantSpec": "groupwise",
+    "FUSED_MAX_TOKENS": "integer",
+    "PackedCodec": "integer",
+    "LosslessCodec": "lossless",
+    "Nf4Codec": "nf4",
+}
+
 __all__ = [
-    "ALIGN_BYTES",
-    "FUSED_MAX_TOKENS",
-    "HEADER_BYTES",
+    "LOSSLESS_CODES",
     "CodecEntry",
-    "CodecInputError",
     "CodecRegistryError",
-    "ExpertCodec",
-    "LosslessCodec",
-    "Nf4Codec",
-    "PackedCodec",
-    "PackedLayout",
-    "QuantSpec",
-    "RecordCodec",
-    "Section",
-    "TensorEntry",
+    "Lazy",
     "codec_for_config",
     "codec_names",
     "find_codec_entry",
@@ -76,13 +65,9 @@ __all__ = [
     "get_codec_entry",
     "is_native",
     "make_codec",
-    "pack_expert",
     "register_codec",
-    "resolve_backend",
-    "tensor_specs",
-    "triton_available",
     "unregister_codec",
-    "validate_record",
+    *_LAZY,
 ]
 
 
@@ -96,8 +81,11 @@ def make_codec(name: str | None, **options: Any) -> ExpertCodec:
     if entry is None:
         hint = " None means no compression, which the runtime's identity codec handles." if name is None else ""
         raise ConfigError(f"codec {name!r} is not a compressed format; supported: {codec_names('encoded')}.{hint}")
-    if not _takes_any(entry.factory):  # else the factory checks its options itself
-        check_options(options, entry.factory, name)
+    factory = entry.factory.resolve() if isinstance(entry.factory, Lazy) and not entry.factory.args else entry.factory
+    if not _takes_any(factory):  # else the factory checks its options itself
+        from .base import check_options
+
+        check_options(options, factory, name)
     return entry.factory(**options)
 
 
@@ -130,4 +118,6 @@ def __getattr__(name: str) -> Any:
         return tuple(codec_names("encoded"))
     if name == "NATIVE_CODECS":  # pre-quantized checkpoints' own formats, served as stored
         return tuple(codec_names("native"))
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,7 +29,6 @@ import torch
 
 from .native import NativeCodec, split_rows
 from .record import CodecInputError
-from .registry import CodecEntry, register_codec
 
 SCALE_SUFFIX = "_scale_inv"
 
@@ -88,9 +87,6 @@ class Fp8BlockCodec(NativeCodec):
         if x2.shape[-1] != w.shape[1]:
             raise CodecInputError(f"fp8_block.linear: x is {tuple(x2.shape)} but {name} {tuple(w.shape)} takes in={w.shape[1]}.")
         return fp8_linear(x2, w, views[name + SCALE_SUFFIX], self.block_size)  # [T, out]
-
-
-register_codec(CodecEntry("fp8_block", factory=Fp8BlockCodec, exact=True, role="native"))
 
 
 def dequantize_fp8(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -6,7 +6,6 @@ torch reference serves the rest and every CPU record.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -18,7 +17,6 @@ from .base import RecordCodec, check_options
 from .groupwise import QuantSpec, dequantize_torch, importance, quantize_entry, resolve_calib
 from .padding import PaddedCodec
 from .record import PackedLayout, TensorEntry, build_layout, dense_linear, raw_tensor
-from .registry import CodecEntry, register_codec
 
 # Fused dequant-matmul pays off while the weight read dominates: up to this many tokens the
 # kernel reads the codes once per 16-token tile; beyond it, one dequant + cuBLAS is faster.
@@ -108,17 +106,6 @@ class PackedCodec(RecordCodec):
         return dense_linear(x2, w, transposed)
 
 
-def _padded(fmt: str):
+def for_config(fmt: str, quant) -> PaddedCodec:
     """The codec of a model configured with `quant` (QuantConfig): padded to its group size, so any shape fits."""
-    return lambda quant: PaddedCodec(PackedCodec(QuantSpec(fmt=fmt, group_size=quant.group_size)), quant.group_size)
-
-
-for _fmt, _code in (("int8", 1), ("int4", 2)):
-    register_codec(
-        CodecEntry(
-            _fmt,
-            factory=functools.partial(PackedCodec.for_format, _fmt),
-            from_config=_padded(_fmt),
-            format_code=_code,
-        )
-    )
+    return PaddedCodec(PackedCodec(QuantSpec(fmt=fmt, group_size=quant.group_size)), quant.group_size)

@@ -53,6 +53,7 @@ import torch
 
 from ..errors import ConfigError
 from .base import RecordCodec
+from .formats import LOSSLESS_CODES as CODES
 from .lossless_bits import (
     CLASS_BLOCK,
     class_code_size,
@@ -75,7 +76,6 @@ from .record import (
     raw_parts,
     section_view,
 )
-from .registry import CodecEntry, register_codec
 
 FMT = "lossless"
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
@@ -90,7 +90,6 @@ _MAX_WORDS = 2**31 - 1  # escape indices are int32 indices of 16-bit words
 # frequent exponents. Each block of CLASS_BLOCK weights starts its extra bits on a byte (offset per
 # block), so a decoder finds every field with one prefix sum over its block, and turns (class, field)
 # into an exponent with arithmetic and selects on five numbers (`exps`), no table lookups.
-CODES = ("nibble", "classes")
 
 
 def _words_per_element(dtype: torch.dtype) -> int:
@@ -315,13 +314,6 @@ class LosslessCodec(RecordCodec):
         return dense_linear(x2, w, transposed)
 
 
-register_codec(
-    CodecEntry(
-        FMT,
-        factory=LosslessCodec,
-        from_config=lambda quant: LosslessCodec(code=quant.lossless_code),
-        format_code=4,
-        exact=True,
-        default_placement="packed",  # more experts per budget, measured faster (benchmarks/NOTES.md, "Transfer formats")
-    )
-)
+def for_config(quant) -> LosslessCodec:
+    """The codec of a model configured with `quant` (QuantConfig): its exponent code."""
+    return LosslessCodec(code=quant.lossless_code)

@@ -22,7 +22,6 @@ import torch
 
 from .native import NativeCodec
 from .record import CodecInputError
-from .registry import CodecEntry, register_codec
 
 SCALE_SUFFIX = "_scales"
 # transformers.integrations.mxfp4.FP4_VALUES: the e2m1 values by code.
@@ -63,9 +62,6 @@ class Mxfp4Codec(NativeCodec):
         if key not in self._luts:  # made once per device: no host copy at each decode
             self._luts[key] = torch.tensor(FP4_VALUES, dtype=dtype, device=device)
         return self._luts[key]
-
-
-register_codec(CodecEntry("mxfp4", factory=Mxfp4Codec, exact=True, role="native"))
 
 
 def dequantize_mxfp4(

@@ -34,11 +34,9 @@ from .record import (
     raw_tensor,
     section_view,
 )
-from .registry import CodecEntry, register_codec
 
 # bitsandbytes quantises the block absmax values in blocks of 256 when compress_statistics=True.
 _NESTED_BLOCK = 256
-INSTALL_HINT = "pip install \"mira-hf[quant]\", or use quantization='int4' (mira-hf's own format, no dependency)"
 
 
 def _bnb():
@@ -154,12 +152,6 @@ class Nf4Codec(RecordCodec):
         return dense_linear(x2, w, transposed)
 
 
-register_codec(
-    CodecEntry(
-        "nf4",
-        factory=Nf4Codec,
-        from_config=lambda quant: PaddedCodec(Nf4Codec(quant.group_size), quant.group_size),
-        format_code=3,
-        requires=("bitsandbytes", INSTALL_HINT),
-    )
-)
+def for_config(quant) -> PaddedCodec:
+    """The codec of a model configured with `quant` (QuantConfig): padded to its group size, so any shape fits."""
+    return PaddedCodec(Nf4Codec(quant.group_size), quant.group_size)

@@ -1,4 +1,5 @@
-"""The codec registry. It imports nothing of the library: codecs register themselves.
+"""The codec registry. It imports nothing of the library: formats register themselves (the built-in
+ones in `formats.py`, by `Lazy` references to their modules).
 
 One `CodecEntry` per format name says everything the rest of the library asks about a format: how to
 build its codec (from keywords, or from a `QuantConfig`), the code its records carry in their header,
@@ -12,6 +13,7 @@ codec through it. Add a format without editing the library:
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,12 +27,48 @@ class CodecRegistryError(ValueError):
     """A registration conflicts with an existing one, or names nothing registered."""
 
 
+class Lazy:
+    """A callable named by "module:attribute" (with leading `args`), imported on its first call: an entry
+    can point at a codec without importing it (the built-in formats do, so `MiraConfig` and `mira --help`
+    never import torch)."""
+
+    __slots__ = ("target", "args", "_obj")
+
+    def __init__(self, target: str, *args: Any) -> None:
+        if not isinstance(target, str) or ":" not in target:
+            raise CodecRegistryError(f"Lazy({target!r}): give 'package.module:attribute'.")
+        self.target, self.args, self._obj = target, args, None
+
+    def resolve(self) -> Callable[..., Any]:
+        """The named object (imported once)."""
+        if self._obj is None:
+            module, _, attr = self.target.partition(":")
+            obj = importlib.import_module(module)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+            self._obj = obj
+        return self._obj
+
+    def __call__(self, *args: Any, **kw: Any) -> Any:
+        return self.resolve()(*self.args, *args, **kw)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Lazy) and (other.target, other.args) == (self.target, self.args)
+
+    def __hash__(self) -> int:
+        return hash((self.target, self.args))
+
+    def __repr__(self) -> str:
+        return f"Lazy({', '.join(repr(a) for a in (self.target, *self.args))})"
+
+
 @dataclass(frozen=True)
 class CodecEntry:
     """One registered format.
 
     name: what `MiraConfig(quantization=...)` and `make_codec` take.
-    factory: `factory(**options) -> codec` (what `make_codec(name, **options)` calls).
+    factory: `factory(**options) -> codec` (what `make_codec(name, **options)` calls); a `Lazy` names one
+        without importing it.
     from_config: `from_config(quant_config) -> codec`, the codec a wrapped model uses (e.g. with the
         configured group size, padded to it); None: `factory()`.
     format_code: the byte in a packed record's header that names this format (0..255, unique; kept
@@ -138,4 +176,6 @@ def _same_definition(a: CodecEntry, b: CodecEntry) -> bool:
 
 def _where(entry: CodecEntry) -> str:
     f = getattr(entry.factory, "func", entry.factory)  # a functools.partial: the function it calls
+    if isinstance(f, Lazy):
+        return repr(f)
     return f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', type(f).__name__)}"

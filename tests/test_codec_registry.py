@@ -133,7 +133,9 @@ def test_built_in_formats_keep_their_identities_on_disk():
     quant = QuantConfig()
     int4 = "PackedCodec(QuantSpec(fmt='int4', group_size=64, symmetric=False, double_quant=True, refine_iters=2, superblock_groups=64))"
     assert codec_spec(codec_for_config("int4", quant)) == dict(name="int4", group_size=64, inner=int4)
-    assert codec_spec(codec_for_config("lossless", quant)) == dict(name="lossless", group_size=None, inner="LosslessCodec(code='classes')")
+    assert codec_spec(codec_for_config("lossless", quant)) == dict(
+        name="lossless", group_size=None, inner="LosslessCodec(code='classes')"
+    )
     assert get_codec_entry("lossless").exact and get_codec_entry("lossless").default_placement == "packed"
     assert [get_codec_entry(n).role for n in ("fp8_block", "mxfp4")] == ["native", "native"]
 
@@ -163,3 +165,18 @@ def test_backends_are_resolved_when_a_codec_is_built():
     with pytest.raises(ConfigError, match="backend='cuda' is not supported"):
         make_codec("int4", backend="cuda")
     assert make_codec("lossless", backend="torch").uses_triton(torch.empty(64, dtype=torch.uint8)) is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["int4", "int8", "lossless"])
+def test_a_bound_cuda_record_runs_the_backend_resolved_at_construction(name):
+    codec = make_codec(name)
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": (0.02 * torch.randn(256, 512, generator=g)).bfloat16()}
+    layout, record = pack_expert(codec, tensors) if name != "lossless" else _lossless(codec, tensors)
+    record = record.cuda()
+    bound = codec.bind(record, layout)
+    assert bound.use_triton == codec.uses_triton(record)
+    for tokens in (1, 5, 40):  # the fused kernel up to FUSED_MAX_TOKENS, dequant + matmul beyond
+        x = torch.randn(tokens, 512, generator=g).bfloat16().cuda()
+        assert torch.equal(bound.linear(x, "w", False), codec.linear(x, record, layout, "w", False))

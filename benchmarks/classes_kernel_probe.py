@@ -30,8 +30,8 @@ from timing import cuda_time_ms, graph_time_ms  # noqa: E402
 
 from mira_hf.quant import LosslessCodec  # noqa: E402
 from mira_hf.quant import triton_kernels as tk  # noqa: E402
-from mira_hf.quant.lossless import CLASS_BLOCK, decode_words_classes_torch  # noqa: E402
-from mira_hf.quant.packed import section_view  # noqa: E402
+from mira_hf.quant.lossless_bits import CLASS_BLOCK, decode_words_classes_torch  # noqa: E402
+from mira_hf.quant.record import section_view  # noqa: E402
 
 
 @triton.jit

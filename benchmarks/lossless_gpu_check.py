@@ -127,7 +127,7 @@ def sweep_classes_launch(record: torch.Tensor, layout, weights: dict, reps: int)
     """Bulk-decode time of the classes kernel per launch shape (blocks of 256 per program, warps), each
     checked bit for bit against the torch reference, so the module default can be chosen from it."""
     from mira_hf.quant import triton_kernels
-    from mira_hf.quant.lossless import decode_words_classes_torch
+    from mira_hf.quant.lossless_bits import decode_words_classes_torch
 
     rows = []
     ref = {n: decode_words_classes_torch(record, layout.entry(n)) for n in weights}

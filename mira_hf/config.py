@@ -15,15 +15,13 @@ from typing import Union
 from .errors import ConfigError, MissingDependencyError
 from .heat import HeatConfig
 from .policies import PriorityConfig
+from .quant import LOSSLESS_CODES, codec_names, find_codec_entry
 
 Budget = Union[int, float, str, None]
 
 POLICIES = ("lru", "heat", "priority")
 PREDICTORS: tuple[str | None, ...] = (None, "auto", "gate", "markov", "global", "position", "hybrid", "learned")
-# "fp8_block" and "mxfp4" name pre-quantized checkpoints' own formats (served as stored, never encoded into).
-QUANTIZATIONS: tuple[str | None, ...] = ("auto", None, "lossless", "int8", "int4", "nf4", "fp8_block", "mxfp4")
 PLACEMENTS = ("auto", "dequant", "packed")
-LOSSLESS_CODES = ("nibble", "classes")  # mira_hf.quant.lossless.CODES
 # quantization="auto" picks "lossless" only for expert records at least this large. Decoding a packed
 # expert at each use costs ~25 µs of kernel launches; a miss saves a quarter of the record at ~55 GB/s
 # (4.5 ms per GB). With misses ~70% of uses, lossless pays from ~8 MB; 32 MiB keeps a margin (Mixtral
@@ -246,6 +244,21 @@ def choices_text(allowed: tuple) -> str:
     return ", ".join(spelling(a) for a in allowed)
 
 
+def quantizations() -> tuple[str | None, ...]:
+    """What `MiraConfig.quantization` takes: "auto", None, and every registered format: the exact ones
+    first, then the lossy ones, then pre-quantized checkpoints' own formats ("fp8_block", "mxfp4": served
+    as stored, never encoded into)."""
+    entries = [find_codec_entry(n) for n in codec_names()]
+    entries.sort(key=lambda e: (e.role == "native", not e.exact))  # stable: registration order within each
+    return ("auto", None, *(e.name for e in entries))
+
+
+def __getattr__(name: str) -> object:
+    if name == "QUANTIZATIONS":  # read from the codec registry each time: formats registered later count
+        return quantizations()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def normalize_choice(name: str, value: object, allowed: tuple, hint: str = "") -> object:
     """The stored form of a choice typed in any case ("LRU", "None", None -> "lru", None), or `ConfigError`
     naming what was given and the choices as they are typed."""
@@ -332,7 +345,7 @@ class MiraConfig:
         choices = (
             ("policy", POLICIES),
             ("predictor", PREDICTORS),
-            ("quantization", QUANTIZATIONS),
+            ("quantization", quantizations()),
             ("host_memory", HOST_MEMORY_KINDS),
         )
         for name, allowed in choices:  # frozen: the normalized spelling is stored in place
@@ -342,10 +355,10 @@ class MiraConfig:
         if self.device is not None:
             if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
                 raise ConfigError(f"device={self.device!r}: supported are 'cpu', 'cuda' and 'cuda:N'.")
-        if self.quantization == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
+        requires = getattr(find_codec_entry(self.quantization), "requires", None)
+        if requires is not None and importlib.util.find_spec(requires[0]) is None:
             raise MissingDependencyError(
-                "quantization='nf4' needs bitsandbytes, which is not installed. Install it with "
-                "pip install \"mira-hf[quant]\", or use quantization='int4' (mira-hf's own format, no dependency)."
+                f"quantization={self.quantization!r} needs {requires[0]}, which is not installed. Install it with {requires[1]}."
             )
         if self.host_budget is not None:
             parse_bytes(self.host_budget, "host_budget")

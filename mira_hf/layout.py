@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -71,18 +70,6 @@ def split_point(layout, first: frozenset[str] = FIRST_MATMUL_TENSORS) -> int | N
     return max(head)
 
 
-class ExpertCodec(Protocol):
-    """How expert tensors become a record and come back. Implemented by `IdentityCodec` and `mira_hf.quant`."""
-
-    name: str
-
-    def plan(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]): ...
-
-    def encode(self, tensors: Mapping[str, torch.Tensor], layout, out: torch.Tensor) -> None: ...
-
-    def decode(self, record: torch.Tensor, layout, dtype: torch.dtype, out=None) -> dict[str, torch.Tensor]: ...
-
-
 def plan_layer(codec, fused: Mapping[str, torch.Tensor]):
     """The record layout of one layer's experts, from its fused tensors `name -> [E, ...]`. A codec
     whose record size depends on the values (lossless: room for the experts' escapes) plans from the
@@ -97,7 +84,14 @@ class IdentityCodec:
     """Records hold the checkpoint's bytes unchanged: exact, and decoding is free (views)."""
 
     name = "none"
-    lossless = True
+    exact = True
+    supports_calib = False
+
+    def record_bytes(self, layout: RawLayout) -> int:
+        return layout.nbytes
+
+    def validate(self, record: torch.Tensor, layout: RawLayout) -> None:
+        """Nothing to check: records are the checkpoint's bytes, without a header."""
 
     def plan(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> RawLayout:
         offset, tensors = 0, []
@@ -125,21 +119,19 @@ class IdentityCodec:
 class PackedWeights:
     """An expert kept packed in its device slot (placement "packed"): computed from packed weights.
 
-    `scratch`: a device buffer the codec's `linear` decodes a weight into (codecs with a
-    `scratch_bytes`, e.g. lossless), shared by every expert; None for codecs that need none."""
+    Built once per slot (the manager keeps it): the codec checks layout and record here (`codec.bind`),
+    so the per-token `linear` only computes. `scratch`: a device buffer the codec's `linear` decodes a
+    weight into (codecs with a `scratch_bytes`, e.g. lossless), shared by every expert; None otherwise."""
 
-    __slots__ = ("codec", "record", "layout", "dtype", "scratch")
+    __slots__ = ("codec", "record", "layout", "dtype", "scratch", "_bound")
 
     def __init__(self, codec, record: torch.Tensor, layout, dtype: torch.dtype, scratch: torch.Tensor | None = None) -> None:
         self.codec, self.record, self.layout, self.dtype, self.scratch = codec, record, layout, dtype, scratch
+        self._bound = codec.bind(record, layout, scratch)
 
     def linear(self, x: torch.Tensor, name: str, transposed: bool) -> torch.Tensor:
-        if self.scratch is not None:
-            return self.codec.linear(x, self.record, self.layout, name, transposed, scratch=self.scratch)
-        return self.codec.linear(x, self.record, self.layout, name, transposed)
+        return self._bound.linear(x, name, transposed)
 
     def raw(self, name: str) -> torch.Tensor:
         """A tensor stored unquantised in the record (biases)."""
-        from .quant.packed import raw_tensor
-
-        return raw_tensor(self.record, self.layout.entry(name), self.dtype)
+        return self._bound.raw(name, self.dtype)

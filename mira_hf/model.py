@@ -48,7 +48,7 @@ from .load_report import LoadReport
 from .manager import ExpertManager, LayerInfo, device_buffers, plan_budget
 from .predictors import build_predictor
 from .proxy import KNOWN_EXPERT_TENSORS, LAYOUT_FLAGS, MiraExperts, MiraScaledExperts
-from .quant import NATIVE_CODECS
+from .quant import codec_for_config, codec_names, find_codec_entry, is_native
 from .record_cache import RecordCache, default_root
 from .saved_store import CorruptStoreError, SavedStore
 from .state import install as install_state
@@ -190,7 +190,7 @@ class MiraMoEModel:
         budget_bytes = _budget_bytes(cfg.gpu_budget, all_bytes, device, model, targets)
         native = streamed.codec if streamed is not None else None  # a pre-quantized checkpoint's own format
         user_cfg, cfg = cfg, _resolve_format(cfg, device, specs, raw_bytes, all_bytes, budget_bytes, native)
-        codec = native if native is not None else _make_codec(cfg)
+        codec = native if native is not None else codec_for_config(cfg.quantization, cfg.quant)
         placement = cfg.quant.placement if cfg.quantization is not None else "raw"
         # Record layouts: from saved records (store_path, or the record cache), else planned (lossless
         # reads the weights here: its records reserve room for their escapes).
@@ -239,7 +239,7 @@ class MiraMoEModel:
             _check_device_memory(budget.device_bytes, device, model, targets)
             store_bytes = [(layouts[li.ordinal].nbytes if layouts else raw_bytes[li.ordinal]) * li.num_experts for li in layers]
             _check_offload_space(cfg, store_bytes)
-            _check_host_memory(cfg, store_bytes, targets, streamed is not None, bool(getattr(codec, "lossless", False)))
+            _check_host_memory(cfg, store_bytes, targets, streamed is not None, codec.exact)
             # The predictor (and its files) is checked before anything changes too.
             router_probs = RouterTable(adapter, targets)
             predictor = build_predictor(
@@ -371,11 +371,12 @@ def _resolve_format(
                 "elsewhere; mira-hf does the same. Use placement='auto' or 'dequant'."
             )
         return cfg.replace(quantization=native.name, quant=dataclasses.replace(cfg.quant, placement=placement))
-    if cfg.quantization in NATIVE_CODECS:
+    if is_native(cfg.quantization):
+        encoded = ", ".join(repr(n) for n in codec_names("encoded"))
         raise ConfigError(
             f"quantization={cfg.quantization!r} names the format of pre-quantized checkpoints, which mira-hf serves in "
             "their own bytes when it loads one with from_pretrained; it does not quantize other weights into it. Use "
-            "quantization='auto', None, 'lossless', 'int8', 'int4' or 'nf4'."
+            f"quantization='auto', None or one of {encoded}."
         )
     q = cfg.quantization
     if q == "auto":
@@ -390,7 +391,7 @@ def _resolve_format(
         )
     placement = cfg.quant.placement
     if placement == "auto":
-        placement = "packed" if q == "lossless" else "dequant"
+        placement = find_codec_entry(q).default_placement if q is not None else "dequant"
     return cfg.replace(quantization=q, quant=dataclasses.replace(cfg.quant, placement=placement))
 
 
@@ -409,7 +410,7 @@ def _saved_records(
     else the record cache's entry for this checkpoint and format (None on a miss), and that cache."""
     if cfg.quantization is None:
         return None, None
-    if cfg.quantization in NATIVE_CODECS:  # the checkpoint's own bytes: read as stored, nothing encoded to keep
+    if is_native(cfg.quantization):  # the checkpoint's own bytes: read as stored, nothing encoded to keep
         return None, None
     if cfg.store_path is not None:
         return SavedStore(cfg.store_path, codec_spec(codec), fingerprint), None
@@ -469,17 +470,6 @@ def _check_prequantized(cfg: MiraConfig, quantization_config: dict | None, name_
             f"({native!r}), which each use decodes exactly as transformers does. Drop quantization (or pass "
             f"'auto' or {native!r})."
         )
-
-
-def _make_codec(cfg: MiraConfig):
-    if cfg.quantization is None:
-        return IdentityCodec()
-    from .quant import make_codec
-    from .quant.padding import PaddedCodec
-
-    if cfg.quantization == "lossless":  # element-wise: any shape, no groups to pad
-        return make_codec("lossless", code=cfg.quant.lossless_code)
-    return PaddedCodec(make_codec(cfg.quantization, group_size=cfg.quant.group_size), cfg.quant.group_size)
 
 
 def _resolve_device(name: str | None) -> torch.device:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .encode import RecordEncoder, read_ahead
-from .layout import ExpertCodec, IdentityCodec, RawLayout, plan_layer
+from .layout import IdentityCodec, RawLayout, plan_layer
 from .pinned import pinned_empty
 
 
@@ -47,7 +47,7 @@ class ExpertStore:
 
     def __init__(
         self,
-        codec: ExpertCodec | None = None,
+        codec=None,
         pinned: bool = False,
         host_budget_bytes: int | None = None,
         offload_dir: str | None = None,
@@ -158,7 +158,7 @@ class ExpertStore:
                     records(slab)
             elif records is not None:
                 slab.copy_(records)
-            elif isinstance(self.codec, IdentityCodec):  # the checkpoint's bytes: copies, nothing to compute
+            elif not self.quantized:  # the checkpoint's bytes: copies, nothing to compute
                 readers = self.encoder.readers if getattr(expert, "thread_safe", False) else 1
                 ahead = read_ahead(E, expert, readers)
                 try:
@@ -170,6 +170,9 @@ class ExpertStore:
             else:
                 self.encoder.encode_into(self.codec, layout, E, expert, slab, extra, key=layer)
             self._host_bytes += nbytes
+        validate = getattr(self.codec, "validate", None)  # codecs whose records carry a header
+        for e in range(E if validate is not None else 0):  # once, here: a decode on the device never reads it (a sync)
+            validate(slab[e], layout)
         self._slabs[layer] = _Slab(slab, layout, tier, dtype, raw_layout, path)
 
     def reserve(self, layer_bytes: Mapping[int, int]) -> None:
@@ -207,7 +210,7 @@ class ExpertStore:
     def _encode(
         self, layer: int, layout, E: int, expert: Callable, sink: Callable[[int, torch.Tensor], None], extra: dict
     ) -> None:
-        if isinstance(self.codec, IdentityCodec):
+        if not self.quantized:
             record = torch.empty(layout.nbytes, dtype=torch.uint8)
             for e in range(E):
                 self.codec.encode(expert(e), layout, record)
@@ -235,7 +238,7 @@ class ExpertStore:
     @property
     def exact(self) -> bool:
         """Whether decoding gives back the checkpoint's tensors bit for bit (no codec, or lossless)."""
-        return bool(getattr(self.codec, "lossless", False))
+        return self.codec.exact
 
     def dtype(self, layer: int) -> torch.dtype:
         return self._slabs[layer].dtype

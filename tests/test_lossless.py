@@ -11,7 +11,7 @@ from conftest import ALL_TINY, load_reference
 from mira_hf import BudgetError, ConfigError, IncompatibleFileError, MiraConfig, MiraMoEModel, bundled_model_path
 from mira_hf.config import QuantConfig
 from mira_hf.quant import CodecInputError, LosslessCodec, make_codec, pack_expert, tensor_specs
-from mira_hf.quant.lossless import decode_words_torch, escape_count
+from mira_hf.quant.lossless_bits import decode_words_torch, escape_count
 
 PLACEMENTS = ["dequant", "packed"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -158,7 +158,7 @@ def test_linear_is_the_resident_models_matmul(dtype, transposed):
 def test_triton_classes_decode_matches_torch_reference(kernel_device, dtype, tail):
     # 24 blocks of 256 and a masked tail: the last program partly empty at every launch shape below
     from mira_hf.quant import triton_kernels
-    from mira_hf.quant.lossless import decode_words_classes_torch
+    from mira_hf.quant.lossless_bits import decode_words_classes_torch
 
     w = weights(2, 1, 24 * 256 + tail, dtype=dtype)
     s = specials(dtype)

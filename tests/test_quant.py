@@ -24,10 +24,10 @@ from mira_hf.quant import (
     QuantSpec,
     make_codec,
     pack_expert,
-    packed,
     tensor_specs,
     validate_record,
 )
+from mira_hf.quant import groupwise as packed
 
 H, I = 64, 128  # noqa: E741  (tiny expert: gate_up [2I, H], down [H, I])
 MIXTRAL = {"gate_up_proj": ((2 * 14336, 4096), torch.bfloat16), "down_proj": ((4096, 14336), torch.bfloat16)}

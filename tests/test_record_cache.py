@@ -16,7 +16,7 @@ from mira_hf import CheckpointError, MiraConfig, MiraMoEModel
 from mira_hf import record_cache as rc
 from mira_hf.config import LoaderConfig, QuantConfig
 from mira_hf.encode import RecordEncoder
-from mira_hf.quant import lossless
+from mira_hf.quant import lossless_bits as lossless
 from mira_hf.quant.lossless import LosslessCodec
 from mira_hf.saved_store import STORE_WEIGHTS
 

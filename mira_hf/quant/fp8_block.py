@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import torch
 
 from .native import NativeCodec, split_rows
-from .packed import CodecInputError
+from .record import CodecInputError
 
 SCALE_SUFFIX = "_scale_inv"
 
@@ -76,18 +76,17 @@ class Fp8BlockCodec(NativeCodec):
             return False
         return fp8_kernels_available()
 
-    def linear(self, x: torch.Tensor, record: torch.Tensor, layout, name: str, transposed: bool) -> torch.Tensor:
-        """x [..., in] @ W.T with W the record's FP8 `name` and its block scales, through transformers'
-        `fp8_linear` (the call its FP8 experts make per expert): x [T, in] -> [T, out]."""
+    def matmul(self, x2: torch.Tensor, views, name: str, transposed: bool) -> torch.Tensor:
+        """x2 [T, in] @ W.T with W the record's FP8 `name` and its block scales, through transformers'
+        `fp8_linear` (the call its FP8 experts make per expert): [T, in] -> [T, out]."""
         from transformers.integrations.finegrained_fp8 import fp8_linear
 
         if transposed:
             raise CodecInputError("fp8_block.linear: FP8 checkpoints hold weights as [out, in]; transposed experts are not FP8.")
-        views = self.views(record, layout)
         w = views[name]  # [out, in] float8_e4m3fn
-        if x.shape[-1] != w.shape[1]:
-            raise CodecInputError(f"fp8_block.linear: x is {tuple(x.shape)} but {name} {tuple(w.shape)} takes in={w.shape[1]}.")
-        return fp8_linear(x.reshape(-1, w.shape[1]), w, views[name + SCALE_SUFFIX], self.block_size)  # [T, out]
+        if x2.shape[-1] != w.shape[1]:
+            raise CodecInputError(f"fp8_block.linear: x is {tuple(x2.shape)} but {name} {tuple(w.shape)} takes in={w.shape[1]}.")
+        return fp8_linear(x2, w, views[name + SCALE_SUFFIX], self.block_size)  # [T, out]
 
 
 def dequantize_fp8(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

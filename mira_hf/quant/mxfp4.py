@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .native import NativeCodec
-from .packed import CodecInputError
+from .record import CodecInputError
 
 SCALE_SUFFIX = "_scales"
 # transformers.integrations.mxfp4.FP4_VALUES: the e2m1 values by code.

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import IdentityCodec, RawLayout
-from .packed import CodecInputError
+from .record import CodecInputError
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class NativeCodec:
     supports_calib = False
     # Decoding gives back exactly the weights transformers' own loading of the checkpoint makes (what
     # unload() and save_pretrained() return), and the records are the checkpoint's bytes.
-    lossless = True
+    exact = True
 
     def __init__(self, pieces: Mapping[str, int] | None = None) -> None:
         self.pieces = dict(pieces or {})
@@ -150,10 +150,50 @@ class NativeCodec:
     def dequantize(self, views: Mapping[str, torch.Tensor], name: str, pieces: int, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def validate(self, record: torch.Tensor, layout: NativeLayout) -> None:
+        """Nothing to check: records are the checkpoint's bytes, without a header."""
+
+    def record_bytes(self, layout: NativeLayout) -> int:
+        return layout.nbytes
+
+    def linear(self, x: torch.Tensor, record: torch.Tensor, layout: NativeLayout, name: str, transposed: bool) -> torch.Tensor:
+        """x [..., in] -> [..., out] with the record's `name` computed in its stored format (`computes_natively`)."""
+        return self.bind(record, layout).linear(x, name, transposed)
+
+    def bind(self, record: torch.Tensor, layout: NativeLayout, scratch: torch.Tensor | None = None) -> BoundNative:
+        """`record` (a device slot) for the per-token path: its typed views made once."""
+        if record.dtype != torch.uint8 or record.dim() != 1 or record.numel() < layout.nbytes:
+            raise CodecInputError(
+                f"{self.name}: record is {record.dtype} {tuple(record.shape)}; expected uint8 [{layout.nbytes}]."
+            )
+        return BoundNative(self, self.views(record, layout))
+
+    def matmul(self, x2: torch.Tensor, views: Mapping[str, torch.Tensor], name: str, transposed: bool) -> torch.Tensor:
+        """x2 [T, in] -> [T, out] from the record's typed views, in the stored format (native compute)."""
+        raise CodecInputError(f"{self.name}: mira-hf computes these experts from decoded weights only (placement 'dequant').")
+
     def computes_natively(self, device: torch.device) -> bool:
         """Whether transformers computes this format with its own kernels on `device` (instead of
         dequantizing at load), and this codec can run those kernels on a record (`linear`)."""
         return False
+
+
+class BoundNative:
+    """A native record slot bound to its codec (`NativeCodec.bind`): its typed views, made once."""
+
+    __slots__ = ("codec", "views")
+
+    def __init__(self, codec: NativeCodec, views: Mapping[str, torch.Tensor]) -> None:
+        self.codec, self.views = codec, views
+
+    def linear(self, x: torch.Tensor, name: str, transposed: bool) -> torch.Tensor:
+        # x [..., in] -> [..., out]
+        y = self.codec.matmul(x.reshape(-1, x.shape[-1]), self.views, name, transposed)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def raw(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor stored as the model holds it (a bias), as a fresh tensor of `dtype`."""
+        return self.views[name].to(dtype, copy=True)
 
 
 def split_rows(t: torch.Tensor, pieces: int) -> tuple[torch.Tensor, ...]:

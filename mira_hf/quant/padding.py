@@ -31,9 +31,16 @@ class PaddedCodec:
     def __init__(self, inner, group_size: int) -> None:
         self.inner, self.group_size = inner, group_size
         self.name = inner.name
+        self.exact, self.supports_calib = inner.exact, inner.supports_calib
 
     def __repr__(self) -> str:
         return f"PaddedCodec({self.inner!r})"
+
+    def validate(self, record: torch.Tensor, layout: PaddedLayout) -> None:
+        self.inner.validate(record, layout.inner)
+
+    def record_bytes(self, layout: PaddedLayout) -> int:
+        return layout.nbytes
 
     def plan(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> PaddedLayout:
         g = self.group_size
@@ -70,3 +77,27 @@ class PaddedCodec:
             return self.inner.linear(x, record, layout.inner, name, True)[..., : layout.shapes[name][-1]]
         # stored [out, in + pad]: zero inputs meet the zero columns
         return self.inner.linear(F.pad(x, (0, layout.padded[name] - x.shape[-1])), record, layout.inner, name, False)
+
+    def bind(self, record: torch.Tensor, layout: PaddedLayout, scratch: torch.Tensor | None = None) -> BoundPadded:
+        """The inner codec's bound record (checked once), padding and cropping as `linear` does."""
+        return BoundPadded(self.inner.bind(record, layout.inner, scratch), layout)
+
+
+class BoundPadded:
+    """A bound record of a `PaddedCodec`: the per-token `linear` of `PaddedCodec.linear`."""
+
+    __slots__ = ("inner", "shapes", "padded")
+
+    def __init__(self, inner, layout: PaddedLayout) -> None:
+        self.inner, self.shapes, self.padded = inner, layout.shapes, layout.padded
+
+    def linear(self, x: torch.Tensor, name: str, transposed: bool) -> torch.Tensor:
+        pad = self.padded.get(name)
+        if pad is None:
+            return self.inner.linear(x, name, transposed)
+        if transposed:  # stored [in, out + pad]: drop the padded outputs
+            return self.inner.linear(x, name, True)[..., : self.shapes[name][-1]]
+        return self.inner.linear(F.pad(x, (0, pad - x.shape[-1])), name, False)  # zero inputs meet zero columns
+
+    def raw(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        return self.inner.raw(name, dtype)

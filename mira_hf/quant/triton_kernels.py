@@ -1,7 +1,8 @@
 """Triton kernels over packed records: dequantise a tensor, fused dequant + matmul, and the
 lossless codec's bulk decode.
 
-Imported lazily by `packed.py` and `lossless.py` (triton is absent on CPU CI). The kernels read
+Imported lazily by the codecs (`integer.py`, `lossless.py`; triton is absent on CPU CI); imports
+nothing above the record layout and the maths modules. The kernels read
 the record's sections in place, with the same arithmetic as the torch references:
 
     s = exp2(a[g // SB] + c[g] * b[g // SB])      (double_quant)   or fp16 scale[g]
@@ -20,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .packed import QuantSpec, TensorEntry, section_view
+from .groupwise import QuantSpec
+from .lossless_bits import CLASS_BLOCK
+from .record import TensorEntry, section_view
 
 # Fused-linear launch configs: (tile along N, tile along K, warps, pipeline stages, programs per SM
 # targeted by split-K), picked from CUDA-graph timings on an H200 at Mixtral expert shapes.
@@ -45,7 +48,7 @@ def _add(a, b):
 @triton.jit
 def _group_stats(stats_ptr, sb_ptr, zeros_ptr, g, mask, SB,
                  BITS: tl.constexpr, DQ: tl.constexpr, SYM: tl.constexpr):  # fmt: skip
-    """Scale and zero (fp32, shaped like g) of groups g; see packed.py for the byte layout."""
+    """Scale and zero (fp32, shaped like g) of groups g; see groupwise.py for the byte layout."""
     if DQ:
         if SYM:
             c = tl.load(stats_ptr + g, mask=mask, other=0).to(tl.float32)
@@ -380,8 +383,6 @@ def lossless_classes_decode(
     """Bulk-decode one tensor of the lossless classes code into `out`: one launch; the caller patches
     the escapes. `blocks_per_program` / `warps`: launch shape (0: the module defaults; the GPU check
     script sweeps them)."""
-    from .lossless import CLASS_BLOCK
-
     n = entry.numel
     fp32 = entry.dtype == torch.float32
     words = out.view(-1).view(torch.int32 if fp32 else torch.int16)

@@ -129,8 +129,18 @@ class PackedWeights:
         self.codec, self.record, self.layout, self.dtype, self.scratch = codec, record, layout, dtype, scratch
         self._bound = codec.bind(record, layout, scratch)
 
+    @property
+    def exact(self) -> bool:
+        """Whether decoding gives back the stored weights bit for bit (then computing with the decoded
+        weight and the unwrapped model's own op gives its bits)."""
+        return bool(getattr(self.codec, "exact", False))
+
     def linear(self, x: torch.Tensor, name: str, transposed: bool) -> torch.Tensor:
         return self._bound.linear(x, name, transposed)
+
+    def weight(self, name: str) -> torch.Tensor:
+        """Tensor `name` decoded in the model's dtype (into the shared scratch buffer when it fits)."""
+        return self._bound.weight(name, self.dtype)
 
     def raw(self, name: str) -> torch.Tensor:
         """A tensor stored unquantised in the record (biases)."""

@@ -108,7 +108,7 @@ class MiraExperts(nn.Module):
         needed = [e for e in range(E) if counts[e]]
         routed = T * K - counts[E]  # rows of real experts (the EP sentinel E sorts last); the rest stay zero
         order = order[:routed]
-        if impl == "batched_mm" and self.manager.placement != "packed":
+        if impl == "batched_mm" and (self.manager.placement != "packed" or self.manager.store.exact):
             rows = self._batched(hidden_states, top_k_index, needed, lambda e: order[starts[e] : starts[e] + counts[e]], routed)
             return self._combine(rows, None, hidden_states, top_k_index, top_k_weights, impl, flat == E if counts[E] else None)
         x = hidden_states[order // K]  # [routed, H]: each row's token, grouped by expert (one gather, not one per expert)
@@ -139,7 +139,7 @@ class MiraExperts(nn.Module):
         H, E, K = hidden_states.shape[1], self.num_experts, len(picks)
         slot_of = {e: k for k, e in enumerate(picks) if e != E}
         sentinel = [k for k, e in enumerate(picks) if e == E]  # the EP sentinel's slot: its row stays zero
-        if impl == "batched_mm" and self.manager.placement != "packed":
+        if impl == "batched_mm" and (self.manager.placement != "packed" or self.manager.store.exact):
             rows = self._batched(hidden_states, top_k_index, sorted(slot_of), slot_of.__getitem__, len(slot_of))
             return self._combine(rows, None, hidden_states, top_k_index, top_k_weights, impl, sentinel or None)
         y = None  # [K, H], in the experts' output dtype
@@ -185,11 +185,12 @@ class MiraExperts(nn.Module):
 
         def put(w, names, rows) -> None:
             for name in names:
+                t = w.weight(name) if isinstance(w, PackedWeights) else w[name]  # decoded: copied at once
                 buf = gathered.get(name)
                 if buf is None:
-                    shape = (S, *w[name].shape)
-                    buf = gathered[name] = w[name].new_empty(shape) if written == S else w[name].new_zeros(shape)
-                buf[rows] = w[name]
+                    shape = (S, *t.shape)
+                    buf = gathered[name] = t.new_empty(shape) if written == S else t.new_zeros(shape)
+                buf[rows] = t
 
         up = (self._up, self._up + "_bias") if self._has_bias else (self._up,)
         down = ("down_proj", "down_proj_bias") if self._has_bias else ("down_proj",)
@@ -235,7 +236,10 @@ class MiraExperts(nn.Module):
     # `w`: typed views of the expert's tensors, or `PackedWeights` (placement "packed").
     def _linear(self, x: torch.Tensor, w, name: str, kernel: bool) -> torch.Tensor:
         if isinstance(w, PackedWeights):
-            y = w.linear(x, name, self._transposed)
+            if kernel and w.exact:  # the unwrapped model's grouped kernel on the decoded weight: its bits
+                y = grouped_linear(x, w.weight(name), self._transposed)
+            else:
+                y = w.linear(x, name, self._transposed)
             return y + w.raw(name + "_bias") if self._has_bias else y
         if kernel:
             y = grouped_linear(x, w[name], self._transposed)

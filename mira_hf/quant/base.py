@@ -242,6 +242,16 @@ class BoundRecord:
         y = self.codec.matmul(x.reshape(-1, x.shape[-1]), self.record, entry, transposed, self.use_triton, self.scratch)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
+    def weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Tensor `name` decoded in `dtype`, into the scratch buffer when it fits (valid until the next
+        call that decodes into it: use it at once, on the same stream)."""
+        entry = self.entries[name]
+        nbytes = entry.numel * dtype.itemsize
+        out = None
+        if self.scratch is not None and self.scratch.numel() >= nbytes and self.scratch.device == self.record.device:
+            out = self.scratch[:nbytes].view(dtype).view(entry.shape)
+        return self.codec.decode_entry(self.record, entry, dtype, out, self.use_triton)
+
     def raw(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """A tensor stored raw (a bias), as a fresh tensor of `dtype` (the slot is refilled later)."""
         return raw_tensor(self.record, self.entries[name], dtype)

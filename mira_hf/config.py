@@ -382,6 +382,12 @@ class MiraConfig:
         return dataclasses.replace(self, **changes)
 
     @property
+    def gpu_budget_bytes(self) -> int | None:
+        """`gpu_budget` given in bytes (an int or a size string), else None (a fraction, or None)."""
+        b = self.gpu_budget
+        return None if b is None or isinstance(b, float) else parse_bytes(b, "gpu_budget")
+
+    @property
     def host_budget_bytes(self) -> int | None:
         return None if self.host_budget is None else parse_bytes(self.host_budget, "host_budget")
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .budget import BudgetPlan, LayerInfo
 from .cache import ExpertCache, Key, Slot, SlotPool
-from .errors import BudgetError, ConcurrencyError, ConfigError, LoaderError, UnsupportedOperationError
+from .errors import ConcurrencyError, ConfigError, LoaderError, UnsupportedOperationError
 from .heat import HeatConfig, HeatTracker
 from .layout import IdentityCodec, PackedWeights, split_point
 from .loader import Loader
@@ -29,16 +30,6 @@ from .policies import HeatPolicy, LRUPolicy, PriorityConfig, PriorityPolicy
 from .predictors import Predictor, PredictorConfig
 from .store import ExpertStore
 from .telemetry import Telemetry
-
-
-@dataclass(frozen=True)
-class LayerInfo:
-    """What the manager knows of one MoE layer."""
-
-    ordinal: int  # 0..L-1 over MoE layers, in model order: the key used everywhere
-    name: str  # module path of the routed experts, e.g. "model.layers.3.mlp.experts"
-    num_experts: int
-    top_k: int
 
 
 @dataclass
@@ -51,92 +42,6 @@ class BlockPlan:
     slots: dict[int, Slot] = field(default_factory=dict)  # expert -> slot pinned by this plan
     loading: set[int] = field(default_factory=set)  # demand-loaded experts this plan still pins
     predictions: dict | None = None  # the predictor's guesses, staged once the block's own experts are in use
-
-
-@dataclass(frozen=True)
-class BudgetPlan:
-    """How a byte budget becomes slots. Computed (and validated) before anything changes."""
-
-    budget_bytes: int
-    pool_of_layer: dict[int, Hashable]
-    slot_bytes: dict[Hashable, int]
-    n_slots: dict[Hashable, int]
-    buffer_bytes: dict[str, int] = field(default_factory=dict)  # codec buffers taken from the budget first
-
-    @property
-    def capacity_bytes(self) -> int:
-        """Bytes of all slots."""
-        return sum(self.n_slots[g] * self.slot_bytes[g] for g in self.n_slots)
-
-    @property
-    def device_bytes(self) -> int:
-        """Everything the manager allocates on the device: slots and codec buffers (≤ budget_bytes)."""
-        return self.capacity_bytes + sum(self.buffer_bytes.values())
-
-
-def device_buffers(placement: str, codec, layouts: Mapping[int, object]) -> dict[str, int]:
-    """Device buffers the manager allocates beside the slots for a compressed transfer format, by name:
-    placement "dequant": "staging", one record (the largest) that copies land in before they are
-    decoded into their slot (copies and decodes run in order on one copy stream, so one is enough);
-    placement "packed": "scratch", where the codec's `linear` decodes a weight (codecs with
-    `scratch_bytes`: lossless). None for uncompressed records ("raw")."""
-    if placement == "dequant":
-        return {"staging": max(layout.nbytes for layout in layouts.values())}
-    scratch = getattr(codec, "scratch_bytes", None)
-    if placement == "packed" and scratch is not None:
-        return {"scratch": max(scratch(layout) for layout in layouts.values())}
-    return {}
-
-
-def plan_budget(
-    layers: Sequence[LayerInfo], record_bytes: dict[int, int], budget_bytes: int, buffers: Mapping[str, int] | None = None
-) -> BudgetPlan:
-    """Split `budget_bytes` into slots, one pool per distinct record size, in proportion to each
-    pool's share of all expert bytes, after taking out the codec's device `buffers` (see
-    `device_buffers`). Raises `BudgetError` below the minimum working set: those buffers plus the
-    top-k experts of one layer in every pool."""
-    buffers = dict(buffers or {})
-    reserved = sum(buffers.values())
-    slots_budget = max(budget_bytes - reserved, 0)
-    pool_of_layer = _pools_by_size(record_bytes)
-    total = {g: 0 for g in set(pool_of_layer.values())}
-    experts = dict.fromkeys(total, 0)
-    top_k = dict.fromkeys(total, 0)
-    for li in layers:
-        g = pool_of_layer[li.ordinal]
-        total[g] += li.num_experts * g  # records of a pool fill at most a slot of g bytes
-        experts[g] += li.num_experts
-        top_k[g] = max(top_k[g], li.top_k)
-    all_bytes = sum(total.values())
-    n_slots = {}
-    for g in total:
-        share = slots_budget * total[g] // all_bytes
-        n_slots[g] = min(experts[g], share // g)
-    minimum = sum(top_k[g] * g for g in total) + reserved
-    if any(n_slots[g] < top_k[g] for g in total):
-        extra = f" and {reserved:,} bytes of codec buffers ({', '.join(buffers)})" if reserved else ""
-        raise BudgetError(
-            f"gpu_budget of {budget_bytes:,} bytes is below the minimum working set of this model: "
-            f"{minimum:,} bytes (the top-k experts of one layer{extra}; {all_bytes:,} bytes hold every expert). "
-            f"Give MiraConfig(gpu_budget=...) at least {minimum:,} bytes, e.g. a fraction ≥ {minimum / all_bytes:.3f}."
-        )
-    return BudgetPlan(budget_bytes, pool_of_layer, {g: g for g in total}, n_slots, buffers)
-
-
-# Record sizes within this share of a larger one share its pool (slots of the larger size): lossless
-# records differ by a few escape entries from layer to layer, and a pool per layer would round each
-# layer's share of the budget down to whole slots separately.
-POOL_MERGE_SHARE = 1 / 16
-
-
-def _pools_by_size(record_bytes: Mapping[int, int]) -> dict[int, int]:
-    """layer -> pool key (the pool's slot size in bytes): each distinct record size, except that a size
-    within POOL_MERGE_SHARE below a larger one joins that one's pool."""
-    pool_of_size: dict[int, int] = {}
-    for size in sorted(set(record_bytes.values()), reverse=True):
-        larger = min((g for g in pool_of_size.values() if size >= g * (1 - POOL_MERGE_SHARE)), default=None)
-        pool_of_size[size] = larger if larger is not None else size
-    return {layer: pool_of_size[size] for layer, size in record_bytes.items()}
 
 
 def _expected_distance(d: int, num_layers: int, p: float, q: float) -> float:
@@ -164,7 +69,6 @@ class ExpertManager:
         predictor: Predictor | None = None,
         predictor_config: PredictorConfig | None = None,
         warmup_steps: int = 3,
-        placement: str = "dequant",
         split_copies: bool = True,
         split_min_bytes: int = 0,  # MiraConfig's default: LoaderConfig.split_min_bytes
     ) -> None:
@@ -198,7 +102,6 @@ class ExpertManager:
             demand_inflight_bytes=demand_inflight_bytes,
             ring_bytes=ring_bytes,
             copy_timeout_s=copy_timeout_s,
-            placement=placement,
             split_copies=split_copies,
             split_min_bytes=split_min_bytes,
         )
@@ -220,9 +123,7 @@ class ExpertManager:
         self.loader = Loader(device, o["ring_bytes"], timeout_s=o["copy_timeout_s"])
         pause = self.predictor_config.pause_unprofitable
         self._gate_on = device.type == "cuda" if pause is None else pause
-        # How a slot holds an expert: "raw" (checkpoint bytes), "dequant" (packed records dequantised
-        # into a slot of the checkpoint dtype) or "packed" (packed records, computed from as they are).
-        self.placement = o["placement"] if store.quantized else "raw"
+        self.placement = budget.placement  # how a slot holds an expert (BudgetPlan.placement)
         # Speculative copies of the next layer's guesses (PredictorConfig.speculate_bytes): only where a
         # copy lands in its slot as is ("dequant" decodes whole records) and the link can idle (CUDA).
         spec = self.predictor_config.speculate_bytes
@@ -254,14 +155,7 @@ class ExpertManager:
             self._arena[g] = torch.empty((n, budget.slot_bytes[g]), dtype=torch.uint8, device=device)
         # Codec buffers, taken from the budget by the plan: "dequant" copies land in one staging record
         # and are decoded into their slot on the copy stream; "packed" lossless decodes into a scratch.
-        need = device_buffers(self.placement, store.codec, {li.ordinal: store.layout(li.ordinal) for li in layers})
-        short = {k: n for k, n in need.items() if n > budget.buffer_bytes.get(k, 0)}
-        if short:
-            raise BudgetError(
-                f"placement {self.placement!r} needs device buffers {need} but the budget plan reserves "
-                f"{budget.buffer_bytes}: plan it with plan_budget(..., buffers=device_buffers(placement, codec, layouts))."
-            )
-        self._buffers = {k: torch.empty(n, dtype=torch.uint8, device=device) for k, n in need.items()}
+        self._buffers = {k: torch.empty(n, dtype=torch.uint8, device=device) for k, n in budget.buffer_bytes.items()}
         self.cache = ExpertCache(pools, budget.pool_of_layer)
         self._views: dict[tuple, object] = {}  # (pool, slot, layer) -> tensors or PackedWeights
 

@@ -22,6 +22,7 @@ from torch import nn
 from model_adapters import MoEAdapter, generic_adapter, get_adapter, registered_model_types
 from model_adapters.base import AutoAdapter, auto_adapter, uses_experts_interface
 
+from .budget import LayerInfo, plan_records, resolve_budget_bytes
 from .checkpoint import (
     NotStreamable,
     StreamedExperts,
@@ -30,7 +31,7 @@ from .checkpoint import (
     missing_checkpoint_error,
     native_codec_name,
 )
-from .config import AUTO_LOSSLESS_MIN_RECORD_BYTES, MiraConfig, config_from_arguments, parse_bytes
+from .config import AUTO_LOSSLESS_MIN_RECORD_BYTES, MiraConfig, config_from_arguments
 from .encode import encoder_for
 from .errors import (
     BudgetError,
@@ -43,7 +44,7 @@ from .errors import (
 )
 from .experts_impl import check_model_implementations, checked_set_experts_implementation
 from .layout import IdentityCodec
-from .manager import ExpertManager, LayerInfo, device_buffers, plan_budget
+from .manager import ExpertManager
 from .predictors import build_predictor
 from .proxy import KNOWN_EXPERT_TENSORS, LAYOUT_FLAGS, MiraExperts, MiraScaledExperts
 from .quant import NATIVE_CODECS
@@ -172,7 +173,7 @@ class MiraMoEModel:
         raw_bytes = {layer: IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
         # A fractional budget is a share of the checkpoint's expert bytes, whatever the transfer format.
         all_bytes = sum(raw_bytes[li.ordinal] * li.num_experts for li in layers)
-        budget_bytes = _budget_bytes(cfg.gpu_budget, all_bytes, device, model, targets)
+        budget_bytes = resolve_budget_bytes(cfg, all_bytes, device, lambda: _bytes_to_move(model, targets, device))
         native = streamed.codec if streamed is not None else None  # a pre-quantized checkpoint's own format
         user_cfg, cfg = cfg, _resolve_format(cfg, device, specs, raw_bytes, all_bytes, budget_bytes, native)
         codec = native if native is not None else _make_codec(cfg)
@@ -203,8 +204,7 @@ class MiraMoEModel:
                 }
         layouts = layouts or {}
         try:  # experts kept on the device between the passes are given back if a check fails
-            slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else raw_bytes
-            budget = plan_budget(layers, slot_bytes, budget_bytes, buffers=device_buffers(placement, codec, layouts))
+            budget = plan_records(layers, budget_bytes, placement, codec, layouts, raw_bytes)
             _check_device_memory(budget.device_bytes, device, model, targets)
             store_bytes = [(layouts[li.ordinal].nbytes if layouts else raw_bytes[li.ordinal]) * li.num_experts for li in layers]
             _check_offload_space(cfg, store_bytes)
@@ -256,7 +256,6 @@ class MiraMoEModel:
                 heat=cfg.heat,
                 priority=cfg.priority,
                 predictor_config=cfg.prediction,
-                placement=cfg.quant.placement,
                 split_copies=cfg.loader.split_copies,
                 split_min_bytes=cfg.loader.split_min_bytes,
             )
@@ -650,17 +649,6 @@ def _top_k(model: nn.Module, t: _Target) -> int:
     return 1
 
 
-def _budget_bytes(budget, all_bytes: int, device: torch.device, model: nn.Module, targets: list[_Target]) -> int:
-    if budget is None:
-        if device.type != "cuda":
-            return all_bytes
-        free = int(torch.cuda.mem_get_info(device)[0] * 0.9) - _bytes_to_move(model, targets, device)
-        return max(min(all_bytes, free), 1)
-    if isinstance(budget, float):
-        return max(int(budget * all_bytes), 1)
-    return parse_bytes(budget, "gpu_budget")
-
-
 def _bytes_to_move(model: nn.Module, targets: list[_Target], device: torch.device) -> int:
     """Bytes of non-expert weights and buffers that `model.to(device)` will still copy there (the experts,
     before wrapping the modules' tensors, after it the proxies' parameters, stay in the store)."""
@@ -746,10 +734,8 @@ def _replan(
     if cfg.gpu_budget is None and device.type == "cuda" and same:
         budget_bytes = manager.budget.budget_bytes  # what free memory gave at wrap; it now excludes the arena
     else:
-        budget_bytes = _budget_bytes(cfg.gpu_budget, all_bytes, device, model, targets)
-    placement = manager.placement
-    slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else dict(raw_bytes)
-    budget = plan_budget(layers, slot_bytes, budget_bytes, buffers=device_buffers(placement, manager.store.codec, layouts))
+        budget_bytes = resolve_budget_bytes(cfg, all_bytes, device, lambda: _bytes_to_move(model, targets, device))
+    budget = plan_records(layers, budget_bytes, manager.placement, manager.store.codec, layouts, raw_bytes)
     _check_device_memory(budget.device_bytes, device, model, targets, reclaim_bytes=manager.device_bytes if same else 0)
     return budget
 

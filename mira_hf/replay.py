@@ -22,11 +22,12 @@ from collections.abc import Hashable, Iterator
 
 import torch
 
+from .budget import BudgetPlan, LayerInfo, plan_budget
 from .config import CacheConfig
 from .errors import ConfigError
 from .heat import HeatConfig
 from .layout import ALIGN_BYTES
-from .manager import BudgetPlan, ExpertManager, LayerInfo, plan_budget
+from .manager import ExpertManager
 from .policies import PriorityConfig
 from .predictors import Predictor, PredictorConfig, RouterProbs, build_predictor
 from .store import ExpertStore

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from mira_hf.budget import LayerInfo, plan_budget
 from mira_hf.cache import Eviction, ExpertCache, SlotPool
-from mira_hf.manager import ExpertManager, LayerInfo, plan_budget
+from mira_hf.manager import ExpertManager
 from mira_hf.policies import LRUPolicy
 from mira_hf.predictors import PredictorConfig
 from mira_hf.store import ExpertStore

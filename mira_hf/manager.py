@@ -13,17 +13,17 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from .arena import DeviceArena
 from .budget import BudgetPlan, LayerInfo
 from .cache import ExpertCache, Key, Slot, SlotPool
 from .errors import ConcurrencyError, ConfigError, LoaderError, UnsupportedOperationError
 from .heat import HeatConfig, HeatTracker
-from .layout import IdentityCodec, PackedWeights, split_point
 from .loader import Loader
 from .payoff import PayoffGate
 from .policies import HeatPolicy, LRUPolicy, PriorityConfig, PriorityPolicy
@@ -129,15 +129,6 @@ class ExpertManager:
         spec = self.predictor_config.speculate_bytes
         spec = (48 * 2**20 if device.type == "cuda" else 0) if spec is None else spec
         self.speculate_bytes = spec if self.placement != "dequant" else 0
-        # Records copied in two parts where a slot holds them as they are (LoaderConfig.split_copies): the
-        # tensors of the first matmul, then the rest, so the first matmul (and its decode) overlaps the rest.
-        split = o["split_copies"] and self.placement != "dequant"
-        self._split = {
-            li.ordinal: split_point(store.layout(li.ordinal))
-            if split and store.record_bytes(li.ordinal) >= o["split_min_bytes"]
-            else None
-            for li in layers
-        }
         self._cut_short: dict[Key, Slot] = {}  # speculative copies cut short, until finished or dropped
         self._staged: dict[int, list[Slot]] = {}  # layer -> slots given to its prefetches since its last block
         largest = max(budget.slot_bytes.values())
@@ -147,17 +138,11 @@ class ExpertManager:
             for li in layers
         }
         pools = {}
-        self._arena: dict[Hashable, torch.Tensor] = {}
         for g, n in budget.n_slots.items():
             n_stage = int(n * o["stage_fraction"])
             pools[g] = SlotPool(budget.slot_bytes[g], n, n_stage, self._make_policy(o["policy"], o["priority"]))
-            # One allocation per pool, made once: slots are views, so the budget is never exceeded.
-            self._arena[g] = torch.empty((n, budget.slot_bytes[g]), dtype=torch.uint8, device=device)
-        # Codec buffers, taken from the budget by the plan: "dequant" copies land in one staging record
-        # and are decoded into their slot on the copy stream; "packed" lossless decodes into a scratch.
-        self._buffers = {k: torch.empty(n, dtype=torch.uint8, device=device) for k, n in budget.buffer_bytes.items()}
+        self.arena = DeviceArena(store, budget, device, self.loader, o["split_copies"], o["split_min_bytes"])
         self.cache = ExpertCache(pools, budget.pool_of_layer)
-        self._views: dict[tuple, object] = {}  # (pool, slot, layer) -> tensors or PackedWeights
 
     def relocate(self, store: ExpertStore, budget: BudgetPlan, device: torch.device) -> None:
         """Serve from `store` (e.g. re-encoded by a cast, or rewritten by `load_state_dict`) with slots
@@ -166,9 +151,7 @@ class ExpertManager:
         with self._lock:
             self.loader.synchronize()
             self._drop_speculation()
-            self._arena.clear()
-            self._buffers.clear()
-            self._views.clear()
+            self.arena.close()
             self._ahead.clear()
             self._place(store, budget, device)
 
@@ -333,7 +316,7 @@ class ExpertManager:
                 self.telemetry.layer(plan.layer).prefetch_used += 1
                 self.heat.feedback(plan.layer, expert, used=True)
             self.cache.use(slot)
-            return self._slot_views(plan.layer, slot)
+            return self.arena.views(plan.layer, slot)
 
     def acquire_rest(self, plan: BlockPlan, expert: int) -> None:
         """After `acquire(..., first_part=True)`: the compute stream also waits for the rest of the record."""
@@ -433,7 +416,7 @@ class ExpertManager:
         src = self.store.record(layer, expert)
         n = slot.partial
         try:
-            self._copy_into(slot, src, n, src.numel(), self.store.tier(layer) == "pinned")
+            self.arena.copy_into(slot, src, n, src.numel(), self.store.tier(layer) == "pinned")
         except Exception as exc:  # the slot keeps its first bytes; the block's caller unpins it
             raise LoaderError(
                 f"loading the rest of expert {expert} of MoE layer {layer} to {self.device} failed: {exc}. "
@@ -443,18 +426,6 @@ class ExpertManager:
         stats = self.telemetry.layer(layer)
         stats.bytes_h2d += src.numel() - n  # one load, counted when its copy started
         stats.speculated_used += 1
-
-    def _copy_into(self, slot: Slot, src: torch.Tensor, start: int, end: int, pinned: bool, after: object = None) -> None:
-        """Copy bytes [start, end) of the record `src` into `slot` (not "dequant": the bytes land as they
-        are). In two parts when the tensors of the first matmul end inside the range (`slot.first_ready`
-        marks them); when they ended before `start`, the slot's previous copy brought them and its event
-        marks them."""
-        s = self._split[slot.key[0]]
-        split = s - start if s is not None and start < s < end else 0
-        before = slot.ready if s is not None and 0 < start and s <= start else None
-        dst = self._arena[self.cache.pool_of_layer[slot.key[0]]][slot.index]
-        first, slot.ready = self.loader.copy_split(dst[start:end], src[start:end], pinned, split, after)
-        slot.first_ready = first if split else before
 
     def _drop_speculation(self, layer: int | None = None) -> None:
         """Free the slots of speculative copies cut short (of `layer`, or all): nobody will finish them."""
@@ -635,15 +606,7 @@ class ExpertManager:
         try:
             src = self.store.record(*key)
             n = src.numel() if nbytes is None else min(nbytes, src.numel())
-            pinned = self.store.tier(layer) == "pinned"
-            if self.placement == "dequant":
-                staging, views = self._buffers["staging"][: src.numel()], self._slot_views(layer, slot)
-                layout, dtype = self.store.layout(layer), self.store.dtype(layer)
-                decode = lambda: self.store.codec.decode(staging, layout, dtype, out=views)  # noqa: E731
-                slot.first_ready = None
-                slot.ready = self.loader.copy(staging, src, pinned, after=slot.free, then=decode)
-            else:
-                self._copy_into(slot, src, 0, n, pinned, after=slot.free)
+            self.arena.fill(slot, src, n, self.store.tier(layer) == "pinned")
             slot.partial = n if n < src.numel() else 0
             if slot.partial:
                 self._cut_short[key] = slot
@@ -662,25 +625,6 @@ class ExpertManager:
         if nbytes is not None:
             stats.speculated += 1
         return slot
-
-    def _slot_views(self, layer: int, slot: Slot):
-        """What the proxy computes with: typed views into the slot, or the packed record itself."""
-        g = self.cache.pool_of_layer[layer]
-        # keyed by layer too: layers sharing a pool (one record size) may lay their records out differently
-        # (lossless: per-layer escape room; other shapes of the same size)
-        key = (g, slot.index, layer)
-        views = self._views.get(key)
-        if views is None:
-            record = self._arena[g][slot.index]
-            if self.placement == "packed":
-                layout = self.store.layout(layer)
-                views = PackedWeights(
-                    self.store.codec, record[: layout.nbytes], layout, self.store.dtype(layer), self._buffers.get("scratch")
-                )
-            else:
-                views = IdentityCodec().decode(record, self.store.raw_layout(layer))
-            self._views[key] = views
-        return views
 
     # -- telemetry ------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -711,11 +655,20 @@ class ExpertManager:
     @property
     def device_bytes(self) -> int:
         """Bytes the manager holds on the device: the slot arenas and the codec buffers (≤ budget_bytes)."""
-        return sum(a.numel() for a in self._arena.values()) + self.buffer_bytes
+        return self.arena.device_bytes
 
     @property
     def buffer_bytes(self) -> int:
-        return sum(b.numel() for b in self._buffers.values())
+        return self.arena.buffer_bytes
+
+    # Inspection of the current placement (tests): the slabs by pool, and each layer's split point.
+    @property
+    def _arena(self) -> dict:
+        return self.arena.slabs
+
+    @property
+    def _split(self) -> dict:
+        return self.arena.split
 
     def reset_stats(self) -> None:
         """Zero the counters (not the cache contents, heat scores or predictor state)."""
@@ -807,6 +760,4 @@ class ExpertManager:
     def close(self) -> None:
         """Release the device arena (after unload)."""
         self.loader.synchronize()
-        self._arena.clear()
-        self._buffers.clear()
-        self._views.clear()
+        self.arena.close()

@@ -15,11 +15,14 @@ from typing import Union
 from .errors import ConfigError, MissingDependencyError
 from .heat import HeatConfig
 from .policies import PriorityConfig
+from .registry import POLICIES as POLICY_REGISTRY
+from .registry import PREDICTORS as PREDICTOR_REGISTRY
 
 Budget = Union[int, float, str, None]
 
-POLICIES = ("lru", "heat", "priority")
-PREDICTORS: tuple[str | None, ...] = (None, "auto", "gate", "markov", "global", "position", "hybrid", "learned")
+# The built-in choices (the registries in `mira_hf.registry` also hold what users register later).
+POLICIES = POLICY_REGISTRY.names()
+PREDICTORS: tuple[str | None, ...] = (None, *PREDICTOR_REGISTRY.names())
 # "fp8_block" and "mxfp4" name pre-quantized checkpoints' own formats (served as stored, never encoded into).
 QUANTIZATIONS: tuple[str | None, ...] = ("auto", None, "lossless", "int8", "int4", "nf4", "fp8_block", "mxfp4")
 PLACEMENTS = ("auto", "dequant", "packed")
@@ -329,8 +332,8 @@ class MiraConfig:
         if isinstance(b, (int, str)) and not isinstance(b, float):
             parse_bytes(b, "gpu_budget")
         choices = (
-            ("policy", POLICIES),
-            ("predictor", PREDICTORS),
+            ("policy", POLICY_REGISTRY.names()),
+            ("predictor", (None, *PREDICTOR_REGISTRY.names())),
             ("quantization", QUANTIZATIONS),
             ("host_memory", HOST_MEMORY_KINDS),
         )

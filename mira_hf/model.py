@@ -50,6 +50,7 @@ from .proxy import KNOWN_EXPERT_TENSORS, LAYOUT_FLAGS, MiraExperts, MiraScaledEx
 from .quant import NATIVE_CODECS
 from .record_cache import RecordCache, default_root
 from .saved_store import CorruptStoreError, SavedStore
+from .settings import ManagerSettings
 from .state import install as install_state
 from .state import uninstall as uninstall_state
 from .store import ExpertStore, codec_spec, over_host_budget
@@ -168,7 +169,10 @@ class MiraMoEModel:
         adapter = _resolve_adapter(getattr(config, "model_type", None), cfg)
         targets = _find_targets(model, adapter, streamed.meta if streamed else None)
         check_model_implementations(model)
-        layers = [LayerInfo(t.ordinal, t.name, t.module.num_experts, _top_k(model, t)) for t in targets]
+        layers = [
+            LayerInfo(t.ordinal, t.name, t.module.num_experts, adapter.top_k(t.parent, model.config, t.module.num_experts))
+            for t in targets
+        ]
         specs = {t.ordinal: {n: (tuple(p.shape[1:]), p.dtype) for n, p in t.tensors.items()} for t in targets}
         raw_bytes = {layer: IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
         # A fractional budget is a share of the checkpoint's expert bytes, whatever the transfer format.
@@ -248,20 +252,11 @@ class MiraMoEModel:
                 layers,
                 budget,
                 device,
-                policy=cfg.policy,
-                stage_fraction=cfg.cache.stage_fraction,
-                demand_inflight_bytes=cfg.cache.demand_inflight_bytes,
-                ring_bytes=cfg.loader.staging_ring_bytes,
-                copy_timeout_s=cfg.loader.copy_timeout_s,
-                heat=cfg.heat,
-                priority=cfg.priority,
-                predictor_config=cfg.prediction,
-                split_copies=cfg.loader.split_copies,
-                split_min_bytes=cfg.loader.split_min_bytes,
+                ManagerSettings.from_config(cfg),
+                predictor=predictor,
+                router_probs=router_probs,
+                fingerprint=fingerprint,
             )
-            manager.router_probs, manager.fingerprint, manager.predictor = router_probs, fingerprint, predictor
-            manager.quantization = cfg.quantization  # "auto" resolved
-            manager.record_cache = cache  # None when the records are not cached
         except BaseException:
             for t in stripped:
                 if t.ordinal in keep:
@@ -636,17 +631,6 @@ class RouterTable:
     def forget_routers(self) -> None:
         """Resolve the routers again at their next use: a cast or move replaced their buffers."""
         self._linear.clear()
-
-
-def _top_k(model: nn.Module, t: _Target) -> int:
-    """Experts per token for this layer (the minimum working set), from the block, router or config."""
-    router = getattr(t.parent, "gate", None) or getattr(t.parent, "router", None)
-    for obj in (t.parent, router, model.config, getattr(model.config, "text_config", None)):
-        for attr in ("top_k", "num_experts_per_tok", "moe_top_k", "num_experts_per_token"):
-            k = getattr(obj, attr, None) if obj is not None else None
-            if isinstance(k, int) and k > 0:
-                return min(k, t.module.num_experts)
-    return 1
 
 
 def _bytes_to_move(model: nn.Module, targets: list[_Target], device: torch.device) -> int:

@@ -95,5 +95,5 @@ def register_predictor(
 def register_policy(name: str, factory: Callable) -> None:
     """Make `MiraConfig(policy=name)` build `factory(context, settings)` per slot pool: `context` a
     `mira_hf.policies.PolicyContext` (what a policy may read of the running model), `settings` the
-    manager's `ManagerSettings`; it returns an eviction policy (`mira_hf.cache.Policy`)."""
+    manager's `ManagerSettings`; it returns an eviction policy (`mira_hf.cache.CachePolicy`)."""
     POLICIES.register(name, factory)

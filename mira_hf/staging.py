@@ -8,8 +8,8 @@ while guesses are poor, the payoff gate that pauses prediction while it costs mo
 stalls it could remove (`mira_hf.payoff`), and speculative copies: the first bytes of the next layer's
 likeliest guess, finished by its block if used and dropped otherwise.
 
-It copies through the manager's public verbs (`prefetch`, `finish`, `drop`) and reads its cache only
-to skip resident experts.
+It copies only through the manager's public verbs (`prefetch`, `prefetch_part`, `wants`,
+`drop_partial`) and reads its layer table, record sizes and telemetry.
 """
 
 from __future__ import annotations

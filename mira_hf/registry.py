@@ -40,6 +40,10 @@ class Registry:
     def register(self, name: str, factory: Callable, **needs: bool) -> None:
         if not isinstance(name, str) or not name or name != name.strip().lower() or name == "none":
             raise ConfigError(f"{self.kind} name {name!r}: give a lower-case name other than 'none'.")
+        if name in self._builtins and name not in self._entries:
+            # a built-in's name: its module registers it first (while that module is being imported this
+            # returns it as it stands, so its own registration goes through)
+            importlib.import_module(self._builtins[name])
         if name in self._entries:
             raise ConfigError(f"a {self.kind} named {name!r} is already registered; pick another name (or unregister it first).")
         if not callable(factory):

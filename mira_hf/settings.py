@@ -13,7 +13,9 @@ from .registry import POLICIES
 @dataclass(frozen=True)
 class ManagerSettings:
     """Everything the manager is tuned by, resolved from a `MiraConfig` (`from_config`). The defaults
-    are MiraConfig's, except `split_min_bytes` (0: every record that can split does)."""
+    (for a manager built by hand: tests, offline replays) are MiraConfig's nested configs' with two
+    exceptions: `policy` "lru" (the plain demand cache) and `split_min_bytes` 0 (every record that can
+    split does)."""
 
     policy: str = "lru"  # a name in mira_hf.registry.POLICIES
     stage_fraction: float = 0.25  # CacheConfig.stage_fraction

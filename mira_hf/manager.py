@@ -56,7 +56,8 @@ class ExpertManager(NotebookViews):
     `settings`: a `ManagerSettings` (default: its defaults); keywords given beside it replace single
     fields (`ExpertManager(store, layers, plan, device, policy="heat")`). `predictor`: what stages
     experts (None: demand loads only); `router_probs` and `fingerprint`: the wrapped model's routers
-    and identity, kept for files and replays made from this model."""
+    and identity, kept for files and replays made from this model; `record_cache`: where its encoded
+    records are cached (`mira_hf.record_cache.RecordCache`; None: not cached)."""
 
     def __init__(
         self,
@@ -69,6 +70,7 @@ class ExpertManager(NotebookViews):
         predictor=None,
         router_probs=None,
         fingerprint: dict | None = None,
+        record_cache=None,
         **fields,
     ) -> None:
         settings = settings or ManagerSettings()
@@ -99,6 +101,7 @@ class ExpertManager(NotebookViews):
         self.router_probs = router_probs  # (layer, hidden) -> [T, E] router probabilities of the wrapped model
         self.fingerprint: dict = fingerprint or {}  # identifies the wrapped model (files made for another are refused)
         self.quantization = settings.quantization
+        self.record_cache = record_cache  # the RecordCache the records were read from or written to (None: off)
         self._lock = threading.RLock()
         self._last_layer = -1
         self._place(store, budget, device)

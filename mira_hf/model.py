@@ -256,6 +256,7 @@ class MiraMoEModel:
                 predictor=predictor,
                 router_probs=router_probs,
                 fingerprint=fingerprint,
+                record_cache=cache,
             )
         except BaseException:
             for t in stripped:

@@ -32,14 +32,14 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from common import environment, print_table, write_json  # noqa: E402
 
-from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
+from mira_hf import MiraConfig, MiraMoEModel, config  # noqa: E402
 from mira_hf.bundled import bundled_model_path  # noqa: E402
 from mira_hf.replay import belady, replay  # noqa: E402
 from mira_hf.trace import record_trace  # noqa: E402
 
 BUDGETS = (0.10, 0.25, 0.50)
-POLICIES = ("lru", "heat", "priority")
-PREDICTORS = (None, "gate", "markov", "global", "position", "hybrid", "learned")
+POLICIES = config.POLICIES
+PREDICTORS = tuple(p for p in config.PREDICTORS if p != "auto")  # "auto" is "learned" or "gate", both in the grid
 DEFAULTS = MiraConfig()  # the grid runs at its stage_fraction and PredictorConfig; "default" is its policy + predictor
 SWEEP_STAGE = (0.25, 0.5)
 SWEEP_PROBABILITY = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # PredictorConfig.stage_probability: how likely a guess must be to be copied

@@ -20,6 +20,7 @@ from .errors import (
     UnsupportedModelError,
     UnsupportedOperationError,
 )
+from .registry import register_policy, register_predictor
 
 if TYPE_CHECKING:
     from .calibrate import calibrate
@@ -71,4 +72,6 @@ __all__ = [
     "UnsupportedOperationError",
     "bundled_model_path",
     "calibrate",
+    "register_policy",
+    "register_predictor",
 ]

@@ -16,11 +16,14 @@ from .errors import ConfigError, MissingDependencyError
 from .heat import HeatConfig
 from .policies import PriorityConfig
 from .quant import LOSSLESS_CODES, codec_names, find_codec_entry
+from .registry import POLICIES as POLICY_REGISTRY
+from .registry import PREDICTORS as PREDICTOR_REGISTRY
 
 Budget = Union[int, float, str, None]
 
-POLICIES = ("lru", "heat", "priority")
-PREDICTORS: tuple[str | None, ...] = (None, "auto", "gate", "markov", "global", "position", "hybrid", "learned")
+# The built-in choices (the registries in `mira_hf.registry` also hold what users register later).
+POLICIES = POLICY_REGISTRY.names()
+PREDICTORS: tuple[str | None, ...] = (None, *PREDICTOR_REGISTRY.names())
 PLACEMENTS = ("auto", "dequant", "packed")
 # quantization="auto" picks "lossless" only for expert records at least this large. Decoding a packed
 # expert at each use costs ~25 µs of kernel launches; a miss saves a quarter of the record at ~55 GB/s
@@ -343,8 +346,8 @@ class MiraConfig:
         if isinstance(b, (int, str)) and not isinstance(b, float):
             parse_bytes(b, "gpu_budget")
         choices = (
-            ("policy", POLICIES),
-            ("predictor", PREDICTORS),
+            ("policy", POLICY_REGISTRY.names()),
+            ("predictor", (None, *PREDICTOR_REGISTRY.names())),
             ("quantization", quantizations()),
             ("host_memory", HOST_MEMORY_KINDS),
         )
@@ -394,6 +397,12 @@ class MiraConfig:
     def replace(self, **changes: object) -> MiraConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    @property
+    def gpu_budget_bytes(self) -> int | None:
+        """`gpu_budget` given in bytes (an int or a size string), else None (a fraction, or None)."""
+        b = self.gpu_budget
+        return None if b is None or isinstance(b, float) else parse_bytes(b, "gpu_budget")
 
     @property
     def host_budget_bytes(self) -> int | None:

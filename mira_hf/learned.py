@@ -24,8 +24,10 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from .config import PredictorConfig
 from .errors import ConfigError, IncompatibleFileError
-from .predictors import PredictorConfig, token_union
+from .predictors import token_union
+from .registry import register_predictor
 
 FORMAT = "mira-hf-learned-predictor"
 VERSION = 1
@@ -300,3 +302,11 @@ def _check_layers(sizes: dict[int, tuple[list[int], list[int]]], layers: Sequenc
                 f"the predictor in {directory} has heads for layer {L} -> {dict(zip(targets, out_sizes))} (layer: experts), "
                 f"but this model's MoE layers are {experts}. Calibrate one for this model: mira_hf.calibrate(model, data)."
             )
+
+
+register_predictor(
+    "learned",
+    lambda s: LearnedPredictor.load(s.path, model=s.model, layers=s.layers, config=s.config, fingerprint=s.fingerprint),
+    uses_hidden=True,
+    needs_path=True,
+)

@@ -23,6 +23,7 @@ from torch import nn
 from model_adapters import MoEAdapter, generic_adapter, get_adapter, registered_model_types
 from model_adapters.base import AutoAdapter, auto_adapter, uses_experts_interface
 
+from .budget import LayerInfo, plan_records, resolve_budget_bytes
 from .checkpoint import (
     NotStreamable,
     StreamedExperts,
@@ -31,7 +32,7 @@ from .checkpoint import (
     missing_checkpoint_error,
     native_codec_name,
 )
-from .config import AUTO_LOSSLESS_MIN_RECORD_BYTES, MiraConfig, config_from_arguments, parse_bytes
+from .config import AUTO_LOSSLESS_MIN_RECORD_BYTES, MiraConfig, config_from_arguments
 from .encode import encoder_for
 from .errors import (
     BudgetError,
@@ -45,12 +46,13 @@ from .errors import (
 from .experts_impl import check_model_implementations, checked_set_experts_implementation
 from .layout import IdentityCodec
 from .load_report import LoadReport
-from .manager import ExpertManager, LayerInfo, device_buffers, plan_budget
+from .manager import ExpertManager
 from .predictors import build_predictor
 from .proxy import KNOWN_EXPERT_TENSORS, LAYOUT_FLAGS, MiraExperts, MiraScaledExperts
 from .quant import codec_for_config, codec_names, find_codec_entry, is_native
 from .record_cache import RecordCache, default_root
 from .saved_store import CorruptStoreError, SavedStore
+from .settings import ManagerSettings
 from .state import install as install_state
 from .state import uninstall as uninstall_state
 from .store import ExpertStore, codec_spec, over_host_budget
@@ -182,12 +184,15 @@ class MiraMoEModel:
         adapter = _resolve_adapter(getattr(config, "model_type", None), cfg)
         targets = _find_targets(model, adapter, streamed.meta if streamed else None)
         check_model_implementations(model)
-        layers = [LayerInfo(t.ordinal, t.name, t.module.num_experts, _top_k(model, t)) for t in targets]
+        layers = [
+            LayerInfo(t.ordinal, t.name, t.module.num_experts, adapter.top_k(t.parent, model.config, t.module.num_experts))
+            for t in targets
+        ]
         specs = {t.ordinal: {n: (tuple(p.shape[1:]), p.dtype) for n, p in t.tensors.items()} for t in targets}
         raw_bytes = {layer: IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
         # A fractional budget is a share of the checkpoint's expert bytes, whatever the transfer format.
         all_bytes = sum(raw_bytes[li.ordinal] * li.num_experts for li in layers)
-        budget_bytes = _budget_bytes(cfg.gpu_budget, all_bytes, device, model, targets)
+        budget_bytes = resolve_budget_bytes(cfg, all_bytes, device, lambda: _bytes_to_move(model, targets, device))
         native = streamed.codec if streamed is not None else None  # a pre-quantized checkpoint's own format
         user_cfg, cfg = cfg, _resolve_format(cfg, device, specs, raw_bytes, all_bytes, budget_bytes, native)
         codec = native if native is not None else codec_for_config(cfg.quantization, cfg.quant)
@@ -233,9 +238,7 @@ class MiraMoEModel:
                         reserved += nbytes
         layouts = layouts or {}
         try:  # experts kept on the device between the passes are given back if a check fails
-            slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else raw_bytes
-            buffers = device_buffers(placement, codec, layouts)
-            budget = plan_budget(layers, slot_bytes, budget_bytes, buffers, round_up_from=_fraction(cfg.gpu_budget))
+            budget = plan_records(layers, budget_bytes, placement, codec, layouts, raw_bytes, round_up_from=_fraction(cfg.gpu_budget))
             _check_device_memory(budget.device_bytes, device, model, targets)
             store_bytes = [(layouts[li.ordinal].nbytes if layouts else raw_bytes[li.ordinal]) * li.num_experts for li in layers]
             _check_offload_space(cfg, store_bytes)
@@ -285,21 +288,12 @@ class MiraMoEModel:
                 layers,
                 budget,
                 device,
-                policy=cfg.policy,
-                stage_fraction=cfg.cache.stage_fraction,
-                demand_inflight_bytes=cfg.cache.demand_inflight_bytes,
-                ring_bytes=cfg.loader.staging_ring_bytes,
-                copy_timeout_s=cfg.loader.copy_timeout_s,
-                heat=cfg.heat,
-                priority=cfg.priority,
-                predictor_config=cfg.prediction,
-                placement=cfg.quant.placement,
-                split_copies=cfg.loader.split_copies,
-                split_min_bytes=cfg.loader.split_min_bytes,
+                ManagerSettings.from_config(cfg),
+                predictor=predictor,
+                router_probs=router_probs,
+                fingerprint=fingerprint,
+                record_cache=cache,
             )
-            manager.router_probs, manager.fingerprint, manager.predictor = router_probs, fingerprint, predictor
-            manager.quantization = cfg.quantization  # "auto" resolved
-            manager.record_cache = cache  # None when the records are not cached
         except BaseException:
             for t in stripped:
                 if t.ordinal in keep:
@@ -670,38 +664,6 @@ class RouterTable:
         self._linear.clear()
 
 
-def _top_k(model: nn.Module, t: _Target) -> int:
-    """Experts per token for this layer (the minimum working set), from the block, router or config."""
-    router = getattr(t.parent, "gate", None) or getattr(t.parent, "router", None)
-    for obj in (t.parent, router, model.config, getattr(model.config, "text_config", None)):
-        for attr in ("top_k", "num_experts_per_tok", "moe_top_k", "num_experts_per_token"):
-            k = getattr(obj, attr, None) if obj is not None else None
-            if isinstance(k, int) and k > 0:
-                return min(k, t.module.num_experts)
-    return 1
-
-
-# gpu_budget=None: the experts' share of the device memory left free, after the non-expert weights; the rest is
-# headroom for activations and the KV cache.
-FREE_MEMORY_SHARE = 0.9
-
-
-def default_budget_bytes(free_bytes: int, expert_bytes: int, non_expert_bytes: int) -> int:
-    """The expert budget of `gpu_budget=None` on a CUDA device: every expert if they fit in 90% of the free device
-    memory less the non-expert weights still to move there, else that much (at least 1 byte). `mira env` suggests it."""
-    return max(min(expert_bytes, int(free_bytes * FREE_MEMORY_SHARE) - non_expert_bytes), 1)
-
-
-def _budget_bytes(budget, all_bytes: int, device: torch.device, model: nn.Module, targets: list[_Target]) -> int:
-    if budget is None:
-        if device.type != "cuda":
-            return all_bytes
-        return default_budget_bytes(torch.cuda.mem_get_info(device)[0], all_bytes, _bytes_to_move(model, targets, device))
-    if isinstance(budget, float):
-        return max(int(budget * all_bytes), 1)
-    return parse_bytes(budget, "gpu_budget")
-
-
 def _fraction(budget) -> float | None:
     """The budget if it is a fraction of the experts' bytes (raised to the minimum working set when below it)."""
     return budget if isinstance(budget, float) else None
@@ -798,11 +760,10 @@ def _replan(
     if cfg.gpu_budget is None and device.type == "cuda" and same:
         budget_bytes = manager.budget.budget_bytes  # what free memory gave at wrap; it now excludes the arena
     else:
-        budget_bytes = _budget_bytes(cfg.gpu_budget, all_bytes, device, model, targets)
-    placement = manager.placement
-    slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else dict(raw_bytes)
-    buffers = device_buffers(placement, manager.store.codec, layouts)
-    budget = plan_budget(layers, slot_bytes, budget_bytes, buffers, round_up_from=_fraction(cfg.gpu_budget))
+        budget_bytes = resolve_budget_bytes(cfg, all_bytes, device, lambda: _bytes_to_move(model, targets, device))
+    budget = plan_records(
+        layers, budget_bytes, manager.placement, manager.store.codec, layouts, raw_bytes, round_up_from=_fraction(cfg.gpu_budget)
+    )
     _check_device_memory(budget.device_bytes, device, model, targets, reclaim_bytes=manager.device_bytes if same else 0)
     return budget
 

@@ -18,6 +18,8 @@ import weakref
 import torch
 from torch import nn
 
+from .errors import UnsupportedOperationError
+
 _proxies: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
 _handles = itertools.count()
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
@@ -52,14 +54,21 @@ def _(handle: int, hidden_states: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(hidden_states)
 
 
+def no_backward(grad: torch.Tensor) -> torch.Tensor:
+    raise UnsupportedOperationError(
+        "backward through mira-hf's offloaded experts is not supported: an expert's weights live in a cache slot "
+        "that later copies overwrite, so they are gone when the backward pass needs them. mira-hf serves inference "
+        "(generate, or forward under torch.no_grad()). To train or take gradients, load the model without mira-hf "
+        "(or call model.unload() first)."
+    )
+
+
 @torch.library.custom_op("mira::refuse_backward", mutates_args=())
 def refuse_backward(grad: torch.Tensor) -> torch.Tensor:
     """Raises the eager proxy's refusal when a backward reaches the experts. An operator rather than a
     Python raise: AOTAutograd traces the backward while compiling a forward with autograd on, and the
     forward itself must still work then (as it does eagerly)."""
-    from .proxy import _no_backward  # imported late: proxy imports this module
-
-    return _no_backward(grad)
+    return no_backward(grad)
 
 
 @refuse_backward.register_fake

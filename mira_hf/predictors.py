@@ -21,14 +21,15 @@ bandwidth, never a token: the true expert is always computed.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
 from .config import PredictorConfig  # defined beside the other configs; importable from here too
 from .errors import ConfigError
+from .registry import PREDICTORS, register_predictor
 
 RouterProbs = Callable[[int, torch.Tensor], "torch.Tensor | None"]  # (layer, hidden [T,H]) -> [T,E] probabilities
 
@@ -93,7 +94,7 @@ class GatePredictor:
             return {}
         parts = [token_union(p, self.top_k[t]) for t, p in zip(targets, probs)]
         # one device→host copy for all target layers; non-blocking (pinned) on CUDA: the proxy asks before
-        # its block's host sync, which completes the copy (see ExpertManager.predict_ahead)
+        # its block's host sync, which completes the copy (see ExpertManager.observe)
         flat = torch.cat(parts).to("cpu", non_blocking=True)
         return dict(zip(targets, flat.split([p.numel() for p in parts])))
 
@@ -349,30 +350,62 @@ class HybridPredictor:
         self.sequence_tokens = 0
 
 
+@dataclass(frozen=True)
+class PredictorSpec:
+    """What a predictor factory gets (`mira_hf.registry.register_predictor`): the MoE layers, the
+    prediction settings, and where available the model's routers, the calibrated file's directory, the
+    model and its fingerprint."""
+
+    layers: Sequence  # LayerInfo of every MoE layer, in model order
+    config: PredictorConfig
+    router_probs: RouterProbs | None = None  # (layer, hidden [T, H]) -> [T, E]; None in a replay without routers
+    path: str | None = None  # MiraConfig.predictor_path
+    model: object = None
+    fingerprint: dict | None = None
+
+    @property
+    def ordinals(self) -> list[int]:
+        return [li.ordinal for li in self.layers]
+
+    @property
+    def num_experts(self) -> dict[int, int]:
+        return {li.ordinal: li.num_experts for li in self.layers}
+
+    @property
+    def top_k(self) -> dict[int, int]:
+        return {li.ordinal: li.top_k for li in self.layers}
+
+
 def build_predictor(name, layers, router_probs: RouterProbs, config: PredictorConfig, path=None, model=None, fingerprint=None):
-    """The predictor `name` for these layers (None: no prediction). `"auto"`: learned from `path`
-    when given, else gate (needs no training)."""
+    """The predictor registered as `name` for these layers (None: no prediction)."""
     if name is None:
         return None
-    ordinals = [li.ordinal for li in layers]
-    E = {li.ordinal: li.num_experts for li in layers}
-    K = {li.ordinal: li.top_k for li in layers}
-    if name == "auto":
-        name = "learned" if path is not None else "gate"
-    if name == "gate":
-        return GatePredictor(ordinals, K, router_probs, config)
-    if name == "markov":
-        return MarkovPredictor(ordinals, E, K, config)
-    if name == "global":
-        return GlobalPredictor(ordinals, E, K, router_probs, config)
-    if name == "position":
-        return PositionPredictor(ordinals, E, K, config)
-    if name == "hybrid":
-        return HybridPredictor(
-            MarkovPredictor(ordinals, E, K, config), PositionPredictor(ordinals, E, K, config), config.hybrid_switch_tokens
+    entry = PREDICTORS.get(name)
+    if entry.uses_routers and router_probs is None:
+        raise ConfigError(
+            f"predictor={name!r} applies the model's routers, but none were given. In an offline replay pass "
+            "router_probs=model.mira.router_probs (a wrapped model's routers)."
         )
-    if name == "learned":
-        from .learned import LearnedPredictor
+    return entry.factory(PredictorSpec(layers, config, router_probs, path, model, fingerprint))
 
-        return LearnedPredictor.load(path, model=model, layers=layers, config=config, fingerprint=fingerprint)
-    raise ConfigError(f"predictor={name!r} is not supported.")
+
+def _auto(spec: PredictorSpec):
+    """ "learned" from `spec.path` when given, else "gate" (needs no training)."""
+    return PREDICTORS.get("learned" if spec.path is not None else "gate").factory(spec)
+
+
+register_predictor("auto", _auto, uses_routers=True)
+register_predictor("gate", lambda s: GatePredictor(s.ordinals, s.top_k, s.router_probs, s.config), uses_routers=True)
+register_predictor("markov", lambda s: MarkovPredictor(s.ordinals, s.num_experts, s.top_k, s.config))
+register_predictor(
+    "global", lambda s: GlobalPredictor(s.ordinals, s.num_experts, s.top_k, s.router_probs, s.config), uses_routers=True
+)
+register_predictor("position", lambda s: PositionPredictor(s.ordinals, s.num_experts, s.top_k, s.config))
+register_predictor(
+    "hybrid",
+    lambda s: HybridPredictor(
+        MarkovPredictor(s.ordinals, s.num_experts, s.top_k, s.config),
+        PositionPredictor(s.ordinals, s.num_experts, s.top_k, s.config),
+        s.config.hybrid_switch_tokens,
+    ),
+)

@@ -17,27 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import UnsupportedOperationError
 from .experts_impl import batched_linear, check_call, combine, grouped_linear, implementation_of, sum_dtype
 from .layout import PackedWeights
 from .manager import ExpertManager
-from .ops import register
+from .ops import no_backward, register
 from .state import proxy_apply
-
-
-def _no_backward(grad: torch.Tensor) -> torch.Tensor:
-    raise UnsupportedOperationError(
-        "backward through mira-hf's offloaded experts is not supported: an expert's weights live in a cache slot "
-        "that later copies overwrite, so they are gone when the backward pass needs them. mira-hf serves inference "
-        "(generate, or forward under torch.no_grad()). To train or take gradients, load the model without mira-hf "
-        "(or call model.unload() first)."
-    )
 
 
 def _guarded(result: torch.Tensor) -> torch.Tensor:
     """`result` of a forward with autograd on: say why a backward cannot work, before autograd does."""
     if result.requires_grad:
-        result.register_hook(_no_backward)
+        result.register_hook(no_backward)
     return result
 
 
@@ -74,6 +64,10 @@ class MiraExperts(nn.Module):
         self._has_bias = flags["has_bias"]
         self._transposed = flags["is_transposed"]
         self._post_norm = flags["has_post_expert_norm"]
+        # Resolved once: the gate function transformers' decorator gives every experts module (None: gate
+        # columns first, then up, as Llama 4's experts), and whether slots hold packed records.
+        self._apply_gate = getattr(base, "_apply_gate", None)
+        self._packed = manager.placement == "packed"
         self._handle = register(self)  # how the compiled graph's operator finds this module
 
     def extra_repr(self) -> str:
@@ -92,7 +86,7 @@ class MiraExperts(nn.Module):
         K = top_k_index.shape[1]
         E = self.num_experts
         flat = top_k_index.reshape(-1)  # [T*K]
-        self.manager.predict_ahead(self.layer, hidden_states, top_k_index)  # its copy is finished by the sync below
+        self.manager.observe(self.layer, hidden_states, top_k_index)  # the predictor's copy is finished by the sync below
         if T == 1:
             picks = flat.tolist()  # [K] one host sync per block
             if len(set(picks)) == K:  # distinct experts (as top-k picks are)
@@ -108,7 +102,7 @@ class MiraExperts(nn.Module):
         needed = [e for e in range(E) if counts[e]]
         routed = T * K - counts[E]  # rows of real experts (the EP sentinel E sorts last); the rest stay zero
         order = order[:routed]
-        if impl == "batched_mm" and (self.manager.placement != "packed" or self.manager.store.exact):
+        if impl == "batched_mm" and (not self._packed or self.manager.store.exact):
             rows = self._batched(hidden_states, top_k_index, needed, lambda e: order[starts[e] : starts[e] + counts[e]], routed)
             return self._combine(rows, None, hidden_states, top_k_index, top_k_weights, impl, flat == E if counts[E] else None)
         x = hidden_states[order // K]  # [routed, H]: each row's token, grouped by expert (one gather, not one per expert)
@@ -126,7 +120,7 @@ class MiraExperts(nn.Module):
                     y = part.new_empty((routed, H))
                 y[a:b] = part
 
-        self._serve(needed, hidden_states, top_k_index, compute)
+        self._serve(needed, compute)
         return self._combine(y, order, hidden_states, top_k_index, top_k_weights, impl, None)
 
     def _decode_step(
@@ -139,7 +133,7 @@ class MiraExperts(nn.Module):
         H, E, K = hidden_states.shape[1], self.num_experts, len(picks)
         slot_of = {e: k for k, e in enumerate(picks) if e != E}
         sentinel = [k for k, e in enumerate(picks) if e == E]  # the EP sentinel's slot: its row stays zero
-        if impl == "batched_mm" and (self.manager.placement != "packed" or self.manager.store.exact):
+        if impl == "batched_mm" and (not self._packed or self.manager.store.exact):
             rows = self._batched(hidden_states, top_k_index, sorted(slot_of), slot_of.__getitem__, len(slot_of))
             return self._combine(rows, None, hidden_states, top_k_index, top_k_weights, impl, sentinel or None)
         y = None  # [K, H], in the experts' output dtype
@@ -152,7 +146,7 @@ class MiraExperts(nn.Module):
                 y = part.new_zeros((K, H)) if sentinel else part.new_empty((K, H))
             y[slot_of[e]] = part[0]
 
-        self._serve(sorted(slot_of), hidden_states, top_k_index, compute)
+        self._serve(sorted(slot_of), compute)
         return self._combine(y, None, hidden_states, top_k_index, top_k_weights, impl, sentinel or None)
 
     def _combine(self, y, order, hidden_states, top_k_index, top_k_weights, impl: str, sentinel) -> torch.Tensor:
@@ -201,7 +195,7 @@ class MiraExperts(nn.Module):
             self.manager.acquire_rest(plan, e)
             put(w, down, rows)
 
-        self._serve(needed, hidden_states, top_k_index, compute)
+        self._serve(needed, compute)
         if not gathered:
             return None
         x = hidden_states.repeat_interleave(top_k_index.shape[1], dim=0)  # [S, H]
@@ -210,11 +204,11 @@ class MiraExperts(nn.Module):
         y = batched_linear(h, gathered["down_proj"], gathered.get("down_proj_bias"), self._transposed)  # [S, H]
         return self.base.post_expert_norm(y) if self._post_norm else y
 
-    def _serve(self, needed: list[int], hidden: torch.Tensor, top_k_index: torch.Tensor, compute) -> None:
+    def _serve(self, needed: list[int], compute) -> None:
         """One block call of the manager's protocol: `begin`, then for each expert in `plan.order` (resident
         first) `acquire` its first part (the rest of the record may still be crossing: `_expert` waits for
         it), `compute(plan, e, w)`, `release`; `end` even when a compute raises (it unpins the slots)."""
-        plan = self.manager.begin(self.layer, needed, hidden, top_k_index)
+        plan = self.manager.begin(self.layer, needed)
         try:
             for e in plan.order:
                 w = self.manager.acquire(plan, e, first_part=True)
@@ -254,9 +248,8 @@ class MiraExperts(nn.Module):
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         if not self._has_gate:
             return self.base.act_fn(h)  # [n, I]
-        apply_gate = getattr(self.base, "_apply_gate", None)  # transformers' decorator gives one to every module
-        if apply_gate is not None:
-            return apply_gate(h)
+        if self._apply_gate is not None:
+            return self._apply_gate(h)
         gate, up = h.chunk(2, dim=-1)  # gate columns first, then up (Llama 4's experts)
         return self.base.act_fn(gate) * up  # [n, I]
 
@@ -301,12 +294,12 @@ class MiraScaledExperts(MiraExperts):
         K = self.manager.layers[self.layer].top_k
         top_k_index = chosen.t().float().topk(K, dim=1).indices  # [T, K] for the predictor and traces
         hidden = x.sum(dim=0)  # [T, H]: each token's hidden state times the sum of its weights (> 0)
-        self.manager.predict_ahead(self.layer, hidden, top_k_index)  # its copy is finished by the sync below
+        self.manager.observe(self.layer, hidden, top_k_index)  # the predictor's copy is finished by the sync below
         needed = [e for e, n in enumerate(chosen.sum(dim=1).tolist()) if n]  # one host sync per block
         out = torch.zeros_like(x)  # [E, T, H]
 
         def compute(plan, e: int, w) -> None:
             out[e] = self._expert(plan, e, w, x[e])  # [T, H]
 
-        self._serve(needed, hidden, top_k_index, compute)
+        self._serve(needed, compute)
         return _guarded(out).view(hidden_states.shape)

@@ -22,17 +22,18 @@ from collections.abc import Hashable, Iterator
 
 import torch
 
+from .budget import BudgetPlan, LayerInfo, plan_budget
 from .config import CacheConfig
 from .errors import ConfigError
 from .heat import HeatConfig
 from .layout import ALIGN_BYTES
-from .manager import BudgetPlan, ExpertManager, LayerInfo, plan_budget
+from .manager import ExpertManager
 from .policies import PriorityConfig
 from .predictors import Predictor, PredictorConfig, RouterProbs, build_predictor
+from .registry import PREDICTORS
 from .store import ExpertStore
 from .trace import RoutingTrace
 
-_NEEDS_ROUTERS = ("gate", "global", "auto")
 _TINY_RECORD_UNITS = 16  # the largest pool's synthetic record is 16 × 256 B; smaller pools keep their size ratio
 
 
@@ -83,7 +84,7 @@ def replay(
     cfg = predictor_config or PredictorConfig()
     stage_fraction = CacheConfig().stage_fraction if stage_fraction is None else stage_fraction
     pred = _predictor(predictor, predictor_obj, layers, router_probs, cfg)
-    needs_hidden = predictor_obj is not None or predictor in (*_NEEDS_ROUTERS, "learned")
+    needs_hidden = predictor_obj is not None or (predictor is not None and PREDICTORS.get(predictor).uses_hidden)
     if needs_hidden and (trace.hidden is None or trace.hidden.shape[0] != trace.steps):  # [steps, L, H] needed
         raise ConfigError(f"predictor {predictor!r} needs the trace's hidden states, but this trace has none.")
     manager = ExpertManager(
@@ -263,7 +264,8 @@ def _drive(manager: ExpertManager, trace: RoutingTrace, pred: Predictor | None, 
                 pred.reset()
             manager.enter_forward()
         hidden = trace.hidden[step, layer][None] if has_hidden else placeholder
-        block = manager.begin(layer, needed, hidden, top_k_index)  # hidden [1, H], top_k_index [1, K]
+        manager.observe(layer, hidden, top_k_index)  # hidden [1, H], top_k_index [1, K]
+        block = manager.begin(layer, needed)
         for e in block.order:
             manager.acquire(block, e)
             manager.release(block, e)
@@ -298,10 +300,11 @@ def _predictor(name, obj, layers, router_probs, cfg) -> Predictor | None:
         return obj
     if name is None:
         return None
-    if name == "learned":
-        raise ConfigError("predictor='learned' is replayed from a calibrated object: pass predictor_obj=LearnedPredictor(...).")
-    if name in _NEEDS_ROUTERS and router_probs is None:
-        raise ConfigError(f"predictor={name!r} applies the model's routers: pass router_probs=model.mira.router_probs.")
+    if PREDICTORS.get(name).needs_path:
+        raise ConfigError(
+            f"predictor={name!r} is replayed from a calibrated object: pass predictor_obj=LearnedPredictor(...) "
+            "(e.g. mira_hf.calibrate's result)."
+        )
     return build_predictor(name, layers, router_probs, cfg)
 
 

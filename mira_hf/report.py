@@ -34,6 +34,35 @@ def optional_import(module: str, extra: str, feature: str):
 
 
 # -- notebook views ---------------------------------------------------------------------------------
+class NotebookViews:
+    """What `model.mira` shows in a notebook (mixed into `ExpertManager`, whose `heat` and `telemetry`
+    it reads): counts, scores, history, and the table and figures below."""
+
+    def expert_counts(self) -> dict[int, list[int]]:
+        """Activations per expert of each MoE layer since load (or `heat.reset()`)."""
+        return {layer: c.tolist() for layer, c in self.heat.counts.items()}
+
+    def heat_scores(self) -> dict[int, list[float]]:
+        """Current heat score of each expert of each MoE layer, in [0, 1]."""
+        return {layer: s.tolist() for layer, s in self.heat.scores.items()}
+
+    def hit_rate_history(self) -> list[float]:
+        """Hit rate of each forward step so far (bounded: the latest 4096 steps)."""
+        return list(self.telemetry.hit_rate_history)
+
+    def heat_table(self):
+        """pandas DataFrame, one row per (layer, expert): heat score, activation count, resident tier."""
+        return heat_table(self)
+
+    def plot_heatmap(self, value: str = "score"):
+        """matplotlib Figure: layer × expert heat map of `value` ("score" or "count")."""
+        return plot_heatmap(self, value=value)
+
+    def plot_hit_rate(self):
+        """matplotlib Figure: hit rate per forward step."""
+        return plot_hit_rate(self)
+
+
 def heat_table(manager):
     """pandas DataFrame, one row per (layer, expert), in layer then expert order.
 

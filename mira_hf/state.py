@@ -31,9 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .budget import BudgetPlan
 from .errors import ConfigError, DeviceError, UnsupportedOperationError
 from .layout import IdentityCodec
-from .manager import BudgetPlan, ExpertManager
+from .manager import ExpertManager
 
 # (new record layouts by layer, uncompressed record bytes by layer, device) -> the slot plan there (raises BudgetError)
 Replan = Callable[[Mapping[int, object], Mapping[int, int], torch.device], BudgetPlan]

@@ -80,22 +80,6 @@ class RoutingTrace:
         ends = [*self.sequence_starts[1:], self.steps]
         return list(zip(self.sequence_starts, ends))
 
-    def slice_sequences(self, first: int, count: int) -> RoutingTrace:
-        """The trace of sequences `first .. first+count-1` (e.g. a calibration / evaluation split)."""
-        seqs = self.sequences()[first : first + count]
-        if not seqs:
-            raise ConfigError(f"slice_sequences({first}, {count}): the trace has {len(self.sequence_starts)} sequences.")
-        a, b = seqs[0][0], seqs[-1][1]
-        return RoutingTrace(
-            self.experts[a:b],
-            None if self.hidden is None else self.hidden[a:b],
-            [s - a for s, _ in seqs],
-            list(self.num_experts),
-            list(self.record_bytes),
-            dict(self.fingerprint),
-        )
-
-    # -- files ----------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
         """Write `<path>.safetensors` (experts, hidden, sequence_starts) and `<path>.json` (the rest).
         A `path` ending in `.safetensors` is used as is."""

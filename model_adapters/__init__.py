@@ -7,7 +7,7 @@ Add your own without editing the library:
 """
 
 from . import families  # noqa: F401  (registers the built-in adapters)
-from .base import ExpertKeys, GenericAdapter, MoEAdapter, generic_adapter, layer_index
+from .base import ExpertKeys, GenericAdapter, MoEAdapter, generic_adapter
 from .registry import (
     AdapterRegistryError,
     get_adapter,
@@ -24,7 +24,6 @@ __all__ = [
     "MoEAdapter",
     "generic_adapter",
     "get_adapter",
-    "layer_index",
     "register_adapter",
     "registered_adapters",
     "registered_model_types",

@@ -10,13 +10,10 @@ That is what an adapter records; the proxy reads the rest (flags, gate function)
 from __future__ import annotations
 
 import fnmatch
-import re
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-
-_LAYER_RE = re.compile(r"\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -90,6 +87,19 @@ class MoEAdapter:
     # then sums the `[E·T, H]` outputs over experts itself (Llama 4). Default: the experts module gets
     # `(hidden [T, H], top_k_index, top_k_weights)` and weighs and sums the outputs (transformers 5).
     input_scaled: bool = False
+    # Where the number of experts per token is found: the first of these attributes set on the block, its
+    # router, the model config or its text config (vision-language models).
+    top_k_attrs: tuple[str, ...] = ("top_k", "num_experts_per_tok", "moe_top_k", "num_experts_per_token")
+
+    def top_k(self, block: nn.Module, config: object, num_experts: int) -> int:
+        """Experts per token of `block`'s layer (the minimum working set of a layer; at most
+        `num_experts`): from the block, its router or `config` (`top_k_attrs`); 1 where none says."""
+        for obj in (block, self.router(block), config, getattr(config, "text_config", None)):
+            for attr in self.top_k_attrs:
+                k = getattr(obj, attr, None) if obj is not None else None
+                if isinstance(k, int) and k > 0:
+                    return min(k, num_experts)
+        return 1
 
     def flag(self, module: nn.Module, name: str, default: bool) -> bool:
         """A layout flag of an experts module: the module's own (set by transformers' decorator), else the adapter's."""
@@ -116,12 +126,6 @@ class MoEAdapter:
     def scoring(self, router: nn.Module) -> str:
         """How this router's logits become probabilities: `router_scoring`."""
         return self.router_scoring
-
-
-def layer_index(module_name: str) -> int | None:
-    """The decoder-layer index in a module path ("model.layers.12.mlp.experts" -> 12)."""
-    m = _LAYER_RE.search("." + module_name + ".")
-    return int(m.group(1)) if m else None
 
 
 def _get_path(obj: object, path: str):

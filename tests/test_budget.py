@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 
 from mira_hf import BudgetError, MiraConfig, MiraMoEModel
+from mira_hf.budget import LayerInfo, device_buffers, plan_budget
 from mira_hf.config import QuantConfig
-from mira_hf.manager import LayerInfo, device_buffers, plan_budget
 
 # Layer 0: 8 experts of 1000 bytes, top-2; layer 1: 4 experts of 500 bytes, top-1. Expert bytes: 8000 + 2000.
 LAYERS = [LayerInfo(0, "layers.0.mlp.experts", 8, 2), LayerInfo(1, "layers.1.mlp.experts", 4, 1)]

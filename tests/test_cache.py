@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from mira_hf.budget import LayerInfo, plan_budget
 from mira_hf.cache import Eviction, ExpertCache, SlotPool
-from mira_hf.manager import ExpertManager, LayerInfo, plan_budget
+from mira_hf.manager import ExpertManager
 from mira_hf.policies import LRUPolicy
 from mira_hf.predictors import PredictorConfig
 from mira_hf.store import ExpertStore
@@ -761,7 +762,7 @@ def test_heat_policy_breaks_ties_by_recency_and_demotes_the_least_recently_used(
     assert untracked.victim([(0, 6), (0, 5), (0, 7)]) == (0, 6)  # a tie among keys it never saw: the first given
     untracked.removed((0, 6))  # forgetting a key it does not hold is a no-op
     heat = HeatTracker({0: 2})
-    by_score = HeatPolicy(heat)  # without keep_values: the heat score ranks
+    by_score = HeatPolicy(heat, lambda keys: [heat.score(*k) for k in keys])  # ranked by the heat score
     heat.activate(0, [1])
     by_score.inserted((0, 1), staged=False)
     by_score.inserted((0, 0), staged=False)
@@ -820,7 +821,7 @@ def test_hot_count_tiers_and_slot_state_stay_consistent_through_uses_evictions_a
     assert all_hot.pools[0].hot_count == 2
 
     heat = HeatTracker({0: 2})
-    cold = ExpertCache({0: SlotPool(1, 2, 0, HeatPolicy(heat))}, {0: 0})
+    cold = ExpertCache({0: SlotPool(1, 2, 0, HeatPolicy(heat, lambda keys: [0.0] * len(keys)))}, {0: 0})
     slot, _ = cold.allocate((0, 0), staged=False)
     cold.use(slot)
     assert slot.tier == "stage" and cold.pools[0].hot_count == 0  # below the heat threshold: not admitted to HOT

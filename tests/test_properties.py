@@ -13,8 +13,8 @@ from hypothesis import strategies as st  # noqa: E402
 from tiny_models import RECIPES, make_config  # noqa: E402
 
 from mira_hf import BudgetError, MiraConfig, MiraMoEModel  # noqa: E402
+from mira_hf.budget import plan_budget  # noqa: E402
 from mira_hf.config import LOSSLESS_CODES, PLACEMENTS, POLICIES, PREDICTORS, QUANTIZATIONS, QuantConfig  # noqa: E402
-from mira_hf.manager import plan_budget  # noqa: E402
 from mira_hf.predictors import PredictorConfig  # noqa: E402
 from mira_hf.quant import NATIVE_CODECS  # noqa: E402
 

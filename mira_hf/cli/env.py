@@ -156,7 +156,7 @@ def _budget_suggestion(model: str) -> list[tuple[str, str]]:
     """Rows of `mira env --model`: the model's shape and bytes, and a gpu_budget to start from."""
     import torch
 
-    from ..model import FREE_MEMORY_SHARE, default_budget_bytes
+    from ..budget import FREE_MEMORY_SHARE, default_budget_bytes
 
     path = resolve_model_name(model)
     if not os.path.isdir(path):

@@ -1,0 +1,177 @@
+"""Budget planning: how `MiraConfig.gpu_budget` becomes device buffers and slots, resolved once.
+
+`resolve_budget_bytes` turns the configured budget (bytes, a fraction of the experts' bytes, or None:
+what the device has free) into bytes; `plan_records` splits them into the codec's device buffers and
+one slot pool per record size (`BudgetPlan`). The model plans once at wrap (and again after a cast or
+move, `relocate`); the manager and its arena only read the plan.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .config import MiraConfig
+from .errors import BudgetError
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What the manager knows of one MoE layer."""
+
+    ordinal: int  # 0..L-1 over MoE layers, in model order: the key used everywhere
+    name: str  # module path of the routed experts, e.g. "model.layers.3.mlp.experts"
+    num_experts: int
+    top_k: int
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """How a byte budget becomes slots. Computed (and validated) before anything changes."""
+
+    budget_bytes: int
+    pool_of_layer: dict[int, Hashable]
+    slot_bytes: dict[Hashable, int]
+    n_slots: dict[Hashable, int]
+    buffer_bytes: dict[str, int] = field(default_factory=dict)  # codec buffers taken from the budget first
+    # How a slot holds an expert: "raw" (checkpoint bytes), "dequant" (packed records dequantised into a
+    # slot of the checkpoint dtype) or "packed" (packed records, computed from as they are).
+    placement: str = "raw"
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of all slots."""
+        return sum(self.n_slots[g] * self.slot_bytes[g] for g in self.n_slots)
+
+    @property
+    def device_bytes(self) -> int:
+        """Everything the manager allocates on the device: slots and codec buffers (≤ budget_bytes)."""
+        return self.capacity_bytes + sum(self.buffer_bytes.values())
+
+
+def device_buffers(placement: str, codec, layouts: Mapping[int, object]) -> dict[str, int]:
+    """Device buffers the manager allocates beside the slots for a compressed transfer format, by name:
+    placement "dequant": "staging", one record (the largest) that copies land in before they are
+    decoded into their slot (copies and decodes run in order on one copy stream, so one is enough);
+    placement "packed": "scratch", where the codec's `linear` decodes a weight (codecs with
+    `scratch_bytes`: lossless). None for uncompressed records ("raw")."""
+    if placement == "dequant":
+        return {"staging": max(layout.nbytes for layout in layouts.values())}
+    scratch = getattr(codec, "scratch_bytes", None)
+    if placement == "packed" and scratch is not None:
+        return {"scratch": max(scratch(layout) for layout in layouts.values())}
+    return {}
+
+
+def plan_budget(
+    layers: Sequence[LayerInfo],
+    record_bytes: dict[int, int],
+    budget_bytes: int,
+    buffers: Mapping[str, int] | None = None,
+    placement: str = "raw",
+    round_up_from: float | None = None,
+) -> BudgetPlan:
+    """Split `budget_bytes` into slots, one pool per distinct record size, in proportion to each
+    pool's share of all expert bytes, after taking out the codec's device `buffers` (see
+    `device_buffers`). Below the minimum working set (those buffers plus the top-k experts of one
+    layer in every pool) raises `BudgetError`, unless `round_up_from` gives the fraction the budget
+    was derived from: a share of the experts' bytes is then raised to that minimum, with a warning,
+    and the plan's `budget_bytes` is the budget in use."""
+    buffers = dict(buffers or {})
+    reserved = sum(buffers.values())
+    slots_budget = max(budget_bytes - reserved, 0)
+    pool_of_layer = _pools_by_size(record_bytes)
+    total = {g: 0 for g in set(pool_of_layer.values())}
+    experts = dict.fromkeys(total, 0)
+    top_k = dict.fromkeys(total, 0)
+    for li in layers:
+        g = pool_of_layer[li.ordinal]
+        total[g] += li.num_experts * g  # records of a pool fill at most a slot of g bytes
+        experts[g] += li.num_experts
+        top_k[g] = max(top_k[g], li.top_k)
+    all_bytes = sum(total.values())
+    n_slots = {}
+    for g in total:
+        share = slots_budget * total[g] // all_bytes
+        n_slots[g] = min(experts[g], share // g)
+    minimum = sum(top_k[g] * g for g in total) + reserved
+    if round_up_from is not None and any(n_slots[g] < top_k[g] for g in total):
+        # A fraction is relative to the experts: one too small for this model means "as little as works".
+        n_slots = {g: max(n_slots[g], top_k[g]) for g in total}
+        resolved = sum(n_slots[g] * g for g in total) + reserved
+        if resolved > budget_bytes:  # the budget itself was short, not only its split between the pools
+            warnings.warn(
+                f"mira-hf: gpu_budget={round_up_from} ({budget_bytes:,} bytes) is below the minimum working set of "
+                f"this model; using {resolved:,} bytes (a fraction of {resolved / all_bytes:.3f}: the top-k experts "
+                "of one layer). Give a larger fraction, or a byte budget, to choose the budget yourself.",
+                stacklevel=3,
+            )
+            budget_bytes = resolved
+    if any(n_slots[g] < top_k[g] for g in total):
+        extra = f" and {reserved:,} bytes of codec buffers ({', '.join(buffers)})" if reserved else ""
+        raise BudgetError(
+            f"gpu_budget of {budget_bytes:,} bytes is below the minimum working set of this model: "
+            f"{minimum:,} bytes (the top-k experts of one layer{extra}; {all_bytes:,} bytes hold every expert). "
+            f"Give MiraConfig(gpu_budget=...) at least {minimum:,} bytes, e.g. a fraction ≥ {minimum / all_bytes:.3f}."
+        )
+    return BudgetPlan(budget_bytes, pool_of_layer, {g: g for g in total}, n_slots, buffers, placement)
+
+
+# Record sizes within this share of a larger one share its pool (slots of the larger size): lossless
+# records differ by a few escape entries from layer to layer, and a pool per layer would round each
+# layer's share of the budget down to whole slots separately.
+POOL_MERGE_SHARE = 1 / 16
+
+
+def _pools_by_size(record_bytes: Mapping[int, int]) -> dict[int, int]:
+    """layer -> pool key (the pool's slot size in bytes): each distinct record size, except that a size
+    within POOL_MERGE_SHARE below a larger one joins that one's pool."""
+    pool_of_size: dict[int, int] = {}
+    for size in sorted(set(record_bytes.values()), reverse=True):
+        larger = min((g for g in pool_of_size.values() if size >= g * (1 - POOL_MERGE_SHARE)), default=None)
+        pool_of_size[size] = larger if larger is not None else size
+    return {layer: pool_of_size[size] for layer, size in record_bytes.items()}
+
+
+# gpu_budget=None: the experts' share of the device memory left free, after the non-expert weights; the rest is
+# headroom for activations and the KV cache.
+FREE_MEMORY_SHARE = 0.9
+
+
+def default_budget_bytes(free_bytes: int, expert_bytes: int, non_expert_bytes: int) -> int:
+    """The expert budget of `gpu_budget=None` on a CUDA device: every expert if they fit in 90% of the free device
+    memory less the non-expert weights still to move there, else that much (at least 1 byte). `mira env` suggests it."""
+    return max(min(expert_bytes, int(free_bytes * FREE_MEMORY_SHARE) - non_expert_bytes), 1)
+
+
+def resolve_budget_bytes(cfg: MiraConfig, all_bytes: int, device, bytes_to_move: Callable[[], int]) -> int:
+    """`cfg.gpu_budget` in bytes. A fraction is a share of `all_bytes` (every routed expert, uncompressed);
+    None is every expert on a CPU, and on CUDA every expert that fits in 90% of the device's free memory
+    less `bytes_to_move()` (the model's weights still to move there)."""
+    if cfg.gpu_budget is None:
+        if device.type != "cuda":
+            return all_bytes
+        import torch
+
+        return default_budget_bytes(torch.cuda.mem_get_info(device)[0], all_bytes, bytes_to_move())
+    if isinstance(cfg.gpu_budget, float):
+        return max(int(cfg.gpu_budget * all_bytes), 1)
+    return cfg.gpu_budget_bytes
+
+
+def plan_records(
+    layers: Sequence[LayerInfo],
+    budget_bytes: int,
+    placement: str,
+    codec,
+    layouts: Mapping[int, object],
+    raw_bytes: Mapping[int, int],
+    round_up_from: float | None = None,
+) -> BudgetPlan:
+    """The plan for records laid out as `layouts` (per layer; empty for uncompressed records, whose
+    sizes are `raw_bytes`) held in slots by `placement`: a "packed" slot holds a record as it is, any
+    other placement a record of the checkpoint dtype. `round_up_from`: see `plan_budget`."""
+    slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else dict(raw_bytes)
+    buffers = device_buffers(placement, codec, layouts)
+    return plan_budget(layers, slot_bytes, budget_bytes, buffers, placement, round_up_from=round_up_from)

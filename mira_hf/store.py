@@ -280,16 +280,20 @@ class ExpertStore:
             return None
         slab = self._slabs[layer]
         E, R = slab.data.shape
+        flat = slab.data.view(-1).numpy()  # [E·R] bytes, the slab's memory (no copy; keeps the slab alive)
         views = {}
         for spec in slab.layout.tensors:
             size = spec.dtype.itemsize  # record_bytes and offsets are multiples of ALIGN_BYTES, so of this
-            typed = slab.data.view(spec.dtype)  # [E, R / size]
+            # Each view on its own storage, starting at its first byte: the tensors of one layer interleave in its
+            # slab, and storage-identity checks (transformers' tied-weight detection in save_pretrained, safetensors)
+            # would otherwise take them for one tensor shared under several names.
             strides, step = [], 1
             for dim in reversed(spec.shape):
                 strides.insert(0, step)
                 step *= dim
-            offset = typed.storage_offset() + spec.offset // size
-            views[spec.name] = typed.as_strided((E, *spec.shape), (R // size, *strides), offset)
+            span = (E - 1) * R + step * size  # from expert 0's first byte of this tensor to expert E-1's last
+            typed = torch.from_numpy(flat[spec.offset : spec.offset + span]).view(spec.dtype)  # [span / size]
+            views[spec.name] = typed.as_strided((E, *spec.shape), (R // size, *strides), 0)
         return views
 
     def expert_specs(self, layer: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

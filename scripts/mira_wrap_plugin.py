@@ -10,8 +10,8 @@ hooks below exist only inside that pytest process:
 * a model loaded by `from_pretrained` is wrapped after its weights are loaded (wrapping inside the loader
   would see weights not loaded yet).
 
-A model whose minimum working set is above that budget fails its test with `BudgetError`, unless
-`MIRA_WRAP_FALLBACK_BUDGET` names a budget to wrap it with instead. A model with no routed-experts module (`UnsupportedModelError`) or weights left on the meta device is left as
+A model whose minimum working set is above that budget is served at that minimum (a fraction is raised to it, with a
+warning); `MIRA_WRAP_FALLBACK_BUDGET` names a budget to wrap with should `BudgetError` still be raised. A model with no routed-experts module (`UnsupportedModelError`) or weights left on the meta device is left as
 it is and counted; any other wrapping error propagates, so the test fails with it. At the end of the session the
 counts are written as JSON to the path in `MIRA_WRAP_STATS` (if set).
 """

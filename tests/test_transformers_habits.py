@@ -8,6 +8,7 @@ asserted here against the unwrapped model, built from the same weights, on every
 promises exactness (fp32 on the CPU: logits, scores, router logits, losses) the comparison is `torch.equal`.
 """
 
+import collections
 import copy
 
 import pytest
@@ -320,6 +321,35 @@ def test_num_parameters_counts_the_experts(name):
 def test_state_dict_holds_the_expert_tensors(name):
     ref, model = _pair(name)
     assert set(model.state_dict()) == set(ref.state_dict())
+
+
+def _shared_storages(model) -> list[list[str]]:
+    """Names of state-dict tensors that share a storage, as transformers groups them to find tied weights."""
+    from transformers.pytorch_utils import id_tensor_storage
+
+    groups = collections.defaultdict(list)
+    for key, tensor in model.state_dict().items():
+        groups[id_tensor_storage(tensor)].append(key)
+    return sorted(sorted(names) for names in groups.values() if len(names) > 1)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_state_dict_tensors_share_storage_only_where_the_unwrapped_models_do(name):
+    """transformers takes tensors on one storage for tied weights: save_pretrained keeps one name of each group,
+    and its tests check that every group is declared in `_tied_weights_keys`. A wrapped model's expert tensors
+    (views of one record slab per layer) must not form such groups; tied embeddings still do."""
+    ref, model = _pair(name, tie_word_embeddings=True)
+    assert _shared_storages(model) == _shared_storages(ref)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_base_model_of_a_wrapped_model_saves_what_the_unwrapped_one_loads(name, tmp_path):
+    """transformers' tests save `model.base_model` alone (a submodule of the wrapped model) and load it back."""
+    ref, model = _pair(name)
+    model.base_model.save_pretrained(tmp_path)
+    loaded = type(ref.base_model).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS)[0], ref.base_model(IDS)[0])  # the last hidden state (llama4: the logits)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

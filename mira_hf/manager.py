@@ -186,6 +186,7 @@ class ExpertManager:
         self._ahead: dict[int, dict] = {}  # layer -> predictions made by predict_ahead, for its begin()
         self.host_only: frozenset[Key] = frozenset()  # experts that never keep a slot (set_host_only)
         self.recorder = None  # optional callable(layer, hidden [T,H], top_k_index [T,K]): traces, calibration
+        self.batch = None  # mira_hf.batching.BatchUsage once enabled (serving): batch-aware use rates
         self.router_probs = None  # (layer, hidden) -> [T, E] router probabilities, set by the model wrapper
         self.fingerprint: dict = {}  # identifies the wrapped model (files made for another model are refused)
         self.quantization: str | None = None  # the transfer format in use (MiraConfig.quantization, "auto" resolved)
@@ -354,6 +355,8 @@ class ExpertManager:
             if self.recorder is not None and hidden is not None:
                 self.recorder(layer, hidden, top_k_index)
             self.heat.activate(layer, list(experts))
+            if self.batch is not None:
+                self.batch.observe(layer, experts, top_k_index)
             self._layer_probs.pop(layer, None)  # its block runs now: the guesses are spent
             self._next_step.discard(layer)
             self._score_predictions(layer, experts)
@@ -631,6 +634,8 @@ class ExpertManager:
             self._gate.end_step(self.loader.stall_total())
         self.telemetry.end_step()
         self.heat.end_step()
+        if self.batch is not None:
+            self.batch.end_step(self.heat.use_rate)
         self._predicted.clear()
         kept = {layer: self._layer_probs[layer] for layer in self._next_step if layer in self._layer_probs}
         self._layer_probs.clear()

@@ -146,4 +146,12 @@ def format_split(split: dict) -> str:
     ]
     if split["free_bytes"] is not None:
         lines.append(f"  still free              {size(split['free_bytes'])}")
+    plan = split.get("plan")
+    if plan is not None:
+        how = "as set" if plan["fixed"] else "planned"
+        lines.append(
+            f"  ({how} for {format_bytes(plan['total_bytes'])} in all, {format_bytes(plan['activation_bytes'])} kept "
+            f"for one step's activations: {plan['concurrency']} sequences at once, expected hit rate "
+            f"{plan['expected_hit_rate']:.1%}; hit rates from {plan['curve_source']})"
+        )
     return "\n".join(lines)

@@ -310,6 +310,8 @@ def test_cli_serve_refuses_a_bad_flag_before_loading(capsys):
     assert main(["serve", "--kv-cache-memory", "lots"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mira: error: kv_cache_memory='lots' is not a size") and len(err.splitlines()) == 1
+    assert main(["serve", "--device-memory", "lots"]) == 2
+    assert capsys.readouterr().err.startswith("mira: error: device_memory='lots' is not a size")
     assert main(["serve", "--help"]) == 0
 
 

@@ -96,7 +96,7 @@ def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None
             )
         runtime.plan = planning.plan(model, config)
         kv_memory = planning.apply(model, runtime.plan)
-        max_batch_tokens = max_batch_tokens or planning.PLANNED_BATCH_TOKENS
+        max_batch_tokens = planning.batch_tokens(model, config)
     if manager is not None:
         enable_batch_aware(manager)
     model_manager = LoadedModelManager(model, tokenizer, name)

@@ -106,13 +106,23 @@ def queue_depth(cb_manager) -> dict | None:
     return dict(waiting=queued + len(scheduler.waiting_requests), active=len(scheduler.active_requests))
 
 
+def device_weight_bytes(model) -> int:
+    """Bytes of the weights and buffers on the model's device, not counting routed experts served by mira-hf (they
+    live in its host store; the expert cache is counted on its own)."""
+    from ..proxy import MiraExperts
+
+    served = {id(p) for m in model.modules() if isinstance(m, MiraExperts) for p in m.parameters(recurse=False)}
+    tensors = (*model.parameters(), *model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors if t.device == model.device and id(t) not in served)
+
+
 def memory_split(model, cb_manager) -> dict:
     """Where the model's device memory goes: weights resident there, the expert cache, the KV cache, and (on CUDA)
     what is still free. Bytes; the KV entries are None until the batching manager has built its cache."""
     import torch
 
     device = model.device
-    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if t.device == device)
+    weights = device_weight_bytes(model)
     manager = getattr(model, "mira", None)
     kv = kv_usage(cb_manager)
     out = dict(

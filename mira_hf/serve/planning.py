@@ -22,16 +22,9 @@ PLANNED_BATCH_TOKENS = 2048
 def footprint(model, max_batch_tokens: int) -> ModelFootprint:
     """What the loaded (wrapped) model takes and needs on its device, in `ModelFootprint`'s terms."""
     from ..manager import plan_budget
-    from ..proxy import MiraExperts
 
     manager = model.mira
-    device = model.device
-    served = {id(p) for m in model.modules() if isinstance(m, MiraExperts) for p in m.parameters(recurse=False)}
-    weights = sum(
-        t.numel() * t.element_size()
-        for t in (*model.parameters(), *model.buffers())
-        if t.device == device and id(t) not in served
-    )
+    weights = memory.device_weight_bytes(model)
     layers = list(manager.layers.values())
     pool_of = manager.budget.pool_of_layer  # layer -> slot bytes of its pool
     expert_bytes = sum(pool_of[li.ordinal] * li.num_experts for li in layers)
@@ -95,6 +88,13 @@ def _step_activation_bytes(text, itemsize: int, max_batch_tokens: int, layers) -
     return max_batch_tokens * (max(lm_head, attention) + experts + 64)
 
 
+def batch_tokens(model, config) -> int:
+    """Tokens per forward step under a plan: as set, else `PLANNED_BATCH_TOKENS` (on a CPU, the server's CPU default)."""
+    if config.max_batch_tokens is not None:
+        return config.max_batch_tokens
+    return memory.CPU_DEFAULT_BATCH_TOKENS if model.device.type == "cpu" else PLANNED_BATCH_TOKENS
+
+
 def hit_rate_curve(model, routing_trace: str | None) -> HitRateCurve:
     """From a routing trace file of this model (`mira_hf.trace.RoutingTrace.save`), replayed; else the estimate for
     evenly spread routing."""
@@ -109,7 +109,7 @@ def hit_rate_curve(model, routing_trace: str | None) -> HitRateCurve:
 def plan(model, config, cost: StepCost | None = None) -> MemoryPlan:
     """The split of `config.device_memory` for `model` under `config`'s request mix and fixed parts."""
     total = parse_bytes(config.device_memory, "device_memory")
-    max_tokens = config.max_batch_tokens or PLANNED_BATCH_TOKENS
+    max_tokens = batch_tokens(model, config)
     fp = footprint(model, max_tokens)
     mix = RequestMix(prompt_tokens=config.prompt_tokens, new_tokens=config.default_max_tokens, concurrency=config.concurrency)
     experts = _expert_cache_bytes(config.expert_cache_memory, fp)

@@ -391,3 +391,25 @@ def test_load_script_runs_mira_serve_and_loses_no_request(tmp_path):
     rows = json.loads(result.read_text())["results"]
     assert [(r["requests"], r["ok"], r["lost"]) for r in rows] == [(1, 1, 0), (8, 8, 0)]
     assert 0 < rows[-1]["tokens"] <= 8 * 4 and rows[-1]["p95_s"] >= rows[-1]["p50_s"] > 0
+
+
+@pytest.mark.slow
+def test_concurrency_benchmark_smoke_serves_the_planned_sequences(tmp_path):
+    """benchmarks/serve_concurrency.py --smoke: tiny shapes on the CPU, resident and planned runs without failures."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "concurrency.json"
+    cmd = [sys.executable, str(root / "benchmarks" / "serve_concurrency.py"), "--smoke", "--shapes", "mixtral-8x7b-8l"]
+    done = subprocess.run([*cmd, "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (shape,) = json.loads(out.read_text())["shapes"]
+    runs, plan = shape["runs"], shape["plan"]
+    assert runs["resident"]["ok"] and runs["mira"]["ok"] and runs["mira"]["sequences"] == plan["concurrency"] == 8
+    assert runs["mira"]["output_tokens"] == 8 * 8 and runs["mira"]["tpot_p95_ms"] >= runs["mira"]["tpot_p50_ms"] > 0
+    assert (
+        plan["weights_bytes"] + plan["activation_bytes"] + plan["expert_cache_bytes"] + plan["kv_cache_bytes"]
+        <= plan["total_bytes"]
+    )

@@ -375,6 +375,41 @@ def test_on_cuda_concurrent_requests_give_the_tokens_of_generate_and_the_split_i
     assert split["kv_cache_bytes"] >= split["kv_blocks"] * split["kv_bytes_per_token"] * 256 > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_planned_server_stays_within_its_device_memory_and_gives_the_tokens_of_generate():
+    """On a GPU: ServeConfig(device_memory=...) resizes the expert cache and sizes the KV cache so that everything the
+    process allocates on the device while serving concurrent requests stays within the total."""
+    from transformers import AutoTokenizer
+
+    from mira_hf.serve import BackgroundServer, build_app
+
+    path = bundled_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.1, device="cuda"), progress=False, dtype=torch.float32)
+    model.eval()
+    references = {}
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        references[prompt] = out[0, len(ids) :].tolist()
+    total = 256 * 2**20
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    config = ServeConfig(default_max_tokens=NEW_TOKENS, device_memory=total, concurrency=4, prompt_tokens=16)
+    app = build_app(model, tokenizer, config)
+    with BackgroundServer(app) as server:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(lambda p: post(server.url + "/v1/completions", {"prompt": p}), PROMPTS))
+    plan = app.state.mira_runtime.plan
+    for prompt, (status, body) in zip(PROMPTS, answers):
+        assert status == 200, body
+        assert body["choices"][0]["text"] == tokenizer.decode(references[prompt], skip_special_tokens=True), prompt
+    assert model.mira.budget.budget_bytes == plan.expert_cache_bytes
+    assert torch.cuda.max_memory_allocated() <= total, (torch.cuda.max_memory_allocated(), plan)
+
+
 @pytest.mark.slow
 def test_load_script_runs_mira_serve_and_loses_no_request(tmp_path):
     """benchmarks/serve_load.py end to end: `mira serve` in a subprocess on 127.0.0.1, a few concurrent clients."""

@@ -474,6 +474,9 @@ class ExpertManager:
             if plan.predictions:
                 predictions, plan.predictions = plan.predictions, None
                 self._stage(plan.layer, predictions)
+            elif self.batch is not None and not self.predicting and self.staging_enabled:
+                if guess := self.batch.next_layer_guess(plan.layer):
+                    self._copy_likely(*guess)
             if plan.layer == self._last_ordinal and self.staging_enabled:
                 self._stage_next_step()
             if self.predicting:

@@ -12,8 +12,11 @@ where s_e is e's per-token share (rows routed to e / tokens, an EMA over steps).
 keeps s_e from each block's routing counts (one bincount per MoE layer and one device-to-host copy
 per step, only on steps with more than one token) and, after such a step, writes these
 probabilities into the heat tracker's use rates, which the heat policy ranks evictions by
-(`ExpertManager.keep_values`: 1 / expected layers to the next use). At one token per step s_e is
-exactly the tracker's own EMA of "used this step", so single-sequence decoding is unchanged.
+(`ExpertManager.keep_values`: 1 / expected layers to the next use). While no predictor runs, they
+also stage: after a block, the next layer's experts at least `stage_probability` likely are copied
+ahead of its router (`next_layer_guess`), as a predictor's guesses are. At one token per step s_e is
+exactly the tracker's own EMA of "used this step" and nothing is staged, so single-sequence decoding
+is unchanged.
 
 Token-block grouping (computing a batch in groups of tokens that route alike) does not apply to
 these proxies: each block call already groups its rows by expert and loads each needed expert once,
@@ -93,6 +96,16 @@ class BatchUsage:
         """Experts of `layer`, most expected uses first (ties by index)."""
         uses = self.expected_uses(layer)
         return sorted(range(len(uses)), key=lambda e: (-float(uses[e]), e))
+
+    def next_layer_guess(self, layer: int) -> tuple[int, list[int], list[float]] | None:
+        """For staging while no predictor runs: `(next layer, its experts most likely first, their probabilities of
+        being used by the next block)` after `layer`'s block, or None when steps carry one token (the predictor's
+        business then) or `layer` is the last (its next block is a step away)."""
+        target = layer + 1
+        if self.batch_tokens <= 1 or target not in self.share:
+            return None
+        values = self.union_probability(target).tolist()
+        return target, sorted(range(len(values)), key=lambda e: -values[e]), values
 
     def reset(self) -> None:
         for s in self.share.values():

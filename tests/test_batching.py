@@ -118,3 +118,20 @@ def test_batch_generation_with_batch_aware_ranking_is_bit_identical():
         assert torch.equal(wrapped.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0), reference)
     assert usage.batch_tokens == 8 and usage.share[0].sum() > 0  # the decode steps carried 8 tokens
     assert wrapped.mira.stats()["misses"] > 0  # experts did move: the ranking was exercised
+
+
+def test_without_a_predictor_batch_union_guesses_stage_the_next_layer_ahead_of_its_router(monkeypatch):
+    trace = zipf_trace()
+    staged = replay(trace, budget=0.5, policy="heat", concurrency=32)
+    assert staged["prefetches"] > 0 and staged["prefetch_wasted"] == 0  # only experts the next block surely uses
+    monkeypatch.setattr(BatchUsage, "next_layer_guess", lambda self, layer: None)
+    plain = replay(trace, budget=0.5, policy="heat", concurrency=32)
+    assert plain["prefetches"] == 0 and plain["loads"] == staged["loads"]  # the same copies, made earlier
+    assert staged["misses"] + staged["stage_hits"] == plain["misses"]  # each staged copy is a stall avoided
+
+
+def test_one_token_steps_stage_nothing():
+    usage = BatchUsage({0: 4, 1: 4})
+    usage.observe(0, [0, 1], torch.tensor([[0, 1]]))
+    usage.end_step({0: np.zeros(4, np.float32), 1: np.zeros(4, np.float32)})
+    assert usage.next_layer_guess(0) is None

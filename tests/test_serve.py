@@ -257,6 +257,10 @@ def test_planned_device_memory_resizes_the_expert_cache_and_requests_beyond_the_
         references[prompt] = out[0, len(ids) :].tolist()
     base = dict(default_max_tokens=NEW_TOKENS, device_memory="48MiB", concurrency=8, prompt_tokens=8, max_batch_tokens=256)
 
+    fp = planning.footprint(model, 256)
+    record = model.mira.store.record_bytes(0)  # one pool: every layer's experts have one size
+    assert (fp.min_expert_bytes, fp.expert_bytes, fp.record_bytes) == (2 * record, 6 * 8 * record, record)  # top-2; 6 x 8
+    assert fp.kv_bytes_per_token == 3072 and fp.weights_bytes == serve_memory.device_weight_bytes(model) > 0
     planned = planning.plan(model, ServeConfig(**base))  # both parts planned
     assert planned.fixed == () and planned.concurrency == 8
     assert planned.weights_bytes + planned.activation_bytes + planned.expert_cache_bytes + planned.kv_cache_bytes <= 48 * 2**20

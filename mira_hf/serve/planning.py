@@ -9,7 +9,8 @@ one that outgrows the cache is moved off the device and resumed later) instead o
 from __future__ import annotations
 
 from ..config import parse_bytes
-from ..errors import ConfigError
+from ..errors import BudgetError, ConfigError
+from ..manager import plan_budget
 from ..planner import HitRateCurve, MemoryPlan, ModelFootprint, RequestMix, StepCost, plan_memory
 from . import memory
 
@@ -21,15 +22,13 @@ PLANNED_BATCH_TOKENS = 2048
 
 def footprint(model, max_batch_tokens: int) -> ModelFootprint:
     """What the loaded (wrapped) model takes and needs on its device, in `ModelFootprint`'s terms."""
-    from ..manager import plan_budget
-
     manager = model.mira
     weights = memory.device_weight_bytes(model)
     layers = list(manager.layers.values())
     pool_of = manager.budget.pool_of_layer  # layer -> slot bytes of its pool
     expert_bytes = sum(pool_of[li.ordinal] * li.num_experts for li in layers)
     buffers = sum(manager.budget.buffer_bytes.values())
-    minimum = _minimum_expert_bytes(plan_budget, layers, pool_of, manager.budget.buffer_bytes, expert_bytes)
+    minimum = _minimum_expert_bytes(layers, pool_of, manager.budget.buffer_bytes, expert_bytes)
     text = model.config.get_text_config()
     return ModelFootprint(
         weights_bytes=weights,
@@ -38,16 +37,14 @@ def footprint(model, max_batch_tokens: int) -> ModelFootprint:
         min_expert_bytes=minimum,
         kv_bytes_per_token=memory.kv_bytes_per_token(model),
         page_tokens=memory.DEFAULT_PAGE_TOKENS,
-        kv_overhead_per_token=_cache_token_overhead(text, model.dtype.itemsize, max_batch_tokens),
-        activation_bytes=_step_activation_bytes(text, model.dtype.itemsize, max_batch_tokens, layers),
+        kv_overhead_per_token=cache_token_overhead(text, model.dtype.itemsize, max_batch_tokens),
+        activation_bytes=step_activation_bytes(text, model.dtype.itemsize, max_batch_tokens, max(li.top_k for li in layers)),
     )
 
 
-def _minimum_expert_bytes(plan_budget, layers, pool_of, buffers, expert_bytes: int) -> int:
+def _minimum_expert_bytes(layers, pool_of, buffers, expert_bytes: int) -> int:
     """The smallest budget `plan_budget` accepts: the codec buffers and the top-k experts of a layer in every pool,
     found by bisection over what plan_budget itself accepts (pools share the budget in proportion to their bytes)."""
-    from ..errors import BudgetError
-
     lo, hi = 1, expert_bytes + sum(buffers.values())
     while lo < hi:
         mid = (lo + hi) // 2
@@ -59,7 +56,7 @@ def _minimum_expert_bytes(plan_budget, layers, pool_of, buffers, expert_bytes: i
     return lo
 
 
-def _cache_token_overhead(text, itemsize: int, max_batch_tokens: int) -> int:
+def cache_token_overhead(text, itemsize: int, max_batch_tokens: int) -> int:
     """Bytes beside K and V that transformers' paged attention takes per cached token (5.24's memory handler): the
     K and V read back at the attention peak (heads repeated for eager/sdpa) and its read index, plus one row of the
     attention mask [max_batch_tokens, cache tokens] (eager/sdpa; flash attention has none)."""
@@ -72,7 +69,7 @@ def _cache_token_overhead(text, itemsize: int, max_batch_tokens: int) -> int:
     return at_peak * head_dim * itemsize + 8 + masks
 
 
-def _step_activation_bytes(text, itemsize: int, max_batch_tokens: int, layers) -> int:
+def step_activation_bytes(text, itemsize: int, max_batch_tokens: int, top_k: int) -> int:
     """Activations of one forward step of `max_batch_tokens` tokens: transformers' per-token peak (fp32 logits or
     the attention's projections, the larger) and input buffers, plus the routed experts' rows (K per token: the
     gathered inputs, the up projection, the activation and the outputs, and fp32 sums)."""
@@ -83,8 +80,7 @@ def _step_activation_bytes(text, itemsize: int, max_batch_tokens: int, layers) -
     lm_head = hidden * itemsize + text.vocab_size * 4
     attention = itemsize * (hidden + heads * head_dim + 2 * kv_heads * head_dim + (2 * heads + kv_heads) * head_dim)
     inter = getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", hidden * 4)
-    k = max(li.top_k for li in layers)
-    experts = k * (3 * hidden + 3 * inter) * itemsize + hidden * 4
+    experts = top_k * (3 * hidden + 3 * inter) * itemsize + hidden * 4
     return max_batch_tokens * (max(lm_head, attention) + experts + 64)
 
 
@@ -106,15 +102,17 @@ def hit_rate_curve(model, routing_trace: str | None) -> HitRateCurve:
     return HitRateCurve.from_trace(RoutingTrace.load(routing_trace, model.mira.fingerprint))
 
 
-def plan(model, config, cost: StepCost | None = None) -> MemoryPlan:
-    """The split of `config.device_memory` for `model` under `config`'s request mix and fixed parts."""
+def plan(model, config, cost: StepCost | None = None, curve: HitRateCurve | None = None) -> MemoryPlan:
+    """The split of `config.device_memory` for `model` under `config`'s request mix and fixed parts (`curve`:
+    hit rates measured elsewhere, instead of `config.routing_trace` or the even-routing estimate)."""
     total = parse_bytes(config.device_memory, "device_memory")
     max_tokens = batch_tokens(model, config)
     fp = footprint(model, max_tokens)
     mix = RequestMix(prompt_tokens=config.prompt_tokens, new_tokens=config.default_max_tokens, concurrency=config.concurrency)
     experts = _expert_cache_bytes(config.expert_cache_memory, fp)
     kv = None if config.kv_cache_memory is None else parse_bytes(config.kv_cache_memory, "kv_cache_memory")
-    return plan_memory(total, fp, mix, hit_rate_curve(model, config.routing_trace), cost, experts, kv)
+    curve = curve or hit_rate_curve(model, config.routing_trace)
+    return plan_memory(total, fp, mix, curve, cost, experts, kv)
 
 
 def _expert_cache_bytes(value, fp: ModelFootprint) -> int | None:
@@ -130,8 +128,6 @@ def _expert_cache_bytes(value, fp: ModelFootprint) -> int | None:
 def resize_expert_cache(model, budget_bytes: int) -> None:
     """Give the model's expert cache `budget_bytes` (slots re-planned as at load, the cache emptied). Nothing
     changes if the plan is refused (below the minimum working set)."""
-    from ..manager import plan_budget
-
     manager = model.mira
     layers = list(manager.layers.values())
     budget = plan_budget(layers, dict(manager.budget.pool_of_layer), budget_bytes, manager.budget.buffer_bytes)

@@ -91,3 +91,24 @@ def test_a_curve_measured_from_a_trace_falls_with_concurrency_and_rises_with_the
         hits = [h for _, h in curve.points[c]]
         assert hits == sorted(hits) and hits[-1] > 0.95  # all experts resident: only the first uses miss
     assert curve.hit_rate(8, 0.25) < curve.hit_rate(1, 0.25)
+
+
+def test_routing_recorded_by_mira_calibrate_gives_the_plan_its_hit_rates(tmp_path):
+    from mira_hf import MiraConfig, MiraMoEModel
+    from mira_hf.bundled import bundled_model_path
+    from mira_hf.cli import main
+    from mira_hf.serve.planning import calibration_trace, hit_rate_curve
+
+    data = tmp_path / "code.txt"
+    data.write_text("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 8)
+    out = tmp_path / "calib"
+    args = ["calibrate", str(bundled_model_path()), "--data", str(data), "--out", str(out), "--traces-only", "--device", "cpu"]
+    assert main([*args, "--max-tokens", "96", "--chunk-tokens", "48"]) == 0
+    model = MiraMoEModel.from_pretrained(bundled_model_path(), MiraConfig(gpu_budget=0.25, device="cpu"), progress=False)
+    trace = calibration_trace(model, str(out))
+    assert (trace.steps, trace.num_layers, trace.top_k) == (96, 6, 2) and trace.sequence_starts == [0, 48]
+    assert trace.record_bytes == [model.mira.store.record_bytes(layer) for layer in range(6)]
+    curve = hit_rate_curve(model, str(out))
+    assert curve.source.startswith("replay of a 96-step routing trace") and set(curve.points) == {1, 2, 4, 8, 16, 32, 64}
+    with pytest.raises(ConfigError, match="without router_topk.safetensors"):
+        hit_rate_curve(model, str(tmp_path))

@@ -53,8 +53,8 @@ class ServeConfig:
         bytes); the KV cache gets the rest. kv_cache_memory likewise fixes the KV part.
     concurrency, prompt_tokens: the request mix the plan is made for: sequences decoding at once at most, and
         tokens per prompt (completions: default_max_tokens).
-    routing_trace: a routing trace of this model (`RoutingTrace.save`), replayed for the plan's hit rates;
-        None: hit rates estimated for evenly spread routing.
+    routing_trace: routing of this model, replayed for the plan's hit rates: a `RoutingTrace` file, or the
+        directory `mira calibrate` wrote; None: hit rates estimated for evenly spread routing.
     """
 
     model_name: str = "mira-tiny"

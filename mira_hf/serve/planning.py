@@ -8,6 +8,10 @@ one that outgrows the cache is moved off the device and resumed later) instead o
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from ..config import parse_bytes
 from ..errors import BudgetError, ConfigError
 from ..manager import plan_budget
@@ -92,14 +96,46 @@ def batch_tokens(model, config) -> int:
 
 
 def hit_rate_curve(model, routing_trace: str | None) -> HitRateCurve:
-    """From a routing trace file of this model (`mira_hf.trace.RoutingTrace.save`), replayed; else the estimate for
-    evenly spread routing."""
+    """From a routing trace of this model, replayed: a `mira_hf.trace.RoutingTrace` file, or the directory `mira
+    calibrate` wrote (its routers' top-k per token); else the estimate for evenly spread routing."""
     layers = list(model.mira.layers.values())
     if routing_trace is None:
         return HitRateCurve.uniform([li.num_experts for li in layers], max(li.top_k for li in layers))
+    if os.path.isdir(routing_trace):
+        return HitRateCurve.from_trace(calibration_trace(model, routing_trace))
     from ..trace import RoutingTrace
 
     return HitRateCurve.from_trace(RoutingTrace.load(routing_trace, model.mira.fingerprint))
+
+
+CALIBRATION_TOPK = "router_topk.safetensors"  # what `mira calibrate --out DIR` writes: topk.<layer> [N, K], chunk_lengths
+
+
+def calibration_trace(model, directory: str):
+    """The routing `mira calibrate` recorded in `directory` (teacher-forced: each chunk one sequence, token by
+    token) as a `RoutingTrace` of this model, refused if its layers or experts are not this model's."""
+    from safetensors.torch import load_file
+
+    from ..trace import RoutingTrace
+
+    path = os.path.join(directory, CALIBRATION_TOPK)
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"routing_trace={directory!r} is a directory without {CALIBRATION_TOPK}: give a directory written by mira calibrate, or a RoutingTrace file."
+        )
+    tensors = load_file(path)
+    layers = sorted(model.mira.layers.values(), key=lambda li: li.ordinal)
+    picks = [tensors.get(f"topk.{li.ordinal}") for li in layers]
+    if any(p is None for p in picks) or f"topk.{len(layers)}" in tensors:
+        found = sorted(k for k in tensors if k.startswith("topk."))
+        raise ConfigError(f"{path} holds {found}, not the {len(layers)} MoE layers of this model: calibrate this model again.")
+    top = [max(int(p.max()) + 1, 1) for p in picks]
+    if any(t > li.num_experts for t, li in zip(top, layers)) or len({p.shape[1] for p in picks}) != 1:
+        raise ConfigError(f"{path} routes to experts this model does not have: calibrate this model again.")
+    starts = [0, *tensors["chunk_lengths"].cumsum(0).tolist()[:-1]]
+    record = [model.mira.store.record_bytes(li.ordinal) for li in layers]
+    experts = torch.stack([p.long() for p in picks], dim=1)  # [N, L, K]
+    return RoutingTrace(experts, None, starts, [li.num_experts for li in layers], record)
 
 
 def plan(model, config, cost: StepCost | None = None, curve: HitRateCurve | None = None) -> MemoryPlan:

@@ -137,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--prompt-tokens", type=int, default=512, metavar="N", help="with --device-memory: tokens per prompt (512)")
     v.add_argument(
-        "--routing-trace", metavar="FILE", help="with --device-memory: a routing trace of MODEL for the plan's hit rates"
+        "--routing-trace",
+        metavar="FILE",
+        help="with --device-memory: routing of MODEL for the plan's hit rates (a trace file, or a mira calibrate DIR)",
     )
     _add_model_options(v, budget_default="0.25", policies=policies, predictors=predictors)
     v.set_defaults(run=cmd_serve, budget=None)  # None: 0.25, or planned with --device-memory

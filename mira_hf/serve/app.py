@@ -80,8 +80,8 @@ def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None
     exists, with `memory.memory_split(...)`. Run it with uvicorn, `serve(...)` or `BackgroundServer`.
 
     With `config.device_memory` the split between expert cache and KV cache is planned here (`planning`) and
-    the expert cache resized to its part before the app is returned. A wrapped model's cache ranks experts by
-    batch-aware use estimates while served (`mira_hf.batching`).
+    the expert cache resized to its part before the app is returned. From then on a wrapped model's cache ranks
+    experts by batch-aware use estimates (`mira_hf.batching`; the same as before at one token per step).
     """
     config = config or ServeConfig()
     name = config.model_name

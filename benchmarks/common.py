@@ -113,6 +113,46 @@ def random_model_on_device(shape: str, device: str = "cuda", dtype=torch.bfloat1
     return model.eval()
 
 
+def balance_routers(model, sample_ids: torch.Tensor, skew: float = 0.5, seed: int = 0) -> list[dict]:
+    """Give each MoE router of a random-initialised model weights that spread tokens over its experts with a
+    realistic, stable skew, and return each layer's routing shares on `sample_ids` [B, T].
+
+    Random routers of a random model send nearly every token to the same few experts: the router inputs share a
+    large common direction (the residual stream's mean), and each expert's logit is dominated by it. Layer by
+    layer (each after the layers before it are balanced), the router inputs x are captured on `sample_ids`; each
+    expert gets a random direction orthogonal to their mean μ, scaled so its logit has unit spread over tokens,
+    plus an offset b_e·μ/|μ|² (logit ≈ b_e + noise, b_e ~ N(0, skew²)), which makes some experts more popular
+    than others, as trained routers are. `skew` 0 routes evenly; 0.5 gives the most popular expert of Mixtral's
+    eight ~1.5-2x the mean share. Routers are the blocks' `mlp.gate` (Mixtral, Qwen3-MoE, and others that name
+    them so)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    blocks = [layer.mlp for layer in model.model.layers if hasattr(getattr(layer, "mlp", None), "gate")]
+    shares = []
+    for block in blocks:
+        gate = block.gate
+        seen: list[torch.Tensor] = []
+        handle = gate.register_forward_pre_hook(lambda _m, args, seen=seen: seen.append(args[0].reshape(-1, args[0].shape[-1])))
+        with torch.inference_mode():
+            model(sample_ids)
+        handle.remove()
+        x = torch.cat(seen).float()  # [N, H]
+        mu = x.mean(0)  # [H]
+        unit = mu / mu.norm()
+        E, H = gate.weight.shape
+        w = torch.randn(E, H, generator=g).to(x.device)
+        w -= (w @ unit)[:, None] * unit[None, :]  # orthogonal to the common direction
+        w /= ((x - mu) @ w.T).std(0)[:, None]  # unit logit spread over tokens
+        offsets = torch.randn(E, generator=g).to(x.device) * skew
+        w += offsets[:, None] * (mu / mu.dot(mu))[None, :]
+        with torch.no_grad():
+            gate.weight.copy_(w.to(gate.weight.dtype))
+        k = getattr(gate, "top_k", 1)
+        picks = ((x @ w.T).topk(k, dim=1).indices).flatten()
+        share = torch.bincount(picks, minlength=E).float() / picks.numel()
+        shares.append(dict(max_over_mean=round(float(share.max() * E), 3), min_over_mean=round(float(share.min() * E), 3)))
+    return shares
+
+
 def module_version(module: str) -> str | None:
     """`module.__version__`, or None when it is not installed."""
     try:

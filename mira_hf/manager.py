@@ -102,6 +102,8 @@ class ExpertManager(NotebookViews):
         self.fingerprint: dict = fingerprint or {}  # identifies the wrapped model (files made for another are refused)
         self.quantization = settings.quantization
         self.record_cache = record_cache  # the RecordCache the records were read from or written to (None: off)
+        self.batch = None  # mira_hf.batching.BatchUsage once enabled (serving): batch-aware use rates
+        self._batch_index = None  # the routing `observe` saw last, for `batch` in `begin`
         self._lock = threading.RLock()
         self._last_layer = -1
         self._place(store, budget, device)
@@ -212,6 +214,8 @@ class ExpertManager(NotebookViews):
         self.staging.end_step(self.loader.stall_total())
         self.telemetry.end_step()
         self.heat.end_step()
+        if self.batch is not None:
+            self.batch.end_step(self.heat.use_rate)
 
     # -- the verbs ------------------------------------------------------------------------------
     def observe(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor) -> None:
@@ -223,6 +227,8 @@ class ExpertManager(NotebookViews):
             if self.recorder is not None:
                 self.recorder(layer, hidden, top_k_index)
             self.staging.observe(layer, hidden, top_k_index)
+            if self.batch is not None:
+                self._batch_index = top_k_index
 
     def begin(self, layer: int, experts: Sequence[int]) -> BlockPlan:
         """Start a block call needing `experts` of `layer`: count hits and misses, pin what is
@@ -235,6 +241,8 @@ class ExpertManager(NotebookViews):
             self._last_layer = layer
             self.heat.activate(layer, list(experts))
             self.staging.block_started(layer, experts)
+            if self.batch is not None:
+                self.batch.observe(layer, experts, self._batch_index)
             self._expire_prefetches(layer)
             stats = self.telemetry.layer(layer)
             ready, in_flight, finishing, misses = [], [], [], []

@@ -9,6 +9,8 @@ LRU simulator that tests hold the manager to.
 
 Requests, in order: step by step (one token), MoE layer by layer, the distinct experts of that block.
 A block's experts are needed together: all of them are resident while the block computes.
+With `concurrency=B` a step decodes B tokens at once, one from each of B streams (the trace cut into B
+contiguous parts, as B sequences decoding together), and a block needs the union of their experts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Hashable, Iterator
 
 import torch
 
+from .batching import enable as enable_batch_aware
 from .budget import BudgetPlan, LayerInfo, plan_budget
 from .config import CacheConfig
 from .errors import ConfigError
@@ -50,6 +53,8 @@ def replay(
     heat: HeatConfig | None = None,
     priority: PriorityConfig | None = None,
     reset_predictor_per_sequence: bool = False,
+    concurrency: int = 1,
+    batch_aware: bool | None = None,
 ) -> dict:
     """Replay `trace` through an `ExpertManager` holding `budget` (a fraction of all expert bytes).
 
@@ -62,6 +67,10 @@ def replay(
     reset_predictor_per_sequence: call `predictor.reset()` at each new sequence (a new KV cache).
         Off by default because the runtime never does: a served model keeps its cache, heat and
         predictor state from one `generate` to the next, and a new prompt is just a jump in routing.
+        Only with concurrency 1.
+    concurrency: tokens per step (B streams decoding together; see the module docstring).
+    batch_aware: rank by batch-aware use estimates (`mira_hf.batching`, as the server does); None: when
+        concurrency > 1.
 
     Returns counts in the telemetry's definitions (`misses` = uses whose expert was neither
     resident nor in flight: the stall-causing ones), `bytes_moved` = loads × real record bytes
@@ -69,6 +78,7 @@ def replay(
     (mean over the layers where defined, and per layer), and the configuration.
     """
     t0 = time.perf_counter()
+    _check_concurrency(trace, concurrency)
     layers = _layer_infos(trace)
     real = _real_plan(trace, layers, budget)
     tiny = _tiny_records(real)
@@ -100,14 +110,17 @@ def replay(
         predictor_config=cfg,
     )
 
+    if batch_aware or (batch_aware is None and concurrency > 1):
+        enable_batch_aware(manager)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # every op here takes microseconds: OpenMP fork/join would cost more than it saves
     try:
-        _drive(manager, trace, pred, reset_predictor_per_sequence)
+        _drive(manager, trace, pred, reset_predictor_per_sequence, concurrency)
     finally:
         torch.set_num_threads(threads)
 
     stats = manager.stats()
+    steps = trace.steps // concurrency
     loads = {layer: s["loads"] for layer, s in stats["per_layer"].items()}
     bytes_moved = sum(loads[li] * trace.record_bytes[li] for li in loads)
     uses = stats["hits"] + stats["misses"]
@@ -124,12 +137,16 @@ def replay(
             stage_fraction=stage_fraction,
             predictor_config=dataclasses.asdict(cfg),
             reset_predictor_per_sequence=reset_predictor_per_sequence,
+            concurrency=concurrency,
+            batch_aware=manager.batch is not None,
             slots=sum(real.n_slots.values()),
             stage_slots=sum(int(n * stage_fraction) for n in real.n_slots.values()),
             capacity_bytes=real.capacity_bytes,
         ),
-        steps=trace.steps,
+        steps=steps,
+        tokens=steps * concurrency,
         uses=uses,
+        uses_per_step=uses / steps if steps else 0.0,
         hits=stats["hits"],
         stage_hits=stats["stage_hits"],
         misses=stats["misses"],
@@ -140,7 +157,7 @@ def replay(
         prefetch_wasted=stats["prefetch_wasted"],
         evictions=stats["evictions"],
         bytes_moved=bytes_moved,
-        bytes_per_token=bytes_moved / trace.steps if trace.steps else 0.0,
+        bytes_per_token=bytes_moved / (steps * concurrency) if steps else 0.0,
         per_layer=per_layer,
         seconds=time.perf_counter() - t0,
     )
@@ -151,20 +168,21 @@ def replay(
     return out
 
 
-def belady(trace: RoutingTrace, *, budget: float) -> dict:
+def belady(trace: RoutingTrace, *, budget: float, concurrency: int = 1) -> dict:
     """Belady's MIN on the trace's requests, per slot pool, with the slots `replay` would have:
     on a miss with no free slot, evict the resident expert used again farthest in the future (never
     one the current block needs). No demand cache with these slots moves fewer bytes."""
+    _check_concurrency(trace, concurrency)
     layers = _layer_infos(trace)
     real = _real_plan(trace, layers, budget)
-    blocks = [(step, layer, needed) for step, layer, needed, _ in _blocks(trace, tensors=False)]
+    blocks = [(step, layer, needed) for step, layer, needed, _ in _blocks(trace, tensors=False, concurrency=concurrency)]
     for _, layer, needed in blocks:
         n = real.n_slots[real.pool_of_layer[layer]]
         if len(needed) > n:
             raise ConfigError(f"a block of layer {layer} needs {len(needed)} experts but its pool has {n} slots.")
     misses = {li.ordinal: 0 for li in layers}
     misses.update(belady_misses(blocks, real.pool_of_layer, real.n_slots))
-    return _demand_summary(trace, misses, sum(misses.values()))
+    return _demand_summary(trace, misses, sum(misses.values()), concurrency)
 
 
 def belady_misses(
@@ -251,20 +269,22 @@ def lru_reference(trace: RoutingTrace, budget: float) -> dict:
     return _demand_summary(trace, misses, sum(misses.values()))
 
 
-def _drive(manager: ExpertManager, trace: RoutingTrace, pred: Predictor | None, reset_per_sequence: bool) -> None:
+def _drive(
+    manager: ExpertManager, trace: RoutingTrace, pred: Predictor | None, reset_per_sequence: bool, concurrency: int = 1
+) -> None:
     """Feed every block of the trace to `manager` as the proxies do during decoding."""
     placeholder = torch.zeros((1, 1))  # predictors that ignore hidden states still need a [T, H] argument
     has_hidden = trace.hidden is not None and trace.hidden.shape[0] == trace.steps
-    starts = set(trace.sequence_starts[1:])
-    for step, layer, needed, top_k_index in _blocks(trace):
+    starts = set(trace.sequence_starts[1:]) if concurrency == 1 else set()
+    for step, layer, needed, top_k_index in _blocks(trace, concurrency=concurrency):
         if layer == 0:  # one decode step = one forward of the model: the runtime's step hooks
             if step:
                 manager.exit_forward()
             if pred is not None and reset_per_sequence and step in starts:
                 pred.reset()
             manager.enter_forward()
-        hidden = trace.hidden[step, layer][None] if has_hidden else placeholder
-        manager.observe(layer, hidden, top_k_index)  # hidden [1, H], top_k_index [1, K]
+        hidden = trace.hidden[_token_steps(trace, step, concurrency), layer] if has_hidden else placeholder
+        manager.observe(layer, hidden, top_k_index)  # hidden [B, H], top_k_index [B, K]
         block = manager.begin(layer, needed)
         for e in block.order:
             manager.acquire(block, e)
@@ -308,29 +328,54 @@ def _predictor(name, obj, layers, router_probs, cfg) -> Predictor | None:
     return build_predictor(name, layers, router_probs, cfg)
 
 
-def _blocks(trace: RoutingTrace, tensors: bool = True) -> Iterator[tuple[int, int, list[int], torch.Tensor | None]]:
-    """(step, layer, distinct experts sorted, top_k_index [1, K] or None) of every block, in order."""
+def _check_concurrency(trace: RoutingTrace, concurrency: int) -> None:
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= max(trace.steps, 1):
+        raise ConfigError(
+            f"concurrency={concurrency!r}: give the tokens decoded per step, an int from 1 to the trace's {trace.steps} steps."
+        )
+
+
+def _token_steps(trace: RoutingTrace, step: int, concurrency: int) -> list[int]:
+    """The trace steps decoded together at batch step `step`: one from each of `concurrency` contiguous parts."""
+    part = trace.steps // concurrency
+    return [step + j * part for j in range(concurrency)]
+
+
+def _blocks(
+    trace: RoutingTrace, tensors: bool = True, concurrency: int = 1
+) -> Iterator[tuple[int, int, list[int], torch.Tensor | None]]:
+    """(step, layer, distinct experts sorted, top_k_index [B, K] or None) of every block, in order (B = concurrency;
+    padding of a token's row is kept as -1 in the index when B > 1)."""
     rows = trace.experts.tolist()  # one conversion, not one per block
     padded = bool((trace.experts < 0).any())
-    for step, per_layer in enumerate(rows):
-        for layer, row in enumerate(per_layer):
-            if padded:
-                row = [e for e in row if e >= 0]
-            index = torch.tensor([row]) if tensors else None
-            yield step, layer, sorted(set(row)), index
+    if concurrency == 1:
+        for step, per_layer in enumerate(rows):
+            for layer, row in enumerate(per_layer):
+                if padded:
+                    row = [e for e in row if e >= 0]
+                index = torch.tensor([row]) if tensors else None
+                yield step, layer, sorted(set(row)), index
+        return
+    for step in range(trace.steps // concurrency):
+        together = [rows[s] for s in _token_steps(trace, step, concurrency)]
+        for layer in range(trace.num_layers):
+            picks = [per_layer[layer] for per_layer in together]  # [B][K]
+            needed = sorted({e for row in picks for e in row if e >= 0})
+            yield step, layer, needed, torch.tensor(picks) if tensors else None
 
 
-def _demand_summary(trace: RoutingTrace, misses: dict[int, int], total: int) -> dict:
-    uses = sum(len(set(e for e in row if e >= 0)) for per_layer in trace.experts.tolist() for row in per_layer)
+def _demand_summary(trace: RoutingTrace, misses: dict[int, int], total: int, concurrency: int = 1) -> dict:
+    uses = sum(len(needed) for _, _, needed, _ in _blocks(trace, tensors=False, concurrency=concurrency))
     bytes_moved = sum(misses[layer] * trace.record_bytes[layer] for layer in misses)
+    steps = trace.steps if concurrency == 1 else trace.steps // concurrency
     return dict(
-        steps=trace.steps,
+        steps=steps,
         uses=uses,
         misses=total,
         loads=total,
         hits=uses - total,
         hit_rate=(uses - total) / uses if uses else 0.0,
         bytes_moved=bytes_moved,
-        bytes_per_token=bytes_moved / trace.steps if trace.steps else 0.0,
+        bytes_per_token=bytes_moved / (steps * concurrency) if steps else 0.0,
         per_layer={layer: dict(misses=m) for layer, m in misses.items()},
     )

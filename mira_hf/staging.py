@@ -109,8 +109,12 @@ class Staging:
         """`layer`'s block has queued its compute: stage its guesses (and, after the last layer, the first
         layer's next-step guess)."""
         t0 = time.perf_counter()
+        batch = self.manager.batch
         if predictions:
             self.stage(layer, predictions)
+        elif batch is not None and not self.predicting and self.enabled:  # batch-aware use rates stand in
+            if guess := batch.next_layer_guess(layer):
+                self._copy_likely(*guess)
         if layer == self.manager.last_ordinal and self.enabled:
             self._stage_next_step()
         if self.predicting:

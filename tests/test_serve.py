@@ -225,12 +225,97 @@ def test_serve_config_is_validated():
         ServeConfig(default_max_tokens=0)
     with pytest.raises(ConfigError, match="kv_cache_memory"):
         ServeConfig(kv_cache_memory="lots")
+    with pytest.raises(ConfigError, match="device_memory"):
+        ServeConfig(device_memory="lots")
+    with pytest.raises(ConfigError, match="give device_memory"):
+        ServeConfig(expert_cache_memory="8MiB")
+    with pytest.raises(ConfigError, match="concurrency"):
+        ServeConfig(device_memory="1GiB", concurrency=0)
+
+
+def test_planned_device_memory_resizes_the_expert_cache_and_requests_beyond_the_kv_cache_wait():
+    """ServeConfig(device_memory=...): the expert cache is resized to the plan's part and the KV cache gets the rest;
+    with a KV cache of two blocks (fixed), six concurrent requests run two at a time, the rest waiting in the queue,
+    and each gets the tokens of `generate`."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from mira_hf.serve import BackgroundServer, build_app, planning
+    from mira_hf.serve import memory as serve_memory
+
+    path = bundled_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.1, device="cpu"), progress=False, dtype=torch.float32)
+    model.eval()
+    prompts = PROMPTS[:6]
+    references = {}
+    for prompt in prompts:
+        ids = tokenizer(prompt)["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        references[prompt] = out[0, len(ids) :].tolist()
+    base = dict(default_max_tokens=NEW_TOKENS, device_memory="48MiB", concurrency=8, prompt_tokens=8, max_batch_tokens=256)
+
+    fp = planning.footprint(model, 256)
+    record = model.mira.store.record_bytes(0)  # one pool: every layer's experts have one size
+    assert (fp.min_expert_bytes, fp.expert_bytes, fp.record_bytes) == (2 * record, 6 * 8 * record, record)  # top-2; 6 x 8
+    assert fp.kv_bytes_per_token == 3072 and fp.weights_bytes == serve_memory.device_weight_bytes(model) > 0
+    planned = planning.plan(model, ServeConfig(**base))  # both parts planned
+    assert planned.fixed == () and planned.concurrency == 8
+    assert planned.weights_bytes + planned.activation_bytes + planned.expert_cache_bytes + planned.kv_cache_bytes <= 48 * 2**20
+
+    block = 256 * 3072  # one KV block of mira-tiny: 256 tokens of 3072 bytes
+    app = build_app(model, tokenizer, ServeConfig(**base, kv_cache_memory=2 * block))
+    plan = app.state.mira_runtime.plan
+    assert plan.fixed == ("kv_cache",) and (plan.kv_blocks, plan.concurrency) == (2, 2)
+    assert model.mira.budget.budget_bytes == plan.expert_cache_bytes > planned.expert_cache_bytes  # resized at build
+    depth, done = {"waiting": 0, "active": 0}, threading.Event()
+
+    def watch(runtime) -> None:
+        while not done.is_set():
+            now = serve_memory.queue_depth(runtime.cb) if runtime.cb is not None else None
+            if now is not None:
+                depth.update({k: max(depth[k], now[k]) for k in depth})
+            time.sleep(0.002)
+
+    with BackgroundServer(app) as server:
+        watcher = threading.Thread(target=watch, args=(app.state.mira_runtime,), daemon=True)
+        watcher.start()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda p: post(server.url + "/v1/completions", {"prompt": p}), prompts))
+        done.set()
+        watcher.join()
+        values = metric_values(get(server.url + "/metrics")[1])
+        split = app.state.mira_runtime.split
+    for prompt, (status, body) in zip(prompts, answers):
+        assert status == 200, body
+        assert body["choices"][0]["text"] == tokenizer.decode(references[prompt], skip_special_tokens=True), prompt
+    assert depth["active"] <= 2 and depth["waiting"] >= 1  # two at a time; the others queued, none refused
+    assert split["kv_blocks"] == 2 and split["plan"]["expert_cache_bytes"] == plan.expert_cache_bytes
+    assert values['mira_serve_plan_bytes{model="mira-tiny",part="kv_cache"}'] == plan.kv_cache_bytes
+    assert values['mira_serve_plan_bytes{model="mira-tiny",part="expert_cache"}'] == plan.expert_cache_bytes
+    assert values['mira_serve_plan_concurrency{model="mira-tiny"}'] == 2
+    assert "planned" not in serve_memory.format_split(split) and "as set for 48.0 MiB" in serve_memory.format_split(split)
+
+
+def test_planned_device_memory_needs_a_wrapped_model():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mira_hf.serve import build_app
+
+    path = bundled_model_path()
+    plain = AutoModelForCausalLM.from_pretrained(path)
+    with pytest.raises(ConfigError, match="not wrapped by mira-hf"):
+        build_app(plain, AutoTokenizer.from_pretrained(path), ServeConfig(device_memory="1GiB"))
 
 
 def test_cli_serve_refuses_a_bad_flag_before_loading(capsys):
     assert main(["serve", "--kv-cache-memory", "lots"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mira: error: kv_cache_memory='lots' is not a size") and len(err.splitlines()) == 1
+    assert main(["serve", "--device-memory", "lots"]) == 2
+    assert capsys.readouterr().err.startswith("mira: error: device_memory='lots' is not a size")
     assert main(["serve", "--help"]) == 0
 
 
@@ -294,6 +379,41 @@ def test_on_cuda_concurrent_requests_give_the_tokens_of_generate_and_the_split_i
     assert split["kv_cache_bytes"] >= split["kv_blocks"] * split["kv_bytes_per_token"] * 256 > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_planned_server_stays_within_its_device_memory_and_gives_the_tokens_of_generate():
+    """On a GPU: ServeConfig(device_memory=...) resizes the expert cache and sizes the KV cache so that everything the
+    process allocates on the device while serving concurrent requests stays within the total."""
+    from transformers import AutoTokenizer
+
+    from mira_hf.serve import BackgroundServer, build_app
+
+    path = bundled_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.1, device="cuda"), progress=False, dtype=torch.float32)
+    model.eval()
+    references = {}
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        references[prompt] = out[0, len(ids) :].tolist()
+    total = 256 * 2**20
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    config = ServeConfig(default_max_tokens=NEW_TOKENS, device_memory=total, concurrency=4, prompt_tokens=16)
+    app = build_app(model, tokenizer, config)
+    with BackgroundServer(app) as server:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(lambda p: post(server.url + "/v1/completions", {"prompt": p}), PROMPTS))
+    plan = app.state.mira_runtime.plan
+    for prompt, (status, body) in zip(PROMPTS, answers):
+        assert status == 200, body
+        assert body["choices"][0]["text"] == tokenizer.decode(references[prompt], skip_special_tokens=True), prompt
+    assert model.mira.budget.budget_bytes == plan.expert_cache_bytes
+    assert torch.cuda.max_memory_allocated() <= total, (torch.cuda.max_memory_allocated(), plan)
+
+
 @pytest.mark.slow
 def test_load_script_runs_mira_serve_and_loses_no_request(tmp_path):
     """benchmarks/serve_load.py end to end: `mira serve` in a subprocess on 127.0.0.1, a few concurrent clients."""
@@ -310,3 +430,25 @@ def test_load_script_runs_mira_serve_and_loses_no_request(tmp_path):
     rows = json.loads(result.read_text())["results"]
     assert [(r["requests"], r["ok"], r["lost"]) for r in rows] == [(1, 1, 0), (8, 8, 0)]
     assert 0 < rows[-1]["tokens"] <= 8 * 4 and rows[-1]["p95_s"] >= rows[-1]["p50_s"] > 0
+
+
+@pytest.mark.slow
+def test_concurrency_benchmark_smoke_serves_the_planned_sequences(tmp_path):
+    """benchmarks/serve_concurrency.py --smoke: tiny shapes on the CPU, resident and planned runs without failures."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "concurrency.json"
+    cmd = [sys.executable, str(root / "benchmarks" / "serve_concurrency.py"), "--smoke", "--shapes", "mixtral-8x7b-8l"]
+    done = subprocess.run([*cmd, "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (shape,) = json.loads(out.read_text())["shapes"]
+    runs, plan = shape["runs"], shape["plan"]
+    assert runs["resident"]["ok"] and runs["mira"]["ok"] and runs["mira"]["sequences"] == plan["concurrency"] == 8
+    assert runs["mira"]["output_tokens"] == 8 * 8 and runs["mira"]["tpot_p95_ms"] >= runs["mira"]["tpot_p50_ms"] > 0
+    assert (
+        plan["weights_bytes"] + plan["activation_bytes"] + plan["expert_cache_bytes"] + plan["kv_cache_bytes"]
+        <= plan["total_bytes"]
+    )

@@ -22,8 +22,26 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the expert cache; 64MiB on a CPU)",
     )
     v.add_argument("--memory-report", action="store_true", help="print how device memory is split, then exit")
+    v.add_argument(
+        "--device-memory",
+        metavar="B",
+        help="device bytes to use in all, e.g. 24GiB: the split between expert cache and KV cache is planned (--budget "
+        "or --kv-cache-memory fix a part)",
+    )
+    v.add_argument(
+        "--concurrency", type=int, default=32, metavar="N", help="with --device-memory: sequences at once at most (32)"
+    )
+    v.add_argument("--prompt-tokens", type=int, default=512, metavar="N", help="with --device-memory: tokens per prompt (512)")
+    v.add_argument(
+        "--routing-trace",
+        metavar="FILE",
+        help="with --device-memory: routing of MODEL for the plan's hit rates (a trace file, or a mira calibrate DIR)",
+    )
     add_model_options(v, budget_default="0.25")
-    v.set_defaults(run=cmd_serve)
+    v.set_defaults(run=cmd_serve, budget=None)  # None: 0.25, or planned with --device-memory
+
+
+PROVISIONAL_SERVE_BUDGET = "0.05"  # share of the experts loaded before --device-memory's plan resizes the cache
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -32,10 +50,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     memory is split between weights, expert cache and KV cache. Needs pip install "mira-hf[serve]"."""
     from ..serve.options import ServeConfig, require_serve
 
+    fixed_experts = args.budget is not None and args.device_memory is not None
+    if args.budget is None:  # with a plan, load with a small cache: the plan resizes it before serving
+        args.budget = PROVISIONAL_SERVE_BUDGET if args.device_memory else "0.25"
     serve_config = ServeConfig(  # validated before anything loads
         model_name=args.served_model_name or args.model,
         default_max_tokens=args.max_tokens,
         kv_cache_memory=parse_budget(args.kv_cache_memory),
+        device_memory=parse_budget(args.device_memory),
+        expert_cache_memory=parse_budget(args.budget) if fixed_experts else None,
+        concurrency=args.concurrency,
+        prompt_tokens=args.prompt_tokens,
+        routing_trace=args.routing_trace,
     )
     require_serve()
     cfg = mira_config(args)

@@ -32,7 +32,9 @@ from transformers.cli.serving.completion import CompletionHandler  # noqa: E402
 from transformers.cli.serving.model_manager import ModelManager  # noqa: E402
 from transformers.cli.serving.utils import CBWorkerDeadError, GenerationState, Modality  # noqa: E402
 
-from . import checks, memory  # noqa: E402
+from ..batching import enable as enable_batch_aware  # noqa: E402
+from ..errors import ConfigError  # noqa: E402
+from . import checks, memory, planning  # noqa: E402
 from .metrics import build_registry  # noqa: E402
 
 logger = logging.getLogger("mira_hf.serve")
@@ -66,6 +68,7 @@ class _Runtime:
         self.cb = None  # transformers' ContinuousBatchingManager, once started
         self.limits: checks.Limits | None = None
         self.split: dict | None = None
+        self.plan = None  # mira_hf.planner.MemoryPlan with ServeConfig.device_memory
 
 
 def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None) -> FastAPI:
@@ -75,14 +78,29 @@ def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None
     implementation is kept, and every request is decoded greedily, so a request's tokens are those of
     `model.generate(ids, do_sample=False, max_new_tokens=...)`. `on_ready(split)` is called once the KV cache
     exists, with `memory.memory_split(...)`. Run it with uvicorn, `serve(...)` or `BackgroundServer`.
+
+    With `config.device_memory` the split between expert cache and KV cache is planned here (`planning`) and
+    the expert cache resized to its part before the app is returned. From then on a wrapped model's cache ranks
+    experts by batch-aware use estimates (`mira_hf.batching`; the same as before at one token per step).
     """
     config = config or ServeConfig()
     name = config.model_name
     runtime = _Runtime()
+    manager = getattr(model, "mira", None)
+    kv_memory, max_batch_tokens = config.kv_cache_memory, config.max_batch_tokens
+    if config.device_memory is not None:
+        if manager is None:
+            raise ConfigError(
+                "ServeConfig.device_memory plans the split between a mira-hf expert cache and the KV cache, and this "
+                "model is not wrapped by mira-hf. Load it with MiraMoEModel.from_pretrained, or set kv_cache_memory."
+            )
+        runtime.plan = planning.plan(model, config)
+        kv_memory = planning.apply(model, runtime.plan)
+        max_batch_tokens = planning.batch_tokens(model, config)
+    if manager is not None:
+        enable_batch_aware(manager)
     model_manager = LoadedModelManager(model, tokenizer, name)
-    state = GenerationState(
-        continuous_batching=True, cb_config=memory.batching_config(model, config.kv_cache_memory, config.max_batch_tokens)
-    )
+    state = GenerationState(continuous_batching=True, cb_config=memory.batching_config(model, kv_memory, max_batch_tokens))
     template_kwargs = (
         {} if getattr(tokenizer, "chat_template", None) else {"chat_template": config.chat_template or PLAIN_CHAT_TEMPLATE}
     )
@@ -90,7 +108,7 @@ def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None
         model_manager=model_manager, generation_state=state, chat_template_kwargs=template_kwargs
     )
     completion_handler = CompletionHandler(model_manager=model_manager, generation_state=state)
-    registry, mira_collector, serve_collector = build_registry(model, name, lambda: runtime.cb)
+    registry, mira_collector, serve_collector = build_registry(model, name, lambda: runtime.cb, lambda: runtime.plan)
     created = int(time.time())
 
     @asynccontextmanager
@@ -243,6 +261,8 @@ def _start_batching(model, config: ServeConfig, state: GenerationState, runtime:
         greedy=True,
     )
     runtime.split = memory.memory_split(model, cb)
+    if runtime.plan is not None:
+        runtime.split["plan"] = {k: v for k, v in runtime.plan.as_dict().items() if k != "candidates"}
     runtime.cb = cb
 
 

@@ -106,13 +106,23 @@ def queue_depth(cb_manager) -> dict | None:
     return dict(waiting=queued + len(scheduler.waiting_requests), active=len(scheduler.active_requests))
 
 
+def device_weight_bytes(model) -> int:
+    """Bytes of the weights and buffers on the model's device, not counting routed experts served by mira-hf (they
+    live in its host store; the expert cache is counted on its own)."""
+    from ..proxy import MiraExperts
+
+    served = {id(p) for m in model.modules() if isinstance(m, MiraExperts) for p in m.parameters(recurse=False)}
+    tensors = (*model.parameters(), *model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors if t.device == model.device and id(t) not in served)
+
+
 def memory_split(model, cb_manager) -> dict:
     """Where the model's device memory goes: weights resident there, the expert cache, the KV cache, and (on CUDA)
     what is still free. Bytes; the KV entries are None until the batching manager has built its cache."""
     import torch
 
     device = model.device
-    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if t.device == device)
+    weights = device_weight_bytes(model)
     manager = getattr(model, "mira", None)
     kv = kv_usage(cb_manager)
     out = dict(
@@ -146,4 +156,12 @@ def format_split(split: dict) -> str:
     ]
     if split["free_bytes"] is not None:
         lines.append(f"  still free              {size(split['free_bytes'])}")
+    plan = split.get("plan")
+    if plan is not None:
+        how = "as set" if plan["fixed"] else "planned"
+        lines.append(
+            f"  ({how} for {format_bytes(plan['total_bytes'])} in all, {format_bytes(plan['activation_bytes'])} kept "
+            f"for one step's activations: {plan['concurrency']} sequences at once, expected hit rate "
+            f"{plan['expected_hit_rate']:.1%}; hit rates from {plan['curve_source']})"
+        )
     return "\n".join(lines)

@@ -15,10 +15,11 @@ class ServeCollector:
     """Requests by endpoint and status, their wall seconds, requests in flight, and the batching manager's KV
     blocks and queue depth (read on every scrape)."""
 
-    def __init__(self, cb_manager_of, model_name: str) -> None:
+    def __init__(self, cb_manager_of, model_name: str, plan_of=lambda: None) -> None:
         self._core = optional_import("prometheus_client.core", SERVE_EXTRA, "the /metrics endpoint")
         self._cb_manager_of = cb_manager_of  # () -> the ContinuousBatchingManager, or None before it exists
         self._model = model_name
+        self._plan_of = plan_of  # () -> the device-memory plan (mira_hf.planner.MemoryPlan), or None
         self._lock = threading.Lock()  # request handlers (event loop) and scrapes meet here
         self._requests: dict[tuple[str, str], int] = {}
         self._seconds: dict[str, float] = {}
@@ -70,6 +71,28 @@ class ServeCollector:
         if depth is not None:
             yield self._gauge("mira_serve_queue_waiting", "Requests queued for the batch, not yet started.", depth["waiting"])
             yield self._gauge("mira_serve_batch_active", "Requests in the running batch.", depth["active"])
+        plan = self._plan_of()
+        if plan is not None:
+            family = self._core.GaugeMetricFamily(
+                "mira_serve_plan_bytes",
+                "The device-memory plan, by part: total, weights, activations, expert_cache, kv_cache.",
+                labels=["model", "part"],
+            )
+            for part, value in (
+                ("total", plan.total_bytes),
+                ("weights", plan.weights_bytes),
+                ("activations", plan.activation_bytes),
+                ("expert_cache", plan.expert_cache_bytes),
+                ("kv_cache", plan.kv_cache_bytes),
+            ):
+                family.add_metric([self._model, part], value)
+            yield family
+            yield self._gauge(
+                "mira_serve_plan_concurrency", "Sequences whose whole context the planned KV cache holds.", plan.concurrency
+            )
+            yield self._gauge(
+                "mira_serve_plan_expected_hit_rate", "Expert-cache hit rate the plan expects.", plan.expected_hit_rate
+            )
 
     def _gauge(self, name: str, doc: str, value: float):
         family = self._core.GaugeMetricFamily(name, doc, labels=["model"])
@@ -77,7 +100,7 @@ class ServeCollector:
         return family
 
 
-def build_registry(model, model_name: str, cb_manager_of):
+def build_registry(model, model_name: str, cb_manager_of, plan_of=lambda: None):
     """A fresh registry with mira-hf's collector (when the model is wrapped) and a `ServeCollector`.
     Returns `(registry, mira_collector or None, serve_collector)`."""
     prometheus_client = optional_import("prometheus_client", SERVE_EXTRA, "the /metrics endpoint")
@@ -86,6 +109,6 @@ def build_registry(model, model_name: str, cb_manager_of):
     registry = prometheus_client.CollectorRegistry()
     manager = getattr(model, "mira", None)
     mira = register(manager, registry=registry, model_name=model_name) if manager is not None else None
-    serve = ServeCollector(cb_manager_of, model_name)
+    serve = ServeCollector(cb_manager_of, model_name, plan_of)
     registry.register(serve)
     return registry, mira, serve

@@ -43,8 +43,18 @@ class ServeConfig:
     default_max_tokens: completion tokens when a request gives no max_tokens (capped by the room left).
     kv_cache_memory: bytes (int or "2GiB") of the paged KV cache; None: transformers sizes it from the device
         memory left after the weights and the expert cache (on a CPU, 64 MiB).
-    max_batch_tokens: tokens per forward step of the batch (None: transformers' default; on a CPU, 1024).
+    max_batch_tokens: tokens per forward step of the batch (None: transformers' default; on a CPU, 1024; with
+        device_memory, 2048).
     chat_template: Jinja template for a tokenizer that has none (None: the messages' text, one per line).
+    device_memory: bytes of device memory the server may use in all (weights, activations, expert cache, KV
+        cache), e.g. "24GiB". The split between expert cache and KV cache is then planned (`mira_hf.planner`):
+        the expert cache is resized when the app is built, and the KV cache gets the rest. None: no plan.
+    expert_cache_memory: with device_memory, fixes the expert cache (bytes, or a float share of all expert
+        bytes); the KV cache gets the rest. kv_cache_memory likewise fixes the KV part.
+    concurrency, prompt_tokens: the request mix the plan is made for: sequences decoding at once at most, and
+        tokens per prompt (completions: default_max_tokens).
+    routing_trace: routing of this model, replayed for the plan's hit rates: a `RoutingTrace` file, or the
+        directory `mira calibrate` wrote; None: hit rates estimated for evenly spread routing.
     """
 
     model_name: str = "mira-tiny"
@@ -52,11 +62,16 @@ class ServeConfig:
     kv_cache_memory: int | str | None = None
     max_batch_tokens: int | None = None
     chat_template: str | None = None
+    device_memory: int | str | None = None
+    expert_cache_memory: int | float | str | None = None
+    concurrency: int = 32
+    prompt_tokens: int = 512
+    routing_trace: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ConfigError(f"ServeConfig.model_name={self.model_name!r}: give the non-empty name clients will send.")
-        for name in ("default_max_tokens", "max_batch_tokens"):
+        for name in ("default_max_tokens", "max_batch_tokens", "concurrency", "prompt_tokens"):
             value = getattr(self, name)
             if value is None and name == "max_batch_tokens":
                 continue
@@ -64,3 +79,15 @@ class ServeConfig:
                 raise ConfigError(f"ServeConfig.{name}={value!r}: must be an integer ≥ 1.")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        if self.device_memory is not None:
+            parse_bytes(self.device_memory, "device_memory")
+        elif self.expert_cache_memory is not None or self.routing_trace is not None:
+            raise ConfigError(
+                "ServeConfig.expert_cache_memory and routing_trace shape the device-memory plan: give device_memory "
+                "(the bytes the server may use in all) too, or set the expert cache with MiraConfig(gpu_budget=...)."
+            )
+        e = self.expert_cache_memory
+        if isinstance(e, float) and not isinstance(e, bool) and not 0 < e <= 1:
+            raise ConfigError(f"ServeConfig.expert_cache_memory={e}: a float is a share of all expert bytes, in (0, 1].")
+        if e is not None and not isinstance(e, float):
+            parse_bytes(e, "expert_cache_memory")

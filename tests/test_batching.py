@@ -1,0 +1,137 @@
+"""Batch-aware use estimates (`mira_hf.batching`): per-token routing shares from each block's counts, projected to
+the next step's tokens, rank evictions at batch; one token per step leaves the heat policy exactly as it was; and
+batch generation stays bit-identical to the unwrapped model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import make_config
+from transformers import AutoModelForCausalLM
+
+from mira_hf import MiraConfig, MiraMoEModel
+from mira_hf.batching import BatchUsage, enable
+from mira_hf.errors import ConfigError
+from mira_hf.heat import HeatTracker
+from mira_hf.replay import belady, replay
+from mira_hf.trace import RoutingTrace
+
+
+def test_shares_and_union_probabilities_follow_the_blocks_counts():
+    usage = BatchUsage({0: 4})
+    rates = {0: np.zeros(4, np.float32)}
+    # 4 tokens, top-2: expert 0 has 4 rows, 1 has 2, 2 and 3 one each
+    usage.observe(0, [0, 1, 2, 3], torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]]))
+    usage.end_step(rates)
+    share = np.array([4, 2, 1, 1], np.float32) / 4 * np.float32(0.1)
+    np.testing.assert_allclose(usage.share[0], share, rtol=1e-6)
+    assert usage.batch_tokens == 4
+    np.testing.assert_allclose(rates[0], 1 - (1 - share) ** 4, rtol=1e-5)  # written into the heat tracker's rates
+    np.testing.assert_allclose(usage.expected_uses(0), share * 4, rtol=1e-6)
+    assert usage.ranking(0) == [0, 1, 2, 3]
+
+
+def test_padding_and_the_expert_parallel_sentinel_are_not_counted():
+    usage = BatchUsage({0: 3})
+    usage.observe(0, [0, 2], torch.tensor([[0, -1], [2, 3], [0, 3]]))  # -1 pads, 3 = E is the EP sentinel
+    usage.end_step({0: np.zeros(3, np.float32)})
+    np.testing.assert_allclose(usage.share[0], np.array([2, 0, 1], np.float32) / 3 * np.float32(0.1), rtol=1e-6)
+
+
+def test_one_token_steps_leave_the_heat_use_rates_as_they_were():
+    heat, plain = HeatTracker({0: 4, 1: 4}), HeatTracker({0: 4, 1: 4})
+    usage = BatchUsage({0: 4, 1: 4})
+    for step in range(30):
+        for layer in (0, 1):
+            picks = [(step + layer) % 4, (step * 3 + 1) % 4] if step % 3 else [layer]
+            picks = sorted(set(picks))
+            for h in (heat, plain):
+                h.activate(layer, picks)
+            usage.observe(layer, picks, torch.tensor([picks]))
+        heat.end_step()
+        plain.end_step()
+        usage.end_step(heat.use_rate)
+    for layer in (0, 1):
+        assert np.array_equal(heat.use_rate[layer], plain.use_rate[layer])
+        np.testing.assert_allclose(usage.share[layer], plain.use_rate[layer], rtol=1e-6)  # the same estimate
+
+
+def test_the_next_steps_tokens_are_the_median_of_the_latest_steps():
+    usage = BatchUsage({0: 2})
+    rates = {0: np.zeros(2, np.float32)}
+    for tokens in (32, 32, 4096, 32, 1):  # decode steps of 32 sequences, one prompt chunk, one lone token
+        usage.observe(0, [0, 1], torch.zeros((tokens, 1), dtype=torch.long))
+        usage.end_step(rates)
+    assert usage.batch_tokens == 32
+
+
+def zipf_trace(steps=1024, layers=4, experts=16, k=2, seed=0) -> RoutingTrace:
+    g = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, experts + 1).float()
+    rows = torch.empty(steps, layers, k, dtype=torch.long)
+    for layer in range(layers):
+        p = weights[torch.randperm(experts, generator=g)]
+        rows[:, layer] = torch.multinomial(p.expand(steps, experts), k, replacement=False, generator=g)
+    return RoutingTrace(rows, None, [0], [experts] * layers, [1000] * layers)
+
+
+def test_batch_replay_counts_union_uses_and_batch_aware_ranking_hits_more():
+    trace = zipf_trace()
+    one = replay(trace, budget=0.5, policy="heat")
+    assert (
+        one["uses"] == sum(len(set(r)) for r in trace.experts.reshape(-1, 2).tolist()) and one["config"]["batch_aware"] is False
+    )
+    binary = replay(trace, budget=0.5, policy="heat", concurrency=8, batch_aware=False)
+    aware = replay(trace, budget=0.5, policy="heat", concurrency=8)
+    assert aware["config"]["batch_aware"] is True and binary["uses"] == aware["uses"]
+    unions = sum(
+        len({e for s in range(step, trace.steps, trace.steps // 8) for e in trace.experts[s, layer].tolist()})
+        for step in range(trace.steps // 8)
+        for layer in range(trace.num_layers)
+    )
+    assert aware["uses"] == unions and aware["steps"] == trace.steps // 8 and aware["tokens"] == trace.steps
+    assert aware["hits"] > binary["hits"]  # same trace, same slots: the shares rank better than "used last step"
+    bound = belady(trace, budget=0.5, concurrency=8)
+    assert bound["uses"] == unions and bound["hits"] >= aware["hits"]
+    lru = replay(trace, budget=0.5, policy="lru", concurrency=8)
+    assert lru["hit_rate"] < aware["hit_rate"]  # layers cycled in order: recency evicts what comes next
+
+
+def test_replay_refuses_a_concurrency_beyond_the_trace():
+    with pytest.raises(ConfigError, match="concurrency=0"):
+        replay(zipf_trace(steps=8), budget=0.5, concurrency=0)
+
+
+def test_batch_generation_with_batch_aware_ranking_is_bit_identical():
+    torch.manual_seed(0)
+    config = make_config("mixtral")
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, config.vocab_size, (8, 12))
+    with torch.inference_mode():
+        reference = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        logits = model(ids).logits
+    wrapped = MiraMoEModel.wrap(model, MiraConfig(gpu_budget=0.3, device="cpu", predictor=None))
+    usage = enable(wrapped.mira)
+    with torch.inference_mode():
+        assert torch.equal(wrapped(ids).logits, logits)
+        assert torch.equal(wrapped.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0), reference)
+    assert usage.batch_tokens == 8 and usage.share[0].sum() > 0  # the decode steps carried 8 tokens
+    assert wrapped.mira.stats()["misses"] > 0  # experts did move: the ranking was exercised
+
+
+def test_without_a_predictor_batch_union_guesses_stage_the_next_layer_ahead_of_its_router(monkeypatch):
+    trace = zipf_trace()
+    staged = replay(trace, budget=0.5, policy="heat", concurrency=32)
+    assert staged["prefetches"] > 0 and staged["prefetch_wasted"] == 0  # only experts the next block surely uses
+    monkeypatch.setattr(BatchUsage, "next_layer_guess", lambda self, layer: None)
+    plain = replay(trace, budget=0.5, policy="heat", concurrency=32)
+    assert plain["prefetches"] == 0 and plain["loads"] == staged["loads"]  # the same copies, made earlier
+    assert staged["misses"] + staged["stage_hits"] == plain["misses"]  # each staged copy is a stall avoided
+
+
+def test_one_token_steps_stage_nothing():
+    usage = BatchUsage({0: 4, 1: 4})
+    usage.observe(0, [0, 1], torch.tensor([[0, 1]]))
+    usage.end_step({0: np.zeros(4, np.float32), 1: np.zeros(4, np.float32)})
+    assert usage.next_layer_guess(0) is None

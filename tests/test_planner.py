@@ -1,0 +1,114 @@
+"""The device-memory planner (`mira_hf.planner`): the split between expert cache and KV cache is the one a known
+hit-rate curve and cost model give, memory experts cannot use goes to the KV cache, fixed parts are honoured, and
+memory that cannot hold the model is refused with the numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mira_hf.errors import BudgetError, ConfigError
+from mira_hf.planner import HitRateCurve, ModelFootprint, RequestMix, StepCost, plan_memory
+from mira_hf.trace import RoutingTrace
+
+# 100 bytes of weights, 100 of experts (records of 10), 1 byte of K and V per token in blocks of one token;
+# a request is 6 + 4 tokens, so one sequence needs 10 bytes of KV cache.
+MODEL = ModelFootprint(
+    weights_bytes=100, expert_bytes=100, record_bytes=10, min_expert_bytes=10, kv_bytes_per_token=1, page_tokens=1
+)
+MIX = RequestMix(prompt_tokens=6, new_tokens=4, concurrency=5)
+POINTS = ((0.0, 0.0), (0.5, 0.2), (0.8, 0.9), (1.0, 1.0))
+CURVE = HitRateCurve({1: POINTS, 5: POINTS}, {1: 10.0, 5: 10.0}, "known")  # 10 expert uses per step at any batch
+COST = StepCost(link_bytes_per_s=10.0, step_overhead_s=1.0, token_s=0.0)  # a step: 1 s + 1 s per missed record
+
+
+def test_the_split_maximises_expected_throughput_on_a_known_curve():
+    plan = plan_memory(200, MODEL, MIX, CURVE, COST)
+    # c sequences leave 100 - 10c bytes of experts: c=1 0.9 of them (hit 0.95, 1.5 s/step, 0.67 tokens/s),
+    # c=2 0.8 (hit 0.9, 2 s, 1.0), c=3 0.7 (hit 0.667, 4.33 s, 0.69), c=4 0.6 (0.433, 6.67 s, 0.6), c=5 0.5 (0.2, 9 s, 0.56)
+    assert [round(c["tokens_per_s"], 3) for c in plan.candidates] == [0.667, 1.0, 0.692, 0.6, 0.556]
+    assert (plan.expert_cache_bytes, plan.kv_cache_bytes, plan.kv_blocks, plan.concurrency) == (80, 20, 20, 2)
+    assert plan.expected_hit_rate == pytest.approx(0.9) and plan.expected_tokens_per_s == pytest.approx(1.0)
+    assert plan.fixed == () and plan.curve_source == "known"
+
+
+def test_memory_the_experts_cannot_use_goes_to_the_kv_cache():
+    plan = plan_memory(400, MODEL, MIX, CURVE, COST)  # 300 bytes of room: every expert and more
+    assert plan.expert_cache_bytes == 100 and plan.kv_cache_bytes == 200 and plan.concurrency == MIX.concurrency
+    assert plan.expected_hit_rate == 1.0
+
+
+def test_kv_overhead_per_token_is_paid_from_the_kv_part():
+    model = ModelFootprint(**{**MODEL.__dict__, "kv_overhead_per_token": 1})  # each cached token costs 2 bytes in all
+    plan = plan_memory(400, model, MIX, CURVE, COST)
+    assert plan.expert_cache_bytes == 100 and plan.kv_cache_bytes == 100 and plan.kv_blocks == 100
+
+
+@pytest.mark.parametrize(
+    "experts, kv, expected",
+    [(50, None, (50, 50, 5)), (None, 30, (70, 30, 3)), (40, 20, (40, 20, 2))],
+)
+def test_fixed_parts_are_honoured(experts, kv, expected):
+    plan = plan_memory(200, MODEL, MIX, CURVE, COST, expert_cache_bytes=experts, kv_cache_bytes=kv)
+    assert (plan.expert_cache_bytes, plan.kv_cache_bytes, plan.concurrency) == expected
+    assert set(plan.fixed) == {n for n, v in (("expert_cache", experts), ("kv_cache", kv)) if v is not None}
+    assert plan.expected_hit_rate == pytest.approx(CURVE.hit_rate(1, expected[0] / 100))
+
+
+def test_memory_that_cannot_hold_the_model_or_the_fixed_parts_is_refused():
+    with pytest.raises(BudgetError, match="at least 120 bytes"):
+        plan_memory(119, MODEL, MIX, CURVE, COST)  # weights + smallest expert cache + one sequence = 120
+    with pytest.raises(BudgetError, match="fixed parts do not fit"):
+        plan_memory(200, MODEL, MIX, CURVE, COST, expert_cache_bytes=95)  # leaves 5 bytes: not one sequence
+    with pytest.raises(BudgetError, match="fixed parts do not fit"):
+        plan_memory(200, MODEL, MIX, CURVE, COST, expert_cache_bytes=60, kv_cache_bytes=60)
+
+
+def test_request_mix_and_curve_are_validated():
+    with pytest.raises(ConfigError, match="concurrency=0"):
+        RequestMix(concurrency=0)
+    with pytest.raises(ConfigError, match="ascending share"):
+        HitRateCurve({1: ((0.5, 0.2), (0.1, 0.1))}, {1: 1.0}, "bad")
+
+
+def test_the_uniform_estimate_and_interpolation_between_concurrencies():
+    curve = HitRateCurve.uniform([8, 8], top_k=2, concurrencies=(1, 4))
+    assert curve.uses(1) == pytest.approx(4.0)  # two layers, two experts each
+    assert curve.uses(4) == pytest.approx(2 * 8 * (1 - 0.75**4))
+    assert curve.uses(2) == pytest.approx((curve.uses(1) + curve.uses(4)) / 2)  # halfway on a log scale
+    assert curve.uses(1000) == pytest.approx(16.0)  # every expert at most
+    assert curve.hit_rate(2, 0.3) == pytest.approx(0.3)
+
+
+def test_a_curve_measured_from_a_trace_falls_with_concurrency_and_rises_with_the_cache():
+    g = torch.Generator().manual_seed(0)
+    p = 1.0 / torch.arange(1, 17).float()
+    rows = torch.stack([torch.multinomial(p.expand(512, 16), 2, generator=g) for _ in range(4)], dim=1)  # [512, 4, 2]
+    trace = RoutingTrace(rows, None, [0], [16] * 4, [1000] * 4)
+    curve = HitRateCurve.from_trace(trace, concurrencies=(1, 8), shares=(0.25, 0.5, 1.0))
+    assert curve.uses(1) == pytest.approx(8.0) and 8.0 < curve.uses(8) <= 64.0
+    for c in (1, 8):
+        hits = [h for _, h in curve.points[c]]
+        assert hits == sorted(hits) and hits[-1] > 0.95  # all experts resident: only the first uses miss
+    assert curve.hit_rate(8, 0.25) < curve.hit_rate(1, 0.25)
+
+
+def test_routing_recorded_by_mira_calibrate_gives_the_plan_its_hit_rates(tmp_path):
+    from mira_hf import MiraConfig, MiraMoEModel
+    from mira_hf.bundled import bundled_model_path
+    from mira_hf.cli import main
+    from mira_hf.serve.planning import calibration_trace, hit_rate_curve
+
+    data = tmp_path / "code.txt"
+    data.write_text("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 8)
+    out = tmp_path / "calib"
+    args = ["calibrate", str(bundled_model_path()), "--data", str(data), "--out", str(out), "--traces-only", "--device", "cpu"]
+    assert main([*args, "--max-tokens", "96", "--chunk-tokens", "48"]) == 0
+    model = MiraMoEModel.from_pretrained(bundled_model_path(), MiraConfig(gpu_budget=0.25, device="cpu"), progress=False)
+    trace = calibration_trace(model, str(out))
+    assert (trace.steps, trace.num_layers, trace.top_k) == (96, 6, 2) and trace.sequence_starts == [0, 48]
+    assert trace.record_bytes == [model.mira.store.record_bytes(layer) for layer in range(6)]
+    curve = hit_rate_curve(model, str(out))
+    assert curve.source.startswith("replay of a 96-step routing trace") and set(curve.points) == {1, 2, 4, 8, 16, 32, 64}
+    with pytest.raises(ConfigError, match="without router_topk.safetensors"):
+        hit_rate_curve(model, str(tmp_path))

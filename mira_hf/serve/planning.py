@@ -14,7 +14,7 @@ import torch
 
 from ..config import parse_bytes
 from ..errors import BudgetError, ConfigError
-from ..manager import plan_budget
+from ..budget import plan_budget
 from ..planner import HitRateCurve, MemoryPlan, ModelFootprint, RequestMix, StepCost, plan_memory
 from . import memory
 
@@ -166,7 +166,7 @@ def resize_expert_cache(model, budget_bytes: int) -> None:
     changes if the plan is refused (below the minimum working set)."""
     manager = model.mira
     layers = list(manager.layers.values())
-    budget = plan_budget(layers, dict(manager.budget.pool_of_layer), budget_bytes, manager.budget.buffer_bytes)
+    budget = plan_budget(layers, dict(manager.budget.pool_of_layer), budget_bytes, manager.budget.buffer_bytes, manager.placement)
     if budget.n_slots != manager.budget.n_slots:
         manager.relocate(manager.store, budget, manager.device)
 

@@ -162,6 +162,43 @@ def test_an_int8_double_quant_record_is_the_bytes_written_out_by_hand():
     assert section(record, layout, "w", "codes") == bytes(q.to(torch.uint8).tolist() * 2)
 
 
+def test_groups_below_a_superblocks_floor_get_the_floor_scale():
+    """int4 asymmetric, double_quant, round to nearest, one superblock of two groups of 16: group 0 spans
+    [-1, 14] (scale 1), group 1 [-1, 14] * 2**-6, below the floor max_scale / 2**4 = 2**-4 (4-bit scale
+    codes). So a = log2(2**-4) = -4, b = (0 - a + 2**-18) / 15; group 0's code is the top one (15), group 1's
+    code 0 (the floor, 2**-4), its zero point round(2**-6 / 2**-4) = 0 and its codes round(w / 2**-4)."""
+    codec = PackedCodec(QuantSpec(fmt="int4", group_size=16, refine_iters=0))
+    q = torch.tensor([0, 15] + list(range(1, 15)), dtype=torch.float32)
+    w = torch.stack((q - 1, (q - 1) * 2.0**-6))
+    layout, record = pack_expert(codec, {"w": w})
+    a, b = struct.unpack("<2f", section(record, layout, "w", "superblocks"))
+    assert a == -4.0 and b == torch.tensor((4 + 2.0**-18) / 15).item()
+    small = torch.round(w[1] / 2.0**-4).clamp(0, 15).to(torch.uint8).tolist()
+    assert section(record, layout, "w", "stats") == bytes([15 << 4 | 1, 0 << 4 | 0])
+    codes = q.to(torch.uint8).tolist() + small
+    assert section(record, layout, "w", "codes") == bytes(codes[2 * i] | codes[2 * i + 1] << 4 for i in range(16))
+
+
+def test_symmetric_and_fp16_scales_are_the_bytes_written_out_by_hand():
+    """int4 symmetric, fp16 scales: weights (q - 7.5) * 0.5, max |w| = 3.75, scale 3.75 / 7.5 = 0.5, codes q.
+    An fp16 scale the range does not hit exactly is rounded up to the next fp16 (no weight clips): a range
+    of 1.5 over 15 steps is 0.1, stored as the smallest fp16 above 0.1."""
+    codec = PackedCodec(QuantSpec(fmt="int4", group_size=16, symmetric=True, double_quant=False, refine_iters=0))
+    q = torch.tensor([0, 15, 3, 7, 8, 12, 1, 14, 2, 13, 4, 11, 5, 10, 6, 9], dtype=torch.float32)
+    layout, record = pack_expert(codec, {"w": ((q - 7.5) * 0.5).view(1, 16)})
+    assert section(record, layout, "w", "scales") == struct.pack("<e", 0.5)
+    assert section(record, layout, "w", "codes") == bytes(int(q[2 * i]) | int(q[2 * i + 1]) << 4 for i in range(8))
+    assert not has_section(layout, "w", "zeros")
+    asym = PackedCodec(QuantSpec(fmt="int4", group_size=16, double_quant=False, refine_iters=0))
+    w = torch.linspace(-0.5, 1.0, 16).view(1, 16)
+    layout, record = pack_expert(asym, {"w": w})
+    (stored,) = struct.unpack("<e", section(record, layout, "w", "scales"))
+    below = torch.tensor(0.1).half()
+    above = below if below.item() >= torch.tensor(1.5 / 15).item() else torch.nextafter(below, torch.tensor(1.0).half())
+    assert stored == above.item() > torch.tensor(1.5 / 15).item()
+    assert section(record, layout, "w", "zeros") == bytes([round(0.5 / above.item())])
+
+
 @pytest.mark.parametrize("kw", [dict(fmt="int4"), dict(fmt="int8", symmetric=True), dict(fmt="int4", double_quant=False)])
 def test_round_to_nearest_never_clips_and_stays_within_half_a_step(kw):
     """Codes are the nearest grid point for the stored scale, which rounding rounds up: |w - w_hat| <= s / 2
@@ -276,7 +313,10 @@ def test_a_lossless_classes_record_decodes_as_the_format_reads():
     record = torch.empty(layout.nbytes, dtype=torch.uint8)
     escapes = codec.encode({"w": w}, layout, record)["w"]
     t = struct.unpack("<8i", section(record, layout, "w", "exps"))
-    assert t[:4] == (126, 127, 125, 128)  # by frequency, ties by the lower exponent
+    assert t[:4] == (126, 127, 125, 128)  # by frequency
+    # the other exponents: 121 (20 weights), 118 (10), 0 (8 zeros), 107, 123, 217 (one each); the first window
+    # of 15 holding the most is 107..121 (31 weights; 109..123 holds as many, but starts later)
+    assert t[4] == 107 and escapes == 8 + 1 + 1
     words = [x & 0xFFFF for x in w.view(torch.int16).view(-1).tolist()]
     got = classes_by_definition(record, layout, "w")
     differ = [i for i, (a, b) in enumerate(zip(got, words)) if a != b]

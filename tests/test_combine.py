@@ -38,25 +38,37 @@ _BUILT: dict = {}
 EAGER_WITHOUT_SENTINEL = ("gpt_oss", "nemotron_h")
 
 
-def experts_pair(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, MiraExperts]:
-    """(transformers' experts module of the first MoE layer, the proxy that replaced it in a wrapped copy)."""
-    key = (name, dtype)
+def experts_pair(name: str, dtype: torch.dtype, post_norm: bool = False) -> tuple[torch.nn.Module, MiraExperts]:
+    """(transformers' experts module of the first MoE layer, the proxy that replaced it in a wrapped copy).
+    Expert biases are drawn at random (transformers initialises them to zero, which would hide them);
+    `post_norm`: the experts module normalises each expert's output (transformers' `has_post_expert_norm`)."""
+    key = (name, dtype, post_norm)
     if key not in _BUILT:
         config = make_auto_config(name) if name == "nemotron_h" else make_config(name)
         if config is None:
             pytest.skip(f"transformers {__import__('transformers').__version__} has no {name}")
         torch.manual_seed(0)
-        ref = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+        ref = AutoModelForCausalLM.from_config(config).eval()
         path = next(
             p for p, m in ref.named_modules() if p.endswith("experts") and isinstance(getattr(m, "num_experts", None), int)
         )
+        experts = ref.get_submodule(path)
+        with torch.no_grad():
+            for pname, p in experts.named_parameters():
+                if pname.endswith("_bias"):
+                    p.normal_(0.0, 0.5)
+        if post_norm:
+            experts.has_post_expert_norm = True
+            experts.post_expert_norm = torch.nn.RMSNorm(config.hidden_size, eps=1e-6)
+            torch.nn.init.normal_(experts.post_expert_norm.weight, 1.0, 0.5)
+        ref = ref.to(dtype)
         model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.5))
         proxy = model.get_submodule(path)
         assert isinstance(proxy, MiraExperts)
         experts = ref.get_submodule(path)
         experts._is_expert_parallel = True  # transformers then treats index E as the EP sentinel, as the proxy always does
-        _BUILT[key] = (experts, proxy)
-    return _BUILT[key]
+        _BUILT[key] = (experts, proxy, model)
+    return _BUILT[key][:2]
 
 
 def routings(E: int, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -84,10 +96,10 @@ def routings(E: int, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tenso
     }
 
 
-def mismatches(name: str, impl: str) -> list[str]:
+def mismatches(name: str, impl: str, post_norm: bool = False) -> list[str]:
     found = []
     for dtype in DTYPES:
-        ref, proxy = experts_pair(name, dtype)
+        ref, proxy = experts_pair(name, dtype, post_norm)
         ref.config._experts_implementation = impl
         proxy.base.config._experts_implementation = impl
         H, E = proxy.base.config.hidden_size, proxy.num_experts
@@ -110,6 +122,11 @@ def mismatches(name: str, impl: str) -> list[str]:
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_proxy_combines_as_transformers_experts_do(name, impl):
     assert mismatches(name, impl) == []
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])  # transformers' eager forwards have no post-norm
+def test_a_normalised_expert_output_is_normalised_before_it_is_weighted(impl):
+    assert mismatches("qwen3_moe", impl, post_norm=True) == []
 
 
 def test_the_routings_tell_the_implementations_apart():
@@ -164,6 +181,56 @@ def test_eager_accumulates_in_the_dtype_it_is_given():
     in_fp32 = combine(parts, index, "eager", torch.float32, torch.float32)
     in_bf16 = combine(parts, index, "eager", torch.float32, torch.bfloat16)
     assert in_fp32.item() == 1.0 + 2.0**-7 and in_bf16.item() == 1.0
+
+
+def test_one_experts_rows_through_the_grouped_kernel_are_its_matmul_on_the_cpu():
+    """`grouped_linear`: what the proxy multiplies with where the unwrapped model runs torch's grouped kernel
+    (grouped_mm off the CPU). On the CPU transformers falls back to one `mm` per expert: the same bits."""
+    from mira_hf.experts_impl import grouped_linear
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 64, generator=g), torch.randn(32, 64, generator=g)
+    assert torch.equal(grouped_linear(x, w, False), torch.nn.functional.linear(x, w))
+    assert torch.equal(grouped_linear(x, w.t().contiguous(), True), x @ w.t().contiguous())
+
+
+def test_the_manager_sees_each_blocks_hidden_states_and_routing():
+    """What a trace recorder (the learned predictor's training data) is given for a block: its layer, the
+    hidden states and the top-k index the proxy was called with, under every implementation and at decode steps."""
+    _, proxy = experts_pair("gpt_oss", torch.float32)
+    seen = []
+    proxy.manager.recorder = lambda layer, hidden, index: seen.append((layer, hidden, index))
+    try:
+        for impl in IMPLS:
+            proxy.base.config._experts_implementation = impl
+            for case in ("skewed prefill", "decode, descending picks", "decode, repeated pick"):
+                index, w = routings(proxy.num_experts)[case]
+                hidden = torch.randn(index.shape[0], proxy.base.config.hidden_size)
+                seen.clear()
+                with torch.no_grad():
+                    proxy(hidden, index, w)
+                assert len(seen) == 1 and seen[0][0] == proxy.layer, (impl, case)
+                assert torch.equal(seen[0][1], hidden) and torch.equal(seen[0][2], index), (impl, case)
+    finally:
+        proxy.manager.recorder = None
+        proxy.base.config._experts_implementation = "grouped_mm"
+
+
+def test_a_wrapped_model_refuses_implementations_it_cannot_compute_and_sets_the_others():
+    experts_pair("mixtral", torch.float32)
+    model = _BUILT[("mixtral", torch.float32, False)][2]
+    model.config._experts_implementation = "grouped_mm"
+    try:
+        for impl in ("deepgemm", {"": "sonicmoe"}):
+            with pytest.raises(ConfigError, match="was requested for a model wrapped by mira-hf"):
+                model.set_experts_implementation(impl)
+            assert model.config._experts_implementation == "grouped_mm"
+        model.set_experts_implementation("eager")
+        assert model.config._experts_implementation == "eager"
+        model.set_experts_implementation({"": "batched_mm"})
+        assert model.config._experts_implementation == "batched_mm"
+    finally:
+        model.config._experts_implementation = "grouped_mm"
 
 
 # -- which implementation, and which accumulator ---------------------------------------------------------
@@ -221,8 +288,12 @@ def test_the_compiled_graphs_operator_runs_the_proxy_it_was_given():
     proxy whose handle it holds; its fake (shape-only) implementation gives the hidden states' shape and dtype."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    _, proxy = experts_pair("qwen3_moe", torch.bfloat16)
-    _, other = experts_pair("mixtral", torch.bfloat16)
+    torch.manual_seed(0)
+    model = MiraMoEModel.wrap(
+        AutoModelForCausalLM.from_config(make_config("qwen3_moe")).bfloat16().eval(), MiraConfig(device="cpu")
+    )
+    proxy = model.model.layers[0].mlp.experts  # handles are given as proxies are made: a model of its own
+    _, other = experts_pair("mixtral", torch.bfloat16)  # another model's experts
     index, w = routings(proxy.num_experts)["skewed prefill"]
     hidden = torch.randn(index.shape[0], proxy.base.config.hidden_size).bfloat16()
     with torch.no_grad():

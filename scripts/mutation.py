@@ -57,21 +57,23 @@ GROUPS: dict[str, dict[str, list[str]]] = {
     },
     # the codecs' torch reference paths: encode and decode maths, not layout planning or validation
     "codecs": {
+        # int8/int4: the whole decode and the superblock scale grid; not the encoder's fit and refinement
+        # (_fit_groups, _store_scales, _quantize_entry) nor layout planning
         "mira_hf/quant/packed.py": _functions(
             "mira_hf.quant.packed",
-            "pack_codes unpack_codes dequantize_torch group_scales_torch scale_from_code superblock_params "
-            "_store_scales _fit_groups _codes _group_error _safe _quantize_entry raw_tensor section_view dense_linear",
+            "pack_codes unpack_codes dequantize_torch group_scales_torch scale_from_code superblock_params _codes _safe "
+            "raw_tensor section_view dense_linear",
         )
-        + _methods("mira_hf.quant.packed", "PackedCodec", "encode decode linear _sections"),
+        + _methods("mira_hf.quant.packed", "PackedCodec", "decode"),
+        # lossless: both torch decoders, and the encoder's choices that define a record (the nibble code's base,
+        # the sign/mantissa plane); not the encoders' chunk loops (_encode_entry, _encode_entry_classes)
         "mira_hf/quant/lossless.py": _functions(
             "mira_hf.quant.lossless",
-            "_high_low _sign_mantissa _words_and_planes _write_words _exponents _histogram _best_base escape_count "
-            "_chunk _class_chunk _class_table _blocks _field_bits _class_info _lookup _block_sizes class_code_size "
-            "_encode_entry_classes _encode_entry _write_escapes decode_words_torch is_class_coded "
-            "decode_words_classes_torch patch_escapes decode_entry",
-        )
-        + _methods("mira_hf.quant.lossless", "LosslessCodec", "encode decode linear"),
-        "mira_hf/quant/nf4.py": _methods("mira_hf.quant.nf4", "Nf4Codec", "encode _state _dequantize decode linear"),
+            "_high_low _sign_mantissa _words_and_planes _write_words _exponents _best_base _blocks _field_bits "
+            "decode_words_torch is_class_coded decode_words_classes_torch patch_escapes decode_entry",
+        ),
+        # nf4: the record's bitsandbytes state and its decode
+        "mira_hf/quant/nf4.py": _methods("mira_hf.quant.nf4", "Nf4Codec", "_state _dequantize"),
         "mira_hf/quant/native.py": _functions("mira_hf.quant.native", "split_rows")
         + _methods("mira_hf.quant.native", "NativeCodec", "encode views decode"),
         "mira_hf/quant/fp8_block.py": _functions("mira_hf.quant.fp8_block", "dequantize_fp8")
@@ -92,13 +94,17 @@ def run(groups: list[str], children: int) -> int:
     return subprocess.call(["mutmut", "run", "--max-children", str(children), *patterns(groups)], env=env)
 
 
-def statuses() -> dict[str, str]:
-    out = subprocess.run(["mutmut", "results", "--all", "true"], capture_output=True, text=True, check=True).stdout
+def statuses(directory: str = ".") -> dict[str, str]:
+    """mutmut's verdict per mutant of the run in `directory` (killed, survived, not checked, ...)."""
+    cmd = ["mutmut", "results", "--all", "true"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=directory).stdout
     return dict(line.strip().rsplit(": ", 1) for line in out.splitlines() if ": " in line)
 
 
-def summary(path: str) -> None:
-    found = statuses()
+def summary(path: str, directories: list[str]) -> None:
+    found = {}
+    for directory in directories:  # a later run's verdicts replace an earlier one's, mutant by mutant
+        found.update({k: v for k, v in statuses(directory).items() if v != "not checked" or k not in found})
     result = {}
     for group, modules in GROUPS.items():
         rows = {}
@@ -129,13 +135,14 @@ def main() -> int:
     r.add_argument("--max-children", type=int, default=2)
     s = sub.add_parser("summary")
     s.add_argument("out")
+    s.add_argument("--dirs", nargs="+", default=["."], help="checkouts whose mutmut results to merge (default: this one)")
     args = parser.parse_args()
     if args.command == "run":
         unknown = sorted(set(args.groups) - set(GROUPS))
         if unknown:
             parser.error(f"unknown groups {unknown}; choose from {list(GROUPS)}")
         return run(args.groups or list(GROUPS), args.max_children)
-    summary(args.out)
+    summary(args.out, args.dirs)
     return 0
 
 

@@ -456,3 +456,25 @@ def test_lossless_records_do_not_depend_on_the_step_size(monkeypatch, code, dtyp
         decoded = codec.decode(record, layout, dtype, backend="torch")["w"]
         assert torch.equal(decoded.view(-1).view(torch.int16), w.view(-1).view(torch.int16)), step
     assert all(torch.equal(records[0], r) for r in records[1:])
+
+
+def test_native_records_take_the_checkpoints_tensors_and_refuse_others_by_name():
+    """An FP8 record holds the checkpoint's weight as it is and its scales as float32 (bf16/fp16 scales are
+    widened exactly); a weight in another dtype or shape than the layer's first expert is refused, naming both."""
+    from mira_hf.quant import CodecInputError
+
+    codec = Fp8BlockCodec(pieces={"down_proj": 1}, block_size=[2, 4])
+    weight = (torch.arange(32.0).view(4, 8) / 4).to(torch.float8_e4m3fn)
+    first = {"down_proj": weight, "down_proj_scale_inv": torch.tensor([[1.0, 2.0], [4.0, 8.0]])}
+    layout = codec.plan_experts_from({"down_proj": ((4, 8), torch.bfloat16)}, 2, lambda e: first)
+    record = torch.empty(layout.nbytes, dtype=torch.uint8)
+    codec.encode({**first, "down_proj_scale_inv": first["down_proj_scale_inv"].bfloat16()}, layout, record)
+    assert torch.equal(codec.views(record, layout)["down_proj_scale_inv"], first["down_proj_scale_inv"])
+    assert torch.equal(codec.views(record, layout)["down_proj"].view(torch.uint8), weight.view(torch.uint8))
+    bad = {
+        "a bf16 weight": {**first, "down_proj": weight.to(torch.bfloat16)},
+        "another shape": {**first, "down_proj": weight[:2].repeat(2, 1)[:, :4].repeat(1, 2)[:3]},
+    }
+    for case, tensors in bad.items():
+        with pytest.raises(CodecInputError, match=r"fp8_block: down_proj is torch\.\w+ \[\d+, 8\] in the checkpoint.*hold"):
+            codec.encode(tensors, layout, record)

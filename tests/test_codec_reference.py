@@ -475,6 +475,6 @@ def test_native_records_take_the_checkpoints_tensors_and_refuse_others_by_name()
         "a bf16 weight": {**first, "down_proj": weight.to(torch.bfloat16)},
         "another shape": {**first, "down_proj": weight[:2].repeat(2, 1)[:, :4].repeat(1, 2)[:3]},
     }
-    for case, tensors in bad.items():
+    for tensors in bad.values():
         with pytest.raises(CodecInputError, match=r"fp8_block: down_proj is torch\.\w+ \[\d+, 8\] in the checkpoint.*hold"):
             codec.encode(tensors, layout, record)

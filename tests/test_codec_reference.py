@@ -32,6 +32,11 @@ VARIANT_IDS = [
 ]
 
 
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, dtype and shape (`torch.equal` alone compares values across dtypes)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
 def section(record: torch.Tensor, layout, name: str, sec: str) -> bytes:
     entry = next(e for e in layout.entries if e.name == name)
     s = next(s for s in entry.sections if s.name == sec)
@@ -99,16 +104,16 @@ def test_decode_equals_the_format_read_by_hand(kw):
         layout, record = pack_expert(codec, tensors)
         w = decode_by_definition(record, layout, "w", spec)
         out = codec.decode(record, layout, dtype, backend="torch")
-        assert torch.equal(out["w"], w.to(dtype)), dtype
-        assert torch.equal(out["bias"], tensors["bias"])  # 1-D tensors travel raw
+        assert same(out["w"], w.to(dtype)), dtype
+        assert same(out["bias"], tensors["bias"])  # 1-D tensors travel raw
         assert out["w"].shape == (24, 96) and out["w"].dtype == dtype
         as_fp32 = codec.decode(record, layout, torch.float32, backend="torch")
-        assert torch.equal(as_fp32["w"], w) and as_fp32["bias"].dtype == torch.float32
+        assert same(as_fp32["w"], w) and as_fp32["bias"].dtype == torch.float32
         x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1)).to(dtype)
         y = codec.linear(x, record, layout, "w", False, backend="torch")
-        assert torch.equal(y, torch.nn.functional.linear(x, w.to(dtype)))
+        assert same(y, torch.nn.functional.linear(x, w.to(dtype)))
         y = codec.linear(x[:, :24], record, layout, "w", True, backend="torch")  # [in, out] read of the same record
-        assert torch.equal(y, x[:, :24] @ w.to(dtype))
+        assert same(y, x[:, :24] @ w.to(dtype))
 
 
 def grid_weight(spec: QuantSpec, rows: int = 8, cols: int = 64, seed: int = 0) -> torch.Tensor:
@@ -132,7 +137,7 @@ def test_weights_on_the_grid_come_back_exactly(kw):
     codec = PackedCodec(spec)
     w = grid_weight(spec)
     layout, record = pack_expert(codec, {"w": w})
-    assert torch.equal(codec.decode(record, layout, torch.float32, backend="torch")["w"], w)
+    assert same(codec.decode(record, layout, torch.float32, backend="torch")["w"], w)
 
 
 def test_an_int4_record_is_the_bytes_written_out_by_hand():
@@ -209,7 +214,7 @@ def test_round_to_nearest_never_clips_and_stays_within_half_a_step(kw):
     layout, record = pack_expert(codec, {"w": w})
     w_hat = codec.decode(record, layout, torch.float32, backend="torch")["w"].view(-1, 16)
     per_group = decode_by_definition(record, layout, "w", spec).view(-1, 16)
-    assert torch.equal(w_hat, per_group)
+    assert same(w_hat, per_group)
     # the stored scale of each group, from the decoded grid: neighbouring levels differ by s
     levels = [sorted(set(r.tolist())) for r in w_hat]
     err = (w.view(-1, 16) - w_hat).abs().amax(1)
@@ -244,7 +249,7 @@ def test_a_lossless_nibble_record_is_the_bytes_written_out_by_hand():
     assert section(record, layout, "w", "esc_index") == struct.pack("<i", 5)
     assert section(record, layout, "w", "esc_value") == struct.pack("<H", words[5])
     decoded = codec.decode(record, layout, torch.bfloat16, backend="torch")["w"]
-    assert torch.equal(decoded.view(torch.int16), w.view(torch.int16))
+    assert same(decoded.view(torch.int16), w.view(torch.int16))
 
 
 def test_fp32_lossless_records_keep_the_low_half_and_patch_the_high_word():
@@ -258,9 +263,9 @@ def test_fp32_lossless_records_keep_the_low_half_and_patch_the_high_word():
     assert section(record, layout, "w", "lo") == struct.pack("<1024H", *[x & 0xFFFF for x in ints])
     assert section(record, layout, "w", "esc_index") == struct.pack("<i", 2 * 2 + 1)
     assert section(record, layout, "w", "esc_value") == struct.pack("<H", ints[2] >> 16)
-    assert torch.equal(codec.decode(record, layout, torch.float32, backend="torch")["w"].view(torch.int32), w.view(torch.int32))
+    assert same(codec.decode(record, layout, torch.float32, backend="torch")["w"].view(torch.int32), w.view(torch.int32))
     as_bf16 = codec.decode(record, layout, torch.bfloat16, backend="torch")["w"]
-    assert torch.equal(as_bf16, w.bfloat16())
+    assert same(as_bf16, w.bfloat16())
 
 
 def test_lossless_slack_escape_entries_are_harmless():
@@ -274,7 +279,7 @@ def test_lossless_slack_escape_entries_are_harmless():
     assert section(record, layout, "w", "esc_index") == struct.pack("<3i", 2, 0, 0)
     word0 = b.view(torch.int16).view(-1).tolist()
     assert section(record, layout, "w", "esc_value") == struct.pack("<3h", word0[2], word0[0], word0[0])
-    assert torch.equal(codec.decode(record, layout, torch.bfloat16, backend="torch")["w"].view(torch.int16), b.view(torch.int16))
+    assert same(codec.decode(record, layout, torch.bfloat16, backend="torch")["w"].view(torch.int16), b.view(torch.int16))
 
 
 def classes_by_definition(record: torch.Tensor, layout, name: str) -> list[int]:
@@ -324,7 +329,7 @@ def test_a_lossless_classes_record_decodes_as_the_format_reads():
     outside = [i for i, x in enumerate(words) if (x >> 7) & 0xFF not in t[:4] and not lo <= (x >> 7) & 0xFF <= lo + 14]
     assert differ == outside and escapes == len(outside) > 0  # only the escapes are patched afterwards
     decoded = codec.decode(record, layout, torch.bfloat16, backend="torch")["w"]
-    assert torch.equal(decoded.view(torch.int16), w.view(torch.int16))
+    assert same(decoded.view(torch.int16), w.view(torch.int16))
 
 
 # ------------------------------------------------------------------------------------ FP8 and MXFP4
@@ -356,7 +361,7 @@ def test_fp8_values_are_the_format_times_the_block_scale():
             [[e4m3(int(weight.view(torch.uint8)[r, c])) * scales[r // 2, c // 10].item() for c in range(40)] for r in range(6)],
             dtype=torch.float64,
         )
-        assert got.dtype == dtype and torch.equal(got, expected.float().to(dtype)), dtype  # one fp32 product each
+        assert got.dtype == dtype and same(got, expected.float().to(dtype)), dtype  # one fp32 product each
 
 
 def test_fp8_records_decode_each_checkpoint_piece_with_its_own_scales():
@@ -366,21 +371,25 @@ def test_fp8_records_decode_each_checkpoint_piece_with_its_own_scales():
     gate_up = (torch.randn(8, 8, generator=g) * 8).to(torch.float8_e4m3fn)
     scales = torch.tensor([[2.0], [0.5], [4.0], [0.125]])  # gate's two row blocks, then up's
     codec = Fp8BlockCodec(pieces={"gate_up_proj": 2}, block_size=[2, 8])
+    down = (torch.randn(8, 4, generator=g) * 8).to(torch.float8_e4m3fn)  # not in `pieces`: one tensor
+    down_scales = torch.tensor([[3.0]])
     tensors = {"gate_up_proj": gate_up, "gate_up_proj_scale_inv": scales, "gate_up_proj_bias": torch.arange(8.0)}
+    tensors |= {"down_proj": down, "down_proj_scale_inv": down_scales}
     specs = {"gate_up_proj": ((8, 8), torch.bfloat16), "gate_up_proj_bias": ((8,), torch.float32)}
+    specs["down_proj"] = ((8, 4), torch.bfloat16)
     layout = codec.plan_experts_from(specs, 1, lambda e: tensors)
     record = torch.empty(layout.nbytes, dtype=torch.uint8)
     codec.encode(tensors, layout, record)
     out = codec.decode(record, layout, torch.bfloat16)
     expected = torch.cat([gate_up[2 * i : 2 * i + 2].float() * scales[i] for i in range(4)]).bfloat16()
-    assert torch.equal(out["gate_up_proj"], expected)
-    assert out["gate_up_proj_bias"].dtype == torch.bfloat16 and torch.equal(
-        out["gate_up_proj_bias"], torch.arange(8.0).bfloat16()
-    )
+    assert same(out["gate_up_proj"], expected)
+    assert same(out["down_proj"], (down.float() * 3.0).bfloat16())
+    assert out["gate_up_proj_bias"].dtype == torch.bfloat16 and same(out["gate_up_proj_bias"], torch.arange(8.0).bfloat16())
     slot = {"gate_up_proj": torch.empty(8, 8, dtype=torch.bfloat16), "gate_up_proj_bias": torch.empty(8, dtype=torch.bfloat16)}
+    slot["down_proj"] = torch.empty(8, 4, dtype=torch.bfloat16)
     into = codec.decode(record, layout, torch.bfloat16, out=slot)
-    assert into["gate_up_proj"] is slot["gate_up_proj"] and torch.equal(slot["gate_up_proj"], expected)
-    assert torch.equal(slot["gate_up_proj_bias"], torch.arange(8.0).bfloat16())
+    assert into["gate_up_proj"] is slot["gate_up_proj"] and same(slot["gate_up_proj"], expected)
+    assert same(slot["gate_up_proj_bias"], torch.arange(8.0).bfloat16())
 
 
 def test_mxfp4_values_are_the_format_times_the_block_exponent():
@@ -404,8 +413,8 @@ def test_mxfp4_values_are_the_format_times_the_block_exponent():
         layout = codec.plan_experts_from({"down_proj": ((64, 3), dtype)}, 1, lambda e, t=tensors: t)
         record = torch.empty(layout.nbytes, dtype=torch.uint8)
         codec.encode(tensors, layout, record)
-        assert torch.equal(codec.decode(record, layout, dtype)["down_proj"], got)
-        assert torch.equal(codec.decode(record, layout, dtype)["down_proj"], got)  # the cached table, reused
+        assert same(codec.decode(record, layout, dtype)["down_proj"], got)
+        assert same(codec.decode(record, layout, dtype)["down_proj"], got)  # the cached table, reused
 
 
 # ---------------------------------------------------------------------------------------------------- nf4
@@ -427,9 +436,9 @@ def test_nf4_decode_is_the_nested_absmax_times_the_level():
     absmax = torch.tensor([dynamic[c] for c in absmax_codes]) * torch.tensor(nested[1]) + torch.tensor(nested[0])
     expected = (torch.tensor([levels[c] for c in codes]).view(-1, 64) * absmax.view(-1, 1)).view(4, 128)
     got = codec.decode(record, layout, torch.float32)
-    assert torch.allclose(got["w"], expected, rtol=1e-6, atol=0) and torch.equal(got["b"], torch.arange(4.0))
+    assert torch.allclose(got["w"], expected, rtol=1e-6, atol=0) and same(got["b"], torch.arange(4.0))
     assert (got["w"] - w).abs().max() <= 0.2 * absmax.max()  # nf4's coarsest step is below 0.33 of absmax
-    assert torch.equal(codec.linear(w[:2, :128], record, layout, "w", False), torch.nn.functional.linear(w[:2], got["w"]))
+    assert same(codec.linear(w[:2, :128], record, layout, "w", False), torch.nn.functional.linear(w[:2], got["w"]))
     assert tensor_specs(got)["w"] == ((4, 128), torch.float32)
 
 
@@ -454,8 +463,8 @@ def test_lossless_records_do_not_depend_on_the_step_size(monkeypatch, code, dtyp
         codec.encode({"w": w}, layout, record)
         records.append(record)
         decoded = codec.decode(record, layout, dtype, backend="torch")["w"]
-        assert torch.equal(decoded.view(-1).view(torch.int16), w.view(-1).view(torch.int16)), step
-    assert all(torch.equal(records[0], r) for r in records[1:])
+        assert same(decoded.view(-1).view(torch.int16), w.view(-1).view(torch.int16)), step
+    assert all(same(records[0], r) for r in records[1:])
 
 
 def test_native_records_take_the_checkpoints_tensors_and_refuse_others_by_name():
@@ -469,12 +478,21 @@ def test_native_records_take_the_checkpoints_tensors_and_refuse_others_by_name()
     layout = codec.plan_experts_from({"down_proj": ((4, 8), torch.bfloat16)}, 2, lambda e: first)
     record = torch.empty(layout.nbytes, dtype=torch.uint8)
     codec.encode({**first, "down_proj_scale_inv": first["down_proj_scale_inv"].bfloat16()}, layout, record)
-    assert torch.equal(codec.views(record, layout)["down_proj_scale_inv"], first["down_proj_scale_inv"])
-    assert torch.equal(codec.views(record, layout)["down_proj"].view(torch.uint8), weight.view(torch.uint8))
+    assert same(codec.views(record, layout)["down_proj_scale_inv"], first["down_proj_scale_inv"])
+    assert same(codec.views(record, layout)["down_proj"].view(torch.uint8), weight.view(torch.uint8))
     bad = {
         "a bf16 weight": {**first, "down_proj": weight.to(torch.bfloat16)},
         "another shape": {**first, "down_proj": weight[:2].repeat(2, 1)[:, :4].repeat(1, 2)[:3]},
     }
+    out = codec.decode(record, layout, torch.float16)
+    assert same(
+        out["down_proj"],
+        (weight.float() * torch.tensor([[1.0, 2.0], [4.0, 8.0]]).repeat_interleave(2, 0).repeat_interleave(4, 1)).half(),
+    )
+    from mira_hf.quant.native import split_rows
+
+    with pytest.raises(CodecInputError, match=r"\(3, 8\) does not split into 2 equal row blocks"):
+        split_rows(torch.zeros(3, 8), 2)
     for tensors in bad.values():
         with pytest.raises(CodecInputError, match=r"fp8_block: down_proj is torch\.\w+ \[\d+, 8\] in the checkpoint.*hold"):
             codec.encode(tensors, layout, record)

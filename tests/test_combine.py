@@ -1,0 +1,318 @@
+"""The proxy's combine step, one experts module at a time: `MiraExperts` called with hand-made routing
+computes exactly (`torch.equal`) what transformers' own experts module computes on the same inputs, under
+each experts implementation ("grouped_mm", "batched_mm", "eager"), in fp32, bf16 and fp16, with routing
+weights in fp32 or in the hidden dtype.
+
+The routings are chosen to expose a wrong combine: skewed (most rows on one expert, some experts unused,
+weights far from uniform), a decode step whose picks are not in ascending order (eager adds experts in
+ascending order), four experts per token (the order of the additions shows in bf16/fp16), a repeated pick,
+and the expert-parallel sentinel (index E: a row that must stay zero whatever its weight).
+Fast: no generate, no checkpoint; a model per (family, dtype) built once.
+"""
+
+import copy
+
+import pytest
+import torch
+from tiny_models import make_auto_config, make_config
+from transformers import AutoModelForCausalLM
+
+from mira_hf import ConfigError, MiraConfig, MiraMoEModel
+from mira_hf.errors import UnsupportedOperationError
+from mira_hf.experts_impl import (
+    check_call,
+    check_model_implementations,
+    combine,
+    implementation_of,
+    sum_dtype,
+)
+from mira_hf.proxy import MiraExperts
+
+IMPLS = ("grouped_mm", "batched_mm", "eager")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# mixtral: gated [out, in] experts; qwen3_moe: the same with other routing; gpt_oss: transposed experts with
+# biases and its own gate; nemotron_h: non-gated experts whose eager forward sums in the weights' dtype.
+FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "nemotron_h")
+_BUILT: dict = {}
+# Their eager forwards index the experts with the sentinel (no EP handling): transformers cannot run those cases.
+EAGER_WITHOUT_SENTINEL = ("gpt_oss", "nemotron_h")
+
+
+def experts_pair(name: str, dtype: torch.dtype, post_norm: bool = False) -> tuple[torch.nn.Module, MiraExperts]:
+    """(transformers' experts module of the first MoE layer, the proxy that replaced it in a wrapped copy).
+    Expert biases are drawn at random (transformers initialises them to zero, which would hide them);
+    `post_norm`: the experts module normalises each expert's output (transformers' `has_post_expert_norm`)."""
+    key = (name, dtype, post_norm)
+    if key not in _BUILT:
+        config = make_auto_config(name) if name == "nemotron_h" else make_config(name)
+        if config is None:
+            pytest.skip(f"transformers {__import__('transformers').__version__} has no {name}")
+        torch.manual_seed(0)
+        ref = AutoModelForCausalLM.from_config(config).eval()
+        path = next(
+            p for p, m in ref.named_modules() if p.endswith("experts") and isinstance(getattr(m, "num_experts", None), int)
+        )
+        experts = ref.get_submodule(path)
+        with torch.no_grad():
+            for pname, p in experts.named_parameters():
+                if pname.endswith("_bias"):
+                    p.normal_(0.0, 0.5)
+        if post_norm:
+            experts.has_post_expert_norm = True
+            experts.post_expert_norm = torch.nn.RMSNorm(config.hidden_size, eps=1e-6)
+            torch.nn.init.normal_(experts.post_expert_norm.weight, 1.0, 0.5)
+        ref = ref.to(dtype)
+        model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.5))
+        proxy = model.get_submodule(path)
+        assert isinstance(proxy, MiraExperts)
+        experts = ref.get_submodule(path)
+        experts._is_expert_parallel = True  # transformers then treats index E as the EP sentinel, as the proxy always does
+        _BUILT[key] = (experts, proxy, model)
+    return _BUILT[key][:2]
+
+
+def routings(E: int, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """name -> (top_k_index [T, K], top_k_weights [T, K] fp32)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def weights(T: int, K: int) -> torch.Tensor:  # far from uniform: one dominant slot, the rest small and unequal
+        w = torch.rand(T, K, generator=g) * 0.2 + 0.01
+        w[torch.arange(T), torch.randint(K, (T,), generator=g)] += 0.7 + 0.3 * torch.rand(T, generator=g)
+        return w
+
+    skew = torch.stack([torch.zeros(12, dtype=torch.long), torch.arange(12) % 3 + 1], 1)  # expert 0 on every token
+    skew[::4] = skew[::4].flip(1)
+    perms = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(5)])
+    sentinel = torch.tensor([[2, E], [E, 5], [1, 2], [E, E], [5, 1], [2, 7]])
+    return {
+        "skewed prefill": (skew, weights(12, 2)),
+        "decode, descending picks": (torch.tensor([[E - 1, 2]]), weights(1, 2)),
+        "decode, four picks": (torch.tensor([[6, 1, E - 1, 0]]), weights(1, 4)),
+        "prefill, four picks": (perms, weights(5, 4)),
+        "decode, repeated pick": (torch.tensor([[3, 3]]), weights(1, 2)),
+        "prefill, sentinel rows": (sentinel, weights(6, 2)),
+        "decode, sentinel slot": (torch.tensor([[E, 4]]), weights(1, 2)),
+        "decode, only the sentinel": (torch.tensor([[E, E]]), weights(1, 2)),
+    }
+
+
+def mismatches(name: str, impl: str, post_norm: bool = False) -> list[str]:
+    found = []
+    for dtype in DTYPES:
+        ref, proxy = experts_pair(name, dtype, post_norm)
+        ref.config._experts_implementation = impl
+        proxy.base.config._experts_implementation = impl
+        H, E = proxy.base.config.hidden_size, proxy.num_experts
+        for case, (index, w) in routings(E).items():
+            if impl == "eager" and name in EAGER_WITHOUT_SENTINEL and "sentinel" in case:
+                continue
+            g = torch.Generator().manual_seed(len(case))
+            hidden = (torch.randn(index.shape[0], H, generator=g) * 4).to(dtype)
+            for w_dtype in {torch.float32, dtype}:
+                with torch.no_grad():
+                    expected = ref(hidden, index, w.to(w_dtype))
+                    got = proxy(hidden, index, w.to(w_dtype))
+                if got.dtype != expected.dtype or not torch.equal(got, expected):
+                    found.append(f"{case}, hidden {dtype}, weights {w_dtype}")
+    return found
+
+
+@pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_proxy_combines_as_transformers_experts_do(name, impl):
+    assert mismatches(name, impl) == []
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])  # transformers' eager forwards have no post-norm
+def test_a_normalised_expert_output_is_normalised_before_it_is_weighted(impl):
+    assert mismatches("qwen3_moe", impl, post_norm=True) == []
+
+
+def test_the_routings_tell_the_implementations_apart():
+    """The cases above are strong enough to matter: on them, in bf16, transformers' three implementations
+    do not all agree with one another, so a proxy combining as the wrong one would be caught."""
+    ref, _ = experts_pair("qwen3_moe", torch.bfloat16)
+    E, H = ref.num_experts, ref.config.hidden_size
+    outputs = {}
+    for impl in IMPLS:
+        ref.config._experts_implementation = impl
+        got = []
+        for case, (index, w) in routings(E).items():
+            hidden = (torch.randn(index.shape[0], H, generator=torch.Generator().manual_seed(len(case))) * 4).bfloat16()
+            with torch.no_grad():
+                got.append(ref(hidden, index, w.bfloat16()))
+        outputs[impl] = got
+    ref.config._experts_implementation = "grouped_mm"
+    differ = lambda a, b: any(not torch.equal(x, y) for x, y in zip(outputs[a], outputs[b]))  # noqa: E731
+    assert differ("eager", "grouped_mm") and differ("eager", "batched_mm")
+
+
+# -- combine itself, against sums written out by hand --------------------------------------------------
+def test_eager_adds_experts_in_ascending_order_rounding_after_each_add():
+    # bf16 has 8 significant bits: 1 + 2**-8 rounds to 1 (ties to even), 2**-8 + 2**-8 does not vanish
+    big, tiny = 1.0, 2.0**-8
+    parts = torch.tensor([[big], [tiny], [tiny]], dtype=torch.bfloat16)  # token 0's K=3 rows, slot order
+    ordered = torch.tensor([[0, 1, 2]])  # slot order is expert order: big + tiny + tiny, rounded after each
+    reordered = torch.tensor([[2, 0, 1]])  # experts 2, 0, 1: tiny + tiny first, then big
+    bf = torch.bfloat16
+    assert combine(parts, ordered, "eager", bf, bf).item() == 1.0
+    assert combine(parts, reordered, "eager", bf, bf).item() == 1.0 + 2.0**-7
+    # grouped_mm / batched_mm: one sum over the K rows, in slot order, whatever the expert ids
+    for impl in ("grouped_mm", "batched_mm"):
+        assert combine(parts, reordered, impl, bf, bf).item() == parts.float().sum().bfloat16().item()
+
+
+def test_combine_returns_each_tokens_sum_in_the_hidden_dtype():
+    parts = torch.arange(12, dtype=torch.float32).view(6, 2)  # T=3 tokens, K=2, H=2
+    index = torch.tensor([[1, 0], [0, 1], [3, 2]])
+    expected = torch.tensor([[0.0 + 2.0, 1.0 + 3.0], [4.0 + 6.0, 5.0 + 7.0], [8.0 + 10.0, 9.0 + 11.0]])
+    for impl in ("grouped_mm", "batched_mm", "eager"):
+        out = combine(parts, index, impl, torch.float16, torch.float32)
+        assert out.dtype == torch.float16 and torch.equal(out, expected.half()), impl
+    single = combine(parts[:3], torch.tensor([[0], [1], [2]]), "eager", torch.float32, torch.float32)  # K=1
+    assert torch.equal(single, parts[:3])
+
+
+def test_eager_accumulates_in_the_dtype_it_is_given():
+    # three bf16 rows whose fp32 sum differs from the bf16 running sum
+    parts = torch.tensor([[1.0], [2.0**-8], [2.0**-8]], dtype=torch.float32)
+    index = torch.tensor([[0, 1, 2]])
+    in_fp32 = combine(parts, index, "eager", torch.float32, torch.float32)
+    in_bf16 = combine(parts, index, "eager", torch.float32, torch.bfloat16)
+    assert in_fp32.item() == 1.0 + 2.0**-7 and in_bf16.item() == 1.0
+
+
+def test_one_experts_rows_through_the_grouped_kernel_are_its_matmul_on_the_cpu():
+    """`grouped_linear`: what the proxy multiplies with where the unwrapped model runs torch's grouped kernel
+    (grouped_mm off the CPU). On the CPU transformers falls back to one `mm` per expert: the same bits."""
+    from mira_hf.experts_impl import grouped_linear
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 64, generator=g), torch.randn(32, 64, generator=g)
+    assert torch.equal(grouped_linear(x, w, False), torch.nn.functional.linear(x, w))
+    assert torch.equal(grouped_linear(x, w.t().contiguous(), True), x @ w.t().contiguous())
+
+
+def test_the_manager_sees_each_blocks_hidden_states_and_routing():
+    """What a trace recorder (the learned predictor's training data) is given for a block: its layer, the
+    hidden states and the top-k index the proxy was called with, under every implementation and at decode steps."""
+    _, proxy = experts_pair("gpt_oss", torch.float32)
+    seen = []
+    proxy.manager.recorder = lambda layer, hidden, index: seen.append((layer, hidden, index))
+    try:
+        for impl in IMPLS:
+            proxy.base.config._experts_implementation = impl
+            for case in ("skewed prefill", "decode, descending picks", "decode, repeated pick"):
+                index, w = routings(proxy.num_experts)[case]
+                hidden = torch.randn(index.shape[0], proxy.base.config.hidden_size)
+                seen.clear()
+                with torch.no_grad():
+                    proxy(hidden, index, w)
+                assert len(seen) == 1 and seen[0][0] == proxy.layer, (impl, case)
+                assert torch.equal(seen[0][1], hidden) and torch.equal(seen[0][2], index), (impl, case)
+    finally:
+        proxy.manager.recorder = None
+        proxy.base.config._experts_implementation = "grouped_mm"
+
+
+def test_a_wrapped_model_refuses_implementations_it_cannot_compute_and_sets_the_others():
+    experts_pair("mixtral", torch.float32)
+    model = _BUILT[("mixtral", torch.float32, False)][2]
+    model.config._experts_implementation = "grouped_mm"
+    try:
+        for impl in ("deepgemm", {"": "sonicmoe"}):
+            with pytest.raises(ConfigError, match="was requested for a model wrapped by mira-hf"):
+                model.set_experts_implementation(impl)
+            assert model.config._experts_implementation == "grouped_mm"
+        model.set_experts_implementation("eager")
+        assert model.config._experts_implementation == "eager"
+        model.set_experts_implementation({"": "batched_mm"})
+        assert model.config._experts_implementation == "batched_mm"
+    finally:
+        model.config._experts_implementation = "grouped_mm"
+
+
+# -- which implementation, and which accumulator ---------------------------------------------------------
+def test_implementation_is_read_from_the_config_of_decorated_modules_only():
+    ref, proxy = experts_pair("mixtral", torch.float32)
+    ref.config._experts_implementation = "batched_mm"
+    assert implementation_of(ref) == "batched_mm"
+    ref.config._experts_implementation = "grouped_mm"
+    assert implementation_of(ref) == "grouped_mm"
+
+    class Plain(torch.nn.Module):  # not built by transformers' decorator: its own forward
+        config = ref.config
+
+    assert implementation_of(Plain()) == "eager"
+    bare = copy.copy(ref)
+    bare.config = None
+    assert implementation_of(bare) == "eager"
+    ref.config._experts_implementation = None
+    assert implementation_of(ref) == "eager"
+    ref.config._experts_implementation = "grouped_mm"
+
+
+def test_eager_sums_in_the_weights_dtype_only_where_transformers_does():
+    nemotron, _ = experts_pair("nemotron_h", torch.bfloat16)
+    mixtral, _ = experts_pair("mixtral", torch.bfloat16)
+    assert sum_dtype(nemotron, torch.bfloat16, torch.float32) == torch.float32
+    assert sum_dtype(mixtral, torch.bfloat16, torch.float32) == torch.bfloat16
+
+
+def test_implementations_mira_cannot_compute_are_refused_by_name():
+    for name in ("grouped_mm", "batched_mm", "eager"):
+        check_call(name)
+    with pytest.raises(UnsupportedOperationError, match="experts_implementation='deepgemm' is set in the model's config"):
+        check_call("deepgemm")
+
+    class Config:
+        _experts_implementation = "grouped_mm"
+        sub_configs = {"text_config": None}
+        text_config = type("Text", (), {"_experts_implementation": "sonicmoe"})()
+
+    class Model(torch.nn.Module):
+        config = Config()
+
+    with pytest.raises(ConfigError, match="experts_implementation='sonicmoe' is set on Model"):
+        check_model_implementations(Model())
+    Config.text_config._experts_implementation = "eager"
+    check_model_implementations(Model())  # every config supported: nothing raised
+    Config._experts_implementation = None  # unset: transformers' default
+    check_model_implementations(Model())
+
+
+# -- the proxy as one operator, and its refusal of a backward --------------------------------------------
+def test_the_compiled_graphs_operator_runs_the_proxy_it_was_given():
+    """`torch.ops.mira.experts(handle, ...)` (what a compiled graph calls) is the proxy's own forward, for the
+    proxy whose handle it holds; its fake (shape-only) implementation gives the hidden states' shape and dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    model = MiraMoEModel.wrap(
+        AutoModelForCausalLM.from_config(make_config("qwen3_moe")).bfloat16().eval(), MiraConfig(device="cpu")
+    )
+    proxy = model.model.layers[0].mlp.experts  # handles are given as proxies are made: a model of its own
+    _, other = experts_pair("mixtral", torch.bfloat16)  # another model's experts
+    index, w = routings(proxy.num_experts)["skewed prefill"]
+    hidden = torch.randn(index.shape[0], proxy.base.config.hidden_size).bfloat16()
+    with torch.no_grad():
+        got = torch.ops.mira.experts(proxy._handle, hidden, index, w.bfloat16())
+        assert torch.equal(got, proxy(hidden, index, w.bfloat16()))
+        assert not torch.equal(got, other(hidden, index, w.bfloat16()))
+    with FakeTensorMode() as mode:
+        fake = torch.ops.mira.experts(proxy._handle, mode.from_tensor(hidden), mode.from_tensor(index), mode.from_tensor(w))
+        assert fake.shape == hidden.shape and fake.dtype == torch.bfloat16
+
+
+def test_a_backward_through_the_proxy_is_refused_with_the_reason():
+    ref, proxy = experts_pair("mixtral", torch.float32)
+    index, w = routings(proxy.num_experts)["skewed prefill"]
+    hidden = torch.randn(index.shape[0], proxy.base.config.hidden_size, requires_grad=True)
+    ref(hidden, index, w).sum().backward()  # transformers' module takes a backward
+    out = proxy(hidden, index, w)
+    assert out.requires_grad  # the graph reaches the input, so autograd would try
+    with pytest.raises(UnsupportedOperationError, match="backward through mira-hf's offloaded experts is not supported"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not proxy(hidden, index, w).requires_grad

@@ -167,6 +167,7 @@ def test_backends_are_resolved_when_a_codec_is_built():
     assert make_codec("lossless", backend="torch").uses_triton(torch.empty(64, dtype=torch.uint8)) is False
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", ["int4", "int8", "lossless"])
 def test_a_bound_cuda_record_runs_the_backend_resolved_at_construction(name):

@@ -1,7 +1,7 @@
 """The import graph of a package: cycles between its modules, and modules over a line limit.
 
 Every import counts, including those inside functions (a lazy import is still a dependency: the two
-modules cannot be read, tested or split apart on their own). Exits 1 when it finds a cycle or an
+modules cannot be read, tested or split apart on their own), except those under `if TYPE_CHECKING:`. Exits 1 when it finds a cycle or an
 oversized module, so CI can run it.
 
     python scripts/import_graph.py                 # mira_hf, cycles and modules over 500 lines
@@ -25,7 +25,13 @@ def imports_of(path: str, name: str, known: set[str]) -> set[str]:
     """The package modules `path` (module `name`) imports, anywhere in its body."""
     package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    typing_only = {  # `if TYPE_CHECKING:` imports are annotations, not dependencies at run time
+        id(n) for block in ast.walk(tree) if _is_type_checking(block) for stmt in block.body for n in ast.walk(stmt)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -44,6 +50,15 @@ def imports_of(path: str, name: str, known: set[str]) -> set[str]:
             if t and t != name:
                 found.add(t)
     return found
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -102,7 +102,19 @@ def main() -> int:
             torch.cuda.empty_cache()
     env = environment()
     result = dict(env=env, command=" ".join(sys.argv), dtype="bfloat16", rows=rows, seconds=time.perf_counter() - t_start)
-    print_table(rows, ["shape", "config", "experts_implementation", "prefill_equal", "prefill_max_abs_diff", "one_equal", "tokens_equal", "exact"])
+    print_table(
+        rows,
+        [
+            "shape",
+            "config",
+            "experts_implementation",
+            "prefill_equal",
+            "prefill_max_abs_diff",
+            "one_equal",
+            "tokens_equal",
+            "exact",
+        ],
+    )
     path = os.path.join(args.out, f"{env['date']}-{device_slug(env, device == 'cuda')}-fidelity-real-dims.json")
     os.makedirs(args.out, exist_ok=True)
     write_json(path, result)

@@ -57,9 +57,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench.clock import Deadline  # noqa: E402
 from bench.limits import compute_limit  # noqa: E402
 from bench.measure import (  # noqa: E402
-    OutOfTime, PeakMemory, Settings, decode_phase, empty_host_cache, free_device_cache, generate_timed,
-    host_rss_gb, measure_bandwidth, pinned_host_gb, trace_steps,
+    OutOfTime,
+    PeakMemory,
+    Settings,
+    decode_phase,
+    empty_host_cache,
+    free_device_cache,
+    generate_timed,
+    host_rss_gb,
+    measure_bandwidth,
+    pinned_host_gb,
+    trace_steps,
 )  # fmt: skip
+from bench.render import _n  # noqa: E402
 from bench.systems import _teardown  # noqa: E402
 from bench.workloads import _pad_id, model_facts  # noqa: E402
 from common import SHAPES, device_slug, environment, print_table, random_model_on_device, write_json  # noqa: E402
@@ -443,10 +453,6 @@ COLUMNS = [
     "next-layer recall",
     "same tokens",
 ]
-
-
-def _n(v, fmt="{:.3g}"):
-    return "" if v is None else fmt.format(v)
 
 
 def _stat(row: dict, key: str) -> str:

@@ -238,7 +238,9 @@ class MiraMoEModel:
                         reserved += nbytes
         layouts = layouts or {}
         try:  # experts kept on the device between the passes are given back if a check fails
-            budget = plan_records(layers, budget_bytes, placement, codec, layouts, raw_bytes, round_up_from=_fraction(cfg.gpu_budget))
+            budget = plan_records(
+                layers, budget_bytes, placement, codec, layouts, raw_bytes, round_up_from=_fraction(cfg.gpu_budget)
+            )
             _check_device_memory(budget.device_bytes, device, model, targets)
             store_bytes = [(layouts[li.ordinal].nbytes if layouts else raw_bytes[li.ordinal]) * li.num_experts for li in layers]
             _check_offload_space(cfg, store_bytes)

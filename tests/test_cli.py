@@ -206,8 +206,8 @@ def test_env_suggests_the_budget_that_gpu_budget_none_gives(monkeypatch):
     import torch
 
     from mira_hf import report
-    from mira_hf.cli import env
     from mira_hf.budget import default_budget_bytes
+    from mira_hf.cli import env
 
     expert, other, _, _ = env._checkpoint_bytes(bundled_model_path())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -106,9 +106,7 @@ def test_the_manager_feeds_the_gate_what_it_measured(tiny_checkpoint):
     pc = PredictorConfig(pause_unprofitable=True, payoff_window_steps=4, stage_probability=0.3)
     model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.75, device="cpu", prediction=pc), progress=False).eval()
     loader, gate = model.mira.loader, model.mira._gate
-    loader.add_stall = lambda layer, seconds: loader._stall_by_layer.update(
-        {layer: loader._stall_by_layer.get(layer, 0.0) + 1.0}
-    )
+    loader.add_stall = lambda layer, seconds: loader._stall_by_layer.update({layer: loader._stall_by_layer.get(layer, 0.0) + 1.0})
     reviews = []
     end_step = gate.end_step
     gate.end_step = lambda total: (reviews.append(gate._steps + 1 == gate.window_steps), end_step(total))

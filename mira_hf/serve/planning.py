@@ -12,9 +12,9 @@ import os
 
 import torch
 
+from ..budget import plan_budget
 from ..config import parse_bytes
 from ..errors import BudgetError, ConfigError
-from ..budget import plan_budget
 from ..planner import HitRateCurve, MemoryPlan, ModelFootprint, RequestMix, StepCost, plan_memory
 from . import memory
 

@@ -65,9 +65,13 @@ def _benchmarks_dir() -> Path:
     )
 
 
+# Modules the benchmark scripts import (measuring, routing shaping, statistics), not scripts themselves.
+BENCH_LIBRARIES = frozenset({"common", "timing", "routing_stats", "topic_routing"})
+
+
 def _bench_scripts(root: Path) -> dict[str, Path]:
-    """Runnable scripts: *.py except private ones and shared helpers (common.py)."""
-    return {p.stem: p for p in sorted(root.glob("*.py")) if not p.stem.startswith("_") and p.stem != "common"}
+    """Runnable scripts: *.py except private ones and the modules they share (`BENCH_LIBRARIES`)."""
+    return {p.stem: p for p in sorted(root.glob("*.py")) if not p.stem.startswith("_") and p.stem not in BENCH_LIBRARIES}
 
 
 def _summary_line(path: Path) -> str:

@@ -32,6 +32,7 @@ from model_adapters import MoEAdapter
 
 from .download import ShardArrivals, offline
 from .errors import BudgetError, CheckpointError, UnsupportedModelError
+from .fp8_partial_blocks import block_size, find_partial_block_weights, set_partial_block_weights
 from .load_report import LoadReport
 
 # safetensors dtype names (header strings) -> torch dtypes.
@@ -689,6 +690,26 @@ def load_without_experts(
     if base is None:
         raise NotStreamable(f"{type(config).__name__} has no language-model class in transformers")
     state: dict[str, object] = {}
+    block = block_size(_config_dict(quantization)) if native is not None else None
+    partial = []  # FP8 weights transformers cannot dequantize (see fp8_partial_blocks): set after the load
+
+    def ignore_keys(model: torch.nn.Module, names) -> None:
+        """Checkpoint keys under `names` are keys the model lacks: never read, and not reported."""
+        ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+        state.setdefault("ignored", ignored)
+        patterns = [re.escape(name) for name in names]
+        # (a set in recent transformers, a list in older ones: keep its type)
+        if isinstance(ignored, list):
+            model._keys_to_ignore_on_load_unexpected = ignored + patterns
+        else:
+            model._keys_to_ignore_on_load_unexpected = set(ignored or ()) | set(patterns)
+
+    def strip_partial_blocks(model: torch.nn.Module) -> None:
+        partial.extend(find_partial_block_weights(model, index, block) if block is not None else ())
+        for w in partial:
+            model.get_submodule(w.module).register_parameter(w.tensor, None)
+        if partial:
+            ignore_keys(model, [w.key for w in partial])  # the weight and its `_scale_inv`
 
     def strip_experts(model: torch.nn.Module) -> None:
         """Runs inside from_pretrained, right after the model is built on the meta device."""
@@ -708,27 +729,21 @@ def load_without_experts(
             for n in modules[name]:
                 module.register_parameter(n, None)
             module._is_hf_initialized = True  # nothing left for transformers to initialise
-        # the checkpoint's expert tensors are now keys the model lacks: never read, and not reported
-        # (a set in recent transformers, a list in older ones: keep its type)
-        ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
-        state["ignored"] = ignored
-        patterns = [re.escape(name) + r"\." for name in modules]
-        if isinstance(ignored, list):
-            model._keys_to_ignore_on_load_unexpected = ignored + patterns
-        else:
-            model._keys_to_ignore_on_load_unexpected = set(ignored or ()) | set(patterns)
+        ignore_keys(model, [name + "." for name in modules])  # the checkpoint's expert tensors
         state["experts"] = StreamedExperts(index, modules, keys, native_keys, codec)
 
     def __init__(self, config, *args, **kwargs):
         base.__init__(self, config, *args, **kwargs)
         strip_experts(self)
+        strip_partial_blocks(self)
 
     # A subclass for this one load, so no transformers class is touched; the model gets its own class back.
     namespace = {"__init__": __init__, "__module__": base.__module__, "__qualname__": base.__qualname__}
     model = type(base.__name__, (base,), namespace).from_pretrained(name_or_path, **hf_kwargs)
     model.__class__ = base
-    if "experts" in state:
+    if "ignored" in state:
         model._keys_to_ignore_on_load_unexpected = state["ignored"]
+    set_partial_block_weights(model, partial, index, block)
     return model, state.get("experts")
 
 

@@ -233,3 +233,49 @@ def test_an_expert_stored_in_another_format_than_the_first_is_refused():
     codec.encode(fp8, layout, record)
     with pytest.raises(CodecInputError, match="torch.bfloat16.*float8_e4m3fn"):
         codec.encode({**fp8, "down_proj": torch.zeros(128, 256, dtype=torch.bfloat16)}, layout, record)
+
+
+def _dequantize_by_blocks(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Each element of an FP8 weight times the scale of its 128 x 128 block (the last blocks partial), in float32."""
+    full = scales.float().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return weight.float() * full[: weight.shape[0], : weight.shape[1]]
+
+
+def test_fp8_weights_whose_shape_is_not_a_multiple_of_the_block_use_the_checkpoint_blocks(tmp_path):
+    """DeepSeek-V3 stores `kv_a_proj_with_mqa` as [kv_lora_rank + qk_rope_head_dim, hidden] = [576, 7168] with
+    scales [5, 56]: its last row of 128 x 128 blocks is partial. Here [320, 256] with scales [3, 2] (not
+    divisible: transformers' dequantize refuses it) and `kv_b_proj` [96, 312] with [1, 3] (divisible: it would
+    take 104-wide blocks) load, every weight equal to its stored value times its own block's scale, and the fp32
+    logits equal transformers' on a checkpoint holding those dequantized weights."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    path = write_fp8_checkpoint("deepseek_v3", str(tmp_path / "fp8"), shards=1, kv_lora_rank=312)
+    stored = load_file(os.path.join(path, "model.safetensors"))
+    kv_a = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    assert stored[kv_a].shape == (320, 256) and stored[kv_a + "_scale_inv"].shape == (3, 2)
+    dequantized = {
+        k: _dequantize_by_blocks(t, stored[k + "_scale_inv"]) if k + "_scale_inv" in stored else t.float()
+        for k, t in stored.items()
+        if not k.endswith("_scale_inv")
+    }
+    ref_dir = tmp_path / "dequantized"
+    ref_dir.mkdir()
+    save_file(dequantized, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    del config["quantization_config"]
+    (ref_dir / "config.json").write_text(json.dumps(config))
+
+    model = _load(path, dtype=torch.float32, gpu_budget=0.5)
+    ref = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()
+    weights = dict(model.named_parameters())
+    for layer in range(3):
+        for name in ("kv_a_proj_with_mqa", "kv_b_proj"):
+            key = f"model.layers.{layer}.self_attn.{name}.weight"
+            assert torch.equal(weights[key], dequantized[key])
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)

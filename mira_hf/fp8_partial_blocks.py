@@ -80,18 +80,27 @@ def dequantize_partial_blocks(
 
 
 def set_partial_block_weights(model: torch.nn.Module, weights: list[PartialBlockWeight], index, block) -> None:
-    """Read each of `weights` and its scales from the checkpoint and set it on `model` (dequantized, on the device
-    of the model's other weights)."""
+    """Read each of `weights` and its scales from the checkpoint and set it on `model`, dequantized, on the device
+    of the nearest weights transformers loaded (those of its module, else of the module holding it, and so on)."""
     from safetensors import safe_open
 
-    if not weights:
-        return
-    device = next(p.device for p in model.parameters() if p is not None and p.device.type != "meta")
     for w in weights:
         tensors = {}
         for key in (w.key, w.key + SCALE):
             with safe_open(index.entries[key].file, framework="pt") as f:
                 tensors[key] = f.get_tensor(key)
         value = dequantize_partial_blocks(tensors[w.key], tensors[w.key + SCALE], block, w.dtype)
-        module = model.get_submodule(w.module)
-        setattr(module, w.tensor, torch.nn.Parameter(value.to(device), requires_grad=w.requires_grad))
+        setattr(
+            model.get_submodule(w.module),
+            w.tensor,
+            torch.nn.Parameter(value.to(_device_near(model, w.module)), requires_grad=w.requires_grad),
+        )
+
+
+def _device_near(model: torch.nn.Module, module: str) -> torch.device:
+    parts = module.split(".") if module else []
+    for depth in range(len(parts), -1, -1):
+        for p in model.get_submodule(".".join(parts[:depth])).parameters():
+            if p.device.type != "meta":
+                return p.device
+    return torch.device("cpu")

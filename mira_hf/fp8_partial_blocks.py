@@ -7,6 +7,9 @@ layer: `self_attn.kv_a_proj_with_mqa` is `[kv_lora_rank + qk_rope_head_dim, hidd
 `[5, 56]`. transformers' dequantize path (`Fp8Dequantize`, taken on a CPU, on GPUs below compute capability 8.9
 and with `dequantize=True`, which the expert-streaming load uses for the non-expert weights) derives the block
 from the shape over the scale grid and refuses these weights ("not divisible by scale grid"), failing the load.
+Where the grid happens to divide the shape, transformers dequantizes with the block that division gives; a wrapped
+model keeps that (its outputs are transformers' for the checkpoint), and only the weights transformers refuses are
+loaded here.
 
 So the expert-streaming load removes these weights from the model before transformers reads the checkpoint (as
 it removes the experts), and sets them afterwards, dequantized here with the checkpoint's own block size: the
@@ -57,6 +60,8 @@ def find_partial_block_weights(model: torch.nn.Module, index, block: tuple[int, 
         rows, cols = w.shape
         if rows % bm == 0 and cols % bn == 0:
             continue  # transformers dequantizes it
+        if rows % s.shape[0] == 0 and cols % s.shape[1] == 0:
+            continue  # transformers dequantizes it too (with the block the grid divides into): its bits are the reference
         if s.shape != (-(-rows // bm), -(-cols // bn)):
             continue  # not this layout: left to transformers, which reports it
         module, _, tensor = name.rpartition(".")

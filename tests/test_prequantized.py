@@ -244,9 +244,10 @@ def _dequantize_by_blocks(weight: torch.Tensor, scales: torch.Tensor) -> torch.T
 def test_fp8_weights_whose_shape_is_not_a_multiple_of_the_block_use_the_checkpoint_blocks(tmp_path):
     """DeepSeek-V3 stores `kv_a_proj_with_mqa` as [kv_lora_rank + qk_rope_head_dim, hidden] = [576, 7168] with
     scales [5, 56]: its last row of 128 x 128 blocks is partial. Here [320, 256] with scales [3, 2] (not
-    divisible: transformers' dequantize refuses it) and `kv_b_proj` [96, 312] with [1, 3] (divisible: it would
-    take 104-wide blocks) load, every weight equal to its stored value times its own block's scale, and the fp32
-    logits equal transformers' on a checkpoint holding those dequantized weights."""
+    divisible: transformers' dequantize refuses it) loads with its own blocks, each weight its stored value times
+    its block's scale; `kv_b_proj` [96, 312] with [1, 3] (divisible) keeps transformers' dequantization (104-wide
+    blocks), as transformers' own load of the checkpoint has it; the fp32 logits equal transformers' on a
+    checkpoint holding those dequantized weights."""
     import json
     import os
 
@@ -257,11 +258,16 @@ def test_fp8_weights_whose_shape_is_not_a_multiple_of_the_block_use_the_checkpoi
     stored = load_file(os.path.join(path, "model.safetensors"))
     kv_a = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
     assert stored[kv_a].shape == (320, 256) and stored[kv_a + "_scale_inv"].shape == (3, 2)
-    dequantized = {
-        k: _dequantize_by_blocks(t, stored[k + "_scale_inv"]) if k + "_scale_inv" in stored else t.float()
-        for k, t in stored.items()
-        if not k.endswith("_scale_inv")
-    }
+
+    def reference(k: str, t: torch.Tensor) -> torch.Tensor:
+        s = stored.get(k + "_scale_inv")
+        if s is None:
+            return t.float()
+        if t.shape[0] % s.shape[0] == 0 and t.shape[1] % s.shape[1] == 0:
+            return dequantize_fp8(t, s, torch.float32)  # transformers dequantizes it: its rule is the reference
+        return _dequantize_by_blocks(t, s)  # transformers refuses it: the checkpoint's own blocks
+
+    dequantized = {k: reference(k, t) for k, t in stored.items() if not k.endswith("_scale_inv")}
     ref_dir = tmp_path / "dequantized"
     ref_dir.mkdir()
     save_file(dequantized, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})

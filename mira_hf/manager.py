@@ -516,15 +516,6 @@ class ExpertManager(NotebookViews):
     def buffer_bytes(self) -> int:
         return self.arena.buffer_bytes
 
-    # Inspection of the current placement (tests): the slabs by pool, and each layer's split point.
-    @property
-    def _arena(self) -> dict:
-        return self.arena.slabs
-
-    @property
-    def _split(self) -> dict:
-        return self.arena.split
-
     def reset_stats(self) -> None:
         """Zero the counters (not the cache contents, heat scores or predictor state)."""
         with self._lock:
@@ -586,31 +577,3 @@ class ExpertManager(NotebookViews):
         """Release the device arena (after unload)."""
         self.loader.synchronize()
         self.arena.close()
-
-    # -- inspection of the stages' state under the manager's names (tests read and set these) --------
-    @property
-    def _gate(self):
-        return self.staging.gate
-
-    @property
-    def _layer_probs(self) -> dict[int, list[float]]:
-        return self.staging.layer_probs
-
-    @_layer_probs.setter
-    def _layer_probs(self, guesses: dict[int, list[float]]) -> None:
-        self.staging.layer_probs = guesses
-
-    @property
-    def _next_step(self) -> set[int]:
-        return self.staging.next_step
-
-    @property
-    def _predicted(self) -> dict[Key, float]:
-        return self.staging.predicted
-
-    @property
-    def _cut_short(self) -> dict[Key, Slot]:
-        return self.staging.cut_short
-
-    def _stage(self, layer: int, predictions: dict) -> None:
-        self.staging.stage(layer, predictions)

@@ -154,21 +154,6 @@ class ExpertManager(NotebookViews):
     def predictor(self, predictor) -> None:
         self.staging.predictor = predictor
 
-    @property
-    def predicting(self) -> bool:
-        """Whether the predictor runs now: there is one, and the payoff gate has not paused it."""
-        return self.staging.predicting
-
-    @property
-    def speculate_bytes(self) -> int:
-        """Bytes of a speculative copy (`PredictorConfig.speculate_bytes`, resolved for the device; 0: off)."""
-        return self.staging.speculate_bytes
-
-    @property
-    def staging_enabled(self) -> bool:
-        """Whether predictions are turned into copies now (the predictor's recent precision is high enough)."""
-        return self.staging.enabled
-
     # -- forward steps --------------------------------------------------------------------------
     def __deepcopy__(self, memo):
         raise UnsupportedOperationError(
@@ -375,19 +360,6 @@ class ExpertManager(NotebookViews):
         """Past the first forward steps: before that, guesses only fill free slots (nothing is evicted)."""
         return self.telemetry.steps >= self.settings.warmup_steps
 
-    # -- eviction valuation (`policies.ExpectedDistance`) -------------------------------------------
-    def layers_until(self, layer: int) -> int:
-        """Layers from now until `layer`'s block runs again (1..L)."""
-        return self.valuation.layers_until(layer)
-
-    def expected_distance(self, key: Key, probability: float | None = None) -> float:
-        """Expected distance to the next use of `key`, in layers (`ExpectedDistance.expected_distance`)."""
-        return self.valuation.expected_distance(key, probability)
-
-    def keep_values(self, keys: Sequence[Key]):
-        """How much keeping each resident expert is worth (`ExpectedDistance.keep_values`)."""
-        return self.valuation.keep_values(keys)
-
     # -- internals ------------------------------------------------------------------------------
     def _finish(self, slot: Slot) -> None:
         """Copy the rest of a record whose speculative copy was cut short: its block needs it."""
@@ -444,8 +416,8 @@ class ExpertManager(NotebookViews):
         # needed sooner costs the same transfer the guess might save.
         admit = None
         if staged:
-            horizon = self.expected_distance(key, probability)
-            admit = lambda k: self.expected_distance(k) > horizon  # noqa: E731
+            horizon = self.valuation.expected_distance(key, probability)
+            admit = lambda k: self.valuation.expected_distance(k) > horizon  # noqa: E731
         slot, evicted = self.cache.allocate(key, staged, evict=evict, prefetch_may_evict=admit)
         if slot is None:
             return None
@@ -502,7 +474,7 @@ class ExpertManager(NotebookViews):
                 quantization=self.quantization,
                 placement=self.placement,
                 host_only_experts=len(self.host_only),
-                prediction_active=self.predicting,  # the predictor runs now (False without one, or paused by the payoff gate)
+                prediction_active=self.staging.predicting,  # the predictor runs now (False without one, or paused by the payoff gate)
                 prediction_paused_steps=self.staging.gate.paused_steps,
             )
             return out

@@ -169,11 +169,11 @@ def test_heat_keep_values_follow_the_expected_distance_by_hand():
     m._last_layer = 0  # inside step 11, layer 0 running
     keys = [(0, 1), (1, 0), (1, 1), (1, 2)]
     p = [0.1 * (0.9**8 + 0.9**6 + 0.9**4 + 0.9**2), 1 - 0.9**10, (1 - 0.9**7) * 0.9**3, 1 - 0.9**3]
-    assert m.keep_values(keys) == pytest.approx([p[0] / 2] + [q / (2 - q) for q in p[1:]], rel=1e-6)
-    assert [m.layers_until(0), m.layers_until(1)] == [2, 1]
-    assert m.expected_distance((1, 2)) == pytest.approx(1 + 2 * (1 - p[3]) / p[3], rel=1e-6)
-    assert m.expected_distance((1, 2), probability=1.0) == pytest.approx(1.0)  # certain: its layer runs next
-    assert m.expected_distance((0, 7)) == pytest.approx(2 + 2 * (1 - 1e-3) / 1e-3)  # never used: the 1e-3 floor
+    assert m.valuation.keep_values(keys) == pytest.approx([p[0] / 2] + [q / (2 - q) for q in p[1:]], rel=1e-6)
+    assert [m.valuation.layers_until(0), m.valuation.layers_until(1)] == [2, 1]
+    assert m.valuation.expected_distance((1, 2)) == pytest.approx(1 + 2 * (1 - p[3]) / p[3], rel=1e-6)
+    assert m.valuation.expected_distance((1, 2), probability=1.0) == pytest.approx(1.0)  # certain: its layer runs next
+    assert m.valuation.expected_distance((0, 7)) == pytest.approx(2 + 2 * (1 - 1e-3) / 1e-3)  # never used: the 1e-3 floor
 
 
 def test_block_needing_more_experts_than_slots_streams_through():
@@ -367,10 +367,10 @@ def test_predicted_probability_ranks_evictions():
     steps(m, [[0, 1], [0, 1]], 5)
     m.enter_forward()
     run_block(m, 0, [0, 1])
-    before = m.expected_distance((1, 0))
+    before = m.valuation.expected_distance((1, 0))
     m.staging.stage(0, {1: torch.tensor([0.0, 1.0, 0.0, 0.0])})
-    assert m.expected_distance((1, 1)) == 1.0  # certain, next layer
-    assert m.expected_distance((1, 0)) > before  # predicted unused: its next chance is a step later
+    assert m.valuation.expected_distance((1, 1)) == 1.0  # certain, next layer
+    assert m.valuation.expected_distance((1, 0)) > before  # predicted unused: its next chance is a step later
     run_block(m, 1, [1])
     assert m.staging.layer_probs == {}  # spent once the layer ran
     m.exit_forward()
@@ -466,7 +466,7 @@ def test_speculate_bytes_is_validated():
     for bad in (-1, 1.5, True, "64MiB"):
         with pytest.raises(ConfigError, match="speculate_bytes"):
             PredictorConfig(speculate_bytes=bad)
-    assert make_manager().speculate_bytes == 0  # CPU: off by default
+    assert make_manager().staging.speculate_bytes == 0  # CPU: off by default
 
 
 def test_a_next_step_guess_ranks_evictions_until_its_layer_runs_again():
@@ -480,7 +480,8 @@ def test_a_next_step_guess_ranks_evictions_until_its_layer_runs_again():
     m.staging.stage(1, {1: torch.tensor([1.0, 0.0, 0.0, 0.0])})  # next step, layer 1 uses expert 0, not 1
     m.exit_forward()
     m.enter_forward()  # a new step of the same sequence: the guess is kept
-    assert m.expected_distance((1, 0)) < m.expected_distance((1, 1))  # equal use rates: only the guess differs
+    # equal use rates: only the guess differs
+    assert m.valuation.expected_distance((1, 0)) < m.valuation.expected_distance((1, 1))
     assert m.cache.allocate((0, 3), staged=False)[1].key == (1, 1)  # the victim: predicted unused next step
     m.cache.remove((0, 3))
     run_block(m, 1, [0])
@@ -690,8 +691,8 @@ def test_keep_values_in_numpy_equal_the_loop_bit_for_bit():
     keys = [(layer, e) for layer in range(3) for e in range(32)]
     for last, guesses in ((-1, {}), (0, {1: torch.rand(32, generator=g).tolist()}), (2, {0: [0.5] * 32, 2: [1.0] * 32})):
         m._last_layer, m.staging.layer_probs = last, guesses
-        batched = m.keep_values(keys)
-        looped = [v for i in range(0, len(keys), 16) for v in m.keep_values(keys[i : i + 16])]
+        batched = m.valuation.keep_values(keys)
+        looped = [v for i in range(0, len(keys), 16) for v in m.valuation.keep_values(keys[i : i + 16])]
         assert isinstance(batched, np.ndarray) and batched.tolist() == looped
 
 

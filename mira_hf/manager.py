@@ -1,4 +1,4 @@
-"""`ExpertManager`: the block protocol the proxies call, the forward-step lifecycle, and stats.
+"""`ExpertManager`: the block protocol the proxies call and the forward-step lifecycle.
 
 Per block call the proxy does `observe(layer, hidden, top_k_index)` (the block's routing, once,
 before its host sync), `plan = begin(layer, experts)`, then for each expert in `plan.order`
@@ -9,12 +9,12 @@ ahead of the router.
 
 The manager composes the stages: the slot plan (`budget.BudgetPlan`), the device memory
 (`arena.DeviceArena`), the cache and its eviction policy (`cache`, `policies`, built from the
-registry), the copies (`loader`) and prediction-driven staging (`staging.Staging`).
+registry), the copies (`loader`) and prediction-driven staging (`staging.Staging`); what it shows
+(`stats()`, `tier_of`, the notebook views) comes from `report.NotebookViews`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import deque
@@ -75,12 +75,7 @@ class ExpertManager(NotebookViews):
     ) -> None:
         settings = settings or ManagerSettings()
         if fields:
-            names = {f.name for f in dataclasses.fields(ManagerSettings)}
-            unknown = sorted(set(fields) - names)
-            if unknown:
-                raise ConfigError(f"ExpertManager got unknown settings {unknown}; ManagerSettings has {sorted(names)}.")
-            fields = {k: v for k, v in fields.items() if v is not None}  # None: the default
-            settings = dataclasses.replace(settings, **fields)
+            settings = settings.replaced(**fields)
         self.settings = settings
         self.layers = {li.ordinal: li for li in layers}
         self.first_ordinal, self.last_ordinal = min(self.layers), max(self.layers)
@@ -453,32 +448,6 @@ class ExpertManager(NotebookViews):
             stats.speculated += 1
         return slot
 
-    # -- telemetry ------------------------------------------------------------------------------
-    def stats(self) -> dict:
-        """Counters so far: hits, misses, hit_rate, loads, evictions, bytes_h2d, stall_s, per_layer, ..."""
-        with self._lock:
-            stalls = self.loader.stalls()
-            for layer, s in stalls.items():
-                self.telemetry.layer(layer).stall_s = s
-            out = self.telemetry.summary()
-            lat = sorted(self.loader.latencies())
-            out.update(
-                load_latency_p50_s=lat[len(lat) // 2] if lat else None,  # one copy, from issue to ready
-                load_latency_p95_s=lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
-                budget_bytes=self.budget.budget_bytes,
-                capacity_bytes=self.cache.capacity_bytes,
-                buffer_bytes=self.buffer_bytes,
-                resident_bytes=self.cache.resident_bytes,
-                slots=sum(self.budget.n_slots.values()),
-                device=str(self.device),
-                quantization=self.quantization,
-                placement=self.placement,
-                host_only_experts=len(self.host_only),
-                prediction_active=self.staging.predicting,  # the predictor runs now (False without one, or paused by the payoff gate)
-                prediction_paused_steps=self.staging.gate.paused_steps,
-            )
-            return out
-
     @property
     def device_bytes(self) -> int:
         """Bytes the manager holds on the device: the slot arenas and the codec buffers (≤ budget_bytes)."""
@@ -535,15 +504,6 @@ class ExpertManager(NotebookViews):
         if not self.store.quantized:
             raise ConfigError("save_store() saves quantized records; this model moves experts uncompressed (quantization=None).")
         self.store.save(directory, self.fingerprint)
-
-    def tier_of(self, layer: int, expert: int) -> str | None:
-        """ "hot" (on the device and used since its copy), "stage" (on the device or in flight, copied ahead of
-        its use and not used yet) or None (not on the device). The same labels as `stats()`' `hot_hits` and
-        `stage_hits`; the cache's eviction groups (`ExpertCache`) are its own business."""
-        slot = self.cache.lookup((layer, expert))
-        if slot is None:
-            return None
-        return "hot" if slot.used_since_load else "stage"
 
     def close(self) -> None:
         """Release the device arena (after unload)."""

@@ -116,11 +116,7 @@ class ExpertManager(NotebookViews):
         self.loader = Loader(device, s.ring_bytes, timeout_s=s.copy_timeout_s)
         self.staging.place(device, self.placement)
         self._staged: dict[int, list[Slot]] = {}  # layer -> slots given to its prefetches since its last block
-        largest = max(budget.slot_bytes.values())
-        tier_factor = {"pinned": 1.0, "pageable": 2.0, "disk": 4.0}  # relative reload cost per byte
-        self._cost = {
-            layer: min(1.0, store.record_bytes(layer) / largest * tier_factor[store.tier(layer)] / 4.0) for layer in self.layers
-        }
+        self._cost = budget.reload_costs(store, self.layers)  # the eviction policies' `cost` of each layer
         make_policy = POLICIES.get(s.policy).factory
         pools = {
             g: SlotPool(budget.slot_bytes[g], n, int(n * s.stage_fraction), make_policy(self._policy_context, s))
@@ -452,10 +448,6 @@ class ExpertManager(NotebookViews):
     def device_bytes(self) -> int:
         """Bytes the manager holds on the device: the slot arenas and the codec buffers (≤ budget_bytes)."""
         return self.arena.device_bytes
-
-    @property
-    def buffer_bytes(self) -> int:
-        return self.arena.buffer_bytes
 
     def reset_stats(self) -> None:
         """Zero the counters (not the cache contents, heat scores or predictor state)."""

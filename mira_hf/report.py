@@ -52,7 +52,7 @@ class NotebookViews:
                 load_latency_p95_s=lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
                 budget_bytes=self.budget.budget_bytes,
                 capacity_bytes=self.cache.capacity_bytes,
-                buffer_bytes=self.buffer_bytes,
+                buffer_bytes=self.arena.buffer_bytes,
                 resident_bytes=self.cache.resident_bytes,
                 slots=sum(self.budget.n_slots.values()),
                 device=str(self.device),

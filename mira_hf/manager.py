@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .arena import DeviceArena
-from .budget import BudgetPlan, LayerInfo
+from .budget import BudgetPlan, LayerInfo, expert_keys
 from .cache import ExpertCache, Key, Slot, SlotPool
 from .errors import ConcurrencyError, ConfigError, LoaderError, UnsupportedOperationError
 from .heat import HeatTracker
@@ -462,17 +462,7 @@ class ExpertManager(NotebookViews):
         it, so it never holds a GPU slot between uses; it is still computed whenever the router picks it
         (outputs do not change). Meant for experts a calibration set never routes to
         (`mira_hf.calibrate(..., host_only_unused=True)`)."""
-        keys = set()
-        for layer, es in experts.items():
-            li = self.layers.get(layer)
-            bad = [e for e in es if li is None or not (isinstance(e, int) and 0 <= e < li.num_experts)]
-            if li is None or bad:
-                have = {L: info.num_experts for L, info in self.layers.items()}
-                raise ConfigError(
-                    f"set_host_only: layer {layer!r} experts {list(es)!r} do not exist in this model "
-                    f"(MoE layer ordinal -> experts: {have}). Give {{layer: [expert indices]}}."
-                )
-            keys.update((layer, e) for e in es)
+        keys = expert_keys(self.layers, experts, "set_host_only")
         with self._lock:
             self.host_only = frozenset(keys)
             for key in keys:

@@ -35,7 +35,7 @@ def sizes(m) -> dict:
         hit_rate_history=len(m.hit_rate_history()),
         stall_events=len(m.loader._stalls),
         prediction_counters=len(m.telemetry.predictions),
-        predicted=len(m._predicted),
+        predicted=len(m.staging.predicted),
         pending_predictions=sum(len(v) for v in m._pending_predictions.values()),
         views=len(m._views),
         resident=len(m.cache.resident()),

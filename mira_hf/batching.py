@@ -12,7 +12,7 @@ where s_e is e's per-token share (rows routed to e / tokens, an EMA over steps).
 keeps s_e from each block's routing counts (one bincount per MoE layer and one device-to-host copy
 per step, only on steps with more than one token) and, after such a step, writes these
 probabilities into the heat tracker's use rates, which the heat policy ranks evictions by
-(`ExpertManager.keep_values`: 1 / expected layers to the next use). While no predictor runs, they
+(`ExpectedDistance.keep_values`: 1 / expected layers to the next use). While no predictor runs, they
 also stage: after a block, the next layer's experts at least `stage_probability` likely are copied
 ahead of its router (`next_layer_guess`), as a predictor's guesses are. At one token per step s_e is
 exactly the tracker's own EMA of "used this step" and nothing is staged, so single-sequence decoding

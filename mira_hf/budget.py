@@ -9,11 +9,13 @@ move, `relocate`); the manager and its arena only read the plan.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .config import MiraConfig
-from .errors import BudgetError
+from .errors import BudgetError, ConfigError
+
+TIER_COST = {"pinned": 1.0, "pageable": 2.0, "disk": 4.0}  # relative reload cost per byte of each host tier
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,29 @@ class BudgetPlan:
     def device_bytes(self) -> int:
         """Everything the manager allocates on the device: slots and codec buffers (≤ budget_bytes)."""
         return self.capacity_bytes + sum(self.buffer_bytes.values())
+
+    def reload_costs(self, store, layers: Iterable[int]) -> dict[int, float]:
+        """Relative cost of reloading an expert of each of `layers` from `store` (an `ExpertStore`), in
+        (0, 1]: its record's bytes against the largest slot's, times how slow its host tier is."""
+        largest = max(self.slot_bytes.values())
+        return {layer: min(1.0, store.record_bytes(layer) / largest * TIER_COST[store.tier(layer)] / 4.0) for layer in layers}
+
+
+def expert_keys(layers: Mapping[int, LayerInfo], experts: Mapping[int, Sequence[int]], caller: str) -> set[tuple[int, int]]:
+    """The `(layer, expert)` keys of `{layer: [expert, ...]}`, each checked against `layers` (ordinal ->
+    `LayerInfo`); a ConfigError naming `caller` and the model's layers otherwise."""
+    keys = set()
+    for layer, es in experts.items():
+        li = layers.get(layer)
+        bad = [e for e in es if li is None or not (isinstance(e, int) and 0 <= e < li.num_experts)]
+        if li is None or bad:
+            have = {L: info.num_experts for L, info in layers.items()}
+            raise ConfigError(
+                f"{caller}: layer {layer!r} experts {list(es)!r} do not exist in this model "
+                f"(MoE layer ordinal -> experts: {have}). Give {{layer: [expert indices]}}."
+            )
+        keys.update((layer, e) for e in es)
+    return keys
 
 
 def device_buffers(placement: str, codec, layouts: Mapping[int, object]) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""`ExpertManager`: the block protocol the proxies call, the forward-step lifecycle, and stats.
+"""`ExpertManager`: the block protocol the proxies call and the forward-step lifecycle.
 
 Per block call the proxy does `observe(layer, hidden, top_k_index)` (the block's routing, once,
 before its host sync), `plan = begin(layer, experts)`, then for each expert in `plan.order`
@@ -9,12 +9,12 @@ ahead of the router.
 
 The manager composes the stages: the slot plan (`budget.BudgetPlan`), the device memory
 (`arena.DeviceArena`), the cache and its eviction policy (`cache`, `policies`, built from the
-registry), the copies (`loader`) and prediction-driven staging (`staging.Staging`).
+registry), the copies (`loader`) and prediction-driven staging (`staging.Staging`); what it shows
+(`stats()`, `tier_of`, the notebook views) comes from `report.NotebookViews`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import deque
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .arena import DeviceArena
-from .budget import BudgetPlan, LayerInfo
+from .budget import BudgetPlan, LayerInfo, expert_keys
 from .cache import ExpertCache, Key, Slot, SlotPool
 from .errors import ConcurrencyError, ConfigError, LoaderError, UnsupportedOperationError
 from .heat import HeatTracker
@@ -75,12 +75,7 @@ class ExpertManager(NotebookViews):
     ) -> None:
         settings = settings or ManagerSettings()
         if fields:
-            names = {f.name for f in dataclasses.fields(ManagerSettings)}
-            unknown = sorted(set(fields) - names)
-            if unknown:
-                raise ConfigError(f"ExpertManager got unknown settings {unknown}; ManagerSettings has {sorted(names)}.")
-            fields = {k: v for k, v in fields.items() if v is not None}  # None: the default
-            settings = dataclasses.replace(settings, **fields)
+            settings = settings.replaced(**fields)
         self.settings = settings
         self.layers = {li.ordinal: li for li in layers}
         self.first_ordinal, self.last_ordinal = min(self.layers), max(self.layers)
@@ -121,11 +116,7 @@ class ExpertManager(NotebookViews):
         self.loader = Loader(device, s.ring_bytes, timeout_s=s.copy_timeout_s)
         self.staging.place(device, self.placement)
         self._staged: dict[int, list[Slot]] = {}  # layer -> slots given to its prefetches since its last block
-        largest = max(budget.slot_bytes.values())
-        tier_factor = {"pinned": 1.0, "pageable": 2.0, "disk": 4.0}  # relative reload cost per byte
-        self._cost = {
-            layer: min(1.0, store.record_bytes(layer) / largest * tier_factor[store.tier(layer)] / 4.0) for layer in self.layers
-        }
+        self._cost = budget.reload_costs(store, self.layers)  # the eviction policies' `cost` of each layer
         make_policy = POLICIES.get(s.policy).factory
         pools = {
             g: SlotPool(budget.slot_bytes[g], n, int(n * s.stage_fraction), make_policy(self._policy_context, s))
@@ -153,21 +144,6 @@ class ExpertManager(NotebookViews):
     @predictor.setter
     def predictor(self, predictor) -> None:
         self.staging.predictor = predictor
-
-    @property
-    def predicting(self) -> bool:
-        """Whether the predictor runs now: there is one, and the payoff gate has not paused it."""
-        return self.staging.predicting
-
-    @property
-    def speculate_bytes(self) -> int:
-        """Bytes of a speculative copy (`PredictorConfig.speculate_bytes`, resolved for the device; 0: off)."""
-        return self.staging.speculate_bytes
-
-    @property
-    def staging_enabled(self) -> bool:
-        """Whether predictions are turned into copies now (the predictor's recent precision is high enough)."""
-        return self.staging.enabled
 
     # -- forward steps --------------------------------------------------------------------------
     def __deepcopy__(self, memo):
@@ -375,19 +351,6 @@ class ExpertManager(NotebookViews):
         """Past the first forward steps: before that, guesses only fill free slots (nothing is evicted)."""
         return self.telemetry.steps >= self.settings.warmup_steps
 
-    # -- eviction valuation (`policies.ExpectedDistance`) -------------------------------------------
-    def layers_until(self, layer: int) -> int:
-        """Layers from now until `layer`'s block runs again (1..L)."""
-        return self.valuation.layers_until(layer)
-
-    def expected_distance(self, key: Key, probability: float | None = None) -> float:
-        """Expected distance to the next use of `key`, in layers (`ExpectedDistance.expected_distance`)."""
-        return self.valuation.expected_distance(key, probability)
-
-    def keep_values(self, keys: Sequence[Key]):
-        """How much keeping each resident expert is worth (`ExpectedDistance.keep_values`)."""
-        return self.valuation.keep_values(keys)
-
     # -- internals ------------------------------------------------------------------------------
     def _finish(self, slot: Slot) -> None:
         """Copy the rest of a record whose speculative copy was cut short: its block needs it."""
@@ -444,8 +407,8 @@ class ExpertManager(NotebookViews):
         # needed sooner costs the same transfer the guess might save.
         admit = None
         if staged:
-            horizon = self.expected_distance(key, probability)
-            admit = lambda k: self.expected_distance(k) > horizon  # noqa: E731
+            horizon = self.valuation.expected_distance(key, probability)
+            admit = lambda k: self.valuation.expected_distance(k) > horizon  # noqa: E731
         slot, evicted = self.cache.allocate(key, staged, evict=evict, prefetch_may_evict=admit)
         if slot is None:
             return None
@@ -481,49 +444,10 @@ class ExpertManager(NotebookViews):
             stats.speculated += 1
         return slot
 
-    # -- telemetry ------------------------------------------------------------------------------
-    def stats(self) -> dict:
-        """Counters so far: hits, misses, hit_rate, loads, evictions, bytes_h2d, stall_s, per_layer, ..."""
-        with self._lock:
-            stalls = self.loader.stalls()
-            for layer, s in stalls.items():
-                self.telemetry.layer(layer).stall_s = s
-            out = self.telemetry.summary()
-            lat = sorted(self.loader.latencies())
-            out.update(
-                load_latency_p50_s=lat[len(lat) // 2] if lat else None,  # one copy, from issue to ready
-                load_latency_p95_s=lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
-                budget_bytes=self.budget.budget_bytes,
-                capacity_bytes=self.cache.capacity_bytes,
-                buffer_bytes=self.buffer_bytes,
-                resident_bytes=self.cache.resident_bytes,
-                slots=sum(self.budget.n_slots.values()),
-                device=str(self.device),
-                quantization=self.quantization,
-                placement=self.placement,
-                host_only_experts=len(self.host_only),
-                prediction_active=self.predicting,  # the predictor runs now (False without one, or paused by the payoff gate)
-                prediction_paused_steps=self.staging.gate.paused_steps,
-            )
-            return out
-
     @property
     def device_bytes(self) -> int:
         """Bytes the manager holds on the device: the slot arenas and the codec buffers (≤ budget_bytes)."""
         return self.arena.device_bytes
-
-    @property
-    def buffer_bytes(self) -> int:
-        return self.arena.buffer_bytes
-
-    # Inspection of the current placement (tests): the slabs by pool, and each layer's split point.
-    @property
-    def _arena(self) -> dict:
-        return self.arena.slabs
-
-    @property
-    def _split(self) -> dict:
-        return self.arena.split
 
     def reset_stats(self) -> None:
         """Zero the counters (not the cache contents, heat scores or predictor state)."""
@@ -538,17 +462,7 @@ class ExpertManager(NotebookViews):
         it, so it never holds a GPU slot between uses; it is still computed whenever the router picks it
         (outputs do not change). Meant for experts a calibration set never routes to
         (`mira_hf.calibrate(..., host_only_unused=True)`)."""
-        keys = set()
-        for layer, es in experts.items():
-            li = self.layers.get(layer)
-            bad = [e for e in es if li is None or not (isinstance(e, int) and 0 <= e < li.num_experts)]
-            if li is None or bad:
-                have = {L: info.num_experts for L, info in self.layers.items()}
-                raise ConfigError(
-                    f"set_host_only: layer {layer!r} experts {list(es)!r} do not exist in this model "
-                    f"(MoE layer ordinal -> experts: {have}). Give {{layer: [expert indices]}}."
-                )
-            keys.update((layer, e) for e in es)
+        keys = expert_keys(self.layers, experts, "set_host_only")
         with self._lock:
             self.host_only = frozenset(keys)
             for key in keys:
@@ -573,44 +487,7 @@ class ExpertManager(NotebookViews):
             raise ConfigError("save_store() saves quantized records; this model moves experts uncompressed (quantization=None).")
         self.store.save(directory, self.fingerprint)
 
-    def tier_of(self, layer: int, expert: int) -> str | None:
-        """ "hot" (on the device and used since its copy), "stage" (on the device or in flight, copied ahead of
-        its use and not used yet) or None (not on the device). The same labels as `stats()`' `hot_hits` and
-        `stage_hits`; the cache's eviction groups (`ExpertCache`) are its own business."""
-        slot = self.cache.lookup((layer, expert))
-        if slot is None:
-            return None
-        return "hot" if slot.used_since_load else "stage"
-
     def close(self) -> None:
         """Release the device arena (after unload)."""
         self.loader.synchronize()
         self.arena.close()
-
-    # -- inspection of the stages' state under the manager's names (tests read and set these) --------
-    @property
-    def _gate(self):
-        return self.staging.gate
-
-    @property
-    def _layer_probs(self) -> dict[int, list[float]]:
-        return self.staging.layer_probs
-
-    @_layer_probs.setter
-    def _layer_probs(self, guesses: dict[int, list[float]]) -> None:
-        self.staging.layer_probs = guesses
-
-    @property
-    def _next_step(self) -> set[int]:
-        return self.staging.next_step
-
-    @property
-    def _predicted(self) -> dict[Key, float]:
-        return self.staging.predicted
-
-    @property
-    def _cut_short(self) -> dict[Key, Slot]:
-        return self.staging.cut_short
-
-    def _stage(self, layer: int, predictions: dict) -> None:
-        self.staging.stage(layer, predictions)

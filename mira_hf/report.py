@@ -35,8 +35,43 @@ def optional_import(module: str, extra: str, feature: str):
 
 # -- notebook views ---------------------------------------------------------------------------------
 class NotebookViews:
-    """What `model.mira` shows in a notebook (mixed into `ExpertManager`, whose `heat` and `telemetry`
-    it reads): counts, scores, history, and the table and figures below."""
+    """What `model.mira` shows (mixed into `ExpertManager`, whose stages it reads under its lock): the
+    counters (`stats`), where an expert is (`tier_of`), counts, scores, history, and the table and
+    figures below."""
+
+    def stats(self) -> dict:
+        """Counters so far: hits, misses, hit_rate, loads, evictions, bytes_h2d, stall_s, per_layer, ..."""
+        with self._lock:
+            stalls = self.loader.stalls()
+            for layer, s in stalls.items():
+                self.telemetry.layer(layer).stall_s = s
+            out = self.telemetry.summary()
+            lat = sorted(self.loader.latencies())
+            out.update(
+                load_latency_p50_s=lat[len(lat) // 2] if lat else None,  # one copy, from issue to ready
+                load_latency_p95_s=lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
+                budget_bytes=self.budget.budget_bytes,
+                capacity_bytes=self.cache.capacity_bytes,
+                buffer_bytes=self.arena.buffer_bytes,
+                resident_bytes=self.cache.resident_bytes,
+                slots=sum(self.budget.n_slots.values()),
+                device=str(self.device),
+                quantization=self.quantization,
+                placement=self.placement,
+                host_only_experts=len(self.host_only),
+                prediction_active=self.staging.predicting,  # the predictor runs now (False without one, or paused by the payoff gate)
+                prediction_paused_steps=self.staging.gate.paused_steps,
+            )
+            return out
+
+    def tier_of(self, layer: int, expert: int) -> str | None:
+        """ "hot" (on the device and used since its copy), "stage" (on the device or in flight, copied ahead of
+        its use and not used yet) or None (not on the device). The same labels as `stats()`' `hot_hits` and
+        `stage_hits`; the cache's eviction groups (`ExpertCache`) are its own business."""
+        slot = self.cache.lookup((layer, expert))
+        if slot is None:
+            return None
+        return "hot" if slot.used_since_load else "stage"
 
     def expert_counts(self) -> dict[int, list[int]]:
         """Activations per expert of each MoE layer since load (or `heat.reset()`)."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from .config import MiraConfig, PredictorConfig
+from .errors import ConfigError
 from .heat import HeatConfig
 from .policies import PriorityConfig
 from .registry import POLICIES
@@ -32,6 +34,16 @@ class ManagerSettings:
 
     def __post_init__(self) -> None:
         POLICIES.get(self.policy)  # a ConfigError naming the registered policies
+
+    def replaced(self, **fields) -> ManagerSettings:
+        """These settings with the given fields replaced (a field given as None keeps its value here);
+        a name that is not a field is a ConfigError (`ExpertManager(..., **fields)`)."""
+        names = {f.name for f in dataclasses.fields(ManagerSettings)}
+        unknown = sorted(set(fields) - names)
+        if unknown:
+            raise ConfigError(f"ExpertManager got unknown settings {unknown}; ManagerSettings has {sorted(names)}.")
+        fields = {k: v for k, v in fields.items() if v is not None}
+        return dataclasses.replace(self, **fields)
 
     @classmethod
     def from_config(cls, cfg: MiraConfig) -> ManagerSettings:

@@ -169,11 +169,11 @@ def test_heat_keep_values_follow_the_expected_distance_by_hand():
     m._last_layer = 0  # inside step 11, layer 0 running
     keys = [(0, 1), (1, 0), (1, 1), (1, 2)]
     p = [0.1 * (0.9**8 + 0.9**6 + 0.9**4 + 0.9**2), 1 - 0.9**10, (1 - 0.9**7) * 0.9**3, 1 - 0.9**3]
-    assert m.keep_values(keys) == pytest.approx([p[0] / 2] + [q / (2 - q) for q in p[1:]], rel=1e-6)
-    assert [m.layers_until(0), m.layers_until(1)] == [2, 1]
-    assert m.expected_distance((1, 2)) == pytest.approx(1 + 2 * (1 - p[3]) / p[3], rel=1e-6)
-    assert m.expected_distance((1, 2), probability=1.0) == pytest.approx(1.0)  # certain: its layer runs next
-    assert m.expected_distance((0, 7)) == pytest.approx(2 + 2 * (1 - 1e-3) / 1e-3)  # never used: the 1e-3 floor
+    assert m.valuation.keep_values(keys) == pytest.approx([p[0] / 2] + [q / (2 - q) for q in p[1:]], rel=1e-6)
+    assert [m.valuation.layers_until(0), m.valuation.layers_until(1)] == [2, 1]
+    assert m.valuation.expected_distance((1, 2)) == pytest.approx(1 + 2 * (1 - p[3]) / p[3], rel=1e-6)
+    assert m.valuation.expected_distance((1, 2), probability=1.0) == pytest.approx(1.0)  # certain: its layer runs next
+    assert m.valuation.expected_distance((0, 7)) == pytest.approx(2 + 2 * (1 - 1e-3) / 1e-3)  # never used: the 1e-3 floor
 
 
 def test_block_needing_more_experts_than_slots_streams_through():
@@ -241,7 +241,8 @@ def test_every_counter_of_stats_on_a_hand_computed_trace():
     record = m.store.record_bytes(0)
     m.enter_forward()
     run_block(m, 0, [0, 1])
-    m._stage(0, {1: torch.tensor([0.9, 0.4, 0.1, 0.0])})  # guesses for layer 1: 0 and 1 (confidence 0.3), not copied (< 0.95)
+    # guesses for layer 1: 0 and 1 (confidence 0.3), not copied (< 0.95)
+    m.staging.stage(0, {1: torch.tensor([0.9, 0.4, 0.1, 0.0])})
     run_block(m, 1, [0, 2])  # tp 1 (0), fp 1 (1), fn 1 (2); (1, 2) evicts the least recently used, (0, 0)
     m.exit_forward()
     m.enter_forward()
@@ -366,12 +367,12 @@ def test_predicted_probability_ranks_evictions():
     steps(m, [[0, 1], [0, 1]], 5)
     m.enter_forward()
     run_block(m, 0, [0, 1])
-    before = m.expected_distance((1, 0))
-    m._stage(0, {1: torch.tensor([0.0, 1.0, 0.0, 0.0])})
-    assert m.expected_distance((1, 1)) == 1.0  # certain, next layer
-    assert m.expected_distance((1, 0)) > before  # predicted unused: its next chance is a step later
+    before = m.valuation.expected_distance((1, 0))
+    m.staging.stage(0, {1: torch.tensor([0.0, 1.0, 0.0, 0.0])})
+    assert m.valuation.expected_distance((1, 1)) == 1.0  # certain, next layer
+    assert m.valuation.expected_distance((1, 0)) > before  # predicted unused: its next chance is a step later
     run_block(m, 1, [1])
-    assert m._layer_probs == {}  # spent once the layer ran
+    assert m.staging.layer_probs == {}  # spent once the layer ran
     m.exit_forward()
 
 
@@ -379,7 +380,7 @@ def test_only_likely_guesses_of_the_next_layer_are_copied():
     m = make_manager(layers=3, experts=4, slots=6, policy="heat")
     m.enter_forward()
     run_block(m, 0, [0, 1])
-    m._stage(0, {1: torch.tensor([0.97, 0.5, 0.0, 0.0]), 2: torch.tensor([0.99, 0.0, 0.0, 0.0])})
+    m.staging.stage(0, {1: torch.tensor([0.97, 0.5, 0.0, 0.0]), 2: torch.tensor([0.99, 0.0, 0.0, 0.0])})
     assert m.cache.resident() == [(0, 0), (0, 1), (1, 0)]  # not (1, 1): p < 0.95; not layer 2: two layers ahead
     m.exit_forward()
 
@@ -410,13 +411,13 @@ def test_a_speculative_copy_is_finished_when_its_expert_is_used():
     before = m.stats()["bytes_h2d"]
     # p(1, 0) = 0.5 and p(1, 1) = 0.4: below the copy threshold (0.95), so speculated on: only the
     # likeliest guess starts, and only its first speculate_bytes (half a record)
-    m._stage(0, {1: torch.tensor([0.5, 0.4, 0.0, 0.0])})
+    m.staging.stage(0, {1: torch.tensor([0.5, 0.4, 0.0, 0.0])})
     slot = m.cache.lookup((1, 0))
     assert slot is not None and slot.partial == record // 2 and m.cache.lookup((1, 1)) is None
     assert m.stats()["bytes_h2d"] - before == record // 2
     assert run_block(m, 1, [0, 2]) == {0: 10.0, 2: 12.0}  # the right weights: the copy was finished
     assert slot.partial == 0
-    arena = m._arena[m.cache.pool_of_layer[1]][slot.index][:record]
+    arena = m.arena.slabs[m.cache.pool_of_layer[1]][slot.index][:record]
     assert torch.equal(arena, m.store.record(1, 0))  # every byte of the record
     s = m.stats()
     assert (s["speculated"], s["speculated_used"], s["prefetch_wasted"]) == (1, 1, 0)
@@ -429,7 +430,7 @@ def test_records_no_larger_than_the_speculation_are_not_speculated_on():
     m, record = _speculating_manager(1.0)  # a whole record: a wrong guess would stay, so none is made
     m.enter_forward()
     run_block(m, 0, [0, 1])
-    m._stage(0, {1: torch.tensor([0.0, 0.0, 0.6, 0.5])})
+    m.staging.stage(0, {1: torch.tensor([0.0, 0.0, 0.6, 0.5])})
     assert m.cache.resident() == [(0, 0), (0, 1)]
     m.exit_forward()
 
@@ -438,7 +439,7 @@ def test_a_step_ending_drops_what_its_blocks_did_not_finish():
     m, record = _speculating_manager(0.5)
     m.enter_forward()
     run_block(m, 0, [0, 1])
-    m._stage(0, {1: torch.tensor([0.0, 0.0, 0.6, 0.0])})
+    m.staging.stage(0, {1: torch.tensor([0.0, 0.0, 0.6, 0.0])})
     assert m.cache.lookup((1, 2)).partial
     m.exit_forward()  # layer 1 never ran (an exception, or a model that stops early)
     assert m.cache.lookup((1, 2)) is None and m.stats()["prefetch_wasted"] == 1
@@ -448,7 +449,7 @@ def test_a_cut_short_guess_is_dropped_when_its_layer_runs_without_it():
     m, record = _speculating_manager(0.25)
     m.enter_forward()
     run_block(m, 0, [0, 1])
-    m._stage(0, {1: torch.tensor([0.0, 0.0, 0.0, 0.7])})
+    m.staging.stage(0, {1: torch.tensor([0.0, 0.0, 0.0, 0.7])})
     assert m.cache.lookup((1, 3)).partial == record // 4
     free_before = len(m.cache.pool(1)._free)
     run_block(m, 1, [0])  # (1, 0) takes a free slot; (1, 3) is dropped, which frees one
@@ -465,7 +466,7 @@ def test_speculate_bytes_is_validated():
     for bad in (-1, 1.5, True, "64MiB"):
         with pytest.raises(ConfigError, match="speculate_bytes"):
             PredictorConfig(speculate_bytes=bad)
-    assert make_manager().speculate_bytes == 0  # CPU: off by default
+    assert make_manager().staging.speculate_bytes == 0  # CPU: off by default
 
 
 def test_a_next_step_guess_ranks_evictions_until_its_layer_runs_again():
@@ -476,14 +477,15 @@ def test_a_next_step_guess_ranks_evictions_until_its_layer_runs_again():
     m.enter_forward()
     run_block(m, 0, [0, 1])
     run_block(m, 1, [0, 1])
-    m._stage(1, {1: torch.tensor([1.0, 0.0, 0.0, 0.0])})  # next step, layer 1 uses expert 0, not 1
+    m.staging.stage(1, {1: torch.tensor([1.0, 0.0, 0.0, 0.0])})  # next step, layer 1 uses expert 0, not 1
     m.exit_forward()
     m.enter_forward()  # a new step of the same sequence: the guess is kept
-    assert m.expected_distance((1, 0)) < m.expected_distance((1, 1))  # equal use rates: only the guess differs
+    # equal use rates: only the guess differs
+    assert m.valuation.expected_distance((1, 0)) < m.valuation.expected_distance((1, 1))
     assert m.cache.allocate((0, 3), staged=False)[1].key == (1, 1)  # the victim: predicted unused next step
     m.cache.remove((0, 3))
     run_block(m, 1, [0])
-    assert 1 not in m._layer_probs  # spent once the layer ran
+    assert 1 not in m.staging.layer_probs  # spent once the layer ran
     m.exit_forward()
 
 
@@ -494,7 +496,7 @@ def test_the_first_layers_next_step_guess_is_staged_after_the_last_layer():
     steps(m, [[0, 1], [0, 1]], 5)
     m.enter_forward()
     run_block(m, 0, [0, 1])
-    m._stage(0, {0: torch.tensor([0.0, 0.0, 0.99, 0.9])})  # next step: layer 0 likely uses expert 2; 3 below 0.95
+    m.staging.stage(0, {0: torch.tensor([0.0, 0.0, 0.99, 0.9])})  # next step: layer 0 likely uses expert 2; 3 below 0.95
     assert m.cache.lookup((0, 2)) is None  # not copied yet: the rest of this step may need the slot
     before = m.stats()["prefetches"]
     run_block(m, 1, [0, 1])  # the last layer
@@ -512,10 +514,10 @@ def test_a_new_sequence_forgets_next_step_guesses():
     m = make_manager(layers=2, experts=4, slots=4, policy="heat")
     m.enter_forward()
     run_block(m, 0, [0, 1])
-    m._stage(0, {0: torch.tensor([0.0, 1.0, 0.0, 0.0])})
+    m.staging.stage(0, {0: torch.tensor([0.0, 1.0, 0.0, 0.0])})
     m.exit_forward()
     m.enter_forward(new_sequence=True)  # made from the last token of another prompt
-    assert m._layer_probs == {} and m._next_step == set()
+    assert m.staging.layer_probs == {} and m.staging.next_step == set()
     m.exit_forward()
 
 
@@ -632,7 +634,7 @@ def test_without_split_copies_a_record_is_one_copy():
 @pytest.mark.parametrize("before", [True, False])  # the speculative copy ends before / after the split point
 def test_the_rest_of_a_speculative_copy_is_split_where_the_first_part_is_missing(before):
     probe = make_manager()
-    record, split = probe.store.record_bytes(0), probe._split[0]
+    record, split = probe.store.record_bytes(0), probe.arena.split[0]
     assert 0 < split < record
     m, waits = _recording_manager(
         layers=3,
@@ -643,7 +645,7 @@ def test_the_rest_of_a_speculative_copy_is_split_where_the_first_part_is_missing
     )
     m.enter_forward()
     run_block(m, 0, [0, 1])  # copies 0 and 1
-    m._stage(0, {1: torch.tensor([0.7, 0.0, 0.0, 0.0])})  # copy 2, cut short
+    m.staging.stage(0, {1: torch.tensor([0.7, 0.0, 0.0, 0.0])})  # copy 2, cut short
     slot = m.cache.lookup((1, 0))
     assert 0 < slot.partial < record and (slot.partial < split) == before
     waits.clear()
@@ -654,7 +656,7 @@ def test_the_rest_of_a_speculative_copy_is_split_where_the_first_part_is_missing
     m.end(plan)
     # before the split point: the rest comes in two parts; after it: the speculative copy brought the first part
     assert waits == (["first3", "done3"] if before else ["done2", "done3"])
-    assert torch.equal(m._arena[m.cache.pool_of_layer[1]][slot.index][:record], m.store.record(1, 0))
+    assert torch.equal(m.arena.slabs[m.cache.pool_of_layer[1]][slot.index][:record], m.store.record(1, 0))
     m.exit_forward()
 
 
@@ -671,7 +673,7 @@ def test_records_below_split_min_bytes_are_copied_in_one_piece(tiny_checkpoint):
         model = MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", quantization=None, loader=loader), progress=False)
         record = model.mira.store.record_bytes(0)
         assert record < LoaderConfig().split_min_bytes
-        assert all((s is not None) == splits for s in model.mira._split.values())
+        assert all((s is not None) == splits for s in model.mira.arena.split.values())
 
 
 def test_keep_values_in_numpy_equal_the_loop_bit_for_bit():
@@ -688,9 +690,9 @@ def test_keep_values_in_numpy_equal_the_loop_bit_for_bit():
         m.exit_forward()
     keys = [(layer, e) for layer in range(3) for e in range(32)]
     for last, guesses in ((-1, {}), (0, {1: torch.rand(32, generator=g).tolist()}), (2, {0: [0.5] * 32, 2: [1.0] * 32})):
-        m._last_layer, m._layer_probs = last, guesses
-        batched = m.keep_values(keys)
-        looped = [v for i in range(0, len(keys), 16) for v in m.keep_values(keys[i : i + 16])]
+        m._last_layer, m.staging.layer_probs = last, guesses
+        batched = m.valuation.keep_values(keys)
+        looped = [v for i in range(0, len(keys), 16) for v in m.valuation.keep_values(keys[i : i + 16])]
         assert isinstance(batched, np.ndarray) and batched.tolist() == looped
 
 

@@ -137,9 +137,9 @@ def test_static_cache_generation_after_a_cast(tiny_checkpoint):
 def test_moves_to_the_same_device_change_nothing_and_others_are_refused_before_anything_changes(tiny_checkpoint):
     model = _wrapped(tiny_checkpoint("mixtral"))
     expected, before = _logits(model), _snapshot(model)
-    arena = model.mira._arena
+    arena = model.mira.arena.slabs
     assert model.cpu() is model and model.to("cpu") is model and model.to(model.device) is model
-    assert model.mira._arena is arena  # a move to where it is keeps the cache
+    assert model.mira.arena.slabs is arena  # a move to where it is keeps the cache
     with pytest.raises(DeviceError, match="mira-hf keeps the expert cache on cpu, cuda devices only.*Nothing was changed"):
         model.to("meta")
     if not torch.cuda.is_available():
@@ -195,7 +195,7 @@ def test_moves_between_cpu_and_cuda_take_the_cache_along_and_serve_exactly(tiny_
     _logits(model)  # experts resident in the CPU cache
     model.cuda()
     assert model.device.type == "cuda" and model.mira.device.type == "cuda"
-    assert all(arena.device.type == "cuda" for arena in model.mira._arena.values())
+    assert all(arena.device.type == "cuda" for arena in model.mira.arena.slabs.values())
     assert all(p.device.type == "cpu" for n, p in model.named_parameters() if ".experts." in n)  # the store stays
     with torch.no_grad():
         got, want = model(IDS.cuda()).logits, ref.cuda()(IDS.cuda()).logits

@@ -170,7 +170,7 @@ def test_speculative_copies_keep_outputs_identical(tiny_checkpoint, name, quanti
         loader=LoaderConfig(split_min_bytes=0),  # the rest of a cut-short copy is split where the first part is missing
     )
     model = MiraMoEModel.from_pretrained(path, cfg, progress=False).eval()
-    assert 0 < model.mira.speculate_bytes < model.mira.store.record_bytes(0)  # copies are cut short
+    assert 0 < model.mira.staging.speculate_bytes < model.mira.store.record_bytes(0)  # copies are cut short
     ids = torch.tensor([[5, 9, 14, 33, 7, 21, 2, 8]])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)

@@ -91,7 +91,7 @@ def test_prediction_pauses_where_copies_cost_nothing_and_outputs_stay_identical(
         assert torch.equal(model.generate(ids, **gen), expected)
         s = model.mira.stats()
         assert (s["prediction_paused_steps"] > 0) == paused and s["prediction_active"] == (not paused)
-        gate = model.mira._gate
+        gate = model.mira.staging.gate
         if paused:
             assert gate.stall_per_miss == 0.0 and gate.cost_per_block > 0
             assert s["prediction_paused_steps"] == 24 - 4  # 24 forward steps (the prefill gives the first token); paused after 4
@@ -105,7 +105,7 @@ def test_the_manager_feeds_the_gate_what_it_measured(tiny_checkpoint):
     path = tiny_checkpoint("mixtral")
     pc = PredictorConfig(pause_unprofitable=True, payoff_window_steps=4, stage_probability=0.3)
     model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.75, device="cpu", prediction=pc), progress=False).eval()
-    loader, gate = model.mira.loader, model.mira._gate
+    loader, gate = model.mira.loader, model.mira.staging.gate
     loader.add_stall = lambda layer, seconds: loader._stall_by_layer.update({layer: loader._stall_by_layer.get(layer, 0.0) + 1.0})
     reviews = []
     end_step = gate.end_step

@@ -108,7 +108,7 @@ def test_telemetry_and_predictor_state_stay_bounded(tiny_checkpoint):
     assert len(m.hit_rate_history()) <= 50
     assert len(m.loader._stalls) <= 512
     assert len(m.telemetry.predictions) <= len(m.layers) * m.predictor_config.lookahead * 3
-    assert len(m._predicted) <= sum(li.num_experts for li in m.layers.values())
+    assert len(m.staging.predicted) <= sum(li.num_experts for li in m.layers.values())
     assert all(len(w) <= w.maxlen for w in m.predictor.position._window.values())
 
 
@@ -150,7 +150,7 @@ def test_speculation_and_next_step_state_stay_bounded(tiny_checkpoint):
         model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0)
     m = model.mira
     assert m.stats()["speculated"] > 0
-    assert len(m._cut_short) <= len(m.layers)  # at most the next layer's guess of the current step
+    assert len(m.staging.cut_short) <= len(m.layers)  # at most the next layer's guess of the current step
     assert sum(len(v) for v in m._staged.values()) <= sum(li.num_experts for li in m.layers.values())
-    assert m._next_step <= set(m.layers) and set(m._layer_probs) <= set(m.layers)
+    assert m.staging.next_step <= set(m.layers) and set(m.staging.layer_probs) <= set(m.layers)
     assert len(m.loader._pending_latency) <= 512 and len(m.loader.latencies()) <= LATENCY_SAMPLES

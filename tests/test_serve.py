@@ -33,20 +33,11 @@ PROMPTS = ["def fib(n):", "import os\n", "class Stack:", "for i in range(10):", 
 def served():
     """(server url, tokenizer, model, {(kind, prompt): reference new tokens}, app) for the bundled model on the CPU.
     The references are computed before the server starts, so only one thread ever runs the model at a time."""
-    from transformers import AutoTokenizer
-
     from mira_hf.serve import BackgroundServer, build_app
 
-    path = bundled_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.25, device="cpu"), progress=False, dtype=torch.float32)
-    model.eval()
-    references = {}
-    for kind, prompt in [("completion", p) for p in PROMPTS] + [("chat", PROMPTS[0])]:
-        ids = prompt_ids(tokenizer, kind, prompt)
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-        references[kind, prompt] = out[0, len(ids) :].tolist()
+    tokenizer, model = bundled(0.25, "cpu")
+    requests = [("completion", p) for p in PROMPTS] + [("chat", PROMPTS[0])]
+    references = {(kind, prompt): new_tokens(model, prompt_ids(tokenizer, kind, prompt)) for kind, prompt in requests}
     app = build_app(model, tokenizer, ServeConfig(default_max_tokens=NEW_TOKENS))
     with BackgroundServer(app) as server:
         yield server.url, tokenizer, model, references, app
@@ -59,6 +50,33 @@ def prompt_ids(tokenizer, kind: str, prompt: str) -> list[int]:
     return tokenizer.apply_chat_template(
         messages, chat_template=PLAIN_CHAT_TEMPLATE, add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
+
+
+def bundled(budget: float, device: str):
+    """(tokenizer, model): the bundled model wrapped at `budget` on `device`, in fp32 (batched and one-at-a-time
+    attention round alike)."""
+    from transformers import AutoTokenizer
+
+    path = bundled_model_path()
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=budget, device=device), progress=False, dtype=torch.float32)
+    return AutoTokenizer.from_pretrained(path), model.eval()
+
+
+def new_tokens(model, ids: list[int]) -> list[int]:
+    """The NEW_TOKENS greedy tokens `generate` gives after `ids`: what the server must answer."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
+
+
+def completion_references(model, tokenizer, prompts: list[str]) -> dict[str, list[int]]:
+    return {p: new_tokens(model, prompt_ids(tokenizer, "completion", p)) for p in prompts}
+
+
+def complete_concurrently(url: str, prompts: list[str]) -> list:
+    """(status, body) of one /v1/completions request per prompt, all sent at once."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: post(url + "/v1/completions", {"prompt": p}), prompts))
 
 
 def post(url: str, body, raw: bool = False):
@@ -239,22 +257,12 @@ def test_planned_device_memory_resizes_the_expert_cache_and_requests_beyond_the_
     and each gets the tokens of `generate`."""
     import threading
 
-    from transformers import AutoTokenizer
-
     from mira_hf.serve import BackgroundServer, build_app, planning
     from mira_hf.serve import memory as serve_memory
 
-    path = bundled_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.1, device="cpu"), progress=False, dtype=torch.float32)
-    model.eval()
+    tokenizer, model = bundled(0.1, "cpu")
     prompts = PROMPTS[:6]
-    references = {}
-    for prompt in prompts:
-        ids = tokenizer(prompt)["input_ids"]
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-        references[prompt] = out[0, len(ids) :].tolist()
+    references = completion_references(model, tokenizer, prompts)
     base = dict(default_max_tokens=NEW_TOKENS, device_memory="48MiB", concurrency=8, prompt_tokens=8, max_batch_tokens=256)
 
     fp = planning.footprint(model, 256)
@@ -282,8 +290,7 @@ def test_planned_device_memory_resizes_the_expert_cache_and_requests_beyond_the_
     with BackgroundServer(app) as server:
         watcher = threading.Thread(target=watch, args=(app.state.mira_runtime,), daemon=True)
         watcher.start()
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            answers = list(pool.map(lambda p: post(server.url + "/v1/completions", {"prompt": p}), prompts))
+        answers = complete_concurrently(server.url, prompts)
         done.set()
         watcher.join()
         values = metric_values(get(server.url + "/metrics")[1])
@@ -351,24 +358,14 @@ def test_a_client_that_disconnects_mid_stream_frees_its_decoding(served):
 def test_on_cuda_concurrent_requests_give_the_tokens_of_generate_and_the_split_is_reported():
     """On a GPU: experts copied from host memory while the batch decodes, the KV cache sized by transformers from
     the memory left after the expert cache (fp32, so batched and one-at-a-time attention round alike)."""
-    from transformers import AutoTokenizer
 
     from mira_hf.serve import BackgroundServer, build_app
 
-    path = bundled_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.25, device="cuda"), progress=False, dtype=torch.float32)
-    model.eval()
-    references = {}
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt)["input_ids"]
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-        references[prompt] = out[0, len(ids) :].tolist()
+    tokenizer, model = bundled(0.25, "cuda")
+    references = completion_references(model, tokenizer, PROMPTS)
     app = build_app(model, tokenizer, ServeConfig(default_max_tokens=NEW_TOKENS))
     with BackgroundServer(app) as server:
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            answers = list(pool.map(lambda p: post(server.url + "/v1/completions", {"prompt": p}), PROMPTS))
+        answers = complete_concurrently(server.url, PROMPTS)
         split = app.state.mira_runtime.split
     for prompt, (status, body) in zip(PROMPTS, answers):
         assert status == 200, body
@@ -384,28 +381,18 @@ def test_on_cuda_concurrent_requests_give_the_tokens_of_generate_and_the_split_i
 def test_on_cuda_a_planned_server_stays_within_its_device_memory_and_gives_the_tokens_of_generate():
     """On a GPU: ServeConfig(device_memory=...) resizes the expert cache and sizes the KV cache so that everything the
     process allocates on the device while serving concurrent requests stays within the total."""
-    from transformers import AutoTokenizer
 
     from mira_hf.serve import BackgroundServer, build_app
 
-    path = bundled_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.1, device="cuda"), progress=False, dtype=torch.float32)
-    model.eval()
-    references = {}
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt)["input_ids"]
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-        references[prompt] = out[0, len(ids) :].tolist()
+    tokenizer, model = bundled(0.1, "cuda")
+    references = completion_references(model, tokenizer, PROMPTS)
     total = 256 * 2**20
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     config = ServeConfig(default_max_tokens=NEW_TOKENS, device_memory=total, concurrency=4, prompt_tokens=16)
     app = build_app(model, tokenizer, config)
     with BackgroundServer(app) as server:
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            answers = list(pool.map(lambda p: post(server.url + "/v1/completions", {"prompt": p}), PROMPTS))
+        answers = complete_concurrently(server.url, PROMPTS)
     plan = app.state.mira_runtime.plan
     for prompt, (status, body) in zip(PROMPTS, answers):
         assert status == 200, body

@@ -123,17 +123,14 @@ class PackedWeights:
     so the per-token `linear` only computes. `scratch`: a device buffer the codec's `linear` decodes a
     weight into (codecs with a `scratch_bytes`, e.g. lossless), shared by every expert; None otherwise."""
 
-    __slots__ = ("codec", "record", "layout", "dtype", "scratch", "_bound")
+    __slots__ = ("codec", "record", "layout", "dtype", "scratch", "exact", "_bound")
 
     def __init__(self, codec, record: torch.Tensor, layout, dtype: torch.dtype, scratch: torch.Tensor | None = None) -> None:
         self.codec, self.record, self.layout, self.dtype, self.scratch = codec, record, layout, dtype, scratch
+        # Whether decoding gives back the stored weights bit for bit: then the decoded weight through the
+        # unwrapped model's own op gives its bits (read per expert matmul, so resolved here, once).
+        self.exact: bool = codec.exact
         self._bound = codec.bind(record, layout, scratch)
-
-    @property
-    def exact(self) -> bool:
-        """Whether decoding gives back the stored weights bit for bit (then computing with the decoded
-        weight and the unwrapped model's own op gives its bits)."""
-        return bool(getattr(self.codec, "exact", False))
 
     def linear(self, x: torch.Tensor, name: str, transposed: bool) -> torch.Tensor:
         return self._bound.linear(x, name, transposed)

@@ -14,7 +14,9 @@ Pinned slots (in use by the block being computed) are never evicted.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,7 +35,7 @@ class CachePolicy(Protocol):
     def removed(self, key: Key) -> None: ...
     def admit_hot(self, key: Key) -> bool: ...
     def victim(self, candidates: Iterable[Key]) -> Key | None: ...
-    def demote(self, candidates: Iterable[Key]) -> Key | None: ...
+    def demote(self, candidates: AbstractSet[Key]) -> Key | None: ...  # HOT experts, least recently used first
 
 
 @dataclass(frozen=True)
@@ -67,11 +69,15 @@ class SlotPool:
     policy: CachePolicy
     slots: list[Slot] = field(default_factory=list)
     where: dict[Key, Slot] = field(default_factory=dict)
-    hot_count: int = 0
+    hot: OrderedDict[Key, None] = field(default_factory=OrderedDict)  # the HOT experts, least recently used first
 
     def __post_init__(self) -> None:
         self.slots = [Slot(i) for i in range(self.n_slots)]
         self._free = list(range(self.n_slots - 1, -1, -1))
+
+    @property
+    def hot_count(self) -> int:
+        return len(self.hot)
 
     @property
     def n_hot(self) -> int:
@@ -122,7 +128,7 @@ class ExpertCache:
             slot = pool.where.pop(victim)
             pool.policy.removed(victim)
             if slot.tier == HOT:
-                pool.hot_count -= 1
+                del pool.hot[victim]
             evicted = Eviction(victim, slot.prefetched and not slot.used_since_load)
         slot.key, slot.tier, slot.pins, slot.partial = key, STAGE, 0, 0
         slot.used_since_load, slot.prefetched, slot.awaiting = False, staged, staged
@@ -157,15 +163,18 @@ class ExpertCache:
         pool = self.pool(slot.key[0])
         pool.policy.used(slot.key)
         slot.used_since_load, slot.awaiting = True, False
-        if slot.tier == HOT or not pool.policy.admit_hot(slot.key):
+        if slot.tier == HOT:
+            pool.hot.move_to_end(slot.key)
+            return
+        if not pool.policy.admit_hot(slot.key):
             return
         slot.tier = HOT
-        pool.hot_count += 1
-        if pool.hot_count > pool.n_hot:
-            victim = pool.policy.demote([s.key for s in pool.slots if s.tier == HOT and s is not slot])
+        pool.hot[slot.key] = None
+        if len(pool.hot) > pool.n_hot:
+            victim = pool.policy.demote(_HotKeys(pool.hot, slot.key))
             if victim is not None:
                 pool.where[victim].tier = STAGE
-                pool.hot_count -= 1
+                del pool.hot[victim]
 
     def remove(self, key: Key) -> None:
         """Forget `key` (its copy failed or was abandoned); its slot becomes free."""
@@ -175,7 +184,7 @@ class ExpertCache:
             return
         pool.policy.removed(key)
         if slot.tier == HOT:
-            pool.hot_count -= 1
+            del pool.hot[key]
         slot.key, slot.tier, slot.pins, slot.ready, slot.awaiting, slot.partial = None, STAGE, 0, None, False, 0
         slot.first_ready = None
         pool._free.append(slot.index)
@@ -191,3 +200,22 @@ class ExpertCache:
     @property
     def capacity_bytes(self) -> int:
         return sum(p.n_slots * p.slot_bytes for p in self.pools.values())
+
+
+class _HotKeys(AbstractSet):
+    """The HOT experts of a pool but one (the expert just admitted), least recently used first: what
+    `demote` chooses from. A set view, not a list: with fine-grained experts a pool holds over a
+    thousand slots and nearly every use of a STAGE expert demotes one, so listing them per use cost
+    more than the expert's matmuls; LRU takes the first, one lookup."""
+
+    def __init__(self, hot: OrderedDict[Key, None], but: Key) -> None:
+        self.hot, self.but = hot, but
+
+    def __contains__(self, key: object) -> bool:
+        return key != self.but and key in self.hot
+
+    def __iter__(self) -> Iterator[Key]:
+        return (k for k in self.hot if k != self.but)
+
+    def __len__(self) -> int:
+        return len(self.hot) - (self.but in self.hot)

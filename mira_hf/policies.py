@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,9 +58,10 @@ class LRUPolicy:
                 return key
         return None
 
-    def demote(self, candidates: Iterable[Key]) -> Key | None:
-        """Which HOT expert drops to STAGE when HOT is over its size (the same ranking as eviction)."""
-        return self.victim(candidates)
+    def demote(self, candidates: AbstractSet[Key]) -> Key | None:
+        """Which HOT expert drops to STAGE when HOT is over its size: the least recently used.
+        `candidates` iterate least recently used first (the order this policy keeps for them)."""
+        return next(iter(candidates), None)
 
 
 def _expected_distance(d: int, num_layers: int, p: float, q: float) -> float:
@@ -171,10 +173,8 @@ class HeatPolicy(LRUPolicy):
     def admit_hot(self, key: Key) -> bool:
         return self.heat.is_hot(*key)
 
-    def demote(self, candidates: Iterable[Key]) -> Key | None:
-        # With one ranking the tiers are labels that no victim search depends on: the least recently
-        # used HOT expert is relabelled, without ranking every slot again.
-        return LRUPolicy.victim(self, candidates)
+    # `demote` is LRU's: with one ranking the tiers are labels that no victim search depends on, so
+    # the least recently used HOT expert is relabelled without ranking every slot again.
 
     def victim(self, candidates: Iterable[Key]) -> Key | None:
         keys = list(dict.fromkeys(candidates))
@@ -242,6 +242,9 @@ class PriorityPolicy(LRUPolicy):
             return None
         rank = {k: i for i, k in enumerate(self._order)}
         return min(allowed, key=lambda k: (self.score(k), rank.get(k, -1)))
+
+    def demote(self, candidates: AbstractSet[Key]) -> Key | None:
+        return self.victim(candidates)  # the HOT label drops by the same score as eviction
 
 
 register_policy("lru", lambda context, settings: LRUPolicy())

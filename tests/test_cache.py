@@ -759,7 +759,6 @@ def test_heat_policy_breaks_ties_by_recency_and_demotes_the_least_recently_used(
     policy.used((0, 2))
     assert policy.victim(keys) == (0, 1) and policy.victim([(0, 0), (0, 3)]) == (0, 0) and policy.victim([]) is None
     assert policy.victim([(0, 3), (0, 3)]) == (0, 3)  # repeated candidates count once
-    assert policy.demote([(0, 0), (0, 3)]) == (0, 0)  # the HOT label drops by recency, not by value
     untracked = HeatPolicy(HeatTracker({0: 8}), lambda keys: [0.0] * len(keys))
     assert untracked.victim([(0, 6), (0, 5), (0, 7)]) == (0, 6)  # a tie among keys it never saw: the first given
     untracked.removed((0, 6))  # forgetting a key it does not hold is a no-op
@@ -771,6 +770,25 @@ def test_heat_policy_breaks_ties_by_recency_and_demotes_the_least_recently_used(
     assert by_score.victim([(0, 1), (0, 0)]) == (0, 0) and not by_score.admit_hot((0, 1))  # 0.1 < 0.3
     heat.activate(0, [1, 1])
     assert by_score.admit_hot((0, 1))  # 0.3: the threshold admits
+
+
+def test_a_full_hot_tier_demotes_its_least_recently_used_expert_under_heat_as_under_lru():
+    from mira_hf.heat import HeatTracker
+    from mira_hf.policies import HeatPolicy
+
+    heat = HeatTracker({0: 4})
+    for _ in range(3):
+        heat.activate(0, [0, 1, 2, 3])  # every expert at the HOT threshold: admission is not what decides
+    for policy in (LRUPolicy(), HeatPolicy(heat, lambda keys: [0.0] * len(keys))):
+        cache = ExpertCache({0: SlotPool(1, 4, 2, policy)}, {0: 0})  # 2 HOT + 2 STAGE
+        slots = {e: cache.allocate((0, e), staged=False)[0] for e in (3, 2, 1, 0)}  # loaded in reverse order
+        for e in (0, 1, 0):
+            cache.use(slots[e])  # 1 is now the least recently used HOT expert, though loaded after 0
+        cache.use(slots[2])  # HOT is full: 1 drops to STAGE
+        assert [slots[e].tier for e in range(4)] == ["hot", "stage", "hot", "stage"], policy.name
+        cache.use(slots[1])  # and 0, now the least recently used, drops for it
+        assert [slots[e].tier for e in range(4)] == ["stage", "hot", "hot", "stage"], policy.name
+        assert list(cache.pools[0].hot) == [(0, 2), (0, 1)] and cache.pools[0].hot_count == 2
 
 
 def test_hot_count_tiers_and_slot_state_stay_consistent_through_uses_evictions_and_removals():

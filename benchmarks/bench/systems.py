@@ -17,7 +17,7 @@ from mira_hf import MiraConfig, MiraMoEModel
 
 from . import GB
 from .clock import Deadline, log
-from .measure import Settings, empty_host_cache, free_device_cache, host_rss_gb, measure, pinned_host_gb, trace_steps
+from .measure import Settings, empty_host_cache, free_device_cache, host_rss_gb, measure, pinned_host_gb, routing_trace
 from .workloads import Workload, bundled_dir, model_facts
 
 SYSTEMS = ["resident", "accelerate", "lru", "default", "bf16", "int4", "int4-packed"]  # display order; --variant appends
@@ -196,12 +196,7 @@ def run_system(
             trace = [] if manager is not None else None
             measure(model, row, wl, s, deadline, manager=manager, trace=trace)
             if trace:
-                traces[(system, budget)] = dict(
-                    steps=trace_steps(trace),
-                    pool_of_layer=dict(manager.budget.pool_of_layer),
-                    n_slots=dict(manager.budget.n_slots),
-                    record_bytes={layer: manager.store.record_bytes(layer) for layer in manager.store.layers},
-                )
+                traces[(system, budget)] = routing_trace(trace, manager)
                 row["routing_steps_b1"] = len(traces[(system, budget)]["steps"])
     except Exception as exc:  # one system failing (an OOM, a missing feature) must not end the run
         row["status"] = "error"

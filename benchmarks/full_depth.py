@@ -36,7 +36,6 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -45,7 +44,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))  # the hub-layout checkpoint writers
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench.clock import START, Deadline, log  # noqa: E402  (before torch: the log and time guard count imports too)
+from bench.clock import START, Deadline, log, log_failure  # noqa: E402  (before torch: the log and time guard count imports too)
 
 if __name__ == "__main__":  # before transformers is imported
     for _k, _v in (("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "error")):
@@ -359,10 +358,7 @@ def run_budget(
             if row.get("decode_tok_s_b1") and row["floor"]["transfer_s"]:
                 row["x_floor"] = (1.0 / row["decode_tok_s_b1"]) / row["floor"]["limit_s"]
     except Exception as exc:  # a failure is a row of the result, not the end of the run
-        row["status"] = "error"
-        row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        log(f"{key} @ {budget}: ERROR {row['error'][:300]}")
-        print("".join(traceback.format_exception(exc)[-8:]), flush=True)
+        log_failure(row, exc, f"{key} @ {budget}")
     finally:
         row["host_rss_gb"] = host_rss_gb()  # with the model loaded (the expert store included)
         row["pinned_host_gb"] = pinned_host_gb()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-import traceback
 from collections import defaultdict
 
 import torch
@@ -16,7 +15,7 @@ import mira_hf.config
 from mira_hf import MiraConfig, MiraMoEModel
 
 from . import GB
-from .clock import Deadline, log
+from .clock import Deadline, log, log_failure
 from .measure import Settings, empty_host_cache, free_device_cache, host_rss_gb, measure, pinned_host_gb, routing_trace
 from .workloads import Workload, bundled_dir, model_facts
 
@@ -199,10 +198,7 @@ def run_system(
                 traces[(system, budget)] = routing_trace(trace, manager)
                 row["routing_steps_b1"] = len(traces[(system, budget)]["steps"])
     except Exception as exc:  # one system failing (an OOM, a missing feature) must not end the run
-        row["status"] = "error"
-        row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        log(f"{wl.key} / {system}: ERROR {row['error'][:300]}")
-        print("".join(traceback.format_exception(exc)[-6:]), flush=True)
+        log_failure(row, exc, f"{wl.key} / {system}")
     finally:
         row["host_rss_gb"] = host_rss_gb()  # with the system loaded (its expert store included)
         t = time.perf_counter()

@@ -90,15 +90,16 @@ SHAPES["deepseek-v3-8l-64e"] = dict(
 SMOKE_SHAPES = {"mixtral-smoke": "mixtral", "qwen3-smoke": "qwen3_moe"}
 
 
-def build_config(shape: str):
-    """The transformers config of `shape`: a key of `SHAPES` (real dimensions) or of `SMOKE_SHAPES`."""
+def build_config(shape: str, **overrides):
+    """The transformers config of `shape`: a key of `SHAPES` (real dimensions) or of `SMOKE_SHAPES`, with
+    `overrides` (config fields, e.g. num_hidden_layers) on top."""
     import transformers
 
     if shape in SMOKE_SHAPES:
         from mira_hf.testing import make_config  # here: scripts put the repository on sys.path after importing this module
 
-        return make_config(SMOKE_SHAPES[shape])
-    kw = dict(SHAPES[shape])
+        return make_config(SMOKE_SHAPES[shape], **overrides)
+    kw = dict(SHAPES[shape], **overrides)
     return getattr(transformers, kw.pop("model"))(**kw)
 
 

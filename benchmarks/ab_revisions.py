@@ -137,7 +137,7 @@ def child(args) -> dict:
     wrap_s = time.perf_counter() - t
     manager = model.mira
     ids = wl.prompts(max(args.batch, 1), args.prompt_len, model.config.vocab_size, device)
-    with torch.inference_mode():
+    with torch.no_grad():  # as generate: state the first forward creates must stay writable outside inference mode
         logits = model(ids[:1]).logits[0, -1].float().cpu()  # [V] at the prompt's last position
     torch.save(logits, args.dump)
     phases = [Phase("b1", "batch-1 decode", ids[:1], args.new_tokens, tokens=True)]

@@ -68,7 +68,7 @@ from bench.measure import (  # noqa: E402
 from bench.render import _n  # noqa: E402
 from bench.systems import _teardown  # noqa: E402
 from bench.workloads import _pad_id, model_facts  # noqa: E402
-from common import SHAPES, device_slug, environment, print_table, random_model_on_device, write_json  # noqa: E402
+from common import device_slug, environment, print_table, random_model_on_device, write_json  # noqa: E402
 from routing_stats import from_records, routing_stats  # noqa: E402
 from topic_routing import RoutingTargets, shape_routing, topic_prompts  # noqa: E402
 
@@ -77,47 +77,6 @@ from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
 GB = 1e9
 PCIE_GBPS = 55.0  # nominal PCIe Gen5 x16 host-to-device rate the floor is also quoted at
 SHARD_BYTES = 5 * 10**9
-
-SHAPES.update(
-    {
-        "gpt-oss-smoke": dict(
-            model="GptOssConfig",
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            num_local_experts=16,
-            num_experts_per_tok=4,
-            sliding_window=16,
-            max_position_embeddings=1024,
-        ),
-        "deepseek-v3-smoke": dict(  # FP8 needs 128-wide blocks: 256 gives each weight a 2 x 2 grid of scales
-            model="DeepseekV3Config",
-            vocab_size=512,
-            hidden_size=256,
-            intermediate_size=256,
-            moe_intermediate_size=256,
-            num_hidden_layers=3,
-            first_k_dense_replace=1,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            n_shared_experts=1,
-            n_routed_experts=16,
-            num_experts_per_tok=4,
-            n_group=4,
-            topk_group=2,
-            q_lora_rank=32,
-            kv_lora_rank=32,
-            qk_rope_head_dim=16,
-            qk_nope_head_dim=16,
-            v_head_dim=32,
-            max_position_embeddings=1024,
-        ),
-    }
-)
 
 
 @dataclass(frozen=True)

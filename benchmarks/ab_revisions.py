@@ -17,8 +17,8 @@ tokens/s (median, min, max over pairs); and whether the revisions agree: the sam
 logits (`torch.equal`, with the largest difference where they are not).
 
     git archive 58f42eb mira_hf model_adapters | (mkdir -p /tmp/ab_old && tar -x -C /tmp/ab_old)
-    python benchmarks/ab_revisions.py --old /tmp/ab_old --model mixtral --out benchmarks/results/   # GPU, ~3.5 min
-    python benchmarks/ab_revisions.py --old /tmp/ab_old --model bundled --smoke --out /tmp/ab        # CPU, < 1 min
+    python benchmarks/ab_revisions.py --old /tmp/ab_old --model mixtral --out benchmarks/results/   # GPU, est. 3.5 min
+    python benchmarks/ab_revisions.py --old /tmp/ab_old --model bundled --smoke --out /tmp/ab        # CPU check
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ from common import device_slug, environment, print_table, write_json  # noqa: E4
 MODELS = ("mixtral", "qwen3", "bundled")  # bench.workloads.WORKLOADS keys
 
 
-# Per model on an H200: pairs by default, the batch of the second decode (0: batch 1 only) and the seconds one
-# process takes (start-up, build, wrap with the default's encoding, logits, two repeats of the decodes). The
-# random shapes decode at 15-30 tok/s and their batched decode moves most experts per step, so they run batch 1.
+# Per model on an H200: pairs by default, the batch of the second decode (0: batch 1 only) and the estimated seconds
+# of one process (start-up, build, wrap with the default's encoding, logits, two repeats of the decodes; from
+# run.py's measured wrap and decode times). The random shapes decode at 15-30 tok/s and their batched decode moves
+# most experts per step, so they run batch 1.
 DEFAULTS = {
     "mixtral": dict(pairs=2, batch=0, process_s=50.0),
     "qwen3": dict(pairs=3, batch=0, process_s=30.0),

@@ -86,19 +86,46 @@ SHAPES["deepseek-v3-8l-64e"] = dict(
 )
 
 
-# Tiny stand-ins for --smoke runs (CPU, seconds): shape name -> a recipe of mira_hf.testing (the tests' tiny models).
-SMOKE_SHAPES = {"mixtral-smoke": "mixtral", "qwen3-smoke": "qwen3_moe"}
+# Tiny stand-ins for --smoke runs (CPU, seconds): shape name -> (a recipe of mira_hf.testing, the tests' tiny models;
+# fields changed on top of it).
+SMOKE_SHAPES = {
+    "mixtral-smoke": ("mixtral", {}),
+    "qwen3-smoke": ("qwen3_moe", {}),
+    # full_depth.py: more experts and a larger vocabulary, so shaped routing has topics to spread over
+    "gpt-oss-smoke": ("gpt_oss", dict(vocab_size=512, num_local_experts=16, num_experts_per_tok=4, max_position_embeddings=1024)),
+    "deepseek-v3-smoke": (  # FP8 needs 128-wide blocks: 256 gives each weight a 2 x 2 grid of scales
+        "deepseek_v3",
+        dict(
+            vocab_size=512,
+            hidden_size=256,
+            intermediate_size=256,
+            moe_intermediate_size=256,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=32,
+            max_position_embeddings=1024,
+        ),
+    ),
+}
 
 
-def build_config(shape: str):
-    """The transformers config of `shape`: a key of `SHAPES` (real dimensions) or of `SMOKE_SHAPES`."""
+def build_config(shape: str, **overrides):
+    """The transformers config of `shape`: a key of `SHAPES` (real dimensions) or of `SMOKE_SHAPES`, with
+    `overrides` (config fields, e.g. num_hidden_layers) on top."""
     import transformers
 
     if shape in SMOKE_SHAPES:
         from mira_hf.testing import make_config  # here: scripts put the repository on sys.path after importing this module
 
-        return make_config(SMOKE_SHAPES[shape])
-    kw = dict(SHAPES[shape])
+        recipe, fields = SMOKE_SHAPES[shape]
+        return make_config(recipe, **fields, **overrides)
+    kw = dict(SHAPES[shape], **overrides)
     return getattr(transformers, kw.pop("model"))(**kw)
 
 

@@ -28,51 +28,47 @@ greedy tokens are compared with the all-resident model's.
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
 import time
-
-_T_START = time.perf_counter()
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import traceback  # noqa: E402
-import warnings  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-
-if __name__ == "__main__":  # before transformers is imported
-    for _k, _v in (("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "error")):
-        os.environ.setdefault(_k, _v)
-
-import torch  # noqa: E402
+import warnings
+from dataclasses import asdict, dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))  # the hub-layout checkpoint writers
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench.clock import Deadline  # noqa: E402
+from bench.clock import START, Deadline, log, log_failure  # noqa: E402  (before torch: the log and time guard count imports too)
+
+if __name__ == "__main__":  # before transformers is imported
+    for _k, _v in (("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "error")):
+        os.environ.setdefault(_k, _v)
+
+import torch  # noqa: E402
 from bench.limits import compute_limit  # noqa: E402
 from bench.measure import (  # noqa: E402
-    OutOfTime,
     PeakMemory,
     Settings,
-    decode_phase,
     empty_host_cache,
     free_device_cache,
-    generate_timed,
     host_rss_gb,
     measure_bandwidth,
+    phase_metrics,
     pinned_host_gb,
-    trace_steps,
+    routing_trace,
+    run_phases,
+    standard_phases,
 )  # fmt: skip
 from bench.render import _n  # noqa: E402
 from bench.systems import _teardown  # noqa: E402
 from bench.workloads import _pad_id, model_facts  # noqa: E402
-from common import SHAPES, device_slug, environment, print_table, random_model_on_device, write_json  # noqa: E402
+from common import device_slug, environment, print_table, random_model_on_device, write_json  # noqa: E402
 from routing_stats import from_records, routing_stats  # noqa: E402
 from topic_routing import RoutingTargets, shape_routing, topic_prompts  # noqa: E402
 
@@ -81,47 +77,6 @@ from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
 GB = 1e9
 PCIE_GBPS = 55.0  # nominal PCIe Gen5 x16 host-to-device rate the floor is also quoted at
 SHARD_BYTES = 5 * 10**9
-
-SHAPES.update(
-    {
-        "gpt-oss-smoke": dict(
-            model="GptOssConfig",
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            num_local_experts=16,
-            num_experts_per_tok=4,
-            sliding_window=16,
-            max_position_embeddings=1024,
-        ),
-        "deepseek-v3-smoke": dict(  # FP8 needs 128-wide blocks: 256 gives each weight a 2 x 2 grid of scales
-            model="DeepseekV3Config",
-            vocab_size=512,
-            hidden_size=256,
-            intermediate_size=256,
-            moe_intermediate_size=256,
-            num_hidden_layers=3,
-            first_k_dense_replace=1,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            n_shared_experts=1,
-            n_routed_experts=16,
-            num_experts_per_tok=4,
-            n_group=4,
-            topk_group=2,
-            q_lora_rank=32,
-            kv_lora_rank=32,
-            qk_rope_head_dim=16,
-            qk_nope_head_dim=16,
-            v_head_dim=32,
-            max_position_embeddings=1024,
-        ),
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -156,10 +111,6 @@ PLANS = {
     ),
 }
 SMOKE = dict(prompt_len=32, new_tokens=4, beam_tokens=3, budgets=(0.25,))
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - _T_START:6.1f}s] {msg}", flush=True)
 
 
 # -- checkpoints in the hub's layout -------------------------------------------------------------
@@ -239,57 +190,17 @@ def settings(args, plan: Plan) -> Settings:
     )
 
 
-def measure(model, prompts: torch.Tensor, s: Settings, deadline: Deadline, manager=None) -> dict:
-    """TTFT, decode tok/s at batch 1 and `s.batch`, beam tok/s and peak GPU memory per phase; for a mira model
-    its counters (decode phase) and the routing recorded in the batch-1 and batch-`s.batch` generations."""
-    pad = _pad_id(model)
-    peak = PeakMemory(s.device.startswith("cuda"))
-    out: dict = dict(status="ok", notes=[])
+def measure(model, prompts: torch.Tensor, s: Settings, deadline: Deadline, row: dict, manager=None) -> tuple[list, list]:
+    """Fill `row` with bench's phases (TTFT, decode tok/s at batch 1 and `s.batch`, beam tok/s, peak GPU memory per
+    phase; for a mira model its decode-phase counters): each phase's result under its key ("b1", "b8", "beam") and
+    the flat fields the table reads. Returns the routing recorded in the batch-1 and batch-`s.batch` decodes."""
     rec1: list = []
     rec8: list = []
-
-    def gen(x, n, beams=1, probe=None):
-        if deadline.remaining() <= 0:
-            raise OutOfTime
-        return generate_timed(model, x, n, beams, pad, deadline, probe)
-
-    phases = [("b1", prompts[:1], rec1), (f"b{s.batch}", prompts[: s.batch], rec8), ("beam", prompts[:1], None)]
-    for key, x, rec in phases:
-        peak.start()
-        try:
-            if rec is not None:
-                d = decode_phase(gen, x, s.new_tokens, s.warmup_tokens, manager, rec if manager is not None else None)
-                out[key] = {k: v for k, v in d.items()}
-                if d["new_tokens"] < s.new_tokens:
-                    out["status"] = "partial"
-                    out["notes"].append(f"{key} cut at {d['new_tokens']}/{s.new_tokens} tokens by the time guard")
-            else:
-                gen(x, s.warmup_tokens, beams=s.beams)
-                total, got, _ = gen(x, s.beam_tokens, beams=s.beams)
-                out[key] = dict(total_s=total, new_tokens=got, tok_s=got / total)
-        except OutOfTime:
-            out["status"] = "partial"
-            out["notes"].append(f"time budget spent: skipped from {key} on")
-            break
-        finally:
-            peak.stop(key)
-    b1, b8, beam = out.get("b1", {}), out.get(f"b{s.batch}", {}), out.get("beam", {})
-    out.update(
-        ttft_s=b1.get("ttft_s"),
-        ttft_b8_s=b8.get("ttft_s"),
-        decode_tok_s_b1=b1.get("tok_s"),
-        decode_tok_s_b8=s.batch * b8["tok_s"] if b8.get("tok_s") else None,
-        beam_tok_s=beam.get("tok_s"),
-        peak_gpu_gb=peak.overall,
-        peak_gpu_gb_by_phase=dict(peak.phases),
-        hit_rate=b1.get("hit_rate"),
-        hit_rate_b8=b8.get("hit_rate"),
-        stall_share=b1.get("stall_share"),
-        h2d_bytes_per_token=b1.get("h2d_bytes_per_step"),
-        h2d_gbps_decode=b1.get("h2d_gbps"),
-    )
-    out["_records"] = (rec1, rec8)
-    return out
+    phases = standard_phases(prompts, s, s.new_tokens, s.beam_tokens, {"b1": rec1, "b8": rec8})
+    results = run_phases(model, phases, s.warmup_tokens, deadline, _pad_id(model), row, manager)
+    row.update(results)
+    row.update(phase_metrics(results, s.batch))
+    return rec1, rec8
 
 
 def routing_summary(rec1: list, rec8: list, batch: int, num_experts: list[int]) -> dict:
@@ -311,13 +222,7 @@ def routing_summary(rec1: list, rec8: list, batch: int, num_experts: list[int]) 
 def pcie_floor(facts: dict, manager, rec1: list, bw: dict) -> dict:
     """Belady's bytes per decode token for this cache's slots, over the batch-1 routing, and the time they take
     over the measured H2D bandwidth and over PCIE_GBPS."""
-    trace = dict(
-        steps=trace_steps(rec1),
-        pool_of_layer=dict(manager.budget.pool_of_layer),
-        n_slots=dict(manager.budget.n_slots),
-        record_bytes={layer: manager.store.record_bytes(layer) for layer in manager.store.layers},
-    )
-    lim = compute_limit(facts, trace, bw)
+    lim = compute_limit(facts, routing_trace(rec1, manager), bw)
     per_token = lim["belady_bytes_per_token"]
     lim["transfer_s_at_55"] = None if per_token is None else per_token / (PCIE_GBPS * GB)
     return lim
@@ -356,8 +261,8 @@ def run_budget(
         if plan.source == "wrap":
             if args.resident and "resident" not in result:
                 log(f"{key}: all resident")
-                res = measure(model, prompts, s, deadline)
-                res.pop("_records")
+                res: dict = dict(status="ok", notes=[])
+                measure(model, prompts, s, deadline, res)
                 result["resident"] = res
                 reference["tokens"] = greedy_tokens(model, prompts[:1], s)
             free_device_cache()
@@ -403,11 +308,7 @@ def run_budget(
         )
         row["gpu_gb_after_setup"] = torch.cuda.memory_allocated() / GB if torch.cuda.is_available() else None
         log(f"{key} @ {budget}: measuring ({row['cache']['slots']} slots of {row['cache']['record_bytes'] / 1e6:.1f} MB)")
-        m = measure(model, prompts, s, deadline, manager)
-        rec1, rec8 = m.pop("_records")
-        row["notes"] += m.pop("notes")
-        row["status"] = m.pop("status")
-        row.update(m)
+        rec1, rec8 = measure(model, prompts, s, deadline, row, manager)
         row["routing"] = routing_summary(rec1, rec8, s.batch, num_experts)
         if "tokens" in reference and deadline.remaining() > 0:  # exactness at full depth: the same greedy tokens
             row["same_tokens_as_resident"] = bool(torch.equal(greedy_tokens(model, prompts[:1], s), reference["tokens"]))
@@ -416,10 +317,7 @@ def run_budget(
             if row.get("decode_tok_s_b1") and row["floor"]["transfer_s"]:
                 row["x_floor"] = (1.0 / row["decode_tok_s_b1"]) / row["floor"]["limit_s"]
     except Exception as exc:  # a failure is a row of the result, not the end of the run
-        row["status"] = "error"
-        row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        log(f"{key} @ {budget}: ERROR {row['error'][:300]}")
-        print("".join(traceback.format_exception(exc)[-8:]), flush=True)
+        log_failure(row, exc, f"{key} @ {budget}")
     finally:
         row["host_rss_gb"] = host_rss_gb()  # with the model loaded (the expert store included)
         row["pinned_host_gb"] = pinned_host_gb()
@@ -640,7 +538,7 @@ def main(argv=None) -> int:
             continue
         row = run_budget(plan, args.model, budget, args, s, deadline, result["bandwidth"], result, reference)
         result["rows"].append(row)
-        result["elapsed_s"] = time.perf_counter() - _T_START
+        result["elapsed_s"] = time.perf_counter() - START
         write_outputs(result, stem)
         log(f"{args.model} @ {budget}: {row['status']} in {row['system_s']:.1f} s")
     print_table(table_rows(result), COLUMNS)

@@ -28,28 +28,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
-from common import SHAPES, device_slug, environment, print_table, write_json  # noqa: E402
+from common import build_config, device_slug, environment, print_table, write_json  # noqa: E402
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
 RUNS = (("none", None), ("first", "default"), ("cached", "default"))  # in this order: "cached" reads what "first" wrote
 
 
-def mixtral_config(layers: int, smoke: bool):
-    import transformers
-
-    kw = dict(SHAPES["mixtral-8x7b-8l"])
-    kw.pop("model")
-    kw.update(num_hidden_layers=layers, **(TINY if smoke else {}))
-    return transformers.MixtralConfig(**kw)
+def checkpoint_config(layers: int, smoke: bool):
+    """Mixtral-8x7B's dimensions, or with `smoke` the tests' tiny Mixtral (`mira_hf.testing`), at `layers` layers."""
+    return build_config("mixtral-smoke" if smoke else "mixtral-8x7b-8l", num_hidden_layers=layers)
 
 
 def write_checkpoint(path: str, layers: int, smoke: bool) -> dict:
     """The checkpoint in `path` (written unless one of this shape is there): its size and write time."""
     from transformers import AutoModelForCausalLM
 
-    config = mixtral_config(layers, smoke)
+    config = checkpoint_config(layers, smoke)
     marker = os.path.join(path, "load_time_shape.json")
-    shape = dict(layers=layers, smoke=smoke)
+    shape = dict(layers=layers, smoke=smoke, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size)
     if os.path.exists(marker) and json.load(open(marker)) == shape:
         return dict(written=False, bytes=_dir_bytes(path))
     shutil.rmtree(path, ignore_errors=True)
@@ -107,11 +102,12 @@ def child(args) -> None:
 
 
 def cpu_encode_rate(smoke: bool, experts: int) -> dict:
-    """CPU encode GB/s of the default lossless code on Mixtral-size expert tensors, one thread vs all cores."""
+    """CPU encode GB/s of the default lossless code on the checkpoint's expert tensors, one thread vs all cores."""
     from mira_hf.encode import RecordEncoder
     from mira_hf.quant import make_codec
 
-    inter, H = (128, 64) if smoke else (14336, 4096)
+    config = checkpoint_config(1, smoke)
+    inter, H = config.intermediate_size, config.hidden_size
     torch.manual_seed(0)
     fused = {
         "gate_up_proj": (torch.randn(experts, 2 * inter, H) * 0.02).to(torch.bfloat16),

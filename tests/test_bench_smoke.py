@@ -119,6 +119,20 @@ def test_trace_steps_split_forward_passes(bench):
     assert bench.trace_steps(records) == [{0: [1, 3], 1: [2]}, {0: [0, 1], 1: [4, 5]}]
 
 
+def test_phase_results_become_row_fields_of_the_phases_that_ran(bench):
+    from bench.measure import phase_metrics
+
+    b1 = dict(ttft_s=0.1, total_s=1.1, new_tokens=11, tok_s=10.0, hit_rate=0.5, h2d_bytes_per_step=4.0)
+    b8 = dict(ttft_s=0.2, total_s=2.2, new_tokens=11, tok_s=5.0)  # steps per second: every sequence counts
+    row = phase_metrics(dict(b1=b1, b8=b8), batch=8)
+    assert row["decode_tok_s_b1"] == 10.0 and row["time_per_token_s"] == pytest.approx(0.1)
+    assert row["decode_tok_s_b8"] == 40.0 and row["ttft_b8_s"] == 0.2
+    assert row["hit_rate"] == 0.5 and row["h2d_bytes_per_token"] == 4.0
+    assert "stall_share" not in row and "beam_tok_s" not in row  # not measured: left as they were
+    cut = phase_metrics(dict(b1=dict(b1, tok_s=None)), batch=8)  # the time guard cut the decode to one token
+    assert cut["time_per_token_s"] is None and "decode_tok_s_b8" not in cut
+
+
 @pytest.mark.slow  # ~20-35 s on a 2-core CPU
 def test_smoke_run_writes_json_markdown_and_plot(tmp_path, bench):
     out = tmp_path / "results"

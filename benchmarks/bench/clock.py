@@ -4,12 +4,21 @@
 from __future__ import annotations
 
 import time
+import traceback
 
 START = time.perf_counter()
 
 
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - START:6.1f}s] {msg}", flush=True)
+
+
+def log_failure(row: dict, exc: BaseException, where: str, frames: int = 8) -> None:
+    """A failure becomes the row's status and error (not the end of the run): logged with the traceback's tail."""
+    row["status"] = "error"
+    row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    log(f"{where}: ERROR {row['error'][:300]}")
+    print("".join(traceback.format_exception(exc)[-frames:]), flush=True)
 
 
 class Deadline:

@@ -32,14 +32,17 @@ class Settings:
 
 class FirstStep(StoppingCriteria):
     """Called by generate after every step; at the first one (prefill done) it notes the time and a
-    snapshot of mira's counters, so decode-phase numbers exclude the prefill. Never stops anything."""
+    snapshot of mira's counters, so decode-phase numbers exclude the prefill. It keeps the sequences
+    so far (`ids`, no copy). Never stops anything."""
 
     def __init__(self, manager=None) -> None:
         self.manager = manager
         self.t: float | None = None
         self.counters: dict | None = None
+        self.ids: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.ids = input_ids
         if self.t is None:
             sync()
             self.t = time.perf_counter()
@@ -102,6 +105,119 @@ class PeakMemory:
         return max(self.phases.values()) if self.phases else None
 
 
+@dataclass(frozen=True)
+class Phase:
+    """One timed generate of a system: `key` names it in the results and the per-phase peaks ("b1", "b8",
+    "beam"), `name` in the notes; `trace` receives the phase's routing (mira systems only); with `tokens`
+    a decode phase's result holds its generated ids."""
+
+    key: str
+    name: str
+    ids: torch.Tensor  # [B, S] prompts
+    new_tokens: int
+    beams: int = 1
+    trace: list | None = None
+    tokens: bool = False
+
+
+def standard_phases(ids: torch.Tensor, s: Settings, new: int, beam_new: int, traces: dict | None = None) -> list[Phase]:
+    """Batch-1 decode, batch-`s.batch` decode and beam-`s.beams`, in the order every system is measured.
+    `traces` maps "b1"/"b8" to the list that phase's routing goes to."""
+    traces = traces or {}
+    return [
+        Phase("b1", "batch-1 decode", ids[:1], new, 1, traces.get("b1")),
+        Phase("b8", f"batch-{s.batch} decode", ids[: s.batch], new, 1, traces.get("b8")),
+        Phase("beam", f"beam-{s.beams}", ids[:1], beam_new, s.beams),
+    ]
+
+
+def run_phases(
+    model, phases: list[Phase], warmup: int, deadline: Deadline, pad_id: int, row: dict, manager=None
+) -> dict[str, dict]:
+    """Run `phases` in order, each warmed up at its own shapes: decode phases through `decode_phase` (TTFT,
+    tokens/s and, for a mira model, its counters), beam phases as one timed call. Returns {key: result};
+    `row` gets the peak GPU memory (overall and per phase) and, where the time guard cut or skipped a
+    phase, status "partial" and a note."""
+    peak = PeakMemory(any(p.ids.is_cuda for p in phases))
+    results: dict[str, dict] = {}
+
+    def gen(x, n, beams=1, probe=None):
+        if deadline.remaining() <= 0:
+            raise OutOfTime
+        return generate_timed(model, x, n, beams, pad_id, deadline, probe)
+
+    for p in phases:
+        peak.start()
+        try:
+            if p.beams == 1:
+                d = decode_phase(gen, p.ids, p.new_tokens, warmup, manager, p.trace, p.tokens)
+            else:
+                gen(p.ids, warmup, beams=p.beams)
+                total, got, _ = gen(p.ids, p.new_tokens, beams=p.beams)
+                d = dict(total_s=total, new_tokens=got, tok_s=got / total)
+        except OutOfTime:
+            row["status"] = "partial"
+            row["notes"].append(f"time budget spent: skipped from {p.name} on")
+            break
+        finally:
+            peak.stop(p.key)
+        if d["new_tokens"] < p.new_tokens:
+            row["status"] = "partial"
+            row["notes"].append(f"{p.name} cut at {d['new_tokens']}/{p.new_tokens} tokens by the time guard")
+        results[p.key] = d
+    row["peak_gpu_gb"] = peak.overall
+    row["peak_gpu_gb_by_phase"] = dict(peak.phases)
+    return results
+
+
+# The row's name of each phase result's value; decode_phase gives the mira counters only for a mira model.
+ROW_KEYS = {
+    "b1": dict(
+        ttft_s="ttft_s",
+        total_s="total_b1_s",
+        new_tokens="new_tokens_b1",
+        tok_s="decode_tok_s_b1",
+        decode_s="decode_s_b1",
+        h2d_bytes_per_step="h2d_bytes_per_token",
+        h2d_gbps="h2d_gbps_decode",
+        stall_share="stall_share",
+        stall_s_per_step="stall_s_per_token",
+        hit_rate="hit_rate",
+        loads_per_step="loads_per_token",
+        prefetches_per_step="prefetches_per_token",
+    ),
+    "b8": dict(
+        ttft_s="ttft_b8_s",
+        total_s="total_b8_s",
+        new_tokens="new_tokens_b8",
+        h2d_bytes_per_step="h2d_bytes_per_step_b8",
+        h2d_gbps="h2d_gbps_decode_b8",
+        stall_share="stall_share_b8",
+        hit_rate="hit_rate_b8",
+    ),
+    "beam": dict(total_s="beam_s", new_tokens="beam_tokens", tok_s="beam_tok_s"),
+}
+
+
+def phase_metrics(results: dict[str, dict], batch: int) -> dict:
+    """The flat row fields of `run_phases`' results (the keys of the phases that ran): batch-8 tokens/s
+    count every sequence of the batch."""
+    out = {
+        name: results[phase][key]
+        for phase, names in ROW_KEYS.items()
+        if phase in results
+        for key, name in names.items()
+        if key in results[phase]
+    }
+    if "b1" in results:
+        tok_s = results["b1"]["tok_s"]
+        out["time_per_token_s"] = 1.0 / tok_s if tok_s else None
+    if "b8" in results:
+        tok_s = results["b8"]["tok_s"]
+        out["decode_tok_s_b8"] = batch * tok_s if tok_s else None
+    return out
+
+
 def measure(
     model,
     row: dict,
@@ -114,72 +230,20 @@ def measure(
 ) -> None:
     """Fill `row` with TTFT, decode tok/s (batch 1 and `s.batch`), beam tok/s, peak memory and, for a
     mira model (`manager`), decode-phase transfer counters. `trace` receives the batch-1 routing."""
-    pad = wl.facts["pad_token_id"]
     new = s.accelerate_tokens if accelerate else s.new_tokens
     beam_new = s.accelerate_tokens if accelerate else s.beam_tokens
     ids = wl.prompts(s.batch, s.prompt_len, wl.facts["vocab_size"], s.device)
-    peak = PeakMemory(s.device.startswith("cuda"))
-
-    def gen(x, n, beams=1, probe=None):
-        if deadline.remaining() <= 0:
-            raise OutOfTime
-        return generate_timed(model, x, n, beams, pad, deadline, probe)
-
-    phases = [
-        ("b1", "batch-1 decode", ids[:1], new, 1),
-        ("b8", f"batch-{s.batch} decode", ids, new, 1),
-        ("beam", f"beam-{s.beams}", ids[:1], beam_new, s.beams),
-    ]
-    for key, name, x, n, beams in phases:
-        peak.start()
-        try:
-            if beams == 1:
-                d = decode_phase(gen, x, n, s.warmup_tokens, manager, trace if key == "b1" else None)
-            else:
-                gen(x, s.warmup_tokens, beams=beams)
-                d = dict(zip(("total_s", "new_tokens"), gen(x, n, beams=beams)[:2]))
-        except OutOfTime:
-            row["status"] = "partial"
-            row["notes"].append(f"time budget spent: skipped from {name} on")
-            break
-        finally:
-            peak.stop(key)
-        if d["new_tokens"] < n:
-            row["status"] = "partial"
-            row["notes"].append(f"{name} cut at {d['new_tokens']}/{n} tokens by the time guard")
-        if key == "b1":
-            row.update(ttft_s=d["ttft_s"], total_b1_s=d["total_s"], new_tokens_b1=d["new_tokens"], decode_tok_s_b1=d["tok_s"])
-            row["time_per_token_s"] = 1.0 / d["tok_s"] if d["tok_s"] else None
-            if "h2d_bytes_per_step" in d:
-                row.update(
-                    decode_s_b1=d["decode_s"],
-                    h2d_bytes_per_token=d["h2d_bytes_per_step"],
-                    h2d_gbps_decode=d["h2d_gbps"],
-                    stall_share=d["stall_share"],
-                    stall_s_per_token=d["stall_s_per_step"],
-                    hit_rate=d["hit_rate"],
-                    loads_per_token=d["loads_per_step"],
-                    prefetches_per_token=d["prefetches_per_step"],
-                )
-        elif key == "b8":
-            row.update(ttft_b8_s=d["ttft_s"], total_b8_s=d["total_s"], new_tokens_b8=d["new_tokens"])
-            row["decode_tok_s_b8"] = s.batch * d["tok_s"] if d["tok_s"] else None
-            if "h2d_bytes_per_step" in d:
-                row.update(
-                    h2d_bytes_per_step_b8=d["h2d_bytes_per_step"],
-                    h2d_gbps_decode_b8=d["h2d_gbps"],
-                    stall_share_b8=d["stall_share"],
-                    hit_rate_b8=d["hit_rate"],
-                )
-        else:
-            row.update(beam_s=d["total_s"], beam_tokens=d["new_tokens"], beam_tok_s=d["new_tokens"] / d["total_s"])
-    row["peak_gpu_gb"] = peak.overall
-    row["peak_gpu_gb_by_phase"] = dict(peak.phases)
+    phases = standard_phases(ids, s, new, beam_new, {"b1": trace})
+    results = run_phases(model, phases, s.warmup_tokens, deadline, wl.facts["pad_token_id"], row, manager)
+    row.update(phase_metrics(results, s.batch))
 
 
-def decode_phase(gen, x: torch.Tensor, new: int, warmup: int, manager=None, trace: list | None = None) -> dict:
+def decode_phase(
+    gen, x: torch.Tensor, new: int, warmup: int, manager=None, trace: list | None = None, tokens: bool = False
+) -> dict:
     """Warm up at the same shapes, time the first token alone (TTFT), then `new` tokens. Decode steps/s =
-    (tokens - 1) / (total - TTFT). Mira's counters are taken between the first step and the end."""
+    (tokens - 1) / (total - TTFT). Mira's counters are taken between the first step and the end. With
+    `tokens`, the result also holds the timed call's generated ids (a list per sequence)."""
     gen(x, warmup)
     ttft = gen(x, 1)[0]
     if manager is not None:
@@ -195,6 +259,8 @@ def decode_phase(gen, x: torch.Tensor, new: int, warmup: int, manager=None, trac
         if manager is not None:
             manager.recorder = recorder_before
     out = dict(ttft_s=ttft, total_s=total, new_tokens=got, tok_s=(got - 1) / (total - ttft) if got > 1 and total > ttft else None)
+    if tokens and probe.ids is not None:
+        out["tokens"] = probe.ids[:, x.shape[1] :].tolist()
     if manager is not None and probe.counters is not None and got > 1:
         c = _delta(mira_counters(manager), probe.counters)
         decode_s, steps = end - probe.t, got - 1
@@ -222,6 +288,17 @@ def trace_steps(records: list) -> list[dict[int, list[int]]]:
         steps[-1][layer] = sorted(set(idx.reshape(-1).tolist()))
         last = layer
     return steps
+
+
+def routing_trace(records: list, manager) -> dict:
+    """What the limit replays: the recorded routing as forward steps, with the cache's pools, slots and
+    record bytes (`limits.compute_limit`'s `trace`)."""
+    return dict(
+        steps=trace_steps(records),
+        pool_of_layer=dict(manager.budget.pool_of_layer),
+        n_slots=dict(manager.budget.n_slots),
+        record_bytes={layer: manager.store.record_bytes(layer) for layer in manager.store.layers},
+    )
 
 
 def free_device_cache() -> None:

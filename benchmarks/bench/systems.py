@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-import traceback
 from collections import defaultdict
 
 import torch
@@ -16,8 +15,8 @@ import mira_hf.config
 from mira_hf import MiraConfig, MiraMoEModel
 
 from . import GB
-from .clock import Deadline, log
-from .measure import Settings, empty_host_cache, free_device_cache, host_rss_gb, measure, pinned_host_gb, trace_steps
+from .clock import Deadline, log, log_failure
+from .measure import Settings, empty_host_cache, free_device_cache, host_rss_gb, measure, pinned_host_gb, routing_trace
 from .workloads import Workload, bundled_dir, model_facts
 
 SYSTEMS = ["resident", "accelerate", "lru", "default", "bf16", "int4", "int4-packed"]  # display order; --variant appends
@@ -196,18 +195,10 @@ def run_system(
             trace = [] if manager is not None else None
             measure(model, row, wl, s, deadline, manager=manager, trace=trace)
             if trace:
-                traces[(system, budget)] = dict(
-                    steps=trace_steps(trace),
-                    pool_of_layer=dict(manager.budget.pool_of_layer),
-                    n_slots=dict(manager.budget.n_slots),
-                    record_bytes={layer: manager.store.record_bytes(layer) for layer in manager.store.layers},
-                )
+                traces[(system, budget)] = routing_trace(trace, manager)
                 row["routing_steps_b1"] = len(traces[(system, budget)]["steps"])
     except Exception as exc:  # one system failing (an OOM, a missing feature) must not end the run
-        row["status"] = "error"
-        row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        log(f"{wl.key} / {system}: ERROR {row['error'][:300]}")
-        print("".join(traceback.format_exception(exc)[-6:]), flush=True)
+        log_failure(row, exc, f"{wl.key} / {system}")
     finally:
         row["host_rss_gb"] = host_rss_gb()  # with the system loaded (its expert store included)
         t = time.perf_counter()

@@ -13,8 +13,6 @@ import torch
 from common import random_model_on_device
 from transformers import AutoModelForCausalLM
 
-from model_adapters import get_adapter
-
 from . import GB
 
 # workload key -> (label, shape on the GPU, shape in --smoke: common.SMOKE_SHAPES); shape None = the bundled trained model
@@ -100,6 +98,8 @@ def bundled_dir() -> str:
 
 def model_facts(model) -> dict:
     """Byte counts of a freshly built (unwrapped) model; the routed experts found by its adapter."""
+    from model_adapters import get_adapter  # here: the tree under test is on sys.path by now (ab_revisions.py)
+
     adapter = get_adapter(model.config.model_type)
     experts = adapter.find_experts(model) if adapter else []
     expert_bytes = sum(p.numel() * p.element_size() for _, m in experts for p in m.parameters(recurse=False))

@@ -177,7 +177,7 @@ class HeatPolicy(LRUPolicy):
     # the least recently used HOT expert is relabelled without ranking every slot again.
 
     def victim(self, candidates: Iterable[Key]) -> Key | None:
-        keys = list(dict.fromkeys(candidates))
+        keys = candidates if isinstance(candidates, list) else list(candidates)  # a repeat ties with itself
         if not keys:
             return None
         values = np.asarray(self.keep_values(keys))

@@ -28,6 +28,7 @@ from .budget import BudgetPlan, LayerInfo, expert_keys
 from .cache import ExpertCache, Key, Slot, SlotPool
 from .errors import ConcurrencyError, ConfigError, LoaderError, UnsupportedOperationError
 from .heat import HeatTracker
+from .host_compute import HostCompute
 from .loader import Loader
 from .policies import ExpectedDistance, PolicyContext
 from .registry import POLICIES
@@ -48,6 +49,7 @@ class BlockPlan:
     slots: dict[int, Slot] = field(default_factory=dict)  # expert -> slot pinned by this plan
     loading: set[int] = field(default_factory=set)  # demand-loaded experts this plan still pins
     predictions: dict | None = None  # the predictor's guesses, staged once the block's own experts are in use
+    host: list[int] = field(default_factory=list)  # misses computed on the host, not copied (host_compute)
 
 
 class ExpertManager(NotebookViews):
@@ -101,6 +103,7 @@ class ExpertManager(NotebookViews):
         self._batch_index = None  # the routing `observe` saw last, for `batch` in `begin`
         self._lock = threading.RLock()
         self._last_layer = -1
+        self.host = HostCompute(settings.host_compute) if settings.host_compute != "off" else None  # host_compute.py
         self._place(store, budget, device)
         self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
         self._forward_owner: int | None = None
@@ -124,6 +127,8 @@ class ExpertManager(NotebookViews):
         }
         self.arena = DeviceArena(store, budget, device, self.loader, s.split_copies, s.split_min_bytes)
         self.cache = ExpertCache(pools, budget.pool_of_layer)
+        if self.host is not None:
+            self.host.place(store, self.layers, device)
 
     def relocate(self, store: ExpertStore, budget: BudgetPlan, device: torch.device) -> None:
         """Serve from `store` (e.g. re-encoded by a cast, or rewritten by `load_state_dict`) with slots
@@ -206,10 +211,11 @@ class ExpertManager(NotebookViews):
             if self.batch is not None:
                 self._batch_index = top_k_index
 
-    def begin(self, layer: int, experts: Sequence[int]) -> BlockPlan:
+    def begin(self, layer: int, experts: Sequence[int], rows: Sequence[int] | None = None) -> BlockPlan:
         """Start a block call needing `experts` of `layer`: count hits and misses, pin what is
         resident and issue copies for misses while slots can be taken (the guesses `observe` made are
-        staged by `end`, after this block's own copies)."""
+        staged by `end`, after this block's own copies). `rows`: each expert's rows in this block; with
+        host compute on, misses the host finishes sooner go to `plan.host` instead (no copy, no slot)."""
         with self._lock:
             ahead = self.staging.take_ahead(layer)  # before a step boundary would clear it
             if layer <= self._last_layer:
@@ -247,9 +253,12 @@ class ExpertManager(NotebookViews):
                 if slot.ready is not None and slot.ready.query():
                     slot.ready = slot.first_ready = None  # landed: its later readers need no wait (no CUDA call per hit)
                 (in_flight if slot.ready is not None else ready).append(e)
-            stats.misses += len(misses) + len(finishing)
-            self.staging.gate.count_block(stage_hits, len(misses) + len(finishing))
-            self.telemetry.count_uses(len(experts) - len(misses) - len(finishing), len(experts))
+            if self.host is not None and misses and rows is not None:
+                misses, plan.host = self.host.split(layer, misses, dict(zip(experts, rows)))
+            stats.misses += len(misses) + len(finishing) + len(plan.host)
+            stats.host_computed += len(plan.host)
+            self.staging.gate.count_block(stage_hits, len(misses) + len(finishing) + len(plan.host))
+            self.telemetry.count_uses(len(experts) - len(misses) - len(finishing) - len(plan.host), len(experts))
             plan.order = ready + in_flight + finishing + misses
             plan.pending.extend(misses)
             self.staging.drop_speculation(layer)  # guesses for this block that it does not use
@@ -438,6 +447,8 @@ class ExpertManager(NotebookViews):
             self.loader.add_stall(layer, time.perf_counter() - t0)
         stats.loads += 1
         stats.bytes_h2d += n
+        if self.host is not None:
+            self.host.copy_issued(n)
         if staged:
             stats.prefetches += 1
         if nbytes is not None:
@@ -488,6 +499,8 @@ class ExpertManager(NotebookViews):
         self.store.save(directory, self.fingerprint)
 
     def close(self) -> None:
-        """Release the device arena (after unload)."""
+        """Release the device arena (after unload) and the host compute worker."""
         self.loader.synchronize()
         self.arena.close()
+        if self.host is not None:
+            self.host.close()

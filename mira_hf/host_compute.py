@@ -262,7 +262,7 @@ class HostCompute:
         if ready is not None:
             ready.synchronize()  # the rows have landed
         outs, a = [], 0
-        with torch.inference_mode():
+        with torch.no_grad():
             for e, n in zip(experts, sizes):
                 w = weights(e)
                 t0 = time.perf_counter()
@@ -318,7 +318,7 @@ class HostCompute:
 
         def bench() -> dict[int, float]:
             table = {}
-            with torch.inference_mode():
+            with torch.no_grad():
                 for n in (r for r in BENCH_ROWS if r <= self.costs.max_rows):
                     x = torch.randn(n, hidden, dtype=dtype)
                     fn(w, x)  # warm-up

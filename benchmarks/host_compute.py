@@ -274,7 +274,7 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
         result["rows"].extend(rows.values())
         m.close()
         m.store.close()
-        del model, m
+        model = m = None  # drop the model before the next is built
         free_device_cache()
         sync()
 

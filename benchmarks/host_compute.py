@@ -32,6 +32,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 
@@ -59,7 +60,18 @@ WORKLOADS = {
 }
 SMOKE_EXTRA = {"gpt-oss-smoke": "gpt_oss"}  # common.SMOKE_SHAPES has mixtral and qwen3
 SMOKE_LINK_BYTES_PER_S = 1e7  # --smoke: a slow "link" (2.4 ms per tiny record), so the host path runs on a CPU
-COLUMNS = ["model", "budget", "system", "b1_tok_s", "host_share", "hit_rate", "b8_tok_s", "beam_tok_s", "same_tokens_b1"]
+COLUMNS = [
+    "model",
+    "budget",
+    "system",
+    "b1_tok_s",
+    "host_share",
+    "hit_rate",
+    "b8_tok_s",
+    "beam_tok_s",
+    "same_tokens_b1",
+    "logit_rel_diff",
+]
 
 
 def parse_args(argv=None):
@@ -132,6 +144,28 @@ def use(model, system: str, predictor, policy: str) -> None:
     m.relocate(m.store, m.budget, m.device)
     if m.host is not None:
         m.host.active = system == "host"
+
+
+def logit_diff(model, ids, predictor, policy) -> float | None:
+    """max |logit difference| / max |logit| of a prompt's forward (`ids` [1, T], T small enough for the host)
+    with every miss computed on the host against the same forward with every miss copied."""
+    m = model.mira
+    if m.host is None:
+        return None
+    use(model, "host", predictor, policy)
+    with torch.no_grad():
+        model(ids[:, :2])  # measures the link and the host times, outside the comparison
+    use(model, "host", predictor, policy)  # an empty cache again: every expert misses
+    measured = m.host.costs
+    m.host.set_costs(dataclasses.replace(m.host.costs, link_bytes_per_s=1.0, link_free_at=0.0))  # no copy can win
+    with torch.no_grad():
+        host = model(ids[:, :4]).logits.float()
+        forced = m.stats()["host_computed"]
+        m.host.active = False
+        copied = model(ids[:, :4]).logits.float()
+    m.host.costs = measured
+    log(f"logits with {forced} misses computed on the host: max |difference| {(host - copied).abs().max().item():.3g}")
+    return ((host - copied).abs().max() / copied.abs().max()).item()
 
 
 def estimate(args, workloads: list[tuple[str, Workload]], bw_gbps: float) -> list[tuple[str, float]]:
@@ -250,6 +284,8 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
             log(
                 f"{key} / {budget_label} / {system}: batch 1 {d['tok_s'] or 0:.2f} tok/s, host share {rows[system]['host_share']:.2f}"
             )
+        if deadline.remaining() > 0:
+            rows["host"]["logit_rel_diff"] = logit_diff(model, ids[:1], predictor, policy)
         if tokens.get("host") is not None and tokens.get("without") is not None:
             same = sum(a == b for a, b in zip(tokens["host"], tokens["without"]))
             rows["host"]["same_tokens_b1"] = f"{same}/{len(tokens['without'])}"

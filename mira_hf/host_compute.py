@@ -338,6 +338,8 @@ class HostCompute:
     def _measure_overhead(self, hidden: int, dtype: torch.dtype) -> None:
         """A host job's fixed cost: rows to the host, a hand-off to the worker and back, outputs to the device."""
         x = torch.zeros(1, hidden, dtype=dtype, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # not the queued work of the block being planned
         times = []
         for _ in range(5):
             t0 = time.perf_counter()

@@ -215,12 +215,16 @@ class HostCompute:
             self._fns[layer] = (fn, hidden_size)
 
     # -- planning (manager.begin, under its lock) --------------------------------------------------
-    def split(self, layer: int, misses: list[int], rows: Mapping[int, int]) -> tuple[list[int], list[int]]:
+    def split(self, layer: int, misses: list[int], rows: Mapping[int, int], use_rate=None) -> tuple[list[int], list[int]]:
         """(copied, host) for this block's misses (`rows`: expert -> its rows in the block); measures the link
-        and the layer's host times first if unknown."""
-        n = [rows[e] for e in misses]
-        if not self.active or layer not in self._fns or min(n) > self.costs.max_rows:
+        and the layer's host times first if unknown. `use_rate[e]`: how often expert e is used lately (the heat
+        tracker's): misses are planned most used first, so the link, whose copies stay in the cache, carries
+        the experts likeliest to be used again and the host the rest (a host-served miss takes no slot)."""
+        if not self.active or layer not in self._fns or min(rows[e] for e in misses) > self.costs.max_rows:
             return misses, []
+        if use_rate is not None:
+            misses = sorted(misses, key=lambda e: -use_rate[e])  # stable: ties keep the router's order
+        n = [rows[e] for e in misses]
         if self.costs.link_bytes_per_s is None:
             self._measure_link(layer)
         if layer not in self.costs.host_s:
@@ -228,7 +232,8 @@ class HostCompute:
         return self.costs.split(layer, misses, n, self.store.record_bytes(layer))
 
     def copy_issued(self, nbytes: int) -> None:
-        if self.costs.link_bytes_per_s is not None:
+        """A copy of `nbytes` was queued (on CUDA: asynchronous; on a CPU a copy is done when it returns)."""
+        if self.costs.link_bytes_per_s is not None and self.device.type == "cuda":
             self.costs.copy_issued(nbytes)
 
     # -- running (the proxy) -----------------------------------------------------------------------

@@ -254,7 +254,7 @@ class ExpertManager(NotebookViews):
                     slot.ready = slot.first_ready = None  # landed: its later readers need no wait (no CUDA call per hit)
                 (in_flight if slot.ready is not None else ready).append(e)
             if self.host is not None and misses and rows is not None:
-                misses, plan.host = self.host.split(layer, misses, dict(zip(experts, rows)))
+                misses, plan.host = self.host.split(layer, misses, dict(zip(experts, rows)), self.heat.use_rate[layer])
             stats.misses += len(misses) + len(finishing) + len(plan.host)
             stats.host_computed += len(plan.host)
             self.staging.gate.count_block(stage_hits, len(misses) + len(finishing) + len(plan.host))

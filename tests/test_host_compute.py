@@ -114,6 +114,13 @@ def test_the_manager_splits_a_blocks_misses_as_the_costs_say():
     s = m.stats()
     assert (s["misses"], s["host_computed"], s["loads"]) == (3, 1, 2)
     assert m.cache.lookup((0, 1)) is None  # served on the host: never admitted
+    # The experts used most lately are planned first, so the link (whose copies stay cached) carries them:
+    # expert 5 first (link), then 3 (host), then 4 (link).
+    m.heat.use_rate[1][5] = 0.9
+    plan = m.begin(1, [3, 4, 5], rows=[1, 1, 1])
+    m.end(plan)
+    assert (plan.host, m.cache.lookup((1, 3))) == ([3], None)
+    assert m.cache.lookup((1, 5)) is not None and m.cache.lookup((1, 4)) is not None
 
 
 def test_a_miss_served_on_the_host_takes_no_slot_and_copies_nothing():

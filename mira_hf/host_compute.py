@@ -136,6 +136,16 @@ def _echo(weights: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return x.clone()  # a job without an expert: what a host job costs beyond its experts
 
 
+def _init_worker(cpus: set[int] | None, threads: int) -> None:
+    """The host worker thread's setup: its cores and torch's CPU threads."""
+    if cpus is not None:
+        try:
+            os.sched_setaffinity(0, cpus)  # this thread only; torch's CPU threads it starts inherit it
+        except OSError:
+            pass  # a container may forbid it: unpinned, still correct
+    torch.set_num_threads(threads)
+
+
 def host_expert_math(proxy, layout) -> tuple[ExpertFn | None, int]:
     """(`proxy`'s per-expert math for the host, its hidden size H) for a `MiraExperts` proxy whose records
     have the raw `layout`. The math is None where the experts module keeps tensors of its own (other than
@@ -173,16 +183,11 @@ class HostCompute:
         self._fns: dict[int, tuple[ExpertFn, int]] = {}  # layer -> (the proxy's expert math, hidden size)
         cpus = worker_cpus()
         self.threads = threads or (len(cpus) if cpus else max(1, (os.cpu_count() or 2) - 1))
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mira-host", initializer=self._init_worker, initargs=(cpus,))
+        # The initializer holds no reference to self: an idle worker must not keep the manager (and its store) alive.
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="mira-host", initializer=_init_worker, initargs=(cpus, self.threads)
+        )
         self.store = self.device = None
-
-    def _init_worker(self, cpus: set[int] | None) -> None:
-        if cpus is not None:
-            try:
-                os.sched_setaffinity(0, cpus)  # this thread only; torch's CPU threads it starts inherit it
-            except OSError:
-                pass  # a container may forbid it: unpinned, still correct
-        torch.set_num_threads(self.threads)
 
     def place(self, store, layers: Mapping[int, object], device: torch.device) -> None:
         """Serve from `store` on `device` (at wrap, and again after a cast or move): decide whether the host
@@ -197,6 +202,8 @@ class HostCompute:
             )
         self.store, self.device = store, device
         self.active = raw and (self.mode == "on" or device.type == "cuda")
+        if device.type == "cuda":  # the worker waits on this device's events and page-locks its outputs
+            self._pool.submit(torch.cuda.set_device, device).result()
         self.costs.host_s = {layer: t for layer, t in self.costs.host_s.items() if layer in self._fixed}
         self.costs.link_free_at = 0.0
 

@@ -186,3 +186,22 @@ def test_bundled_model_greedy_tokens_are_unchanged_with_misses_on_the_host():
         with torch.no_grad():
             expected, got = ref(ids).logits.float(), model(ids).logits.float()
         assert (got - expected).abs().max() <= BOUND[dtype] * expected.abs().max()
+
+
+def test_dropping_a_model_frees_its_store_and_host_worker():
+    import gc
+    import threading
+    import weakref
+
+    model = _forced(_tiny())
+    with torch.no_grad():
+        model(IDS)  # the worker has run
+    store, host = weakref.ref(model.mira.store), weakref.ref(model.mira.host)
+    del model
+    gc.collect()
+    assert store() is None and host() is None
+    for _ in range(100):  # the idle worker exits once its pool is collected
+        if not any(t.name.startswith("mira-host") for t in threading.enumerate()):
+            break
+        threading.Event().wait(0.01)
+    assert not any(t.name.startswith("mira-host") for t in threading.enumerate())

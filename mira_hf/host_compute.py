@@ -317,8 +317,9 @@ class HostCompute:
 
     def _measure_layer(self, layer: int) -> None:
         """Host seconds of one expert of `layer` per row count in BENCH_ROWS (on the worker, with the
-        proxy's math on expert 0's record), shared by every layer of the same shape; and the fixed cost
-        of a host job (a round trip through the worker), once."""
+        proxy's math), shared by every layer of the same shape; and the fixed cost of a host job (a round
+        trip through the worker), once. Each timed call reads another expert, so its weights come from
+        memory as in use (one expert read again would be served from the CPU's caches when it fits)."""
         shape = (self.store.raw_layout(layer).signature, self._fns[layer][1])
         for other, table in self.costs.host_s.items():
             if other in self._fns and (self.store.raw_layout(other).signature, self._fns[other][1]) == shape:
@@ -326,20 +327,21 @@ class HostCompute:
                 return
         fn, hidden = self._fns[layer]
         dtype = self.store.dtype(layer)
-        w = self.weights(layer, 0)
+        E = self.store.num_experts(layer)
 
         def bench() -> dict[int, float]:
-            table = {}
+            table, calls = {}, 0
             with torch.no_grad():
                 for n in (r for r in BENCH_ROWS if r <= self.costs.max_rows):
                     x = torch.randn(n, hidden, dtype=dtype)
-                    fn(w, x)  # warm-up
                     times = []
-                    for _ in range(BENCH_REPEATS):
+                    for _ in range(BENCH_REPEATS + 1):  # the first call warms up
+                        w = self.weights(layer, calls % E)
+                        calls += 1
                         t0 = time.perf_counter()
                         fn(w, x)
                         times.append(time.perf_counter() - t0)
-                    table[n] = min(times)
+                    table[n] = min(times[1:])
             return table
 
         self.costs.host_s[layer] = self._pool.submit(bench).result(RESULT_TIMEOUT_S)

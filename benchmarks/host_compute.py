@@ -50,6 +50,7 @@ from bench.workloads import Workload, model_facts  # noqa: E402
 from common import SHAPES, balance_routers, device_slug, environment, print_table, sync, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
+from mira_hf.host_compute import HostCosts  # noqa: E402
 
 SHAPES.setdefault("gpt-oss-20b-8l", dict(SHAPES["gpt-oss-20b"], num_hidden_layers=8))
 # key -> (label, GPU shape, smoke shape, consumer GPU bytes for the full model, full model's layers)
@@ -163,7 +164,7 @@ def logit_diff(model, ids, predictor, policy) -> float | None:
         forced = m.stats()["host_computed"]
         m.host.active = False
         copied = model(ids[:, :4]).logits.float()
-    m.host.costs = measured
+    m.host.set_costs(measured)  # kept for the phases after this one
     log(f"logits with {forced} misses computed on the host: max |difference| {(host - copied).abs().max().item():.3g}")
     return ((host - copied).abs().max() / copied.abs().max()).item()
 
@@ -241,7 +242,7 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
     MiraMoEModel.wrap(model, cfg)
     m = model.mira
     if args.smoke:
-        m.host.costs.link_bytes_per_s = SMOKE_LINK_BYTES_PER_S
+        m.host.set_costs(HostCosts(link_bytes_per_s=SMOKE_LINK_BYTES_PER_S))  # host times still measured
     predictor, policy = m.predictor, m.settings.policy
     log(f"{key} / {budget_label}: built and wrapped in {time.perf_counter() - t0:.1f} s")
     pad = wl.facts["pad_token_id"]

@@ -71,7 +71,7 @@ class HostCosts:
     host_s: dict[int, dict[int, float]] = field(default_factory=dict)
     max_rows: int = MAX_HOST_ROWS
     link_free_at: float = 0.0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def copy_s(self, nbytes: int) -> float:
         """Seconds the link takes for one record of `nbytes` once it is free."""
@@ -178,8 +178,8 @@ class HostCompute:
         self.mode = mode
         self.costs = costs if costs is not None else HostCosts()
         self.active = False
-        self._fixed: frozenset[int] = frozenset(self.costs.host_s)  # injected host times: never re-measured
-        self._overhead_known = costs is not None  # an injected cost model keeps its host_overhead_s
+        self._injected = costs is not None  # an injected cost model is kept; a measured one is measured again by `place`
+        self._overhead_known = self._injected
         self._fns: dict[int, tuple[ExpertFn, int]] = {}  # layer -> (the proxy's expert math, hidden size)
         cpus = worker_cpus()
         self.threads = threads or (len(cpus) if cpus else max(1, (os.cpu_count() or 2) - 1))
@@ -204,14 +204,14 @@ class HostCompute:
         self.active = raw and (self.mode == "on" or device.type == "cuda")
         if device.type == "cuda":  # the worker waits on this device's events and page-locks its outputs
             self._pool.submit(torch.cuda.set_device, device).result()
-        self.costs.host_s = {layer: t for layer, t in self.costs.host_s.items() if layer in self._fixed}
+        if not self._injected:  # measured again: the device, the dtype or the records may have changed
+            self.costs, self._overhead_known = HostCosts(), False
         self.costs.link_free_at = 0.0
 
     def set_costs(self, costs: HostCosts) -> None:
-        """Plan with `costs` from now on: its `host_s` layers are never re-measured, nor its link speed if set."""
-        self.costs = costs
-        self._fixed = frozenset(costs.host_s)
-        self._overhead_known = True
+        """Plan with `costs` from now on, kept as given (only what it lacks is measured: the link speed if None,
+        the host times of layers missing from `host_s`)."""
+        self.costs, self._injected, self._overhead_known = costs, True, True
 
     def register(self, layer: int, fn: ExpertFn | None, hidden_size: int) -> None:
         """The proxy of `layer` computes its experts on the host with `fn` (None: this layer cannot, e.g. its

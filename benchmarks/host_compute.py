@@ -60,6 +60,7 @@ WORKLOADS = {
     "gpt-oss": ("gpt-oss-20b experts, 8 layers", "gpt-oss-20b-8l", "gpt-oss-smoke", 4 * 2**30, 24),
 }
 SMOKE_EXTRA = {"gpt-oss-smoke": "gpt_oss"}  # common.SMOKE_SHAPES has mixtral and qwen3
+HOST_S_PER_BLOCK = 1e-3  # the estimate's host time per MoE block (Python, launches): small experts are launch-bound
 SMOKE_LINK_BYTES_PER_S = 1e7  # --smoke: a slow "link" (2.4 ms per tiny record), so the host path runs on a CPU
 COLUMNS = [
     "model",
@@ -156,8 +157,8 @@ def logit_diff(model, ids, predictor, policy) -> float | None:
     use(model, "host", predictor, policy)
     with torch.no_grad():
         model(ids[:, :2])  # measures the link and the host times, outside the comparison
-    use(model, "host", predictor, policy)  # an empty cache again: every expert misses
     measured = m.host.costs
+    use(model, "host", predictor, policy)  # an empty cache again: every expert misses
     m.host.set_costs(dataclasses.replace(m.host.costs, link_bytes_per_s=1.0, link_free_at=0.0))  # no copy can win
     with torch.no_grad():
         host = model(ids[:, :4]).logits.float()
@@ -170,13 +171,14 @@ def logit_diff(model, ids, predictor, policy) -> float | None:
 
 
 def estimate(args, workloads: list[tuple[str, Workload]], bw_gbps: float) -> list[tuple[str, float]]:
-    """Rough seconds per phase, printed before the run (the store's copy at ~10 GB/s and pinning at ~2 GB/s;
-    decode at the all-miss floor of 75 % misses over the link at `bw_gbps`)."""
+    """Rough seconds per phase, printed before the run (the store's copy and page-locking at ~2 GB/s; decode
+    at 75 % misses over the link at `bw_gbps` plus HOST_S_PER_BLOCK per MoE block)."""
     out = []
     for key, wl in workloads:
         facts = wl.facts
         setup = facts["expert_bytes"] / 2e9 + 10
         per_token = 0.75 * facts["top_k"] * facts["moe_layers"] * facts["raw_record_bytes"] / (bw_gbps * GB)
+        per_token += facts["moe_layers"] * HOST_S_PER_BLOCK
         n = len(args.budgets)
         out.append((f"{key}: build + wrap x{n}", n * setup))
         out.append((f"{key}: batch 1, 3 systems x{n}", n * 3 * (args.new_tokens + args.warmup_tokens + 2) * per_token))

@@ -203,7 +203,8 @@ class HostCompute:
         self.store, self.device = store, device
         self.active = raw and (self.mode == "on" or device.type == "cuda")
         if device.type == "cuda":  # the worker waits on this device's events and page-locks its outputs
-            self._pool.submit(torch.cuda.set_device, device).result()
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self._pool.submit(torch.cuda.set_device, index).result()
         if not self._injected:  # measured again: the device, the dtype or the records may have changed
             self.costs, self._overhead_known = HostCosts(), False
         self.costs.link_free_at = 0.0

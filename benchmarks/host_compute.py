@@ -144,7 +144,7 @@ def use(model, system: str, predictor, policy: str) -> None:
     m.settings = m.settings.replaced(policy="lru" if system == "lru" else policy)
     m.predictor = None if system == "lru" else predictor
     m.relocate(m.store, m.budget, m.device)
-    if m.host is not None:
+    if m.host.mode != "off":
         m.host.active = system == "host"
 
 
@@ -152,7 +152,7 @@ def logit_diff(model, ids, predictor, policy) -> float | None:
     """max |logit difference| / max |logit| of a prompt's forward (`ids` [1, T], T small enough for the host)
     with every miss computed on the host against the same forward with every miss copied."""
     m = model.mira
-    if m.host is None:
+    if m.host.mode == "off":
         return None
     use(model, "host", predictor, policy)
     with torch.no_grad():
@@ -279,7 +279,7 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
                 stall_share=d.get("stall_share"),
                 h2d_bytes_per_token=d.get("h2d_bytes_per_step"),
             )
-            if system == "host" and m.host is not None:
+            if system == "host" and m.host.mode != "off":
                 rows[system]["link_gbps_measured"] = (m.host.costs.link_bytes_per_s or 0) / GB
                 rows[system]["host_ms_1row"] = {
                     layer: 1e3 * m.host.costs.host_time(layer, 1) for layer in list(m.host.costs.host_s)[:1]
@@ -301,17 +301,18 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
             m.reset_stats()
             t, n, _ = gen(ids, args.batch_tokens)
             first, _, _ = gen(ids, 1)
-            rows[system]["b8_tok_s"] = args.batch * (n - 1) / max(t - first, 1e-9)
+            rows[system]["b8_tok_s"] = args.batch * (n - 1) / (t - first) if n > 1 and t > first else None
             rows[system]["host_share_b8"] = m.stats()["host_computed"] / max(m.stats()["misses"], 1)
             gen(ids[:1], args.warmup_tokens, beams=args.beams)
             t, n, _ = gen(ids[:1], args.beam_tokens, beams=args.beams)
             rows[system]["beam_tok_s"] = n / t
             log(
-                f"{key} / {budget_label} / {system}: batch {args.batch} {rows[system]['b8_tok_s']:.2f} tok/s, beam {rows[system]['beam_tok_s']:.2f} tok/s"
+                f"{key} / {budget_label} / {system}: batch {args.batch} {rows[system]['b8_tok_s'] or 0:.2f} tok/s, beam {rows[system]['beam_tok_s']:.2f} tok/s"
             )
     finally:
         result["rows"].extend(rows.values())
         m.close()
+        m.host.close()
         m.store.close()
         model = m = None  # drop the model before the next is built
         free_device_cache()

@@ -167,6 +167,29 @@ def worker_cpus(reserved: int = 1) -> set[int] | None:
     return set(cpus[reserved:]) if len(cpus) > reserved else None
 
 
+class HostComputeOff:
+    """`MiraConfig(host_compute="off")`: every miss is copied; the manager's hooks do nothing."""
+
+    mode, active = "off", False
+
+    def place(self, store, layers: Mapping[int, object], device: torch.device) -> None:
+        pass
+
+    def register(self, layer: int, fn: ExpertFn | None, hidden_size: int) -> None:
+        pass
+
+    def copy_issued(self, nbytes: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def host_compute_for(mode: str) -> HostCompute | HostComputeOff:
+    """The host path of a manager for `MiraConfig.host_compute` (`mode`)."""
+    return HostComputeOff() if mode == "off" else HostCompute(mode)
+
+
 class HostCompute:
     """The host path of one manager: which layers can run on the host, the cost model, the worker.
 

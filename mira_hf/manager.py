@@ -28,7 +28,7 @@ from .budget import BudgetPlan, LayerInfo, expert_keys
 from .cache import ExpertCache, Key, Slot, SlotPool
 from .errors import ConcurrencyError, ConfigError, LoaderError, UnsupportedOperationError
 from .heat import HeatTracker
-from .host_compute import HostCompute
+from .host_compute import host_compute_for
 from .loader import Loader
 from .policies import ExpectedDistance, PolicyContext
 from .registry import POLICIES
@@ -103,7 +103,7 @@ class ExpertManager(NotebookViews):
         self._batch_index = None  # the routing `observe` saw last, for `batch` in `begin`
         self._lock = threading.RLock()
         self._last_layer = -1
-        self.host = HostCompute(settings.host_compute) if settings.host_compute != "off" else None  # host_compute.py
+        self.host = host_compute_for(settings.host_compute)  # misses computed on the host (host_compute.py)
         self._place(store, budget, device)
         self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
         self._forward_owner: int | None = None
@@ -127,8 +127,7 @@ class ExpertManager(NotebookViews):
         }
         self.arena = DeviceArena(store, budget, device, self.loader, s.split_copies, s.split_min_bytes)
         self.cache = ExpertCache(pools, budget.pool_of_layer)
-        if self.host is not None:
-            self.host.place(store, self.layers, device)
+        self.host.place(store, self.layers, device)
 
     def relocate(self, store: ExpertStore, budget: BudgetPlan, device: torch.device) -> None:
         """Serve from `store` (e.g. re-encoded by a cast, or rewritten by `load_state_dict`) with slots
@@ -214,8 +213,7 @@ class ExpertManager(NotebookViews):
     def begin(self, layer: int, experts: Sequence[int], rows: Sequence[int] | None = None) -> BlockPlan:
         """Start a block call needing `experts` of `layer`: count hits and misses, pin what is
         resident and issue copies for misses while slots can be taken (the guesses `observe` made are
-        staged by `end`, after this block's own copies). `rows`: each expert's rows in this block; with
-        host compute on, misses the host finishes sooner go to `plan.host` instead (no copy, no slot)."""
+        staged by `end`, after this block's own copies). `rows`: each expert's rows (host compute: `plan.host`)."""
         with self._lock:
             ahead = self.staging.take_ahead(layer)  # before a step boundary would clear it
             if layer <= self._last_layer:
@@ -253,12 +251,12 @@ class ExpertManager(NotebookViews):
                 if slot.ready is not None and slot.ready.query():
                     slot.ready = slot.first_ready = None  # landed: its later readers need no wait (no CUDA call per hit)
                 (in_flight if slot.ready is not None else ready).append(e)
-            if self.host is not None and misses and rows is not None:
+            stats.misses += len(misses) + len(finishing)
+            self.staging.gate.count_block(stage_hits, len(misses) + len(finishing))
+            self.telemetry.count_uses(len(experts) - len(misses) - len(finishing), len(experts))
+            if self.host.active and misses and rows is not None:  # the misses the host finishes sooner: no copy, no slot
                 misses, plan.host = self.host.split(layer, misses, dict(zip(experts, rows)), self.heat.use_rate[layer])
-            stats.misses += len(misses) + len(finishing) + len(plan.host)
-            stats.host_computed += len(plan.host)
-            self.staging.gate.count_block(stage_hits, len(misses) + len(finishing) + len(plan.host))
-            self.telemetry.count_uses(len(experts) - len(misses) - len(finishing) - len(plan.host), len(experts))
+                stats.host_computed += len(plan.host)
             plan.order = ready + in_flight + finishing + misses
             plan.pending.extend(misses)
             self.staging.drop_speculation(layer)  # guesses for this block that it does not use
@@ -447,8 +445,7 @@ class ExpertManager(NotebookViews):
             self.loader.add_stall(layer, time.perf_counter() - t0)
         stats.loads += 1
         stats.bytes_h2d += n
-        if self.host is not None:
-            self.host.copy_issued(n)
+        self.host.copy_issued(n)
         if staged:
             stats.prefetches += 1
         if nbytes is not None:
@@ -499,8 +496,6 @@ class ExpertManager(NotebookViews):
         self.store.save(directory, self.fingerprint)
 
     def close(self) -> None:
-        """Release the device arena (after unload) and the host compute worker."""
+        """Release the device arena (after unload)."""
         self.loader.synchronize()
         self.arena.close()
-        if self.host is not None:
-            self.host.close()

@@ -70,8 +70,7 @@ class MiraExperts(nn.Module):
         self._apply_gate = getattr(base, "_apply_gate", None)
         self._packed = manager.placement == "packed"
         self._handle = register(self)  # how the compiled graph's operator finds this module
-        if manager.host is not None:  # host_compute: misses may be computed on the host with this module's math
-            manager.host.register(layer, *host_expert_math(self, manager.store.raw_layout(layer)))
+        manager.host.register(layer, *host_expert_math(self, manager.store.raw_layout(layer)))  # host_compute.py
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, num_experts={self.num_experts}, record_bytes={self.manager.store.record_bytes(self.layer)}"

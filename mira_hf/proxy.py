@@ -204,7 +204,9 @@ class MiraExperts(nn.Module):
 
         K = top_k_index.shape[1]
         tokens = lambda r: r // K if isinstance(r, torch.Tensor) else slice(r // K, r // K + 1)  # noqa: E731
-        counts = [r.numel() if isinstance(r, torch.Tensor) else 1 for r in map(rows_of, needed)]
+        counts = (
+            [r.numel() if isinstance(r, torch.Tensor) else 1 for r in map(rows_of, needed)] if self.manager.host.active else None
+        )
         host = self._serve(needed, compute, counts, lambda e: hidden_states[tokens(rows_of(e))])
         y = None  # [S, H]
         if gathered:

@@ -313,17 +313,17 @@ class HostCompute:
 
     # -- measuring ---------------------------------------------------------------------------------
     def _measure_link(self, layer: int) -> None:
-        """Link speed and per-copy overhead from host→device copies of a record's first bytes, 64 KiB and
-        16 MiB (the transient device buffer is freed at once). On CPU, a memcpy."""
+        """Link speed and per-copy overhead from host→device copies of a record's first bytes (up to 64 KiB,
+        and up to 16 MiB; the transient device buffer is freed at once). On CPU, a memcpy."""
         record = self.store.record(layer, 0)
         big = min(LINK_PROBE_BYTES, record.numel())
-        small = min(LINK_PROBE_SMALL_BYTES, big)
+        small = max(min(LINK_PROBE_SMALL_BYTES, big // 4), 1)
         dst = torch.empty(big, dtype=torch.uint8, device=self.device)
         src = record  # from where the loader copies it: a pageable or disk record crosses at its (slower) speed
 
         def timed(n: int) -> float:
             times = []
-            for _ in range(4):
+            for _ in range(6):
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 t0 = time.perf_counter()
@@ -334,9 +334,11 @@ class HostCompute:
             return min(times[1:])
 
         t_small, t_big = timed(small), timed(big)  # `dst` is freed on return
-        per_byte = max(t_big - t_small, 1e-9) / max(big - small, 1)
-        self.costs.link_bytes_per_s = 1.0 / per_byte
-        self.costs.copy_overhead_s = max(t_small - small * per_byte, 0.0)
+        # The slope is the speed and what is left of the small copy the fixed cost; never slower than the large
+        # copy's own average (timer noise on copies too small to tell apart).
+        per_byte = min(max(t_big - t_small, 0.0) / (big - small), t_big / big) if big > small else t_big / big
+        overhead = max(t_small - small * per_byte, 0.0)
+        self.costs.link_bytes_per_s, self.costs.copy_overhead_s = 1.0 / per_byte, overhead
 
     def _measure_layer(self, layer: int) -> None:
         """Host seconds of one expert of `layer` per row count in BENCH_ROWS (on the worker, with the

@@ -151,7 +151,7 @@ def test_prefill_sized_blocks_stay_on_the_device():
 # the host, on a CPU: the same kernels run, so grouped_mm and eager are bit-identical, and batched_mm differs
 # by its `bmm` against the host's `mm` (~3e-7 in fp32; bf16 rounds both to the same values here).
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "llama4"]
+FAMILIES = ["mixtral", "gpt_oss", "deepseek_v3", "llama4"]  # qwen3_moe and nemotron_h: the routing test below
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

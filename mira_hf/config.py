@@ -31,6 +31,7 @@ PLACEMENTS = ("auto", "dequant", "packed")
 # experts are 352 MB; Qwen3-30B's 9.4 MB stay uncompressed until measured).
 AUTO_LOSSLESS_MIN_RECORD_BYTES = 32 * 2**20
 HOST_MEMORY_KINDS = ("auto", "pinned", "pageable")
+HOST_COMPUTE_MODES = ("off", "on", "auto")  # mira_hf.host_compute
 
 _UNITS = {
     "": 1,
@@ -311,6 +312,11 @@ class MiraConfig:
     offload_dir: where experts beyond `host_budget` are written, memory-mapped and read back.
     expert_layer_path: for models without an adapter, a glob of the routed-experts modules,
         e.g. `"model.layers.*.mlp.experts"` (fused 3-D expert tensors, as transformers 5 builds them).
+    host_compute: compute some missed experts on the host CPU, where their weights are, instead of copying
+        them (`mira_hf.host_compute`): `"off"` (default), `"auto"` (on a CUDA device with uncompressed
+        records; `quantization="auto"` then stays uncompressed) or `"on"` (on any device; refuses encoded
+        records). Each miss goes to whichever path finishes it first (measured link speed and host time).
+        Not bit-exact: the host's matmuls round differently from the device's (bounds in docs/usage.md).
     """
 
     gpu_budget: Budget = None
@@ -322,6 +328,7 @@ class MiraConfig:
     host_budget: int | str | None = None
     offload_dir: str | None = None
     expert_layer_path: str | None = None
+    host_compute: str = "off"  # inexact (host rounding), so opt-in
     predictor_path: str | None = None
     store_path: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -350,6 +357,7 @@ class MiraConfig:
             ("predictor", (None, *PREDICTOR_REGISTRY.names())),
             ("quantization", quantizations()),
             ("host_memory", HOST_MEMORY_KINDS),
+            ("host_compute", HOST_COMPUTE_MODES),
         )
         for name, allowed in choices:  # frozen: the normalized spelling is stored in place
             object.__setattr__(self, name, normalize_choice(name, getattr(self, name), allowed))
@@ -386,6 +394,12 @@ class MiraConfig:
             raise ConfigError(
                 f"store_path is set but quantization is {self.quantization!r}: a saved store holds records of one format. Pass the quantization "
                 "it was saved with, e.g. MiraConfig(quantization='int4', store_path=...)."
+            )
+        if self.host_compute == "on" and self.quantization not in ("auto", None):
+            raise ConfigError(
+                f"host_compute='on' computes experts from uncompressed records on the host, but quantization="
+                f"{self.quantization!r} encodes them. Use quantization=None or 'auto' with it, or host_compute='auto' "
+                "(off where records are encoded)."
             )
         if self.predictor == "learned" and self.predictor_path is None:
             raise ConfigError(

@@ -28,6 +28,7 @@ from .budget import BudgetPlan, LayerInfo, expert_keys
 from .cache import ExpertCache, Key, Slot, SlotPool
 from .errors import ConcurrencyError, ConfigError, LoaderError, UnsupportedOperationError
 from .heat import HeatTracker
+from .host_compute import host_compute_for
 from .loader import Loader
 from .policies import ExpectedDistance, PolicyContext
 from .registry import POLICIES
@@ -48,6 +49,7 @@ class BlockPlan:
     slots: dict[int, Slot] = field(default_factory=dict)  # expert -> slot pinned by this plan
     loading: set[int] = field(default_factory=set)  # demand-loaded experts this plan still pins
     predictions: dict | None = None  # the predictor's guesses, staged once the block's own experts are in use
+    host: list[int] = field(default_factory=list)  # misses computed on the host, not copied (host_compute)
 
 
 class ExpertManager(NotebookViews):
@@ -101,6 +103,7 @@ class ExpertManager(NotebookViews):
         self._batch_index = None  # the routing `observe` saw last, for `batch` in `begin`
         self._lock = threading.RLock()
         self._last_layer = -1
+        self.host = host_compute_for(settings.host_compute)  # misses computed on the host (host_compute.py)
         self._place(store, budget, device)
         self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
         self._forward_owner: int | None = None
@@ -124,6 +127,7 @@ class ExpertManager(NotebookViews):
         }
         self.arena = DeviceArena(store, budget, device, self.loader, s.split_copies, s.split_min_bytes)
         self.cache = ExpertCache(pools, budget.pool_of_layer)
+        self.host.place(store, self.layers, device)
 
     def relocate(self, store: ExpertStore, budget: BudgetPlan, device: torch.device) -> None:
         """Serve from `store` (e.g. re-encoded by a cast, or rewritten by `load_state_dict`) with slots
@@ -206,10 +210,10 @@ class ExpertManager(NotebookViews):
             if self.batch is not None:
                 self._batch_index = top_k_index
 
-    def begin(self, layer: int, experts: Sequence[int]) -> BlockPlan:
+    def begin(self, layer: int, experts: Sequence[int], rows: Sequence[int] | None = None) -> BlockPlan:
         """Start a block call needing `experts` of `layer`: count hits and misses, pin what is
         resident and issue copies for misses while slots can be taken (the guesses `observe` made are
-        staged by `end`, after this block's own copies)."""
+        staged by `end`, after this block's own copies). `rows`: each expert's rows (host compute: `plan.host`)."""
         with self._lock:
             ahead = self.staging.take_ahead(layer)  # before a step boundary would clear it
             if layer <= self._last_layer:
@@ -250,6 +254,9 @@ class ExpertManager(NotebookViews):
             stats.misses += len(misses) + len(finishing)
             self.staging.gate.count_block(stage_hits, len(misses) + len(finishing))
             self.telemetry.count_uses(len(experts) - len(misses) - len(finishing), len(experts))
+            if self.host.active and misses and rows is not None:  # the misses the host finishes sooner: no copy, no slot
+                misses, plan.host = self.host.split(layer, misses, dict(zip(experts, rows)), self.heat.use_rate[layer])
+                stats.host_computed += len(plan.host)
             plan.order = ready + in_flight + finishing + misses
             plan.pending.extend(misses)
             self.staging.drop_speculation(layer)  # guesses for this block that it does not use
@@ -438,6 +445,7 @@ class ExpertManager(NotebookViews):
             self.loader.add_stall(layer, time.perf_counter() - t0)
         stats.loads += 1
         stats.bytes_h2d += n
+        self.host.copy_issued(n)
         if staged:
             stats.prefetches += 1
         if nbytes is not None:

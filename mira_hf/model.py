@@ -380,6 +380,7 @@ def _resolve_format(
         q = (
             "lossless"
             if device.type == "cuda"
+            and cfg.host_compute == "off"  # the host computes from uncompressed records (host_compute.py)
             and budget_bytes < all_bytes
             and min(raw_bytes.values()) >= AUTO_LOSSLESS_MIN_RECORD_BYTES
             and dtypes <= {torch.bfloat16, torch.float32}

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .experts_impl import batched_linear, check_call, combine, grouped_linear, implementation_of, sum_dtype
+from .host_compute import host_expert_math
 from .layout import PackedWeights
 from .manager import ExpertManager
 from .ops import no_backward, register
@@ -69,6 +70,7 @@ class MiraExperts(nn.Module):
         self._apply_gate = getattr(base, "_apply_gate", None)
         self._packed = manager.placement == "packed"
         self._handle = register(self)  # how the compiled graph's operator finds this module
+        manager.host.register(layer, *host_expert_math(self, manager.store.raw_layout(layer)))  # host_compute.py
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, num_experts={self.num_experts}, record_bytes={self.manager.store.record_bytes(self.layer)}"
@@ -120,7 +122,10 @@ class MiraExperts(nn.Module):
                     y = part.new_empty((routed, H))
                 y[a:b] = part
 
-        self._serve(needed, compute)
+        host = self._serve(needed, compute, [counts[e] for e in needed], lambda e: x[starts[e] : starts[e] + counts[e]])
+        for e, out in host:  # [n, H] computed on the host (host_compute), into the rows the device would fill
+            y = out.new_empty((routed, H)) if y is None else y
+            y[starts[e] : starts[e] + counts[e]] = self._post(out)
         return self._combine(y, order, hidden_states, top_k_index, top_k_weights, impl, None)
 
     def _decode_step(
@@ -146,7 +151,9 @@ class MiraExperts(nn.Module):
                 y = part.new_zeros((K, H)) if sentinel else part.new_empty((K, H))
             y[slot_of[e]] = part[0]
 
-        self._serve(sorted(slot_of), compute)
+        for e, out in self._serve(sorted(slot_of), compute, [1] * len(slot_of), lambda e: hidden_states):  # host_compute
+            y = (out.new_zeros((K, H)) if sentinel else out.new_empty((K, H))) if y is None else y
+            y[slot_of[e]] = self._post(out)[0]
         return self._combine(y, None, hidden_states, top_k_index, top_k_weights, impl, sentinel or None)
 
     def _combine(self, y, order, hidden_states, top_k_index, top_k_weights, impl: str, sentinel) -> torch.Tensor:
@@ -195,27 +202,43 @@ class MiraExperts(nn.Module):
             self.manager.acquire_rest(plan, e)
             put(w, down, rows)
 
-        self._serve(needed, compute)
-        if not gathered:
-            return None
-        x = hidden_states.repeat_interleave(top_k_index.shape[1], dim=0)  # [S, H]
-        h = batched_linear(x, gathered[self._up], gathered.get(self._up + "_bias"), self._transposed)  # [S, I']
-        h = self._activate(h)  # [S, I]
-        y = batched_linear(h, gathered["down_proj"], gathered.get("down_proj_bias"), self._transposed)  # [S, H]
-        return self.base.post_expert_norm(y) if self._post_norm else y
+        K = top_k_index.shape[1]
+        tokens = lambda r: r // K if isinstance(r, torch.Tensor) else slice(r // K, r // K + 1)  # noqa: E731
+        counts = (
+            [r.numel() if isinstance(r, torch.Tensor) else 1 for r in map(rows_of, needed)] if self.manager.host.active else None
+        )
+        host = self._serve(needed, compute, counts, lambda e: hidden_states[tokens(rows_of(e))])
+        y = None  # [S, H]
+        if gathered:
+            x = hidden_states.repeat_interleave(K, dim=0)  # [S, H]
+            h = batched_linear(x, gathered[self._up], gathered.get(self._up + "_bias"), self._transposed)  # [S, I']
+            h = self._activate(h)  # [S, I]
+            y = batched_linear(h, gathered["down_proj"], gathered.get("down_proj_bias"), self._transposed)  # [S, H]
+        for e, out in host:  # [n, H] computed on the host (host_compute): its rows' bmm outputs are replaced
+            y = out.new_zeros((S, out.shape[1])) if y is None else y
+            r = rows_of(e)
+            y[r] = out if isinstance(r, torch.Tensor) else out[0]
+        return y if y is None else self._post(y)
 
-    def _serve(self, needed: list[int], compute) -> None:
+    def _serve(self, needed: list[int], compute, rows=None, inputs=None) -> list[tuple[int, torch.Tensor]]:
         """One block call of the manager's protocol: `begin`, then for each expert in `plan.order` (resident
         first) `acquire` its first part (the rest of the record may still be crossing: `_expert` waits for
-        it), `compute(plan, e, w)`, `release`; `end` even when a compute raises (it unpins the slots)."""
-        plan = self.manager.begin(self.layer, needed)
+        it), `compute(plan, e, w)`, `release`; `end` even when a compute raises (it unpins the slots).
+        `rows`: each needed expert's row count, `inputs(e)`: its rows [n, H]. With host compute on, the
+        misses `begin` sent to the host run there meanwhile; returns their (expert, outputs [n, H] on the
+        device, before a post-expert norm), else []."""
+        plan = self.manager.begin(self.layer, needed, rows)
+        job = None
         try:
+            if plan.host:
+                job = self.manager.host.start(self.layer, plan.host, inputs)
             for e in plan.order:
                 w = self.manager.acquire(plan, e, first_part=True)
                 compute(plan, e, w)
                 self.manager.release(plan, e)
         finally:
             self.manager.end(plan)
+        return job.collect() if job is not None else []
 
     def _expert(self, plan, e: int, w, x: torch.Tensor, kernel: bool = False) -> torch.Tensor:
         """Expert `e` (acquired with `first_part=True`) on rows x [n, H] -> [n, H]: the up half may start
@@ -255,8 +278,15 @@ class MiraExperts(nn.Module):
 
     def _down_proj(self, h: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
         # h [n, I] -> [n, H]
-        y = self._linear(h, w, "down_proj", kernel)
+        return self._post(self._linear(h, w, "down_proj", kernel))
+
+    def _post(self, y: torch.Tensor) -> torch.Tensor:
         return self.base.post_expert_norm(y) if self._post_norm else y
+
+    def _host_expert(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """One expert on the host (`host_compute`): x [n, H] and `w` (views of its host record) -> [n, H],
+        the same math as `_expert` except the post-expert norm, which the device applies to the result."""
+        return self._linear(self._up_proj(x, w), w, "down_proj", False)
 
     # -- the experts as this module's parameters (`mira_hf.state`): state dict, load, casts, moves --------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -301,5 +331,6 @@ class MiraScaledExperts(MiraExperts):
         def compute(plan, e: int, w) -> None:
             out[e] = self._expert(plan, e, w, x[e])  # [T, H]
 
-        self._serve(needed, compute)
+        for e, y in self._serve(needed, compute, [x.shape[1]] * len(needed), x.__getitem__):  # host_compute
+            out[e] = self._post(y)
         return _guarded(out).view(hidden_states.shape)

@@ -31,6 +31,7 @@ class ManagerSettings:
     predictor_config: PredictorConfig = field(default_factory=PredictorConfig)
     warmup_steps: int = 3  # first forward steps: prefetches only fill free slots, nothing is evicted
     quantization: str | None = None  # the transfer format in use (MiraConfig.quantization, "auto" resolved)
+    host_compute: str = "off"  # MiraConfig.host_compute
 
     def __post_init__(self) -> None:
         POLICIES.get(self.policy)  # a ConfigError naming the registered policies
@@ -60,4 +61,5 @@ class ManagerSettings:
             priority=cfg.priority,
             predictor_config=cfg.prediction,
             quantization=cfg.quantization,
+            host_compute=cfg.host_compute,
         )

@@ -16,6 +16,7 @@ class LayerStats:
     hot_hits: int = 0
     stage_hits: int = 0
     misses: int = 0
+    host_computed: int = 0  # misses computed on the host instead of copied (MiraConfig.host_compute); also misses
     loads: int = 0  # copies issued (demand + prefetch)
     prefetches: int = 0
     prefetch_used: int = 0  # prefetched experts used before eviction

@@ -38,11 +38,12 @@ _BUILT: dict = {}
 EAGER_WITHOUT_SENTINEL = ("gpt_oss", "nemotron_h")
 
 
-def experts_pair(name: str, dtype: torch.dtype, post_norm: bool = False) -> tuple[torch.nn.Module, MiraExperts]:
+def experts_pair(name: str, dtype: torch.dtype, post_norm: bool = False, host_costs=None) -> tuple[torch.nn.Module, MiraExperts]:
     """(transformers' experts module of the first MoE layer, the proxy that replaced it in a wrapped copy).
     Expert biases are drawn at random (transformers initialises them to zero, which would hide them);
-    `post_norm`: the experts module normalises each expert's output (transformers' `has_post_expert_norm`)."""
-    key = (name, dtype, post_norm)
+    `post_norm`: the experts module normalises each expert's output (transformers' `has_post_expert_norm`);
+    `host_costs(layers)`: wrap with host compute on, planning with these costs (`tests/test_host_compute.py`)."""
+    key = (name, dtype, post_norm) + (() if host_costs is None else (host_costs,))
     if key not in _BUILT:
         config = make_auto_config(name) if name == "nemotron_h" else make_config(name)
         if config is None:
@@ -62,7 +63,10 @@ def experts_pair(name: str, dtype: torch.dtype, post_norm: bool = False) -> tupl
             experts.post_expert_norm = torch.nn.RMSNorm(config.hidden_size, eps=1e-6)
             torch.nn.init.normal_(experts.post_expert_norm.weight, 1.0, 0.5)
         ref = ref.to(dtype)
-        model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.5))
+        host = "on" if host_costs is not None else "off"
+        model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.5, host_compute=host))
+        if host_costs is not None:
+            model.mira.host.set_costs(host_costs(list(model.mira.layers)))
         proxy = model.get_submodule(path)
         assert isinstance(proxy, MiraExperts)
         experts = ref.get_submodule(path)

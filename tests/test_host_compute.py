@@ -1,0 +1,235 @@
+"""Host compute (`MiraConfig(host_compute=...)`): a miss is computed on the host when that finishes before
+its copy would. The planner's choices against hand-computed costs; outputs within the documented bound
+when the host path is forced (injected costs: on a CPU the device is the host); a miss served on the host
+takes no slot and copies nothing; prefill-sized blocks stay on the device; clear errors."""
+
+import copy
+
+import pytest
+import torch
+from test_combine import EAGER_WITHOUT_SENTINEL, experts_pair, routings
+from test_combine import FAMILIES as COMBINE_FAMILIES
+from tiny_models import make_config
+from transformers import AutoModelForCausalLM
+
+from mira_hf import ConfigError, MiraConfig, MiraMoEModel, bundled_model_path
+from mira_hf.host_compute import MAX_HOST_ROWS, HostCosts
+
+IDS = torch.tensor([[5, 9, 17, 33, 42, 7, 64, 100, 3]])
+MS = 1e-3
+
+
+def costs(link_bytes_per_s=1e9, host_s=None, host_overhead_s=0.0) -> HostCosts:
+    return HostCosts(link_bytes_per_s, copy_overhead_s=0.0, host_overhead_s=host_overhead_s, host_s=host_s or {})
+
+
+# -- the planner, by hand ------------------------------------------------------------------------
+def test_each_miss_goes_to_the_path_that_finishes_it_first():
+    # Copies of 2 ms each (2 MB at 1 GB/s), 3 ms per expert on the host, link idle:
+    # miss a: link 2 < host 3 -> link; b: link 4 > host 3 -> host; c: link 4 < host 6 -> link.
+    c = costs(host_s={0: {1: 3 * MS}})
+    assert c.split(0, [10, 11, 12], [1, 1, 1], nbytes=2_000_000, now=100.0) == ([10, 12], [11])
+
+
+def test_the_planner_counts_copies_queued_ahead_and_the_host_jobs_fixed_cost():
+    c = costs(host_s={0: {1: 3 * MS}}, host_overhead_s=0.5 * MS)
+    c.link_free_at = 100.0 + 5 * MS  # 5 ms of copies still queued
+    # a: link 7 > host 3.5 -> host; b: link 7 > host 6.5 -> host; c: link 7 < host 9.5 -> link.
+    assert c.split(0, [1, 2, 3], [1, 1, 1], nbytes=2_000_000, now=100.0) == ([3], [1, 2])
+    # Once the queue has drained (later `now`), the first miss is copied again.
+    assert c.split(0, [1, 2, 3], [1, 1, 1], nbytes=2_000_000, now=200.0) == ([1, 3], [2])
+
+
+def test_experts_with_many_rows_stay_on_the_device():
+    c = costs(host_s={0: {1: 1e-9}}, link_bytes_per_s=1.0)  # the host is free, the link is hopeless ...
+    assert c.split(0, [4, 5], [MAX_HOST_ROWS + 1, 1], nbytes=10**6, now=0.0) == ([4], [5])  # ... but not for a prefill
+
+
+def test_host_times_are_interpolated_and_refined_online():
+    c = costs(host_s={0: {1: 1 * MS, 4: 4 * MS, 8: 6 * MS}})
+    assert c.host_time(0, 1) == pytest.approx(1 * MS)
+    assert c.host_time(0, 2) == pytest.approx(2 * MS)
+    assert c.host_time(0, 6) == pytest.approx(5 * MS)
+    assert c.host_time(0, 16) == pytest.approx(10 * MS)  # past the last point: the last segment's slope (0.5 ms/row)
+    c.observe(0, 1, 5 * MS)
+    assert c.host_time(0, 1) == pytest.approx(0.75 * 1 * MS + 0.25 * 5 * MS)
+
+
+def test_issued_copies_advance_the_link_clock():
+    c = costs()
+    c.copy_issued(2_000_000, now=10.0)
+    assert c.link_free_at == pytest.approx(10.0 + 2 * MS)
+    c.copy_issued(2_000_000, now=10.0 + 1 * MS)  # queued behind the first
+    assert c.link_free_at == pytest.approx(10.0 + 4 * MS)
+    c.copy_issued(2_000_000, now=20.0)  # the link was idle meanwhile
+    assert c.link_free_at == pytest.approx(20.0 + 2 * MS)
+
+
+# -- configuration ---------------------------------------------------------------------------------
+def test_host_compute_is_off_by_default_and_validated():
+    assert MiraConfig().host_compute == "off"
+    assert MiraConfig(host_compute="On").host_compute == "on"
+    with pytest.raises(ConfigError, match="host_compute='sometimes'.*off, on, auto"):
+        MiraConfig(host_compute="sometimes")
+    with pytest.raises(ConfigError, match="quantization='int8' encodes them"):
+        MiraConfig(host_compute="on", quantization="int8")
+
+
+def _tiny(name="mixtral", dtype=torch.float32):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(make_config(name)).eval().to(dtype)
+
+
+def _forced(model, predictor=None, gpu_budget=0.3, **kw):
+    """`model` wrapped with host compute on and costs that send every miss of a small block to the host."""
+    wrapped = MiraMoEModel.wrap(
+        model, MiraConfig(device="cpu", gpu_budget=gpu_budget, predictor=predictor, host_compute="on", **kw)
+    )
+    layers = list(wrapped.mira.layers)
+    wrapped.mira.host.set_costs(costs(link_bytes_per_s=1.0, host_s={layer: {1: 1e-6} for layer in layers}))
+    return wrapped
+
+
+def test_auto_is_off_where_it_cannot_pay_and_outputs_stay_bit_identical():
+    ref = _tiny()
+    encoded = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", host_compute="auto", quantization="int8"))
+    assert not encoded.mira.host.active  # int8 records would need a host decode per use
+    model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.3, host_compute="auto"))
+    assert not model.mira.host.active  # on a CPU the device is the host: nothing to gain
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+    assert model.mira.stats()["host_computed"] == 0
+
+
+# -- the host path in a model ------------------------------------------------------------------------
+def test_the_manager_splits_a_blocks_misses_as_the_costs_say():
+    model = MiraMoEModel.wrap(_tiny(), MiraConfig(device="cpu", gpu_budget=1.0, predictor=None, host_compute="on"))
+    m = model.mira
+    record = m.store.record_bytes(0)
+    m.host.set_costs(costs(link_bytes_per_s=record / (2 * MS), host_s={layer: {1: 3 * MS} for layer in m.layers}))
+    plan = m.begin(0, [0, 1, 2], rows=[1, 1, 1])
+    try:
+        assert plan.host == [1]  # as in test_each_miss_goes_to_the_path_that_finishes_it_first
+        assert sorted(plan.order) == [0, 2]
+    finally:
+        m.end(plan)
+    s = m.stats()
+    assert (s["misses"], s["host_computed"], s["loads"]) == (3, 1, 2)
+    assert m.cache.lookup((0, 1)) is None  # served on the host: never admitted
+    # The experts used most lately are planned first, so the link (whose copies stay cached) carries them:
+    # expert 5 first (link), then 3 (host), then 4 (link).
+    m.heat.use_rate[1][5] = 0.9
+    plan = m.begin(1, [3, 4, 5], rows=[1, 1, 1])
+    m.end(plan)
+    assert (plan.host, m.cache.lookup((1, 3))) == ([3], None)
+    assert m.cache.lookup((1, 5)) is not None and m.cache.lookup((1, 4)) is not None
+
+
+def test_a_miss_served_on_the_host_takes_no_slot_and_copies_nothing():
+    model = _forced(_tiny())
+    with torch.no_grad():
+        model(IDS)
+    s = model.mira.stats()
+    assert s["misses"] == s["host_computed"] > 0
+    assert (s["loads"], s["bytes_h2d"], s["resident_bytes"]) == (0, 0, 0)
+
+
+def test_prefill_sized_blocks_stay_on_the_device():
+    model = _forced(_tiny())
+    routing = []
+    model.mira.recorder = lambda layer, hidden, top_k_index: routing.append(top_k_index.reshape(-1))
+    ids = torch.randint(3, 128, (1, 8 * MAX_HOST_ROWS), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids)  # 128 tokens x top-2 over 8 experts: 32 rows per expert on average
+    rows = torch.cat([torch.bincount(r, minlength=8) for r in routing])  # every expert of every layer misses once
+    s = model.mira.stats()
+    assert s["loads"] == int((rows > MAX_HOST_ROWS).sum()) > 0  # copied: more rows than the host takes
+    assert s["host_computed"] == int(((rows > 0) & (rows <= MAX_HOST_ROWS)).sum())
+
+
+# Relative bound on the logits (max |difference| / max |logit|) with every miss of a small block computed on
+# the host, on a CPU: the same kernels run, so grouped_mm and eager are bit-identical, and batched_mm differs
+# by its `bmm` against the host's `mm` (~3e-7 in fp32; bf16 rounds both to the same values here).
+BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+FAMILIES = ["mixtral", "gpt_oss", "deepseek_v3", "llama4"]  # qwen3_moe and nemotron_h: the routing test below
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_stay_within_the_bound_when_misses_run_on_the_host(name, dtype):
+    ref = _tiny(name, dtype)
+    model = _forced(copy.deepcopy(ref))
+    for impl in ("grouped_mm", "batched_mm", "eager"):
+        if name == "llama4" and impl == "grouped_mm":
+            continue  # Llama 4's experts scale their inputs: transformers runs them with their own loop
+        ref.set_experts_implementation(impl)
+        model.set_experts_implementation(impl)
+        model.mira.reset_stats()
+        for ids in (IDS, IDS[:, :1]):  # a small block and a decode-sized one
+            with torch.no_grad():
+                expected, got = ref(ids).logits.float(), model(ids).logits.float()
+            assert (got - expected).abs().max() <= BOUND[dtype] * expected.abs().max(), (impl, ids.shape)
+        assert model.mira.stats()["host_computed"] > 0, impl
+
+
+def all_on_host(layers) -> HostCosts:
+    """Costs under which every miss of a small block is computed on the host."""
+    return costs(link_bytes_per_s=1.0, host_s={layer: {1: 1e-6} for layer in layers})
+
+
+@pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@pytest.mark.parametrize(("name", "post_norm"), [(f, False) for f in COMBINE_FAMILIES] + [("qwen3_moe", True)])
+def test_host_outputs_go_to_the_rows_the_device_would_fill(name, post_norm):
+    """`tests/test_combine.py`'s hard routings (skewed, repeated picks, four per token, the expert-parallel
+    sentinel) with every miss on the host: each experts implementation within the bound of transformers'
+    own experts module; with a post-expert norm (its weights stay on the device: it runs there)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        ref, proxy = experts_pair(name, dtype, post_norm, host_costs=all_on_host)
+        H, E = proxy.base.config.hidden_size, proxy.num_experts
+        for impl in ("grouped_mm", "batched_mm") if post_norm else ("grouped_mm", "batched_mm", "eager"):
+            ref.config._experts_implementation = proxy.base.config._experts_implementation = impl
+            proxy.manager.reset_stats()
+            for case, (index, w) in routings(E).items():
+                if impl == "eager" and name in EAGER_WITHOUT_SENTINEL and "sentinel" in case:
+                    continue
+                hidden = (torch.randn(index.shape[0], H, generator=torch.Generator().manual_seed(len(case))) * 4).to(dtype)
+                with torch.no_grad():
+                    expected, got = ref(hidden, index, w).float(), proxy(hidden, index, w).float()
+                assert (got - expected).abs().max() <= BOUND[dtype] * expected.abs().max(), (case, impl, dtype)
+            assert proxy.manager.stats()["host_computed"] > 0
+
+
+def test_bundled_model_greedy_tokens_are_unchanged_with_misses_on_the_host():
+    path = bundled_model_path()
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = _forced(copy.deepcopy(ref), predictor="auto", gpu_budget=0.25)
+    prompt = torch.tensor([[3, 17, 250, 1024, 77, 5]])
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, **kw), ref.generate(prompt, **kw))
+    assert model.mira.stats()["host_computed"] > 0
+    ids = prompt[:, :1]
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to(dtype)
+        ref.to(dtype)
+        model.mira.host.set_costs(costs(link_bytes_per_s=1.0, host_s={layer: {1: 1e-6} for layer in model.mira.layers}))
+        with torch.no_grad():
+            expected, got = ref(ids).logits.float(), model(ids).logits.float()
+        assert (got - expected).abs().max() <= BOUND[dtype] * expected.abs().max()
+
+
+def test_dropping_a_model_frees_its_store_and_host_worker():
+    import gc
+    import weakref
+
+    model = _forced(_tiny())
+    with torch.no_grad():
+        model(IDS)  # the worker has run
+    store, host = weakref.ref(model.mira.store), weakref.ref(model.mira.host)
+    workers = list(model.mira.host._pool._threads)
+    assert workers
+    del model
+    gc.collect()
+    assert store() is None and host() is None
+    for t in workers:  # the idle worker exits once its pool is collected
+        t.join(timeout=5)
+        assert not t.is_alive()

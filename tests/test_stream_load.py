@@ -14,8 +14,8 @@ from conftest import ALL_TINY, PEAK_ANON_SOURCE, load_reference
 from tiny_models import make_config
 
 from mira_hf import BudgetError, CheckpointError, MiraConfig, MiraMoEModel, UnsupportedModelError
-from mira_hf.checkpoint import transformers_keys
 from mira_hf.config import LoaderConfig
+from mira_hf.expert_keys import transformers_keys
 from model_adapters import ExpertKeys, MoEAdapter, get_adapter, register_adapter
 
 IDS = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(3))
@@ -118,9 +118,9 @@ def test_experts_beyond_host_budget_stream_to_disk(tiny_checkpoint, tmp_path):
 
 
 def test_offload_dir_without_space_is_refused_before_loading(tiny_checkpoint, tmp_path, monkeypatch):
-    import mira_hf.model
+    import mira_hf.resources
 
-    monkeypatch.setattr(mira_hf.model.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 10, 10))
+    monkeypatch.setattr(mira_hf.resources.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 10, 10))
     with pytest.raises(BudgetError, match="only 10 bytes are free"):
         _load(tiny_checkpoint("mixtral"), LoaderConfig(), host_budget=1000, offload_dir=str(tmp_path / "off"))
     assert not (tmp_path / "off").exists()

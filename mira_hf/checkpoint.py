@@ -51,17 +51,36 @@ class StreamedExperts:
     # stored; `codec` serves them (its records hold those tensors).
     native: dict[str, dict[str, NativeKeys]] = field(default_factory=dict)
     codec: object | None = None
+    # module path -> its key templates, for modules not in `keys` yet (planned at their first read)
+    plan: Callable[[str], dict[str, tuple[str, ...]]] | None = None
     report: LoadReport = field(default_factory=LoadReport)  # read and h2d seconds go here
     _handles: dict[str, object] = field(default_factory=dict)
     _fds: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _staging: list = field(default_factory=list)  # free (page-locked buffer, CUDA stream) pairs of the readers
 
+    def same_as(self, other: StreamedExperts) -> bool:
+        """Whether `other` (from the model transformers built) has the same experts modules, tensors, shapes,
+        dtypes and checkpoint keys as this one (from a skeleton), so the experts read through this one are
+        the ones `other` would read."""
+
+        def layout(s: StreamedExperts, module: str) -> dict:
+            return {n: (tuple(t.shape), t.dtype) for n, t in s.meta[module].items()}
+
+        return (
+            self.meta.keys() == other.meta.keys()
+            and not self.native
+            and not other.native
+            and all(layout(self, m) == layout(other, m) and self.keys.get(m) == other.keys.get(m) for m in self.meta)
+        )
+
     def expert_fn(self, module: str, device: torch.device | str | None = None) -> Callable[[int], dict[str, torch.Tensor]]:
         """`e -> {tensor name: expert e's tensor}` of one experts module, read from the shards and cast to
         the model's dtype exactly as transformers' loader casts it. The quantized tensors of a pre-quantized
         checkpoint come as stored, with their scales (`<name><codec.scale_suffix>`). `device`: where the pieces
         go as they are read (concatenated and cast there: the same bits, without a host copy in between)."""
+        if module not in self.keys:
+            self.keys[module] = self.plan(module)
         meta, keys, native = self.meta[module], self.keys[module], self.native.get(module, {})
 
         def expert(e: int) -> dict[str, torch.Tensor]:
@@ -184,31 +203,28 @@ class StreamedExperts:
             os.close(fd)
 
 
-def load_model(
+def streaming_index(
     name_or_path,
-    adapter: MoEAdapter,
     hf_kwargs: dict,
     stream_experts: bool | None,
     host_budget_set: bool,
-    model_type: str | None = None,
     encoded: bool = False,
     quantization_config: dict | None = None,
-) -> tuple[torch.nn.Module, StreamedExperts | None]:
-    """Load the model for wrapping: without its routed experts when they are streamed (the second value
-    says where to read them), else whole through transformers (`None`).
+) -> tuple[ShardIndex | None, bool]:
+    """Whether the experts are streamed: (the checkpoint's `ShardIndex` if so, else None; whether streaming is
+    wanted, so that `load_model` warns or raises where it proves impossible).
 
     Streaming is used when `stream_experts` is True, or when it is None (auto) and a host budget is set,
     the checkpoint is larger than the available host memory or it is pre-quantized in a format served in
     its own bytes (`native_codec_name`). When it is wanted but impossible (or the checkpoint is quantized
     in another format), the model is loaded whole with a warning, unless the user asked for streaming
     explicitly (`UnsupportedModelError`) or the checkpoint does not fit in host memory (`BudgetError`),
-    both raised before any weight is read. `model_type` and `quantization_config` are config.json's.
-    `encoded`: the experts will be encoded into records (or read from the record cache), so the model
-    never needs them: streamed whenever the checkpoint allows, else loaded whole without a warning.
+    both raised before any weight is read. `quantization_config` is config.json's. `encoded`: the experts
+    will be encoded into records (or read from the record cache), so the model never needs them: streamed
+    whenever the checkpoint allows, else loaded whole without a warning.
     """
-    auto = auto_model_class(model_type)
     if stream_experts is False:
-        return auto.from_pretrained(name_or_path, **hf_kwargs), None
+        return None, False
     wanted = bool(stream_experts) or host_budget_set
     try:
         native = native_codec_name(quantization_config)
@@ -216,11 +232,33 @@ def load_model(
         available = available_host_bytes()
         wanted = wanted or native is not None or (available is not None and index.nbytes > available)
         if wanted or encoded:
-            return load_without_experts(name_or_path, adapter, index, hf_kwargs, bool(stream_experts))
+            return index, wanted
     except NotStreamable as exc:
         if wanted or quantization_config is not None:
             _cannot_stream(name_or_path, str(exc), None, bool(stream_experts))
-    return auto.from_pretrained(name_or_path, **hf_kwargs), None
+    return None, wanted
+
+
+def load_model(
+    name_or_path,
+    adapter: MoEAdapter,
+    hf_kwargs: dict,
+    index: ShardIndex | None,
+    wanted: bool,
+    stream_experts: bool | None,
+    model_type: str | None = None,
+    quantization_config: dict | None = None,
+) -> tuple[torch.nn.Module, StreamedExperts | None]:
+    """Load the model for wrapping: without its routed experts when they are streamed (`index`, from
+    `streaming_index`; the second value says where to read them), else whole through transformers (`None`).
+    `model_type` and `quantization_config` are config.json's."""
+    if index is not None:
+        try:
+            return load_without_experts(name_or_path, adapter, index, hf_kwargs, bool(stream_experts))
+        except NotStreamable as exc:
+            if wanted or quantization_config is not None:
+                _cannot_stream(name_or_path, str(exc), None, bool(stream_experts))
+    return auto_model_class(model_type).from_pretrained(name_or_path, **hf_kwargs), None
 
 
 def auto_model_class(model_type: str | None):
@@ -245,12 +283,7 @@ def load_without_experts(
     Raises `NotStreamable` before loading anything when the model class cannot be built this way. If
     the experts modules do not match the checkpoint, the model is loaded whole (see `_cannot_stream`).
     """
-    from transformers import AutoConfig
-
-    names = ("revision", "cache_dir", "local_files_only", "token", "subfolder", "trust_remote_code")
-    config = AutoConfig.from_pretrained(name_or_path, **{k: hf_kwargs[k] for k in names if k in hf_kwargs})
-    if getattr(config, "auto_map", None):
-        raise NotStreamable("it defines its own modeling code (auto_map)")
+    config = _model_config(name_or_path, hf_kwargs)
     quantization = getattr(config, "quantization_config", None)
     native = native_codec_name(quantization)
     if native is not None:
@@ -258,9 +291,7 @@ def load_without_experts(
         # dequantizes (its dequantize path: FP8 linears to the model dtype; gpt-oss quantizes only experts).
         config.quantization_config = {**quantization_dict(quantization), "dequantize": True}
         hf_kwargs = {**hf_kwargs, "config": config}
-    base = auto_model_class(config.model_type)._model_mapping.get(type(config), None)
-    if base is None:
-        raise NotStreamable(f"{type(config).__name__} has no language-model class in transformers")
+    base = _model_class(config)
     state: dict[str, object] = {}
     block = block_size(quantization_dict(quantization)) if native is not None else None
     partial = []  # FP8 weights transformers cannot dequantize (see fp8_partial_blocks): set after the load
@@ -309,6 +340,7 @@ def load_without_experts(
         strip_experts(self)
         strip_partial_blocks(self)
 
+    index.wait_all()  # every shard is there before transformers looks for them: it downloads none again
     # A subclass for this one load, so no transformers class is touched; the model gets its own class back.
     namespace = {"__init__": __init__, "__module__": base.__module__, "__qualname__": base.__qualname__}
     model = type(base.__name__, (base,), namespace).from_pretrained(name_or_path, **hf_kwargs)
@@ -317,6 +349,65 @@ def load_without_experts(
         model._keys_to_ignore_on_load_unexpected = state["ignored"]
     set_partial_block_weights(model, partial, index, block)
     return model, state.get("experts")
+
+
+# hf_kwargs the skeleton is built with as from_pretrained builds the model (others may change the model or config).
+_SKELETON_KWARGS = ("dtype", "revision", "cache_dir", "local_files_only", "token", "subfolder", "trust_remote_code")
+
+
+def build_skeleton(
+    name_or_path, adapter: MoEAdapter, index: ShardIndex, hf_kwargs: dict
+) -> tuple[torch.nn.Module, StreamedExperts]:
+    """The model on the meta device, built from config.json as `from_pretrained` builds it, without its routed
+    experts, and where to read them: the experts are read into the store while later shards still arrive,
+    before transformers loads the other weights. Each module's key templates are planned when its experts
+    are first read (waiting only for their shards). Raises `NotStreamable` where the skeleton could differ
+    from the model transformers builds (extra from_pretrained arguments, a pre-quantized checkpoint, a dtype
+    only the weights give); `load_without_experts` then builds the model first."""
+    extra = sorted(set(hf_kwargs) - set(_SKELETON_KWARGS))
+    if extra:
+        raise NotStreamable(f"from_pretrained was given {extra}")
+    config = _model_config(name_or_path, hf_kwargs)
+    if getattr(config, "quantization_config", None):
+        raise NotStreamable("it is pre-quantized")
+    dtype = hf_kwargs.get("dtype", "auto")
+    dtype = getattr(config, "dtype", None) if dtype == "auto" else dtype
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(dtype, torch.dtype):
+        raise NotStreamable(f"the model's dtype is not given by its config ({dtype!r})")
+    with torch.device("meta"):
+        model = _model_class(config)._from_config(config, dtype=dtype)
+    found = adapter.find_experts(model)
+    if not found or not all(isinstance(getattr(m, "num_experts", None), int) for _, m in found):
+        raise NotStreamable(f"no fused experts module matches {list(adapter.experts_globs)}")
+    meta = {name: dict(module.named_parameters(recurse=False)) for name, module in found}
+    for name, module in found:
+        for n in meta[name]:
+            module.register_parameter(n, None)
+
+    def plan(name: str) -> dict[str, tuple[str, ...]]:
+        return plan_keys(adapter, model, {name: meta[name]}, index)[name]
+
+    return model, StreamedExperts(index, meta, {}, plan=plan)
+
+
+def _model_config(name_or_path, hf_kwargs: dict):
+    """config.json as transformers reads it for from_pretrained; `NotStreamable` for a model with its own code."""
+    from transformers import AutoConfig
+
+    names = ("revision", "cache_dir", "local_files_only", "token", "subfolder", "trust_remote_code")
+    config = AutoConfig.from_pretrained(name_or_path, **{k: hf_kwargs[k] for k in names if k in hf_kwargs})
+    if getattr(config, "auto_map", None):
+        raise NotStreamable("it defines its own modeling code (auto_map)")
+    return config
+
+
+def _model_class(config):
+    """The transformers class `from_pretrained` builds for `config` (its language-model head)."""
+    base = auto_model_class(config.model_type)._model_mapping.get(type(config), None)
+    if base is None:
+        raise NotStreamable(f"{type(config).__name__} has no language-model class in transformers")
+    return base
 
 
 def _cannot_stream(name_or_path, reason: str, nbytes: int | None, explicit: bool) -> None:

@@ -8,18 +8,21 @@ gives back an ordinary model; `model.save_pretrained()` writes an ordinary check
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import sys
 import types
+import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from model_adapters import MoEAdapter
 
-from .checkpoint import StreamedExperts, load_model
+from .checkpoint import StreamedExperts, build_skeleton, load_model, streaming_index
 from .config import MiraConfig, config_from_arguments
 from .errors import CheckpointError, ConfigError, DeviceError, MiraError, UnsupportedModelError
 from .expert_keys import native_codec_name
@@ -28,11 +31,11 @@ from .load_report import LoadReport
 from .manager import ExpertManager
 from .proxy import LAYOUT_FLAGS, MiraExperts, MiraScaledExperts
 from .resources import replan
-from .shards import NotStreamable, missing_checkpoint_error
+from .shards import NotStreamable, ShardIndex, missing_checkpoint_error
 from .state import install as install_state
 from .step_hooks import StepHooks
-from .store_build import StorePlan, fill_store, plan_store
-from .targets import Target, find_targets, resolve_adapter
+from .store_build import StorePlan, build_router_predictor, fill_store, new_manager, plan_store, record_cache
+from .targets import Target, expert_specs, find_targets, model_fingerprint, resolve_adapter
 from .unload import save_pretrained, unload
 
 
@@ -80,30 +83,45 @@ class MiraMoEModel:
         _check_prequantized(cfg, config_dict.get("quantization_config"), name_or_path)
         hf_kwargs.setdefault("dtype", "auto")
         report = LoadReport()
-        try:
-            with report.span("model"):
-                model, streamed = load_model(
-                    name_or_path,
-                    adapter,
-                    hf_kwargs,
-                    cfg.loader.stream_experts,
-                    cfg.host_budget is not None,
-                    config_dict.get("model_type"),
-                    # encoded records never need the experts in the model ("auto" encodes only on a GPU)
-                    encoded=cfg.quantization not in (None, "auto") or (cfg.quantization == "auto" and device.type == "cuda"),
-                    quantization_config=config_dict.get("quantization_config"),
-                )
-            if streamed is not None and streamed.index.download_s:
-                report.add("download", streamed.index.download_s)
-        except MiraError:
-            raise
-        except Exception as exc:
-            if type(exc).__name__ == "SafetensorError" or isinstance(exc, (OSError, EOFError)):
-                raise CheckpointError(
-                    f"could not read the checkpoint at {name_or_path!s}: {exc}. A weight file is missing, truncated or "
-                    "corrupted: copy or download it again (nothing was changed)."
-                ) from exc
-            raise
+        quantization_config = config_dict.get("quantization_config")
+        with _checkpoint_errors(name_or_path):
+            index, wanted = streaming_index(
+                name_or_path,
+                hf_kwargs,
+                cfg.loader.stream_experts,
+                cfg.host_budget is not None,
+                # encoded records never need the experts in the model ("auto" encodes only on a GPU)
+                encoded=cfg.quantization not in (None, "auto") or (cfg.quantization == "auto" and device.type == "cuda"),
+                quantization_config=quantization_config,
+            )
+        if index is not None:
+            load = functools.partial(
+                load_model,
+                name_or_path,
+                adapter,
+                hf_kwargs,
+                index,
+                wanted,
+                cfg.loader.stream_experts,
+                config_dict.get("model_type"),
+                quantization_config,
+            )
+            model = MiraMoEModel._wrap_arriving(name_or_path, adapter, index, hf_kwargs, cfg, device, progress, report, load)
+            if model is not None:
+                return model
+        with report.span("model"), _checkpoint_errors(name_or_path):
+            model, streamed = load_model(
+                name_or_path,
+                adapter,
+                hf_kwargs,
+                index,
+                wanted,
+                cfg.loader.stream_experts,
+                config_dict.get("model_type"),
+                quantization_config,
+            )
+        if streamed is not None and streamed.index.download_s:
+            report.add("download", streamed.index.download_s)
         return MiraMoEModel._wrap(model, cfg, device, progress, streamed, report)
 
     @staticmethod
@@ -144,14 +162,78 @@ class MiraMoEModel:
         adapter = resolve_adapter(getattr(getattr(model, "config", None), "model_type", None), cfg)
         targets = find_targets(model, adapter, streamed.meta if streamed else None)
         check_model_implementations(model)
-        plan = plan_store(model, cfg, device, adapter, targets, streamed, progress, report)  # every check, no change
-        manager = fill_store(plan, targets, device, streamed, progress)  # on failure the model is as it was
-        _install(model, cfg, plan, adapter, targets, manager, device)
-        report.finish()
-        model.mira_load_report = lambda: report
-        if progress:  # the progress bars' last line: where the load's time went
-            print(f"mira-hf: {report}", file=sys.stderr, flush=True)
-        return model
+        fingerprint = model_fingerprint(model, targets, expert_specs(targets))
+        plan = plan_store(model, cfg, device, adapter, targets, streamed, progress, report, fingerprint)  # every check
+        try:  # the predictor (and its files) is checked before anything changes too
+            router_probs, predictor = build_router_predictor(plan, model, adapter, targets, fingerprint)
+        except BaseException:
+            plan.close()
+            raise
+        # on failure the model is as it was
+        manager = fill_store(
+            plan, targets, streamed, progress, lambda: new_manager(plan, device, router_probs, predictor, fingerprint)
+        )
+        return _install(model, cfg, plan, adapter, targets, manager, device, report, progress)
+
+    @staticmethod
+    def _wrap_arriving(
+        name_or_path,
+        adapter: MoEAdapter,
+        index: ShardIndex,
+        hf_kwargs: dict,
+        cfg: MiraConfig,
+        device: torch.device,
+        progress: bool,
+        report: LoadReport,
+        load: Callable[[], tuple[nn.Module, StreamedExperts | None]],
+    ):
+        """`from_pretrained` with streamed experts, in the order that lets them be read while a hub id's later
+        shards still download: the model's skeleton from config.json, each layer's experts stored as its shards
+        arrive, then the other weights through transformers (every shard there: none downloaded again), then the
+        fingerprint, predictor and record cache. A local checkpoint is the same load with every shard there
+        from the start. None where a skeleton cannot stand in for the model (the caller loads it first); if the
+        model transformers builds differs from the skeleton, its experts are stored again the ordinary way.
+        `load()`: the model without its experts, through transformers (`load_model`)."""
+        if cfg.store_path is not None:  # a saved store is checked against the routers' weights: loaded first
+            return None
+        try:
+            skeleton, early = build_skeleton(name_or_path, adapter, index, hf_kwargs)
+        except NotStreamable:
+            return None
+        targets = find_targets(skeleton, adapter, early.meta)
+        check_model_implementations(skeleton)
+        shape = model_fingerprint(skeleton, targets, expert_specs(targets), routers=False)
+        plan = plan_store(skeleton, cfg, device, adapter, targets, early, progress, report, shape)
+        loaded = {}
+
+        def finish() -> ExpertManager:
+            with report.span("model"), _checkpoint_errors(name_or_path):
+                model, streamed = load()
+            if streamed is None or not early.same_as(streamed):
+                raise _SkeletonDiffers(model, streamed)
+            streamed.close()
+            with warnings.catch_warnings():  # what the skeleton's targets said (an adapter found automatically)
+                warnings.simplefilter("ignore")
+                loaded["targets"] = found = find_targets(model, adapter, streamed.meta)
+            loaded["model"] = model
+            check_model_implementations(model)
+            fingerprint = model_fingerprint(model, found, plan.specs)
+            router_probs, predictor = build_router_predictor(plan, model, adapter, found, fingerprint)
+            if plan.cache is None:  # planned while shards were still arriving: the entry this load writes
+                plan.cache = record_cache(plan.cfg, plan.codec, fingerprint, early, plan.specs)
+                if plan.cache is not None:
+                    plan.cache.report = report
+            return new_manager(plan, device, router_probs, predictor, fingerprint)
+
+        try:
+            manager = fill_store(plan, targets, early, progress, finish)
+        except NotStreamable:  # a module's experts are not where the shards say: the ordinary load says why
+            return None
+        except _SkeletonDiffers as differs:
+            return MiraMoEModel._wrap(differs.model, cfg, device, progress, differs.streamed, report)
+        if index.download_s:
+            report.add("download", index.download_s)
+        return _install(loaded["model"], cfg, plan, adapter, loaded["targets"], manager, device, report, progress)
 
     @staticmethod
     def unload(model: nn.Module) -> nn.Module:
@@ -167,7 +249,9 @@ def _install(
     targets: list[Target],
     manager: ExpertManager,
     device: torch.device,
-) -> None:
+    report: LoadReport,
+    progress: bool,
+) -> nn.Module:
     """Swap each experts module for its proxy on its parent, move the rest of the model to `device`, and
     bind the per-instance hooks and methods that `unload()` removes again."""
     proxy = MiraScaledExperts if adapter.input_scaled else MiraExperts
@@ -194,6 +278,35 @@ def _install(
     # The experts as parameters (views of the store), and casts and moves that the store follows.
     replan_model = functools.partial(replan, model, user_cfg, plan.layers, targets)
     install_state(model, manager, proxies, {t.ordinal: t.requires_grad for t in targets}, replan_model)
+    report.finish()
+    model.mira_load_report = lambda: report
+    if progress:  # the progress bars' last line: where the load's time went
+        print(f"mira-hf: {report}", file=sys.stderr, flush=True)
+    return model
+
+
+class _SkeletonDiffers(Exception):
+    """The model transformers built does not have the skeleton's experts: they are stored again from it."""
+
+    def __init__(self, model: nn.Module, streamed: StreamedExperts | None) -> None:
+        super().__init__("the model transformers built differs from its skeleton")
+        self.model, self.streamed = model, streamed
+
+
+@contextlib.contextmanager
+def _checkpoint_errors(name_or_path):
+    """A weight file that transformers or safetensors cannot read is a `CheckpointError` saying what to do."""
+    try:
+        yield
+    except MiraError:
+        raise
+    except Exception as exc:
+        if type(exc).__name__ == "SafetensorError" or isinstance(exc, (OSError, EOFError)):
+            raise CheckpointError(
+                f"could not read the checkpoint at {name_or_path!s}: {exc}. A weight file is missing, truncated or "
+                "corrupted: copy or download it again (nothing was changed)."
+            ) from exc
+        raise
 
 
 # -- the facade's arguments -----------------------------------------------------------------------

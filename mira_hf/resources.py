@@ -42,11 +42,12 @@ def budget_fraction(budget) -> float | None:
 
 def bytes_to_move(model: nn.Module, targets: list[Target], device: torch.device) -> int:
     """Bytes of non-expert weights and buffers that `model.to(device)` will still copy there (the experts,
-    before wrapping the modules' tensors, after it the proxies' parameters, stay in the store)."""
-    experts = {t.tensors[n].data_ptr() for t in targets for n in t.tensors}
+    before wrapping the modules' tensors, after it the proxies' parameters, stay in the store). Weights on
+    the meta device (a skeleton's, not loaded yet) all count: they will be loaded, then moved."""
+    experts = {t.tensors[n].data_ptr() for t in targets for n in t.tensors if not t.tensors[n].is_meta}
     served = {id(p) for m in model.modules() if isinstance(m, MiraExperts) for p in m.parameters(recurse=False)}
     tensors = [x for x in [*model.parameters(), *model.buffers()] if id(x) not in served]
-    return sum(x.numel() * x.element_size() for x in tensors if x.device != device and x.data_ptr() not in experts)
+    return sum(x.numel() * x.element_size() for x in tensors if x.device != device and (x.is_meta or x.data_ptr() not in experts))
 
 
 def check_device_memory(
@@ -98,22 +99,31 @@ def host_has_room(nbytes: int) -> bool:
     return available is not None and nbytes <= available
 
 
-def check_host_memory(cfg: MiraConfig, layer_bytes: list[int], targets: list[Target], streamed: bool, exact: bool) -> None:
+def unloaded_bytes(model: nn.Module) -> int:
+    """Bytes of the weights and buffers still on the meta device (a skeleton's): host memory their load will take."""
+    return sum(x.numel() * x.element_size() for x in [*model.parameters(), *model.buffers()] if x.is_meta)
+
+
+def check_host_memory(
+    cfg: MiraConfig, layer_bytes: list[int], targets: list[Target], streamed: bool, exact: bool, loading_bytes: int = 0
+) -> None:
     """Refuse a store that cannot fit in host memory, before anything changes (instead of the kernel's
     OOM killer halfway through). Experts already in host memory with an exact format are freed layer by
     layer as the store takes them, so only one layer is new memory; otherwise (streamed from the
     checkpoint, on a GPU, or kept until the end because a lossy format cannot give them back) the whole
-    host tier is."""
+    host tier is. `loading_bytes`: what the model's other weights, not loaded yet, will take besides."""
     available = available_host_bytes()
     if available is None:
         return
+    available -= loading_bytes
     host, _ = _host_and_disk_bytes(layer_bytes, cfg.host_budget_bytes)
     in_host = not streamed and all(p.device.type == "cpu" for t in targets for p in t.tensors.values())
     need = max(layer_bytes, default=0) if in_host and exact else host
     if need > available:
+        besides = f" besides the {loading_bytes:,} bytes of the model's other weights" if loading_bytes else ""
         raise BudgetError(
             f"the expert store needs {need:,} more bytes of host memory ({host:,} in all, {len(layer_bytes)} layers), "
-            f"but only {available:,} are available. Keep part of the experts on disk: MiraConfig(host_budget=..., "
+            f"but only {available:,} are available{besides}. Keep part of the experts on disk: MiraConfig(host_budget=..., "
             "offload_dir=...) (e.g. host_budget='16GiB'), or use a smaller transfer format (quantization='int4'), "
             "or free host memory."
         )

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from .download import ShardArrivals, offline
+from .download import ArrivedFiles, ShardArrivals, offline
 from .errors import CheckpointError
 
 # safetensors dtype names (header strings) -> torch dtypes.
@@ -47,92 +48,168 @@ class ShardEntry:
 
 
 class ShardIndex:
-    """Every tensor of a safetensors checkpoint: its file, shape and dtype, from the shard headers.
+    """Every tensor of a safetensors checkpoint: its file, shape, dtype and offset, from the shard headers.
 
-    Building it opens every shard, so a missing, truncated or corrupted shard raises `CheckpointError`
-    here, before any weight is read or any model built.
+    The shards of a hub id download several at once (`ShardArrivals`), and each header is read when its
+    shard has landed: `entries` lists every tensor from the start (model.safetensors.index.json names each
+    one's shard), and looking one up waits for that shard only, so experts are read from the first shards
+    while later ones still download. Shards already on disk (a local directory, a hub id with downloads off)
+    have all arrived: `find` reads every header before returning, so a missing, truncated or corrupted
+    shard raises `CheckpointError` before any weight is read or any model built.
     """
 
-    def __init__(self, files: list[str]) -> None:
-        from safetensors import safe_open
+    def __init__(self, where: str, arrivals, weight_map: dict[str, str] | None = None, total_size: int | None = None) -> None:
+        """`arrivals`: the shard files as they arrive (`ShardArrivals`, `ArrivedFiles`); `weight_map`: tensor key
+        -> shard name (None for a checkpoint in one file); `total_size`: the tensors' bytes, as the index says."""
+        self.where = where
+        self._total_size = total_size
+        self.arrivals = arrivals
+        self.shards: list[str] = arrivals.filenames
+        self._weight_map = weight_map
+        self._paths: dict[str, str] = {}
+        self._headers: dict[str, dict[str, ShardEntry]] = {}
+        self._locks = {name: threading.Lock() for name in self.shards}  # one reader per header; others wait
+        self.entries: Mapping[str, ShardEntry] = _Entries(self)
 
-        self.files = files
-        self.entries: dict[str, ShardEntry] = {}
-        for path in files:
-            try:
-                offsets = _data_offsets(path)
-                with safe_open(path, framework="pt") as f:
-                    for key in f.keys():
-                        s = f.get_slice(key)
-                        entry = ShardEntry(path, tuple(s.get_shape()), _DTYPES.get(s.get_dtype()), offsets.get(key))
-                        self.entries[key] = entry
-            except Exception as exc:  # SafetensorError (not importable by name in every version) or OSError
-                raise CheckpointError(
-                    f"could not read the checkpoint shard {path}: {exc}. The file is missing, truncated or corrupted: "
-                    "copy or download it again (nothing was loaded)."
-                ) from exc
-        self.nbytes = sum(os.path.getsize(p) for p in files)
-        self.download_s = 0.0  # resolving a hub id's files in the cache, downloading those not there (`find`)
+    def shard(self, name: str) -> dict[str, ShardEntry]:
+        """The entries of shard `name`, once it has arrived (its header is read once)."""
+        with self._locks[name]:
+            if name not in self._headers:
+                path = self._wait(name)
+                self._headers[name] = _read_header(path)
+                self._paths[name] = path
+        return self._headers[name]
+
+    def _wait(self, name: str) -> str:
+        try:
+            path = self.arrivals.wait(name)
+        except Exception as exc:
+            self.arrivals.cancel()
+            cause = exc.__cause__ or exc  # huggingface_hub's LocalEntryNotFoundError wraps the HTTP error that says why
+            why = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+            raise CheckpointError(
+                f"{self.where}: downloading shard {name} failed ({type(cause).__name__}: {why}). Check the connection, "
+                "the revision and the token, then load again: shards already downloaded stay in the cache."
+            ) from exc
+        if path is None:
+            raise CheckpointError(
+                f"{self.where}: shard {name} listed in model.safetensors.index.json is missing. "
+                "Copy or download the checkpoint again (nothing was loaded)."
+            )
+        return path
+
+    def all_arrived(self) -> bool:
+        """Whether every shard is on disk now (nothing left to wait for)."""
+        return all(self.arrivals.done(name) for name in self.shards)
+
+    def wait_all(self) -> list[str]:
+        """Local paths of every shard, once all have arrived (each header read)."""
+        for name in self.shards:
+            self.shard(name)
+        return [self._paths[name] for name in self.shards]
+
+    @property
+    def files(self) -> list[str]:
+        return self.wait_all()
+
+    @property
+    def nbytes(self) -> int:
+        """The checkpoint's bytes: its files' sizes, or while shards still arrive, the tensors' bytes from the index."""
+        if self._total_size is not None and not self.all_arrived():
+            return self._total_size
+        return sum(os.path.getsize(p) for p in self.files)
+
+    @property
+    def download_s(self) -> float:
+        """Seconds from the start of `find` until the last shard arrived (0 for a local directory)."""
+        self.wait_all()
+        return max(self.arrivals.arrived.values(), default=self.arrivals.started) - self.arrivals.started
 
     @staticmethod
     def find(name_or_path, hf_kwargs: dict) -> ShardIndex:
-        """The safetensors shards of a local directory or a hub id (downloaded into the local cache if not there).
-        Raises `NotStreamable` when the weights are not plain safetensors shards."""
+        """The safetensors shards of a local directory or a hub id, downloading those not in the local cache (in
+        the background: `entries` waits per shard). Raises `NotStreamable` when the weights are not plain
+        safetensors shards."""
         given = sorted(k for k in _NOT_SAFETENSORS_KWARGS if hf_kwargs.get(k) is not None)
         if given or hf_kwargs.get("use_safetensors") is False:
             raise NotStreamable(f"from_pretrained was given {given or ['use_safetensors=False']}")
-        start = time.perf_counter()
-        files = ShardIndex._files(name_or_path, hf_kwargs)
-        download_s = 0.0 if os.path.isdir(name_or_path) else time.perf_counter() - start
-        index = ShardIndex(files)
-        index.download_s = download_s
+        index_file = _resolve(name_or_path, "model.safetensors.index.json", hf_kwargs)
+        weight_map = total_size = None
+        if index_file is not None:
+            try:
+                with open(index_file) as f:
+                    content = json.load(f)
+                weight_map = dict(content["weight_map"])
+                total_size = (content.get("metadata") or {}).get("total_size")
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index_file} is not a valid safetensors index ({exc}): copy it again.") from exc
+            names = sorted(set(weight_map.values()))
+        else:
+            names = ["model.safetensors"]
+        local = os.path.isdir(name_or_path)
+        downloads = not (local or hf_kwargs.get("local_files_only") or offline())
+        if downloads and weight_map is not None:
+            arrivals = ShardArrivals(str(name_or_path), names, hf_kwargs)
+        else:
+            arrivals = ArrivedFiles({name: _resolve(name_or_path, name, hf_kwargs) for name in names})
+        if weight_map is None and arrivals.wait(names[0]) is None:
+            raise NotStreamable("it has no safetensors weights (model.safetensors or its index)")
+        index = ShardIndex(str(name_or_path), arrivals, weight_map, total_size if isinstance(total_size, int) else None)
+        if not downloads:
+            index.wait_all()  # every shard is on disk: read every header now
         return index
 
-    @staticmethod
-    def _files(name_or_path, hf_kwargs: dict) -> list[str]:
-        """Local paths of the checkpoint's safetensors files (a hub id's downloaded into the cache)."""
-        index = _resolve(name_or_path, "model.safetensors.index.json", hf_kwargs)
-        if index is not None:
-            try:
-                with open(index) as f:
-                    names = sorted(set(json.load(f)["weight_map"].values()))
-            except (OSError, ValueError, KeyError) as exc:
-                raise CheckpointError(f"{index} is not a valid safetensors index ({exc}): copy it again.") from exc
-            files = []
-            for name, path in zip(names, _resolve_all(name_or_path, names, hf_kwargs)):
-                if path is None:
-                    raise CheckpointError(
-                        f"{name_or_path!s}: shard {name} listed in model.safetensors.index.json is missing. "
-                        "Copy or download the checkpoint again (nothing was loaded)."
-                    )
-                files.append(path)
-            return files
-        single = _resolve(name_or_path, "model.safetensors", hf_kwargs)
-        if single is None:
-            raise NotStreamable("it has no safetensors weights (model.safetensors or its index)")
-        return [single]
+
+class _Entries(Mapping):
+    """Tensor key -> `ShardEntry` of a `ShardIndex`: the keys from the start, an entry once its shard is there."""
+
+    def __init__(self, index: ShardIndex) -> None:
+        self._index = index
+
+    def _keys(self) -> Mapping:
+        index = self._index
+        return index._weight_map if index._weight_map is not None else index.shard(index.shards[0])
+
+    def __getitem__(self, key: str) -> ShardEntry:
+        index = self._index
+        if index._weight_map is None:  # one file: its header lists every key
+            return index.shard(index.shards[0])[key]
+        name = index._weight_map[key]
+        entries = index.shard(name)
+        if key not in entries:
+            raise CheckpointError(
+                f"{index.where}: model.safetensors.index.json puts {key} in {name}, whose header lacks it. Copy or "
+                "download the checkpoint again."
+            )
+        return entries[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
 
 
-def _resolve_all(name_or_path, filenames: list[str], hf_kwargs: dict) -> list[str | None]:
-    """Local paths of several checkpoint files, None for each one the checkpoint lacks. The files of a hub
-    id that are not in the local cache are downloaded several at once, in the order given, as transformers
-    downloads a model's shards (`mira_hf.download.ShardArrivals`); a failed download raises `CheckpointError`."""
-    if os.path.isdir(name_or_path) or len(filenames) < 2:
-        return [_resolve(name_or_path, f, hf_kwargs) for f in filenames]
-    arrivals = ShardArrivals(str(name_or_path), filenames, hf_kwargs)
-    paths = []
+def _read_header(path: str) -> dict[str, ShardEntry]:
+    """The entries of one shard, from its header; a missing, truncated or corrupted file is a `CheckpointError`."""
+    from safetensors import safe_open
+
+    entries = {}
     try:
-        for name in filenames:
-            paths.append(arrivals.wait(name))
-    except Exception as exc:
-        arrivals.cancel()
-        cause = exc.__cause__ or exc  # huggingface_hub's LocalEntryNotFoundError wraps the HTTP error that says why
-        why = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        offsets = _data_offsets(path)
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                s = f.get_slice(key)
+                entries[key] = ShardEntry(path, tuple(s.get_shape()), _DTYPES.get(s.get_dtype()), offsets.get(key))
+    except Exception as exc:  # SafetensorError (not importable by name in every version) or OSError
         raise CheckpointError(
-            f"{name_or_path!s}: downloading shard {name} failed ({type(cause).__name__}: {why}). Check the connection, "
-            "the revision and the token, then load again: shards already downloaded stay in the cache."
+            f"could not read the checkpoint shard {path}: {exc}. The file is missing, truncated or corrupted: "
+            "copy or download it again (nothing was loaded)."
         ) from exc
-    return paths
+    return entries
 
 
 def _data_offsets(path: str) -> dict[str, int]:

@@ -1,13 +1,14 @@
 """The store-building stage of wrapping: the transfer format resolved for this model, device and budget
 (`resolve_format`); saved records reused (`store_path`, the record cache) or record layouts planned; every
-budget and memory check and the predictor built, all before anything changes (`plan_store`); then each
-layer's experts stored, encoded or copied from the model or read from the checkpoint, with the model given
-back untouched if anything fails (`fill_store`).
+budget and memory check, all before anything changes (`plan_store`); the predictor (`build_router_predictor`);
+then each layer's experts stored, encoded or copied from the model or read from the checkpoint, with the model
+given back untouched if anything fails (`fill_store`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +34,12 @@ from .resources import (
     check_host_memory,
     check_offload_space,
     host_has_room,
+    unloaded_bytes,
 )
 from .saved_store import CorruptStoreError, SavedStore
 from .settings import ManagerSettings
 from .store import ExpertStore, codec_spec
-from .targets import RouterTable, Target, model_fingerprint
+from .targets import ROUTER_HASH, RouterTable, Target, expert_specs
 
 
 @dataclass
@@ -51,14 +53,16 @@ class StorePlan:
     all_bytes: int
     codec: object
     budget: BudgetPlan
-    fingerprint: dict
     encoder: RecordEncoder
     store: ExpertStore  # empty; slabs of a streamed store may already be page-locked
     layouts: dict  # layer -> record layout ({} for raw records)
     saved: SavedStore | None  # saved records read instead of encoding
-    cache: RecordCache | None
-    predictor: object
-    router_probs: RouterTable
+    cache: RecordCache | None  # None until every shard is there where the checkpoint still arrives
+
+    def close(self) -> None:
+        """Give back what planning took: page-locked slabs, experts kept on the device between the passes."""
+        self.store.close()
+        self.encoder.finish()
 
 
 def plan_store(
@@ -70,15 +74,18 @@ def plan_store(
     streamed: StreamedExperts | None,
     progress: bool,
     report: LoadReport,
+    fingerprint: dict,
 ) -> StorePlan:
     """Resolve the format and budget, find saved records or plan layouts, and run every check (device,
-    disk and host memory, the predictor and its files): raises before anything in the model changes."""
+    disk and host memory): raises before anything in the model changes. `model` may be a skeleton on the
+    meta device (`checkpoint.build_skeleton`), its experts read from shards as they arrive."""
     layers = [
         LayerInfo(t.ordinal, t.name, t.module.num_experts, adapter.top_k(t.parent, model.config, t.module.num_experts))
         for t in targets
     ]
-    specs = {t.ordinal: {n: (tuple(p.shape[1:]), p.dtype) for n, p in t.tensors.items()} for t in targets}
+    specs = expert_specs(targets)
     raw_bytes = {layer: IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
+    loading = unloaded_bytes(model)  # a skeleton's other weights load after the store is filled
     # A fractional budget is a share of the checkpoint's expert bytes, whatever the transfer format.
     all_bytes = sum(raw_bytes[li.ordinal] * li.num_experts for li in layers)
     budget_bytes = resolve_budget_bytes(cfg, all_bytes, device, lambda: bytes_to_move(model, targets, device))
@@ -88,7 +95,6 @@ def plan_store(
     placement = cfg.quant.placement if cfg.quantization is not None else "raw"
     # Record layouts: from saved records (store_path, or the record cache), else planned (lossless
     # reads the weights here: its records reserve room for their escapes).
-    fingerprint = model_fingerprint(model, targets, specs)
     # what the model takes on the device once loaded: the rest may hold experts between the two passes
     after = budget_bytes + bytes_to_move(model, targets, device) if device.type == "cuda" else 0
     encoder = encoder_for(device, max(raw_bytes.values(), default=0), progress, keep_free_bytes=after, report=report)
@@ -121,7 +127,7 @@ def plan_store(
                 layouts[t.ordinal] = encoder.plan_layer(codec, specs[t.ordinal], t.module.num_experts, expert, key=t.ordinal)
                 nbytes = t.module.num_experts * layouts[t.ordinal].nbytes
                 unplanned = sum(raw_bytes[u.ordinal] * u.module.num_experts for u in targets[i + 1 :])
-                early = early and host_has_room(reserved + nbytes + unplanned)
+                early = early and host_has_room(reserved + nbytes + unplanned + loading)
                 if early:
                     store.reserve({t.ordinal: nbytes})
                     reserved += nbytes
@@ -133,38 +139,48 @@ def plan_store(
         check_device_memory(budget.device_bytes, device, model, targets)
         store_bytes = [(layouts[li.ordinal].nbytes if layouts else raw_bytes[li.ordinal]) * li.num_experts for li in layers]
         check_offload_space(cfg, store_bytes)
-        check_host_memory(cfg, store_bytes, targets, streamed is not None, codec.exact)
-        # The predictor (and its files) is checked before anything changes too.
-        router_probs = RouterTable(adapter, targets)
-        predictor = build_predictor(cfg.predictor, layers, router_probs, cfg.prediction, cfg.predictor_path, model, fingerprint)
+        check_host_memory(cfg, store_bytes, targets, streamed is not None, codec.exact, loading)
     except BaseException:
         store.close()  # slabs page-locked while planning
         encoder.finish()
         raise
-    return StorePlan(
-        cfg,
-        layers,
-        specs,
-        raw_bytes,
-        all_bytes,
-        codec,
-        budget,
-        fingerprint,
-        encoder,
-        store,
-        layouts,
-        saved,
-        cache,
-        predictor,
-        router_probs,
+    return StorePlan(cfg, layers, specs, raw_bytes, all_bytes, codec, budget, encoder, store, layouts, saved, cache)
+
+
+def build_router_predictor(plan: StorePlan, model: nn.Module, adapter: MoEAdapter, targets: list[Target], fingerprint: dict):
+    """(the routers by layer, the predictor): the predictor and its files checked against the loaded model."""
+    cfg = plan.cfg
+    router_probs = RouterTable(adapter, targets)
+    predictor = build_predictor(cfg.predictor, plan.layers, router_probs, cfg.prediction, cfg.predictor_path, model, fingerprint)
+    return router_probs, predictor
+
+
+def new_manager(plan: StorePlan, device: torch.device, router_probs, predictor, fingerprint: dict) -> ExpertManager:
+    """The manager over the filled store."""
+    settings = ManagerSettings.from_config(plan.cfg)
+    return ExpertManager(
+        plan.store,
+        plan.layers,
+        plan.budget,
+        device,
+        settings,
+        predictor=predictor,
+        router_probs=router_probs,
+        fingerprint=fingerprint,
+        record_cache=plan.cache,
     )
 
 
 def fill_store(
-    plan: StorePlan, targets: list[Target], device: torch.device, streamed: StreamedExperts | None, progress: bool
+    plan: StorePlan,
+    targets: list[Target],
+    streamed: StreamedExperts | None,
+    progress: bool,
+    finish: Callable[[], ExpertManager],
 ) -> ExpertManager:
-    """Store every layer's experts and build the manager over them. Experts taken from the model leave it
-    layer by layer; if anything fails, the model gets them back untouched and the error propagates."""
+    """Store every layer's experts, then `finish()`: the manager over them. Experts taken from the model leave
+    it layer by layer; if anything fails (in `finish` too), the model gets them back untouched and the error
+    propagates."""
     cfg, store, encoder, codec, layouts = plan.cfg, plan.store, plan.encoder, plan.codec, plan.layouts
     saved, cache = plan.saved, plan.cache
     encoding = cfg.quantization is not None and saved is None
@@ -198,17 +214,7 @@ def fill_store(
                 t.tensors = {}  # the store holds them now: drop the last reference, one layer at a time
                 stripped.append(t)
         encoder.finish()
-        manager = ExpertManager(
-            store,
-            plan.layers,
-            plan.budget,
-            device,
-            ManagerSettings.from_config(cfg),
-            predictor=plan.predictor,
-            router_probs=plan.router_probs,
-            fingerprint=plan.fingerprint,
-            record_cache=cache,
-        )
+        manager = finish()
     except BaseException:
         for t in stripped:
             if t.ordinal in keep:
@@ -223,6 +229,7 @@ def fill_store(
         if streamed is not None:
             streamed.close()
     keep.clear()
+    cache = plan.cache  # `finish` opens it where the checkpoint was still arriving when planned
     if cache is not None and saved is None:  # encoded here (or the entry was dropped): cache the records
         cache.write(store.slabs(), store.plans())
     return manager
@@ -282,18 +289,30 @@ def saved_records(
     cfg: MiraConfig, codec, fingerprint: dict, streamed: StreamedExperts | None, specs: dict
 ) -> tuple[SavedStore | None, RecordCache | None]:
     """The saved records this load reads instead of encoding: `store_path` (an error if they do not fit),
-    else the record cache's entry for this checkpoint and format (None on a miss), and that cache."""
-    if cfg.quantization is None:
-        return None, None
-    if is_native(cfg.quantization):  # the checkpoint's own bytes: read as stored, nothing encoded to keep
+    else the record cache's entry for this checkpoint and format (None on a miss), and that cache. A
+    checkpoint whose shards still arrive has no entry (none can name files not there yet): (None, None)."""
+    if cfg.quantization is None or is_native(cfg.quantization):  # nothing encoded to keep
         return None, None
     if cfg.store_path is not None:
         return SavedStore(cfg.store_path, codec_spec(codec), fingerprint), None
-    if streamed is None or cfg.loader.record_cache is None:  # only a checkpoint's files identify the weights
+    if streamed is None or not streamed.index.all_arrived():
         return None, None
+    cache = record_cache(cfg, codec, fingerprint, streamed, specs)
+    return (cache.open() if cache is not None else None), cache
+
+
+def record_cache(cfg: MiraConfig, codec, fingerprint: dict, streamed: StreamedExperts, specs: dict) -> RecordCache | None:
+    """The record cache's entry for this checkpoint (once every shard is there) and format; None where records
+    are not cached (raw records, a checkpoint's own format, `store_path`, the cache turned off)."""
+    if cfg.quantization is None or is_native(cfg.quantization) or cfg.store_path is not None:
+        return None
+    if cfg.loader.record_cache is None:
+        return None
     root = default_root() if cfg.loader.record_cache == "auto" else cfg.loader.record_cache
-    cache = RecordCache(root, streamed.index.files, codec_spec(codec), fingerprint, specs)
-    return cache.open(), cache
+    # The identity of the checkpoint's files (path, size, mtime) pins the weights, so the key needs no
+    # router weight: it is known before the non-expert weights load.
+    shape = {k: v for k, v in fingerprint.items() if k != ROUTER_HASH}
+    return RecordCache(root, streamed.index.files, codec_spec(codec), shape, specs)
 
 
 def saved_layouts(codec, targets: list[Target], specs: dict, saved: SavedStore) -> dict | None:

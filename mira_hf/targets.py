@@ -26,6 +26,9 @@ _HOW_TO_ADD = (
 )
 
 
+ROUTER_HASH = "router_sha256"  # the fingerprint's hash of the routers' weights
+
+
 @dataclass
 class Target:
     """One routed-experts module to replace, found and validated before anything changes."""
@@ -131,22 +134,30 @@ def find_targets(
     return targets
 
 
-def model_fingerprint(model: nn.Module, targets: list[Target], specs: dict) -> dict:
+def expert_specs(targets: list[Target]) -> dict[int, dict]:
+    """Layer -> {tensor name: (one expert's shape, dtype)} of every target."""
+    return {t.ordinal: {n: (tuple(p.shape[1:]), p.dtype) for n, p in t.tensors.items()} for t in targets}
+
+
+def model_fingerprint(model: nn.Module, targets: list[Target], specs: dict, routers: bool = True) -> dict:
     """What identifies a model for files made from it (predictors, packed stores): its shape and a
-    hash of its routers' weights, so a file from another checkpoint of the same shape is refused too."""
-    h = hashlib.sha256()
-    for t in targets:
-        for name, p in sorted(t.parent.named_parameters()):
-            if not name.startswith(t.attr + ".") and p.dim() == 2 and p.shape[0] == t.module.num_experts:
-                h.update(p.detach().float().cpu().numpy().tobytes())
-    return {
+    hash of its routers' weights, so a file from another checkpoint of the same shape is refused too.
+    `routers=False`: its shape only (a skeleton's routers are not loaded yet)."""
+    shape = {
         "model_type": getattr(model.config, "model_type", None),
         "moe_layers": len(targets),
         "num_experts": [t.module.num_experts for t in targets],
         "hidden_size": getattr(model.config, "hidden_size", None),
         "expert_shapes": {n: list(shape) for n, (shape, _) in specs[targets[0].ordinal].items()} if targets else {},
-        "router_sha256": h.hexdigest(),
     }
+    if not routers:
+        return shape
+    h = hashlib.sha256()
+    for t in targets:
+        for name, p in sorted(t.parent.named_parameters()):
+            if not name.startswith(t.attr + ".") and p.dim() == 2 and p.shape[0] == t.module.num_experts:
+                h.update(p.detach().float().cpu().numpy().tobytes())
+    return {**shape, ROUTER_HASH: h.hexdigest()}
 
 
 class RouterTable:

@@ -194,6 +194,10 @@ def test_store_larger_than_host_memory_is_refused_and_model_untouched(tiny_check
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     with pytest.raises(BudgetError, match=f"needs {sum(layers):,} more bytes"):  # streamed: every layer is new memory
         MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", quantization=None, loader=LoaderConfig(stream_experts=True)))
+    # streamed, the store is filled before the other weights load: they must fit besides
+    monkeypatch.setattr(resources, "available_host_bytes", lambda: sum(layers))
+    with pytest.raises(BudgetError, match=r"besides the [\d,]+ bytes of the model's other weights"):
+        MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", quantization=None, loader=LoaderConfig(stream_experts=True)))
     # one free layer is enough to move the experts in host memory into an exact store
     monkeypatch.setattr(resources, "available_host_bytes", lambda: max(layers))
     MiraMoEModel.wrap(model, MiraConfig(device="cpu", quantization=None))

@@ -270,6 +270,22 @@ def test_a_model_unlike_its_skeleton_is_stored_again_from_it(tiny_checkpoint, mo
         assert torch.equal(model(IDS).logits, load_reference(path)(IDS).logits)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("quantization", [None, "lossless"])
+def test_cuda_streamed_load_stores_experts_before_the_other_weights(tiny_checkpoint, quantization, monkeypatch):
+    """On a GPU, with the budget from its free memory (the skeleton's weights count as still to move there),
+    the experts are stored (lossless: encoded on the device) before transformers loads the other weights,
+    and the model computes what the same model loaded whole computes."""
+    path = tiny_checkpoint("mixtral")
+    order = _record_order(monkeypatch)
+    cfg = dict(device="cuda", gpu_budget=None, quantization=quantization)
+    streamed = MiraMoEModel.from_pretrained(path, MiraConfig(loader=STREAM, **cfg), progress=False).eval()
+    assert order == ["experts"] * len(streamed.mira.store.layers) + ["model"]
+    whole = MiraMoEModel.from_pretrained(path, MiraConfig(loader=WHOLE, **cfg), progress=False).eval()
+    with torch.no_grad():
+        assert torch.equal(streamed(IDS.cuda()).logits, whole(IDS.cuda()).logits)
+
+
 def test_checkpoint_larger_than_available_memory_streams_without_host_budget(tiny_checkpoint, monkeypatch):
     import mira_hf.checkpoint as checkpoint
 

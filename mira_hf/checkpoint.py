@@ -32,7 +32,7 @@ import torch
 from model_adapters import MoEAdapter
 
 from .errors import BudgetError, CheckpointError, UnsupportedModelError
-from .expert_keys import NativeKeys, native_codec_name, plan_keys, plan_native_keys, quantization_dict
+from .expert_keys import NativeKeys, key_candidates, native_codec_name, plan_keys, plan_native_keys, quantization_dict
 from .fp8_partial_blocks import block_size, find_partial_block_weights, set_partial_block_weights
 from .load_report import LoadReport
 from .resources import available_host_bytes
@@ -385,8 +385,10 @@ def build_skeleton(
         for n in meta[name]:
             module.register_parameter(n, None)
 
+    candidates = key_candidates(adapter, model)  # once: transformers' conversion mapping takes a while
+
     def plan(name: str) -> dict[str, tuple[str, ...]]:
-        return plan_keys(adapter, model, {name: meta[name]}, index)[name]
+        return plan_keys(adapter, model, {name: meta[name]}, index, candidates)[name]
 
     return model, StreamedExperts(index, meta, {}, plan=plan)
 

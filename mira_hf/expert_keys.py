@@ -19,7 +19,7 @@ from .shards import NotStreamable, ShardIndex
 KeysFn = Callable[[str, str], "tuple[str, ...] | None"]  # (module path, fused tensor name) -> key templates
 
 
-def _candidates(adapter: MoEAdapter, model: torch.nn.Module) -> list[tuple[str, KeysFn]]:
+def key_candidates(adapter: MoEAdapter, model: torch.nn.Module) -> list[tuple[str, KeysFn]]:
     """Checkpoint layouts to try, in order: the adapter's tables (or, without any, one derived from
     transformers' conversion mapping), then the fused in-memory names."""
     found: list[tuple[str, KeysFn]] = [(f"{adapter.name} table", k.keys) for k in adapter.checkpoint_keys]
@@ -118,11 +118,16 @@ def _match(index: ShardIndex, templates: tuple[str, ...], shape: tuple[int, ...]
 
 
 def plan_keys(
-    adapter: MoEAdapter, model: torch.nn.Module, modules: dict[str, dict[str, torch.Tensor]], index: ShardIndex
+    adapter: MoEAdapter,
+    model: torch.nn.Module,
+    modules: dict[str, dict[str, torch.Tensor]],
+    index: ShardIndex,
+    candidates: list[tuple[str, KeysFn]] | None = None,
 ) -> dict[str, dict[str, tuple[str, ...]]]:
     """For every experts module (`name -> {tensor: meta tensor [E, ...]}`), the checkpoint key templates
-    of each tensor. Raises `NotStreamable` naming what was looked for when no layout fits."""
-    candidates = _candidates(adapter, model)
+    of each tensor. Raises `NotStreamable` naming what was looked for when no layout fits. `candidates`:
+    the layouts to try (`key_candidates`), for a caller that plans one module at a time."""
+    candidates = candidates if candidates is not None else key_candidates(adapter, model)
     plan = {}
     for name, tensors in modules.items():
         problems = []

@@ -146,7 +146,6 @@ class MiraMoEModel:
         return MiraMoEModel._wrap(model, cfg, _resolve_device(cfg.device), progress)
 
     @staticmethod
-    @staticmethod
     def _wrap(
         model: nn.Module,
         cfg: MiraConfig,
@@ -203,7 +202,6 @@ class MiraMoEModel:
         targets = find_targets(skeleton, adapter, early.meta)
         check_model_implementations(skeleton)
         shape = model_fingerprint(skeleton, targets, expert_specs(targets), routers=False)
-        plan = plan_store(skeleton, cfg, device, adapter, targets, early, progress, report, shape)
         loaded = {}
 
         def finish() -> ExpertManager:
@@ -226,8 +224,10 @@ class MiraMoEModel:
             return new_manager(plan, device, router_probs, predictor, fingerprint)
 
         try:
+            plan = plan_store(skeleton, cfg, device, adapter, targets, early, progress, report, shape)
             manager = fill_store(plan, targets, early, progress, finish)
         except NotStreamable:  # a module's experts are not where the shards say: the ordinary load says why
+            early.close()
             return None
         except _SkeletonDiffers as differs:
             return MiraMoEModel._wrap(differs.model, cfg, device, progress, differs.streamed, report)

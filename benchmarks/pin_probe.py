@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import device_slug, environment, print_table, write_json  # noqa: E402
 
-from mira_hf.checkpoint import available_host_bytes  # noqa: E402
 from mira_hf.pinned import pinned_empty  # noqa: E402
+from mira_hf.resources import available_host_bytes  # noqa: E402
 
 GB = 1e9
 SLABS = {  # name: (experts, record bytes)

@@ -3,8 +3,9 @@ instead of encoding every expert again.
 
 An entry is a saved store (`mira_hf.saved_store`) in `<root>/<key>/`, where `root` is
 `LoaderConfig.record_cache` ("auto": `$MIRA_HF_RECORD_CACHE`, else `$HF_HOME/mira-hf/records`) and `key` hashes everything the
-records depend on: the checkpoint's files (path, size, modification time), the model's fingerprint
-(shapes and router weights), the codec and its settings, and `RECORD_FORMAT_VERSION`. Changing any
+records depend on: the checkpoint's files (path, size, modification time), the model's shape fingerprint
+(no router weights: the files pin them, and the key is then known before the non-expert weights load), the codec
+and its settings, and `RECORD_FORMAT_VERSION`. Changing any
 of them gives another key, so a stale entry is never found; the header repeats the identity and is
 checked too. A truncated or damaged entry fails its size or CRC checks while it is read: it is
 dropped and the records are encoded again (and written again).

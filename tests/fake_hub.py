@@ -2,7 +2,8 @@
 `HEAD`/`GET /<repo>/resolve/<revision>/<file>` with the headers `hf_hub_download` reads (`X-Repo-Commit`,
 `ETag`, `X-Linked-Etag`/`X-Linked-Size` for weight files, which the hub keeps in LFS), byte ranges, and
 `404` with `X-Error-Code` for what the repository lacks. `hold` names files whose body is held back
-until `release` is set, so a test can see what a load does while a shard is still arriving."""
+until `release` is set (at most `hold_s` seconds), so a test can see what a load does while a shard is still
+arriving; `released` says, for each held file, whether `release` was set before the body went out."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ class FakeHub:
         self.hold: set[str] = set()
         self.fail: set[str] = set()  # files answered with 403 Forbidden
         self.release = threading.Event()
+        self.hold_s = 30.0
+        self.released: dict[str, bool] = {}
         self.served: list[str] = []  # files whose body was sent, in order
         self.requests: list[tuple[str, str]] = []
         hub = self
@@ -68,7 +71,7 @@ class FakeHub:
                 self.end_headers()
                 if body:
                     if filename in hub.hold:
-                        hub.release.wait(30)
+                        hub.released[filename] = hub.release.wait(hub.hold_s)
                     self.wfile.write(data[start:end])
                     hub.served.append(filename)
 

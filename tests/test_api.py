@@ -176,26 +176,30 @@ def test_store_larger_than_host_memory_is_refused_and_model_untouched(tiny_check
     """Experts in host memory with an exact format move into the store one layer at a time: only one
     layer must be free. A lossy format keeps the originals until the end, and a streamed load or a model
     on the GPU brings all of it: then the whole store must fit. Refused before anything changes."""
-    import mira_hf.model as mira_model
+    import mira_hf.resources as resources
 
     path = tiny_checkpoint("mixtral")
     layers = _store_layer_bytes(path)
     int4_total = sum(_store_layer_bytes(path, quantization="int4"))
     model = load_reference(path)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    monkeypatch.setattr(mira_model, "available_host_bytes", lambda: max(layers) - 1)
+    monkeypatch.setattr(resources, "available_host_bytes", lambda: max(layers) - 1)
     with pytest.raises(BudgetError, match=r"needs [\d,]+ more bytes of host memory.*only [\d,]+ are available.*host_budget"):
         MiraMoEModel.wrap(model, MiraConfig(device="cpu", quantization=None))
     assert not hasattr(model, "mira")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    monkeypatch.setattr(mira_model, "available_host_bytes", lambda: int4_total - 1)
+    monkeypatch.setattr(resources, "available_host_bytes", lambda: int4_total - 1)
     with pytest.raises(BudgetError, match=f"needs {int4_total:,} more bytes"):
         MiraMoEModel.wrap(model, MiraConfig(device="cpu", quantization="int4"))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     with pytest.raises(BudgetError, match=f"needs {sum(layers):,} more bytes"):  # streamed: every layer is new memory
         MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", quantization=None, loader=LoaderConfig(stream_experts=True)))
+    # streamed, the store is filled before the other weights load: they must fit besides
+    monkeypatch.setattr(resources, "available_host_bytes", lambda: sum(layers))
+    with pytest.raises(BudgetError, match=r"besides the [\d,]+ bytes of the model's other weights"):
+        MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", quantization=None, loader=LoaderConfig(stream_experts=True)))
     # one free layer is enough to move the experts in host memory into an exact store
-    monkeypatch.setattr(mira_model, "available_host_bytes", lambda: max(layers))
+    monkeypatch.setattr(resources, "available_host_bytes", lambda: max(layers))
     MiraMoEModel.wrap(model, MiraConfig(device="cpu", quantization=None))
     assert model.mira.store.tier_bytes()["pageable"] == sum(layers)
 
@@ -324,15 +328,15 @@ def test_missing_checkpoint_gives_a_clear_error(tmp_path, where):
     ],
 )
 def test_auto_transfer_format_is_exact_and_used_only_where_it_pays(device, dtype, record, budget, want):
-    from mira_hf.model import _resolve_format
+    from mira_hf.store_build import resolve_format
 
     specs = {layer: {"down_proj": ((record // 2, 1), dtype)} for layer in range(4)}
     raw = {layer: record for layer in range(4)}
     all_bytes = 8 * 4 * record
-    cfg = _resolve_format(MiraConfig(), torch.device(device), specs, raw, all_bytes, int(budget * all_bytes))
+    cfg = resolve_format(MiraConfig(), torch.device(device), specs, raw, all_bytes, int(budget * all_bytes))
     assert (cfg.quantization, cfg.quant.placement) == want
     explicit = MiraConfig(quantization="lossless", quant=QuantConfig(placement="dequant"))
-    cfg = _resolve_format(explicit, torch.device(device), specs, raw, all_bytes, int(budget * all_bytes))
+    cfg = resolve_format(explicit, torch.device(device), specs, raw, all_bytes, int(budget * all_bytes))
     assert (cfg.quantization, cfg.quant.placement) == ("lossless", "dequant")  # given values are kept
 
 

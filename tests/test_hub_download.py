@@ -2,6 +2,10 @@
 index's order) from a repository served over HTTP on localhost as the hub serves it, the load is the
 same model, revision and offline mode behave as in transformers, and a failed shard is a clear error."""
 
+import json
+import os
+import threading
+
 import pytest
 import torch
 from fake_hub import FakeHub
@@ -58,6 +62,43 @@ def test_hub_id_downloads_its_shards_and_loads_the_same_model(hub, sharded, tmp_
     assert len(shards) > 2 and len(set(shards)) == len(shards)  # every shard once: transformers downloads none again
     assert model.mira_load_report().as_dict()["stages"]["download"]["seconds"] > 0
     # Offline, the second load finds everything in the cache and asks the server for nothing.
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    asked = len(hub.requests)
+    again = _load(tmp_path)
+    assert len(hub.requests) == asked
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, sharded[1])
+
+
+def test_experts_are_stored_while_later_shards_download(hub, sharded, tmp_path, monkeypatch):
+    """The last shard is held back on the server until the first layer's experts are in the store: the load
+    gets there only by storing experts from the shards that have arrived while later ones still download.
+    Then the other weights load from the cache (each shard downloaded once), the model computes what the
+    original computes, and a second load offline finds every shard in the cache."""
+    from huggingface_hub import constants
+
+    from mira_hf.store import ExpertStore
+
+    with open(os.path.join(sharded[0], "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    last = max(weight_map.values())
+    assert not any(k.startswith("model.layers.0.mlp.experts") for k, shard in weight_map.items() if shard == last)
+    stored = threading.Event()
+    add_layer_from = ExpertStore.add_layer_from
+
+    def add_layer_and_tell(self, layer, *args, **kwargs):
+        add_layer_from(self, layer, *args, **kwargs)
+        stored.set()
+
+    monkeypatch.setattr(ExpertStore, "add_layer_from", add_layer_and_tell)
+    hub.hold.add(last)
+    hub.release, hub.hold_s = stored, 10.0
+    model = _load(tmp_path)
+    assert hub.released == {last: True}  # held until experts were stored, not until the wait ran out
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, sharded[1])
+    shards = _shards(hub)
+    assert sorted(shards) == sorted(set(weight_map.values()))  # each shard once
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     asked = len(hub.requests)
     again = _load(tmp_path)

@@ -127,7 +127,7 @@ def test_every_shard_of_a_hub_checkpoint_is_found_and_a_missing_one_is_named(tmp
     from transformers import AutoModelForCausalLM
 
     from mira_hf import CheckpointError
-    from mira_hf.checkpoint import ShardIndex
+    from mira_hf.shards import ShardIndex
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(make_config("mixtral")).save_pretrained(tmp_path / "src", max_shard_size="100KB")

@@ -14,8 +14,8 @@ from conftest import ALL_TINY, PEAK_ANON_SOURCE, load_reference
 from tiny_models import make_config
 
 from mira_hf import BudgetError, CheckpointError, MiraConfig, MiraMoEModel, UnsupportedModelError
-from mira_hf.checkpoint import transformers_keys
 from mira_hf.config import LoaderConfig
+from mira_hf.expert_keys import transformers_keys
 from model_adapters import ExpertKeys, MoEAdapter, get_adapter, register_adapter
 
 IDS = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(3))
@@ -29,13 +29,30 @@ def _load(path, loader: LoaderConfig, **kw):
     return MiraMoEModel.from_pretrained(path, cfg, progress=False, **hf).eval()
 
 
+def _record_order(monkeypatch) -> list[str]:
+    """What the loads do, in order: "experts" for each layer stored, "model" when transformers loads the rest."""
+    import mira_hf.checkpoint as checkpoint
+    from mira_hf.store import ExpertStore
+
+    order = []
+    add_layer_from, load_without_experts = ExpertStore.add_layer_from, checkpoint.load_without_experts
+    monkeypatch.setattr(ExpertStore, "add_layer_from", lambda *a, **k: order.append("experts") or add_layer_from(*a, **k))
+    monkeypatch.setattr(
+        checkpoint, "load_without_experts", lambda *a, **k: order.append("model") or load_without_experts(*a, **k)
+    )
+    return order
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", ALL_TINY)
-def test_streamed_load_is_the_same_model(tiny_checkpoint, name, dtype):
+def test_streamed_load_is_the_same_model(tiny_checkpoint, name, dtype, monkeypatch):
     """Bit-identical logits to the ordinary load (bf16: cast while reading, as transformers casts), and
-    the unwrapped model's logits and tokens."""
+    the unwrapped model's logits and tokens. Every layer's experts are stored (read from a skeleton's
+    plan) before transformers loads the other weights: the order that overlaps a hub id's download."""
     path = tiny_checkpoint(name)
+    order = _record_order(monkeypatch)
     streamed = _load(path, STREAM, dtype=dtype)  # stream_experts=True raises if it cannot stream
+    assert order == ["experts"] * len(streamed.mira.store.layers) + ["model"]
     whole = _load(path, WHOLE, dtype=dtype)
     assert streamed.mira.store.dtype(0) == dtype
     with torch.no_grad():
@@ -118,9 +135,9 @@ def test_experts_beyond_host_budget_stream_to_disk(tiny_checkpoint, tmp_path):
 
 
 def test_offload_dir_without_space_is_refused_before_loading(tiny_checkpoint, tmp_path, monkeypatch):
-    import mira_hf.model
+    import mira_hf.resources
 
-    monkeypatch.setattr(mira_hf.model.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 10, 10))
+    monkeypatch.setattr(mira_hf.resources.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 10, 10))
     with pytest.raises(BudgetError, match="only 10 bytes are free"):
         _load(tiny_checkpoint("mixtral"), LoaderConfig(), host_budget=1000, offload_dir=str(tmp_path / "off"))
     assert not (tmp_path / "off").exists()
@@ -236,6 +253,37 @@ def test_lossless_records_are_planned_and_encoded_while_streaming(tiny_checkpoin
         streamed = _load(path, STREAM, **kw)
         assert torch.equal(streamed(IDS).logits, _load(path, WHOLE, **kw)(IDS).logits)
         assert torch.equal(streamed(IDS).logits, _load(path, WHOLE)(IDS).logits)  # and what quantization=None computes
+
+
+def test_a_model_unlike_its_skeleton_is_stored_again_from_it(tiny_checkpoint, monkeypatch):
+    """Should transformers build experts unlike the skeleton's (modules, shapes, dtypes, keys), the experts
+    stored from the skeleton are dropped and stored again from the model it built: the same model."""
+    from mira_hf.checkpoint import StreamedExperts
+
+    monkeypatch.setattr(StreamedExperts, "same_as", lambda self, other: False)
+    order = _record_order(monkeypatch)
+    path = tiny_checkpoint("mixtral")
+    model = _load(path, STREAM)
+    layers = len(model.mira.store.layers)
+    assert order == ["experts"] * layers + ["model"] + ["experts"] * layers
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, load_reference(path)(IDS).logits)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("quantization", [None, "lossless"])
+def test_cuda_streamed_load_stores_experts_before_the_other_weights(tiny_checkpoint, quantization, monkeypatch):
+    """On a GPU, with the budget from its free memory (the skeleton's weights count as still to move there),
+    the experts are stored (lossless: encoded on the device) before transformers loads the other weights,
+    and the model computes what the same model loaded whole computes."""
+    path = tiny_checkpoint("mixtral")
+    order = _record_order(monkeypatch)
+    cfg = dict(device="cuda", gpu_budget=None, quantization=quantization)
+    streamed = MiraMoEModel.from_pretrained(path, MiraConfig(loader=STREAM, **cfg), progress=False).eval()
+    assert order == ["experts"] * len(streamed.mira.store.layers) + ["model"]
+    whole = MiraMoEModel.from_pretrained(path, MiraConfig(loader=WHOLE, **cfg), progress=False).eval()
+    with torch.no_grad():
+        assert torch.equal(streamed(IDS.cuda()).logits, whole(IDS.cuda()).logits)
 
 
 def test_checkpoint_larger_than_available_memory_streams_without_host_budget(tiny_checkpoint, monkeypatch):

@@ -226,7 +226,7 @@ def _checkpoint_bytes(path: str) -> tuple[int, int, set[str], list[str]]:
     counted). A dtype torch cannot name (F8_E8M0 scales, ...) is counted at one byte per element."""
     import torch
 
-    from ..checkpoint import NotStreamable, ShardIndex
+    from ..shards import NotStreamable, ShardIndex
 
     try:
         index = ShardIndex.find(path, {})

@@ -1,0 +1,258 @@
+"""Where each routed-expert tensor is in a checkpoint: key templates per fused tensor, from the adapter's
+tables, transformers' conversion mapping or the fused in-memory names (`plan_keys`), checked against the
+shard headers; and for a pre-quantized checkpoint, the keys of its quantized weights and their scales
+(`plan_native_keys`, `native_codec_name`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from model_adapters import MoEAdapter
+
+from .shards import NotStreamable, ShardIndex
+
+KeysFn = Callable[[str, str], "tuple[str, ...] | None"]  # (module path, fused tensor name) -> key templates
+
+
+def key_candidates(adapter: MoEAdapter, model: torch.nn.Module) -> list[tuple[str, KeysFn]]:
+    """Checkpoint layouts to try, in order: the adapter's tables (or, without any, one derived from
+    transformers' conversion mapping), then the fused in-memory names."""
+    found: list[tuple[str, KeysFn]] = [(f"{adapter.name} table", k.keys) for k in adapter.checkpoint_keys]
+    if not found:
+        derived = transformers_keys(model)
+        if derived is not None:
+            found.append(("transformers' conversion mapping", derived))
+    found.append(("fused in-memory names", lambda path, tensor: (f"{path}.{tensor}",)))
+    return found
+
+
+def _literal(pattern: str) -> str | None:
+    """A transformers key pattern as plain text, or None if it is a real regex."""
+    text = pattern.replace("\\.", ".")
+    return None if re.search(r"[\^$()\[\]{}?+|\\]", text) else text
+
+
+def transformers_keys(model: torch.nn.Module) -> KeysFn | None:
+    """Checkpoint keys of fused expert tensors, derived from transformers' own conversion mapping
+    (`WeightConverter`s that stack per-expert tensors, `WeightRenaming`s of plain names). None when
+    this transformers has no such mapping. Only the operations below are understood; any other
+    converter is ignored, and a wrong guess is harmless since every key is checked in the checkpoint."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        conversions = get_model_conversion_mapping(model)
+    except Exception:  # not in this transformers version, or a model it cannot map
+        return None
+    stacking = ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
+    renames: list[tuple[str, str]] = []  # (checkpoint, in-memory)
+    converters: list[tuple[str, list[str]]] = []  # (in-memory target, per-expert checkpoint sources)
+    for c in conversions:
+        sources = [_literal(p) for p in c.source_patterns]
+        targets = [_literal(p) for p in c.target_patterns]
+        if None in sources or None in targets or len(targets) != 1:
+            continue
+        if isinstance(c, WeightConverter):
+            ops = [(type(op).__name__, getattr(op, "dim", None)) for op in c.operations]
+            if ops in stacking and all(s.count("*") == 1 for s in sources):
+                converters.append((targets[0], sources))
+        elif isinstance(c, WeightRenaming) and len(sources) == 1:
+            renames.append((sources[0], targets[0]))
+
+    def keys(path: str, tensor: str) -> tuple[str, ...]:
+        key = f"{path}.{tensor}"
+        templates = [key]
+        for target, sources in converters:
+            if _ends_with(key, target):
+                templates = [key[: -len(target)] + s.replace("*", "{e}") for s in sources]
+                break
+        else:
+            for source, target in renames:
+                if _ends_with(key, target):
+                    templates = [key[: -len(target)] + source]
+                    break
+        out = []
+        for t in templates:  # undo plain renamings of the path (".block_sparse_moe." -> ".mlp.")
+            t = "." + t
+            for source, target in renames:
+                if target.startswith(".") and target.endswith("."):
+                    t = t.replace(target, source)
+            out.append(t[1:])
+        return tuple(out)
+
+    return keys
+
+
+def _ends_with(key: str, suffix: str) -> bool:
+    return key.endswith(suffix) and (suffix.startswith(".") or key == suffix or key.endswith("." + suffix))
+
+
+def _match(index: ShardIndex, templates: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtype, E: int) -> str | None:
+    """None if `templates` give every expert's tensor of per-expert `shape`, else what is wrong."""
+    rows = 0
+    for t in templates:
+        keys = [t.format(e=e) for e in range(E)] if "{e}" in t else [t]
+        missing = [k for k in keys if k not in index.entries]
+        if missing:
+            return f"no {missing[0]}"
+        if len({index.entries[k].shape for k in keys}) != 1:
+            return f"the experts' {t} tensors differ in shape"
+        for k in keys:
+            entry = index.entries[k]
+            piece = entry.shape if "{e}" in t else entry.shape[1:]
+            if "{e}" not in t and (not entry.shape or entry.shape[0] != E):
+                return f"{k} has shape {list(entry.shape)}, expected [{E}, ...]"
+            if entry.dtype is None or not (entry.dtype.is_floating_point and dtype.is_floating_point):
+                return f"{k} has dtype {entry.dtype}, the model computes in {dtype}"
+            if len(piece) != len(shape) or tuple(piece[1:]) != tuple(shape[1:]):
+                return f"{k} has shape {list(entry.shape)}, which does not fit {list(shape)}"
+        rows += piece[0]
+    if rows != shape[0]:
+        return f"{list(templates)} give {rows} rows, expected {shape[0]}"
+    return None
+
+
+def plan_keys(
+    adapter: MoEAdapter,
+    model: torch.nn.Module,
+    modules: dict[str, dict[str, torch.Tensor]],
+    index: ShardIndex,
+    candidates: list[tuple[str, KeysFn]] | None = None,
+) -> dict[str, dict[str, tuple[str, ...]]]:
+    """For every experts module (`name -> {tensor: meta tensor [E, ...]}`), the checkpoint key templates
+    of each tensor. Raises `NotStreamable` naming what was looked for when no layout fits. `candidates`:
+    the layouts to try (`key_candidates`), for a caller that plans one module at a time."""
+    candidates = candidates if candidates is not None else key_candidates(adapter, model)
+    plan = {}
+    for name, tensors in modules.items():
+        problems = []
+        for label, keys in candidates:
+            found, problem = {}, None
+            for tensor, meta in tensors.items():
+                templates = keys(name, tensor)
+                problem = f"{tensor}: not in the table" if not templates else None
+                problem = problem or _match(index, templates, tuple(meta.shape[1:]), meta.dtype, meta.shape[0])
+                if problem:
+                    break
+                found[tensor] = templates
+            if problem is None:
+                plan[name] = found
+                break
+            problems.append(f"{label}: {problem}")
+        else:
+            raise NotStreamable(f"the experts of {name} are not where mira-hf looks for them ({'; '.join(problems)})")
+    return plan
+
+
+# -- pre-quantized checkpoints ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NativeKeys:
+    """Where one quantized fused tensor of a pre-quantized checkpoint is: key templates of its weights and
+    of their scales, each concatenated along dim 0 when there are several (`gate_proj`, `up_proj`)."""
+
+    weights: tuple[str, ...]
+    scales: tuple[str, ...]
+
+
+def quantization_dict(quantization) -> dict:
+    return dict(quantization) if isinstance(quantization, dict) else quantization.to_dict()
+
+
+def native_codec_name(quantization) -> str | None:
+    """The codec serving a pre-quantized checkpoint's experts in the bytes it stores them in ("fp8_block",
+    "mxfp4"), from config.json's `quantization_config`; None for a checkpoint that is not quantized.
+    Raises `NotStreamable` naming the format of a quantized checkpoint served otherwise."""
+    if not quantization:
+        return None
+    qc = quantization_dict(quantization)
+    method = qc.get("quant_method")
+    if method == "fp8":
+        unsupported = [
+            f"{k}={qc.get(k)!r}"
+            for k, ok in (
+                ("weight_block_size", qc.get("weight_block_size") is not None),
+                ("scale_fmt", qc.get("scale_fmt") in (None, "float")),
+                ("expert_dtype", qc.get("expert_dtype") in (None, "fp8")),
+                ("activation_scheme", qc.get("activation_scheme") in (None, "dynamic")),
+            )
+            if not ok
+        ]
+        if unsupported:
+            raise NotStreamable(
+                f"it is an FP8 checkpoint with {', '.join(unsupported)}; mira-hf reads the experts of FP8 checkpoints "
+                "with block scales (weight_block_size), float scales and dynamic activations itself"
+            )
+        return "fp8_block"
+    if method == "mxfp4":
+        return "mxfp4"
+    raise NotStreamable(
+        f"it is pre-quantized with quant_method={method!r}, whose experts transformers' quantizer reads; mira-hf reads "
+        "the experts of 'fp8' (block-wise) and 'mxfp4' checkpoints itself"
+    )
+
+
+def _fp8_keys(module: str, tensor: str, templates: tuple[str, ...]) -> NativeKeys:
+    """FP8: the planned weight keys, each with its `weight_scale_inv` (a stacked `<fused>_scale_inv`)."""
+    scales = tuple(t[: -len("weight")] + "weight_scale_inv" if t.endswith(".weight") else t + "_scale_inv" for t in templates)
+    return NativeKeys(templates, scales)
+
+
+def _mxfp4_keys(module: str, tensor: str, templates: tuple[str, ...]) -> NativeKeys:
+    """MXFP4 (gpt-oss): `<fused>_blocks` and `<fused>_scales`, stacked over experts."""
+    return NativeKeys((f"{module}.{tensor}_blocks",), (f"{module}.{tensor}_scales",))
+
+
+# codec -> (NativeKeys of a quantized tensor, whether its weights are planned with the unquantized ones first)
+_NATIVE_KEYS = {"fp8_block": (_fp8_keys, True), "mxfp4": (_mxfp4_keys, False)}
+
+
+def _present(index: ShardIndex, templates: tuple[str, ...], E: int) -> str | None:
+    """None if every expert's tensor of `templates` is in the checkpoint, else what is missing."""
+    for t in templates:
+        if "{e}" in t:
+            missing = [t.format(e=e) for e in range(E) if t.format(e=e) not in index.entries]
+            if missing:
+                return f"no {missing[0]}"
+        elif t not in index.entries:
+            return f"no {t}"
+        elif not index.entries[t].shape or index.entries[t].shape[0] != E:
+            return f"{t} has shape {list(index.entries[t].shape)}, expected [{E}, ...]"
+    return None
+
+
+def plan_native_keys(
+    codec_name: str,
+    quantization,
+    adapter: MoEAdapter,
+    model: torch.nn.Module,
+    modules: dict[str, dict[str, torch.Tensor]],
+    index: ShardIndex,
+):
+    """`plan_keys` for a pre-quantized checkpoint: (keys of the tensors it stores unquantized (biases), cast
+    to the model dtype as usual; `NativeKeys` of the quantized ones, read as stored; the codec serving
+    them). Raises `NotStreamable` naming what was looked for when the checkpoint does not fit."""
+    from .quant import make_codec
+
+    keys_of, plan_weights = _NATIVE_KEYS[codec_name]
+    plain = {n: {t: m for t, m in ts.items() if plan_weights or t.endswith("_bias")} for n, ts in modules.items()}
+    keys = plan_keys(adapter, model, plain, index)
+    native: dict[str, dict[str, NativeKeys]] = {}
+    for name, tensors in modules.items():
+        native[name] = {}
+        E = next(iter(tensors.values())).shape[0]
+        for tensor in [t for t in tensors if not t.endswith("_bias")]:
+            nk = keys_of(name, tensor, keys[name].pop(tensor, ()))
+            problem = _present(index, nk.weights, E) or _present(index, nk.scales, E)
+            if problem:
+                raise NotStreamable(f"the {codec_name} experts of {name} are not where mira-hf looks for them ({problem})")
+            native[name][tensor] = nk
+    pieces = {tensor: len(nk.weights) for per in native.values() for tensor, nk in per.items()}
+    if any(len(nk.weights) != pieces[t] for per in native.values() for t, nk in per.items()):
+        raise NotStreamable("its experts modules store their weights in different numbers of tensors")
+    options = {"block_size": quantization_dict(quantization).get("weight_block_size")} if codec_name == "fp8_block" else {}
+    return keys, native, make_codec(codec_name, pieces=pieces, **options)

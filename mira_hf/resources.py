@@ -1,0 +1,155 @@
+"""What a load needs of the machine, checked before anything changes: device memory for the expert arena
+and the weights that move there, host memory for the store, disk space for its offloaded part; and the
+slot plan of a wrapped model whose records or device change (`replan`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .budget import LayerInfo, plan_records, resolve_budget_bytes
+from .config import MiraConfig
+from .errors import BudgetError
+from .proxy import MiraExperts
+from .store import over_host_budget
+
+if TYPE_CHECKING:
+    from .manager import ExpertManager
+    from .targets import Target
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def budget_fraction(budget) -> float | None:
+    """The budget if it is a fraction of the experts' bytes (raised to the minimum working set when below it)."""
+    return budget if isinstance(budget, float) else None
+
+
+def bytes_to_move(model: nn.Module, targets: list[Target], device: torch.device) -> int:
+    """Bytes of non-expert weights and buffers that `model.to(device)` will still copy there (the experts,
+    before wrapping the modules' tensors, after it the proxies' parameters, stay in the store). Weights on
+    the meta device (a skeleton's, not loaded yet) all count: they will be loaded, then moved."""
+    experts = {t.tensors[n].data_ptr() for t in targets for n in t.tensors if not t.tensors[n].is_meta}
+    served = {id(p) for m in model.modules() if isinstance(m, MiraExperts) for p in m.parameters(recurse=False)}
+    tensors = [x for x in [*model.parameters(), *model.buffers()] if id(x) not in served]
+    return sum(x.numel() * x.element_size() for x in tensors if x.device != device and (x.is_meta or x.data_ptr() not in experts))
+
+
+def check_device_memory(
+    capacity: int, device: torch.device, model: nn.Module, targets: list[Target], reclaim_bytes: int = 0
+) -> None:
+    """`reclaim_bytes`: device memory freed before the arena is allocated (the arena a new plan replaces)."""
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    free += reclaim_bytes
+    need = capacity + bytes_to_move(model, targets, device)
+    if need > free:
+        raise BudgetError(
+            f"the expert arena ({capacity:,} bytes) plus the weights that move to {device} need {need:,} bytes, but "
+            f"only {free:,} are free there. Lower MiraConfig(gpu_budget=...) (e.g. a fraction such as 0.25)."
+        )
+
+
+def check_offload_space(cfg: MiraConfig, layer_bytes: list[int]) -> None:
+    """Experts beyond `host_budget` go to `offload_dir`: refuse a load that cannot fit there."""
+    if cfg.host_budget_bytes is None:
+        return
+    _, disk = _host_and_disk_bytes(layer_bytes, cfg.host_budget_bytes)
+    path = os.path.abspath(cfg.offload_dir)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    free = shutil.disk_usage(path).free
+    if disk > free:
+        raise BudgetError(
+            f"host_budget={cfg.host_budget!r} leaves {disk:,} bytes of experts for offload_dir={cfg.offload_dir!r}, "
+            f"but only {free:,} bytes are free there. Give offload_dir a disk with more space, or raise host_budget."
+        )
+
+
+def _host_and_disk_bytes(layer_bytes: list[int], host_budget: int | None) -> tuple[int, int]:
+    """Bytes of the store in host memory and on disk, layer by layer as `ExpertStore` places them."""
+    host = disk = 0
+    for n in layer_bytes:
+        if over_host_budget(host, n, host_budget):
+            disk += n
+        else:
+            host += n
+    return host, disk
+
+
+def host_has_room(nbytes: int) -> bool:
+    """Whether `nbytes` of host memory are available now (unknown: no)."""
+    available = available_host_bytes()
+    return available is not None and nbytes <= available
+
+
+def unloaded_bytes(model: nn.Module) -> int:
+    """Bytes of the weights and buffers still on the meta device (a skeleton's): host memory their load will take."""
+    return sum(x.numel() * x.element_size() for x in [*model.parameters(), *model.buffers()] if x.is_meta)
+
+
+def check_host_memory(
+    cfg: MiraConfig, layer_bytes: list[int], targets: list[Target], streamed: bool, exact: bool, loading_bytes: int = 0
+) -> None:
+    """Refuse a store that cannot fit in host memory, before anything changes (instead of the kernel's
+    OOM killer halfway through). Experts already in host memory with an exact format are freed layer by
+    layer as the store takes them, so only one layer is new memory; otherwise (streamed from the
+    checkpoint, on a GPU, or kept until the end because a lossy format cannot give them back) the whole
+    host tier is. `loading_bytes`: what the model's other weights, not loaded yet, will take besides."""
+    available = available_host_bytes()
+    if available is None:
+        return
+    available -= loading_bytes
+    host, _ = _host_and_disk_bytes(layer_bytes, cfg.host_budget_bytes)
+    in_host = not streamed and all(p.device.type == "cpu" for t in targets for p in t.tensors.values())
+    need = max(layer_bytes, default=0) if in_host and exact else host
+    if need > available:
+        besides = f" besides the {loading_bytes:,} bytes of the model's other weights" if loading_bytes else ""
+        raise BudgetError(
+            f"the expert store needs {need:,} more bytes of host memory ({host:,} in all, {len(layer_bytes)} layers), "
+            f"but only {available:,} are available{besides}. Keep part of the experts on disk: MiraConfig(host_budget=..., "
+            "offload_dir=...) (e.g. host_budget='16GiB'), or use a smaller transfer format (quantization='int4'), "
+            "or free host memory."
+        )
+
+
+def replan(
+    model: nn.Module, cfg: MiraConfig, layers: list[LayerInfo], targets: list[Target], layouts, raw_bytes, device: torch.device
+):
+    """The slot plan of a wrapped model whose records changed (`layouts`, `raw_bytes`: per layer, after a
+    cast or a load) or that moves to `device`, from the budget it was wrapped with; raises `BudgetError`
+    before anything changes. A fraction budget is a share of the experts' bytes in their new dtype."""
+    manager: ExpertManager = model.mira
+    all_bytes = sum(raw_bytes[li.ordinal] * li.num_experts for li in layers)
+    same = device == manager.device
+    if cfg.gpu_budget is None and device.type == "cuda" and same:
+        budget_bytes = manager.budget.budget_bytes  # what free memory gave at wrap; it now excludes the arena
+    else:
+        budget_bytes = resolve_budget_bytes(cfg, all_bytes, device, lambda: bytes_to_move(model, targets, device))
+    budget = plan_records(
+        layers,
+        budget_bytes,
+        manager.placement,
+        manager.store.codec,
+        layouts,
+        raw_bytes,
+        round_up_from=budget_fraction(cfg.gpu_budget),
+    )
+    check_device_memory(budget.device_bytes, device, model, targets, reclaim_bytes=manager.device_bytes if same else 0)
+    return budget

@@ -1,0 +1,185 @@
+"""Target discovery: every routed-experts module of a model, found by its adapter and validated before anything
+changes (`find_targets`), what identifies the model for files made from it (`model_fingerprint`), and its
+routers by MoE layer for predictors (`RouterTable`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from model_adapters import MoEAdapter, generic_adapter, get_adapter, registered_model_types
+from model_adapters.base import AutoAdapter, auto_adapter, uses_experts_interface
+
+from .config import MiraConfig
+from .errors import ConfigError, UnsupportedModelError
+from .proxy import KNOWN_EXPERT_TENSORS, LAYOUT_FLAGS, MiraExperts
+from .store import ExpertStore
+
+_HOW_TO_ADD = (
+    "Pass MiraConfig(expert_layer_path='model.layers.*.mlp.experts') (the glob of its routed-experts modules), "
+    "or register an adapter: model_adapters.register_adapter(MoEAdapter(name=..., model_types=(...,), experts_globs=(...,)))."
+)
+
+
+ROUTER_HASH = "router_sha256"  # the fingerprint's hash of the routers' weights
+
+
+@dataclass
+class Target:
+    """One routed-experts module to replace, found and validated before anything changes."""
+
+    name: str
+    parent: nn.Module
+    attr: str
+    module: nn.Module
+    ordinal: int
+    tensors: dict[str, torch.Tensor]
+    requires_grad: dict[str, bool]
+
+    def restore(self, store: ExpertStore) -> None:
+        """Give the module back its tensors, rebuilt from the store's records."""
+        for n, tensor in store.fused(self.ordinal).items():
+            self.module.register_parameter(n, nn.Parameter(tensor, requires_grad=self.requires_grad[n]))
+
+
+def resolve_adapter(model_type: str | None, cfg: MiraConfig) -> MoEAdapter:
+    """The adapter of `model_type`: `expert_layer_path`'s if given, else the registered one, else `AutoAdapter`
+    where transformers builds its experts with the experts interface; refused before any weight is read otherwise."""
+    if cfg.expert_layer_path is not None:
+        return generic_adapter(cfg.expert_layer_path)
+    adapter = get_adapter(model_type) if model_type else None
+    if adapter is not None:
+        return adapter
+    if model_type and uses_experts_interface(model_type) is False:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} has no mira-hf adapter, and transformers' code for it builds no experts module "
+            f"(a dense model, or experts outside transformers' experts interface). Supported: "
+            f"{', '.join(registered_model_types())}, and any model whose experts transformers builds with its experts "
+            f"interface. {_HOW_TO_ADD}"
+        )
+    return auto_adapter(model_type)  # found by transformers' experts interface, or refused by find_targets
+
+
+def find_targets(
+    model: nn.Module, adapter: MoEAdapter, streamed: dict[str, dict[str, torch.Tensor]] | None = None
+) -> list[Target]:
+    """Every routed-experts module, validated. `streamed`: module path -> the meta tensors of experts
+    left out of the model at load (they are read from the checkpoint instead)."""
+    found = adapter.find_experts(model)
+    auto_type = (adapter.model_types or (None,))[0] if isinstance(adapter, AutoAdapter) else None
+    if not found and isinstance(adapter, AutoAdapter):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} (model_type {auto_type!r}) has no mira-hf adapter, and none of its modules "
+            f"is a routed-experts module built by transformers' experts interface. Supported: "
+            f"{', '.join(registered_model_types())}. {_HOW_TO_ADD}"
+        )
+    if found and isinstance(adapter, AutoAdapter):
+        warnings.warn(
+            f"mira-hf: model_type {auto_type!r} has no adapter; serving the {len(found)} routed-experts modules "
+            f"transformers built ({found[0][0]}, ...). Outputs are exact as for every family; the router beside them "
+            "ranks predictions. register_adapter(MoEAdapter(...)) records its routing and checkpoint layout.",
+            stacklevel=4,
+        )
+    if not found:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: no routed-experts module matches {list(adapter.experts_globs)} "
+            f"(adapter {adapter.name!r}). A dense model has nothing for mira-hf to offload; for an MoE model "
+            f"with experts elsewhere: {_HOW_TO_ADD}"
+        )
+    targets = []
+    for ordinal, (name, module) in enumerate(found):
+        if isinstance(module, MiraExperts):
+            raise ConfigError(f"{name} is already a MiraExperts proxy: this model is wrapped. Call model.unload() first.")
+        E = getattr(module, "num_experts", None)
+        tensors = dict(module.named_parameters(recurse=False))
+        in_checkpoint = streamed is not None and name in streamed
+        if in_checkpoint:
+            tensors = streamed[name]
+        unknown = sorted(set(tensors) - set(KNOWN_EXPERT_TENSORS))
+        up = "gate_up_proj" if adapter.flag(module, "has_gate", LAYOUT_FLAGS["has_gate"]) else "up_proj"
+        problem = None
+        if not isinstance(E, int) or not (hasattr(module, "is_transposed") or "is_transposed" in adapter.expert_flags):
+            problem = "it is not a fused experts module (transformers' @use_experts_implementation layout with `num_experts`)"
+        elif unknown:
+            problem = f"it holds tensors mira-hf does not know how to compute with: {unknown}"
+        elif up not in tensors or "down_proj" not in tensors:
+            problem = f"it lacks `{up}` or `down_proj` (has {sorted(tensors)})"
+        elif any(p.shape[0] != E for p in tensors.values()):
+            problem = f"its tensors' first dimension is not num_experts={E}: {[tuple(p.shape) for p in tensors.values()]}"
+        elif not in_checkpoint and any(p.device.type == "meta" for p in tensors.values()):
+            problem = "its weights are on the meta device (not loaded)"
+        if problem:
+            raise UnsupportedModelError(
+                f"{name} ({type(module).__name__}) cannot be served: {problem}. Supported: fused 3-D experts "
+                f"({', '.join(KNOWN_EXPERT_TENSORS)}). {_HOW_TO_ADD}"
+            )
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        targets.append(
+            Target(
+                name,
+                parent,
+                attr,
+                module,
+                ordinal,
+                {n: p.data for n, p in tensors.items()},
+                {n: p.requires_grad for n, p in tensors.items()},
+            )
+        )
+    return targets
+
+
+def expert_specs(targets: list[Target]) -> dict[int, dict]:
+    """Layer -> {tensor name: (one expert's shape, dtype)} of every target."""
+    return {t.ordinal: {n: (tuple(p.shape[1:]), p.dtype) for n, p in t.tensors.items()} for t in targets}
+
+
+def model_fingerprint(model: nn.Module, targets: list[Target], specs: dict, routers: bool = True) -> dict:
+    """What identifies a model for files made from it (predictors, packed stores): its shape and a
+    hash of its routers' weights, so a file from another checkpoint of the same shape is refused too.
+    `routers=False`: its shape only (a skeleton's routers are not loaded yet)."""
+    shape = {
+        "model_type": getattr(model.config, "model_type", None),
+        "moe_layers": len(targets),
+        "num_experts": [t.module.num_experts for t in targets],
+        "hidden_size": getattr(model.config, "hidden_size", None),
+        "expert_shapes": {n: list(shape) for n, (shape, _) in specs[targets[0].ordinal].items()} if targets else {},
+    }
+    if not routers:
+        return shape
+    h = hashlib.sha256()
+    for t in targets:
+        for name, p in sorted(t.parent.named_parameters()):
+            if not name.startswith(t.attr + ".") and p.dim() == 2 and p.shape[0] == t.module.num_experts:
+                h.update(p.detach().float().cpu().numpy().tobytes())
+    return {**shape, ROUTER_HASH: h.hexdigest()}
+
+
+class RouterTable:
+    """The wrapped model's routers by MoE layer ordinal, for predictors: called as `(layer, hidden [T, H])
+    -> [T, E]` router probabilities (a `RouterProbs`), and `linear(layer)`, the router as one linear map
+    (`RouterLinear`) or None, resolved once (the gate predictor applies it at every block)."""
+
+    def __init__(self, adapter: MoEAdapter, targets: list[Target]) -> None:
+        self._adapter = adapter
+        self._blocks = {t.ordinal: t.parent for t in targets}
+        self._linear: dict = {}
+
+    def __call__(self, layer: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        linear = self.linear(layer)
+        with torch.no_grad():
+            return None if linear is None else linear.probs(hidden)
+
+    def linear(self, layer: int):
+        if layer not in self._linear:
+            self._linear[layer] = self._adapter.router_linear(self._blocks[layer])
+        return self._linear[layer]
+
+    def forget_routers(self) -> None:
+        """Resolve the routers again at their next use: a cast or move replaced their buffers."""
+        self._linear.clear()

@@ -1,0 +1,54 @@
+"""Leaving mira-hf: `unload()` gives back an ordinary transformers model, `save_pretrained()` writes an ordinary
+checkpoint (experts included), as the unwrapped model would."""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+
+from .errors import ConfigError
+from .manager import ExpertManager
+from .state import uninstall as uninstall_state
+
+
+def warn_if_lossy(manager: ExpertManager, what: str) -> None:
+    if not manager.store.exact:
+        warnings.warn(
+            f"the experts are stored as {manager.store.codec.name}: {what} their dequantized values, not the "
+            "checkpoint's. Load the model again without quantization for the original weights.",
+            stacklevel=3,
+        )
+
+
+def unload(model: nn.Module) -> nn.Module:
+    """Give back an ordinary transformers model, on the CPU, with every expert in place."""
+    manager: ExpertManager = model.mira
+    warn_if_lossy(manager, "unload() gives back")
+    uninstall_state(model)
+    for hook in model._mira_hooks:
+        hook.remove()
+    manager.close()
+    model.to("cpu")
+    for t in model._mira_targets:
+        t.restore(manager.store)
+        setattr(t.parent, t.attr, t.module)
+    manager.store.close()
+    bound = ("unload", "save_pretrained", "set_experts_implementation", "mira_load_report")  # per-instance, from `_wrap`
+    for attr in ("mira", "_mira_config", "_mira_targets", "_mira_hooks", *bound):
+        model.__dict__.pop(attr, None)
+    return model
+
+
+def save_pretrained(model: nn.Module, save_directory, **kwargs):
+    """Write an ordinary transformers checkpoint (experts included), as the unwrapped model would."""
+    if "state_dict" in kwargs:
+        raise ConfigError("save_pretrained of a mira-hf model builds the state dict itself; do not pass state_dict.")
+    warn_if_lossy(model.mira, "save_pretrained() writes")
+    with warnings.catch_warnings():  # state_dict() would say it again for every layer
+        warnings.simplefilter("ignore")
+        state = model.state_dict()
+    for t in model._mira_targets:  # one contiguous tensor each (views of raw records share their slab)
+        for n, tensor in model.mira.store.fused(t.ordinal).items():
+            state[f"{t.name}.{n}"] = tensor
+    return type(model).save_pretrained(model, save_directory, state_dict=state, **kwargs)

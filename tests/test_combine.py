@@ -38,11 +38,14 @@ _BUILT: dict = {}
 EAGER_WITHOUT_SENTINEL = ("gpt_oss", "nemotron_h")
 
 
-def experts_pair(name: str, dtype: torch.dtype, post_norm: bool = False) -> tuple[torch.nn.Module, MiraExperts]:
+def experts_pair(
+    name: str, dtype: torch.dtype, post_norm: bool = False, quantization: str | None = None
+) -> tuple[torch.nn.Module, MiraExperts]:
     """(transformers' experts module of the first MoE layer, the proxy that replaced it in a wrapped copy).
     Expert biases are drawn at random (transformers initialises them to zero, which would hide them);
-    `post_norm`: the experts module normalises each expert's output (transformers' `has_post_expert_norm`)."""
-    key = (name, dtype, post_norm)
+    `post_norm`: the experts module normalises each expert's output (transformers' `has_post_expert_norm`);
+    `quantization`: the wrapped copy's expert format (None: the weights' own dtype)."""
+    key = (name, dtype, post_norm, quantization)
     if key not in _BUILT:
         config = make_auto_config(name) if name == "nemotron_h" else make_config(name)
         if config is None:
@@ -62,7 +65,7 @@ def experts_pair(name: str, dtype: torch.dtype, post_norm: bool = False) -> tupl
             experts.post_expert_norm = torch.nn.RMSNorm(config.hidden_size, eps=1e-6)
             torch.nn.init.normal_(experts.post_expert_norm.weight, 1.0, 0.5)
         ref = ref.to(dtype)
-        model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.5))
+        model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.5, quantization=quantization))
         proxy = model.get_submodule(path)
         assert isinstance(proxy, MiraExperts)
         experts = ref.get_submodule(path)
@@ -96,14 +99,20 @@ def routings(E: int, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tenso
     }
 
 
-def mismatches(name: str, impl: str, post_norm: bool = False) -> list[str]:
+def mismatches(
+    name: str, impl: str, post_norm: bool = False, quantization: str | None = None, dtypes=DTYPES, cases=None
+) -> list[str]:
+    """The (routing, dtypes) cases where the proxy's output differs from transformers' experts module's;
+    `cases`: the routings to try (default: all)."""
     found = []
-    for dtype in DTYPES:
-        ref, proxy = experts_pair(name, dtype, post_norm)
+    for dtype in dtypes:
+        ref, proxy = experts_pair(name, dtype, post_norm, quantization)
         ref.config._experts_implementation = impl
         proxy.base.config._experts_implementation = impl
         H, E = proxy.base.config.hidden_size, proxy.num_experts
         for case, (index, w) in routings(E).items():
+            if cases is not None and case not in cases:
+                continue
             if impl == "eager" and name in EAGER_WITHOUT_SENTINEL and "sentinel" in case:
                 continue
             g = torch.Generator().manual_seed(len(case))
@@ -127,6 +136,18 @@ def test_the_proxy_combines_as_transformers_experts_do(name, impl):
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])  # transformers' eager forwards have no post-norm
 def test_a_normalised_expert_output_is_normalised_before_it_is_weighted(impl):
     assert mismatches("qwen3_moe", impl, post_norm=True) == []
+
+
+@pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_experts_kept_packed_in_their_slots_combine_as_transformers_experts_do(name, impl):
+    """Lossless records stay packed in the cache (placement "packed") and each matmul decodes its weight:
+    the decoded weights are the stored ones bit for bit, so the combine is still transformers' own (gpt_oss:
+    transposed, with biases read from the record). bf16 and a few routings: each matmul decodes a record."""
+    assert experts_pair(name, torch.bfloat16, quantization="lossless")[1].manager.placement == "packed"
+    cases = ("skewed prefill", "decode, descending picks", "prefill, sentinel rows", "decode, sentinel slot")
+    assert mismatches(name, impl, quantization="lossless", dtypes=(torch.bfloat16,), cases=cases) == []
 
 
 def test_the_routings_tell_the_implementations_apart():
@@ -189,9 +210,10 @@ def test_one_experts_rows_through_the_grouped_kernel_are_its_matmul_on_the_cpu()
     from mira_hf.experts_impl import grouped_linear
 
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(5, 64, generator=g), torch.randn(32, 64, generator=g)
-    assert torch.equal(grouped_linear(x, w, False), torch.nn.functional.linear(x, w))
-    assert torch.equal(grouped_linear(x, w.t().contiguous(), True), x @ w.t().contiguous())
+    for rows in (5, 80):  # fewer and more rows than the weight's 64 inputs: every row is the group's
+        x, w = torch.randn(rows, 64, generator=g), torch.randn(32, 64, generator=g)
+        assert torch.equal(grouped_linear(x, w, False), torch.nn.functional.linear(x, w)), rows
+        assert torch.equal(grouped_linear(x, w.t().contiguous(), True), x @ w.t().contiguous()), rows
 
 
 def test_the_manager_sees_each_blocks_hidden_states_and_routing():
@@ -218,11 +240,12 @@ def test_the_manager_sees_each_blocks_hidden_states_and_routing():
 
 def test_a_wrapped_model_refuses_implementations_it_cannot_compute_and_sets_the_others():
     experts_pair("mixtral", torch.float32)
-    model = _BUILT[("mixtral", torch.float32, False)][2]
+    model = _BUILT[("mixtral", torch.float32, False, None)][2]
     model.config._experts_implementation = "grouped_mm"
     try:
-        for impl in ("deepgemm", {"": "sonicmoe"}):
-            with pytest.raises(ConfigError, match="was requested for a model wrapped by mira-hf"):
+        for impl, name in (("deepgemm", "deepgemm"), ({"": "sonicmoe"}, "sonicmoe")):
+            refusal = f"^experts_implementation='{name}' was requested for a model wrapped by mira-hf, but"
+            with pytest.raises(ConfigError, match=refusal):
                 model.set_experts_implementation(impl)
             assert model.config._experts_implementation == "grouped_mm"
         model.set_experts_implementation("eager")
@@ -278,8 +301,22 @@ def test_implementations_mira_cannot_compute_are_refused_by_name():
         check_model_implementations(Model())
     Config.text_config._experts_implementation = "eager"
     check_model_implementations(Model())  # every config supported: nothing raised
+    Config._experts_implementation = "deepgemm"  # the model's own config is checked too, not only its sub-configs
+    with pytest.raises(ConfigError, match="experts_implementation='deepgemm' is set on Model"):
+        check_model_implementations(Model())
     Config._experts_implementation = None  # unset: transformers' default
     check_model_implementations(Model())
+
+    class Bare:  # no experts implementation, no sub-configs; a sub-config named but absent
+        sub_configs = {"vision_config": None}
+
+    class BareModel(torch.nn.Module):
+        config = Bare()
+
+    for model in (BareModel(), torch.nn.Module()):  # and a module without a config: nothing to refuse
+        check_model_implementations(model)
+    del Bare.sub_configs
+    check_model_implementations(BareModel())
 
 
 # -- the proxy as one operator, and its refusal of a backward --------------------------------------------

@@ -454,6 +454,9 @@ def test_nf4_decode_is_the_nested_absmax_times_the_level():
     got = codec.decode(record, layout, torch.float32)
     assert torch.allclose(got["w"], expected, rtol=1e-6, atol=0) and same(got["b"], torch.arange(4.0))
     assert (got["w"] - w).abs().max() <= 0.2 * absmax.max()  # nf4's coarsest step is below 0.33 of absmax
+    slot = {"w": torch.full((4, 128), math.nan), "b": torch.full((4,), math.nan)}  # a slot holding other weights
+    into = codec.decode(record, layout, torch.float32, out=slot)
+    assert into["w"] is slot["w"] and same(slot["w"], got["w"]) and same(slot["b"], got["b"])
     assert same(codec.linear(w[:2, :128], record, layout, "w", False), torch.nn.functional.linear(w[:2], got["w"]))
     assert tensor_specs(got)["w"] == ((4, 128), torch.float32)
 

@@ -144,10 +144,10 @@ def test_a_normalised_expert_output_is_normalised_before_it_is_weighted(impl):
 def test_experts_kept_packed_in_their_slots_combine_as_transformers_experts_do(name, impl):
     """Lossless records stay packed in the cache (placement "packed") and each matmul decodes its weight:
     the decoded weights are the stored ones bit for bit, so the combine is still transformers' own (gpt_oss:
-    transposed, with biases read from the record). bf16 and a few routings: each matmul decodes a record."""
+    transposed, with biases read from the record). A few routings: each matmul decodes a record."""
     assert experts_pair(name, torch.bfloat16, quantization="lossless")[1].manager.placement == "packed"
     cases = ("skewed prefill", "decode, descending picks", "prefill, sentinel rows", "decode, sentinel slot")
-    assert mismatches(name, impl, quantization="lossless", dtypes=(torch.bfloat16,), cases=cases) == []
+    assert mismatches(name, impl, quantization="lossless", dtypes=(torch.float32, torch.bfloat16), cases=cases) == []
 
 
 def test_the_routings_tell_the_implementations_apart():

@@ -6,7 +6,7 @@ weights in fp32 or in the hidden dtype.
 The routings are chosen to expose a wrong combine: skewed (most rows on one expert, some experts unused,
 weights far from uniform), a decode step whose picks are not in ascending order (eager adds experts in
 ascending order), four experts per token (the order of the additions shows in bf16/fp16), a repeated pick,
-and the expert-parallel sentinel (index E: a row that must stay zero whatever its weight).
+two tokens sharing the same K experts (K distinct picks, but not one token), and the expert-parallel sentinel (index E: a row that must stay zero whatever its weight).
 Fast: no generate, no checkpoint; a model per (family, dtype) built once.
 """
 
@@ -93,6 +93,7 @@ def routings(E: int, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tenso
         "decode, four picks": (torch.tensor([[6, 1, E - 1, 0]]), weights(1, 4)),
         "prefill, four picks": (perms, weights(5, 4)),
         "decode, repeated pick": (torch.tensor([[3, 3]]), weights(1, 2)),
+        "two tokens, the same two experts": (torch.tensor([[5, 2], [2, 5]]), weights(2, 2)),  # K experts, not a decode step
         "prefill, sentinel rows": (sentinel, weights(6, 2)),
         "decode, sentinel slot": (torch.tensor([[E, 4]]), weights(1, 2)),
         "decode, only the sentinel": (torch.tensor([[E, E]]), weights(1, 2)),

@@ -151,6 +151,29 @@ def test_experts_kept_packed_in_their_slots_combine_as_transformers_experts_do(n
     assert mismatches(name, impl, quantization="lossless", dtypes=(torch.float32, torch.bfloat16), cases=cases) == []
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_experts_scaled_by_their_routing_weight_compute_as_llama4s_do(dtype):
+    """Llama 4's experts module takes each expert's tokens already scaled by its routing weight ([E*T, H],
+    zero rows where the router did not choose the expert) and splits each gate_up row into gate columns,
+    then up columns: the proxy (`MiraScaledExperts`) gives its output bit for bit."""
+    config = make_config("llama4")
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    path = next(p for p, m in ref.named_modules() if p.endswith("experts") and isinstance(getattr(m, "num_experts", None), int))
+    model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.5))
+    experts, proxy = ref.get_submodule(path), model.get_submodule(path)
+    E, H, T = experts.num_experts, config.get_text_config().hidden_size, 3
+    g = torch.Generator().manual_seed(0)
+    x = torch.zeros(E, T, H)
+    x[1] = torch.randn(T, H, generator=g) * 0.7  # expert 1 chosen by every token
+    x[E - 1, 1] = torch.randn(H, generator=g) * 3  # the last expert by token 1 only; the others by none
+    x = x.view(E * T, H).to(dtype)
+    with torch.no_grad():
+        expected, got = experts(x), proxy(x)
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
+    assert got.view(E, T, H)[0].abs().sum() == 0 and got.view(E, T, H)[1].abs().sum() > 0
+
+
 def test_the_routings_tell_the_implementations_apart():
     """The cases above are strong enough to matter: on them, in bf16, transformers' three implementations
     do not all agree with one another, so a proxy combining as the wrong one would be caught."""

@@ -198,6 +198,9 @@ def summary(path: str, directories: list[str]) -> None:
     needs_gpu = {n for names in NEEDS_GPU.values() for n in names}
     result = {}
     for group, modules in GROUPS.items():
+        if not any(fnmatch.fnmatchcase(n, p) and v != "not checked" for n, v in found.items() for p in patterns([group])):
+            print(f"{group}: no mutant checked, left out")
+            continue
         rows = {}
         for module, pats in modules.items():
             names = sorted(n for n in found if any(fnmatch.fnmatchcase(n, p) for p in pats))

@@ -550,3 +550,33 @@ def test_each_tensor_is_decoded_on_the_records_device():
     for lut in (None, torch.tensor([0.0] * 16, device="meta")):
         got = dequantize_mxfp4(blocks, scales, torch.bfloat16, lut)
         assert (got.device.type, got.dtype, got.shape) == ("meta", torch.bfloat16, (64, 3))
+
+
+def test_decoded_tensors_are_fresh_and_outlive_their_record():
+    """A record lives in a staging buffer or cache slot that the next copy overwrites: decoded tensors,
+    the raw ones (biases) included, are never views of it."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(8, 64, generator=g), "bias": torch.randn(8, generator=g)}
+    for codec in (PackedCodec(QuantSpec(fmt="int4", group_size=16)), LosslessCodec(), make_codec("int8", group_size=16)):
+        layout, record = pack_expert(codec, tensors)
+        for dtype in (torch.float32, torch.bfloat16):
+            out = codec.decode(record, layout, dtype, backend="torch")
+            kept = {k: v.clone() for k, v in out.items()}
+            overwritten = record.clone()
+            record.fill_(0x55)  # the slot takes the next expert's bytes
+            assert all(same(out[k], kept[k]) for k in out), (codec, dtype)
+            record.copy_(overwritten)
+        assert same(out["bias"], tensors["bias"].bfloat16())
+
+
+def test_a_calls_backend_overrides_the_codecs():
+    """`decode(..., backend="torch")` decodes with the torch reference even where the codec was built for the
+    Triton kernels (which a CPU record cannot run)."""
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(8, 64, generator=g), "bias": torch.randn(8, generator=g)}
+    for codec in (PackedCodec(QuantSpec(fmt="int4", group_size=16), backend="triton"), LosslessCodec(backend="triton")):
+        layout, record = pack_expert(codec, tensors)
+        expected = PackedCodec(codec.spec).decode(record, layout, torch.float32) if hasattr(codec, "spec") else tensors
+        got = codec.decode(record, layout, torch.float32, backend="torch")
+        assert all(same(got[k], expected[k]) for k in tensors), codec

@@ -104,11 +104,16 @@ _LB, _LL = "mira_hf.quant.lossless_bits", "mira_hf.quant.lossless"
 EQUIVALENT: dict[str, list[str]] = {
     "zeros or uninitialised rows that are never read or are zeroed later": _names(_PROXY, "MiraExperts._batched", "12 13 15")
     + _names(_PROXY, "MiraExperts._decode_step", "20 63 64")
-    + _names(_PROXY, "MiraExperts.serve", "72"),
+    + _names(_PROXY, "MiraExperts.serve", "72")
+    + _names(_PROXY, "MiraExperts._combine", "25 30"),
     "the sentinel's rows left to their zero weights on the batched path": _names(_PROXY, "MiraExperts.serve", "85 93 94")
     + _names(_PROXY, "MiraExperts._decode_step", "32 40 79 87"),
     "combine given None for batched_mm": _names(_PROXY, "MiraExperts.serve", "84")
     + _names(_PROXY, "MiraExperts._decode_step", "31"),
+    "the eager accumulator's dtype from routing weights in fp32 or the hidden dtype": _names(
+        _PROXY, "MiraExperts._combine", "40"
+    ),
+    "the whole record acquired at once": _names(_PROXY, "MiraExperts._serve", "9 12 13"),
     "one more zero count after the sentinel's": _names(_PROXY, "MiraExperts.serve", "36 43"),
     "the row order inside an expert's block": _names(_PROXY, "MiraExperts.serve", "48 49"),
     "a default that no caller uses": _names(_PROXY, "MiraExperts._up_proj", "1") + _names(_PROXY, "MiraExperts._down_proj", "1"),
@@ -120,7 +125,8 @@ EQUIVALENT: dict[str, list[str]] = {
     "a slice one longer, cut to length after": _names(_LB, "decode_words_torch", "48")
     + _names(_LB, "decode_words_classes_torch", "76")
     + _names(_LB, "_blocks", "9"),
-    "use_triton None is False": _names(_LL, "LosslessCodec.decode_entry", "13 22"),
+    "use_triton None is False": _names(_LL, "LosslessCodec.decode_entry", "13 22")
+    + _names("mira_hf.quant.base", "RecordCodec.decode", "11 20"),
     "a zero scale decodes every code to zero": _names("mira_hf.quant.groupwise", "_safe", "7"),
     "an empty superblock is the one whose smallest scale is infinite": _names(
         "mira_hf.quant.groupwise", "superblock_params", "71"
@@ -149,7 +155,8 @@ NEEDS_GPU: dict[str, list[str]] = {
     + _names(_PROXY, "MiraExperts._expert", "1 5 8 15 18")
     + _names(_PROXY, "MiraExperts._up_proj", "6")
     + _names(_PROXY, "MiraExperts._down_proj", "6")
-    + _names(_PROXY, "MiraExperts._linear", "15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30")
+    + _names(_PROXY, "MiraExperts.serve", "99 100 101 102 103 104 105 106 128 133")
+    + _names(_PROXY, "MiraExperts._linear", " ".join(str(n) for n in (*range(1, 10), *range(15, 31))))
     + _names(_IMPL, "grouped_linear", "5 9"),
     "a tensor made on the host instead of the record's device": _names("mira_hf.quant.mxfp4", "Mxfp4Codec._lut", "6 9")
     + _names("mira_hf.quant.mxfp4", "Mxfp4Codec.dequantize", "11")

@@ -114,6 +114,9 @@ EQUIVALENT: dict[str, list[str]] = {
         _PROXY, "MiraExperts._combine", "40"
     ),
     "the whole record acquired at once": _names(_PROXY, "MiraExperts._serve", "9 12 13"),
+    "two addends in either order, a one-column sort, a 2-D tensor's dim 1 as -1": _names(_IMPL, "combine", "3 25 26")
+    + _names(_PROXY, "MiraExperts._activate", "11"),
+    "a uint8 view of a uint8 view": _names("mira_hf.quant.record", "section_view", "2"),
     "one more zero count after the sentinel's": _names(_PROXY, "MiraExperts.serve", "36 43"),
     "the row order inside an expert's block": _names(_PROXY, "MiraExperts.serve", "48 49"),
     "a default that no caller uses": _names(_PROXY, "MiraExperts._up_proj", "1") + _names(_PROXY, "MiraExperts._down_proj", "1"),

@@ -151,6 +151,27 @@ def test_experts_kept_packed_in_their_slots_combine_as_transformers_experts_do(n
     assert mismatches(name, impl, quantization="lossless", dtypes=(torch.float32, torch.bfloat16), cases=cases) == []
 
 
+def test_lossy_records_kept_packed_compute_with_their_codec_under_every_implementation():
+    """int8 records kept packed (placement "packed") are not transformers' weights: each expert runs through its
+    codec's own matmul, so batched_mm gives the bits grouped_mm gives (not a bmm of decoded copies)."""
+    from mira_hf.config import QuantConfig
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(make_config("mixtral")).eval()
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, quantization="int8", quant=QuantConfig(placement="packed"))
+    proxy = MiraMoEModel.wrap(ref, cfg).model.layers[0].mlp.experts
+    assert proxy.manager.placement == "packed" and not proxy.manager.store.exact
+    H = proxy.base.config.hidden_size
+    for case, (index, w) in routings(proxy.num_experts).items():
+        hidden = torch.randn(index.shape[0], H, generator=torch.Generator().manual_seed(len(case))) * 4
+        out = {}
+        for impl in ("grouped_mm", "batched_mm"):
+            proxy.base.config._experts_implementation = impl
+            with torch.no_grad():
+                out[impl] = proxy(hidden, index, w)
+        assert torch.equal(out["batched_mm"], out["grouped_mm"]), case
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_experts_scaled_by_their_routing_weight_compute_as_llama4s_do(dtype):
     """Llama 4's experts module takes each expert's tokens already scaled by its routing weight ([E*T, H],
@@ -292,6 +313,7 @@ def test_implementation_is_read_from_the_config_of_decorated_modules_only():
         config = ref.config
 
     assert implementation_of(Plain()) == "eager"
+    assert implementation_of(torch.nn.Module()) == "eager"  # no config at all
     bare = copy.copy(ref)
     bare.config = None
     assert implementation_of(bare) == "eager"

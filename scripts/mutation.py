@@ -200,7 +200,7 @@ def statuses(directory: str = ".") -> dict[str, str]:
     return dict(line.strip().rsplit(": ", 1) for line in out.splitlines() if ": " in line)
 
 
-def summary(path: str, directories: list[str]) -> None:
+def summary(path: str, directories: list[str], groups: list[str] | None = None) -> None:
     found = {}
     for directory in directories:  # a later run's verdicts replace an earlier one's, mutant by mutant
         found.update({k: v for k, v in statuses(directory).items() if v != "not checked" or k not in found})
@@ -208,6 +208,8 @@ def summary(path: str, directories: list[str]) -> None:
     needs_gpu = {n for names in NEEDS_GPU.values() for n in names}
     result = {}
     for group, modules in GROUPS.items():
+        if groups and group not in groups:
+            continue
         if not any(fnmatch.fnmatchcase(n, p) and v != "not checked" for n, v in found.items() for p in patterns([group])):
             print(f"{group}: no mutant checked, left out")
             continue
@@ -250,6 +252,7 @@ def main() -> int:
     r.add_argument("--survivors", action="store_true", help="rerun only the mutants the last run did not kill")
     s = sub.add_parser("summary")
     s.add_argument("out")
+    s.add_argument("--groups", nargs="+", choices=list(GROUPS), help="the groups to summarise (default: every one run)")
     s.add_argument("--dirs", nargs="+", default=["."], help="checkouts whose mutmut results to merge (default: this one)")
     args = parser.parse_args()
     if args.command == "run":
@@ -257,7 +260,7 @@ def main() -> int:
         if unknown:
             parser.error(f"unknown groups {unknown}; choose from {list(GROUPS)}")
         return run(args.groups or list(GROUPS), args.max_children, args.survivors)
-    summary(args.out, args.dirs)
+    summary(args.out, args.dirs, args.groups)
     return 0
 
 

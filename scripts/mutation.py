@@ -101,7 +101,26 @@ def _names(module: str, function: str, numbers: str) -> list[str]:
 # so a run on changed code lists them again as survivors to be argued or killed.
 _PROXY, _IMPL = "mira_hf.proxy", "mira_hf.experts_impl"
 _LB, _LL = "mira_hf.quant.lossless_bits", "mira_hf.quant.lossless"
+_POL, _HEAT, _BUDGET = "mira_hf.policies", "mira_hf.heat", "mira_hf.budget"
 EQUIVALENT: dict[str, list[str]] = {
+    # core
+    "a value never read (LRU order's values, `staged`, a victim always reassigned)": _names(_POL, "LRUPolicy.inserted", "1")
+    + _names(_POL, "PriorityPolicy.inserted", "2")
+    + _names("mira_hf.cache", "ExpertCache.allocate", "9 42"),
+    "a tie of one is what the recency search over it returns": _names(_POL, "HeatPolicy.victim", "11"),
+    "any negative default ranks an unknown key first": _names(_POL, "PriorityPolicy.victim", "17"),
+    "table sizes that differ only by rows never read": _names(_HEAT, "HeatTracker.__init__", "39 50 52"),
+    "window counts only used divided by their layer's largest": _names(_HEAT, "HeatTracker.activate", "18"),
+    "NumPy stores None as False in a bool array": _names(_HEAT, "HeatTracker.end_step", "11")
+    + _names(_HEAT, "HeatTracker._end_period", "7"),
+    "a 1-byte slot budget buys no slot; each pool's top-k is at least 1; raising top-k slots to top-k": _names(
+        _BUDGET, "plan_budget", "14 31 62"
+    ),
+    "the keep-value's floor and batching: the same float64 values either way": _names(
+        _POL, "ExpectedDistance.keep_values", "2 3 8 9 19"
+    )
+    + _names(_POL, "ExpectedDistance._keep_values_np", "12 21 27 35 37"),
+    # combine and codecs
     "zeros or uninitialised rows that are never read or are zeroed later": _names(_PROXY, "MiraExperts._batched", "12 13 15")
     + _names(_PROXY, "MiraExperts._decode_step", "20 63 64")
     + _names(_PROXY, "MiraExperts.serve", "72")

@@ -3,7 +3,8 @@
 
     pip install mutmut
     python scripts/mutation.py run combine        # or: codecs, core; several at once; none = all
-    python scripts/mutation.py summary OUT.json   # counts per group and module, the survivors by name
+    python scripts/mutation.py run combine --survivors   # after adding tests: only the mutants not yet killed
+    python scripts/mutation.py summary OUT.json   # counts per group and module, the score, survivors not argued
 
 `run` calls `mutmut run` on the group's functions (mutmut's configuration, the mutated files and the fast test
 selection, is `[tool.mutmut]` in pyproject.toml); each mutant runs only the selected tests that call its
@@ -86,14 +87,129 @@ GROUPS: dict[str, dict[str, list[str]]] = {
 }
 
 
+def _names(module: str, function: str, numbers: str) -> list[str]:
+    """mutmut's names of mutants `numbers` of `function` ("combine", or "MiraExperts.serve" for a method)."""
+    cls, _, fn = function.rpartition(".")
+    prefix = f"{module}.{M}{cls}ǁ{fn}" if cls else f"{module}.x_{fn}"
+    return [f"{prefix}__mutmut_{n}" for n in numbers.split()]
+
+
+# Survivors that compute what the original computes, by class; docs/RELIABILITY.md ("Mutation testing") says
+# why for each class. And survivors only a GPU run can kill: on the CPU the line they change picks a branch
+# that gives the same bits there (transformers' grouped kernel, a host tensor indexed on its own device, the
+# Triton kernels). Numbers are mutmut's for the code as committed: editing a function renumbers its mutants,
+# so a run on changed code lists them again as survivors to be argued or killed.
+_PROXY, _IMPL = "mira_hf.proxy", "mira_hf.experts_impl"
+_LB, _LL = "mira_hf.quant.lossless_bits", "mira_hf.quant.lossless"
+_POL, _HEAT, _BUDGET = "mira_hf.policies", "mira_hf.heat", "mira_hf.budget"
+EQUIVALENT: dict[str, list[str]] = {
+    # core
+    "a value never read (LRU order's values, `staged`, a victim always reassigned)": _names(_POL, "LRUPolicy.inserted", "1")
+    + _names(_POL, "PriorityPolicy.inserted", "2")
+    + _names("mira_hf.cache", "ExpertCache.allocate", "9 42"),
+    "a tie of one is what the recency search over it returns": _names(_POL, "HeatPolicy.victim", "11"),
+    "any negative default ranks an unknown key first": _names(_POL, "PriorityPolicy.victim", "17"),
+    "table sizes that differ only by rows never read": _names(_HEAT, "HeatTracker.__init__", "39 50 52"),
+    "window counts only used divided by their layer's largest": _names(_HEAT, "HeatTracker.activate", "18"),
+    "NumPy stores None as False in a bool array": _names(_HEAT, "HeatTracker.end_step", "11")
+    + _names(_HEAT, "HeatTracker._end_period", "7"),
+    "a 1-byte slot budget buys no slot; each pool's top-k is at least 1; raising top-k slots to top-k": _names(
+        _BUDGET, "plan_budget", "14 31 62"
+    ),
+    "the keep-value's floor and batching: the same float64 values either way": _names(
+        _POL, "ExpectedDistance.keep_values", "2 3 8 9 19"
+    )
+    + _names(_POL, "ExpectedDistance._keep_values_np", "12 21 27 35 37"),
+    # combine and codecs
+    "zeros or uninitialised rows that are never read or are zeroed later": _names(_PROXY, "MiraExperts._batched", "12 13 15")
+    + _names(_PROXY, "MiraExperts._decode_step", "20 63 64")
+    + _names(_PROXY, "MiraExperts.serve", "72")
+    + _names(_PROXY, "MiraExperts._combine", "25 30"),
+    "the sentinel's rows left to their zero weights on the batched path": _names(_PROXY, "MiraExperts.serve", "85 93 94")
+    + _names(_PROXY, "MiraExperts._decode_step", "32 40 79 87"),
+    "combine given None for batched_mm": _names(_PROXY, "MiraExperts.serve", "84")
+    + _names(_PROXY, "MiraExperts._decode_step", "31"),
+    "the eager accumulator's dtype from routing weights in fp32 or the hidden dtype": _names(
+        _PROXY, "MiraExperts._combine", "40"
+    ),
+    "the whole record acquired at once": _names(_PROXY, "MiraExperts._serve", "9 12 13"),
+    "two addends in either order, a one-column sort, a 2-D tensor's dim 1 as -1": _names(_IMPL, "combine", "3 25 26")
+    + _names(_PROXY, "MiraExperts._activate", "11"),
+    "a uint8 view of a uint8 view": _names("mira_hf.quant.record", "section_view", "2"),
+    "one more zero count after the sentinel's": _names(_PROXY, "MiraExperts.serve", "36 43"),
+    "the row order inside an expert's block": _names(_PROXY, "MiraExperts.serve", "48 49"),
+    "a default that no caller uses": _names(_PROXY, "MiraExperts._up_proj", "1") + _names(_PROXY, "MiraExperts._down_proj", "1"),
+    "a dtype cast whose values every use keeps": _names(_LB, "_high_low", "9 12")
+    + _names(_LB, "_sign_mantissa", "1")
+    + _names(_LB, "decode_words_torch", "23 51")
+    + _names(_LB, "decode_words_classes_torch", "37 49 52 101 117 133"),
+    "an arithmetic shift of int16 repeats the sign bit": _names(_LB, "_sign_mantissa", "5"),
+    "a slice one longer, cut to length after": _names(_LB, "decode_words_torch", "48")
+    + _names(_LB, "decode_words_classes_torch", "76")
+    + _names(_LB, "_blocks", "9"),
+    "use_triton None is False": _names(_LL, "LosslessCodec.decode_entry", "13 22")
+    + _names("mira_hf.quant.base", "RecordCodec.decode", "11 20"),
+    "a zero scale decodes every code to zero": _names("mira_hf.quant.groupwise", "_safe", "7"),
+    "an empty superblock is the one whose smallest scale is infinite": _names(
+        "mira_hf.quant.groupwise", "superblock_params", "71"
+    ),
+    "a host index into a device tensor": _names("mira_hf.quant.groupwise", "group_scales_torch", "31 33"),
+    "reshapes that give the same elements in the same order": _names("mira_hf.quant.fp8_block", "dequantize_fp8", "9 10 15 29")
+    + _names("mira_hf.quant.native", "split_rows", "8")
+    + _names("mira_hf.quant.nf4", "Nf4Codec._dequantize", "5 15"),
+    "float32 scales are already float32; a bf16 scale promotes exactly": _names(
+        "mira_hf.quant.fp8_block", "dequantize_fp8", "28"
+    ),
+    "one piece per fused tensor gives the same blocks": _names("mira_hf.quant.native", "NativeCodec.decode", "20")
+    + _names("mira_hf.quant.fp8_block", "Fp8BlockCodec.dequantize", "22"),
+    "an extra copy": _names("mira_hf.quant.native", "NativeCodec.decode", "30"),
+    "the e2m1 table exact in every float dtype, made here or cached": _names(
+        "mira_hf.quant.mxfp4", "Mxfp4Codec.dequantize", "4 8 10"
+    )
+    + _names("mira_hf.quant.mxfp4", "Mxfp4Codec._lut", "1 3 5 8")
+    + _names("mira_hf.quant.mxfp4", "dequantize_mxfp4", "4 7"),
+    "bitsandbytes reads nf4's table from quant_type, not code": _names("mira_hf.quant.nf4", "Nf4Codec._state", "25 33"),
+}
+NEEDS_GPU: dict[str, list[str]] = {
+    "transformers' grouped kernel instead of F.linear (the same bits on the CPU)": _names(
+        _PROXY, "MiraExperts._decode_step", "42 43 44 45 46 47 48 49 55 60"
+    )
+    + _names(_PROXY, "MiraExperts._expert", "1 5 8 15 18")
+    + _names(_PROXY, "MiraExperts._up_proj", "6")
+    + _names(_PROXY, "MiraExperts._down_proj", "6")
+    + _names(_PROXY, "MiraExperts.serve", "99 100 101 102 103 104 105 106 128 133")
+    + _names(_PROXY, "MiraExperts._linear", " ".join(str(n) for n in (*range(1, 10), *range(15, 31))))
+    + _names(_IMPL, "grouped_linear", "5 9"),
+    "a tensor made on the host instead of the record's device": _names("mira_hf.quant.mxfp4", "Mxfp4Codec._lut", "6 9")
+    + _names("mira_hf.quant.mxfp4", "Mxfp4Codec.dequantize", "11")
+    + _names("mira_hf.quant.mxfp4", "dequantize_mxfp4", "5 8")
+    + _names(_LB, "decode_words_classes_torch", "2 50 53"),
+    "the Triton kernels' call": _names("mira_hf.quant.integer", "PackedCodec.decode_entry", "9 10 11 12 13 14 15 16 17 18")
+    + _names(_LL, "LosslessCodec._decode_into", "15 16 17 18 19 20 21 22"),
+}
+
+
 def patterns(groups: list[str]) -> list[str]:
     return [p for g in groups for pats in GROUPS[g].values() for p in pats]
 
 
-def run(groups: list[str], children: int) -> int:
+def run(groups: list[str], children: int, survivors: bool = False) -> int:
+    """`mutmut run` on the groups' mutants. `survivors`: only those still to decide, after new tests: the
+    ones not checked yet and the survivors not argued equivalent or left to a GPU run."""
+    names = patterns(groups)
+    if survivors:
+        argued = {n for group in (EQUIVALENT, NEEDS_GPU) for names in group.values() for n in names}
+        names = sorted(
+            n
+            for n, v in statuses().items()
+            if (v == "not checked" or (v == "survived" and n not in argued)) and any(fnmatch.fnmatchcase(n, p) for p in names)
+        )
+        if not names:
+            print("nothing to rerun")
+            return 0
     # one torch thread: mutmut forks its test runner after torch has started its thread pool
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.call(["mutmut", "run", "--max-children", str(children), *patterns(groups)], env=env)
+    return subprocess.call(["mutmut", "run", "--max-children", str(children), *names], env=env)
 
 
 def statuses(directory: str = ".") -> dict[str, str]:
@@ -103,24 +219,41 @@ def statuses(directory: str = ".") -> dict[str, str]:
     return dict(line.strip().rsplit(": ", 1) for line in out.splitlines() if ": " in line)
 
 
-def summary(path: str, directories: list[str]) -> None:
+def summary(path: str, directories: list[str], groups: list[str] | None = None) -> None:
     found = {}
     for directory in directories:  # a later run's verdicts replace an earlier one's, mutant by mutant
         found.update({k: v for k, v in statuses(directory).items() if v != "not checked" or k not in found})
+    equivalent = {n for names in EQUIVALENT.values() for n in names}
+    needs_gpu = {n for names in NEEDS_GPU.values() for n in names}
     result = {}
     for group, modules in GROUPS.items():
+        if groups and group not in groups:
+            continue
+        if not any(fnmatch.fnmatchcase(n, p) and v != "not checked" for n, v in found.items() for p in patterns([group])):
+            print(f"{group}: no mutant checked, left out")
+            continue
         rows = {}
         for module, pats in modules.items():
             names = sorted(n for n in found if any(fnmatch.fnmatchcase(n, p) for p in pats))
             counts = Counter(found[n] for n in names)
+            survived = [n for n in names if found[n] == "survived"]
             rows[module] = {
                 "mutants": len(names),
-                "killed": counts["killed"],
-                "survived": sorted(n for n in names if found[n] == "survived"),
+                "checked": len(names) - counts["not checked"],
+                # the tests failed: an assertion, or the mutant crashed or hung the test process
+                "killed": counts["killed"] + counts["timeout"] + counts["segfault"],
+                "equivalent": len([n for n in survived if n in equivalent]),
+                "needs_gpu": len([n for n in survived if n in needs_gpu]),
+                "survived": len(survived),
+                "not_argued": sorted(n for n in survived if n not in equivalent and n not in needs_gpu),
                 "other": {s: c for s, c in counts.items() if s not in ("killed", "survived")},  # not checked, timeout, ...
             }
-        total = {k: sum(r[k] for r in rows.values()) for k in ("mutants", "killed")}
-        total["survived"] = sum(len(r["survived"]) for r in rows.values())
+        keys = ("mutants", "checked", "killed", "equivalent", "needs_gpu", "survived")
+        total = {k: sum(r[k] for r in rows.values()) for k in keys}
+        total["not_argued"] = sum(len(r["not_argued"]) for r in rows.values())
+        # the score: killed share of the checked mutants that are not equivalent (needs_gpu counts as not killed)
+        scored = total["checked"] - total["equivalent"]
+        total["score"] = round(total["killed"] / scored, 4) if scored else None
         result[group] = {"modules": rows, "total": total}
     with open(path, "w") as f:
         json.dump(result, f, indent=1, ensure_ascii=False)
@@ -134,17 +267,19 @@ def main() -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run")
     r.add_argument("groups", nargs="*", help=f"any of {list(GROUPS)} (default: all)")
-    r.add_argument("--max-children", type=int, default=2)
+    r.add_argument("--max-children", type=int, default=1)
+    r.add_argument("--survivors", action="store_true", help="rerun only the mutants the last run did not kill")
     s = sub.add_parser("summary")
     s.add_argument("out")
+    s.add_argument("--groups", nargs="+", choices=list(GROUPS), help="the groups to summarise (default: every one run)")
     s.add_argument("--dirs", nargs="+", default=["."], help="checkouts whose mutmut results to merge (default: this one)")
     args = parser.parse_args()
     if args.command == "run":
         unknown = sorted(set(args.groups) - set(GROUPS))
         if unknown:
             parser.error(f"unknown groups {unknown}; choose from {list(GROUPS)}")
-        return run(args.groups or list(GROUPS), args.max_children)
-    summary(args.out, args.dirs)
+        return run(args.groups or list(GROUPS), args.max_children, args.survivors)
+    summary(args.out, args.dirs, args.groups)
     return 0
 
 

@@ -89,7 +89,10 @@ def test_the_error_lists_every_codec_buffer():
 
 def test_a_fraction_below_the_minimum_working_set_is_raised_to_it_with_a_warning():
     # 0.1 of the 10,000 expert bytes is 1,000: below the 3,500 of the top-k records (2 · 1000 + 500) and the buffer
-    with pytest.warns(UserWarning, match=r"gpu_budget=0.1 \(1,000 bytes\) is below .* using 3,500 bytes \(a fraction of 0.350"):
+    advice = r"of one layer\)\. Give a larger fraction, or a byte budget, to choose the budget yourself\.$"
+    with pytest.warns(
+        UserWarning, match=r"gpu_budget=0.1 \(1,000 bytes\) is below .* using 3,500 bytes \(a fraction of 0.350.*" + advice
+    ):
         plan = plan_budget(LAYERS, RECORDS, 1000, {"staging": 1000}, round_up_from=0.1)
     assert plan.n_slots == {1000: 2, 500: 1} and plan.budget_bytes == plan.device_bytes == 3500
     # a split that leaves one pool short of its top-k within a budget that holds every pool's: slots move, silently

@@ -846,3 +846,13 @@ def test_hot_count_tiers_and_slot_state_stay_consistent_through_uses_evictions_a
     slot, _ = cold.allocate((0, 0), staged=False)
     cold.use(slot)
     assert slot.tier == "stage" and cold.pools[0].hot_count == 0  # below the heat threshold: not admitted to HOT
+
+
+def test_hot_overflow_demotes_a_hot_expert_even_when_a_stage_one_is_older():
+    """2 HOT + 2 STAGE: a, b join HOT; c overflows HOT and demotes a; d overflows it again and demotes b, the
+    least recently used HOT expert, although STAGE's a is older still (demoting a STAGE expert changes nothing)."""
+    cache = ExpertCache({0: SlotPool(1, 4, 2, LRUPolicy())}, {0: 0})
+    keys = [(0, e) for e in range(4)]
+    assert [_touch(cache, k) for k in keys] == [None] * 4
+    assert [cache.lookup(k).tier for k in keys] == ["stage", "stage", "hot", "hot"]
+    assert cache.pools[0].hot_count == 2

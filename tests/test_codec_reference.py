@@ -16,6 +16,7 @@ import torch
 
 from mira_hf.quant import LosslessCodec, PackedCodec, QuantSpec, make_codec, pack_expert, tensor_specs
 from mira_hf.quant.fp8_block import Fp8BlockCodec, dequantize_fp8
+from mira_hf.quant.lossless_bits import decode_words_classes_torch, decode_words_torch
 from mira_hf.quant.mxfp4 import Mxfp4Codec, dequantize_mxfp4
 
 # every storage variant of int8/int4, with superblocks small enough that a tensor has several
@@ -250,6 +251,15 @@ def test_a_lossless_nibble_record_is_the_bytes_written_out_by_hand():
     assert section(record, layout, "w", "esc_value") == struct.pack("<H", words[5])
     decoded = codec.decode(record, layout, torch.bfloat16, backend="torch")["w"]
     assert same(decoded.view(torch.int16), w.view(torch.int16))
+    for dtype in (torch.float32, torch.float16):  # another dtype: decoded in bf16, then converted
+        assert same(codec.decode(record, layout, dtype, backend="torch")["w"], w.to(dtype))
+        slot = {"w": torch.full(w.shape, math.nan, dtype=dtype)}
+        assert same(codec.decode(record, layout, dtype, out=slot, backend="torch")["w"], w.to(dtype))
+        assert same(slot["w"], w.to(dtype))
+    # the bulk decode alone (what the Triton kernel repeats): the escape's code 15 reads as exponent base + 15
+    bulk = decode_words_torch(record, layout.entry("w"))
+    assert bulk.dtype == torch.int16 and bulk.shape == (1024,)
+    assert [x & 0xFFFF for x in bulk.tolist()] == words[:5] + [(words[5] & 0x807F) | (114 + 15) << 7] + words[6:]
 
 
 def test_fp32_lossless_records_keep_the_low_half_and_patch_the_high_word():
@@ -263,6 +273,10 @@ def test_fp32_lossless_records_keep_the_low_half_and_patch_the_high_word():
     assert section(record, layout, "w", "lo") == struct.pack("<1024H", *[x & 0xFFFF for x in ints])
     assert section(record, layout, "w", "esc_index") == struct.pack("<i", 2 * 2 + 1)
     assert section(record, layout, "w", "esc_value") == struct.pack("<H", ints[2] >> 16)
+    (base,) = struct.unpack_from("<i", section(record, layout, "w", "meta"))
+    bulk = decode_words_torch(record, layout.entry("w"))  # int32 words, the escape's high half unpatched
+    escaped = (ints[2] & 0x807FFFFF) | (base + 15) << 23
+    assert bulk.dtype == torch.int32 and [x & 0xFFFFFFFF for x in bulk.tolist()] == ints[:2] + [escaped] + ints[3:]
     assert same(codec.decode(record, layout, torch.float32, backend="torch")["w"].view(torch.int32), w.view(torch.int32))
     as_bf16 = codec.decode(record, layout, torch.bfloat16, backend="torch")["w"]
     assert same(as_bf16, w.bfloat16())
@@ -328,6 +342,8 @@ def test_a_lossless_classes_record_decodes_as_the_format_reads():
     lo = t[4]
     outside = [i for i, x in enumerate(words) if (x >> 7) & 0xFF not in t[:4] and not lo <= (x >> 7) & 0xFF <= lo + 14]
     assert differ == outside and escapes == len(outside) > 0  # only the escapes are patched afterwards
+    bulk = decode_words_classes_torch(record, layout.entry("w"))
+    assert bulk.dtype == torch.int16 and [x & 0xFFFF for x in bulk.tolist()] == got
     decoded = codec.decode(record, layout, torch.bfloat16, backend="torch")["w"]
     assert same(decoded.view(torch.int16), w.view(torch.int16))
 
@@ -438,6 +454,9 @@ def test_nf4_decode_is_the_nested_absmax_times_the_level():
     got = codec.decode(record, layout, torch.float32)
     assert torch.allclose(got["w"], expected, rtol=1e-6, atol=0) and same(got["b"], torch.arange(4.0))
     assert (got["w"] - w).abs().max() <= 0.2 * absmax.max()  # nf4's coarsest step is below 0.33 of absmax
+    slot = {"w": torch.full((4, 128), math.nan), "b": torch.full((4,), math.nan)}  # a slot holding other weights
+    into = codec.decode(record, layout, torch.float32, out=slot)
+    assert into["w"] is slot["w"] and same(slot["w"], got["w"]) and same(slot["b"], got["b"])
     assert same(codec.linear(w[:2, :128], record, layout, "w", False), torch.nn.functional.linear(w[:2], got["w"]))
     assert tensor_specs(got)["w"] == ((4, 128), torch.float32)
 
@@ -464,6 +483,9 @@ def test_lossless_records_do_not_depend_on_the_step_size(monkeypatch, code, dtyp
         records.append(record)
         decoded = codec.decode(record, layout, dtype, backend="torch")["w"]
         assert same(decoded.view(-1).view(torch.int16), w.view(-1).view(torch.int16)), step
+        slot = {"w": torch.full(w.shape, math.nan, dtype=dtype)}  # a cache slot still holding other weights
+        into = codec.decode(record, layout, dtype, out=slot, backend="torch")["w"]
+        assert into is slot["w"] and same(into.view(-1).view(torch.int16), w.view(-1).view(torch.int16)), step
     assert all(same(records[0], r) for r in records[1:])
 
 
@@ -496,3 +518,65 @@ def test_native_records_take_the_checkpoints_tensors_and_refuse_others_by_name()
     for tensors in bad.values():
         with pytest.raises(CodecInputError, match=r"fp8_block: down_proj is torch\.\w+ \[\d+, 8\] in the checkpoint.*hold"):
             codec.encode(tensors, layout, record)
+
+
+def test_each_tensor_is_decoded_on_the_records_device():
+    """Decoding makes nothing on the host: every output and temporary lives on the record's device.
+    Checked on the meta device, which holds no data, so any host tensor mixed into the decode raises."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 1024, generator=g) * 0.02
+    w[0, 0] = 2.0**100  # an escape for the lossless codes
+    for code in ("nibble", "classes"):
+        codec = LosslessCodec(code=code)
+        for dtype in (torch.bfloat16, torch.float32):
+            t = w.to(dtype)
+            layout = codec.plan_experts({"w": t.unsqueeze(0)})
+            record = torch.empty(layout.nbytes, dtype=torch.uint8)
+            codec.encode({"w": t}, layout, record)
+            meta, entry = record.to("meta"), layout.entry("w")
+            for out_dtype in (dtype, torch.float16):  # the stored dtype, and a conversion
+                got = codec.decode_entry(meta, entry, out_dtype, None, False)
+                assert (got.device.type, got.dtype, got.shape) == ("meta", out_dtype, t.shape), (code, dtype)
+            bulk = (decode_words_classes_torch if code == "classes" else decode_words_torch)(meta, entry)
+            assert bulk.device.type == "meta" and bulk.dtype == (torch.int32 if dtype == torch.float32 else torch.int16)
+    for kw in VARIANTS[::2]:
+        codec = PackedCodec(QuantSpec(**kw))
+        layout, record = pack_expert(codec, {"w": w, "b": w[:, 0]})
+        for name in ("w", "b"):
+            got = codec.decode_entry(record.to("meta"), layout.entry(name), torch.bfloat16, None, False)
+            assert got.device.type == "meta" and got.dtype == torch.bfloat16, kw
+    blocks = torch.zeros(3, 2, 16, dtype=torch.uint8, device="meta")
+    scales = torch.zeros(3, 2, dtype=torch.uint8, device="meta")
+    for lut in (None, torch.tensor([0.0] * 16, device="meta")):
+        got = dequantize_mxfp4(blocks, scales, torch.bfloat16, lut)
+        assert (got.device.type, got.dtype, got.shape) == ("meta", torch.bfloat16, (64, 3))
+
+
+def test_decoded_tensors_are_fresh_and_outlive_their_record():
+    """A record lives in a staging buffer or cache slot that the next copy overwrites: decoded tensors,
+    the raw ones (biases) included, are never views of it."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(8, 64, generator=g), "bias": torch.randn(8, generator=g)}
+    for codec in (PackedCodec(QuantSpec(fmt="int4", group_size=16)), LosslessCodec(), make_codec("int8", group_size=16)):
+        layout, record = pack_expert(codec, tensors)
+        for dtype in (torch.float32, torch.bfloat16):
+            out = codec.decode(record, layout, dtype, backend="torch")
+            kept = {k: v.clone() for k, v in out.items()}
+            overwritten = record.clone()
+            record.fill_(0x55)  # the slot takes the next expert's bytes
+            assert all(same(out[k], kept[k]) for k in out), (codec, dtype)
+            record.copy_(overwritten)
+        assert same(out["bias"], tensors["bias"].bfloat16())
+
+
+def test_a_calls_backend_overrides_the_codecs():
+    """`decode(..., backend="torch")` decodes with the torch reference even where the codec was built for the
+    Triton kernels (which a CPU record cannot run)."""
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(8, 64, generator=g), "bias": torch.randn(8, generator=g)}
+    for codec in (PackedCodec(QuantSpec(fmt="int4", group_size=16), backend="triton"), LosslessCodec(backend="triton")):
+        layout, record = pack_expert(codec, tensors)
+        expected = PackedCodec(codec.spec).decode(record, layout, torch.float32) if hasattr(codec, "spec") else tensors
+        got = codec.decode(record, layout, torch.float32, backend="torch")
+        assert all(same(got[k], expected[k]) for k in tensors), codec

@@ -6,7 +6,7 @@ weights in fp32 or in the hidden dtype.
 The routings are chosen to expose a wrong combine: skewed (most rows on one expert, some experts unused,
 weights far from uniform), a decode step whose picks are not in ascending order (eager adds experts in
 ascending order), four experts per token (the order of the additions shows in bf16/fp16), a repeated pick,
-and the expert-parallel sentinel (index E: a row that must stay zero whatever its weight).
+two tokens sharing the same K experts (K distinct picks, but not one token), and the expert-parallel sentinel (index E: a row that must stay zero whatever its weight).
 Fast: no generate, no checkpoint; a model per (family, dtype) built once.
 """
 
@@ -38,12 +38,15 @@ _BUILT: dict = {}
 EAGER_WITHOUT_SENTINEL = ("gpt_oss", "nemotron_h")
 
 
-def experts_pair(name: str, dtype: torch.dtype, post_norm: bool = False, host_costs=None) -> tuple[torch.nn.Module, MiraExperts]:
+def experts_pair(
+    name: str, dtype: torch.dtype, post_norm: bool = False, quantization: str | None = None, host_costs=None
+) -> tuple[torch.nn.Module, MiraExperts]:
     """(transformers' experts module of the first MoE layer, the proxy that replaced it in a wrapped copy).
     Expert biases are drawn at random (transformers initialises them to zero, which would hide them);
     `post_norm`: the experts module normalises each expert's output (transformers' `has_post_expert_norm`);
+    `quantization`: the wrapped copy's expert format (None: the weights' own dtype);
     `host_costs(layers)`: wrap with host compute on, planning with these costs (`tests/test_host_compute.py`)."""
-    key = (name, dtype, post_norm) + (() if host_costs is None else (host_costs,))
+    key = (name, dtype, post_norm, quantization) + (() if host_costs is None else (host_costs,))
     if key not in _BUILT:
         config = make_auto_config(name) if name == "nemotron_h" else make_config(name)
         if config is None:
@@ -64,7 +67,8 @@ def experts_pair(name: str, dtype: torch.dtype, post_norm: bool = False, host_co
             torch.nn.init.normal_(experts.post_expert_norm.weight, 1.0, 0.5)
         ref = ref.to(dtype)
         host = "on" if host_costs is not None else "off"
-        model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.5, host_compute=host))
+        config = MiraConfig(device="cpu", gpu_budget=0.5, quantization=quantization, host_compute=host)
+        model = MiraMoEModel.wrap(copy.deepcopy(ref), config)
         if host_costs is not None:
             model.mira.host.set_costs(host_costs(list(model.mira.layers)))
         proxy = model.get_submodule(path)
@@ -94,20 +98,27 @@ def routings(E: int, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tenso
         "decode, four picks": (torch.tensor([[6, 1, E - 1, 0]]), weights(1, 4)),
         "prefill, four picks": (perms, weights(5, 4)),
         "decode, repeated pick": (torch.tensor([[3, 3]]), weights(1, 2)),
+        "two tokens, the same two experts": (torch.tensor([[5, 2], [2, 5]]), weights(2, 2)),  # K experts, not a decode step
         "prefill, sentinel rows": (sentinel, weights(6, 2)),
         "decode, sentinel slot": (torch.tensor([[E, 4]]), weights(1, 2)),
         "decode, only the sentinel": (torch.tensor([[E, E]]), weights(1, 2)),
     }
 
 
-def mismatches(name: str, impl: str, post_norm: bool = False) -> list[str]:
+def mismatches(
+    name: str, impl: str, post_norm: bool = False, quantization: str | None = None, dtypes=DTYPES, cases=None
+) -> list[str]:
+    """The (routing, dtypes) cases where the proxy's output differs from transformers' experts module's;
+    `cases`: the routings to try (default: all)."""
     found = []
-    for dtype in DTYPES:
-        ref, proxy = experts_pair(name, dtype, post_norm)
+    for dtype in dtypes:
+        ref, proxy = experts_pair(name, dtype, post_norm, quantization)
         ref.config._experts_implementation = impl
         proxy.base.config._experts_implementation = impl
         H, E = proxy.base.config.hidden_size, proxy.num_experts
         for case, (index, w) in routings(E).items():
+            if cases is not None and case not in cases:
+                continue
             if impl == "eager" and name in EAGER_WITHOUT_SENTINEL and "sentinel" in case:
                 continue
             g = torch.Generator().manual_seed(len(case))
@@ -131,6 +142,62 @@ def test_the_proxy_combines_as_transformers_experts_do(name, impl):
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])  # transformers' eager forwards have no post-norm
 def test_a_normalised_expert_output_is_normalised_before_it_is_weighted(impl):
     assert mismatches("qwen3_moe", impl, post_norm=True) == []
+
+
+@pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_experts_kept_packed_in_their_slots_combine_as_transformers_experts_do(name, impl):
+    """Lossless records stay packed in the cache (placement "packed") and each matmul decodes its weight:
+    the decoded weights are the stored ones bit for bit, so the combine is still transformers' own (gpt_oss:
+    transposed, with biases read from the record). A few routings: each matmul decodes a record."""
+    assert experts_pair(name, torch.bfloat16, quantization="lossless")[1].manager.placement == "packed"
+    cases = ("skewed prefill", "decode, descending picks", "prefill, sentinel rows", "decode, sentinel slot")
+    assert mismatches(name, impl, quantization="lossless", dtypes=(torch.float32, torch.bfloat16), cases=cases) == []
+
+
+def test_lossy_records_kept_packed_compute_with_their_codec_under_every_implementation():
+    """int8 records kept packed (placement "packed") are not transformers' weights: each expert runs through its
+    codec's own matmul, so batched_mm gives the bits grouped_mm gives (not a bmm of decoded copies)."""
+    from mira_hf.config import QuantConfig
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(make_config("mixtral")).eval()
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, quantization="int8", quant=QuantConfig(placement="packed"))
+    proxy = MiraMoEModel.wrap(ref, cfg).model.layers[0].mlp.experts
+    assert proxy.manager.placement == "packed" and not proxy.manager.store.exact
+    H = proxy.base.config.hidden_size
+    for case, (index, w) in routings(proxy.num_experts).items():
+        hidden = torch.randn(index.shape[0], H, generator=torch.Generator().manual_seed(len(case))) * 4
+        out = {}
+        for impl in ("grouped_mm", "batched_mm"):
+            proxy.base.config._experts_implementation = impl
+            with torch.no_grad():
+                out[impl] = proxy(hidden, index, w)
+        assert torch.equal(out["batched_mm"], out["grouped_mm"]), case
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_experts_scaled_by_their_routing_weight_compute_as_llama4s_do(dtype):
+    """Llama 4's experts module takes each expert's tokens already scaled by its routing weight ([E*T, H],
+    zero rows where the router did not choose the expert) and splits each gate_up row into gate columns,
+    then up columns: the proxy (`MiraScaledExperts`) gives its output bit for bit."""
+    config = make_config("llama4")
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    path = next(p for p, m in ref.named_modules() if p.endswith("experts") and isinstance(getattr(m, "num_experts", None), int))
+    model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.5))
+    experts, proxy = ref.get_submodule(path), model.get_submodule(path)
+    E, H, T = experts.num_experts, config.get_text_config().hidden_size, 3
+    g = torch.Generator().manual_seed(0)
+    x = torch.zeros(E, T, H)
+    x[1] = torch.randn(T, H, generator=g) * 0.7  # expert 1 chosen by every token
+    x[E - 1, 1] = torch.randn(H, generator=g) * 3  # the last expert by token 1 only; the others by none
+    x = x.view(E * T, H).to(dtype)
+    with torch.no_grad():
+        expected, got = experts(x), proxy(x)
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
+    assert got.view(E, T, H)[0].abs().sum() == 0 and got.view(E, T, H)[1].abs().sum() > 0
 
 
 def test_the_routings_tell_the_implementations_apart():
@@ -193,9 +260,10 @@ def test_one_experts_rows_through_the_grouped_kernel_are_its_matmul_on_the_cpu()
     from mira_hf.experts_impl import grouped_linear
 
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(5, 64, generator=g), torch.randn(32, 64, generator=g)
-    assert torch.equal(grouped_linear(x, w, False), torch.nn.functional.linear(x, w))
-    assert torch.equal(grouped_linear(x, w.t().contiguous(), True), x @ w.t().contiguous())
+    for rows in (5, 80):  # fewer and more rows than the weight's 64 inputs: every row is the group's
+        x, w = torch.randn(rows, 64, generator=g), torch.randn(32, 64, generator=g)
+        assert torch.equal(grouped_linear(x, w, False), torch.nn.functional.linear(x, w)), rows
+        assert torch.equal(grouped_linear(x, w.t().contiguous(), True), x @ w.t().contiguous()), rows
 
 
 def test_the_manager_sees_each_blocks_hidden_states_and_routing():
@@ -222,11 +290,12 @@ def test_the_manager_sees_each_blocks_hidden_states_and_routing():
 
 def test_a_wrapped_model_refuses_implementations_it_cannot_compute_and_sets_the_others():
     experts_pair("mixtral", torch.float32)
-    model = _BUILT[("mixtral", torch.float32, False)][2]
+    model = _BUILT[("mixtral", torch.float32, False, None)][2]
     model.config._experts_implementation = "grouped_mm"
     try:
-        for impl in ("deepgemm", {"": "sonicmoe"}):
-            with pytest.raises(ConfigError, match="was requested for a model wrapped by mira-hf"):
+        for impl, name in (("deepgemm", "deepgemm"), ({"": "sonicmoe"}, "sonicmoe")):
+            refusal = f"^experts_implementation='{name}' was requested for a model wrapped by mira-hf, but"
+            with pytest.raises(ConfigError, match=refusal):
                 model.set_experts_implementation(impl)
             assert model.config._experts_implementation == "grouped_mm"
         model.set_experts_implementation("eager")
@@ -249,6 +318,7 @@ def test_implementation_is_read_from_the_config_of_decorated_modules_only():
         config = ref.config
 
     assert implementation_of(Plain()) == "eager"
+    assert implementation_of(torch.nn.Module()) == "eager"  # no config at all
     bare = copy.copy(ref)
     bare.config = None
     assert implementation_of(bare) == "eager"
@@ -282,8 +352,22 @@ def test_implementations_mira_cannot_compute_are_refused_by_name():
         check_model_implementations(Model())
     Config.text_config._experts_implementation = "eager"
     check_model_implementations(Model())  # every config supported: nothing raised
+    Config._experts_implementation = "deepgemm"  # the model's own config is checked too, not only its sub-configs
+    with pytest.raises(ConfigError, match="experts_implementation='deepgemm' is set on Model"):
+        check_model_implementations(Model())
     Config._experts_implementation = None  # unset: transformers' default
     check_model_implementations(Model())
+
+    class Bare:  # no experts implementation, no sub-configs; a sub-config named but absent
+        sub_configs = {"vision_config": None}
+
+    class BareModel(torch.nn.Module):
+        config = Bare()
+
+    for model in (BareModel(), torch.nn.Module()):  # and a module without a config: nothing to refuse
+        check_model_implementations(model)
+    del Bare.sub_configs
+    check_model_implementations(BareModel())
 
 
 # -- the proxy as one operator, and its refusal of a backward --------------------------------------------

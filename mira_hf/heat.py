@@ -34,6 +34,11 @@ class HeatConfig:
     hot_threshold: float = 0.3  # the heat policy counts an expert as frequently used from this score on
     clock: str = "steps"  # "steps": one period per forward step (reproducible); "wall": one per `period_s`
     period_s: float = 0.1  # seconds per period with clock="wall"
+    # Memory of each expert's use rate (the eviction ranking's estimate of how likely its layer uses it next
+    # step), as the weight of the past per forward step. None: chosen per layer, online, among
+    # `USE_RATE_DECAYS`: the one that has predicted that layer's next step best lately (how long routing
+    # stays put differs between models and layers, from ~2 steps to ~50).
+    use_rate_decay: float | None = None
 
     def __post_init__(self) -> None:
         if self.clock not in ("steps", "wall"):
@@ -44,6 +49,44 @@ class HeatConfig:
             raise ConfigError("HeatConfig.window_periods must be ≥ 1 and period_s > 0.")
         if not 0 <= self.hot_threshold <= 1:
             raise ConfigError(f"HeatConfig.hot_threshold={self.hot_threshold}: must be in [0, 1].")
+        if self.use_rate_decay is not None and not 0 <= self.use_rate_decay < 1:
+            raise ConfigError(f"HeatConfig.use_rate_decay={self.use_rate_decay}: must be in [0, 1), or None (chosen online).")
+
+
+# Candidate memories of the use rate (HeatConfig.use_rate_decay=None): about 2 to 50 forward steps.
+USE_RATE_DECAYS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
+SCORE_DECAY = 0.99  # weight of the past in each candidate's running prediction loss (~100 steps)
+_P_FLOOR = 1e-3  # a probability is never taken as 0 or 1 in the loss (the valuation's floor, too)
+
+
+class UseRates:
+    """Each expert's probability of being used by its layer's next block, as exponential moving averages of
+    its per-step use, one per candidate memory (`decays`); per layer, the candidate whose estimates have
+    predicted the layer's steps best (running log loss, each step scored before it updates the averages)."""
+
+    def __init__(self, num_experts: int, decays: tuple[float, ...]) -> None:
+        self.decays = np.asarray(decays, np.float32)[:, None]  # [C, 1]
+        self.ema = np.zeros((len(decays), num_experts), np.float32)  # [C, E]
+        self.loss = np.zeros(len(decays), np.float64)  # [C] running log loss
+        self.best = len(decays) // 2
+
+    def update(self, active: np.ndarray) -> np.ndarray:
+        """One step's use (`active` [E] bool); returns the best candidate's estimates [E]."""
+        p = np.clip(self.ema, _P_FLOOR, 1 - _P_FLOOR)  # [C, E]
+        step_loss = -np.where(active, np.log(p), np.log1p(-p)).sum(axis=1)  # [C]
+        self.loss = SCORE_DECAY * self.loss + step_loss
+        self.ema = self.decays * self.ema + (1 - self.decays) * active
+        self.best = int(self.loss.argmin())
+        return self.ema[self.best]
+
+    @property
+    def decay(self) -> float:
+        """The memory in use now."""
+        return float(self.decays[self.best, 0])
+
+    def reset(self) -> None:
+        self.ema[:] = 0
+        self.loss[:] = 0
 
 
 class HeatTracker:
@@ -60,7 +103,7 @@ class HeatTracker:
         self._active = {layer: np.zeros(num_experts[layer], bool) for layer in self.layers}
         self._step_active = {layer: np.zeros(num_experts[layer], bool) for layer in self.layers}
         self._window = {layer: np.zeros(num_experts[layer], np.float32) for layer in self.layers}
-        # Share of recent forward steps in which each expert was used (EMA over ~10 steps): an estimate of
+        # Share of recent forward steps in which each expert was used (`HeatConfig.use_rate_decay`): an estimate of
         # the probability that its layer will use it next time, for eviction by expected next use. One
         # table [layers, max experts] so a victim search over hundreds of slots reads it in one NumPy gather
         # (`use_rates`); `use_rate[layer]` are views of its rows.
@@ -68,6 +111,8 @@ class HeatTracker:
         self._row_of_layer = np.zeros(max(self.layers, default=-1) + 1, np.intp)  # layer -> its row of the table
         self._row_of_layer[self.layers] = np.arange(len(self.layers))
         self.use_rate = {layer: self._use_rate_table[i, : num_experts[layer]] for i, layer in enumerate(self.layers)}
+        decay = self.config.use_rate_decay
+        self._rates = None if decay is not None else {layer: UseRates(num_experts[layer], USE_RATE_DECAYS) for layer in self.layers}
         self._periods_in_window = 0
         self._last_tick = time.monotonic()
 
@@ -96,13 +141,22 @@ class HeatTracker:
 
     def end_step(self) -> None:
         """A forward step ended: one period passes on the step clock."""
+        decay = self.config.use_rate_decay
         for layer in self.layers:
             u = self.use_rate[layer]
-            u *= np.float32(0.9)
-            u += np.float32(0.1) * self._step_active[layer]
+            if self._rates is None:
+                u *= np.float32(decay)
+                u += np.float32(1 - decay) * self._step_active[layer]
+            else:
+                u[:] = self._rates[layer].update(self._step_active[layer])
             self._step_active[layer][:] = False
         if self.config.clock == "steps":
             self._end_period()
+
+    def use_rate_decays(self) -> dict[int, float]:
+        """The memory of each layer's use rates now (`HeatConfig.use_rate_decay`, or the one chosen online)."""
+        fixed = self.config.use_rate_decay
+        return {layer: fixed if self._rates is None else self._rates[layer].decay for layer in self.layers}
 
     def use_rates(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
         """`use_rate` of each (layers[i], experts[i]) pair, in one gather (float32)."""
@@ -142,4 +196,6 @@ class HeatTracker:
         for layer in self.layers:
             for t in (self.scores, self.counts, self._active, self._step_active, self._window, self.use_rate):
                 t[layer][:] = 0
+            if self._rates is not None:
+                self._rates[layer].reset()
         self._periods_in_window = 0

@@ -65,6 +65,7 @@ class UseRates:
     predicted the layer's steps best (running log loss, each step scored before it updates the averages)."""
 
     def __init__(self, num_experts: int, decays: tuple[float, ...]) -> None:
+        self.candidates = tuple(decays)
         self.decays = np.asarray(decays, np.float32)[:, None]  # [C, 1]
         self.ema = np.zeros((len(decays), num_experts), np.float32)  # [C, E]
         self.loss = np.zeros(len(decays), np.float64)  # [C] running log loss
@@ -82,7 +83,7 @@ class UseRates:
     @property
     def decay(self) -> float:
         """The memory in use now."""
-        return float(self.decays[self.best, 0])
+        return self.candidates[self.best]
 
     def reset(self) -> None:
         self.ema[:] = 0

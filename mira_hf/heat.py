@@ -113,7 +113,9 @@ class HeatTracker:
         self._row_of_layer[self.layers] = np.arange(len(self.layers))
         self.use_rate = {layer: self._use_rate_table[i, : num_experts[layer]] for i, layer in enumerate(self.layers)}
         decay = self.config.use_rate_decay
-        self._rates = None if decay is not None else {layer: UseRates(num_experts[layer], USE_RATE_DECAYS) for layer in self.layers}
+        self._rates = (
+            None if decay is not None else {layer: UseRates(num_experts[layer], USE_RATE_DECAYS) for layer in self.layers}
+        )
         self._periods_in_window = 0
         self._last_tick = time.monotonic()
 

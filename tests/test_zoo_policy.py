@@ -58,7 +58,7 @@ def test_use_rate_memory_follows_how_long_routing_stays_put(zoo_model):
     record = model.mira.store.record_bytes
     decays = {}
     for run_steps in (2, 40):
-        steps = 240
+        steps = 120
         experts = torch.stack(
             [_routing(li.num_experts, li.top_k, steps, run_steps, seed=li.ordinal) for li in infos], dim=1
         )  # [steps, L, K]

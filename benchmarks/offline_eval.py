@@ -6,6 +6,12 @@ windows [0, calib_windows), evaluation on the next eval_windows), and a tiny ran
 (mira_hf.testing recipe, `--random-layers` MoE layers) on random tokens, for contrast.
 
     python benchmarks/offline_eval.py [--quick] [--eval-windows 8] [--eval-tokens 128] [--no-sweep] [--out DIR]
+    python benchmarks/offline_eval.py --zoo ~/.cache/mira-hf/zoo   (models from scripts/train_zoo.py)
+
+With `--zoo DIR`, the evaluation runs over mira-tiny and every model of the zoo instead: per model its
+routing statistics, then per budget Belady's bytes beside LRU, heat alone, the default uncalibrated
+(heat + gate), calibrated on its own held-out text, and calibrated on another model's text (all share
+mira-tiny's tokenizer), written to DIR/<date>-cpu-zoo-offline-eval.json and .md (see `zoo_main`).
 
 Then the best predictive configs are replayed again over stage_fraction × stage_probability (and
 stage_lookahead 2) (`--no-sweep` skips it). A replay counts an expert in flight as a hit, as the runtime's
@@ -262,7 +268,14 @@ def main() -> None:
     )
     ap.add_argument("--trace-dir", default=None, help="also save the recorded traces there (RoutingTrace.load reads them back)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--zoo", default=None, help="evaluate mira-tiny and the models of scripts/train_zoo.py in this directory")
+    ap.add_argument("--zoo-models", nargs="*", default=None, help="with --zoo: only these models (mira-tiny is one)")
     args = ap.parse_args()
+    if args.zoo:
+        from _zoo_eval import zoo_main
+
+        zoo_main(args)
+        return
     if args.quick:
         args.calib_windows, args.calib_tokens, args.eval_windows, args.eval_tokens = 4, 64, 2, 32
         args.random_eval_windows, args.epochs, args.no_sweep = 2, 3, True

@@ -34,6 +34,11 @@ class HeatConfig:
     hot_threshold: float = 0.3  # the heat policy counts an expert as frequently used from this score on
     clock: str = "steps"  # "steps": one period per forward step (reproducible); "wall": one per `period_s`
     period_s: float = 0.1  # seconds per period with clock="wall"
+    # Memory of each expert's use rate (the eviction ranking's estimate of how likely its layer uses it next
+    # step), as the weight of the past per forward step. None: chosen per layer, online, among
+    # `USE_RATE_DECAYS`: the one that has predicted that layer's next step best lately (how long routing
+    # stays put differs between models and layers, from ~2 steps to ~50).
+    use_rate_decay: float | None = None
 
     def __post_init__(self) -> None:
         if self.clock not in ("steps", "wall"):
@@ -44,6 +49,62 @@ class HeatConfig:
             raise ConfigError("HeatConfig.window_periods must be ≥ 1 and period_s > 0.")
         if not 0 <= self.hot_threshold <= 1:
             raise ConfigError(f"HeatConfig.hot_threshold={self.hot_threshold}: must be in [0, 1].")
+        if self.use_rate_decay is not None and not 0 <= self.use_rate_decay < 1:
+            raise ConfigError(f"HeatConfig.use_rate_decay={self.use_rate_decay}: must be in [0, 1), or None (chosen online).")
+
+
+# Candidate memories of the use rate (HeatConfig.use_rate_decay=None): about 2 to 50 forward steps.
+USE_RATE_DECAYS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
+SCORE_DECAY = 0.99  # weight of the past in each candidate's running prediction loss (~100 steps)
+_TINY = 1e-9
+_P_FLOOR = 1e-3  # a probability is never taken as 0 or 1 in the loss (the valuation's floor, too)
+
+
+class UseRates:
+    """Each expert's probability of being used by its layer's next block, as exponential moving averages of
+    its per-step use, one per candidate memory (`decays`); per layer, the candidate whose estimates have
+    predicted the layer's steps best (running log loss, each step scored before it updates the averages).
+    All layers in one [candidates, layers, max experts] table: one NumPy pass per forward step."""
+
+    def __init__(self, num_experts: list[int], decays: tuple[float, ...]) -> None:
+        width = max(num_experts, default=0)
+        self.candidates = tuple(decays)
+        self.decays = np.asarray(decays, np.float32)[:, None, None]  # [C, 1, 1]
+        self.ema = np.zeros((len(decays), len(num_experts), width), np.float32)  # [C, L, E]
+        self.loss = np.zeros((len(decays), len(num_experts)), np.float64)  # [C, L] running log loss
+        self.best = np.full(len(num_experts), len(decays) // 2, np.intp)  # [L] candidate in use per layer
+        self._rows = np.arange(len(num_experts))
+        padded = np.arange(width)[None, :] >= np.asarray(num_experts, np.intp)[:, None]  # [L, E] not an expert
+        self._valid = None if not padded.any() else ~padded
+        self._work = np.zeros_like(self.ema)
+        self._mask = np.zeros(self.ema.shape, bool)
+
+    def update(self, active: np.ndarray, out: np.ndarray) -> None:
+        """One step's use (`active` [L, E] bool); writes each layer's best estimates into `out` [L, E]."""
+        # In place, into buffers made once: temporaries of this size would each be a fresh mapping of memory.
+        p, mask = self._work, self._mask  # [C, L, E] float32, bool
+        np.clip(self.ema, _P_FLOOR, 1 - _P_FLOOR, out=p)
+        np.subtract(1, p, out=p, where=~active)  # the probability of what happened: p if used, else 1 - p
+        np.log(p, out=p)
+        if self._valid is not None:
+            p *= self._valid
+        self.loss *= SCORE_DECAY
+        self.loss -= p.sum(axis=2)
+        self.ema *= self.decays
+        np.multiply(1 - self.decays, active, out=p)
+        self.ema += p
+        np.less(self.ema, _TINY, out=mask)
+        np.putmask(self.ema, mask, 0)  # no float32 denormals (slow arithmetic): far below any floor anyway
+        self.best = self.loss.argmin(axis=0)
+        out[:] = self.ema[self.best, self._rows]
+
+    def decay(self, row: int) -> float:
+        """The memory in use now for the layer of table row `row`."""
+        return self.candidates[int(self.best[row])]
+
+    def reset(self) -> None:
+        self.ema[:] = 0
+        self.loss[:] = 0
 
 
 class HeatTracker:
@@ -58,9 +119,10 @@ class HeatTracker:
         self.scores = {layer: np.zeros(num_experts[layer], np.float32) for layer in self.layers}
         self.counts = {layer: np.zeros(num_experts[layer], np.int64) for layer in self.layers}
         self._active = {layer: np.zeros(num_experts[layer], bool) for layer in self.layers}
-        self._step_active = {layer: np.zeros(num_experts[layer], bool) for layer in self.layers}
+        self._step_active_table = np.zeros((len(self.layers), max(num_experts.values(), default=0)), bool)
+        self._step_active = {layer: self._step_active_table[i, : num_experts[layer]] for i, layer in enumerate(self.layers)}
         self._window = {layer: np.zeros(num_experts[layer], np.float32) for layer in self.layers}
-        # Share of recent forward steps in which each expert was used (EMA over ~10 steps): an estimate of
+        # Share of recent forward steps in which each expert was used (`HeatConfig.use_rate_decay`): an estimate of
         # the probability that its layer will use it next time, for eviction by expected next use. One
         # table [layers, max experts] so a victim search over hundreds of slots reads it in one NumPy gather
         # (`use_rates`); `use_rate[layer]` are views of its rows.
@@ -68,6 +130,8 @@ class HeatTracker:
         self._row_of_layer = np.zeros(max(self.layers, default=-1) + 1, np.intp)  # layer -> its row of the table
         self._row_of_layer[self.layers] = np.arange(len(self.layers))
         self.use_rate = {layer: self._use_rate_table[i, : num_experts[layer]] for i, layer in enumerate(self.layers)}
+        decay = self.config.use_rate_decay
+        self._rates = None if decay is not None else UseRates([num_experts[layer] for layer in self.layers], USE_RATE_DECAYS)
         self._periods_in_window = 0
         self._last_tick = time.monotonic()
 
@@ -96,13 +160,21 @@ class HeatTracker:
 
     def end_step(self) -> None:
         """A forward step ended: one period passes on the step clock."""
-        for layer in self.layers:
-            u = self.use_rate[layer]
-            u *= np.float32(0.9)
-            u += np.float32(0.1) * self._step_active[layer]
-            self._step_active[layer][:] = False
+        decay = self.config.use_rate_decay
+        if self._rates is not None:
+            self._rates.update(self._step_active_table, self._use_rate_table)
+        else:
+            u, a = self._use_rate_table, self._step_active_table
+            u *= np.float32(decay)
+            u += np.float32(1 - decay) * a
+        self._step_active_table[:] = False
         if self.config.clock == "steps":
             self._end_period()
+
+    def use_rate_decays(self) -> dict[int, float]:
+        """The memory of each layer's use rates now (`HeatConfig.use_rate_decay`, or the one chosen online)."""
+        fixed = self.config.use_rate_decay
+        return {layer: fixed if self._rates is None else self._rates.decay(i) for i, layer in enumerate(self.layers)}
 
     def use_rates(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
         """`use_rate` of each (layers[i], experts[i]) pair, in one gather (float32)."""
@@ -142,4 +214,6 @@ class HeatTracker:
         for layer in self.layers:
             for t in (self.scores, self.counts, self._active, self._step_active, self._window, self.use_rate):
                 t[layer][:] = 0
+        if self._rates is not None:
+            self._rates.reset()
         self._periods_in_window = 0

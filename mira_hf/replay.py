@@ -159,6 +159,7 @@ def replay(
         bytes_moved=bytes_moved,
         bytes_per_token=bytes_moved / (steps * concurrency) if steps else 0.0,
         per_layer=per_layer,
+        use_rate_decays=manager.heat.use_rate_decays(),  # the heat tracker's memory per layer at the end
         seconds=time.perf_counter() - t0,
     )
     for d in (1, 2):

@@ -27,6 +27,7 @@ import math
 import platform
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,10 +188,20 @@ class TrainResult:
     log: list[dict[str, float]]
 
 
-def train(model: torch.nn.Module, sampler: TokenSampler, args: argparse.Namespace, device: torch.device) -> TrainResult:
-    """Train until the time budget or the step cap is reached; the lr schedule ends with it."""
+def train(
+    model: torch.nn.Module,
+    sampler: TokenSampler,
+    args: argparse.Namespace,
+    device: torch.device,
+    after_step: Callable[[tuple[torch.Tensor, ...]], None] | None = None,
+) -> TrainResult:
+    """Train until the time budget or the step cap is reached; the lr schedule ends with it.
+
+    A family without a load-balancing loss (DeepSeek-V3 balances with a routing bias instead) has no
+    `router_aux_loss_coef` and returns no aux loss: only the cross-entropy is minimised, and
+    `after_step(router_logits)` may update whatever balances its routing."""
     optimizer = make_optimizer(model, args, device)
-    coef = model.config.router_aux_loss_coef
+    coef = getattr(model.config, "router_aux_loss_coef", 0.0)
     budget = args.minutes * 60.0
     log, step, start = [], 0, time.perf_counter()
     ce_sum = aux_sum = torch.zeros((), device=device)
@@ -204,11 +215,14 @@ def train(model: torch.nn.Module, sampler: TokenSampler, args: argparse.Namespac
         lr = args.lr * lr_factor(step, progress, args.warmup_steps, args.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        ce, aux, _ = forward_losses(model, sampler.next_batch(), device)
+        ce, aux, router_logits = forward_losses(model, sampler.next_batch(), device)
+        aux = torch.zeros((), device=device) if aux is None else aux
         (ce + coef * aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step(router_logits)
         step += 1
         ce_sum, aux_sum, window_steps = ce_sum + ce.detach(), aux_sum + aux.detach(), window_steps + 1
         if step % args.log_every == 0:  # the loop's only explicit host sync

@@ -11,9 +11,9 @@ from tiny_models import make_config
 from transformers import AutoModelForCausalLM
 
 from mira_hf import MiraConfig, MiraMoEModel
-from mira_hf.batching import BatchUsage, enable
+from mira_hf.batching import SHARE_DECAY, BatchUsage, enable
 from mira_hf.errors import ConfigError
-from mira_hf.heat import HeatTracker
+from mira_hf.heat import HeatConfig, HeatTracker
 from mira_hf.replay import belady, replay
 from mira_hf.trace import RoutingTrace
 
@@ -40,7 +40,8 @@ def test_padding_and_the_expert_parallel_sentinel_are_not_counted():
 
 
 def test_one_token_steps_leave_the_heat_use_rates_as_they_were():
-    heat, plain = HeatTracker({0: 4, 1: 4}), HeatTracker({0: 4, 1: 4})
+    fixed = HeatConfig(use_rate_decay=SHARE_DECAY)  # the batch shares' memory: at one token the same estimate
+    heat, plain = HeatTracker({0: 4, 1: 4}, fixed), HeatTracker({0: 4, 1: 4}, fixed)
     usage = BatchUsage({0: 4, 1: 4})
     for step in range(30):
         for layer in (0, 1):

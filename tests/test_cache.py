@@ -5,6 +5,7 @@ import torch
 
 from mira_hf.budget import LayerInfo, plan_budget
 from mira_hf.cache import Eviction, ExpertCache, SlotPool
+from mira_hf.heat import HeatConfig
 from mira_hf.manager import ExpertManager
 from mira_hf.policies import LRUPolicy
 from mira_hf.predictors import PredictorConfig
@@ -12,7 +13,14 @@ from mira_hf.store import ExpertStore
 
 
 def make_manager(
-    layers=2, experts=4, slots=3, stage_fraction=0.25, policy="lru", inflight_bytes=64 * 2**20, predictor_config=None
+    layers=2,
+    experts=4,
+    slots=3,
+    stage_fraction=0.25,
+    policy="lru",
+    inflight_bytes=64 * 2**20,
+    predictor_config=None,
+    heat=None,
 ):
     store = ExpertStore()
     for layer in range(layers):
@@ -31,6 +39,7 @@ def make_manager(
         stage_fraction=stage_fraction,
         demand_inflight_bytes=inflight_bytes,
         predictor_config=predictor_config,
+        heat=heat,
     )
 
 
@@ -125,8 +134,9 @@ def test_a_demand_load_takes_idle_stage_before_hot_and_awaited_prefetches_last()
 
 
 def _five_steps_of_history(policy):
-    """Two MoE layers, 5 slots, no eviction in 10 forward steps; then layer 0 needs a new expert."""
-    m = make_manager(layers=2, experts=8, slots=5, stage_fraction=0.0, policy=policy)
+    """Two MoE layers, 5 slots, no eviction in 10 forward steps; then layer 0 needs a new expert. The use rates
+    keep one fixed memory (0.9 per step), so they can be computed by hand."""
+    m = make_manager(layers=2, experts=8, slots=5, stage_fraction=0.0, policy=policy, heat=HeatConfig(use_rate_decay=0.9))
     for step in range(1, 11):
         m.enter_forward()
         run_block(m, 0, [0, 1] if step in (2, 4, 6, 8) else [0])

@@ -51,7 +51,7 @@ def test_scores_stay_in_zero_one_and_feedback_moves_them():
 
 
 def test_use_rate_is_a_moving_average_of_steps_that_used_the_expert():
-    h = HeatTracker({0: 2, 1: 2})
+    h = HeatTracker({0: 2, 1: 2}, HeatConfig(use_rate_decay=0.9))
     h.activate(0, [0])
     h.activate(0, [0])  # twice in one step counts once
     h.end_step()

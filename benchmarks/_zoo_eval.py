@@ -1,0 +1,210 @@
+"""`offline_eval.py --zoo DIR`: the cache's defaults over mira-tiny and the trained zoo (scripts/train_zoo.py).
+
+Per model: routing statistics of the evaluation trace (skew: share of the top 20% experts; reuse: share of a
+token's experts the previous token also used; benchmarks/routing_stats.py), then per budget (10%, 25%, 50%)
+Belady's bytes beside
+
+- `lru`: the reactive baseline;
+- `heat`: the default policy without prediction;
+- `default, uncalibrated`: `MiraConfig()` before `calibrate` ("auto" is then the gate predictor);
+- `default, calibrated`: after `calibrate` on the model's own held-out text ("auto" is the learned predictor);
+- `default, cross-domain`: calibrated on another model's held-out text (another domain; every zoo model shares
+  mira-tiny's tokenizer, so any model's text is valid input for any other).
+
+Each row: bytes moved × Belady's, hit rate and its gain over LRU, stall-causing misses as a share of LRU's,
+recall at 1 and 2 layers ahead. Windows: calibration on held-out rows [0, calib_windows), evaluation on the next
+eval_windows rows (as for mira-tiny in the main mode), cross-domain calibration on the other model's rows
+[0, calib_windows).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+from common import environment, print_table, write_json
+from offline_eval import BUDGETS, DEFAULTS, _md_table, _rounded, learned_predictor, trace_info
+from routing_stats import routing_stats
+from safetensors.torch import load_file
+
+from mira_hf import MiraConfig, MiraMoEModel
+from mira_hf.bundled import bundled_model_path
+from mira_hf.replay import belady, replay
+from mira_hf.trace import record_trace
+
+TINY = "mira-tiny"
+COLUMNS = ["config", "hit%", "vs LRU", "stalls/LRU", "xBelady", "r@1", "r@2"]
+# What a default has to do on every model (bytes as × Belady's; hit rate as points over LRU's).
+GOALS = dict(calibrated_25=1.3, hit_gain_25=0.10, uncalibrated_25=1.5, calibrated_other=1.4, cross_domain_loss=0.1)
+
+
+def zoo_models(zoo_dir: str, only: list[str] | None) -> list[tuple[str, str, str]]:
+    """(name, path, domain) of mira-tiny and every model scripts/train_zoo.py wrote into `zoo_dir`."""
+    index = os.path.join(zoo_dir, "zoo.json")
+    if not os.path.exists(index):
+        raise SystemExit(f"{index} not found: train the zoo first (python scripts/train_zoo.py --dir {zoo_dir}).")
+    models = [(TINY, bundled_model_path(), "python-sources")]
+    for name, info in json.load(open(index))["models"].items():
+        models.append((name, os.path.join(zoo_dir, name), info["domain"]))
+    return [m for m in models if only is None or m[0] in only]
+
+
+def trace_routing_stats(trace) -> dict:
+    """routing_stats of a recorded trace: each sequence's steps are consecutive tokens."""
+    B = len(trace.sequence_starts)
+    S = trace.steps // B
+    experts = trace.experts[: B * S].reshape(B, S, trace.num_layers, -1)  # [B, S, L, K]
+    layers = [experts[:, :, layer] for layer in range(trace.num_layers)]
+    return routing_stats(layers, list(trace.num_experts))
+
+
+def evaluate_model(name: str, path: str, cross: tuple[str, torch.Tensor], args) -> dict:
+    heldout = load_file(os.path.join(path, "heldout_tokens.safetensors"))["input_ids"].long()  # [64, 256]
+    calib_ids = heldout[: args.calib_windows, : args.calib_tokens]
+    eval_ids = heldout[args.calib_windows : args.calib_windows + args.eval_windows, : args.eval_tokens]
+    cross_name, cross_ids = cross
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=1.0, device="cpu"), dtype=torch.float32, progress=False)
+    timings = {}
+    t = time.perf_counter()
+    trace = record_trace(model, eval_ids, progress=False)
+    timings["record"] = time.perf_counter() - t
+    t = time.perf_counter()
+    learned, why = learned_predictor(model, calib_ids, args.epochs)
+    crossed, why_cross = learned_predictor(model, cross_ids[: args.calib_windows, : args.calib_tokens], args.epochs)
+    timings["calibrate"] = time.perf_counter() - t
+    if why or why_cross:
+        raise SystemExit(f"calibration unavailable: {why or why_cross}")
+    router_probs = model.mira.router_probs
+    configs = {
+        "lru": dict(policy="lru"),
+        "heat": dict(policy=DEFAULTS.policy),
+        "default, uncalibrated": dict(policy=DEFAULTS.policy, predictor="gate"),
+        "default, calibrated": dict(policy=DEFAULTS.policy, predictor_obj=learned),
+        f"default, calibrated on {cross_name}": dict(policy=DEFAULTS.policy, predictor_obj=crossed),
+    }
+    out = dict(
+        family=model.config.model_type,
+        trace=trace_info(trace),
+        routing=trace_routing_stats(trace),
+        cross_domain_text=cross_name,
+        budgets={},
+    )
+    t = time.perf_counter()
+    for budget in BUDGETS:
+        best = belady(trace, budget=budget)
+        results = {}
+        for label, kw in configs.items():
+            results[label] = replay(
+                trace,
+                budget=budget,
+                router_probs=router_probs,
+                stage_fraction=DEFAULTS.cache.stage_fraction,
+                predictor_config=DEFAULTS.prediction,
+                heat=DEFAULTS.heat,
+                priority=DEFAULTS.priority,
+                **kw,
+            )
+        lru = results["lru"]
+        rows = [dict(config="belady", **{"hit%": round(100 * best["hit_rate"], 1), "xBelady": 1.0})]
+        for label, r in results.items():
+            rows.append(
+                {
+                    "config": label,
+                    "hit%": round(100 * r["hit_rate"], 1),
+                    "vs LRU": round(100 * (r["hit_rate"] - lru["hit_rate"]), 1),
+                    "stalls/LRU": round(r["misses"] / lru["misses"], 3) if lru["misses"] else None,
+                    "xBelady": round(r["bytes_moved"] / best["bytes_moved"], 3) if best["bytes_moved"] else None,
+                    "r@1": None if r.get("recall@1") is None else round(r["recall@1"], 3),
+                    "r@2": None if r.get("recall@2") is None else round(r["recall@2"], 3),
+                }
+            )
+        print(f"\n## {name}: budget {budget:.0%} ({lru['config']['slots']} slots), {trace.steps} tokens")
+        table = print_table(rows, COLUMNS)
+        out["budgets"][str(budget)] = dict(
+            belady=dict(bytes_moved=best["bytes_moved"], hit_rate=best["hit_rate"], misses=best.get("misses")),
+            rows=rows,
+            table=table,
+        )
+    timings["replays"] = time.perf_counter() - t
+    out["timings_s"] = {k: round(v, 1) for k, v in timings.items()}
+    return out
+
+
+def goals(name: str, m: dict) -> dict:
+    """How each model's default compares with what it has to do (GOALS): the measured value and the margin."""
+    by = {b: {r["config"]: r for r in m["budgets"][b]["rows"]} for b in m["budgets"]}
+    cross = next(k for k in by["0.25"] if k.startswith("default, calibrated on"))
+    g = {}
+    g["calibrated_25"] = by["0.25"]["default, calibrated"]["xBelady"]
+    g["hit_gain_25"] = by["0.25"]["default, calibrated"]["vs LRU"] / 100
+    g["uncalibrated_25"] = by["0.25"]["default, uncalibrated"]["xBelady"]
+    g["calibrated_10"] = by["0.1"]["default, calibrated"]["xBelady"]
+    g["calibrated_50"] = by["0.5"]["default, calibrated"]["xBelady"]
+    g["cross_domain_loss"] = max(by[b][cross]["xBelady"] - by[b]["default, calibrated"]["xBelady"] for b in by)
+    met = {
+        "calibrated_25": g["calibrated_25"] <= GOALS["calibrated_25"],
+        "hit_gain_25": g["hit_gain_25"] >= GOALS["hit_gain_25"],
+        "uncalibrated_25": g["uncalibrated_25"] <= GOALS["uncalibrated_25"],
+        "calibrated_10": g["calibrated_10"] <= GOALS["calibrated_other"],
+        "calibrated_50": g["calibrated_50"] <= GOALS["calibrated_other"],
+        "cross_domain_loss": g["cross_domain_loss"] <= GOALS["cross_domain_loss"],
+    }
+    return dict(values=g, met=met)
+
+
+def zoo_main(args) -> None:
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.calib_windows, args.calib_tokens, args.eval_windows, args.eval_tokens, args.epochs = 4, 64, 2, 32, 3
+    start = time.perf_counter()
+    models = zoo_models(args.zoo, args.zoo_models)
+    every = zoo_models(args.zoo, None)
+    texts = {name: load_file(os.path.join(path, "heldout_tokens.safetensors"))["input_ids"].long() for name, path, _ in every}
+    names = [m[0] for m in every]
+    report = dict(
+        environment=environment(),
+        args={k: v for k, v in vars(args).items() if k not in ("out",)},
+        mira_config_defaults=dict(policy=DEFAULTS.policy, predictor=DEFAULTS.predictor),
+        goals=GOALS,
+        models={},
+    )
+    for name, path, domain in models:
+        other = names[(names.index(name) + 1) % len(names)]  # the next model's text: another domain
+        m = evaluate_model(name, path, (other, texts[other]), args)
+        m["domain"] = domain
+        m["goals"] = goals(name, m)
+        report["models"][name] = m
+    report["timings_s"] = round(time.perf_counter() - start, 1)
+    print("\n## Goals per model (values; False = not met)")
+    for name, m in report["models"].items():
+        print(name, m["goals"]["values"], {k: v for k, v in m["goals"]["met"].items() if not v})
+    stem = os.path.join(args.out, f"{report['environment']['date']}-cpu-zoo-offline-eval" + ("-quick" if args.quick else ""))
+    write_json(stem + ".json", _rounded(report))
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(report))
+    print(f"wrote {stem}.json and {stem}.md")
+
+
+def markdown(report: dict) -> str:
+    lines = ["# Offline evaluation over the model zoo (CPU replay)", "", f"Environment: `{report['environment']}`", ""]
+    lines += ["| model | family | experts × top-k | domain | top-20% share | reuse | × Belady 10/25/50% (calibrated) |"]
+    lines += ["|---|---|---|---|---|---|---|"]
+    for name, m in report["models"].items():
+        t, r = m["trace"], m["routing"]
+        x = [m["budgets"][b]["rows"] for b in m["budgets"]]
+        cal = [next(row["xBelady"] for row in rows if row["config"] == "default, calibrated") for rows in x]
+        lines.append(
+            f"| {name} | {m['family']} | {t['num_experts'][0]} × {t['top_k']} | {m['domain']} | "
+            f"{r['top20_share']['mean']:.3f} (uniform {r['chance_top20_share']:.3f}) | "
+            f"{r['reuse']['mean']:.3f} (chance {r['chance_reuse']:.3f}) | {' / '.join(f'{v:.2f}' for v in cal)} |"
+        )
+    lines.append("")
+    for name, m in report["models"].items():
+        lines += [f"## {name}", ""]
+        for budget, b in m["budgets"].items():
+            lines += [f"### budget {float(budget):.0%}", "", _md_table(b["table"]), ""]
+        lines += [f"Goals: {m['goals']['values']}; not met: {[k for k, v in m['goals']['met'].items() if not v]}", ""]
+    lines += [f"Total time {report['timings_s']} s", ""]
+    return "\n".join(lines)

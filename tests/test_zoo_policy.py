@@ -1,0 +1,92 @@
+"""The cache's eviction parameters come from the routing it sees, on every routing regime of the model zoo
+(scripts/train_zoo.py: DeepSeek-V3 64 experts top-6 + shared, Qwen3 128 top-8, OLMoE 32 top-4, Qwen2-MoE 16
+top-4 + shared), not from constants tuned on one model."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from mira_hf import MiraConfig, MiraMoEModel
+from mira_hf.heat import USE_RATE_DECAYS, HeatConfig, HeatTracker
+from mira_hf.replay import replay
+from mira_hf.trace import RoutingTrace, record_trace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import train_zoo  # noqa: E402
+
+
+def _routing(num_experts: int, top_k: int, steps: int, run_steps: int, seed: int) -> torch.Tensor:
+    """[steps, K] expert indices: a random set of top_k experts, kept for `run_steps` steps, then another."""
+    g = torch.Generator().manual_seed(seed)
+    sets = [torch.randperm(num_experts, generator=g)[:top_k] for _ in range(steps // run_steps + 1)]
+    return torch.stack([sets[t // run_steps] for t in range(steps)])
+
+
+@pytest.fixture(scope="module", params=sorted(train_zoo.ZOO))
+def zoo_model(request):
+    """Each zoo member's config at its routing shape (small vocabulary), untrained, wrapped."""
+    torch.manual_seed(0)
+    config = train_zoo.build_config(train_zoo.ZOO[request.param], vocab_size=64)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    return request.param, MiraMoEModel.wrap(model, MiraConfig(gpu_budget=0.25, device="cpu"))
+
+
+def test_zoo_configs_build_their_routing_regime(zoo_model):
+    name, model = zoo_model
+    spec = train_zoo.ZOO[name].fields
+    layers = model.mira.layers.values()
+    experts = spec.get("n_routed_experts", spec.get("num_experts"))
+    assert {(li.num_experts, li.top_k) for li in layers} == {(experts, spec["num_experts_per_tok"])}
+    trace = record_trace(model, torch.randint(1, 64, (1, 3)), progress=False)  # the adapters route every layer
+    assert trace.experts.shape[1:] == (len(layers), spec["num_experts_per_tok"])
+
+
+def test_use_rate_memory_follows_how_long_routing_stays_put(zoo_model):
+    """Replayed on the model's own layer table, routing that keeps its experts for 40 steps gets a shorter use-rate
+    memory (the last steps predict the next) than routing that changes every 2 steps (only the long-run rate
+    predicts anything): the same model, other statistics, other parameters."""
+    name, model = zoo_model
+    infos = sorted(model.mira.layers.values(), key=lambda li: li.ordinal)
+    record = model.mira.store.record_bytes
+    decays = {}
+    for run_steps in (2, 40):
+        steps = 120
+        experts = torch.stack(
+            [_routing(li.num_experts, li.top_k, steps, run_steps, seed=li.ordinal) for li in infos], dim=1
+        )  # [steps, L, K]
+        trace = RoutingTrace(experts, None, [0], [li.num_experts for li in infos], [record(li.ordinal) for li in infos])
+        decays[run_steps] = replay(trace, budget=0.25, policy="heat")["use_rate_decays"]
+    for layer in decays[2]:
+        assert decays[40][layer] < decays[2][layer], (name, layer, decays)
+    assert set(decays[2].values()) | set(decays[40].values()) <= set(USE_RATE_DECAYS)
+
+
+def test_a_fixed_use_rate_memory_is_kept():
+    h = HeatTracker({0: 4}, HeatConfig(use_rate_decay=0.8))
+    for t in range(30):
+        h.activate(0, [t % 4])
+        h.end_step()
+    assert h.use_rate_decays() == {0: 0.8}
+
+
+def test_stationary_routing_gets_the_longest_memory_and_bursts_a_short_one():
+    """One tracker, two layers: i.i.d. routing (long memory averages noise away) and routing in 10-step bursts
+    (the last steps predict the next)."""
+    g = torch.Generator().manual_seed(0)
+    h = HeatTracker({0: 16, 1: 16})
+    bursts = _routing(16, 2, 400, 10, seed=1)
+    for t in range(400):
+        h.activate(0, torch.randperm(16, generator=g)[:2].tolist())
+        h.activate(1, bursts[t].tolist())
+        h.end_step()
+    chosen = h.use_rate_decays()
+    assert chosen[0] == max(USE_RATE_DECAYS)
+    assert chosen[1] <= 0.8

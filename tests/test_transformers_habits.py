@@ -323,6 +323,27 @@ def test_state_dict_holds_the_expert_tensors(name):
     assert set(model.state_dict()) == set(ref.state_dict())
 
 
+def _strided(model) -> list[str]:
+    return [n for n, p in model.named_parameters() if not p.is_contiguous()]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_parameters_are_contiguous_when_built_and_when_reloaded(name, tmp_path):
+    """transformers' `test_load_contiguous_weights`: every parameter is contiguous, after construction and after
+    save_pretrained and from_pretrained. A wrapped model's fused expert tensors (`gate_up_proj [E, 2I, H]`, ...)
+    are among its parameters and hold the unwrapped model's values."""
+    ref, model = _pair(name)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert _strided(model) == []
+    model.save_pretrained(tmp_path)
+    streamed = MiraMoEModel.from_pretrained(tmp_path, WRAP, progress=False)
+    loaded = MiraMoEModel.wrap(transformers.AutoModelForCausalLM.from_pretrained(tmp_path), WRAP)
+    for again in (streamed, loaded):
+        assert _strided(again) == []
+        params = dict(again.named_parameters())
+        assert all(torch.equal(params[n], p) for n, p in ref.named_parameters())
+
+
 def _shared_storages(model) -> list[list[str]]:
     """Names of state-dict tensors that share a storage, as transformers groups them to find tied weights."""
     from transformers.pytorch_utils import id_tensor_storage

@@ -146,11 +146,6 @@ CATEGORIES = (
     ),
     ("c", "compile/bf16 arithmetic/experts_implementation", ("compile", "bfloat16", "experts_implementation", "grouped_mm")),
     ("d", "budget below the minimum working set: refused by design", ("below the minimum working set",)),
-    (
-        "e",
-        "expert parameters are strided views of per-expert records (one copy per expert), not contiguous: by design",
-        ("test_load_contiguous_weights",),
-    ),
 )
 
 

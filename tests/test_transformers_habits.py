@@ -344,6 +344,29 @@ def test_parameters_are_contiguous_when_built_and_when_reloaded(name, tmp_path):
         assert all(torch.equal(params[n], p) for n, p in ref.named_parameters())
 
 
+def _experts_modules(model) -> dict[str, tuple]:
+    """Modules transformers' code takes for experts modules (they carry `has_gate`) and that hold expert weights,
+    with their layout flags and those weights' names, as its parallel-plan tests find them (a wrapped model's
+    `base`, the original module stripped of its weights, holds none)."""
+    params = dict(model.named_parameters())
+    found = {}
+    for name, m in model.named_modules():
+        weights = sorted(p for p in ("gate_up_proj", "up_proj", "down_proj") if f"{name}.{p}" in params)
+        if hasattr(m, "has_gate") and weights:
+            found[name] = (m.has_gate, getattr(m, "has_bias", None), getattr(m, "is_transposed", None), weights)
+    return found
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_experts_modules_carry_transformers_layout_flags(name):
+    """transformers finds experts modules by their `has_gate` flag and reads `has_bias` / `is_transposed` (its
+    tests check that parallel plans shard every expert weight so found): a wrapped model's are the same modules,
+    with the same flags and expert parameters."""
+    ref, model = _pair(name)
+    assert _experts_modules(ref) != {} or name == "llama4"  # Llama 4's experts module has no such flags
+    assert _experts_modules(model) == _experts_modules(ref)
+
+
 def _shared_storages(model) -> list[list[str]]:
     """Names of state-dict tensors that share a storage, as transformers groups them to find tied weights."""
     from transformers.pytorch_utils import id_tensor_storage

@@ -190,11 +190,11 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>-cpu-transformers-tests.json)")
     parser.add_argument(
         "--modes",
-        nargs="+",
+        nargs="*",
         default=["unwrapped", "wrapped"],
         choices=["unwrapped", "wrapped"],
-        help="run only these modes; a mode left out is read from --runs-dir (a run kept by an earlier call), and a "
-        "family whose other mode has not been kept gets no entry yet",
+        help="run only these modes (none: only compare kept runs); a mode left out is read from --runs-dir (a run "
+        "kept by an earlier call), and a family whose other mode has not been kept gets no entry yet",
     )
     parser.add_argument(
         "--runs-dir",

@@ -77,16 +77,17 @@ def store_h2d_gbps(model, device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     store = model.mira.store
-    records = [store.record(layer, e) for layer in store.layers for e in (0, store.num_experts(layer) - 1)]
-    dst = torch.empty(max(r.numel() for r in records), dtype=torch.uint8, device=device)
+    # each record as it lies in the store: one piece (encoded) or one per tensor (uncompressed)
+    pieces = [p for layer in store.layers for e in (0, store.num_experts(layer) - 1) for p in store.pieces(layer, e)]
+    dst = torch.empty(max(store.record_bytes(layer) for layer in store.layers), dtype=torch.uint8, device=device)
     best = 0.0
     for _ in range(3):
         sync()
         t0 = time.perf_counter()
-        for r in records:
-            dst[: r.numel()].copy_(r, non_blocking=True)
+        for offset, piece in pieces:
+            dst[offset : offset + piece.numel()].copy_(piece, non_blocking=True)
         sync()
-        best = max(best, sum(r.numel() for r in records) / (time.perf_counter() - t0) / 1e9)
+        best = max(best, sum(piece.numel() for _, piece in pieces) / (time.perf_counter() - t0) / 1e9)
     return best
 
 

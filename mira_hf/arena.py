@@ -49,30 +49,31 @@ class DeviceArena:
         }
         self._views: dict[tuple, object] = {}  # (pool, slot, layer) -> tensors or PackedWeights
 
-    def fill(self, slot: Slot, src: torch.Tensor, nbytes: int, pinned: bool) -> None:
-        """Copy the first `nbytes` of the record `src` into `slot` after its last reader (`slot.free`):
+    def fill(self, slot: Slot, nbytes: int, pinned: bool) -> None:
+        """Copy the first `nbytes` of the record of `slot.key` into `slot` after its last reader (`slot.free`):
         "dequant" copies the whole record into the staging buffer and decodes it into the slot on the copy
         stream; otherwise the bytes land as they are (`copy_into`)."""
         layer = slot.key[0]
         if self.placement == "dequant":
-            staging, views = self.buffers["staging"][: src.numel()], self.views(layer, slot)
             layout, dtype = self.store.layout(layer), self.store.dtype(layer)
+            staging, views = self.buffers["staging"][: layout.nbytes], self.views(layer, slot)
             decode = lambda: self.store.codec.decode(staging, layout, dtype, out=views)  # noqa: E731
             slot.first_ready = None
-            slot.ready = self.loader.copy(staging, src, pinned, after=slot.free, then=decode)
+            slot.ready = self.loader.copy(staging, self.store.pieces(*slot.key), pinned, after=slot.free, then=decode)
         else:
-            self.copy_into(slot, src, 0, nbytes, pinned, after=slot.free)
+            self.copy_into(slot, 0, nbytes, pinned, after=slot.free)
 
-    def copy_into(self, slot: Slot, src: torch.Tensor, start: int, end: int, pinned: bool, after: object = None) -> None:
-        """Copy bytes [start, end) of the record `src` into `slot` (not "dequant": the bytes land as they
-        are). In two parts when the tensors of the first matmul end inside the range (`slot.first_ready`
+    def copy_into(self, slot: Slot, start: int, end: int, pinned: bool, after: object = None) -> None:
+        """Copy bytes [start, end) of the record of `slot.key` into `slot` (not "dequant": the bytes land as
+        they are). In two parts when the tensors of the first matmul end inside the range (`slot.first_ready`
         marks them); when they ended before `start`, the slot's previous copy brought them and its event
         marks them."""
         s = self.split[slot.key[0]]
-        split = s - start if s is not None and start < s < end else 0
+        split = s if s is not None and start < s < end else 0
         before = slot.ready if s is not None and 0 < start and s <= start else None
         dst = self.slabs[self.budget.pool_of_layer[slot.key[0]]][slot.index]
-        first, slot.ready = self.loader.copy_split(dst[start:end], src[start:end], pinned, split, after)
+        pieces = self.store.pieces(*slot.key, start, end)
+        first, slot.ready = self.loader.copy_split(dst, pieces, pinned, split, after)
         slot.first_ready = first if split else before
 
     def views(self, layer: int, slot: Slot):

@@ -126,6 +126,7 @@ class LoaderConfig:
     split_copies: bool = True
     # Records smaller than this are copied in one piece even with `split_copies`: their last part
     # crosses in less time (~25 µs for 4 MiB at 55 GB/s) than a second copy call costs the host.
+    # (Encoded records; uncompressed experts are stored tensor by tensor and copied one tensor at a time.)
     split_min_bytes: int = 4 * 2**20
     # Where encoded expert records are cached (`mira_hf.record_cache`), so a second load of a checkpoint
     # reads them instead of encoding again: "auto" ($MIRA_HF_RECORD_CACHE, else $HF_HOME/mira-hf/records),

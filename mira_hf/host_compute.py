@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import ConfigError
-from .layout import IdentityCodec
 
 # An expert with more rows than this in one block is computed on the device (a prefill's experts have
 # hundreds: the host's matmul time grows with rows, the copy's does not).
@@ -270,7 +269,8 @@ class HostCompute:
     # -- running (the proxy) -----------------------------------------------------------------------
     def weights(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """Expert `expert` of `layer` as typed views of its host record (no copy)."""
-        return IdentityCodec().decode(self.store.record(layer, expert), self.store.raw_layout(layer))
+        # the host computes only from uncompressed stores, where each fused tensor's expert slice is contiguous
+        return {name: v[expert] for name, v in self.store.expert_views(layer).items()}
 
     def start(self, layer: int | None, experts: Sequence[int], inputs: Callable[[int], torch.Tensor]) -> HostJob:
         """Start computing `experts` of `layer` on the host: `inputs(e)` is expert e's rows [n_e, H] on the
@@ -315,7 +315,7 @@ class HostCompute:
     def _measure_link(self, layer: int) -> None:
         """Link speed and per-copy overhead from host→device copies of a record's first bytes (up to 64 KiB,
         and up to 16 MiB; the transient device buffer is freed at once). On CPU, a memcpy."""
-        record = self.store.record(layer, 0)
+        record = max((piece for _, piece in self.store.pieces(layer, 0)), key=torch.Tensor.numel)  # as it lies in host memory
         big = min(LINK_PROBE_BYTES, record.numel())
         small = max(min(LINK_PROBE_SMALL_BYTES, big // 4), 1)
         dst = torch.empty(big, dtype=torch.uint8, device=self.device)

@@ -11,10 +11,29 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 
 LATENCY_SAMPLES = 4096  # copies whose issue-to-ready latency is kept (the latest ones)
+
+# A record's bytes as they lie in host memory: (offset in the record, uint8 host tensor), in record order.
+Pieces = Sequence[tuple[int, torch.Tensor]]
+
+
+def cut(pieces: Pieces, at: int) -> tuple[list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor]]]:
+    """`pieces` split at record offset `at`: those before it and those from it on (a piece across it is cut)."""
+    head, tail = [], []
+    for offset, src in pieces:
+        n = src.numel()
+        if offset + n <= at:
+            head.append((offset, src))
+        elif offset >= at:
+            tail.append((offset, src))
+        else:
+            head.append((offset, src[: at - offset]))
+            tail.append((at, src[at - offset :]))
+    return head, tail
 
 
 class Loader:
@@ -39,23 +58,25 @@ class Loader:
         self._latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)  # seconds
 
     # -- copies ---------------------------------------------------------------------------------
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, src_pinned: bool, after: object = None, then=None) -> object:
+    def copy(self, dst: torch.Tensor, pieces: Pieces, src_pinned: bool, after: object = None, then=None) -> object:
         """Copy a host record into a device buffer. Returns the event that marks it done (None on CPU).
 
-        `after`: an event the copy must wait for (the last compute that read the slot).
-        `then`: work to run on the copy stream after the copy (e.g. dequantising into the slot).
+        `pieces`: the record's bytes as they lie in host memory, `(offset in dst, uint8 tensor)` in order
+        (`ExpertStore.pieces`). `after`: an event the copy must wait for (the last compute that read the
+        slot). `then`: work to run on the copy stream after the copy (e.g. dequantising into the slot).
         """
-        return self.copy_split(dst, src, src_pinned, 0, after, then)[1]
+        return self.copy_split(dst, pieces, src_pinned, 0, after, then)[1]
 
     def copy_split(
-        self, dst: torch.Tensor, src: torch.Tensor, src_pinned: bool, split: int, after: object = None, then=None
+        self, dst: torch.Tensor, pieces: Pieces, src_pinned: bool, split: int, after: object = None, then=None
     ) -> tuple[object, object]:
-        """As `copy`, in two parts: returns (first, done), `first` the event that marks the first `split`
-        bytes landed (None if `split` is 0), so their reader can start while the rest crosses."""
+        """As `copy`, in two parts: returns (first, done), `first` the event that marks the bytes before
+        offset `split` of dst landed (None if `split` is 0), so their reader can start while the rest crosses."""
+        head, tail = cut(pieces, split) if split else ((), pieces)
         if not self.cuda:
             t0 = time.perf_counter()
-            dst[:split].copy_(src[:split])
-            dst[split:].copy_(src[split:])
+            for offset, src in (*head, *tail):
+                dst[offset : offset + src.numel()].copy_(src)
             if then is not None:
                 then()
             self._latencies.append(time.perf_counter() - t0)
@@ -67,10 +88,12 @@ class Loader:
             if after is not None:
                 self.stream.wait_event(after)
             if split:
-                self._copy_bytes(dst[:split], src[:split], src_pinned)
+                for offset, src in head:
+                    self._copy_bytes(dst[offset : offset + src.numel()], src, src_pinned)
                 first = torch.cuda.Event()
                 first.record(self.stream)
-            self._copy_bytes(dst[split:], src[split:], src_pinned)
+            for offset, src in tail:
+                self._copy_bytes(dst[offset : offset + src.numel()], src, src_pinned)
             if then is not None:
                 then()
             done = torch.cuda.Event(enable_timing=True)

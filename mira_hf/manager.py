@@ -362,10 +362,9 @@ class ExpertManager(NotebookViews):
     def _finish(self, slot: Slot) -> None:
         """Copy the rest of a record whose speculative copy was cut short: its block needs it."""
         layer, expert = slot.key
-        src = self.store.record(layer, expert)
-        n = slot.partial
+        end, n = self.store.record_bytes(layer), slot.partial
         try:
-            self.arena.copy_into(slot, src, n, src.numel(), self.store.tier(layer) == "pinned")
+            self.arena.copy_into(slot, n, end, self.store.tier(layer) == "pinned")
         except Exception as exc:  # the slot keeps its first bytes; the block's caller unpins it
             raise LoaderError(
                 f"loading the rest of expert {expert} of MoE layer {layer} to {self.device} failed: {exc}. "
@@ -373,7 +372,7 @@ class ExpertManager(NotebookViews):
             ) from exc
         slot.partial = 0
         stats = self.telemetry.layer(layer)
-        stats.bytes_h2d += src.numel() - n  # one load, counted when its copy started
+        stats.bytes_h2d += end - n  # one load, counted when its copy started
         stats.speculated_used += 1
 
     def _expire_prefetches(self, layer: int) -> None:
@@ -431,10 +430,10 @@ class ExpertManager(NotebookViews):
                 self.heat.feedback(*evicted.key, used=False)
         t0 = time.perf_counter()
         try:
-            src = self.store.record(*key)
-            n = src.numel() if nbytes is None else min(nbytes, src.numel())
-            self.arena.fill(slot, src, n, self.store.tier(layer) == "pinned")
-            slot.partial = n if n < src.numel() else 0
+            size = self.store.record_bytes(layer)
+            n = size if nbytes is None else min(nbytes, size)
+            self.arena.fill(slot, n, self.store.tier(layer) == "pinned")
+            slot.partial = n if n < size else 0
         except Exception as exc:  # a CUDA OOM, a bad page in a memory-mapped file, an injected fault...
             self.cache.remove(key)
             raise LoaderError(

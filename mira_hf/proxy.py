@@ -36,6 +36,7 @@ def _guarded(result: torch.Tensor) -> torch.Tensor:
 KNOWN_EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 # The layout flags the proxy computes with, and their values where neither the module nor its adapter sets them.
 LAYOUT_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "has_post_expert_norm": False}
+TRANSFORMERS_FLAGS = ("has_gate", "has_bias", "is_transposed")
 
 
 class MiraExperts(nn.Module):
@@ -71,6 +72,11 @@ class MiraExperts(nn.Module):
         self._packed = manager.placement == "packed"
         self._handle = register(self)  # how the compiled graph's operator finds this module
         manager.host.register(layer, *host_expert_math(self, manager.store.raw_layout(layer)))  # host_compute.py
+        # transformers' flags of an experts module (`@use_experts_implementation`), where `base` has them: its
+        # code finds experts modules, and reads their layout, by them (parallel plans, exporters, quantizers)
+        for flag in TRANSFORMERS_FLAGS:
+            if hasattr(base, flag):
+                setattr(self, flag, getattr(base, flag))
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, num_experts={self.num_experts}, record_bytes={self.manager.store.record_bytes(self.layer)}"

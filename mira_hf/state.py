@@ -3,8 +3,8 @@
 Each `MiraExperts` proxy holds its layer's expert tensors as parameters under their original names
 (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, ...), so `state_dict()`, `named_parameters()`,
 `num_parameters()` and `get_memory_footprint()` see what the unwrapped model has:
-- uncompressed records: each parameter is a strided view of its layer's host slab (no copy; the store
-  *is* the weights). It stays in host memory whatever `model.device` is;
+- uncompressed records: each parameter is a contiguous view of its layer's host slab (no copy; the store
+  *is* the weights, kept tensor by tensor). It stays in host memory whatever `model.device` is;
 - encoded records (lossless, int8/int4/nf4): each parameter is a placeholder on the `meta` device (shape
   and dtype only, no memory); `state_dict()` gives a decoded copy instead, with a warning where the
   format is lossy (the values are the dequantized ones, not the checkpoint's).

@@ -1,6 +1,14 @@
-"""`ExpertStore`: every routed expert in host memory, one contiguous record per expert.
+"""`ExpertStore`: every routed expert in host memory, in one slab per layer.
 
-A layer's experts live in one slab `[E, record_bytes]`, so expert `e` is `slab[e]`: one copy moves it.
+A layer's experts live in one slab of `E · record_bytes` bytes, laid out by what the records hold:
+- encoded records (lossless, int8/int4/nf4, native FP8/MXFP4): expert by expert, `[E, record_bytes]`, so
+  expert `e` is the row `slab[e]` and one copy moves it;
+- uncompressed records (the checkpoint's bytes): tensor by tensor, as the model's fused parameters are
+  (`gate_up_proj [E, 2I, H]`, then `down_proj [E, H, I]`, ...): tensor `t` of every expert fills
+  `[E · offset_t, E · (offset_t + nbytes_t))`, so each fused parameter is one contiguous tensor over the
+  slab (`expert_views`, what `state_dict()` and `parameters()` expose) and expert `e`'s share of it is a
+  contiguous slice. Moving an expert copies one slice per tensor into the slot's record (`pieces`), which
+  is laid out as `layout` says; the same bytes as a row would be, without the alignment gaps.
 Three host tiers, fastest first:
 - pinned slabs (page-locked: the GPU's copy engine reads them directly at full PCIe speed);
 - pageable slabs (no pinning cost at load; copies go through the loader's pinned staging ring);
@@ -34,7 +42,7 @@ def over_host_budget(host_bytes: int, nbytes: int, host_budget_bytes: int | None
 
 @dataclass
 class _Slab:
-    data: torch.Tensor  # uint8 [E, record_bytes]
+    data: torch.Tensor  # uint8 [E, record_bytes]: rows are records when encoded, else tensor by tensor (module doc)
     layout: object
     tier: str  # "pinned" | "pageable" | "disk"
     dtype: torch.dtype  # dtype the experts compute in
@@ -136,9 +144,14 @@ class ExpertStore:
                 elif records is not None:
                     for e in range(E):
                         os.pwrite(f.fileno(), records[e].numpy().data, e * layout.nbytes)
+                elif not self.quantized:  # the checkpoint's bytes, expert by expert, through a shared mapping
+                    mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes)
+                    for e in range(E):
+                        _write_raw(mapped, layout, e, expert(e))
+                    del mapped
                 else:  # record by record: one expert of working memory (per encoding thread)
                     sink = lambda e, record: os.pwrite(f.fileno(), record.cpu().numpy().data, e * layout.nbytes)  # noqa: E731
-                    self._encode(layer, layout, E, expert, sink, extra)
+                    self.encoder.encode_layer(self.codec, layout, E, expert, sink, extra, key=layer)
             slab = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes)
         else:
             report = self.encoder.report
@@ -164,7 +177,7 @@ class ExpertStore:
                 try:
                     for e, tensors in enumerate(ahead):
                         with report.span("copy", layout.nbytes):
-                            self.codec.encode(tensors, layout, slab[e])
+                            _write_raw(slab, layout, e, tensors)
                 finally:
                     ahead.close()
             else:
@@ -207,17 +220,6 @@ class ExpertStore:
             return "disk"
         return "pinned" if self.pinned else "pageable"
 
-    def _encode(
-        self, layer: int, layout, E: int, expert: Callable, sink: Callable[[int, torch.Tensor], None], extra: dict
-    ) -> None:
-        if not self.quantized:
-            record = torch.empty(layout.nbytes, dtype=torch.uint8)
-            for e in range(E):
-                self.codec.encode(expert(e), layout, record)
-                sink(e, record)
-        else:
-            self.encoder.encode_layer(self.codec, layout, E, expert, sink, extra, key=layer)
-
     # -- reading --------------------------------------------------------------------------------
     @property
     def layers(self) -> list[int]:
@@ -247,8 +249,32 @@ class ExpertStore:
         return self._slabs[layer].data.shape[0]
 
     def record(self, layer: int, expert: int) -> torch.Tensor:
-        """The host record (uint8 [record_bytes]) of one expert."""
-        return self._slabs[layer].data[expert]
+        """The record (uint8 [record_bytes]) of one expert: the slab's row where records are encoded; a copy
+        put together from `pieces` where they are uncompressed (alignment gaps zero)."""
+        slab = self._slabs[layer]
+        if self.quantized:
+            return slab.data[expert]
+        out = torch.zeros(slab.layout.nbytes, dtype=torch.uint8)
+        for offset, piece in self.pieces(layer, expert):
+            out[offset : offset + piece.numel()] = piece
+        return out
+
+    def pieces(self, layer: int, expert: int, start: int = 0, end: int | None = None) -> list[tuple[int, torch.Tensor]]:
+        """Bytes [start, end) of one expert's record as they lie in host memory: `(offset in the record,
+        uint8 tensor)` in record order, no copy. One piece (a row of the slab) where records are encoded; one
+        per tensor where they are uncompressed (the expert's slice of each fused parameter; the alignment
+        gaps between tensors hold nothing and are left out)."""
+        slab = self._slabs[layer]
+        end = slab.layout.nbytes if end is None else end
+        if self.quantized:
+            return [(start, slab.data[expert, start:end])]
+        E, flat, out = slab.data.shape[0], slab.data.view(-1), []
+        for t in slab.layout.tensors:
+            lo, hi = max(start, t.offset), min(end, t.offset + t.nbytes)
+            if lo < hi:
+                base = E * t.offset + expert * t.nbytes - t.offset  # record offset -> slab offset
+                out.append((lo, flat[base + lo : base + hi]))
+        return out
 
     def tier(self, layer: int) -> str:
         return self._slabs[layer].tier
@@ -269,32 +295,27 @@ class ExpertStore:
     def fused(self, layer: int) -> dict[str, torch.Tensor]:
         """Rebuild one layer's fused tensors `name -> [E, ...]` (for unload and save)."""
         slab = self._slabs[layer]
+        if not self.quantized:
+            return {name: view.clone() for name, view in self.expert_views(layer).items()}
         E = slab.data.shape[0]
         per_expert = [self.codec.decode(slab.data[e], slab.layout, slab.dtype) for e in range(E)]
         return {name: torch.stack([p[name] for p in per_expert]).to(slab.dtype) for name in per_expert[0]}
 
     def expert_views(self, layer: int) -> dict[str, torch.Tensor] | None:
-        """`name -> [E, ...]` over every expert of `layer`, as typed strided views of its slab (no copy;
+        """`name -> [E, ...]` over every expert of `layer`: contiguous typed views of its slab (no copy;
         writing into them writes the records), or None where records are encoded (`quantized`)."""
         if self.quantized:
             return None
         slab = self._slabs[layer]
-        E, R = slab.data.shape
+        E = slab.data.shape[0]
         flat = slab.data.view(-1).numpy()  # [E·R] bytes, the slab's memory (no copy; keeps the slab alive)
-        views = {}
-        for spec in slab.layout.tensors:
-            size = spec.dtype.itemsize  # record_bytes and offsets are multiples of ALIGN_BYTES, so of this
-            # Each view on its own storage, starting at its first byte: the tensors of one layer interleave in its
-            # slab, and storage-identity checks (transformers' tied-weight detection in save_pretrained, safetensors)
-            # would otherwise take them for one tensor shared under several names.
-            strides, step = [], 1
-            for dim in reversed(spec.shape):
-                strides.insert(0, step)
-                step *= dim
-            span = (E - 1) * R + step * size  # from expert 0's first byte of this tensor to expert E-1's last
-            typed = torch.from_numpy(flat[spec.offset : spec.offset + span]).view(spec.dtype)  # [span / size]
-            views[spec.name] = typed.as_strided((E, *spec.shape), (R // size, *strides), 0)
-        return views
+        # Each view on its own storage, starting at its first byte: storage-identity checks (transformers'
+        # tied-weight detection in save_pretrained, safetensors) would otherwise take the tensors of one layer
+        # for one tensor shared under several names.
+        return {
+            t.name: torch.from_numpy(flat[E * t.offset : E * (t.offset + t.nbytes)]).view(t.dtype).view(E, *t.shape)
+            for t in slab.layout.tensors
+        }
 
     def expert_specs(self, layer: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (per-expert shape, dtype) of `layer`'s expert tensors, as the checkpoint has them."""
@@ -319,8 +340,14 @@ class ExpertStore:
         expert = self._rewritten(layer, fused, dtype)
         E = self.num_experts(layer)
         if dtype == old.dtype and layout == old.layout:
-            # each expert's record is read (expert(e)) before its own sink overwrites it
-            self._encode(layer, layout, E, expert, lambda e, record: old.data[e].copy_(record), {})
+            # each expert's tensors are read (expert(e)) before they are overwritten
+            if not self.quantized:
+                for e in range(E):
+                    _write_raw(old.data, layout, e, expert(e))
+            else:
+                self.encoder.encode_layer(
+                    self.codec, layout, E, expert, lambda e, record: old.data[e].copy_(record), {}, key=layer
+                )
             return
         specs = {n: (shape, dtype) for n, (shape, _) in self.expert_specs(layer).items()}
         parked = None
@@ -347,7 +374,7 @@ class ExpertStore:
         fused = fused or {}
 
         def expert(e: int) -> dict[str, torch.Tensor]:
-            stored = self.codec.decode(slab.data[e], slab.layout, slab.dtype) if len(fused) < len(slab.raw_layout.tensors) else {}
+            stored = self._expert(slab, e) if len(fused) < len(slab.raw_layout.tensors) else {}
             out = {}
             for spec in slab.raw_layout.tensors:
                 t = fused[spec.name][e] if spec.name in fused else stored[spec.name].to(slab.dtype)
@@ -355,6 +382,12 @@ class ExpertStore:
             return out
 
         return expert
+
+    def _expert(self, slab: _Slab, e: int) -> dict[str, torch.Tensor]:
+        """Expert `e`'s tensors as stored: views of an uncompressed slab, else its record decoded."""
+        if not self.quantized:
+            return _raw_expert(slab.data, slab.layout, e)
+        return self.codec.decode(slab.data[e], slab.layout, slab.dtype)
 
     def save(self, directory: str, fingerprint: dict) -> None:
         """Write every record and a header (`mira_hf.saved_store`), so a later load with
@@ -390,3 +423,18 @@ class ExpertStore:
         if self._pin_pool is not None:
             self._pin_pool.shutdown(wait=False)
             self._pin_pool = None
+
+
+def _raw_expert(data: torch.Tensor, layout: RawLayout, e: int) -> dict[str, torch.Tensor]:
+    """Typed views of expert `e`'s tensors in an uncompressed slab `data` (uint8 [E, R], tensor by tensor)."""
+    E, flat = data.shape[0], data.view(-1)
+    return {
+        t.name: flat[E * t.offset + e * t.nbytes : E * t.offset + (e + 1) * t.nbytes].view(t.dtype).view(t.shape)
+        for t in layout.tensors
+    }
+
+
+def _write_raw(data: torch.Tensor, layout: RawLayout, e: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy expert `e`'s tensors into an uncompressed slab `data` (`_raw_expert`'s places)."""
+    for name, view in _raw_expert(data, layout, e).items():
+        view.copy_(tensors[name])

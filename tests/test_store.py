@@ -1,4 +1,4 @@
-"""The host side: experts in one record each, the disk tier beyond host_budget, and peak host memory
+"""The host side: experts stored tensor by tensor, the disk tier beyond host_budget, and peak host memory
 while loading."""
 
 import json
@@ -15,13 +15,24 @@ from mira_hf import MiraConfig, MiraMoEModel
 IDS = torch.tensor([[4, 8, 15, 16, 23, 42, 7, 9]])
 
 
-def test_each_expert_is_one_contiguous_record(tiny_checkpoint):
+def test_each_fused_tensor_is_contiguous_and_each_expert_a_slice_of_it(tiny_checkpoint):
+    """Uncompressed experts are stored tensor by tensor: each fused parameter (`gate_up_proj [E, 2I, H]`, ...)
+    is one contiguous tensor over the layer's slab, and an expert's record is copied from its slice of each."""
     model = MiraMoEModel.from_pretrained(tiny_checkpoint("gpt_oss"), MiraConfig(device="cpu"), progress=False)
     store = model.mira.store
+    layout, views = store.layout(0), store.expert_views(0)
+    assert set(views) == {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}
+    assert all(v.is_contiguous() and v.shape[0] == store.num_experts(0) for v in views.values())
+    for e in (0, 3):
+        pieces = store.pieces(0, e)
+        assert [offset for offset, _ in pieces] == [t.offset for t in layout.tensors]  # one piece per tensor
+        for (_, piece), t in zip(pieces, layout.tensors):
+            assert piece.is_contiguous() and piece.numel() == t.nbytes
+            assert piece.data_ptr() == views[t.name][e].data_ptr()  # expert e's slice of the fused tensor
     rec = store.record(0, 3)
-    assert rec.is_contiguous() and rec.dtype == torch.uint8 and rec.numel() == store.record_bytes(0)
-    # the record holds every tensor of expert 3, biases included
-    assert {t.name for t in store.layout(0).tensors} == {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}
+    assert rec.dtype == torch.uint8 and rec.numel() == store.record_bytes(0)
+    for t in layout.tensors:  # the record puts each tensor where its layout says
+        assert torch.equal(rec[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape), views[t.name][3])
 
 
 def test_experts_beyond_host_budget_are_served_from_disk(tiny_checkpoint, tmp_path):

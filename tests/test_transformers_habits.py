@@ -323,6 +323,50 @@ def test_state_dict_holds_the_expert_tensors(name):
     assert set(model.state_dict()) == set(ref.state_dict())
 
 
+def _strided(model) -> list[str]:
+    return [n for n, p in model.named_parameters() if not p.is_contiguous()]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_parameters_are_contiguous_when_built_and_when_reloaded(name, tmp_path):
+    """transformers' `test_load_contiguous_weights`: every parameter is contiguous, after construction and after
+    save_pretrained and from_pretrained. A wrapped model's fused expert tensors (`gate_up_proj [E, 2I, H]`, ...)
+    are among its parameters and hold the unwrapped model's values."""
+    ref, model = _pair(name)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert _strided(model) == []
+    model.save_pretrained(tmp_path)
+    streamed = MiraMoEModel.from_pretrained(tmp_path, WRAP, progress=False)
+    loaded = MiraMoEModel.wrap(transformers.AutoModelForCausalLM.from_pretrained(tmp_path), WRAP)
+    for again in (streamed, loaded):
+        assert _strided(again) == []
+        params = dict(again.named_parameters())
+        assert all(torch.equal(params[n], p) for n, p in ref.named_parameters())
+
+
+def _experts_modules(model) -> dict[str, tuple]:
+    """Modules transformers' code takes for experts modules (they carry `has_gate`) and that hold expert weights,
+    with their layout flags and those weights' names, as its parallel-plan tests find them (a wrapped model's
+    `base`, the original module stripped of its weights, holds none)."""
+    params = dict(model.named_parameters())
+    found = {}
+    for name, m in model.named_modules():
+        weights = sorted(p for p in ("gate_up_proj", "up_proj", "down_proj") if f"{name}.{p}" in params)
+        if hasattr(m, "has_gate") and weights:
+            found[name] = (m.has_gate, getattr(m, "has_bias", None), getattr(m, "is_transposed", None), weights)
+    return found
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_experts_modules_carry_transformers_layout_flags(name):
+    """transformers finds experts modules by their `has_gate` flag and reads `has_bias` / `is_transposed` (its
+    tests check that parallel plans shard every expert weight so found): a wrapped model's are the same modules,
+    with the same flags and expert parameters."""
+    ref, model = _pair(name)
+    assert _experts_modules(ref) != {} or name == "llama4"  # Llama 4's experts module has no such flags
+    assert _experts_modules(model) == _experts_modules(ref)
+
+
 def _shared_storages(model) -> list[list[str]]:
     """Names of state-dict tensors that share a storage, as transformers groups them to find tied weights."""
     from transformers.pytorch_utils import id_tensor_storage

@@ -188,6 +188,7 @@ def test_predictors_read_the_routers_of_the_cast_model(tiny_checkpoint):
     assert model.mira.predictor._plan(0)[1][0].correction is block.gate.e_score_correction_bias
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_moves_between_cpu_and_cuda_take_the_cache_along_and_serve_exactly(tiny_checkpoint):
     path = tiny_checkpoint("mixtral")
@@ -221,6 +222,7 @@ def test_a_cast_re_encodes_experts_on_the_disk_tier(tiny_checkpoint, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_cuda_model_casts_on_its_device_and_moves_to_the_cpu_and_back(tiny_checkpoint):
     """Wrapped on CUDA (pinned store, gpu_budget=None: sized from free memory at load)."""

@@ -188,6 +188,7 @@ def test_parallel_and_device_path_encoding_give_the_serial_records(code, dtype, 
     assert all(torch.equal(decoded[n].view(torch.uint8), t[1].view(torch.uint8)) for n, t in fused.items())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("code", ["classes", "nibble"])
 def test_cuda_encoding_gives_the_cpu_records(code):

@@ -270,6 +270,7 @@ def test_a_model_unlike_its_skeleton_is_stored_again_from_it(tiny_checkpoint, mo
         assert torch.equal(model(IDS).logits, load_reference(path)(IDS).logits)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("quantization", [None, "lossless"])
 def test_cuda_streamed_load_stores_experts_before_the_other_weights(tiny_checkpoint, quantization, monkeypatch):

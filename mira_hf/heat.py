@@ -84,8 +84,10 @@ class UseRates:
         # In place, into buffers made once: temporaries of this size would each be a fresh mapping of memory.
         p, mask = self._work, self._mask  # [C, L, E] float32, bool
         np.clip(self.ema, _P_FLOOR, 1 - _P_FLOOR, out=p)
-        np.subtract(1, p, out=p, where=~active)  # the probability of what happened: p if used, else 1 - p
-        np.log(p, out=p)
+        unused = ~active
+        np.negative(p, out=p, where=unused)  # the log probability of what happened: log p if used, log1p(-p) if not
+        np.log1p(p, out=p, where=unused)
+        np.log(p, out=p, where=active)
         if self._valid is not None:
             p *= self._valid
         self.loss *= SCORE_DECAY

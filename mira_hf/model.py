@@ -94,32 +94,23 @@ class MiraMoEModel:
                 encoded=cfg.quantization not in (None, "auto") or (cfg.quantization == "auto" and device.type == "cuda"),
                 quantization_config=quantization_config,
             )
+        load = functools.partial(
+            load_model,
+            name_or_path,
+            adapter,
+            hf_kwargs,
+            index,
+            wanted,
+            cfg.loader.stream_experts,
+            config_dict.get("model_type"),
+            quantization_config,
+        )
         if index is not None:
-            load = functools.partial(
-                load_model,
-                name_or_path,
-                adapter,
-                hf_kwargs,
-                index,
-                wanted,
-                cfg.loader.stream_experts,
-                config_dict.get("model_type"),
-                quantization_config,
-            )
             model = MiraMoEModel._wrap_arriving(name_or_path, adapter, index, hf_kwargs, cfg, device, progress, report, load)
             if model is not None:
                 return model
         with report.span("model"), _checkpoint_errors(name_or_path):
-            model, streamed = load_model(
-                name_or_path,
-                adapter,
-                hf_kwargs,
-                index,
-                wanted,
-                cfg.loader.stream_experts,
-                config_dict.get("model_type"),
-                quantization_config,
-            )
+            model, streamed = load()
         if streamed is not None and streamed.index.download_s:
             report.add("download", streamed.index.download_s)
         return MiraMoEModel._wrap(model, cfg, device, progress, streamed, report)

@@ -8,6 +8,7 @@ On the step clock a period is one forward step."""
 import numpy as np
 import pytest
 
+import mira_hf.heat as heat_mod
 from mira_hf.errors import ConfigError
 from mira_hf.heat import HeatConfig, HeatTracker
 
@@ -167,3 +168,68 @@ def test_a_long_idle_wall_clock_gap_decays_at_most_1000_periods_and_the_clock_ke
     now[0] += 0.0625  # now a whole one since the last tick
     h.activate(0, [1])
     assert h.score(0, 0) == pytest.approx(0.1 * 0.99**1000, rel=1e-4)
+
+
+def _use_rates_by_definition(num_experts: dict[int, int], steps: list[dict[int, list[int]]]):
+    """HeatConfig.use_rate_decay=None from its definition, one layer and one candidate memory at a time in
+    float64: each candidate's moving average p of an expert's per-step use; each step is scored before it
+    updates them, by log p for a used expert and log(1 - p) for an unused one (p clipped to [1e-3, 1 - 1e-3]);
+    a candidate's running loss is 0.99 × its loss + the step's; the layer uses the candidate of lowest loss
+    (the first on a tie). Yields, after each step, {layer: (memory in use, its estimates)}."""
+    decays = heat_mod.USE_RATE_DECAYS
+    ema = {layer: np.zeros((len(decays), n)) for layer, n in num_experts.items()}
+    loss = {layer: np.zeros(len(decays)) for layer in num_experts}
+    for step in steps:
+        now = {}
+        for layer, n in num_experts.items():
+            used = np.zeros(n, bool)
+            used[step.get(layer, [])] = True
+            p = np.clip(ema[layer], 1e-3, 1 - 1e-3)
+            loss[layer] = 0.99 * loss[layer] - np.where(used, np.log(p), np.log1p(-p)).sum(axis=1)
+            for c, d in enumerate(decays):
+                ema[layer][c] = d * ema[layer][c] + (1 - d) * used
+            best = int(np.argmin(loss[layer]))
+            now[layer] = (decays[best], ema[layer][best].copy())
+        yield now
+
+
+def test_use_rates_chosen_online_follow_their_definition_step_by_step_on_layers_of_unequal_width():
+    num_experts = {0: 12, 3: 5, 7: 9}  # unequal widths: the shared table pads the narrow layers
+    rng = np.random.default_rng(0)
+    steps, sticky = [], {0: [1, 2], 3: [0], 7: [4, 5, 6]}
+    for t in range(400):
+        step = {}
+        for layer, n in num_experts.items():
+            if layer == 0:  # churning: a new pair every step
+                step[layer] = list(rng.choice(n, 2, replace=False))
+            elif layer == 3:  # sticky: one expert for 25 steps at a time
+                step[layer] = [(t // 25) % n]
+            else:  # sticky with noise, a layer that skips a step now and then
+                if rng.random() < 0.1:
+                    sticky[7] = list(rng.choice(n, 3, replace=False))
+                step[layer] = [] if t % 17 == 0 else sticky[7]
+        steps.append(step)
+    tracker = HeatTracker(num_experts, HeatConfig(clock="steps"))
+    middle = heat_mod.USE_RATE_DECAYS[len(heat_mod.USE_RATE_DECAYS) // 2]
+    assert set(tracker.use_rate_decays().values()) == {middle}  # before any step: the middle memory
+    seen = set()
+    for t, (step, expected) in enumerate(zip(steps, _use_rates_by_definition(num_experts, steps))):
+        for layer, experts in step.items():
+            if experts:
+                tracker.activate(layer, experts)
+        tracker.end_step()
+        memories = tracker.use_rate_decays()
+        for layer, (memory, rates) in expected.items():
+            assert memories[layer] == memory, (t, layer)
+            np.testing.assert_allclose(tracker.use_rate[layer], rates, rtol=1e-5, atol=2e-9, err_msg=f"step {t} layer {layer}")
+            seen.add((layer, memory))
+    assert {m for layer, m in seen if layer == 3} != {m for layer, m in seen if layer == 0}  # the memories differ
+    tracker.reset()
+    assert all(not tracker.use_rate[layer].any() for layer in num_experts)
+    tracker.activate(0, [4])
+    tracker.end_step()  # after a reset the losses start again from zero: the same first step as a new tracker
+    fresh = HeatTracker(num_experts, HeatConfig(clock="steps"))
+    fresh.activate(0, [4])
+    fresh.end_step()
+    assert tracker.use_rate_decays() == fresh.use_rate_decays()
+    assert all(np.array_equal(tracker.use_rate[layer], fresh.use_rate[layer]) for layer in num_experts)

@@ -78,13 +78,14 @@ class UseRates:
         self._valid = None if not padded.any() else ~padded
         self._work = np.zeros_like(self.ema)
         self._mask = np.zeros(self.ema.shape, bool)
+        self._unused = np.zeros(self.ema.shape[1:], bool)  # [L, E]
 
     def update(self, active: np.ndarray, out: np.ndarray) -> None:
         """One step's use (`active` [L, E] bool); writes each layer's best estimates into `out` [L, E]."""
         # In place, into buffers made once: temporaries of this size would each be a fresh mapping of memory.
         p, mask = self._work, self._mask  # [C, L, E] float32, bool
         np.clip(self.ema, _P_FLOOR, 1 - _P_FLOOR, out=p)
-        unused = ~active
+        unused = np.logical_not(active, out=self._unused)
         np.negative(p, out=p, where=unused)  # the log probability of what happened: log p if used, log1p(-p) if not
         np.log1p(p, out=p, where=unused)
         np.log(p, out=p, where=active)

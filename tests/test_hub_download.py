@@ -52,16 +52,10 @@ def _shards(hub: FakeHub) -> list[str]:
     return [f for f in hub.served if f.endswith(".safetensors")]
 
 
-def test_hub_id_downloads_its_shards_and_loads_the_same_model(hub, sharded, tmp_path, monkeypatch):
+def _reloads_offline_from_the_cache(hub, sharded, tmp_path, monkeypatch):
+    """Offline, a second load finds everything in the cache, asks the server for nothing and computes the same."""
     from huggingface_hub import constants
 
-    model = _load(tmp_path)
-    with torch.no_grad():
-        assert torch.equal(model(IDS).logits, sharded[1])
-    shards = _shards(hub)
-    assert len(shards) > 2 and len(set(shards)) == len(shards)  # every shard once: transformers downloads none again
-    assert model.mira_load_report().as_dict()["stages"]["download"]["seconds"] > 0
-    # Offline, the second load finds everything in the cache and asks the server for nothing.
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     asked = len(hub.requests)
     again = _load(tmp_path)
@@ -70,12 +64,22 @@ def test_hub_id_downloads_its_shards_and_loads_the_same_model(hub, sharded, tmp_
         assert torch.equal(again(IDS).logits, sharded[1])
 
 
+def test_hub_id_downloads_its_shards_and_loads_the_same_model(hub, sharded, tmp_path, monkeypatch):
+
+    model = _load(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, sharded[1])
+    shards = _shards(hub)
+    assert len(shards) > 2 and len(set(shards)) == len(shards)  # every shard once: transformers downloads none again
+    assert model.mira_load_report().as_dict()["stages"]["download"]["seconds"] > 0
+    _reloads_offline_from_the_cache(hub, sharded, tmp_path, monkeypatch)
+
+
 def test_experts_are_stored_while_later_shards_download(hub, sharded, tmp_path, monkeypatch):
     """The last shard is held back on the server until the first layer's experts are in the store: the load
     gets there only by storing experts from the shards that have arrived while later ones still download.
     Then the other weights load from the cache (each shard downloaded once), the model computes what the
     original computes, and a second load offline finds every shard in the cache."""
-    from huggingface_hub import constants
 
     from mira_hf.store import ExpertStore
 
@@ -99,12 +103,7 @@ def test_experts_are_stored_while_later_shards_download(hub, sharded, tmp_path, 
         assert torch.equal(model(IDS).logits, sharded[1])
     shards = _shards(hub)
     assert sorted(shards) == sorted(set(weight_map.values()))  # each shard once
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    asked = len(hub.requests)
-    again = _load(tmp_path)
-    assert len(hub.requests) == asked
-    with torch.no_grad():
-        assert torch.equal(again(IDS).logits, sharded[1])
+    _reloads_offline_from_the_cache(hub, sharded, tmp_path, monkeypatch)
 
 
 def test_revision_is_honoured(hub, sharded, tmp_path):

@@ -79,6 +79,13 @@ def complete_concurrently(url: str, prompts: list[str]) -> list:
         return list(pool.map(lambda p: post(url + "/v1/completions", {"prompt": p}), prompts))
 
 
+def assert_answers_are_generates(answers: list, prompts: list[str], references: dict, tokenizer) -> None:
+    """Each (status, body) of `complete_concurrently` is a 200 whose text is `generate`'s tokens for its prompt."""
+    for prompt, (status, body) in zip(prompts, answers):
+        assert status == 200, body
+        assert body["choices"][0]["text"] == tokenizer.decode(references[prompt], skip_special_tokens=True), prompt
+
+
 def post(url: str, body, raw: bool = False):
     """(status, parsed JSON) of a POST; `raw=True` sends `body` (bytes) as it is."""
     data = body if raw else json.dumps(body).encode()
@@ -295,9 +302,7 @@ def test_planned_device_memory_resizes_the_expert_cache_and_requests_beyond_the_
         watcher.join()
         values = metric_values(get(server.url + "/metrics")[1])
         split = app.state.mira_runtime.split
-    for prompt, (status, body) in zip(prompts, answers):
-        assert status == 200, body
-        assert body["choices"][0]["text"] == tokenizer.decode(references[prompt], skip_special_tokens=True), prompt
+    assert_answers_are_generates(answers, prompts, references, tokenizer)
     assert depth["active"] <= 2 and depth["waiting"] >= 1  # two at a time; the others queued, none refused
     assert split["kv_blocks"] == 2 and split["plan"]["expert_cache_bytes"] == plan.expert_cache_bytes
     assert values['mira_serve_plan_bytes{model="mira-tiny",part="kv_cache"}'] == plan.kv_cache_bytes
@@ -367,10 +372,8 @@ def test_on_cuda_concurrent_requests_give_the_tokens_of_generate_and_the_split_i
     with BackgroundServer(app) as server:
         answers = complete_concurrently(server.url, PROMPTS)
         split = app.state.mira_runtime.split
-    for prompt, (status, body) in zip(PROMPTS, answers):
-        assert status == 200, body
-        assert body["choices"][0]["text"] == tokenizer.decode(references[prompt], skip_special_tokens=True), prompt
-        assert body["usage"]["completion_tokens"] == len(references[prompt])
+    assert_answers_are_generates(answers, PROMPTS, references, tokenizer)
+    assert [body["usage"]["completion_tokens"] for _, body in answers] == [len(references[p]) for p in PROMPTS]
     assert split["device"].startswith("cuda") and split["free_bytes"] > 0
     assert split["expert_cache_bytes"] == model.mira.device_bytes > 0
     assert split["kv_cache_bytes"] >= split["kv_blocks"] * split["kv_bytes_per_token"] * 256 > 0
@@ -394,9 +397,7 @@ def test_on_cuda_a_planned_server_stays_within_its_device_memory_and_gives_the_t
     with BackgroundServer(app) as server:
         answers = complete_concurrently(server.url, PROMPTS)
     plan = app.state.mira_runtime.plan
-    for prompt, (status, body) in zip(PROMPTS, answers):
-        assert status == 200, body
-        assert body["choices"][0]["text"] == tokenizer.decode(references[prompt], skip_special_tokens=True), prompt
+    assert_answers_are_generates(answers, PROMPTS, references, tokenizer)
     assert model.mira.budget.budget_bytes == plan.expert_cache_bytes
     assert torch.cuda.max_memory_allocated() <= total, (torch.cuda.max_memory_allocated(), plan)
 

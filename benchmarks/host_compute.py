@@ -10,8 +10,10 @@ three ways in the same process, on the same store:
     without  the same model with the host path switched off (every miss copied): the same cache and predictor
     lru      the reactive baseline: LRU eviction, no prediction, every miss copied (batch 1 only)
 
-Metrics: decode tokens/s at batch 1 (and the share of misses the host computed, the hit rate), at batch 8 and
-with beam search (4 beams): host against without there, which it must never lose to. The greedy tokens of
+Metrics: decode tokens/s at batch 1 (the median of `--rounds` measurements, the systems in turn and each round
+in the other order, after a warm-up decode; the share of misses the host computed, the hit rate; x_limit: time
+per token over the PCIe floor, Belady's bytes per token over LRU's routing at the measured H2D speed), at batch 8
+and with beam search (4 beams): host against without there, which it must never lose to. The greedy tokens of
 host and without at batch 1 are compared too (host matmuls round differently: on random weights a flipped
 token is possible, not an error).
 
@@ -33,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import statistics  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 
@@ -45,7 +48,8 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from bench import GB  # noqa: E402
-from bench.measure import decode_phase, free_device_cache, generate_timed, measure_bandwidth  # noqa: E402
+from bench.limits import compute_limit  # noqa: E402
+from bench.measure import decode_phase, free_device_cache, generate_timed, measure_bandwidth, routing_trace  # noqa: E402
 from bench.workloads import Workload, model_facts  # noqa: E402
 from common import SHAPES, balance_routers, device_slug, environment, print_table, sync, write_json  # noqa: E402
 
@@ -59,6 +63,7 @@ WORKLOADS = {
     "qwen3": ("Qwen3-30B-A3B experts, 12 layers", "qwen3-30b-a3b-12l", "qwen3-smoke", 4 * 2**30, 48),
     "gpt-oss": ("gpt-oss-20b experts, 8 layers", "gpt-oss-20b-8l", "gpt-oss-smoke", 4 * 2**30, 24),
 }
+SYSTEMS = ("without", "host", "lru")  # batch 1, in this order, then reversed (the rounds alternate)
 SMOKE_EXTRA = {"gpt-oss-smoke": "gpt_oss"}  # common.SMOKE_SHAPES has mixtral and qwen3
 HOST_S_PER_BLOCK = 1e-3  # the estimate's host time per MoE block (Python, launches): small experts are launch-bound
 SMOKE_LINK_BYTES_PER_S = 1e7  # --smoke: a slow "link" (2.4 ms per tiny record), so the host path runs on a CPU
@@ -67,6 +72,7 @@ COLUMNS = [
     "budget",
     "system",
     "b1_tok_s",
+    "x_limit",
     "host_share",
     "hit_rate",
     "b8_tok_s",
@@ -82,6 +88,7 @@ def parse_args(argv=None):
     ap.add_argument("--budgets", default="0.25,consumer", help="fractions of the expert bytes and/or 'consumer'")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=24, help="batch-1 decode tokens per system")
+    ap.add_argument("--rounds", type=int, default=2, help="batch-1 measurements per system (the order alternates)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--batch-tokens", type=int, default=12)
     ap.add_argument("--beams", type=int, default=4)
@@ -96,6 +103,8 @@ def parse_args(argv=None):
     bad = [m for m in args.models if m not in WORKLOADS]
     if bad:
         ap.error(f"--models: unknown {bad}; choose from {', '.join(WORKLOADS)}")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: give 1 or more")
     args.budgets = [b.strip() if b.strip() == "consumer" else float(b) for b in args.budgets.split(",") if b.strip()]
     if args.smoke:
         args.prompt_len, args.new_tokens, args.batch_tokens, args.beam_tokens, args.warmup_tokens = 8, 4, 2, 2, 1
@@ -181,7 +190,12 @@ def estimate(args, workloads: list[tuple[str, Workload]], bw_gbps: float) -> lis
         per_token += facts["moe_layers"] * HOST_S_PER_BLOCK
         n = len(args.budgets)
         out.append((f"{key}: build + wrap x{n}", n * setup))
-        out.append((f"{key}: batch 1, 3 systems x{n}", n * 3 * (args.new_tokens + args.warmup_tokens + 2) * per_token))
+        out.append(
+            (
+                f"{key}: batch 1, 3 systems x{n}",
+                n * (3 * args.rounds + 1) * (args.new_tokens + args.warmup_tokens + 2) * per_token,
+            )
+        )
         out.append((f"{key}: batch {args.batch}, 2 systems x{n}", n * 2 * (args.batch_tokens + 2) * per_token * 3))
         out.append((f"{key}: beam {args.beams}, 2 systems x{n}", n * 2 * (args.beam_tokens + 2) * per_token * 2))
     return out
@@ -196,6 +210,8 @@ def main(argv=None) -> int:
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=UserWarning)
     device = "cpu" if args.smoke else "cuda"
+    if device == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)  # it builds a graph per new sequence length (NOTES.md, "Measuring")
     if args.smoke:
         torch.set_num_threads(1)  # tiny matmuls: more threads only add noise on a shared CPU (the host worker sets its own)
     deadline = Deadline(args.time_budget_s)
@@ -254,14 +270,23 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
     def gen(x, n, beams=1, probe=None):
         return generate_timed(model, x, n, beams, pad, deadline, probe)
 
-    tokens = {}
+    tokens, trace, speeds = {}, [], {s: [] for s in SYSTEMS}
     try:
-        for system in ("without", "host", "lru"):  # batch 1
+        use(model, "without", predictor, policy)
+        decode_phase(gen, ids[:1], args.warmup_tokens + 2, args.warmup_tokens, m)  # the process's first decode warms up
+        order = [sys_ for r in range(args.rounds) for sys_ in (SYSTEMS if r % 2 == 0 else SYSTEMS[::-1])]
+        for system in order:  # batch 1: the systems in turn, each round in the other order
             if deadline.remaining() <= 0:
                 rows[system]["notes"] = "skipped: time budget"
                 continue
             use(model, system, predictor, policy)
-            d = decode_phase(gen, ids[:1], args.new_tokens, args.warmup_tokens, m)
+            recording = system == "lru" and not trace  # Belady's floor replays the routing of an exact system
+            d = decode_phase(gen, ids[:1], args.new_tokens, args.warmup_tokens, m, trace if recording else None)
+            speeds[system].append(d["tok_s"])
+            if len(speeds[system]) > 1:
+                rows[system]["b1_tok_s_rounds"] = speeds[system]
+                rows[system]["b1_tok_s"] = statistics.median(speeds[system])
+                continue
             s = m.stats()
             out = (
                 model.generate(
@@ -280,6 +305,7 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
                 h2d_bytes_per_token=d.get("h2d_bytes_per_step"),
             )
             if system == "host" and m.host.mode != "off":
+                rows[system]["host_lag_ms"] = 1e3 * m.host.costs.host_lag_s
                 rows[system]["link_gbps_measured"] = (m.host.costs.link_bytes_per_s or 0) / GB
                 rows[system]["host_ms_1row"] = {
                     layer: 1e3 * m.host.costs.host_time(layer, 1) for layer in list(m.host.costs.host_s)[:1]
@@ -287,6 +313,12 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
             log(
                 f"{key} / {budget_label} / {system}: batch 1 {d['tok_s'] or 0:.2f} tok/s, host share {rows[system]['host_share']:.2f}"
             )
+        if trace:
+            limit = compute_limit(wl.facts, routing_trace(trace, m), result["bandwidth"])
+            for r in rows.values():
+                r["limit_s"], r["belady_bytes_per_token"] = limit["limit_s"], limit["belady_bytes_per_token"]
+                if r.get("b1_tok_s"):
+                    r["x_limit"] = 1.0 / r["b1_tok_s"] / limit["limit_s"]
         if deadline.remaining() > 0:
             rows["host"]["logit_rel_diff"] = logit_diff(model, ids[:1], predictor, policy)
         if tokens.get("host") is not None and tokens.get("without") is not None:

@@ -67,6 +67,9 @@ class HostCosts:
     link_bytes_per_s: float | None = None
     copy_overhead_s: float = 20e-6  # fixed cost of one copy (issue, DMA setup)
     host_overhead_s: float = 100e-6  # fixed cost of one block's host job: D2H, hand-off to the worker, H2D
+    # What host jobs have taken lately beyond their plan (moving average): the device work queued ahead of a
+    # block's rows, which its D2H copy waits for, and contention with the thread that drives the device.
+    host_lag_s: float = 0.0
     host_s: dict[int, dict[int, float]] = field(default_factory=dict)
     max_rows: int = MAX_HOST_ROWS
     link_free_at: float = 0.0
@@ -101,14 +104,15 @@ class HostCosts:
     ) -> tuple[list[int], list[int]]:
         """(copied, host): `misses` (in copy order, with their `rows` in this block) sent each to the path
         that finishes it first. The link's finish time starts at the copies queued ahead; the host's at
-        its job's fixed cost (the worker is idle at a block's start). Ties go to the link (exact)."""
+        its job's fixed cost and lag (the worker is idle at a block's start). Ties go to the link (exact)."""
         now = time.perf_counter() if now is None else now
         link_t = max(self.link_free_at - now, 0.0)
         host_t = None
         copied, host = [], []
         copy = self.copy_s(nbytes)
         for e, n in zip(misses, rows):
-            h = None if n > self.max_rows else (self.host_overhead_s if host_t is None else host_t) + self.host_time(layer, n)
+            start = self.job_start_s() if host_t is None else host_t
+            h = None if n > self.max_rows else start + self.host_time(layer, n)
             if h is not None and h < link_t + copy:
                 host.append(e)
                 host_t = h
@@ -116,6 +120,20 @@ class HostCosts:
                 copied.append(e)
                 link_t += copy
         return copied, host
+
+    def job_start_s(self) -> float:
+        """Seconds from planning a block until its host job's first expert can start."""
+        return self.host_overhead_s + self.host_lag_s
+
+    def job_s(self, layer: int, rows: Sequence[int]) -> float:
+        """Planned seconds of a host job of `layer`'s experts with `rows` rows each (without the lag)."""
+        return self.host_overhead_s + sum(self.host_time(layer, n) for n in rows)
+
+    def observe_job(self, planned_s: float, seconds: float) -> None:
+        """A host job planned at `planned_s` (`job_s`) took `seconds` from its start to its outputs: the
+        excess refines `host_lag_s`."""
+        with self._lock:
+            self.host_lag_s = (1 - REFINE_WEIGHT) * self.host_lag_s + REFINE_WEIGHT * max(seconds - planned_s, 0.0)
 
     def observe(self, layer: int, rows: int, seconds: float) -> None:
         """One host computation of an expert of `layer` on `rows` rows took `seconds`: refine its estimate."""
@@ -275,6 +293,7 @@ class HostCompute:
     def start(self, layer: int | None, experts: Sequence[int], inputs: Callable[[int], torch.Tensor]) -> HostJob:
         """Start computing `experts` of `layer` on the host: `inputs(e)` is expert e's rows [n_e, H] on the
         device. Their rows go to the host in one copy; the worker computes each expert in turn."""
+        submitted = time.perf_counter()
         xs = [inputs(e) for e in experts]
         x = torch.cat(xs) if len(xs) > 1 else xs[0]  # [N, H]
         ready = None
@@ -288,13 +307,15 @@ class HostCompute:
         sizes = [t.shape[0] for t in xs]
         fn = self._fns[layer][0] if layer in self._fns else _echo
         weights = (lambda e: {}) if fn is _echo else (lambda e: self.weights(layer, e))  # noqa: E731
-        future = self._pool.submit(self._run, layer, list(experts), sizes, host_x, ready, fn, weights)
+        planned = self.costs.job_s(layer, sizes) if layer in self.costs.host_s else None  # None: not timed
+        future = self._pool.submit(self._run, layer, list(experts), sizes, host_x, ready, fn, weights, planned, submitted)
         return HostJob(future, list(experts), sizes, x.device)
 
     def _run(
-        self, layer: int, experts: list[int], sizes: list[int], x: torch.Tensor, ready, fn: ExpertFn, weights
+        self, layer, experts: list[int], sizes: list[int], x: torch.Tensor, ready, fn: ExpertFn, weights, planned, submitted
     ) -> torch.Tensor:
-        # On the worker thread. x [N, H] on the host, experts' rows back to back in `sizes`.
+        # On the worker thread. x [N, H] on the host, experts' rows back to back in `sizes`; `planned`: the
+        # job's planned seconds (None: not planned), `submitted`: when `start` was called.
         if ready is not None:
             ready.synchronize()  # the rows have landed
         outs, a = [], 0
@@ -305,11 +326,13 @@ class HostCompute:
                 self.costs.observe(layer, n, time.perf_counter() - t0)
                 a += n
         y = torch.cat(outs) if len(outs) > 1 else outs[0]  # [N, H]
-        if ready is None:
-            return y
-        pinned = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)  # the H2D copy reads it asynchronously
-        pinned.copy_(y)
-        return pinned
+        if ready is not None:
+            pinned = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)  # the H2D copy reads it asynchronously
+            pinned.copy_(y)
+            y = pinned
+        if planned is not None:
+            self.costs.observe_job(planned, time.perf_counter() - submitted)
+        return y
 
     # -- measuring ---------------------------------------------------------------------------------
     def _measure_link(self, layer: int) -> None:

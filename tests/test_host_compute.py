@@ -40,6 +40,28 @@ def test_the_planner_counts_copies_queued_ahead_and_the_host_jobs_fixed_cost():
     assert c.split(0, [1, 2, 3], [1, 1, 1], nbytes=2_000_000, now=200.0) == ([1, 3], [2])
 
 
+def test_host_jobs_that_ran_late_move_misses_back_to_the_link():
+    # As in test_each_miss_goes_to_the_path_that_finishes_it_first (miss b goes to the host: 3 < 4 ms) ...
+    c = costs(host_s={0: {1: 3 * MS}})
+    # ... until jobs planned at 3 ms take 5 ms (the device work queued ahead of their rows): the lag's moving
+    # average is 0.25 * 2 ms, then 0.75 * 0.5 + 0.25 * 2 = 0.875 ms, and b's host finish 3.875 ms still beats 4 ms;
+    # a third late job makes it 0.75 * 0.875 + 0.25 * 2 = 1.156 ms: b is copied (4 < 4.156 ms), and c, behind two
+    # copies (6 ms), goes to the host; after a job 17 ms late (5.117 ms) every miss is copied.
+    c.observe_job(c.job_s(0, [1]), 5 * MS)
+    assert c.host_lag_s == pytest.approx(0.5 * MS)
+    c.observe_job(c.job_s(0, [1]), 5 * MS)
+    assert c.host_lag_s == pytest.approx(0.875 * MS)
+    assert c.split(0, [10, 11, 12], [1, 1, 1], nbytes=2_000_000, now=100.0) == ([10, 12], [11])
+    c.observe_job(c.job_s(0, [1]), 5 * MS)
+    assert c.split(0, [10, 11, 12], [1, 1, 1], nbytes=2_000_000, now=100.0) == ([10, 11], [12])
+    c.observe_job(c.job_s(0, [1]), 20 * MS)
+    assert c.host_lag_s == pytest.approx((0.75 * 1.15625 + 0.25 * 17) * MS)
+    assert c.split(0, [10, 11, 12], [1, 1, 1], nbytes=2_000_000, now=100.0) == ([10, 11, 12], [])
+    lag = c.host_lag_s
+    c.observe_job(c.job_s(0, [1]), 1 * MS)  # a job faster than planned adds no negative lag
+    assert c.host_lag_s == pytest.approx(0.75 * lag)
+
+
 def test_experts_with_many_rows_stay_on_the_device():
     c = costs(host_s={0: {1: 1e-9}}, link_bytes_per_s=1.0)  # the host is free, the link is hopeless ...
     assert c.split(0, [4, 5], [MAX_HOST_ROWS + 1, 1], nbytes=10**6, now=0.0) == ([4], [5])  # ... but not for a prefill

@@ -92,11 +92,6 @@ class BatchUsage:
         b = self.batch_tokens if batch_tokens is None else batch_tokens
         return self.share[layer] * np.float32(b)
 
-    def ranking(self, layer: int) -> list[int]:
-        """Experts of `layer`, most expected uses first (ties by index)."""
-        uses = self.expected_uses(layer)
-        return sorted(range(len(uses)), key=lambda e: (-float(uses[e]), e))
-
     def next_layer_guess(self, layer: int) -> tuple[int, list[int], list[float]] | None:
         """For staging while no predictor runs: `(next layer, its experts most likely first, their probabilities of
         being used by the next block)` after `layer`'s block, or None when steps carry one token (the predictor's

@@ -79,7 +79,6 @@ from .record import (
 
 FMT = "lossless"
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
-ESCAPE_BYTES = 6  # int32 word index + int16 value
 _MAX_WORDS = 2**31 - 1  # escape indices are int32 indices of 16-bit words
 
 

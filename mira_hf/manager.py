@@ -414,7 +414,7 @@ class ExpertManager(NotebookViews):
         admit = None
         if staged:
             horizon = self.valuation.expected_distance(key, probability)
-            admit = lambda k: self.valuation.expected_distance(k) > horizon  # noqa: E731
+            admit = lambda layers, experts: self.valuation.expected_distances(layers, experts) > horizon  # noqa: E731
         slot, evicted = self.cache.allocate(key, staged, evict=evict, prefetch_may_evict=admit)
         if slot is None:
             return None

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import subprocess
 import sys
 import time
 import warnings
@@ -209,7 +210,8 @@ def main() -> None:
     if args.out:
         name = f"{datetime.date.today()}-cpu-host-overhead{'-' + args.label if args.label else ''}.json"
         path = os.path.join(args.out, name) if os.path.isdir(args.out) or args.out.endswith("/") else args.out
-        write_json(path, dict(benchmark="host_overhead", environment=environment(), args=vars(args), results=rows))
+        code = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        write_json(path, dict(benchmark="host_overhead", code=code, environment=environment(), args=vars(args), results=rows))
         print(f"wrote {path}")
 
 

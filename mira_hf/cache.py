@@ -211,22 +211,28 @@ class ExpertCache:
         return slot, evicted
 
     @staticmethod
-    def _victim_groups(pool: SlotPool, staged: bool, prefetch_may_evict=None) -> list[np.ndarray]:
-        """Where victims are sought, in order, as arrays of slot indices. STAGE experts that are not
-        awaiting use go first. A prefetch stops there: it never evicts HOT, nor another prefetch still
-        awaiting its use. A demand load then takes from HOT, and only last from prefetches awaiting use.
-        With a `one_ranking` policy, HOT and idle STAGE form one group (for a prefetch too)."""
+    def _victim_groups(pool: SlotPool, staged: bool, prefetch_may_evict=None) -> Iterator[np.ndarray]:
+        """Where victims are sought, in order, as arrays of slot indices (each made when the one before
+        gave none). STAGE experts that are not awaiting use go first. A prefetch stops there: it never
+        evicts HOT, nor another prefetch still awaiting its use. A demand load then takes from HOT, and
+        only last from prefetches awaiting use. With a `one_ranking` policy, HOT and idle STAGE form one
+        group (for a prefetch too); listed in slot order within each tier, unless the policy ranks slots."""
         t = pool.table  # every slot holds a key here: a victim is sought only when none is free
         unpinned = t.pins == 0  # [S]
-        hot = np.flatnonzero(unpinned & t.hot)
-        idle_stage = np.flatnonzero(unpinned & ~t.hot & ~t.awaiting)
-        groups = [np.concatenate((idle_stage, hot))] if pool.policy.one_ranking else [idle_stage, hot]
+        if pool.policy.one_ranking and pool.ranks_slots:  # order does not matter: one mask
+            groups = [np.flatnonzero(unpinned & (t.hot | ~t.awaiting))]
+        else:
+            hot = np.flatnonzero(unpinned & t.hot)
+            idle_stage = np.flatnonzero(unpinned & ~t.hot & ~t.awaiting)
+            groups = [np.concatenate((idle_stage, hot))] if pool.policy.one_ranking else [idle_stage, hot]
         if staged:
             first = groups[0]
             if prefetch_may_evict is not None and len(first):
                 first = first[prefetch_may_evict(t.layer[first], t.expert[first])]
-            return [first]
-        return [*groups, np.flatnonzero(unpinned & t.awaiting)]
+            yield first
+            return
+        yield from groups
+        yield np.flatnonzero(unpinned & t.awaiting)
 
     def use(self, slot: Slot) -> None:
         """Record a use: the expert joins HOT if the policy admits it, demoting HOT's victim to

@@ -88,6 +88,7 @@ class ExpectedDistance:
         guesses: Callable[[], Mapping[int, Sequence[float]]],
     ) -> None:
         self.heat, self.num_layers, self.last_layer, self.guesses = heat, num_layers, last_layer, guesses
+        self._guess_arrays: dict[int, tuple[Sequence[float], np.ndarray]] = {}  # layer -> (its guesses, as an array)
 
     def layers_until(self, layer: int) -> int:
         """Layers from now until `layer`'s block runs again (1..L); layers run in order each step."""
@@ -153,10 +154,17 @@ class ExpectedDistance:
         for layer, guesses in self.guesses().items():  # the layers with a guess: a few
             at = layers == layer
             if at.any():
-                q[at] = np.asarray(guesses, dtype=np.float64)[experts[at]]
+                q[at] = self._guess_array(layer, guesses)[experts[at]]
         d = (layers - self.last_layer()) % L  # layers_until, for every key at once
         d[d == 0] = L
         return p, q, d
+
+    def _guess_array(self, layer: int, guesses: Sequence[float]) -> np.ndarray:
+        """`guesses` (a layer's latest [E] list) as float64, converted once per list rather than per search."""
+        known = self._guess_arrays.get(layer)
+        if known is None or known[0] is not guesses:
+            known = self._guess_arrays[layer] = (guesses, np.asarray(guesses, dtype=np.float64))
+        return known[1]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Host time per decode step and per expert use, with real pool sizes and tiny matmuls (CPU).
+"""Host time per decode step and per expert use, with real pool sizes and tiny matmuls.
 
 A fine-grained model (Qwen3-30B-A3B's routing: 128 experts, top-8) with a hidden size of 32 and an expert width
 of 16: its matmuls take microseconds, so what is measured is the runtime's own host work at the pool sizes a real
@@ -19,7 +19,11 @@ split sums to more than the plain time). Parts:
     proxy loop      MiraExperts.serve beyond all of the above: routing sync, grouping, the loop, the combine
     rest of model   the forward step beyond the MoE blocks: attention, norms, routers, sampling
 
-    python benchmarks/host_overhead.py --out benchmarks/results/   # DATE-cpu-host-overhead.json
+    python benchmarks/host_overhead.py --out benchmarks/results/                  # DATE-cpu-host-overhead.json
+    python benchmarks/host_overhead.py --device cuda --out benchmarks/results/    # DATE-DEVICE-host-overhead.json
+
+On CUDA the matmuls and copies are queued, so every part but "rest of model" is the host's own time (the proxy's
+routing sync waits for the device and is counted in "proxy loop").
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import environment, print_table, write_json  # noqa: E402
+from common import device_slug, environment, print_table, sync, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
 
@@ -57,7 +61,7 @@ PARTS = {
 }
 
 
-def build(batch: int, layers: int, seed: int = 0):
+def build(batch: int, layers: int, device: str = "cpu", seed: int = 0):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
@@ -76,7 +80,7 @@ def build(batch: int, layers: int, seed: int = 0):
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config).eval()
     record = 3 * HIDDEN * EXPERT_WIDTH * 4  # gate_up [2I, H] and down [H, I], fp32
-    return MiraMoEModel.wrap(model, MiraConfig(gpu_budget=TARGET_SLOTS * record, device="cpu"))
+    return MiraMoEModel.wrap(model, MiraConfig(gpu_budget=TARGET_SLOTS * record, device=device))
 
 
 class PartTimer:
@@ -121,19 +125,21 @@ def decode(model, batch: int, steps: int, seed: int = 1, timer: PartTimer | None
     from transformers import DynamicCache
 
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (batch, 4), generator=g)
+    ids = torch.randint(0, model.config.vocab_size, (batch, 4), generator=g).to(model.device)
     cache = DynamicCache(config=model.config)
     uses = 0
     with torch.inference_mode():
         out = model(input_ids=ids, past_key_values=cache, use_cache=True)
         telemetry = model.mira.telemetry
         t_uses = sum(s.hot_hits + s.stage_hits + s.misses + s.host_computed for s in telemetry.layers.values())
+        sync()
         if timer is not None:
             timer.clear()
         t0 = time.perf_counter()
         for _ in range(steps):
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
             out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+        sync()
         seconds = time.perf_counter() - t0
         uses = sum(s.hot_hits + s.stage_hits + s.misses + s.host_computed for s in telemetry.layers.values()) - t_uses
     return seconds, uses
@@ -144,8 +150,8 @@ def _counters(m) -> tuple[int, int]:
     return sum(s.misses for s in layers), sum(s.evictions for s in layers)
 
 
-def measure(label: str, batch: int, layers: int, steps: int, warmup: int) -> dict:
-    model = build(batch, layers)
+def measure(label: str, batch: int, layers: int, steps: int, warmup: int, device: str) -> dict:
+    model = build(batch, layers, device)
     m = model.mira
     n_slots = sum(p.n_slots for p in m.cache.pools.values())
     decode(model, batch, warmup, seed=1)  # fills the cache: the measured steps evict
@@ -194,11 +200,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: host work is serial anyway)")
     ap.add_argument("--label", default="", help="suffix of the result file's name (what the run measures)")
-    ap.add_argument("--out", default=None, help="directory for DATE-cpu-host-overhead[-LABEL].json")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--out", default=None, help="directory for DATE-DEVICE-host-overhead[-LABEL].json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*past_key_values.*")  # renamed in later transformers; both work
-    rows = [measure(label, b, n, args.steps, args.warmup) for label, b, n in WORKLOADS]
+    rows = [measure(label, b, n, args.steps, args.warmup, args.device) for label, b, n in WORKLOADS]
     table = []
     for r in rows:
         row = {k: r[k] for k in ("workload", "slots", "uses_per_step", "misses_per_step", "step_ms", "host_us_per_use")}
@@ -208,10 +215,12 @@ def main() -> None:
     columns = list(table[0])
     print_table(table, columns)
     if args.out:
-        name = f"{datetime.date.today()}-cpu-host-overhead{'-' + args.label if args.label else ''}.json"
+        env = environment()
+        slug = device_slug(env, on_gpu=args.device != "cpu")
+        name = f"{datetime.date.today()}-{slug}-host-overhead{'-' + args.label if args.label else ''}.json"
         path = os.path.join(args.out, name) if os.path.isdir(args.out) or args.out.endswith("/") else args.out
         code = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        write_json(path, dict(benchmark="host_overhead", code=code, environment=environment(), args=vars(args), results=rows))
+        write_json(path, dict(benchmark="host_overhead", code=code, environment=env, args=vars(args), results=rows))
         print(f"wrote {path}")
 
 

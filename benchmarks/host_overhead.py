@@ -158,6 +158,8 @@ def measure(label: str, batch: int, layers: int, steps: int, warmup: int, device
     m.reset_stats()
     plain_s, uses = decode(model, batch, steps, seed=2)  # each run decodes other sequences: misses as in use
     misses, evictions = _counters(m)
+    clock = getattr(m.telemetry, "blocks", None)  # mira_hf.host_time: what the serving planner's step cost adds
+    fit = clock.fit() if clock is not None else None
 
     timer = PartTimer()
     owners = {"cache": m.cache, "heat": m.heat, "manager": m}
@@ -190,6 +192,8 @@ def measure(label: str, batch: int, layers: int, steps: int, warmup: int, device
         parts_ms_per_step={k: 1e3 * v / steps for k, v in parts_s.items()},
         parts_us_per_use={k: 1e6 * v / max(profiled_uses, 1) for k, v in parts_s.items()},
         calls_per_step={k: v / steps for k, v in timer.calls.items()},
+        host_fit=None if fit is None else dict(fit.__dict__, terms=list(fit.terms)),
+        host_fit_step_ms=None if fit is None else 1e3 * (fit.use_s * uses + fit.miss_s * misses) / steps,
         victim_search_us_per_allocate=1e6 * timer.seconds.get("victim search", 0.0) / max(allocs, 1),
     )
 

@@ -38,22 +38,31 @@ def test_without_misses_only_the_per_use_cost_is_fitted_and_too_few_blocks_give_
     assert _clock([(8, 0, 80e-6)] * (MIN_BLOCKS - 1)).fit() is None
 
 
-def test_a_decoding_model_measures_its_host_work_and_the_server_plan_counts_it():
-    """The clock times every block of a wrapped model; the serving planner's step cost carries the fit, so its
-    predicted step time is longer than the link, the tokens and the fixed cost alone."""
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+
+
+def _wrapped(device: str):
     from transformers import AutoModelForCausalLM
 
     from mira_hf import MiraConfig, MiraMoEModel
-    from mira_hf.planner import StepCost
-    from mira_hf.serve import planning
     from mira_hf.testing import make_config
 
     torch.manual_seed(0)
     config = make_config("qwen3_moe", num_hidden_layers=6)
-    model = MiraMoEModel.wrap(AutoModelForCausalLM.from_config(config).eval(), MiraConfig(gpu_budget=0.5, device="cpu"))
+    return MiraMoEModel.wrap(AutoModelForCausalLM.from_config(config).eval(), MiraConfig(gpu_budget=0.5, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_decoding_model_measures_its_host_work_and_the_server_plan_counts_it(device):
+    """The clock times every block of a wrapped model; the serving planner's step cost carries the fit, so its
+    predicted step time is longer than the link, the tokens and the fixed cost alone."""
+    from mira_hf.planner import StepCost
+    from mira_hf.serve import planning
+
+    model = _wrapped(device)
     with torch.inference_mode():
         for batch in (1, 4, 8):
-            model(input_ids=torch.randint(0, config.vocab_size, (batch, 3)))
+            model(input_ids=torch.randint(0, model.config.vocab_size, (batch, 3), device=model.device))
     clock = model.mira.telemetry.blocks
     assert clock.blocks == 18  # every block timed: 3 forwards of 6 MoE layers
     fit = clock.fit() or pytest.fail("no fit after 18 blocks")
@@ -62,17 +71,23 @@ def test_a_decoding_model_measures_its_host_work_and_the_server_plan_counts_it()
     assert (cost.use_s, cost.miss_s) == (fit.use_s, fit.miss_s)
     assert planning.step_cost(model, StepCost(use_s=1.0)).use_s == 1.0  # a cost that sets them is kept
 
+    from mira_hf.serve import ServeConfig
 
-def test_the_probe_measures_an_unused_model_and_leaves_no_trace():
-    from transformers import AutoModelForCausalLM
+    config = ServeConfig(device_memory="64MiB", concurrency=4, prompt_tokens=8, default_max_tokens=8, max_batch_tokens=64)
+    curve = planning.hit_rate_curve(model, None)
+    planned = planning.plan(model, config, curve=curve)
+    c, hit = planned.concurrency, planned.expected_hit_rate
+    uses, record = curve.uses(c), planning.footprint(model, 64).record_bytes
+    with_host = c / cost.step_s(c, uses * (1 - hit) * record, uses, uses * (1 - hit))
+    without = c / StepCost().step_s(c, uses * (1 - hit) * record)
+    assert planned.expected_tokens_per_s == pytest.approx(with_host) and with_host < without
 
-    from mira_hf import MiraConfig, MiraMoEModel
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_probe_measures_an_unused_model_and_leaves_no_trace(device):
     from mira_hf.serve import planning
-    from mira_hf.testing import make_config
 
-    torch.manual_seed(0)
-    config = make_config("qwen3_moe", num_hidden_layers=6)
-    model = MiraMoEModel.wrap(AutoModelForCausalLM.from_config(config).eval(), MiraConfig(gpu_budget=0.5, device="cpu"))
+    model = _wrapped(device)
     cost = planning.step_cost(model)  # nothing run yet: a probe of 3 steps × 6 blocks
     assert cost.use_s > 0
     m = model.mira

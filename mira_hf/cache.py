@@ -20,6 +20,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 HOT, STAGE = "hot", "stage"
 Key = tuple[int, int]  # (MoE layer ordinal, expert index)
 
@@ -35,6 +37,8 @@ class CachePolicy(Protocol):
     def removed(self, key: Key) -> None: ...
     def admit_hot(self, key: Key) -> bool: ...
     def victim(self, candidates: Iterable[Key]) -> Key | None: ...
+    # Optional: `victim_slots(table: SlotTable, slots: [n] slot indices) -> slot index | None`, the same choice as
+    # `victim` read from the pool's arrays (no keys listed): a pool of fine-grained experts holds ~1000 slots.
     def demote(self, candidates: AbstractSet[Key]) -> Key | None: ...  # HOT experts, least recently used first
 
 
@@ -44,19 +48,84 @@ class Eviction:
     wasted_prefetch: bool  # it was prefetched and never used
 
 
-@dataclass
+class SlotTable:
+    """A pool's slots as arrays, one entry per slot: what a victim search reads, kept up to date by the slots'
+    setters, so a search over hundreds of slots is a few NumPy operations with no per-call conversion."""
+
+    def __init__(self, n_slots: int) -> None:
+        self.layer = np.full(n_slots, -1, np.intp)  # [S] the key's layer; -1: free
+        self.expert = np.full(n_slots, -1, np.intp)  # [S] the key's expert
+        self.pins = np.zeros(n_slots, np.intp)  # [S]
+        self.awaiting = np.zeros(n_slots, bool)  # [S]
+        self.hot = np.zeros(n_slots, bool)  # [S] tier == HOT
+        self.stamp = np.zeros(n_slots, np.int64)  # [S] when the slot was last allocated or used: LRU order
+        self.clock = 0
+
+
 class Slot:
-    index: int
-    key: Key | None = None
-    tier: str = STAGE
-    pins: int = 0
-    used_since_load: bool = False
-    prefetched: bool = False
-    awaiting: bool = False  # prefetched for a block that has not run yet: protected from other prefetches
-    ready: object = None  # device event: the copy into this slot is done (None on CPU / when done)
-    first_ready: object = None  # device event: the tensors of the first matmul are in (a copy in two parts)
-    partial: int = 0  # bytes of the record copied so far by a speculative copy cut short (0: whole record)
-    free: object = None  # device event: the last compute that read this slot is done
+    """One device slot. `key`, `tier`, `pins` and `awaiting` are mirrored in the pool's `SlotTable`."""
+
+    __slots__ = ("index", "_table", "_key", "_tier", "_pins", "_awaiting", "used_since_load", "prefetched")
+    __slots__ += ("ready", "first_ready", "partial", "free")
+
+    def __init__(self, index: int, table: SlotTable) -> None:
+        self.index = index
+        self._table = table
+        self._key: Key | None = None
+        self._tier = STAGE
+        self._pins = 0
+        self._awaiting = False  # prefetched for a block that has not run yet: protected from other prefetches
+        self.used_since_load = False
+        self.prefetched = False
+        self.ready: object = None  # device event: the copy into this slot is done (None on CPU / when done)
+        self.first_ready: object = None  # device event: the tensors of the first matmul are in (a copy in two parts)
+        self.partial = 0  # bytes of the record copied so far by a speculative copy cut short (0: whole record)
+        self.free: object = None  # device event: the last compute that read this slot is done
+
+    @property
+    def key(self) -> Key | None:
+        return self._key
+
+    @key.setter
+    def key(self, key: Key | None) -> None:
+        self._key = key
+        self._table.layer[self.index], self._table.expert[self.index] = (-1, -1) if key is None else key
+
+    @property
+    def tier(self) -> str:
+        return self._tier
+
+    @tier.setter
+    def tier(self, tier: str) -> None:
+        self._tier = tier
+        self._table.hot[self.index] = tier == HOT
+
+    @property
+    def pins(self) -> int:
+        return self._pins
+
+    @pins.setter
+    def pins(self, n: int) -> None:
+        self._pins = n
+        self._table.pins[self.index] = n
+
+    @property
+    def awaiting(self) -> bool:
+        return self._awaiting
+
+    @awaiting.setter
+    def awaiting(self, flag: bool) -> None:
+        self._awaiting = flag
+        self._table.awaiting[self.index] = flag
+
+    def touch(self) -> None:
+        """Allocated or used now (the recency the LRU order and ties of the victim search read)."""
+        t = self._table
+        t.clock += 1
+        t.stamp[self.index] = t.clock
+
+    def __repr__(self) -> str:
+        return f"Slot(index={self.index}, key={self._key}, tier={self._tier!r}, pins={self._pins})"
 
 
 @dataclass
@@ -70,9 +139,13 @@ class SlotPool:
     slots: list[Slot] = field(default_factory=list)
     where: dict[Key, Slot] = field(default_factory=dict)
     hot: OrderedDict[Key, None] = field(default_factory=OrderedDict)  # the HOT experts, least recently used first
+    table: SlotTable = field(init=False, repr=False)  # the slots as arrays, for victim searches
+    ranks_slots: bool = field(init=False, repr=False)  # the policy chooses victims from `table` (`ranks_slots`)
 
     def __post_init__(self) -> None:
-        self.slots = [Slot(i) for i in range(self.n_slots)]
+        self.table = SlotTable(self.n_slots)
+        self.ranks_slots = ranks_slots(self.policy)
+        self.slots = [Slot(i, self.table) for i in range(self.n_slots)]
         self._free = list(range(self.n_slots - 1, -1, -1))
 
     @property
@@ -107,8 +180,8 @@ class ExpertCache:
         """Give `key` a slot: a free one, else the policy's victim. Returns (slot, what was evicted).
 
         See `_victim_groups` for who may be evicted. `evict=False` takes only a free slot;
-        `prefetch_may_evict(key)` further restricts a prefetch's victims (e.g. to cold experts).
-        Returns (None, None) when nothing can be taken.
+        `prefetch_may_evict(layers, experts)` ([n] arrays -> [n] bool) further restricts a prefetch's
+        victims (e.g. to cold experts). Returns (None, None) when nothing can be taken.
         """
         pool = self.pool(key[0])
         assert key not in pool.where, key
@@ -120,7 +193,7 @@ class ExpertCache:
         else:
             victim = None
             for group in self._victim_groups(pool, staged, prefetch_may_evict):
-                victim = pool.policy.victim(group)
+                victim = _choose(pool, group)
                 if victim is not None:
                     break
             if victim is None:
@@ -132,36 +205,41 @@ class ExpertCache:
             evicted = Eviction(victim, slot.prefetched and not slot.used_since_load)
         slot.key, slot.tier, slot.pins, slot.partial = key, STAGE, 0, 0
         slot.used_since_load, slot.prefetched, slot.awaiting = False, staged, staged
+        slot.touch()
         pool.where[key] = slot
         pool.policy.inserted(key, staged)
         return slot, evicted
 
     @staticmethod
-    def _victim_groups(pool: SlotPool, staged: bool, prefetch_may_evict=None) -> list[list[Key]]:
-        """Where victims are sought, in order. STAGE experts that are not awaiting use go first.
-        A prefetch stops there: it never evicts HOT, nor another prefetch still awaiting its use.
-        A demand load then takes from HOT, and only last from prefetches awaiting use.
-        With a `one_ranking` policy, HOT and idle STAGE form one group (for a prefetch too)."""
-        awaiting, idle_stage, hot = [], [], []
-        for s in pool.slots:  # one pass: a pool of fine-grained experts holds hundreds of slots
-            if s.pins:
-                continue
-            if s.awaiting:
-                awaiting.append(s.key)
-            if s.tier == HOT:
-                hot.append(s.key)
-            elif not s.awaiting:
-                idle_stage.append(s.key)
-        groups = [idle_stage + hot] if pool.policy.one_ranking else [idle_stage, hot]
+    def _victim_groups(pool: SlotPool, staged: bool, prefetch_may_evict=None) -> Iterator[np.ndarray]:
+        """Where victims are sought, in order, as arrays of slot indices (each made when the one before
+        gave none). STAGE experts that are not awaiting use go first. A prefetch stops there: it never
+        evicts HOT, nor another prefetch still awaiting its use. A demand load then takes from HOT, and
+        only last from prefetches awaiting use. With a `one_ranking` policy, HOT and idle STAGE form one
+        group (for a prefetch too); listed in slot order within each tier, unless the policy ranks slots."""
+        t = pool.table  # every slot holds a key here: a victim is sought only when none is free
+        unpinned = t.pins == 0  # [S]
+        if pool.policy.one_ranking and pool.ranks_slots:  # order does not matter: one mask
+            groups = [np.flatnonzero(unpinned & (t.hot | ~t.awaiting))]
+        else:
+            hot = np.flatnonzero(unpinned & t.hot)
+            idle_stage = np.flatnonzero(unpinned & ~t.hot & ~t.awaiting)
+            groups = [np.concatenate((idle_stage, hot))] if pool.policy.one_ranking else [idle_stage, hot]
         if staged:
-            return [[k for k in groups[0] if prefetch_may_evict is None or prefetch_may_evict(k)]]
-        return [*groups, awaiting]
+            first = groups[0]
+            if prefetch_may_evict is not None and len(first):
+                first = first[prefetch_may_evict(t.layer[first], t.expert[first])]
+            yield first
+            return
+        yield from groups
+        yield np.flatnonzero(unpinned & t.awaiting)
 
     def use(self, slot: Slot) -> None:
         """Record a use: the expert joins HOT if the policy admits it, demoting HOT's victim to
         STAGE if HOT is full."""
         pool = self.pool(slot.key[0])
         pool.policy.used(slot.key)
+        slot.touch()
         slot.used_since_load, slot.awaiting = True, False
         if slot.tier == HOT:
             pool.hot.move_to_end(slot.key)
@@ -200,6 +278,28 @@ class ExpertCache:
     @property
     def capacity_bytes(self) -> int:
         return sum(p.n_slots * p.slot_bytes for p in self.pools.values())
+
+
+def _choose(pool: SlotPool, group: np.ndarray) -> Key | None:
+    """The policy's victim among the slots `group` (indices, in the groups' order): by `victim_slots` on the
+    pool's arrays where the policy's class offers it for its own `victim`, else by `victim` on the keys."""
+    if not len(group):
+        return None
+    policy = pool.policy
+    if pool.ranks_slots:
+        i = policy.victim_slots(pool.table, group)
+        return None if i is None else pool.slots[i].key
+    t = pool.table
+    return policy.victim(list(zip(t.layer[group].tolist(), t.expert[group].tolist())))
+
+
+def ranks_slots(policy: CachePolicy) -> bool:
+    """Whether `policy.victim_slots` makes `policy.victim`'s choice: defined by the class that defines `victim`
+    or by a subclass of it (a subclass that overrides `victim` alone is asked by keys)."""
+    if getattr(policy, "victim_slots", None) is None:
+        return False
+    owner = lambda name: next(c for c in type(policy).__mro__ if name in c.__dict__)  # noqa: E731
+    return issubclass(owner("victim_slots"), owner("victim"))
 
 
 class _HotKeys(AbstractSet):

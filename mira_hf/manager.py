@@ -309,12 +309,12 @@ class ExpertManager(NotebookViews):
             self._issue(plan)
 
     def end(self, plan: BlockPlan) -> None:
-        """Unpin whatever the plan still holds (normal end, or an exception mid-block), then stage
-        the predicted experts of later layers. Staging waits until now because, before the block's
-        experts are used, its fresh demand loads still fill the STAGE tier; on CUDA the block's
-        compute is already queued, so these copies still overlap it."""
+        """Unpin whatever the plan still holds (normal end, or an exception mid-block), then stage the predicted
+        experts of later layers. Staging waits until now because, before the block's experts are used, its fresh
+        demand loads still fill the STAGE tier; on CUDA the block's compute is queued, so these copies overlap it."""
         with self._lock:
             self._unpin(plan)
+            self.telemetry.blocks.stop()  # the block's host time against its uses and misses (host_time.py)
             predictions, plan.predictions = plan.predictions, None
             self.staging.block_ended(plan.layer, predictions)
 
@@ -414,7 +414,7 @@ class ExpertManager(NotebookViews):
         admit = None
         if staged:
             horizon = self.valuation.expected_distance(key, probability)
-            admit = lambda k: self.valuation.expected_distance(k) > horizon  # noqa: E731
+            admit = lambda layers, experts: self.valuation.expected_distances(layers, experts) > horizon  # noqa: E731
         slot, evicted = self.cache.allocate(key, staged, evict=evict, prefetch_may_evict=admit)
         if slot is None:
             return None

@@ -5,12 +5,14 @@ the activations of one forward step), then splits the rest between the expert ca
 More KV blocks let more sequences decode together (each step carries more tokens); more expert slots make each
 step's experts more likely to be resident. The planner picks the split with the highest expected throughput:
 
-    tokens/s(c) = c / (step_overhead_s + c · token_s + misses(c) · record_bytes / link_bytes_per_s)
+    tokens/s(c) = c / (step_overhead_s + c · token_s + uses(c) · use_s
+                       + misses(c) · (miss_s + record_bytes / link_bytes_per_s))
 
 for c concurrent sequences (1 ≤ c ≤ the request mix's concurrency) whose whole context (prompt + completion,
 in whole KV blocks) fits the KV part, with the rest of the memory as expert cache (at most every expert; what
-is left beyond that goes back to the KV cache). misses(c) = uses per step × (1 − hit rate), read from a
-`HitRateCurve`: measured by replaying a routing trace at each concurrency (`HitRateCurve.from_trace`, the
+is left beyond that goes back to the KV cache). use_s and miss_s are the host's work per expert use and per miss
+(measured on the running model, `mira_hf.host_time`). misses(c) = uses(c) × (1 − hit rate), with uses(c) the
+expert uses per step and the hit rate read from a `HitRateCurve`: measured by replaying a routing trace at each concurrency (`HitRateCurve.from_trace`, the
 runtime's own cache and policy over the trace's requests), or, without a trace, the estimate for routing
 spread evenly over the experts (`HitRateCurve.uniform`). Either part can be fixed by the caller; the planner
 then gives the other what is left. Pure arithmetic: no torch, no device.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .errors import BudgetError, ConfigError
 
@@ -50,18 +52,34 @@ class RequestMix:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Time model of one decode step (defaults: an H200 with pinned host memory; set from measurements)."""
+    """Time model of one decode step (defaults: an H200 with pinned host memory; set from measurements).
+
+    `use_s` and `miss_s` are the host's work per expert use (the proxy's loop and the manager's bookkeeping) and
+    per missed expert (a victim search and a copy to issue), beside the link's time for its bytes: measured on the
+    running model (`mira_hf.host_time`, `with_host_time`); 0 where not measured."""
 
     link_bytes_per_s: float = 50e9  # host-to-device copies of expert records
     step_overhead_s: float = 0.008  # per step whatever the batch: launches, non-expert weights, sampling
     token_s: float = 0.0002  # per token of the batch: attention over its context, expert compute
+    use_s: float = 0.0  # host seconds per expert use (each distinct expert a layer's block needs)
+    miss_s: float = 0.0  # host seconds per missed expert, beyond its bytes on the link
 
     def __post_init__(self) -> None:
-        if not (self.link_bytes_per_s > 0 and self.step_overhead_s >= 0 and self.token_s >= 0):
+        times = (self.step_overhead_s, self.token_s, self.use_s, self.miss_s)
+        if not (self.link_bytes_per_s > 0 and min(times) >= 0):
             raise ConfigError(f"StepCost({self}): link_bytes_per_s must be > 0 and the times ≥ 0.")
 
-    def step_s(self, concurrency: int, missed_bytes: float) -> float:
-        return self.step_overhead_s + concurrency * self.token_s + missed_bytes / self.link_bytes_per_s
+    def step_s(self, concurrency: int, missed_bytes: float, uses: float = 0.0, misses: float = 0.0) -> float:
+        """Seconds of one step of `concurrency` tokens with `uses` expert uses, `misses` of them missed, moving
+        `missed_bytes` over the link."""
+        host = uses * self.use_s + misses * self.miss_s
+        return self.step_overhead_s + concurrency * self.token_s + host + missed_bytes / self.link_bytes_per_s
+
+    def with_host_time(self, measured) -> StepCost:
+        """This cost with the host terms of a `mira_hf.host_time.HostUseCost` (None: unchanged)."""
+        if measured is None:
+            return self
+        return replace(self, use_s=measured.use_s, miss_s=measured.miss_s)
 
 
 @dataclass(frozen=True)
@@ -251,13 +269,16 @@ def plan_memory(
     def evaluate(c: int, experts: int, kv_total: int) -> dict:
         share = min(experts / model.expert_bytes, 1.0) if model.expert_bytes else 1.0
         hit = curve.hit_rate(c, share)
-        missed = curve.uses(c) * (1 - hit) * model.record_bytes
+        uses = curve.uses(c)
+        misses = uses * (1 - hit)
+        step_s = cost.step_s(c, misses * model.record_bytes, uses, misses)
         return dict(
             concurrency=c,
             expert_cache_bytes=experts,
             kv_bytes=kv_total,
             hit_rate=hit,
-            tokens_per_s=c / cost.step_s(c, missed),
+            step_s=step_s,
+            tokens_per_s=c / step_s,
         )
 
     if expert_cache_bytes is not None or kv_cache_bytes is not None:

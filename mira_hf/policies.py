@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cache import Key
+from .cache import Key, SlotTable
 from .errors import ConfigError
 from .heat import HeatTracker
 from .registry import register_policy
@@ -58,6 +58,10 @@ class LRUPolicy:
                 return key
         return None
 
+    def victim_slots(self, table: SlotTable, slots: np.ndarray) -> int:
+        """`victim` on a pool's arrays: the slot among `slots` allocated or used longest ago."""
+        return int(slots[table.stamp[slots].argmin()])
+
     def demote(self, candidates: AbstractSet[Key]) -> Key | None:
         """Which HOT expert drops to STAGE when HOT is over its size: the least recently used.
         `candidates` iterate least recently used first (the order this policy keeps for them)."""
@@ -84,6 +88,7 @@ class ExpectedDistance:
         guesses: Callable[[], Mapping[int, Sequence[float]]],
     ) -> None:
         self.heat, self.num_layers, self.last_layer, self.guesses = heat, num_layers, last_layer, guesses
+        self._guess_arrays: dict[int, tuple[Sequence[float], np.ndarray]] = {}  # layer -> (its guesses, as an array)
 
     def layers_until(self, layer: int) -> int:
         """Layers from now until `layer`'s block runs again (1..L); layers run in order each step."""
@@ -125,19 +130,41 @@ class ExpectedDistance:
         return out
 
     def _keep_values_np(self, keys: Sequence[Key]) -> np.ndarray:
-        n, L = len(keys), self.num_layers
-        pairs = np.fromiter(itertools.chain.from_iterable(keys), np.intp, 2 * n).reshape(n, 2)
-        layers, experts = pairs[:, 0], pairs[:, 1]
-        p = self.heat.use_rates(layers, experts).astype(np.float64)
-        p[p <= 1e-3] = 1e-3
+        pairs = np.fromiter(itertools.chain.from_iterable(keys), np.intp, 2 * len(keys)).reshape(len(keys), 2)
+        return self.keep_values_at(pairs[:, 0], pairs[:, 1])
+
+    def keep_values_at(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """`keep_values` of the experts (layers[i], experts[i]) ([n] integer arrays) -> [n] float64."""
+        p, q, d = self._terms(layers, experts)
+        return p / (d * p + self.num_layers * (1 - q))
+
+    def expected_distances(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """`expected_distance` (no probability given) of (layers[i], experts[i]) -> [n] float64, the same
+        arithmetic in the same order, so the same values."""
+        p, q, d = self._terms(layers, experts)
+        return d + self.num_layers * (1 - q) / p
+
+    def _terms(self, layers: np.ndarray, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per expert: its use rate p (floored at 1e-3), its layer's probability q of using it and the layers
+        d until that layer runs (`expected_distance`'s terms), in float64 and intp."""
+        L = self.num_layers
+        p = self.heat.use_rates(layers, experts).astype(np.float64)  # [n]
+        np.maximum(p, 1e-3, out=p)
         q = p.copy()
         for layer, guesses in self.guesses().items():  # the layers with a guess: a few
             at = layers == layer
             if at.any():
-                q[at] = np.asarray(guesses, dtype=np.float64)[experts[at]]
+                q[at] = self._guess_array(layer, guesses)[experts[at]]
         d = (layers - self.last_layer()) % L  # layers_until, for every key at once
         d[d == 0] = L
-        return p / (d * p + L * (1 - q))
+        return p, q, d
+
+    def _guess_array(self, layer: int, guesses: Sequence[float]) -> np.ndarray:
+        """`guesses` (a layer's latest [E] list) as float64, converted once per list rather than per search."""
+        known = self._guess_arrays.get(layer)
+        if known is None or known[0] is not guesses:
+            known = self._guess_arrays[layer] = (guesses, np.asarray(guesses, dtype=np.float64))
+        return known[1]
 
 
 @dataclass(frozen=True)
@@ -165,13 +192,27 @@ class HeatPolicy(LRUPolicy):
     name = "heat"
     one_ranking = True
 
-    def __init__(self, heat: HeatTracker, keep_values: Callable[[list[Key]], Sequence[float]]) -> None:
+    def __init__(
+        self,
+        heat: HeatTracker,
+        keep_values: Callable[[list[Key]], Sequence[float]],
+        keep_values_at: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+    ) -> None:
         super().__init__()
         self.heat = heat
         self.keep_values = keep_values
+        self.keep_values_at = keep_values_at  # the same values from [n] layer and expert arrays
+        if keep_values_at is None:
+            self.victim_slots = None  # the cache then asks `victim` by keys
 
     def admit_hot(self, key: Key) -> bool:
         return self.heat.is_hot(*key)
+
+    def victim_slots(self, table: SlotTable, slots: np.ndarray) -> int | None:
+        """`victim` on a pool's arrays: the least `keep_values_at`, ties to the least recently used."""
+        values = self.keep_values_at(table.layer[slots], table.expert[slots])  # [n]
+        tied = slots[values == values.min()]
+        return int(tied[0] if len(tied) == 1 else tied[table.stamp[tied].argmin()])
 
     # `demote` is LRU's: with one ranking the tiers are labels that no victim search depends on, so
     # the least recently used HOT expert is relabelled without ranking every slot again.
@@ -248,7 +289,10 @@ class PriorityPolicy(LRUPolicy):
 
 
 register_policy("lru", lambda context, settings: LRUPolicy())
-register_policy("heat", lambda context, settings: HeatPolicy(context.heat, context.valuation.keep_values))
+register_policy(
+    "heat",
+    lambda context, settings: HeatPolicy(context.heat, context.valuation.keep_values, context.valuation.keep_values_at),
+)
 register_policy(
     "priority",
     lambda context, settings: PriorityPolicy(context.predicted, context.step, context.cost, settings.priority),

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .host_time import BlockClock
+
 
 @dataclass
 class LayerStats:
@@ -48,6 +50,7 @@ class Telemetry:
     hit_rate_history: list[float] = field(default_factory=list)
     # (target layer, distance) -> [true positives, false positives, false negatives]
     predictions: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    blocks: BlockClock = field(default_factory=BlockClock)  # host time per block against its uses and misses
     _step_hits: int = 0
     _step_uses: int = 0
 
@@ -58,8 +61,10 @@ class Telemetry:
         return s
 
     def count_uses(self, hits: int, uses: int) -> None:
+        """A block call counted its `uses` experts, `hits` of them resident: its host time starts (`blocks`)."""
         self._step_hits += hits
         self._step_uses += uses
+        self.blocks.start(uses, uses - hits)
 
     def count_prediction(self, layer: int, distance: int, tp: int, fp: int, fn: int) -> None:
         c = self.predictions.setdefault((layer, distance), [0, 0, 0])
@@ -100,3 +105,4 @@ class Telemetry:
         self.hit_rate_history.clear()
         self.predictions.clear()
         self.steps = self._step_hits = self._step_uses = 0
+        self.blocks.reset()

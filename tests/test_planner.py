@@ -112,3 +112,29 @@ def test_routing_recorded_by_mira_calibrate_gives_the_plan_its_hit_rates(tmp_pat
     assert curve.source.startswith("replay of a 96-step routing trace") and set(curve.points) == {1, 2, 4, 8, 16, 32, 64}
     with pytest.raises(ConfigError, match="without router_topk.safetensors"):
         hit_rate_curve(model, str(tmp_path))
+
+
+def test_the_step_time_counts_the_host_work_per_expert_use_and_per_miss():
+    """step = overhead + c · token_s + uses · use_s + misses · (miss_s + record / link), each term by hand."""
+    cost = StepCost(link_bytes_per_s=10.0, step_overhead_s=1.0, token_s=0.25, use_s=0.1, miss_s=0.5)
+    assert cost.step_s(2, 20.0, uses=10, misses=2) == pytest.approx(1.0 + 0.5 + 1.0 + 1.0 + 2.0)
+    assert cost.step_s(2, 20.0) == pytest.approx(1.0 + 0.5 + 2.0)  # no uses given: the link and the tokens only
+    with pytest.raises(ConfigError, match="times ≥ 0"):
+        StepCost(use_s=-1e-6)
+
+
+def test_the_split_weighs_the_host_work_per_use_and_per_miss():
+    """COST plus 0.1 s per expert use and 0.5 s per miss, on the known curve (10 uses per step): c=1 misses 0.5
+    (1 + 1 + 0.5 · 1.5 = 2.75 s, 0.364 tokens/s), c=2 1 (3.5 s, 0.571), c=3 3.33 (7 s, 0.429), c=4 5.67 (10.5 s,
+    0.381), c=5 8 (14 s, 0.357)."""
+    from dataclasses import replace
+
+    from mira_hf.host_time import HostUseCost
+
+    measured = HostUseCost(use_s=0.1, miss_s=0.5, fixed_s=0.2, blocks=32, terms=("fixed", "use", "miss"))
+    cost = COST.with_host_time(measured)
+    assert cost == replace(COST, use_s=0.1, miss_s=0.5) and COST.with_host_time(None) == COST
+    plan = plan_memory(200, MODEL, MIX, CURVE, cost)
+    assert [round(c["tokens_per_s"], 3) for c in plan.candidates] == [0.364, 0.571, 0.429, 0.381, 0.357]
+    assert [round(c["step_s"], 3) for c in plan.candidates] == [2.75, 3.5, 7.0, 10.5, 14.0]
+    assert plan.concurrency == 2 and plan.expected_tokens_per_s == pytest.approx(2 / 3.5)

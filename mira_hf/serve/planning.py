@@ -15,6 +15,7 @@ import torch
 from ..budget import plan_budget
 from ..config import parse_bytes
 from ..errors import BudgetError, ConfigError
+from ..host_time import MIN_BLOCKS
 from ..planner import HitRateCurve, MemoryPlan, ModelFootprint, RequestMix, StepCost, plan_memory
 from . import memory
 
@@ -140,7 +141,9 @@ def calibration_trace(model, directory: str):
 
 def plan(model, config, cost: StepCost | None = None, curve: HitRateCurve | None = None) -> MemoryPlan:
     """The split of `config.device_memory` for `model` under `config`'s request mix and fixed parts (`curve`:
-    hit rates measured elsewhere, instead of `config.routing_trace` or the even-routing estimate)."""
+    hit rates measured elsewhere, instead of `config.routing_trace` or the even-routing estimate; `cost`: the step
+    cost, whose host terms are measured on `model` unless it sets them, `step_cost`)."""
+    cost = step_cost(model, cost)
     total = parse_bytes(config.device_memory, "device_memory")
     max_tokens = batch_tokens(model, config)
     fp = footprint(model, max_tokens)
@@ -149,6 +152,45 @@ def plan(model, config, cost: StepCost | None = None, curve: HitRateCurve | None
     kv = None if config.kv_cache_memory is None else parse_bytes(config.kv_cache_memory, "kv_cache_memory")
     curve = curve or hit_rate_curve(model, config.routing_trace)
     return plan_memory(total, fp, mix, curve, cost, experts, kv)
+
+
+# Sequences per probe step (`probe_host_time`): blocks of different widths tell the per-use cost from the per-block one.
+PROBE_BATCHES = (1, 4, 16)
+PROBE_TOKENS = 2  # tokens per sequence in each probe step
+MAX_PROBE_STEPS = 24  # a model of one MoE layer needs 16 steps for `MIN_BLOCKS`
+
+
+def step_cost(model, cost: StepCost | None = None) -> StepCost:
+    """`cost` (default `StepCost()`) with the host's work per expert use and per miss measured on `model`
+    (`mira_hf.host_time`): fitted over the blocks it has run since its counters were last reset, else over a probe
+    run now (`probe_host_time`). A cost that sets `use_s` or `miss_s` is kept as given."""
+    cost = cost or StepCost()
+    if cost.use_s or cost.miss_s:
+        return cost
+    return cost.with_host_time(model.mira.telemetry.blocks.fit() or probe_host_time(model))
+
+
+def probe_host_time(model):
+    """Fit the host time per expert use and per miss (`mira_hf.host_time.HostUseCost`, None if the blocks run do
+    not suffice) over a few forward steps of random tokens (`PROBE_BATCHES` sequences of `PROBE_TOKENS` tokens), as
+    the host-compute planner measures its host at load (more rounds on a model of few MoE layers). The probe leaves no trace in what the runtime decides
+    with: counters, heat scores and use rates, and the predictor's sequence state are reset after it (the experts
+    it copied stay cached)."""
+    manager = model.mira
+    vocab = model.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(0)
+    manager.reset_stats()
+    with torch.inference_mode():
+        for i in range(MAX_PROBE_STEPS):  # every batch once, and more rounds while too few blocks were timed
+            if i >= len(PROBE_BATCHES) and manager.telemetry.blocks.blocks >= MIN_BLOCKS:
+                break
+            ids = torch.randint(0, vocab, (PROBE_BATCHES[i % len(PROBE_BATCHES)], PROBE_TOKENS), generator=g)
+            model(input_ids=ids.to(model.device), use_cache=False)
+    measured = manager.telemetry.blocks.fit()
+    manager.reset_stats()
+    manager.heat.reset()
+    manager.staging.new_sequence()
+    return measured
 
 
 def _expert_cache_bytes(value, fp: ModelFootprint) -> int | None:

@@ -62,6 +62,20 @@ class SlotTable:
         self.clock = 0
 
 
+class _Mirrored:
+    """A `Slot` attribute kept in the slot (`_name`) and in its pool's `SlotTable` column `name`."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.private = name, "_" + name
+
+    def __get__(self, slot, owner=None):
+        return self if slot is None else getattr(slot, self.private)
+
+    def __set__(self, slot, value) -> None:
+        setattr(slot, self.private, value)
+        getattr(slot._table, self.name)[slot.index] = value
+
+
 class Slot:
     """One device slot. `key`, `tier`, `pins` and `awaiting` are mirrored in the pool's `SlotTable`."""
 
@@ -100,23 +114,8 @@ class Slot:
         self._tier = tier
         self._table.hot[self.index] = tier == HOT
 
-    @property
-    def pins(self) -> int:
-        return self._pins
-
-    @pins.setter
-    def pins(self, n: int) -> None:
-        self._pins = n
-        self._table.pins[self.index] = n
-
-    @property
-    def awaiting(self) -> bool:
-        return self._awaiting
-
-    @awaiting.setter
-    def awaiting(self, flag: bool) -> None:
-        self._awaiting = flag
-        self._table.awaiting[self.index] = flag
+    pins = _Mirrored()  # int: computations reading the slot now
+    awaiting = _Mirrored()  # bool: prefetched for a block that has not run yet
 
     def touch(self) -> None:
         """Allocated or used now (the recency the LRU order and ties of the victim search read)."""

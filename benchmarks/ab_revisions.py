@@ -3,7 +3,7 @@ keep behaviour (a refactor) left speed and outputs unchanged.
 
 Each revision is a tree holding `mira_hf/` and `model_adapters/` (an older one made with `git archive`; the
 newer one this checkout by default). The measuring code is this checkout's `benchmarks/` and uses only what
-every revision offers: `MiraMoEModel.wrap`, `MiraConfig(gpu_budget, device)`, `generate` and the manager's
+every revision offers: `MiraMoEModel.wrap`, `MiraConfig(gpu_budget, device[, quantization])`, `generate` and the manager's
 `stats()`, `reset_stats()`. Every measurement runs in a fresh process that imports its revision through
 PYTHONPATH (and checks that it did), so no allocator, pinned-memory or import state carries over; the
 revisions alternate process by process and who goes first alternates pair by pair, so drift over the run
@@ -64,6 +64,10 @@ def parse_args(argv=None):
     ap.add_argument("--pairs", type=int, help="old/new process pairs (default: per model, see DEFAULTS)")
     ap.add_argument("--out", help="directory (gets DATE-DEVICE-MODEL-ab-revisions.json) or a .json path")
     ap.add_argument("--budget", type=float, default=0.25, help="gpu_budget, a fraction of the expert bytes")
+    ap.add_argument(
+        "--quantization",
+        help="MiraConfig.quantization of both revisions (default: their own default), e.g. none to leave out the codecs",
+    )
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, help="also decode this many sequences (0: batch 1 only; default: per model)")
@@ -134,7 +138,9 @@ def child(args) -> dict:
     model = wl.build(device)
     build_s = time.perf_counter() - t
     t = time.perf_counter()
-    MiraMoEModel.wrap(model, MiraConfig(gpu_budget=args.budget, device=device))
+    q = args.quantization
+    extra = {} if q is None else dict(quantization=None if q.lower() == "none" else q)  # every revision takes None
+    MiraMoEModel.wrap(model, MiraConfig(gpu_budget=args.budget, device=device, **extra))
     wrap_s = time.perf_counter() - t
     manager = model.mira
     ids = wl.prompts(max(args.batch, 1), args.prompt_len, model.config.vocab_size, device)
@@ -183,6 +189,7 @@ def child(args) -> dict:
 def run_child(tree: str, args, dump: str, env: dict, timeout: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", tree, "--dump", dump, "--model", args.model]
     cmd += ["--budget", str(args.budget), "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+    cmd += [] if args.quantization is None else ["--quantization", args.quantization]
     cmd += ["--batch", str(args.batch), "--repeats", str(args.repeats), "--warmup-tokens", str(args.warmup_tokens)]
     cmd += ["--seed", str(args.seed)] + (["--smoke"] if args.smoke else [])
     t0 = time.perf_counter()

@@ -104,15 +104,27 @@ _LB, _LL = "mira_hf.quant.lossless_bits", "mira_hf.quant.lossless"
 _POL, _HEAT, _BUDGET = "mira_hf.policies", "mira_hf.heat", "mira_hf.budget"
 EQUIVALENT: dict[str, list[str]] = {
     # core
-    "a value never read (LRU order's values, `staged`, a victim always reassigned)": _names(_POL, "LRUPolicy.inserted", "1")
+    "a value never read (LRU order's and HOT's values, `staged` in LRU's `inserted`, a victim always reassigned)": _names(
+        _POL, "LRUPolicy.inserted", "1"
+    )
     + _names(_POL, "PriorityPolicy.inserted", "2")
-    + _names("mira_hf.cache", "ExpertCache.allocate", "9 42"),
-    "a tie of one is what the recency search over it returns": _names(_POL, "HeatPolicy.victim", "11"),
+    + _names("mira_hf.cache", "ExpertCache.allocate", "9")
+    + _names("mira_hf.cache", "ExpertCache.use", "13"),
+    "a tie of one is what the recency search over it returns": _names(_POL, "HeatPolicy.victim", "12"),
+    "a list of candidates copied once more": _names(_POL, "HeatPolicy.victim", "2"),
     "any negative default ranks an unknown key first": _names(_POL, "PriorityPolicy.victim", "17"),
-    "table sizes that differ only by rows never read": _names(_HEAT, "HeatTracker.__init__", "39 50 52"),
+    "table sizes that differ only by rows never read": _names(_HEAT, "HeatTracker.__init__", "29 57 59"),
     "window counts only used divided by their layer's largest": _names(_HEAT, "HeatTracker.activate", "18"),
-    "NumPy stores None as False in a bool array": _names(_HEAT, "HeatTracker.end_step", "11")
+    "NumPy stores None as False in a bool array": _names(_HEAT, "HeatTracker.end_step", "17")
     + _names(_HEAT, "HeatTracker._end_period", "7"),
+    "NumPy's default dtype is the one given (float64 losses, int64 = intp candidate indices and counts)": _names(
+        _HEAT, "UseRates.__init__", "21 23 27 30 39 41"
+    ),
+    "half the six candidates is 3 as a float or an int": _names(_HEAT, "UseRates.__init__", "31"),
+    "an all-true padding mask where nothing is padded (× 1)": _names(_HEAT, "UseRates.__init__", "43"),
+    "the flush mask kept as 0.0/1.0: putmask reads it as bool": _names(_HEAT, "UseRates.__init__", "51 53"),
+    "a fresh array instead of the buffer made once": _names(_HEAT, "UseRates.__init__", "54")
+    + _names(_HEAT, "UseRates.update", "14 16 58 61"),
     "a 1-byte slot budget buys no slot; each pool's top-k is at least 1; raising top-k slots to top-k": _names(
         _BUDGET, "plan_budget", "14 31 62"
     ),

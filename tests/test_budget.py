@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from mira_hf import BudgetError, MiraConfig, MiraMoEModel
-from mira_hf.budget import LayerInfo, device_buffers, plan_budget
+from mira_hf.budget import LayerInfo, device_buffers, plan_budget, plan_records
 from mira_hf.config import QuantConfig
 
 # Layer 0: 8 experts of 1000 bytes, top-2; layer 1: 4 experts of 500 bytes, top-1. Expert bytes: 8000 + 2000.
@@ -102,6 +102,11 @@ def test_a_fraction_below_the_minimum_working_set_is_raised_to_it_with_a_warning
         warnings.simplefilter("error")
         plan = plan_budget(layers, RECORDS, 3000, round_up_from=0.3)
     assert plan.n_slots == {1000: 2, 500: 2} and plan.budget_bytes == plan.device_bytes == 3000
+    # the warning names the code that asked for the plan (`plan_records`' caller, the stage that plans the
+    # store), not a line inside the planning
+    with pytest.warns(UserWarning, match="below the minimum working set") as caught:
+        plan_records(LAYERS, 1000, "raw", None, {}, RECORDS, round_up_from=0.1)
+    assert [w.filename for w in caught] == [__file__]
     # at or above the minimum a fraction plans as a byte budget does, silently
     with warnings.catch_warnings():
         warnings.simplefilter("error")

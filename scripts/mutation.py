@@ -124,7 +124,7 @@ EQUIVALENT: dict[str, list[str]] = {
     "an all-true padding mask where nothing is padded (× 1)": _names(_HEAT, "UseRates.__init__", "43"),
     "the flush mask kept as 0.0/1.0: putmask reads it as bool": _names(_HEAT, "UseRates.__init__", "51 53"),
     "a fresh array instead of the buffer made once": _names(_HEAT, "UseRates.__init__", "54")
-    + _names(_HEAT, "UseRates.update", "14 16 58 61"),
+    + _names(_HEAT, "UseRates.update", "14 16"),
     "a 1-byte slot budget buys no slot; each pool's top-k is at least 1; raising top-k slots to top-k": _names(
         _BUDGET, "plan_budget", "14 31 62"
     ),

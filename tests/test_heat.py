@@ -321,3 +321,17 @@ def test_after_a_reset_use_rates_are_new_ones_bit_for_bit():
         fresh.update(_active(_WIDTHS, step), out_fresh)
     assert np.array_equal(used.loss, fresh.loss) and np.array_equal(used.ema, fresh.ema)
     assert np.array_equal(used.best, fresh.best) and np.array_equal(out_used, out_fresh)
+
+
+def test_an_estimate_below_1e_9_is_zero():
+    """No float32 denormals: an estimate that decays below 1e-9 becomes 0. A layer that moves on to a new
+    expert every two steps keeps the shortest memory, 0.5; expert e, used at steps 2e and 2e + 1 (0.75), has
+    been idle 78 − 2e steps after step 79: 0.75 · 2^-(78 − 2e), below 1e-9 from 30 idle steps on (e ≤ 24)."""
+    h = HeatTracker({0: 40})
+    for t in range(80):
+        h.activate(0, [t // 2])
+        h.end_step()
+    assert h.use_rate_decays() == {0: 0.5}
+    rates = h.use_rate[0]
+    assert not rates[:25].any()
+    assert rates[25:].tolist() == [0.75 * 2.0 ** -(78 - 2 * e) for e in range(25, 40)]

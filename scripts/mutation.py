@@ -5,6 +5,7 @@
     python scripts/mutation.py run combine        # or: codecs, core; several at once; none = all
     python scripts/mutation.py run combine --survivors   # after adding tests: only the mutants not yet killed
     python scripts/mutation.py summary OUT.json   # counts per group and module, the score, survivors not argued
+    python scripts/mutation.py summary OUT.json --groups core   # only core's counts replaced; OUT's other groups kept
 
 `run` calls `mutmut run` on the group's functions (mutmut's configuration, the mutated files and the fast test
 selection, is `[tool.mutmut]` in pyproject.toml); each mutant runs only the selected tests that call its
@@ -267,6 +268,9 @@ def summary(path: str, directories: list[str], groups: list[str] | None = None) 
         scored = total["checked"] - total["equivalent"]
         total["score"] = round(total["killed"] / scored, 4) if scored else None
         result[group] = {"modules": rows, "total": total}
+    if groups and os.path.exists(path):  # the other groups of an earlier summary stay as they were measured
+        with open(path) as f:
+            result = {**json.load(f), **result}
     with open(path, "w") as f:
         json.dump(result, f, indent=1, ensure_ascii=False)
         f.write("\n")
@@ -283,7 +287,9 @@ def main() -> int:
     r.add_argument("--survivors", action="store_true", help="rerun only the mutants the last run did not kill")
     s = sub.add_parser("summary")
     s.add_argument("out")
-    s.add_argument("--groups", nargs="+", choices=list(GROUPS), help="the groups to summarise (default: every one run)")
+    s.add_argument(
+        "--groups", nargs="+", choices=list(GROUPS), help="the groups to summarise, others kept from OUT (default: every one run)"
+    )
     s.add_argument("--dirs", nargs="+", default=["."], help="checkouts whose mutmut results to merge (default: this one)")
     args = parser.parse_args()
     if args.command == "run":

@@ -5,6 +5,7 @@
     python scripts/mutation.py run combine        # or: codecs, core; several at once; none = all
     python scripts/mutation.py run combine --survivors   # after adding tests: only the mutants not yet killed
     python scripts/mutation.py summary OUT.json   # counts per group and module, the score, survivors not argued
+    python scripts/mutation.py summary OUT.json --groups core   # only core's counts replaced; OUT's other groups kept
 
 `run` calls `mutmut run` on the group's functions (mutmut's configuration, the mutated files and the fast test
 selection, is `[tool.mutmut]` in pyproject.toml); each mutant runs only the selected tests that call its
@@ -104,15 +105,27 @@ _LB, _LL = "mira_hf.quant.lossless_bits", "mira_hf.quant.lossless"
 _POL, _HEAT, _BUDGET = "mira_hf.policies", "mira_hf.heat", "mira_hf.budget"
 EQUIVALENT: dict[str, list[str]] = {
     # core
-    "a value never read (LRU order's values, `staged`, a victim always reassigned)": _names(_POL, "LRUPolicy.inserted", "1")
+    "a value never read (LRU order's and HOT's values, `staged` in LRU's `inserted`, a victim always reassigned)": _names(
+        _POL, "LRUPolicy.inserted", "1"
+    )
     + _names(_POL, "PriorityPolicy.inserted", "2")
-    + _names("mira_hf.cache", "ExpertCache.allocate", "9 42"),
-    "a tie of one is what the recency search over it returns": _names(_POL, "HeatPolicy.victim", "11"),
+    + _names("mira_hf.cache", "ExpertCache.allocate", "9")
+    + _names("mira_hf.cache", "ExpertCache.use", "13"),
+    "a tie of one is what the recency search over it returns": _names(_POL, "HeatPolicy.victim", "12"),
+    "a list of candidates copied once more": _names(_POL, "HeatPolicy.victim", "2"),
     "any negative default ranks an unknown key first": _names(_POL, "PriorityPolicy.victim", "17"),
-    "table sizes that differ only by rows never read": _names(_HEAT, "HeatTracker.__init__", "39 50 52"),
+    "table sizes that differ only by rows never read": _names(_HEAT, "HeatTracker.__init__", "29 57 59"),
     "window counts only used divided by their layer's largest": _names(_HEAT, "HeatTracker.activate", "18"),
-    "NumPy stores None as False in a bool array": _names(_HEAT, "HeatTracker.end_step", "11")
+    "NumPy stores None as False in a bool array": _names(_HEAT, "HeatTracker.end_step", "17")
     + _names(_HEAT, "HeatTracker._end_period", "7"),
+    "NumPy's default dtype is the one given (float64 losses, int64 = intp candidate indices and counts)": _names(
+        _HEAT, "UseRates.__init__", "21 23 27 30 39 41"
+    ),
+    "half the six candidates is 3 as a float or an int": _names(_HEAT, "UseRates.__init__", "31"),
+    "an all-true padding mask where nothing is padded (× 1)": _names(_HEAT, "UseRates.__init__", "43"),
+    "the flush mask kept as 0.0/1.0: putmask reads it as bool": _names(_HEAT, "UseRates.__init__", "51 53"),
+    "a fresh array instead of the buffer made once": _names(_HEAT, "UseRates.__init__", "54")
+    + _names(_HEAT, "UseRates.update", "14 16"),
     "a 1-byte slot budget buys no slot; each pool's top-k is at least 1; raising top-k slots to top-k": _names(
         _BUDGET, "plan_budget", "14 31 62"
     ),
@@ -255,6 +268,9 @@ def summary(path: str, directories: list[str], groups: list[str] | None = None) 
         scored = total["checked"] - total["equivalent"]
         total["score"] = round(total["killed"] / scored, 4) if scored else None
         result[group] = {"modules": rows, "total": total}
+    if groups and os.path.exists(path):  # the other groups of an earlier summary stay as they were measured
+        with open(path) as f:
+            result = {**json.load(f), **result}
     with open(path, "w") as f:
         json.dump(result, f, indent=1, ensure_ascii=False)
         f.write("\n")
@@ -271,7 +287,9 @@ def main() -> int:
     r.add_argument("--survivors", action="store_true", help="rerun only the mutants the last run did not kill")
     s = sub.add_parser("summary")
     s.add_argument("out")
-    s.add_argument("--groups", nargs="+", choices=list(GROUPS), help="the groups to summarise (default: every one run)")
+    s.add_argument(
+        "--groups", nargs="+", choices=list(GROUPS), help="the groups to summarise, others kept from OUT (default: every one run)"
+    )
     s.add_argument("--dirs", nargs="+", default=["."], help="checkouts whose mutmut results to merge (default: this one)")
     args = parser.parse_args()
     if args.command == "run":

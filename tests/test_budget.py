@@ -1,12 +1,13 @@
 """Budget planning: how a byte budget becomes device buffers and slots, on numbers worked out by hand."""
 
+import os
 import warnings
 from types import SimpleNamespace
 
 import pytest
 
 from mira_hf import BudgetError, MiraConfig, MiraMoEModel
-from mira_hf.budget import LayerInfo, device_buffers, plan_budget
+from mira_hf.budget import LayerInfo, device_buffers, plan_budget, plan_records
 from mira_hf.config import QuantConfig
 
 # Layer 0: 8 experts of 1000 bytes, top-2; layer 1: 4 experts of 500 bytes, top-1. Expert bytes: 8000 + 2000.
@@ -108,3 +109,15 @@ def test_a_fraction_below_the_minimum_working_set_is_raised_to_it_with_a_warning
         assert plan_budget(LAYERS, RECORDS, 6000, {"staging": 1000}, round_up_from=0.6) == plan_budget(
             LAYERS, RECORDS, 6000, {"staging": 1000}
         )
+
+
+def test_the_round_up_warning_names_the_line_that_asked_for_the_plan():
+    """`plan_records`' caller (the stage that plans the store; here this test), not a line of the planning."""
+    import mira_hf.budget as budget
+
+    with pytest.warns(UserWarning, match="below the minimum working set") as caught:
+        plan = plan_records(LAYERS, 1000, "raw", None, {}, RECORDS, round_up_from=0.1)
+    assert plan.budget_bytes == 2500  # the top-k records of one layer in each pool, no codec buffers
+    assert len(caught) == 1 and caught[0].filename != budget.__file__
+    if "MUTANT_UNDER_TEST" not in os.environ:  # mutation testing (mutmut) wraps every call in two more frames
+        assert caught[0].filename == __file__

@@ -871,3 +871,81 @@ def test_hot_overflow_demotes_a_hot_expert_even_when_a_stage_one_is_older():
     assert [_touch(cache, k) for k in keys] == [None] * 4
     assert [cache.lookup(k).tier for k in keys] == ["stage", "stage", "hot", "hot"]
     assert cache.pools[0].hot_count == 2
+
+
+class _RecordingPolicy(LRUPolicy):
+    """LRU that records what the cache tells it, as a registered policy would see it."""
+
+    def __init__(self, probe):
+        super().__init__()
+        self.probe, self.calls = probe, []
+
+    def inserted(self, key, staged):
+        self.calls.append(("inserted", key, staged))
+        super().inserted(key, staged)
+
+    def demote(self, candidates):
+        self.calls.append(("demote", list(candidates), len(candidates), [k in candidates for k in self.probe]))
+        return super().demote(candidates)
+
+
+def test_a_policy_is_told_what_was_staged_and_demotes_among_the_other_hot_experts():
+    """The policy protocol: `inserted(key, staged)` says whether the copy is a prefetch; `demote` gets a set of
+    the HOT experts but the one just admitted, least recently used first, that answers `in` and `len`."""
+    a, b, c, other = (0, 0), (0, 1), (0, 2), (0, 3)
+    policy = _RecordingPolicy(probe=[a, b, c, other])
+    cache = ExpertCache({0: SlotPool(1, 3, 1, policy)}, {0: 0})  # 2 HOT + 1 STAGE
+    slot_a, _ = cache.allocate(a, staged=False)
+    slot_b, _ = cache.allocate(b, staged=True)  # a prefetch
+    cache.use(slot_a)
+    cache.use(slot_b)
+    slot_c, _ = cache.allocate(c, staged=False)
+    cache.use(slot_c)  # HOT holds a, b, c: one over its 2
+    assert policy.calls == [
+        ("inserted", a, False),
+        ("inserted", b, True),
+        ("inserted", c, False),
+        ("demote", [a, b], 2, [True, True, False, False]),  # c, just admitted, is no candidate
+    ]
+    assert [slot_a.tier, slot_b.tier, slot_c.tier] == ["stage", "hot", "hot"]
+
+
+def test_priority_demotes_the_lowest_scored_other_hot_expert_never_the_one_just_admitted():
+    """2 HOT + 1 STAGE, score = 0.6 · predicted + 0.3 / (1 + steps since use) + 0.1 · cost (0 here). At step 2,
+    c (predicted 0) joins HOT: 0.3, the lowest score, but it was just admitted; of the others a scores
+    0.6 + 0.3 / 3 = 0.7 and b 0.3 + 0.3 / 2 = 0.45, so b drops to STAGE although a was used longer ago."""
+    from mira_hf.policies import PriorityPolicy
+
+    a, b, c = (0, 0), (0, 1), (0, 2)
+    clock, predicted = [0], {a: 1.0, b: 0.5, c: 0.0}
+    cache = ExpertCache({0: SlotPool(1, 3, 1, PriorityPolicy(predicted.__getitem__, lambda: clock[0], lambda k: 0.0))}, {0: 0})
+    for key in (a, b, c):
+        _touch(cache, key)
+        clock[0] += 1
+    assert [cache.lookup(k).tier for k in (a, b, c)] == ["hot", "stage", "hot"]
+    assert list(cache.pools[0].hot) == [a, c]
+
+
+def test_with_nothing_to_choose_from_every_policy_answers_none():
+    from mira_hf.heat import HeatTracker
+    from mira_hf.policies import HeatPolicy, PriorityPolicy
+
+    priority = PriorityPolicy(lambda k: 0.0, lambda: 0, lambda k: 0.0)
+    heat = HeatPolicy(HeatTracker({0: 2}), lambda keys: [0.0] * len(keys))
+    for policy in (LRUPolicy(), priority, heat):
+        policy.inserted((0, 0), staged=False)
+        assert policy.demote(set()) is None and policy.victim([]) is None, policy.name
+
+
+def test_the_heat_policy_takes_its_candidates_as_any_iterable():
+    """The protocol's `victim(candidates: Iterable)`: a set, or a generator, ranks as the same list does."""
+    from mira_hf.heat import HeatTracker
+    from mira_hf.policies import HeatPolicy
+
+    values = {(0, 0): 0.5, (0, 1): 0.2, (0, 2): 0.9}
+    policy = HeatPolicy(HeatTracker({0: 3}), lambda keys: [values[k] for k in keys])
+    for e in range(3):
+        policy.inserted((0, e), staged=False)
+    assert policy.victim(set(values)) == (0, 1)
+    assert policy.victim(k for k in values) == (0, 1)
+    assert policy.victim(k for k in ()) is None

@@ -10,7 +10,7 @@ import pytest
 
 import mira_hf.heat as heat_mod
 from mira_hf.errors import ConfigError
-from mira_hf.heat import HeatConfig, HeatTracker
+from mira_hf.heat import HeatConfig, HeatTracker, UseRates
 
 
 def scores(h, layer=0):
@@ -62,6 +62,7 @@ def test_use_rate_is_a_moving_average_of_steps_that_used_the_expert():
     # expert 0: 0.1 → 0.09 → 0.081; expert 1: 0 → 0 → 0.1; layer 1 untouched
     assert h.use_rate[0].tolist() == pytest.approx([0.081, 0.1])
     assert h.use_rate[1].tolist() == [0.0, 0.0]
+    assert h.use_rate_decays() == {0: 0.9, 1: 0.9}  # a memory given is every layer's
 
 
 def test_the_wall_clock_counts_periods_of_period_s(monkeypatch):
@@ -93,6 +94,8 @@ def test_reset_clears_every_table():
         (dict(window_periods=0), "window_periods"),
         (dict(period_s=0.0), "period_s"),
         (dict(hot_threshold=1.5), "hot_threshold"),
+        (dict(use_rate_decay=1.0), "use_rate_decay"),
+        (dict(use_rate_decay=-0.1), "use_rate_decay"),
     ],
 )
 def test_heat_config_is_validated(bad, field):
@@ -101,8 +104,16 @@ def test_heat_config_is_validated(bad, field):
 
 
 def test_boundary_settings_are_accepted_and_messages_name_the_field():
-    for ok in (dict(decay_per_period=1.0), dict(window_periods=1), dict(hot_threshold=0.0), dict(hot_threshold=1.0)):
+    for ok in (
+        dict(decay_per_period=1.0),
+        dict(window_periods=1),
+        dict(hot_threshold=0.0),
+        dict(hot_threshold=1.0),
+        dict(use_rate_decay=0.0),  # no memory: the last step's use
+    ):
         HeatConfig(**ok)  # the edges of each range are valid
+    with pytest.raises(ConfigError, match=r"^HeatConfig\.use_rate_decay=1\.0: must be in \[0, 1\), or None \(chosen online\)\.$"):
+        HeatConfig(use_rate_decay=1.0)
     with pytest.raises(ConfigError, match=r"^HeatConfig\.window_periods must be ≥ 1 and period_s > 0\.$"):
         HeatConfig(window_periods=0)
 
@@ -193,8 +204,13 @@ def _use_rates_by_definition(num_experts: dict[int, int], steps: list[dict[int, 
         yield now
 
 
-def test_use_rates_chosen_online_follow_their_definition_step_by_step_on_layers_of_unequal_width():
-    num_experts = {0: 12, 3: 5, 7: 9}  # unequal widths: the shared table pads the narrow layers
+# unequal widths: the shared table pads the narrow layers
+_WIDTHS = {0: 12, 3: 5, 7: 9}
+
+
+def _mixed_trace(num_experts: dict[int, int]) -> list[dict[int, list[int]]]:
+    """400 steps of layer 0 churning (a new pair every step), layer 3 sticky (one expert for 25 steps at a
+    time) and layer 7 sticky with noise, skipping a step now and then."""
     rng = np.random.default_rng(0)
     steps, sticky = [], {0: [1, 2], 3: [0], 7: [4, 5, 6]}
     for t in range(400):
@@ -209,6 +225,12 @@ def test_use_rates_chosen_online_follow_their_definition_step_by_step_on_layers_
                     sticky[7] = list(rng.choice(n, 3, replace=False))
                 step[layer] = [] if t % 17 == 0 else sticky[7]
         steps.append(step)
+    return steps
+
+
+def test_use_rates_chosen_online_follow_their_definition_step_by_step_on_layers_of_unequal_width():
+    num_experts = _WIDTHS
+    steps = _mixed_trace(num_experts)
     tracker = HeatTracker(num_experts, HeatConfig(clock="steps"))
     middle = heat_mod.USE_RATE_DECAYS[len(heat_mod.USE_RATE_DECAYS) // 2]
     assert set(tracker.use_rate_decays().values()) == {middle}  # before any step: the middle memory
@@ -233,3 +255,83 @@ def test_use_rates_chosen_online_follow_their_definition_step_by_step_on_layers_
     fresh.end_step()
     assert tracker.use_rate_decays() == fresh.use_rate_decays()
     assert all(np.array_equal(tracker.use_rate[layer], fresh.use_rate[layer]) for layer in num_experts)
+
+
+def _active(num_experts: dict[int, int], step: dict[int, list[int]]) -> np.ndarray:
+    """One step's use as `UseRates.update` takes it: [layers, widest] bool, the layers in order."""
+    active = np.zeros((len(num_experts), max(num_experts.values())), bool)
+    for row, layer in enumerate(sorted(num_experts)):
+        active[row, step.get(layer, [])] = True
+    return active
+
+
+def test_use_rates_are_float32_moving_averages_bit_for_bit():
+    """Each memory d's estimates are float32 moving averages, rounded as float32 arithmetic rounds them: each
+    step p ← p · d, then + (1 − d) where used, d and 1 − d in float32, and below 1e-9 flushed to 0. The
+    tracker's rates are those of the memory it reports in use, bit for bit (an average kept in float64, or
+    with d in float64, and rounded to float32 at the end differs in the last bits)."""
+    decays = np.asarray(heat_mod.USE_RATE_DECAYS, np.float32)[:, None]  # [C, 1]
+    tracker = HeatTracker(_WIDTHS)
+    ema = {layer: np.zeros((len(decays), n), np.float32) for layer, n in _WIDTHS.items()}
+    for t, step in enumerate(_mixed_trace(_WIDTHS)):
+        for layer, experts in step.items():
+            if experts:
+                tracker.activate(layer, experts)
+        tracker.end_step()
+        memories = tracker.use_rate_decays()
+        for layer, n in _WIDTHS.items():
+            used = np.zeros(n, bool)
+            used[step.get(layer, [])] = True
+            e = ema[layer]
+            e *= decays
+            e += (1 - decays) * used
+            e[e < np.float32(1e-9)] = 0
+            chosen = heat_mod.USE_RATE_DECAYS.index(memories[layer])
+            assert np.array_equal(tracker.use_rate[layer], e[chosen]), (t, layer)
+
+
+def test_a_layers_running_loss_counts_only_its_own_experts():
+    """`UseRates.loss[c, row]`, the running log loss that picks a layer's memory: each step 0.99 × its value
+    − Σ log p over the used experts − Σ log(1 − p) over the unused ones, p clipped to [1e-3, 1 − 1e-3]. A
+    layer narrower than the widest is padded in the table; the padding holds no expert and adds nothing."""
+    num_experts = {0: 4, 1: 2}
+    rates = UseRates(list(num_experts.values()), heat_mod.USE_RATE_DECAYS)
+    out = np.zeros((2, 4), np.float32)
+    for _ in range(3):  # idle: every estimate 0, taken as 1e-3
+        rates.update(_active(num_experts, {}), out)
+    unused = -np.log1p(-1e-3)
+    idle = unused * (1 + 0.99 + 0.99**2)
+    np.testing.assert_allclose(rates.loss[:, 0], 4 * idle, rtol=1e-6)
+    np.testing.assert_allclose(rates.loss[:, 1], 2 * idle, rtol=1e-6)
+    rates.update(_active(num_experts, {0: [0]}), out)  # expert 0 used while estimated at 1e-3
+    np.testing.assert_allclose(rates.loss[:, 0], 0.99 * 4 * idle - np.log(1e-3) + 3 * unused, rtol=1e-6)
+    np.testing.assert_allclose(rates.loss[:, 1], 0.99 * 2 * idle + 2 * unused, rtol=1e-6)
+
+
+def test_after_a_reset_use_rates_are_new_ones_bit_for_bit():
+    """A reset forgets the estimates and the losses: replaying a trace then gives what a new `UseRates` gives."""
+    trace = _mixed_trace(_WIDTHS)
+    used, fresh = (UseRates(list(_WIDTHS.values()), heat_mod.USE_RATE_DECAYS) for _ in range(2))
+    out_used, out_fresh = (np.zeros((3, 12), np.float32) for _ in range(2))
+    for step in trace[:200]:
+        used.update(_active(_WIDTHS, step), out_used)
+    used.reset()
+    for step in trace[200:300]:
+        used.update(_active(_WIDTHS, step), out_used)
+        fresh.update(_active(_WIDTHS, step), out_fresh)
+    assert np.array_equal(used.loss, fresh.loss) and np.array_equal(used.ema, fresh.ema)
+    assert np.array_equal(used.best, fresh.best) and np.array_equal(out_used, out_fresh)
+
+
+def test_an_estimate_below_1e_9_is_zero():
+    """No float32 denormals: an estimate that decays below 1e-9 becomes 0. A layer that moves on to a new
+    expert every two steps keeps the shortest memory, 0.5; expert e, used at steps 2e and 2e + 1 (0.75), has
+    been idle 78 − 2e steps after step 79: 0.75 · 2^-(78 − 2e), below 1e-9 from 30 idle steps on (e ≤ 24)."""
+    h = HeatTracker({0: 40})
+    for t in range(80):
+        h.activate(0, [t // 2])
+        h.end_step()
+    assert h.use_rate_decays() == {0: 0.5}
+    rates = h.use_rate[0]
+    assert not rates[:25].any()
+    assert rates[25:].tolist() == [0.75 * 2.0 ** -(78 - 2 * e) for e in range(25, 40)]

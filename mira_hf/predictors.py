@@ -82,19 +82,23 @@ class RankCalibration:
         self._prior_seen[-1] *= max(rest, 1)
         self._prior[-1] *= max(rest, 1)
         self._pending: np.ndarray | None = None  # [E] rank bucket of each expert in the last decode guess
+        self._bucket_of_rank = np.minimum(np.arange(num_experts), self.ranks)  # [E] rank -> its bucket
+        self._seen_per_step = np.bincount(self._bucket_of_rank, minlength=self.ranks + 1).astype(np.float64)  # [R + 1]
 
     def probabilities(self, scores: torch.Tensor) -> torch.Tensor:
         """`scores` [T, E] (the router's selection scores for T tokens) -> [E] probability that some token
         uses the expert, from the measured use rate of each expert's rank."""
         s = scores.detach().float().cpu().numpy()  # [T, E]
+        table = (self.used + self._prior) / (self.seen + self._prior_seen)  # [R + 1]
+        if s.shape[0] == 1:  # a decode step: one argsort, one scatter, one gather
+            bucket = np.empty(s.shape[1], np.intp)
+            bucket[np.argsort(-s[0], kind="stable")] = self._bucket_of_rank
+            self._pending = bucket
+            return torch.from_numpy(table[bucket].astype(np.float32))
         order = np.argsort(-s, axis=1, kind="stable")  # [T, E] experts, best first
         bucket = np.empty_like(order)
-        np.put_along_axis(bucket, order, np.minimum(np.arange(s.shape[1]), self.ranks)[None, :], axis=1)
-        table = (self.used + self._prior) / (self.seen + self._prior_seen)  # [R + 1]
+        np.put_along_axis(bucket, order, self._bucket_of_rank[None, :], axis=1)
         per_token = table[bucket]  # [T, E]
-        if s.shape[0] == 1:
-            self._pending = bucket[0]
-            return torch.from_numpy(per_token[0].astype(np.float32))
         return torch.from_numpy((1 - np.prod(1 - per_token, axis=0)).astype(np.float32))
 
     def observe(self, experts: torch.Tensor) -> None:
@@ -104,11 +108,9 @@ class RankCalibration:
         bucket, self._pending = self._pending, None
         if experts.shape[0] != 1:
             return  # a block of several tokens: the guess was for one
-        used = np.zeros(self.num_experts, bool)
-        idx = experts.detach().cpu().numpy().reshape(-1)
-        used[idx[idx >= 0]] = True
-        np.add.at(self.seen, bucket, 1.0)
-        np.add.at(self.used, bucket[used], 1.0)
+        self.seen += self._seen_per_step  # every rank bucket was guessed once per expert in it
+        idx = experts.detach().cpu().numpy()[0]  # [K] distinct experts of one token (-1: padding)
+        self.used += np.bincount(bucket[idx[idx >= 0]], minlength=self.ranks + 1)
 
     def reset(self) -> None:
         self.used[:] = 0

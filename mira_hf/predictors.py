@@ -88,18 +88,22 @@ class RankCalibration:
     def probabilities(self, scores: torch.Tensor) -> torch.Tensor:
         """`scores` [T, E] (the router's selection scores for T tokens) -> [E] probability that some token
         uses the expert, from the measured use rate of each expert's rank."""
-        s = scores.detach().float().cpu().numpy()  # [T, E]
         table = (self.used + self._prior) / (self.seen + self._prior_seen)  # [R + 1]
-        if s.shape[0] == 1:  # a decode step: one argsort, one scatter, one gather
-            bucket = np.empty(s.shape[1], np.intp)
-            bucket[np.argsort(-s[0], kind="stable")] = self._bucket_of_rank
+        if scores.shape[0] == 1:  # a decode step, scored on the host: one argsort, one scatter, one gather
+            s = scores.detach().float().cpu().numpy()[0]  # [E]
+            bucket = np.empty(s.shape[0], np.intp)
+            bucket[np.argsort(-s, kind="stable")] = self._bucket_of_rank
             self._pending = bucket
             return torch.from_numpy(table[bucket].astype(np.float32))
-        order = np.argsort(-s, axis=1, kind="stable")  # [T, E] experts, best first
-        bucket = np.empty_like(order)
-        np.put_along_axis(bucket, order, self._bucket_of_rank[None, :], axis=1)
-        per_token = table[bucket]  # [T, E]
-        return torch.from_numpy((1 - np.prod(1 - per_token, axis=0)).astype(np.float32))
+        # a block of tokens (prefill) where its scores are, so a device block needs no sync here; one [E] copy
+        # to the host, non-blocking (the proxy's sync completes it, as for the rest of the block's guesses)
+        self._pending = None  # the layer's latest guess is this block's: not scored
+        s = scores.detach().float()
+        order = torch.argsort(s, dim=1, descending=True, stable=True)  # [T, E] experts, best first
+        ranks = torch.from_numpy(self._bucket_of_rank).to(s.device, non_blocking=True).expand_as(order)
+        bucket = torch.empty_like(order).scatter_(1, order, ranks)  # [T, E] rank bucket of each expert
+        per_token = torch.from_numpy(table.astype(np.float32)).to(s.device, non_blocking=True)[bucket]  # [T, E]
+        return (1 - torch.prod(1 - per_token, dim=0)).to("cpu", non_blocking=True)
 
     def observe(self, experts: torch.Tensor) -> None:
         """The layer's block used `experts` (top_k_index [1, K]): score the last decode guess for it."""

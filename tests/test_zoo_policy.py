@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from mira_hf import MiraConfig, MiraMoEModel
 from mira_hf.config import PredictorConfig
 from mira_hf.heat import USE_RATE_DECAYS, HeatConfig, HeatTracker
-from mira_hf.predictors import build_predictor
+from mira_hf.predictors import RankCalibration, build_predictor
 from mira_hf.replay import replay
 from mira_hf.trace import RoutingTrace, record_trace
 
@@ -134,3 +134,19 @@ def test_gate_guesses_follow_the_measured_use_of_each_router_rank(zoo_model):
     assert guess[ranked[:k]].min() > 0.9 and guess[ranked[k:]].max() < 0.1, (name, guess)
     _, _, _, guess, ranked = _gate_after(model, slice(k, 2 * k), steps=40)
     assert guess[ranked[:k]].max() < 0.1 and guess[ranked[k : 2 * k]].min() > 0.9, (name, guess)
+
+
+def test_a_block_of_tokens_reads_each_tokens_ranks_and_takes_the_union():
+    """Prefill blocks are scored where their scores are (no host sync) and give the union over tokens of what one
+    token at a time gives; only one-token blocks are measured."""
+    calibration = RankCalibration(32, 4)
+    calibration.used[:] = torch.arange(16, -1, -1).double().numpy()  # rank 0 used 16 times in 20, ..., the rest never
+    calibration.seen[:] = 20
+    scores = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    block = calibration.probabilities(scores)
+    singles = torch.stack([calibration.probabilities(scores[i : i + 1]) for i in range(5)])
+    assert torch.allclose(block, 1 - torch.prod(1 - singles, dim=0), atol=1e-6)
+    seen = calibration.seen.copy()
+    calibration.probabilities(scores)  # a block's guess is not scored
+    calibration.observe(torch.tensor([[0, 1, 2, 3]]))  # even a one-token block after it
+    assert (calibration.seen == seen).all()

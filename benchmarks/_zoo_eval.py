@@ -12,7 +12,9 @@ Belady's bytes beside
   mira-tiny's tokenizer, so any model's text is valid input for any other).
 
 Each row: bytes moved × Belady's, hit rate and its gain over LRU, stall-causing misses as a share of LRU's,
-recall at 1 and 2 layers ahead. Windows: calibration on held-out rows [0, calib_windows), evaluation on the next
+recall and precision at 1 and 2 layers ahead (of the guesses counted: probability ≥ `PredictorConfig.confidence`).
+Per budget also where the bytes went (`decomposition`): demand loads, prefetches used and prefetches never used,
+each × Belady's loads. Windows: calibration on held-out rows [0, calib_windows), evaluation on the next
 eval_windows rows (as for mira-tiny in the main mode), cross-domain calibration on the other model's rows
 [0, calib_windows).
 """
@@ -35,7 +37,7 @@ from mira_hf.replay import belady, replay
 from mira_hf.trace import record_trace
 
 TINY = "mira-tiny"
-COLUMNS = ["config", "hit%", "vs LRU", "stalls/LRU", "xBelady", "r@1", "r@2"]
+COLUMNS = ["config", "hit%", "vs LRU", "stalls/LRU", "xBelady", "r@1", "p@1", "r@2", "p@2"]
 # What a default has to do on every model (bytes as × Belady's; hit rate as points over LRU's).
 GOALS = dict(calibrated_25=1.3, hit_gain_25=0.10, uncalibrated_25=1.5, calibrated_other=1.4, cross_domain_loss=0.1)
 
@@ -116,20 +118,34 @@ def evaluate_model(name: str, path: str, cross: tuple[str, torch.Tensor], args) 
                     "vs LRU": round(100 * (r["hit_rate"] - lru["hit_rate"]), 1),
                     "stalls/LRU": round(r["misses"] / lru["misses"], 3) if lru["misses"] else None,
                     "xBelady": round(r["bytes_moved"] / best["bytes_moved"], 3) if best["bytes_moved"] else None,
-                    "r@1": None if r.get("recall@1") is None else round(r["recall@1"], 3),
-                    "r@2": None if r.get("recall@2") is None else round(r["recall@2"], 3),
+                    **{
+                        f"{m[0]}@{d}": None if r.get(f"{m}@{d}") is None else round(r[f"{m}@{d}"], 3)
+                        for d in (1, 2)
+                        for m in ("recall", "precision")
+                    },
                 }
             )
         print(f"\n## {name}: budget {budget:.0%} ({lru['config']['slots']} slots), {trace.steps} tokens")
         table = print_table(rows, COLUMNS)
         out["budgets"][str(budget)] = dict(
             belady=dict(bytes_moved=best["bytes_moved"], hit_rate=best["hit_rate"], misses=best.get("misses")),
+            decomposition={label: decomposition(r, best) for label, r in results.items()},
             rows=rows,
             table=table,
         )
     timings["replays"] = time.perf_counter() - t
     out["timings_s"] = {k: round(v, 1) for k, v in timings.items()}
     return out
+
+
+def decomposition(r: dict, best: dict) -> dict:
+    """Where a replay's loads went, × Belady's loads: demand loads (misses copied when needed), prefetches its
+    blocks used, prefetches never used."""
+    if not best["loads"]:
+        return {}
+    used = r["prefetch_used"]
+    parts = dict(demand=r["loads"] - r["prefetches"], prefetch_used=used, prefetch_unused=r["prefetches"] - used)
+    return {k: round(v / best["loads"], 3) for k, v in parts.items()}
 
 
 def goals(name: str, m: dict) -> dict:
@@ -205,6 +221,12 @@ def markdown(report: dict) -> str:
         lines += [f"## {name}", ""]
         for budget, b in m["budgets"].items():
             lines += [f"### budget {float(budget):.0%}", "", _md_table(b["table"]), ""]
+            parts = [
+                f"{label}: {' + '.join(f'{v:.3f} {k}' for k, v in d.items() if v)}"
+                for label, d in b.get("decomposition", {}).items()
+                if label != "lru"
+            ]
+            lines += ["Loads × Belady's (demand, prefetch used, prefetch unused): " + "; ".join(parts) + ".", ""]
         lines += [f"Goals: {m['goals']['values']}; not met: {[k for k, v in m['goals']['met'].items() if not v]}", ""]
     lines += [f"Total time {report['timings_s']} s", ""]
     return "\n".join(lines)

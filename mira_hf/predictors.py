@@ -8,7 +8,9 @@ learned predictor's next-step head: such guesses rank evictions, and the first l
 the end of a step). A wrong guess costs
 bandwidth, never a token: the true expert is always computed.
 
-- `gate`: the router of layer L+d applied to layer L's hidden state (no training).
+- `gate`: the router of layer L+d applied to layer L's hidden state (no training); each expert's
+  probability is how often the router's expert of that rank has been used, measured online
+  (`RankCalibration`).
 - `markov`: transition probabilities between experts of consecutive layers and consecutive tokens,
   learnt online, chained up to 3 layers ahead, candidates up to a cumulative probability of 0.8.
 - `global`: at the first MoE layer of a step, one prediction for every layer (previous token's
@@ -25,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from .config import PredictorConfig  # defined beside the other configs; importable from here too
@@ -57,6 +60,68 @@ def token_union(per_token: torch.Tensor, top_k: int) -> torch.Tensor:
 HOST_SCORING_TOKENS = 64
 
 
+class RankCalibration:
+    """How often the expert a router ranks r-th for its layer, applied `distance` layers early, is used by
+    that layer's next block: measured online, so the gate's guesses are probabilities of use whatever the
+    router (a softmax over 8 or 128 experts, DeepSeek-V3's sigmoid scores with a selection bias), its
+    top-k and the distance. Ranks below 4·top-k are counted one by one, the rest together; before any
+    decode step is seen every rank reads the chance rate top-k / E (weight `PRIOR_STEPS` steps), so an
+    unmeasured guess is never staged. Measured on one-token blocks (decode steps); a block of T tokens
+    reads the table per token and takes the union."""
+
+    PRIOR_STEPS = 2.0
+
+    def __init__(self, num_experts: int, top_k: int) -> None:
+        self.num_experts, self.top_k = num_experts, top_k
+        self.ranks = min(num_experts, 4 * top_k)  # ranks counted one by one; the rest share the last bucket
+        self.used = np.zeros(self.ranks + 1)  # [R + 1] uses of the expert at each rank bucket
+        self.seen = np.zeros(self.ranks + 1)  # [R + 1] guesses at each rank bucket
+        rest = num_experts - self.ranks
+        self._prior = np.full(self.ranks + 1, top_k / num_experts) * self.PRIOR_STEPS
+        self._prior_seen = np.full(self.ranks + 1, self.PRIOR_STEPS)
+        self._prior_seen[-1] *= max(rest, 1)
+        self._prior[-1] *= max(rest, 1)
+        self._pending: np.ndarray | None = None  # [E] rank bucket of each expert in the last decode guess
+        self._bucket_of_rank = np.minimum(np.arange(num_experts), self.ranks)  # [E] rank -> its bucket
+        self._seen_per_step = np.bincount(self._bucket_of_rank, minlength=self.ranks + 1).astype(np.float64)  # [R + 1]
+
+    def probabilities(self, scores: torch.Tensor) -> torch.Tensor:
+        """`scores` [T, E] (the router's selection scores for T tokens) -> [E] probability that some token
+        uses the expert, from the measured use rate of each expert's rank."""
+        table = (self.used + self._prior) / (self.seen + self._prior_seen)  # [R + 1]
+        if scores.shape[0] == 1:  # a decode step, scored on the host: one argsort, one scatter, one gather
+            s = scores.detach().float().cpu().numpy()[0]  # [E]
+            bucket = np.empty(s.shape[0], np.intp)
+            bucket[np.argsort(-s, kind="stable")] = self._bucket_of_rank
+            self._pending = bucket
+            return torch.from_numpy(table[bucket].astype(np.float32))
+        # a block of tokens (prefill) where its scores are, so a device block needs no sync here; one [E] copy
+        # to the host, non-blocking (the proxy's sync completes it, as for the rest of the block's guesses)
+        self._pending = None  # the layer's latest guess is this block's: not scored
+        s = scores.detach().float()
+        order = torch.argsort(s, dim=1, descending=True, stable=True)  # [T, E] experts, best first
+        ranks = torch.from_numpy(self._bucket_of_rank).to(s.device, non_blocking=True).expand_as(order)
+        bucket = torch.empty_like(order).scatter_(1, order, ranks)  # [T, E] rank bucket of each expert
+        per_token = torch.from_numpy(table.astype(np.float32)).to(s.device, non_blocking=True)[bucket]  # [T, E]
+        return (1 - torch.prod(1 - per_token, dim=0)).to("cpu", non_blocking=True)
+
+    def observe(self, experts: torch.Tensor) -> None:
+        """The layer's block used `experts` (top_k_index [1, K]): score the last decode guess for it."""
+        if self._pending is None:
+            return
+        bucket, self._pending = self._pending, None
+        if experts.shape[0] != 1:
+            return  # a block of several tokens: the guess was for one
+        self.seen += self._seen_per_step  # every rank bucket was guessed once per expert in it
+        idx = experts.detach().cpu().numpy()[0]  # [K] distinct experts of one token (-1: padding)
+        self.used += np.bincount(bucket[idx[idx >= 0]], minlength=self.ranks + 1)
+
+    def reset(self) -> None:
+        self.used[:] = 0
+        self.seen[:] = 0
+        self._pending = None
+
+
 class GatePredictor:
     """The router of layer L+d applied to layer L's hidden state, for d = 1..lookahead.
 
@@ -72,9 +137,19 @@ class GatePredictor:
         self.layers, self.top_k, self.router_probs, self.config = layers, top_k, router_probs, config
         self._plans: dict[int, tuple | None] = {}  # layer -> (targets, routers, host scorers), or None
         self._buffers: dict[int, torch.Tensor] = {}  # layer -> pinned [HOST_SCORING_TOKENS, ΣE] logits (CUDA)
+        self.calibration: dict[tuple[int, int], RankCalibration] = {}  # (target, distance) -> measured use per rank
+
+    def _calibration(self, target: int, distance: int, num_experts: int) -> RankCalibration:
+        cal = self.calibration.get((target, distance))
+        if cal is None:
+            cal = self.calibration[(target, distance)] = RankCalibration(num_experts, self.top_k[target])
+        return cal
 
     def observe(self, layer, hidden, top_k_index) -> None:
-        pass
+        for d in range(1, self.config.lookahead + 1):
+            cal = self.calibration.get((layer, d))
+            if cal is not None:
+                cal.observe(top_k_index)
 
     @torch.no_grad()  # guesses, never part of a graph (a forward with autograd on reaches here too)
     def predict(self, layer, hidden):
@@ -92,15 +167,12 @@ class GatePredictor:
             targets, probs = [t for t, p in zip(targets, probs) if p is not None], [p for p in probs if p is not None]
         if not probs:
             return {}
-        parts = [token_union(p, self.top_k[t]) for t, p in zip(targets, probs)]
-        # one device→host copy for all target layers; non-blocking (pinned) on CUDA: the proxy asks before
-        # its block's host sync, which completes the copy (see ExpertManager.observe)
-        flat = torch.cat(parts).to("cpu", non_blocking=True)
-        return dict(zip(targets, flat.split([p.numel() for p in parts])))
+        # scored on the host: the rank of each expert per token, read through the measured use per rank
+        return {t: self._calibration(t, t - layer, p.shape[1]).probabilities(p) for t, p in zip(targets, probs)}
 
     def _plan(self, layer: int) -> tuple | None:
         """The targets of `layer`, their routers as linear maps, and per target the router with its selection
-        bias on the host and its top-k (what `HostScores` scores with). None: no target, or some router is not
+        bias on the host and its `RankCalibration` (what `HostScores` scores with). None: no target, or some router is not
         one linear map."""
         if layer not in self._plans:
             targets = [layer + d for d in range(1, self.config.lookahead + 1) if layer + d in self.top_k]
@@ -110,7 +182,8 @@ class GatePredictor:
                 self._plans[layer] = None
             else:
                 on_host = [r if r.correction is None else replace(r, correction=r.correction.detach().cpu()) for r in routers]
-                self._plans[layer] = (targets, routers, [(r, self.top_k[t]) for t, r in zip(targets, on_host)])
+                scorers = [(r, self._calibration(t, t - layer, r.weight.shape[0])) for t, r in zip(targets, on_host)]
+                self._plans[layer] = (targets, routers, scorers)
         return self._plans[layer]
 
     def _to_host(self, layer: int, logits: torch.Tensor) -> torch.Tensor:
@@ -126,7 +199,8 @@ class GatePredictor:
         return view
 
     def reset(self) -> None:
-        pass
+        for cal in self.calibration.values():
+            cal.reset()
 
     def forget_routers(self) -> None:
         """Take the routers from `router_probs` again at their next use (a cast or move of the model replaced
@@ -138,9 +212,9 @@ class GatePredictor:
 class HostScores(Mapping):
     """`{target layer: [E] probability of use}` from the concatenated router logits of the targets for
     the block's tokens (`host [T, ΣE]`), scored on the host when first read, as the device path scores:
-    each target's router scoring (`RouterLinear.probs_from`), then `token_union`. Read only after the
-    device→host copy is done (the proxy's sync). `scorers`: per target, its router (selection bias on the
-    host) and top-k."""
+    each target's router scoring (`RouterLinear.probs_from`), then its `RankCalibration`. Read only after
+    the device→host copy is done (the proxy's sync). `scorers`: per target, its router (selection bias on
+    the host) and calibration."""
 
     def __init__(self, targets: list[int], scorers: list[tuple], host: torch.Tensor) -> None:
         self._targets, self._scorers, self._host = targets, scorers, host
@@ -149,9 +223,9 @@ class HostScores(Mapping):
     def _scores(self) -> dict[int, torch.Tensor]:
         if self._values is None:
             self._values, start = {}, 0
-            for target, (router, k) in zip(self._targets, self._scorers):
+            for target, (router, calibration) in zip(self._targets, self._scorers):
                 E = router.weight.shape[0]
-                self._values[target] = token_union(router.probs_from(self._host[:, start : start + E]), k)
+                self._values[target] = calibration.probabilities(router.probs_from(self._host[:, start : start + E]))
                 start += E
         return self._values
 

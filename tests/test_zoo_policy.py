@@ -12,7 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mira_hf import MiraConfig, MiraMoEModel
+from mira_hf.config import PredictorConfig
 from mira_hf.heat import USE_RATE_DECAYS, HeatConfig, HeatTracker
+from mira_hf.predictors import RankCalibration, build_predictor
 from mira_hf.replay import replay
 from mira_hf.trace import RoutingTrace, record_trace
 
@@ -90,3 +92,61 @@ def test_stationary_routing_gets_the_longest_memory_and_bursts_a_short_one():
     chosen = h.use_rate_decays()
     assert chosen[0] == max(USE_RATE_DECAYS)
     assert chosen[1] <= 0.8
+
+
+def _gate_after(model, used_ranks: slice, steps: int) -> tuple:
+    """A gate predictor of `model` that has seen `steps` decode steps in which the second MoE layer used the experts
+    its router ranks `used_ranks` for the first layer's hidden state; returns it, the two layers, and a guess for a
+    fresh hidden state with the router's ranking of it."""
+    infos = sorted(model.mira.layers.values(), key=lambda li: li.ordinal)
+    first, second = infos[0].ordinal, infos[1].ordinal
+    gate = build_predictor("gate", infos, model.mira.router_probs, PredictorConfig())
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        h = torch.randn(1, model.config.hidden_size, generator=g)
+        gate.predict(first, h)[second]  # read: staging reads every guess it is given
+        ranked = model.mira.router_probs(second, h)[0].argsort(descending=True)
+        gate.observe(second, h, ranked[used_ranks][None])  # [1, K]
+    h = torch.randn(1, model.config.hidden_size, generator=g)
+    return gate, first, second, gate.predict(first, h)[second], model.mira.router_probs(second, h)[0].argsort(descending=True)
+
+
+def test_gate_guesses_start_at_chance_whatever_the_router_scoring(zoo_model):
+    """Before any decode step is measured, every expert's guess is the layer's chance rate top-k / E, for softmax
+    routers over 16 to 128 experts and DeepSeek-V3's sigmoid scores alike (k × a sigmoid score, cut at 1, read
+    1.0 for every expert); nothing is staged at stage_probability."""
+    name, model = zoo_model
+    gate, first, second, guess, _ = _gate_after(model, slice(0, 1), steps=0)
+    li = model.mira.layers[second]
+    assert torch.allclose(guess, torch.full((li.num_experts,), li.top_k / li.num_experts)), name
+    calibration = gate.calibration[(second, 1)]
+    assert calibration.ranks == min(li.num_experts, 4 * li.top_k)
+    assert (guess < PredictorConfig().stage_probability).all()
+
+
+def test_gate_guesses_follow_the_measured_use_of_each_router_rank(zoo_model):
+    """The same router, other routing statistics, other probabilities: where the layer uses the router's own top-k
+    experts, those ranks approach 1 and the rest 0; where it uses the experts the router ranks just below its
+    top-k, the top-k ranks approach 0."""
+    name, model = zoo_model
+    k = model.mira.layers[sorted(model.mira.layers)[1]].top_k
+    _, _, _, guess, ranked = _gate_after(model, slice(0, k), steps=40)
+    assert guess[ranked[:k]].min() > 0.9 and guess[ranked[k:]].max() < 0.1, (name, guess)
+    _, _, _, guess, ranked = _gate_after(model, slice(k, 2 * k), steps=40)
+    assert guess[ranked[:k]].max() < 0.1 and guess[ranked[k : 2 * k]].min() > 0.9, (name, guess)
+
+
+def test_a_block_of_tokens_reads_each_tokens_ranks_and_takes_the_union():
+    """Prefill blocks are scored where their scores are (no host sync) and give the union over tokens of what one
+    token at a time gives; only one-token blocks are measured."""
+    calibration = RankCalibration(32, 4)
+    calibration.used[:] = torch.arange(16, -1, -1).double().numpy()  # rank 0 used 16 times in 20, ..., the rest never
+    calibration.seen[:] = 20
+    scores = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    block = calibration.probabilities(scores)
+    singles = torch.stack([calibration.probabilities(scores[i : i + 1]) for i in range(5)])
+    assert torch.allclose(block, 1 - torch.prod(1 - singles, dim=0), atol=1e-6)
+    seen = calibration.seen.copy()
+    calibration.probabilities(scores)  # a block's guess is not scored
+    calibration.observe(torch.tensor([[0, 1, 2, 3]]))  # even a one-token block after it
+    assert (calibration.seen == seen).all()

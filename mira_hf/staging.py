@@ -18,7 +18,6 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from .cache import Key, Slot
@@ -28,49 +27,6 @@ from .payoff import PayoffGate
 if TYPE_CHECKING:
     from .manager import ExpertManager
     from .predictors import Predictor
-
-
-class CopyOutcomes:
-    """How often a guess that a copy could serve (its expert not on the device when guessed) is used by its
-    layer's next block, per layer and per twentieth of the guess's probability, measured online. What a
-    copy pays for is this conditional: a predictor's own probability is about every expert, and the experts
-    it is sure of are mostly resident already (routing stays put), so among those not resident it is right
-    less often than it says. Before any outcome a bin reads the guess's own probability (weight `PRIOR`)."""
-
-    BINS = 20
-    PRIOR = 2.0
-
-    def __init__(self) -> None:
-        self.used: dict[int, np.ndarray] = {}  # layer -> [BINS] guesses used by the layer's next block
-        self.seen: dict[int, np.ndarray] = {}  # layer -> [BINS] guesses scored
-        self._watch: dict[int, dict[int, int]] = {}  # layer -> {expert: bin} awaiting the layer's next block
-
-    def _bin(self, p: float) -> int:
-        return min(int(p * self.BINS), self.BINS - 1)
-
-    def probability(self, layer: int, p: float) -> float:
-        """The measured chance that a non-resident guess of probability `p` for `layer` is used."""
-        seen = self.seen.get(layer)
-        if seen is None:
-            return p
-        b = self._bin(p)
-        return (self.used[layer][b] + self.PRIOR * p) / (seen[b] + self.PRIOR)
-
-    def watch(self, layer: int, guesses: dict[int, float]) -> None:
-        """Non-resident `guesses` {expert: probability} for `layer`'s next block, to be scored by it."""
-        self._watch.setdefault(layer, {}).update({e: self._bin(p) for e, p in guesses.items()})
-
-    def scored(self, layer: int, experts: set[int]) -> None:
-        """`layer`'s block runs with `experts`: score the guesses watched for it."""
-        watched = self._watch.pop(layer, None)
-        if not watched:
-            return
-        if layer not in self.seen:
-            self.used[layer], self.seen[layer] = np.zeros(self.BINS), np.zeros(self.BINS)
-        used, seen = self.used[layer], self.seen[layer]
-        for e, b in watched.items():
-            seen[b] += 1
-            used[b] += e in experts
 
 
 class Staging:
@@ -92,7 +48,6 @@ class Staging:
         self.cut_short: dict[Key, Slot] = {}  # speculative copies cut short, until finished or dropped
         self.gate_on = False
         self.speculate_bytes = 0
-        self.outcomes = CopyOutcomes()  # measured use of guesses a copy could serve (what `_copy_likely` copies by)
 
     def place(self, device: torch.device, placement: str) -> None:
         """Settings that follow the device and the placement (at construction and after `relocate`)."""
@@ -141,7 +96,6 @@ class Staging:
         self.layer_probs.pop(layer, None)
         self.next_step.discard(layer)
         actual = set(experts)
-        self.outcomes.scored(layer, actual)
         decay = self.config.precision_decay
         telemetry = self.manager.telemetry
         for distance, predicted in self._pending.pop(layer, ()):
@@ -218,18 +172,12 @@ class Staging:
             self._copy_likely(first, sorted(range(len(values)), key=lambda e: -values[e]), values)
 
     def _copy_likely(self, layer: int, order: Sequence[int], values: Sequence[float]) -> None:
-        """Prefetch `layer`'s guesses (`order`: most likely first) that are not on the device, whose probability
-        is ≥ `stage_probability` and whose measured chance of use is too (`CopyOutcomes`: how often such guesses
-        of that probability were used), at most `max_staged_per_layer` (default 2 · top-k). Every non-resident
-        guess of probability ≥ `confidence` is scored at the layer's next block, copied or not."""
-        cfg, manager, outcomes = self.config, self.manager, self.outcomes
-        cap = cfg.max_staged_per_layer or 2 * manager.layers[layer].top_k
-        open_ = {e: values[e] for e in order if values[e] >= cfg.confidence and manager.wants((layer, e))}
-        outcomes.watch(layer, open_)
-        cut = cfg.stage_probability
-        likely = [e for e in order if values[e] >= cut][:cap]
-        staged = [e for e in likely if e in open_ and outcomes.probability(layer, open_[e]) >= cut]
-        manager.prefetch(layer, staged, [values[e] for e in staged])
+        """Prefetch `layer`'s guesses (`order`: most likely first) with probability ≥ `stage_probability`,
+        at most `max_staged_per_layer` (default 2 · top-k)."""
+        cfg = self.config
+        cap = cfg.max_staged_per_layer or 2 * self.manager.layers[layer].top_k
+        staged = [e for e in order if values[e] >= cfg.stage_probability][:cap]
+        self.manager.prefetch(layer, staged, [values[e] for e in staged])
 
     def drop_speculation(self, layer: int | None = None) -> None:
         """Free the slots of speculative copies cut short (of `layer`, or all): nobody will finish them."""

@@ -1,6 +1,7 @@
 """The victim search on a pool's slot arrays chooses exactly what the plain search over key lists chooses: on a
 random trace (blocks, prefetches with guesses, streaming through few slots) every allocation evicts the same
-expert under every built-in policy."""
+expert under every built-in policy and under policies the cache asks by key lists. Hand-made cases: a group the
+policy declines, pinned slots never taken, free slots in the arrays."""
 
 import numpy as np
 import pytest
@@ -236,7 +237,7 @@ def test_free_slots_read_as_free_in_the_slots_and_the_arrays():
     assert [s.tier for s in pool.slots] == [STAGE, STAGE, HOT, STAGE, STAGE]
     assert [s.pins for s in pool.slots] == [2, 0, 0, 0, 0]
     assert [s.awaiting for s in pool.slots] == [False] * 5
-    d, _ = cache.allocate((0, 9), staged=True)  # the free slot taken last first
+    d, _ = cache.allocate((0, 9), staged=True)  # the slot freed last is taken first
     assert d is b and t.layer[1] == 0 and t.expert[1] == 9 and t.awaiting.tolist() == [False, True, False, False, False]
 
 

@@ -103,6 +103,7 @@ def _names(module: str, function: str, numbers: str) -> list[str]:
 _PROXY, _IMPL = "mira_hf.proxy", "mira_hf.experts_impl"
 _LB, _LL = "mira_hf.quant.lossless_bits", "mira_hf.quant.lossless"
 _POL, _HEAT, _BUDGET = "mira_hf.policies", "mira_hf.heat", "mira_hf.budget"
+_CACHE = "mira_hf.cache"
 EQUIVALENT: dict[str, list[str]] = {
     # core
     "a value never read (LRU order's and HOT's values, `staged` in LRU's `inserted`, a victim always reassigned)": _names(
@@ -131,8 +132,31 @@ EQUIVALENT: dict[str, list[str]] = {
     ),
     "the keep-value's floor and batching: the same float64 values either way": _names(
         _POL, "ExpectedDistance.keep_values", "2 3 8 9 19"
+    ),
+    # core: slot arrays (cache.py, policies.py)
+    "np.full's default dtype is its fill value's, int64: intp on 64-bit platforms": _names(
+        _CACHE, "SlotTable.__init__", "4 7 13 16"
+    ),
+    "pins kept as float64: only compared with 0; stamps as float64: whole numbers, exact below 2**53, same order": _names(
+        _CACHE, "SlotTable.__init__", "21 23 36 38"
+    ),
+    "the clock's start and step: only the stamps' order is read": _names(_CACHE, "SlotTable.__init__", "40")
+    + _names(_CACHE, "Slot.touch", "4"),
+    "a free slot's flags and byte count: `allocate` sets them before anything reads them": _names(
+        _CACHE, "Slot.__init__", "9 10 11 12 15 16"
+    ),
+    "a free slot's copy events: its first copy (`DeviceArena.fill`) sets both before anything reads them": _names(
+        _CACHE, "Slot.__init__", "13 14"
+    ),
+    "a tie of one is the least recently used of the one": _names(_POL, "HeatPolicy.victim_slots", "9"),
+    "the float64 arrays of the valuation: fromiter's count only sizes its buffer; astype(None) and asarray of a "
+    "list of floats give float64": _names(_POL, "ExpectedDistance._keep_values_np", "11")
+    + _names(_POL, "ExpectedDistance._terms", "3")
+    + _names(_POL, "ExpectedDistance._guess_array", "9 11"),
+    "a layer's guesses converted again instead of read from the conversion cache: the same values": _names(
+        _POL, "ExpectedDistance._terms", "19"
     )
-    + _names(_POL, "ExpectedDistance._keep_values_np", "12 21 27 35 37"),
+    + _names(_POL, "ExpectedDistance._guess_array", "1 2 5"),
     # combine and codecs
     "zeros or uninitialised rows that are never read or are zeroed later": _names(_PROXY, "MiraExperts._batched", "12 13 15")
     + _names(_PROXY, "MiraExperts._decode_step", "20 63 64")
@@ -197,6 +221,7 @@ NEEDS_GPU: dict[str, list[str]] = {
     + _names("mira_hf.quant.mxfp4", "Mxfp4Codec.dequantize", "11")
     + _names("mira_hf.quant.mxfp4", "dequantize_mxfp4", "5 8")
     + _names(_LB, "decode_words_classes_torch", "2 50 53"),
+    "a slot's `free` event: a copy waits on it and a block records on it only on CUDA": _names(_CACHE, "Slot.__init__", "17"),
     "the Triton kernels' call": _names("mira_hf.quant.integer", "PackedCodec.decode_entry", "9 10 11 12 13 14 15 16 17 18")
     + _names(_LL, "LosslessCodec._decode_into", "15 16 17 18 19 20 21 22"),
 }

@@ -1,13 +1,16 @@
 """The victim search on a pool's slot arrays chooses exactly what the plain search over key lists chooses: on a
 random trace (blocks, prefetches with guesses, streaming through few slots) every allocation evicts the same
-expert under every built-in policy."""
+expert under every built-in policy and under policies the cache asks by key lists. Hand-made cases: a group the
+policy declines, pinned slots never taken, free slots in the arrays."""
 
 import numpy as np
 import pytest
 import torch
 from test_cache import make_manager, run_block
 
-from mira_hf.cache import HOT, Eviction, ExpertCache
+from mira_hf.cache import HOT, STAGE, Eviction, ExpertCache, Slot, SlotPool, SlotTable, _Mirrored
+from mira_hf.policies import HeatPolicy, LRUPolicy
+from mira_hf.registry import POLICIES, register_policy
 
 
 class ReferenceCache(ExpertCache):
@@ -119,3 +122,133 @@ def test_expected_distances_equal_the_one_key_values_bit_for_bit():
         m._last_layer, m.staging.layer_probs = last, guesses
         one_by_one = [m.valuation.expected_distance((int(a), int(b))) for a, b in zip(layers, experts)]
         assert m.valuation.expected_distances(layers, experts).tolist() == one_by_one
+
+
+class LowestKey:
+    """An eviction policy written to the protocol alone (no `victim_slots`, not derived from a built-in): the
+    smallest key goes first; every use joins HOT."""
+
+    name = "lowest-key"
+    one_ranking = False
+
+    def inserted(self, key, staged):
+        pass
+
+    def used(self, key):
+        pass
+
+    def removed(self, key):
+        pass
+
+    def admit_hot(self, key):
+        return True
+
+    def victim(self, candidates):
+        return min(candidates, default=None)
+
+    def demote(self, candidates):
+        return min(candidates, default=None)
+
+
+@pytest.fixture
+def policies_by_keys():
+    """Two policies the cache asks by key lists: heat given `keep_values` alone, and `LowestKey`."""
+    register_policy("heat-by-keys", lambda context, settings: HeatPolicy(context.heat, context.valuation.keep_values))
+    register_policy("lowest-key", lambda context, settings: LowestKey())
+    yield
+    POLICIES.unregister("heat-by-keys")
+    POLICIES.unregister("lowest-key")
+
+
+@pytest.mark.parametrize("policy", ["heat-by-keys", "lowest-key"])
+def test_a_policy_without_slot_ranking_is_asked_by_keys_and_evicts_what_the_plain_search_evicts(policies_by_keys, policy):
+    fast = make_manager(layers=4, experts=32, slots=10, policy=policy)
+    plain = make_manager(layers=4, experts=32, slots=10, policy=policy)
+    plain.cache.__class__ = ReferenceCache
+    fast_log, plain_log = _logged(fast.cache), _logged(plain.cache)
+    _drive(fast, seed=10)
+    _drive(plain, seed=10)
+    assert [p.ranks_slots for p in fast.cache.pools.values()] == [False]
+    assert len([e for *_, e in fast_log if e is not None]) > 100
+    assert fast_log == plain_log
+    if policy == "heat-by-keys":  # the heat ranking by keys and by slots: the same victims
+        by_slots = make_manager(layers=4, experts=32, slots=10, policy="heat")
+        slots_log = _logged(by_slots.cache)
+        _drive(by_slots, seed=10)
+        assert slots_log == fast_log
+
+
+class SparesLayerZero(LRUPolicy):
+    """LRU that never evicts an expert of layer 0: it declines a victim group holding only those."""
+
+    def victim(self, candidates):
+        return super().victim([k for k in candidates if k[0] != 0])
+
+    def victim_slots(self, table, slots):
+        slots = slots[table.layer[slots] != 0]
+        return super().victim_slots(table, slots) if len(slots) else None
+
+
+@pytest.mark.parametrize("cache_class", [ExpertCache, ReferenceCache])
+def test_a_group_the_policy_declines_passes_the_search_to_the_next(cache_class):
+    cache = cache_class({0: SlotPool(1, 3, 1, SparesLayerZero())}, {0: 0, 1: 0})  # 2 HOT + 1 STAGE
+    assert cache.pools[0].ranks_slots  # the reference asks `victim` by keys all the same
+    for key in ((0, 0), (0, 1), (1, 0)):
+        cache.allocate(key, staged=False)
+    cache.use(cache.lookup((1, 0)))  # (1, 0) joins HOT; idle STAGE holds layer 0 only
+    slot, evicted = cache.allocate((1, 1), staged=False)
+    assert evicted == Eviction((1, 0), False) and slot.key == (1, 1)
+    # every unpinned candidate is of layer 0 now: declined in every group, the load gets no slot
+    cache.lookup((1, 1)).pins += 1
+    assert cache.allocate((1, 2), staged=False) == (None, None)
+    assert cache.resident() == [(0, 0), (0, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("cache_class", [ExpertCache, ReferenceCache])
+@pytest.mark.parametrize("policy", [LRUPolicy, LowestKey])
+def test_a_demand_load_takes_a_prefetch_awaiting_use_and_never_a_pinned_slot(cache_class, policy):
+    cache = cache_class({0: SlotPool(1, 4, 1, policy())}, {0: 0, 1: 0})
+    a, _ = cache.allocate((0, 0), staged=False)
+    b, _ = cache.allocate((0, 1), staged=True)
+    a.pins += 1  # in use by the block being computed: the oldest and the lowest keys, one still awaiting use
+    b.pins += 1
+    cache.allocate((1, 1), staged=True)
+    cache.allocate((1, 2), staged=True)  # both await their use: a prefetch may not take either
+    assert cache.allocate((1, 3), staged=True) == (None, None)
+    slot, evicted = cache.allocate((1, 3), staged=False)
+    assert evicted == Eviction((1, 1), True) and slot.key == (1, 3)
+    assert (cache.lookup((0, 0)), cache.lookup((0, 1))) == (a, b) and a.pins == b.pins == 1
+
+
+def test_free_slots_read_as_free_in_the_slots_and_the_arrays():
+    cache = ExpertCache({0: SlotPool(1, 5, 2, LRUPolicy())}, {0: 0, 1: 0})  # 3 HOT + 2 STAGE
+    pool, t = cache.pools[0], cache.pools[0].table
+    a, _ = cache.allocate((1, 3), staged=False)  # slot 0
+    b, _ = cache.allocate((0, 2), staged=True)  # slot 1
+    c, _ = cache.allocate((1, 7), staged=True)  # slot 2
+    a.pins += 2
+    cache.use(c)
+    cache.remove((0, 2))  # slot 1 is free again; slots 3 and 4 were never taken
+    assert [s.index for s in (a, b, c)] == [0, 1, 2]
+    assert t.layer.tolist() == [1, -1, 1, -1, -1] and t.expert.tolist() == [3, -1, 7, -1, -1]
+    assert t.pins.tolist() == [2, 0, 0, 0, 0]
+    assert t.awaiting.tolist() == [False] * 5 and t.hot.tolist() == [False, False, True, False, False]
+    assert [s.key for s in pool.slots] == [(1, 3), None, (1, 7), None, None]
+    assert [s.tier for s in pool.slots] == [STAGE, STAGE, HOT, STAGE, STAGE]
+    assert [s.pins for s in pool.slots] == [2, 0, 0, 0, 0]
+    assert [s.awaiting for s in pool.slots] == [False] * 5
+    d, _ = cache.allocate((0, 9), staged=True)  # the slot freed last is taken first
+    assert d is b and t.layer[1] == 0 and t.expert[1] == 9 and t.awaiting.tolist() == [False, True, False, False, False]
+
+
+def test_a_mirrored_attribute_is_kept_in_its_owner_and_the_table_column_of_its_name():
+    class Row:  # an owner of its own: `_Mirrored` binds its names when a class is made
+        __slots__ = ("index", "_table", "_pins")
+        pins = _Mirrored()
+
+    table = SlotTable(3)
+    row = Row()
+    row.index, row._table = 1, table
+    row.pins = 4
+    assert row.pins == 4 and row._pins == 4 and table.pins.tolist() == [0, 4, 0]
+    assert Slot.pins is vars(Slot)["pins"] and Slot.awaiting is vars(Slot)["awaiting"]  # on the class: the descriptor

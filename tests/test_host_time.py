@@ -38,7 +38,10 @@ def test_without_misses_only_the_per_use_cost_is_fitted_and_too_few_blocks_give_
     assert _clock([(8, 0, 80e-6)] * (MIN_BLOCKS - 1)).fit() is None
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+]
 
 
 def _wrapped(device: str):

@@ -146,10 +146,12 @@ class GatePredictor:
         return cal
 
     def observe(self, layer, hidden, top_k_index) -> None:
-        for d in range(1, self.config.lookahead + 1):
-            cal = self.calibration.get((layer, d))
-            if cal is not None:
-                cal.observe(top_k_index)
+        cals = [self.calibration.get((layer, d)) for d in range(1, self.config.lookahead + 1)]
+        cals = [c for c in cals if c is not None and c._pending is not None]  # a decode guess to score
+        if cals:
+            experts = top_k_index.detach().cpu()  # one device→host copy for every distance's scoring
+            for cal in cals:
+                cal.observe(experts)
 
     @torch.no_grad()  # guesses, never part of a graph (a forward with autograd on reaches here too)
     def predict(self, layer, hidden):

@@ -62,7 +62,7 @@ def parse_args(argv=None):
     ap.add_argument("--new", default=REPO, help="a tree with the newer ones (default: this checkout)")
     ap.add_argument("--model", choices=MODELS, default="bundled")
     ap.add_argument("--pairs", type=int, help="old/new process pairs (default: per model, see DEFAULTS)")
-    ap.add_argument("--out", help="directory (gets DATE-DEVICE-MODEL-ab-revisions.json) or a .json path")
+    ap.add_argument("--out", help="directory (gets DATE-DEVICE-MODEL[-FORMAT]-ab-revisions.json) or a .json path")
     ap.add_argument("--budget", type=float, default=0.25, help="gpu_budget, a fraction of the expert bytes")
     ap.add_argument(
         "--quantization",
@@ -314,10 +314,12 @@ def main(argv=None) -> int:
         for rev in ("old", "new"):
             pair[rev].pop("logits_file")
     slug = device_slug(result["env"], not args.smoke)
+    q = args.quantization
+    encoding = "" if q is None else ("-uncompressed" if q.lower() == "none" else f"-{q}")  # the records' format, when given
     path = (
         args.out
         if args.out.endswith(".json")
-        else os.path.join(args.out, f"{result['env']['date']}-{slug}-{args.model}-ab-revisions.json")
+        else os.path.join(args.out, f"{result['env']['date']}-{slug}-{args.model}{encoding}-ab-revisions.json")
     )
     write_json(path, result)
     if pairs:

@@ -61,7 +61,7 @@ PARTS = {
 }
 
 
-def build(batch: int, layers: int, device: str = "cpu", seed: int = 0):
+def build(batch: int, layers: int, device: str = "cpu", seed: int = 0, dtype: torch.dtype = torch.float32):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
@@ -78,8 +78,8 @@ def build(batch: int, layers: int, device: str = "cpu", seed: int = 0):
         max_position_embeddings=4096,
     )
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).eval()
-    record = 3 * HIDDEN * EXPERT_WIDTH * 4  # gate_up [2I, H] and down [H, I], fp32
+    model = Qwen3MoeForCausalLM(config).to(dtype).eval()
+    record = 3 * HIDDEN * EXPERT_WIDTH * dtype.itemsize  # gate_up [2I, H] and down [H, I]
     return MiraMoEModel.wrap(model, MiraConfig(gpu_budget=TARGET_SLOTS * record, device=device))
 
 
@@ -150,8 +150,8 @@ def _counters(m) -> tuple[int, int]:
     return sum(s.misses for s in layers), sum(s.evictions for s in layers)
 
 
-def measure(label: str, batch: int, layers: int, steps: int, warmup: int, device: str) -> dict:
-    model = build(batch, layers, device)
+def measure(label: str, batch: int, layers: int, steps: int, warmup: int, device: str, dtype: torch.dtype) -> dict:
+    model = build(batch, layers, device, dtype=dtype)
     m = model.mira
     n_slots = sum(p.n_slots for p in m.cache.pools.values())
     decode(model, batch, warmup, seed=1)  # fills the cache: the measured steps evict
@@ -205,11 +205,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: host work is serial anyway)")
     ap.add_argument("--label", default="", help="suffix of the result file's name (what the run measures)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        help="the model's dtype (default: bfloat16 on cuda, as real checkpoints; float32 on cpu). On CUDA, torch's grouped "
+        "matmul, which the proxy uses as the unwrapped model does, runs a host-synchronising fallback for float32",
+    )
     ap.add_argument("--out", default=None, help="directory for DATE-DEVICE-host-overhead[-LABEL].json")
     args = ap.parse_args()
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*past_key_values.*")  # renamed in later transformers; both work
-    rows = [measure(label, b, n, args.steps, args.warmup, args.device) for label, b, n in WORKLOADS]
+    rows = [measure(label, b, n, args.steps, args.warmup, args.device, dtype) for label, b, n in WORKLOADS]
     table = []
     for r in rows:
         row = {k: r[k] for k in ("workload", "slots", "uses_per_step", "misses_per_step", "step_ms", "host_us_per_use")}

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import ConfigError
+from .host_switch import HostSwitch
 
 # An expert with more rows than this in one block is computed on the device (a prefill's experts have
 # hundreds: the host's matmul time grows with rows, the copy's does not).
@@ -195,6 +196,9 @@ class HostComputeOff:
     def register(self, layer: int, fn: ExpertFn | None, hidden_size: int) -> None:
         pass
 
+    def block(self, layer: int, width: int) -> None:
+        pass
+
     def copy_issued(self, nbytes: int) -> None:
         pass
 
@@ -211,12 +215,18 @@ class HostCompute:
     """The host path of one manager: which layers can run on the host, the cost model, the worker.
 
     `mode`: "on" (plan every miss; refuses encoded records) or "auto" (plan where it can pay: a CUDA
-    device and uncompressed records; otherwise inactive). `threads`: torch CPU threads of the worker
-    (None: the cores it is pinned to). `costs`: an injected cost model (tests); None: measured."""
+    device and uncompressed records, and, per step width, only while steps that plan host sends are
+    measured faster than steps that do not: `switch`; otherwise inactive). `threads`: torch CPU threads
+    of the worker (None: the cores it is pinned to). `costs`: an injected cost model (tests); None: measured."""
 
-    def __init__(self, mode: str, threads: int | None = None, costs: HostCosts | None = None) -> None:
+    def __init__(
+        self, mode: str, threads: int | None = None, costs: HostCosts | None = None, switch: HostSwitch | None = None
+    ) -> None:
         self.mode = mode
         self.costs = costs if costs is not None else HostCosts()
+        self.switch = switch if switch is not None else (HostSwitch() if mode == "auto" else None)
+        self.sending = True  # whether this step plans host sends (the switch's choice for its width)
+        self._last_layer = None  # the last block's layer: a block at or before it starts a step
         self.active = False
         self._injected = costs is not None  # an injected cost model is kept; a measured one is measured again by `place`
         self._overhead_known = self._injected
@@ -248,6 +258,9 @@ class HostCompute:
         if not self._injected:  # measured again: the device, the dtype or the records may have changed
             self.costs, self._overhead_known = HostCosts(), False
         self.costs.link_free_at = 0.0
+        if self.switch is not None:
+            self.switch.forget()
+        self._last_layer, self.sending = None, True
 
     def set_costs(self, costs: HostCosts) -> None:
         """Plan with `costs` from now on, kept as given (only what it lacks is measured: the link speed if None,
@@ -262,13 +275,19 @@ class HostCompute:
         else:
             self._fns[layer] = (fn, hidden_size)
 
-    # -- planning (manager.begin, under its lock) --------------------------------------------------
+    # -- planning (manager.observe and begin, under its lock) ---------------------------------------
+    def block(self, layer: int, width: int) -> None:
+        """A block of `layer` runs `width` tokens: at a step's first block, the switch decides the step."""
+        if self.active and self.switch is not None and (self._last_layer is None or layer <= self._last_layer):
+            self.sending = self.switch.step(width)
+        self._last_layer = layer
+
     def split(self, layer: int, misses: list[int], rows: Mapping[int, int], use_rate=None) -> tuple[list[int], list[int]]:
         """(copied, host) for this block's misses (`rows`: expert -> its rows in the block); measures the link
         and the layer's host times first if unknown. `use_rate[e]`: how often expert e is used lately (the heat
         tracker's): misses are planned most used first, so the link, whose copies stay in the cache, carries
         the experts likeliest to be used again and the host the rest (a host-served miss takes no slot)."""
-        if not self.active or layer not in self._fns or min(rows[e] for e in misses) > self.costs.max_rows:
+        if not (self.active and self.sending) or layer not in self._fns or min(rows[e] for e in misses) > self.costs.max_rows:
             return misses, []
         if use_rate is not None:
             misses = sorted(misses, key=lambda e: -use_rate[e])  # stable: ties keep the router's order

@@ -102,7 +102,7 @@ class MiraExperts(nn.Module):
             counts = [picks.count(e) for e in range(E + 1)]
         else:
             counts = torch.bincount(flat, minlength=E + 1).tolist()  # [E+1] one host sync per block; E = EP sentinel
-        order = torch.argsort(flat, stable=True)  # [T*K] rows grouped by expert; after the sync, off its path
+        order = self._row_order(top_k_index, impl)  # [T*K] rows grouped by expert; after the sync, off its path
         starts, acc = [], 0
         for c in counts:
             starts.append(acc)
@@ -115,11 +115,11 @@ class MiraExperts(nn.Module):
             return self._combine(rows, None, hidden_states, top_k_index, top_k_weights, impl, flat == E if counts[E] else None)
         x = hidden_states[order // K]  # [routed, H]: each row's token, grouped by expert (one gather, not one per expert)
         y = None  # [routed, H], the experts' outputs in the same order
-        kernel = impl == "grouped_mm" and hidden_states.device.type != "cpu"
+        kernel = impl == "grouped_mm"
 
         def compute(plan, e: int, w) -> None:
             nonlocal y
-            start, end = starts[e], starts[e] + counts[e]  # its rows, in token order (stable sort)
+            start, end = starts[e], starts[e] + counts[e]  # its rows, in the unwrapped model's order
             step = self.block_tokens or counts[e]  # token blocks share w
             for a in range(start, end, step):
                 b = min(end, a + step)
@@ -133,6 +133,18 @@ class MiraExperts(nn.Module):
             y = out.new_empty((routed, H)) if y is None else y
             y[starts[e] : starts[e] + counts[e]] = self._post(out)
         return self._combine(y, order, hidden_states, top_k_index, top_k_weights, impl, None)
+
+    @staticmethod
+    def _row_order(top_k_index: torch.Tensor, impl: str) -> torch.Tensor:
+        """The rows r = t * K + k grouped by expert (the EP sentinel last), each expert's rows in the order the
+        unwrapped model gives them to its matmul: a row's place in a matmul can change its rounding (CPU kernels
+        handle the rows past their last full block with other code). grouped_mm sorts with `torch.sort` (not
+        stable: the same call gives the same permutation); eager takes an expert's rows by slot k, then token."""
+        if impl == "eager":
+            T, K = top_k_index.shape
+            i = torch.argsort(top_k_index.t().reshape(-1), stable=True)  # i = k * T + t, grouped by expert
+            return (i % T) * K + i // T
+        return torch.sort(top_k_index.reshape(-1)).indices
 
     def _decode_step(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, picks: list[int], impl: str
@@ -148,7 +160,7 @@ class MiraExperts(nn.Module):
             rows = self._batched(hidden_states, top_k_index, sorted(slot_of), slot_of.__getitem__, len(slot_of))
             return self._combine(rows, None, hidden_states, top_k_index, top_k_weights, impl, sentinel or None)
         y = None  # [K, H], in the experts' output dtype
-        kernel = impl == "grouped_mm" and hidden_states.device.type != "cpu"
+        kernel = impl == "grouped_mm"
 
         def compute(plan, e: int, w) -> None:
             nonlocal y
@@ -322,6 +334,14 @@ class MiraScaledExperts(MiraExperts):
         if torch.compiler.is_compiling():  # as MiraExperts.forward
             return torch.ops.mira.scaled_experts(self._handle, hidden_states)
         return self.serve(hidden_states)
+
+    def _linear(self, x: torch.Tensor, w, name: str, kernel: bool) -> torch.Tensor:
+        # Llama4TextExperts multiplies every expert in one `bmm`. On a CPU, torch's batched kernel rounds a batch
+        # of one as `mm` does, unlike a batch of several, so one expert goes through a batch of two views of itself.
+        if x.device.type == "cpu" and not isinstance(w, PackedWeights):
+            t = w[name]  # [in, out]: these experts are transposed and have no biases
+            return torch.bmm(x.expand(2, *x.shape), t.expand(2, *t.shape))[0]
+        return super()._linear(x, w, name, kernel)
 
     def serve(self, hidden_states: torch.Tensor) -> torch.Tensor:
         E = self.num_experts

@@ -57,10 +57,18 @@ def kernel_device():
 
 
 def load_reference(path: str, dtype=None):
-    """The unwrapped model of a checkpoint, loaded by transformers (in `dtype`, as mira-hf is given it)."""
+    """The unwrapped model of a checkpoint, loaded by transformers (in `dtype`, as mira-hf is given it), with
+    every weight at a 16-byte-aligned address. A tensor that transformers maps from the file as is sits where
+    the file put it, which safetensors aligns to 8 bytes only, and on a CPU torch's grouped matmul (torch ≥ 2.11)
+    rounds such a weight differently from an aligned one: the unwrapped model's last bits then depend on the
+    file's layout. mira-hf's copies, like any copy (`.to`, `.clone`), are aligned (docs/usage.md, "Exactness")."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, **({"dtype": dtype} if dtype is not None else {})).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, **({"dtype": dtype} if dtype is not None else {})).eval()
+    for p in model.parameters():
+        if p.data_ptr() % 16:
+            p.data = p.data.clone()
+    return model
 
 
 # Property-based test profiles: "ci" is bounded for CI; "long" for local soak runs

@@ -338,6 +338,8 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
             gen(ids[:1], args.warmup_tokens, beams=args.beams)
             t, n, _ = gen(ids[:1], args.beam_tokens, beams=args.beams)
             rows[system]["beam_tok_s"] = n / t
+            if system == "host" and getattr(m.host, "switch", None) is not None:  # per step width: host sends kept?
+                rows[system]["host_switch"] = {str(w): v for w, v in m.host.switch.summary().items()}
             log(
                 f"{key} / {budget_label} / {system}: batch {args.batch} {rows[system]['b8_tok_s'] or 0:.2f} tok/s, beam {rows[system]['beam_tok_s']:.2f} tok/s"
             )

@@ -45,7 +45,7 @@ class HostSwitch:
     def __init__(
         self,
         window: int = 2,
-        rounds: int = 2,
+        rounds: int = 1,
         recheck_steps: int = 128,
         margin: float = 0.03,
         history: int = 16,

@@ -305,6 +305,8 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
                 h2d_bytes_per_token=d.get("h2d_bytes_per_step"),
             )
             if system == "host" and m.host.mode != "off":
+                if getattr(m.host, "switch", None) is not None:  # batch 1's decision (`use` forgets it between systems)
+                    rows[system]["host_switch_b1"] = {str(w): v for w, v in m.host.switch.summary().items()}
                 rows[system]["host_lag_ms"] = 1e3 * m.host.costs.host_lag_s
                 rows[system]["link_gbps_measured"] = (m.host.costs.link_bytes_per_s or 0) / GB
                 rows[system]["host_ms_1row"] = {

@@ -11,6 +11,7 @@ Fast: no generate, no checkpoint; a model per (family, dtype) built once.
 """
 
 import copy
+import os
 
 import pytest
 import torch
@@ -39,14 +40,22 @@ EAGER_WITHOUT_SENTINEL = ("gpt_oss", "nemotron_h")
 
 
 def experts_pair(
-    name: str, dtype: torch.dtype, post_norm: bool = False, quantization: str | None = None, host_costs=None
+    name: str,
+    dtype: torch.dtype,
+    post_norm: bool = False,
+    quantization: str | None = None,
+    host_costs=None,
+    predictor: str | None = "auto",
 ) -> tuple[torch.nn.Module, MiraExperts]:
     """(transformers' experts module of the first MoE layer, the proxy that replaced it in a wrapped copy).
     Expert biases are drawn at random (transformers initialises them to zero, which would hide them);
     `post_norm`: the experts module normalises each expert's output (transformers' `has_post_expert_norm`);
     `quantization`: the wrapped copy's expert format (None: the weights' own dtype);
-    `host_costs(layers)`: wrap with host compute on, planning with these costs (`tests/test_host_compute.py`)."""
-    key = (name, dtype, post_norm, quantization) + (() if host_costs is None else (host_costs,))
+    `host_costs(layers)`: wrap with host compute on, planning with these costs (`tests/test_host_compute.py`);
+    `predictor`: the wrapped copy's (None: no expert is staged ahead of its block)."""
+    key = (name, dtype, post_norm, quantization, predictor)
+    if host_costs is not None:  # the host worker is a thread, which a forked process (mutmut's runner) lacks
+        key += (host_costs, os.getpid())
     if key not in _BUILT:
         config = make_auto_config(name) if name == "nemotron_h" else make_config(name)
         if config is None:
@@ -67,7 +76,7 @@ def experts_pair(
             torch.nn.init.normal_(experts.post_expert_norm.weight, 1.0, 0.5)
         ref = ref.to(dtype)
         host = "on" if host_costs is not None else "off"
-        config = MiraConfig(device="cpu", gpu_budget=0.5, quantization=quantization, host_compute=host)
+        config = MiraConfig(device="cpu", gpu_budget=0.5, quantization=quantization, host_compute=host, predictor=predictor)
         model = MiraMoEModel.wrap(copy.deepcopy(ref), config)
         if host_costs is not None:
             model.mira.host.set_costs(host_costs(list(model.mira.layers)))
@@ -290,7 +299,7 @@ def test_the_manager_sees_each_blocks_hidden_states_and_routing():
 
 def test_a_wrapped_model_refuses_implementations_it_cannot_compute_and_sets_the_others():
     experts_pair("mixtral", torch.float32)
-    model = _BUILT[("mixtral", torch.float32, False, None)][2]
+    model = _BUILT[("mixtral", torch.float32, False, None, "auto")][2]
     model.config._experts_implementation = "grouped_mm"
     try:
         for impl, name in (("deepgemm", "deepgemm"), ({"": "sonicmoe"}, "sonicmoe")):

@@ -3,8 +3,8 @@
 beside experts computed on the device in the same block, and the planner is told each expert's rows.
 
 On a CPU the host runs the device's own kernels (`F.linear`: one `mm` per expert), so the outputs are
-exact: transformers' own experts module bit for bit under grouped_mm and eager; under batched_mm each row
-an expert computed on the host is grouped_mm's row (the host's `mm`) and each row computed on the device
+exact: transformers' own experts module bit for bit under grouped_mm and eager; under batched_mm the rows of
+an expert computed on the host are grouped_mm's (the host's `mm`) and those of one computed on the device
 batched_mm's (`bmm`), weighted and summed as batched_mm does. `tests/test_combine.py`'s hard routings
 (skewed, repeated picks, four per token, the expert-parallel sentinel), with experts 0 and 1 resident: most
 blocks mix both paths, some run wholly on the host. Fast: no generate, no checkpoint; the planner itself
@@ -72,6 +72,8 @@ CASES += [("qwen3_moe", True, impl) for impl in ("grouped_mm", "batched_mm")]
 @pytest.mark.filterwarnings("ignore:mira-hf. model_type")
 @pytest.mark.parametrize(("name", "post_norm", "impl"), CASES)
 def test_rows_computed_on_the_host_combine_exactly_as_on_the_device(name, post_norm, impl):
+    """Each routing with experts 0 and 1 on the device: every other expert of the block is computed on the
+    host (none is copied, none is cached), and its outputs land in the rows the device would have filled."""
     for dtype in (torch.float32, torch.bfloat16):
         ref, proxy = host_pair(name, dtype, post_norm)
         proxy.base.config._experts_implementation = impl
@@ -102,14 +104,15 @@ def test_the_planner_is_given_each_experts_rows_in_the_block(impl):
     ref, proxy = host_pair("mixtral", torch.float32)
     proxy.base.config._experts_implementation = impl
     m, H = proxy.manager, proxy.base.config.hidden_size
-    second_per_copy = m.store.record_bytes(proxy.layer)
+    one_second_copies = m.store.record_bytes(proxy.layer)  # link bytes per second at which a copy takes 1 s
     try:
         for index, copied, on_host in (
             (torch.tensor([[0, 1], [0, 2]]), {0}, {1, 2}),  # a block of two tokens: expert 0 has two rows
             (torch.tensor([[3, 4]]), set(), {3, 4}),  # a decode step
             (torch.tensor([[5, 5]]), {5}, set()),  # one token picking expert 5 twice: two rows
         ):
-            m.host.set_costs(costs(link_bytes_per_s=second_per_copy, host_s={layer: {1: 1e-6, 2: 10.0} for layer in m.layers}))
+            host_s = {layer: {1: 1e-6, 2: 10.0} for layer in m.layers}  # seconds per expert on 1 and 2 rows
+            m.host.set_costs(costs(link_bytes_per_s=one_second_copies, host_s=host_s))
             make_resident(proxy, [])
             w = torch.rand(index.shape, generator=torch.Generator().manual_seed(0))
             hidden = torch.randn(index.shape[0], H, generator=torch.Generator().manual_seed(1))

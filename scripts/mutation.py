@@ -53,8 +53,9 @@ GROUPS: dict[str, dict[str, list[str]]] = {
         + _methods(
             "mira_hf.proxy",
             "MiraExperts",
-            "serve _decode_step _combine _batched _serve _expert _linear _up_proj _activate _down_proj",
-        ),
+            "serve _row_order _decode_step _combine _batched _serve _expert _linear _up_proj _activate _down_proj",
+        )
+        + _methods("mira_hf.proxy", "MiraScaledExperts", "_linear"),
         "mira_hf/ops.py": _functions("mira_hf.ops", "register"),
     },
     # the codecs' torch reference paths: encode and decode maths, not layout planning or validation

@@ -413,3 +413,33 @@ def test_a_backward_through_the_proxy_is_refused_with_the_reason():
         out.sum().backward()
     with torch.no_grad():
         assert not proxy(hidden, index, w).requires_grad
+
+
+def _many_rows_routing(T: int, E: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """T tokens' distinct top-K picks at random slots (an expert is picked at slot 0 by some tokens and at slot
+    1 by others, so rows taken by slot then token differ from rows taken by token then slot), softmax weights."""
+    g = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # [T, K]
+    w = torch.softmax(torch.randn(T, K, generator=g) * 2, dim=-1)
+    return index, w
+
+
+@pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_each_experts_rows_reach_its_matmul_in_the_unwrapped_models_order(name, impl):
+    """Blocks of many tokens in fp32: on CPUs whose matmul kernels round a row by its place in the matmul
+    (AVX-512: rows past the last full block take other code), only the unwrapped model's row order gives its
+    bits: transformers' `torch.sort` of the expert ids for grouped_mm, slot then token for eager."""
+    ref, proxy = experts_pair(name, torch.float32)
+    ref.config._experts_implementation = impl
+    proxy.base.config._experts_implementation = impl
+    H, E = proxy.base.config.hidden_size, proxy.num_experts
+    K = ref.config.num_experts_per_tok
+    for T, seed in ((9, 0), (24, 1), (40, 2)):
+        index, w = _many_rows_routing(T, E, K, seed)
+        hidden = torch.randn(T, H, generator=torch.Generator().manual_seed(seed)) * 4
+        with torch.no_grad():
+            expected, got = ref(hidden, index, w), proxy(hidden, index, w)
+        assert torch.equal(got, expected), (T, impl)
+

@@ -53,8 +53,9 @@ GROUPS: dict[str, dict[str, list[str]]] = {
         + _methods(
             "mira_hf.proxy",
             "MiraExperts",
-            "serve _decode_step _combine _batched _serve _expert _linear _up_proj _activate _down_proj",
-        ),
+            "serve _row_order _decode_step _combine _batched _serve _expert _linear _up_proj _activate _down_proj",
+        )
+        + _methods("mira_hf.proxy", "MiraScaledExperts", "_linear"),
         "mira_hf/ops.py": _functions("mira_hf.ops", "register"),
     },
     # the codecs' torch reference paths: encode and decode maths, not layout planning or validation
@@ -159,23 +160,38 @@ EQUIVALENT: dict[str, list[str]] = {
     + _names(_POL, "ExpectedDistance._guess_array", "1 2 5"),
     # combine and codecs
     "zeros or uninitialised rows that are never read or are zeroed later": _names(_PROXY, "MiraExperts._batched", "12 13 15")
-    + _names(_PROXY, "MiraExperts._decode_step", "20 63 64")
+    + _names(_PROXY, "MiraExperts._decode_step", "20 63 64 84 85")
     + _names(_PROXY, "MiraExperts.serve", "72")
     + _names(_PROXY, "MiraExperts._combine", "25 30"),
-    "the sentinel's rows left to their zero weights on the batched path": _names(_PROXY, "MiraExperts.serve", "85 93 94")
-    + _names(_PROXY, "MiraExperts._decode_step", "32 40 79 87"),
+    "the sentinel's rows not zeroed after weighting: zero already (zero weights when batched, else new_zeros)": _names(
+        _PROXY, "MiraExperts.serve", "85 93"
+    )
+    + _names(_PROXY, "MiraExperts._decode_step", "32 40 97 105"),
+    "a sentinel mask made where no row is the sentinel's: it zeroes nothing": _names(_PROXY, "MiraExperts.serve", "94"),
+    "the decode step's one token: any slice of the hidden states from 0 or before to 1 or after": _names(
+        _PROXY, "MiraExperts._batched", "58 59 60 65"
+    ),
+    "rows counted for the planner with host compute off: `begin` reads them only when it is on": _names(
+        _PROXY, "MiraExperts._batched", "68"
+    ),
+    "a [1, H] host output put into one row: indexed assignment drops the leading 1": _names(
+        _PROXY, "MiraExperts._batched", "134"
+    ),
+    "the host's up projection through transformers' grouped matmul: F.linear's bits on the CPU": _names(
+        _PROXY, "MiraExperts._up_proj", "1"
+    ),
     "combine given None for batched_mm": _names(_PROXY, "MiraExperts.serve", "84")
     + _names(_PROXY, "MiraExperts._decode_step", "31"),
     "the eager accumulator's dtype from routing weights in fp32 or the hidden dtype": _names(
         _PROXY, "MiraExperts._combine", "40"
     ),
-    "the whole record acquired at once": _names(_PROXY, "MiraExperts._serve", "9 12 13"),
+    "the whole record acquired at once": _names(_PROXY, "MiraExperts._serve", "19 22 23"),
     "two addends in either order, a one-column sort, a 2-D tensor's dim 1 as -1": _names(_IMPL, "combine", "3 25 26")
     + _names(_PROXY, "MiraExperts._activate", "11"),
     "a uint8 view of a uint8 view": _names("mira_hf.quant.record", "section_view", "2"),
     "one more zero count after the sentinel's": _names(_PROXY, "MiraExperts.serve", "36 43"),
     "the row order inside an expert's block": _names(_PROXY, "MiraExperts.serve", "48 49"),
-    "a default that no caller uses": _names(_PROXY, "MiraExperts._up_proj", "1") + _names(_PROXY, "MiraExperts._down_proj", "1"),
+    "a default that no caller uses": _names(_PROXY, "MiraExperts._down_proj", "1"),
     "a dtype cast whose values every use keeps": _names(_LB, "_high_low", "9 12")
     + _names(_LB, "_sign_mantissa", "1")
     + _names(_LB, "decode_words_torch", "23 51")
@@ -215,7 +231,7 @@ NEEDS_GPU: dict[str, list[str]] = {
     + _names(_PROXY, "MiraExperts._up_proj", "6")
     + _names(_PROXY, "MiraExperts._down_proj", "6")
     + _names(_PROXY, "MiraExperts.serve", "99 100 101 102 103 104 105 106 128 133")
-    + _names(_PROXY, "MiraExperts._linear", " ".join(str(n) for n in (*range(1, 10), *range(15, 31))))
+    + _names(_PROXY, "MiraExperts._linear", " ".join(str(n) for n in (*range(1, 10), *range(24, 31))))
     + _names(_IMPL, "grouped_linear", "5 9"),
     "a tensor made on the host instead of the record's device": _names("mira_hf.quant.mxfp4", "Mxfp4Codec._lut", "6 9")
     + _names("mira_hf.quant.mxfp4", "Mxfp4Codec.dequantize", "11")

@@ -11,6 +11,7 @@ Fast: no generate, no checkpoint; a model per (family, dtype) built once.
 """
 
 import copy
+import os
 
 import pytest
 import torch
@@ -39,14 +40,22 @@ EAGER_WITHOUT_SENTINEL = ("gpt_oss", "nemotron_h")
 
 
 def experts_pair(
-    name: str, dtype: torch.dtype, post_norm: bool = False, quantization: str | None = None, host_costs=None
+    name: str,
+    dtype: torch.dtype,
+    post_norm: bool = False,
+    quantization: str | None = None,
+    host_costs=None,
+    predictor: str | None = "auto",
 ) -> tuple[torch.nn.Module, MiraExperts]:
     """(transformers' experts module of the first MoE layer, the proxy that replaced it in a wrapped copy).
     Expert biases are drawn at random (transformers initialises them to zero, which would hide them);
     `post_norm`: the experts module normalises each expert's output (transformers' `has_post_expert_norm`);
     `quantization`: the wrapped copy's expert format (None: the weights' own dtype);
-    `host_costs(layers)`: wrap with host compute on, planning with these costs (`tests/test_host_compute.py`)."""
-    key = (name, dtype, post_norm, quantization) + (() if host_costs is None else (host_costs,))
+    `host_costs(layers)`: wrap with host compute on, planning with these costs (`tests/test_host_compute.py`);
+    `predictor`: the wrapped copy's (None: no expert is staged ahead of its block)."""
+    key = (name, dtype, post_norm, quantization, predictor)
+    if host_costs is not None:  # the host worker is a thread, which a forked process (mutmut's runner) lacks
+        key += (host_costs, os.getpid())
     if key not in _BUILT:
         config = make_auto_config(name) if name == "nemotron_h" else make_config(name)
         if config is None:
@@ -67,7 +76,7 @@ def experts_pair(
             torch.nn.init.normal_(experts.post_expert_norm.weight, 1.0, 0.5)
         ref = ref.to(dtype)
         host = "on" if host_costs is not None else "off"
-        config = MiraConfig(device="cpu", gpu_budget=0.5, quantization=quantization, host_compute=host)
+        config = MiraConfig(device="cpu", gpu_budget=0.5, quantization=quantization, host_compute=host, predictor=predictor)
         model = MiraMoEModel.wrap(copy.deepcopy(ref), config)
         if host_costs is not None:
             model.mira.host.set_costs(host_costs(list(model.mira.layers)))
@@ -290,7 +299,7 @@ def test_the_manager_sees_each_blocks_hidden_states_and_routing():
 
 def test_a_wrapped_model_refuses_implementations_it_cannot_compute_and_sets_the_others():
     experts_pair("mixtral", torch.float32)
-    model = _BUILT[("mixtral", torch.float32, False, None)][2]
+    model = _BUILT[("mixtral", torch.float32, False, None, "auto")][2]
     model.config._experts_implementation = "grouped_mm"
     try:
         for impl, name in (("deepgemm", "deepgemm"), ({"": "sonicmoe"}, "sonicmoe")):
@@ -404,3 +413,33 @@ def test_a_backward_through_the_proxy_is_refused_with_the_reason():
         out.sum().backward()
     with torch.no_grad():
         assert not proxy(hidden, index, w).requires_grad
+
+
+def _many_rows_routing(T: int, E: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """T tokens' distinct top-K picks at random slots (an expert is picked at slot 0 by some tokens and at slot
+    1 by others, so rows taken by slot then token differ from rows taken by token then slot), softmax weights."""
+    g = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # [T, K]
+    w = torch.softmax(torch.randn(T, K, generator=g) * 2, dim=-1)
+    return index, w
+
+
+@pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_each_experts_rows_reach_its_matmul_in_the_unwrapped_models_order(name, impl):
+    """Blocks of many tokens in fp32: on CPUs whose matmul kernels round a row by its place in the matmul
+    (AVX-512: rows past the last full block take other code), only the unwrapped model's row order gives its
+    bits: transformers' `torch.sort` of the expert ids for grouped_mm, slot then token for eager."""
+    ref, proxy = experts_pair(name, torch.float32)
+    ref.config._experts_implementation = impl
+    proxy.base.config._experts_implementation = impl
+    H, E = proxy.base.config.hidden_size, proxy.num_experts
+    K = ref.config.num_experts_per_tok
+    for T, seed in ((9, 0), (24, 1), (40, 2)):
+        index, w = _many_rows_routing(T, E, K, seed)
+        hidden = torch.randn(T, H, generator=torch.Generator().manual_seed(seed)) * 4
+        with torch.no_grad():
+            expected, got = ref(hidden, index, w), proxy(hidden, index, w)
+        assert torch.equal(got, expected), (T, impl)
+

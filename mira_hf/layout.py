@@ -128,8 +128,9 @@ class PackedWeights:
     def __init__(self, codec, record: torch.Tensor, layout, dtype: torch.dtype, scratch: torch.Tensor | None = None) -> None:
         self.codec, self.record, self.layout, self.dtype, self.scratch = codec, record, layout, dtype, scratch
         # Whether decoding gives back the stored weights bit for bit: then the decoded weight through the
-        # unwrapped model's own op gives its bits (read per expert matmul, so resolved here, once).
-        self.exact: bool = codec.exact
+        # unwrapped model's own op gives its bits (read per expert matmul, so resolved here, once). A format
+        # computed by transformers' own kernels on the record (`native_kernels`) goes through `linear` instead.
+        self.exact: bool = codec.exact and not getattr(codec, "native_kernels", False)
         self._bound = codec.bind(record, layout, scratch)
 
     def linear(self, x: torch.Tensor, name: str, transposed: bool) -> torch.Tensor:

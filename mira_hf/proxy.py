@@ -70,6 +70,10 @@ class MiraExperts(nn.Module):
         # columns first, then up, as Llama 4's experts), and whether slots hold packed records.
         self._apply_gate = getattr(base, "_apply_gate", None)
         self._packed = manager.placement == "packed"
+        # Whether batched_mm's gather of decoded weights gives the unwrapped model's bits: unpacked slots, or packed
+        # records that decode exactly (not a format computed by its own kernels: `PackedWeights.exact`).
+        codec = manager.store.codec
+        self._gathers = not self._packed or (manager.store.exact and not getattr(codec, "native_kernels", False))
         self._handle = register(self)  # how the compiled graph's operator finds this module
         manager.host.register(layer, *host_expert_math(self, manager.store.raw_layout(layer)))  # host_compute.py
         # transformers' flags of an experts module (`@use_experts_implementation`), where `base` has them: its
@@ -110,7 +114,7 @@ class MiraExperts(nn.Module):
         needed = [e for e in range(E) if counts[e]]
         routed = T * K - counts[E]  # rows of real experts (the EP sentinel E sorts last); the rest stay zero
         order = order[:routed]
-        if impl == "batched_mm" and (not self._packed or self.manager.store.exact):
+        if impl == "batched_mm" and self._gathers:
             rows = self._batched(hidden_states, top_k_index, needed, lambda e: order[starts[e] : starts[e] + counts[e]], routed)
             return self._combine(rows, None, hidden_states, top_k_index, top_k_weights, impl, flat == E if counts[E] else None)
         x = hidden_states[order // K]  # [routed, H]: each row's token, grouped by expert (one gather, not one per expert)
@@ -156,7 +160,7 @@ class MiraExperts(nn.Module):
         H, E, K = hidden_states.shape[1], self.num_experts, len(picks)
         slot_of = {e: k for k, e in enumerate(picks) if e != E}
         sentinel = [k for k, e in enumerate(picks) if e == E]  # the EP sentinel's slot: its row stays zero
-        if impl == "batched_mm" and (not self._packed or self.manager.store.exact):
+        if impl == "batched_mm" and self._gathers:
             rows = self._batched(hidden_states, top_k_index, sorted(slot_of), slot_of.__getitem__, len(slot_of))
             return self._combine(rows, None, hidden_states, top_k_index, top_k_weights, impl, sentinel or None)
         y = None  # [K, H], in the experts' output dtype

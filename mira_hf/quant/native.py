@@ -63,6 +63,9 @@ class NativeCodec:
     # Decoding gives back exactly the weights transformers' own loading of the checkpoint makes (what
     # unload() and save_pretrained() return), and the records are the checkpoint's bytes.
     exact = True
+    # Kept packed (placement "packed"), a record is computed by transformers' own kernels (`linear`), as the
+    # unwrapped model computes the format, never through a decoded weight.
+    native_kernels = True
 
     def __init__(self, pieces: Mapping[str, int] | None = None) -> None:
         self.pieces = dict(pieces or {})

@@ -233,11 +233,20 @@ class HostCompute:
         self._fns: dict[int, tuple[ExpertFn, int]] = {}  # layer -> (the proxy's expert math, hidden size)
         cpus = worker_cpus()
         self.threads = threads or (len(cpus) if cpus else max(1, (os.cpu_count() or 2) - 1))
-        # The initializer holds no reference to self: an idle worker must not keep the manager (and its store) alive.
-        self._pool = ThreadPoolExecutor(
-            1, thread_name_prefix="mira-host", initializer=_init_worker, initargs=(cpus, self.threads)
-        )
+        self._cpus = cpus
+        self._pool, self._pid = self._new_worker(), os.getpid()
         self.store = self.device = None
+
+    def _new_worker(self) -> ThreadPoolExecutor:
+        # The initializer holds no reference to self: an idle worker must not keep the manager (and its store) alive.
+        return ThreadPoolExecutor(1, thread_name_prefix="mira-host", initializer=_init_worker, initargs=(self._cpus, self.threads))
+
+    def _worker(self) -> ThreadPoolExecutor:
+        """This process's worker: a process forked after the model was used has no copy of the parent's
+        thread (its queue would never be served), so it starts its own."""
+        if self._pid != os.getpid():
+            self._pool, self._pid = self._new_worker(), os.getpid()
+        return self._pool
 
     def place(self, store, layers: Mapping[int, object], device: torch.device) -> None:
         """Serve from `store` on `device` (at wrap, and again after a cast or move): decide whether the host
@@ -254,7 +263,7 @@ class HostCompute:
         self.active = raw and (self.mode == "on" or device.type == "cuda")
         if device.type == "cuda":  # the worker waits on this device's events and page-locks its outputs
             index = device.index if device.index is not None else torch.cuda.current_device()
-            self._pool.submit(torch.cuda.set_device, index).result()
+            self._worker().submit(torch.cuda.set_device, index).result()
         if not self._injected:  # measured again: the device, the dtype or the records may have changed
             self.costs, self._overhead_known = HostCosts(), False
         self.costs.link_free_at = 0.0
@@ -327,7 +336,7 @@ class HostCompute:
         fn = self._fns[layer][0] if layer in self._fns else _echo
         weights = (lambda e: {}) if fn is _echo else (lambda e: self.weights(layer, e))  # noqa: E731
         planned = self.costs.job_s(layer, sizes) if layer in self.costs.host_s else None  # None: not timed
-        future = self._pool.submit(self._run, layer, list(experts), sizes, host_x, ready, fn, weights, planned, submitted)
+        future = self._worker().submit(self._run, layer, list(experts), sizes, host_x, ready, fn, weights, planned, submitted)
         return HostJob(future, list(experts), sizes, x.device)
 
     def _run(
@@ -410,7 +419,7 @@ class HostCompute:
                     table[n] = min(times[1:])
             return table
 
-        self.costs.host_s[layer] = self._pool.submit(bench).result(RESULT_TIMEOUT_S)
+        self.costs.host_s[layer] = self._worker().submit(bench).result(RESULT_TIMEOUT_S)
         if not self._overhead_known:
             self._measure_overhead(hidden, dtype)
             self._overhead_known = True
@@ -430,7 +439,8 @@ class HostCompute:
         self.costs.host_overhead_s = statistics.median(times)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._pid == os.getpid():  # a forked child's copy of the parent's pool has no thread to join
+            self._pool.shutdown(wait=True)
 
 
 class HostJob:

@@ -255,3 +255,20 @@ def test_dropping_a_model_frees_its_store_and_host_worker():
     for t in workers:  # the idle worker exits once its pool is collected
         t.join(timeout=5)
         assert not t.is_alive()
+
+
+
+def test_a_forked_process_gets_its_own_host_worker():
+    # A process forked after the model computed on the host has the parent's pool but not its thread, so a job
+    # queued there would never run. Here the pid the pool was made in is set to another process's.
+    model = _forced(_tiny())
+    host = model.mira.host
+    with torch.no_grad():
+        expected = model(IDS).logits
+    parents_pool = host._pool
+    host._pid = -1  # as seen from a forked child
+    with torch.no_grad():
+        logits = model(IDS).logits
+    assert host._pool is not parents_pool and host._pid == __import__("os").getpid()
+    assert torch.equal(logits, expected) and model.mira.stats()["host_computed"] > 0
+    parents_pool.shutdown(wait=True)

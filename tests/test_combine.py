@@ -10,6 +10,7 @@ two tokens sharing the same K experts (K distinct picks, but not one token), and
 Fast: no generate, no checkpoint; a model per (family, dtype) built once.
 """
 
+import contextlib
 import copy
 import os
 
@@ -415,6 +416,20 @@ def test_a_backward_through_the_proxy_is_refused_with_the_reason():
         assert not proxy(hidden, index, w).requires_grad
 
 
+THREADS = (1, 2, 4)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's CPU threads set to `n` for the block, then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _many_rows_routing(T: int, E: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """T tokens' distinct top-K picks at random slots (an expert is picked at slot 0 by some tokens and at slot
     1 by others, so rows taken by slot then token differ from rows taken by token then slot), softmax weights."""
@@ -436,10 +451,33 @@ def test_each_experts_rows_reach_its_matmul_in_the_unwrapped_models_order(name, 
     proxy.base.config._experts_implementation = impl
     H, E = proxy.base.config.hidden_size, proxy.num_experts
     K = ref.config.num_experts_per_tok
-    for T, seed in ((9, 0), (24, 1), (40, 2)):
-        index, w = _many_rows_routing(T, E, K, seed)
-        hidden = torch.randn(T, H, generator=torch.Generator().manual_seed(seed)) * 4
-        with torch.no_grad():
-            expected, got = ref(hidden, index, w), proxy(hidden, index, w)
-        assert torch.equal(got, expected), (T, impl)
+    for threads in THREADS:  # how the kernels split rows among threads decides which rows are a block's tail
+        with torch_threads(threads):
+            for T, seed in ((9, 0), (24, 1), (40, 2)):
+                index, w = _many_rows_routing(T, E, K, seed)
+                hidden = torch.randn(T, H, generator=torch.Generator().manual_seed(seed)) * 4
+                with torch.no_grad():
+                    expected, got = ref(hidden, index, w), proxy(hidden, index, w)
+                assert torch.equal(got, expected), (T, impl, threads)
+
+
+def test_llama4s_experts_compute_as_its_batched_matmul_does_with_any_thread_count():
+    """Llama 4's module multiplies all experts in one `bmm`; on some CPUs a batch of one (or `mm`) rounds
+    otherwise (here with 2 threads and 5-11 tokens), so the proxy multiplies one expert through a batch of two
+    views of itself: the module's bits for every token count of 1-12, with 1, 2 and 4 threads."""
+    config = make_config("llama4")
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config).eval()
+    path = next(p for p, m in ref.named_modules() if p.endswith("experts") and isinstance(getattr(m, "num_experts", None), int))
+    model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=1.0))
+    experts, proxy = ref.get_submodule(path), model.get_submodule(path)
+    E, H = experts.num_experts, config.get_text_config().hidden_size
+    for threads in THREADS:
+        with torch_threads(threads):
+            for T in range(1, 13):
+                g = torch.Generator().manual_seed(T)
+                x = torch.randn(E, T, H, generator=g) * (torch.rand(E, T, 1, generator=g) < 0.5)  # chosen rows
+                with torch.no_grad():
+                    expected, got = experts(x.view(E * T, H)), proxy(x.view(E * T, H))
+                assert torch.equal(got, expected), (T, threads)
 

@@ -152,7 +152,11 @@ def use(model, system: str, predictor, policy: str) -> None:
     m = model.mira
     m.settings = m.settings.replaced(policy="lru" if system == "lru" else policy)
     m.predictor = None if system == "lru" else predictor
+    switch = getattr(m.host, "switch", None)
+    decided = dict(switch.widths) if switch is not None else {}
     m.relocate(m.store, m.budget, m.device)
+    if switch is not None:  # `relocate` forgets the switch's decisions; a user's model keeps them between calls
+        switch.widths.update(decided)
     if m.host.mode != "off":
         m.host.active = system == "host"
 

@@ -223,14 +223,19 @@ def test_lossless_gpu_check_smoke_runs_and_finds_everything_exact(tmp_path):
 
 @pytest.mark.slow
 def test_quant_native_check_smoke_finds_the_cpu_path_exact(tmp_path):
-    """benchmarks/quant_native_check.py on the CPU, where transformers dequantizes: every comparison exact."""
+    """benchmarks/quant_native_check.py on the CPU, where transformers dequantizes: exact against transformers'
+    loads under the same experts implementation (grouped_mm); against its eager loop the same tokens (a CPU's
+    grouped matmul and eager loop can round a row apart: the rows reach the matmul in another order)."""
     out = tmp_path / "quant_native.json"
     script = ROOT / "benchmarks" / "quant_native_check.py"
     cmd = [sys.executable, str(script), "--device", "cpu", "--families", "gpt_oss", "--dtypes", "float32", "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     (row,) = json.loads(out.read_text())["rows"]
-    comparisons = [v for v in row.values() if isinstance(v, dict)]
-    assert len(comparisons) == 4 and all(all(v[k] for k in v if k != "max_abs_diff") for v in comparisons)
+    comparisons = {k: v for k, v in row.items() if isinstance(v, dict)}
+    assert len(comparisons) == 4
+    for label, v in comparisons.items():
+        checked = ("greedy_equal", "beam_equal") if label.endswith("_eager") else [k for k in v if k != "max_abs_diff"]
+        assert all(v[k] for k in checked), (label, v)
     assert row["codec"] == "mxfp4" and row["store_bytes"] < 1.1 * row["checkpoint_expert_bytes"]
 
 

@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 import transformers
-from conftest import ALL_TINY
+from conftest import ALL_TINY, load_reference
 from tiny_models import make_config
 
 from mira_hf import MiraConfig, MiraMoEModel
@@ -257,7 +257,7 @@ def test_resize_token_embeddings_matches_the_unwrapped_model(name):
 def test_save_pretrained_reloads_the_same_model_wrapped_or_not(name, tmp_path):
     ref, model = _pair(name)
     model.save_pretrained(tmp_path)
-    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    plain = load_reference(str(tmp_path))  # its weights aligned, as the reference's (conftest.load_reference)
     again = MiraMoEModel.from_pretrained(tmp_path, WRAP, progress=False).eval()
     assert _same(dict(plain.state_dict()), dict(ref.state_dict()))
     with torch.no_grad():

@@ -152,7 +152,7 @@ def use(model, system: str, predictor, policy: str) -> None:
     m = model.mira
     m.settings = m.settings.replaced(policy="lru" if system == "lru" else policy)
     m.predictor = None if system == "lru" else predictor
-    switch = getattr(m.host, "switch", None)
+    switch = m.host.switch
     decided = dict(switch.widths) if switch is not None else {}
     m.relocate(m.store, m.budget, m.device)
     if switch is not None:  # `relocate` forgets the switch's decisions; a user's model keeps them between calls
@@ -309,7 +309,7 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
                 h2d_bytes_per_token=d.get("h2d_bytes_per_step"),
             )
             if system == "host" and m.host.mode != "off":
-                if getattr(m.host, "switch", None) is not None:  # batch 1's decision (`use` forgets it between systems)
+                if m.host.switch is not None:  # batch 1's decision (`use` forgets it between systems)
                     rows[system]["host_switch_b1"] = {str(w): v for w, v in m.host.switch.summary().items()}
                 rows[system]["host_lag_ms"] = 1e3 * m.host.costs.host_lag_s
                 rows[system]["link_gbps_measured"] = (m.host.costs.link_bytes_per_s or 0) / GB
@@ -344,7 +344,7 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
             gen(ids[:1], args.warmup_tokens, beams=args.beams)
             t, n, _ = gen(ids[:1], args.beam_tokens, beams=args.beams)
             rows[system]["beam_tok_s"] = n / t
-            if system == "host" and getattr(m.host, "switch", None) is not None:  # per step width: host sends kept?
+            if system == "host" and m.host.switch is not None:  # per step width: host sends kept?
                 rows[system]["host_switch"] = {str(w): v for w, v in m.host.switch.summary().items()}
             log(
                 f"{key} / {budget_label} / {system}: batch {args.batch} {rows[system]['b8_tok_s'] or 0:.2f} tok/s, beam {rows[system]['beam_tok_s']:.2f} tok/s"

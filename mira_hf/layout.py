@@ -116,6 +116,13 @@ class IdentityCodec:
         return record[spec.offset : spec.offset + spec.nbytes].view(spec.dtype).view(spec.shape)
 
 
+def decodes_exactly(codec) -> bool:
+    """Whether a record kept packed decodes to the stored weights bit for bit, so the decoded weight through the
+    unwrapped model's own op gives its bits; a format computed by transformers' own kernels on the record
+    (`native_kernels`: FP8, MXFP4) is computed through the codec's `linear` instead."""
+    return codec.exact and not getattr(codec, "native_kernels", False)
+
+
 class PackedWeights:
     """An expert kept packed in its device slot (placement "packed"): computed from packed weights.
 
@@ -127,10 +134,8 @@ class PackedWeights:
 
     def __init__(self, codec, record: torch.Tensor, layout, dtype: torch.dtype, scratch: torch.Tensor | None = None) -> None:
         self.codec, self.record, self.layout, self.dtype, self.scratch = codec, record, layout, dtype, scratch
-        # Whether decoding gives back the stored weights bit for bit: then the decoded weight through the
-        # unwrapped model's own op gives its bits (read per expert matmul, so resolved here, once). A format
-        # computed by transformers' own kernels on the record (`native_kernels`) goes through `linear` instead.
-        self.exact: bool = codec.exact and not getattr(codec, "native_kernels", False)
+        # `decodes_exactly`, read per expert matmul, so resolved here, once
+        self.exact: bool = decodes_exactly(codec)
         self._bound = codec.bind(record, layout, scratch)
 
     def linear(self, x: torch.Tensor, name: str, transposed: bool) -> torch.Tensor:

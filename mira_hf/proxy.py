@@ -19,7 +19,7 @@ from torch import nn
 
 from .experts_impl import batched_linear, check_call, combine, grouped_linear, implementation_of, sum_dtype
 from .host_compute import host_expert_math
-from .layout import PackedWeights
+from .layout import PackedWeights, decodes_exactly
 from .manager import ExpertManager
 from .ops import no_backward, register
 from .state import proxy_apply
@@ -71,9 +71,8 @@ class MiraExperts(nn.Module):
         self._apply_gate = getattr(base, "_apply_gate", None)
         self._packed = manager.placement == "packed"
         # Whether batched_mm's gather of decoded weights gives the unwrapped model's bits: unpacked slots, or packed
-        # records that decode exactly (not a format computed by its own kernels: `PackedWeights.exact`).
-        codec = manager.store.codec
-        self._gathers = not self._packed or (manager.store.exact and not getattr(codec, "native_kernels", False))
+        # records that decode exactly (`decodes_exactly`).
+        self._gathers = not self._packed or decodes_exactly(manager.store.codec)
         self._handle = register(self)  # how the compiled graph's operator finds this module
         manager.host.register(layer, *host_expert_math(self, manager.store.raw_layout(layer)))  # host_compute.py
         # transformers' flags of an experts module (`@use_experts_implementation`), where `base` has them: its

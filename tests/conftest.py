@@ -1,4 +1,5 @@
 import atexit
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -61,7 +62,7 @@ def load_reference(path: str, dtype=None):
     every weight at a 16-byte-aligned address. A tensor that transformers maps from the file as is sits where
     the file put it, which safetensors aligns to 8 bytes only, and on a CPU torch's grouped matmul (torch ≥ 2.11)
     rounds such a weight differently from an aligned one: the unwrapped model's last bits then depend on the
-    file's layout. mira-hf's copies, like any copy (`.to`, `.clone`), are aligned (docs/usage.md, "Exactness")."""
+    file's layout. mira-hf's copies, like any copy (`.to`, `.clone`), are aligned (docs/ARCHITECTURE.md)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, **({"dtype": dtype} if dtype is not None else {})).eval()
@@ -69,6 +70,17 @@ def load_reference(path: str, dtype=None):
         if p.data_ptr() % 16:
             p.data = p.data.clone()
     return model
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's CPU threads set to `n` for the block, then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # Property-based test profiles: "ci" is bounded for CI; "long" for local soak runs

@@ -10,12 +10,12 @@ two tokens sharing the same K experts (K distinct picks, but not one token), and
 Fast: no generate, no checkpoint; a model per (family, dtype) built once.
 """
 
-import contextlib
 import copy
 import os
 
 import pytest
 import torch
+from conftest import torch_threads
 from tiny_models import make_auto_config, make_config
 from transformers import AutoModelForCausalLM
 
@@ -419,17 +419,6 @@ def test_a_backward_through_the_proxy_is_refused_with_the_reason():
 THREADS = (1, 2, 4)
 
 
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """torch's CPU threads set to `n` for the block, then restored."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _many_rows_routing(T: int, E: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """T tokens' distinct top-K picks at random slots (an expert is picked at slot 0 by some tokens and at slot
     1 by others, so rows taken by slot then token differ from rows taken by token then slot), softmax weights."""
@@ -480,4 +469,3 @@ def test_llama4s_experts_compute_as_its_batched_matmul_does_with_any_thread_coun
                 with torch.no_grad():
                     expected, got = experts(x.view(E * T, H)), proxy(x.view(E * T, H))
                 assert torch.equal(got, expected), (T, threads)
-

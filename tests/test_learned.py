@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import load_reference
+from conftest import load_reference, torch_threads
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -27,10 +27,8 @@ EVALUATION = HELDOUT[12:16, :64]  # other windows, decoded token by token
 def one_thread():
     """One-token steps of an 8M-parameter model: OpenMP fork/join costs more than a second thread gives
     (7 ms vs 140 ms per step on 2 shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def mira(predictor: str, predictor_path=None):

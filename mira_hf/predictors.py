@@ -195,7 +195,9 @@ class GatePredictor:
             return logits.detach()
         buf = self._buffers.get(layer)
         if buf is None or buf.shape[1] != logits.shape[1] or buf.dtype != logits.dtype:
-            buf = self._buffers[layer] = torch.empty((HOST_SCORING_TOKENS, logits.shape[1]), dtype=logits.dtype, pin_memory=True)
+            with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode (serving runs in it)
+                buf = torch.empty((HOST_SCORING_TOKENS, logits.shape[1]), dtype=logits.dtype, pin_memory=True)
+            self._buffers[layer] = buf
         view = buf[: logits.shape[0]]
         view.copy_(logits, non_blocking=True)
         return view

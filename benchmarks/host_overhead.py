@@ -56,7 +56,7 @@ PARTS = {
     "heat": ("heat", ("activate", "feedback")),
     "manager verbs": ("manager", ("begin", "acquire", "acquire_rest", "release", "end", "use_block")),
     "copy": ("manager", ("_load",)),
-    "compute": ("proxy", ("_expert", "_batched")),
+    "compute": ("proxy", ("_expert", "_batched", "_on_slots")),
     "proxy loop": ("proxy", ("serve",)),
 }
 

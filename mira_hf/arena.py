@@ -48,6 +48,7 @@ class DeviceArena:
             for layer in budget.pool_of_layer
         }
         self._views: dict[tuple, object] = {}  # (pool, slot, layer) -> tensors or PackedWeights
+        self._slab_views: dict[int, dict[str, torch.Tensor] | None] = {}  # layer -> tensors [n_slots, ...]
 
     def fill(self, slot: Slot, nbytes: int, pinned: bool) -> None:
         """Copy the first `nbytes` of the record of `slot.key` into `slot` after its last reader (`slot.free`):
@@ -95,6 +96,22 @@ class DeviceArena:
             self._views[key] = views
         return views
 
+    def slab_views(self, layer: int) -> dict[str, torch.Tensor] | None:
+        """Typed views of `layer`'s tensors in every slot of its pool at once, each [n_slots, *shape] (slot i's
+        expert at index i), for one grouped matmul over many slots; None where slots hold packed records or the
+        slot size is not a multiple of 16 bytes (grouped kernels read each group's weights at 16-byte alignment)."""
+        if layer not in self._slab_views:
+            g = self.budget.pool_of_layer[layer]
+            slab = self.slabs[g]
+            views = None
+            if self.placement != "packed" and slab.shape[1] % 16 == 0:
+                views = {
+                    spec.name: slab[:, spec.offset : spec.offset + spec.nbytes].view(spec.dtype).view(len(slab), *spec.shape)
+                    for spec in self.store.raw_layout(layer).tensors
+                }
+            self._slab_views[layer] = views
+        return self._slab_views[layer]
+
     @property
     def buffer_bytes(self) -> int:
         return sum(b.numel() for b in self.buffers.values())
@@ -109,3 +126,4 @@ class DeviceArena:
         self.slabs.clear()
         self.buffers.clear()
         self._views.clear()
+        self._slab_views.clear()

@@ -104,14 +104,19 @@ def combine(
     return acc.to(hidden_dtype)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """One expert's rows x [n, in] through transformers' grouped matmul, as one group: on a GPU the
-    unwrapped model multiplies with torch's grouped kernel, whose bits may differ from cuBLAS's `mm`.
-    `weight` [out, in] ([in, out] if `transposed`). Returns [n, out]."""
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, transposed: bool, offs: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows x [n, in] through transformers' grouped matmul: on a GPU the unwrapped model multiplies with
+    torch's grouped kernel, whose bits may differ from cuBLAS's `mm`. One expert's rows as one group
+    (`weight` [out, in], [in, out] if `transposed`), or, with `offs` [G] (cumulative rows per group), the
+    rows of group g through `weight[g]` ([G, out, in]) and `bias` [n, out] added per row. Returns [n, out]."""
     from transformers.integrations.moe import _grouped_linear
 
-    offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)  # a fill: no host copy, no sync
-    return _grouped_linear(x, weight.unsqueeze(0), offs, is_transposed=transposed)
+    if offs is None:
+        offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)  # a fill: no host copy, no sync
+        weight = weight.unsqueeze(0)
+    return _grouped_linear(x, weight, offs, bias=bias, is_transposed=transposed)
 
 
 def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:

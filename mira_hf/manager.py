@@ -50,6 +50,7 @@ class BlockPlan:
     loading: set[int] = field(default_factory=set)  # demand-loaded experts this plan still pins
     predictions: dict | None = None  # the predictor's guesses, staged once the block's own experts are in use
     host: list[int] = field(default_factory=list)  # misses computed on the host, not copied (host_compute)
+    ready: int = 0  # how many experts at the head of `order` were resident with their copies landed at `begin`
 
 
 class ExpertManager(NotebookViews):
@@ -259,6 +260,7 @@ class ExpertManager(NotebookViews):
                 misses, plan.host = self.host.split(layer, misses, dict(zip(experts, rows)), self.heat.use_rate[layer])
                 stats.host_computed += len(plan.host)
             plan.order = ready + in_flight + finishing + misses
+            plan.ready = len(ready)
             plan.pending.extend(misses)
             self.staging.drop_speculation(layer)  # guesses for this block that it does not use
             try:
@@ -289,6 +291,12 @@ class ExpertManager(NotebookViews):
                 self.heat.feedback(plan.layer, expert, used=True)
             self.cache.use(slot)
             return self.arena.views(plan.layer, slot)
+
+    def slot_views(self, layer: int) -> dict[str, torch.Tensor] | None:
+        """`layer`'s tensors in every slot of its pool, [n_slots, ...] each (`DeviceArena.slab_views`), for
+        computing many acquired experts in one grouped matmul (`plan.slots[e].index` is expert e's row); None
+        where slots hold packed records."""
+        return self.arena.slab_views(layer)
 
     def acquire_rest(self, plan: BlockPlan, expert: int) -> None:
         """After `acquire(..., first_part=True)`: the compute stream also waits for the rest of the record."""

@@ -13,6 +13,7 @@ Under torch.compile each proxy is one opaque operator (`ops`).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,6 +40,9 @@ LAYOUT_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "ha
 TRANSFORMERS_FLAGS = ("has_gate", "has_bias", "is_transposed")
 
 
+MAX_GROUPS = 1024  # groups torch's grouped matmul takes in one call
+
+
 class MiraExperts(nn.Module):
     """Routed experts served by an `ExpertManager`. `base` is the original experts module with its
     expert tensors removed (kept for its gate function, activation, flags and config, and for `unload`).
@@ -46,6 +50,10 @@ class MiraExperts(nn.Module):
     Computes what `base` computes under the experts implementation its config names at the call
     (`mira_hf.experts_impl`): the same matmuls on the same rows, weighted and summed in the same order
     and dtypes, so the logits are bit-identical to the unwrapped model's."""
+
+    # Devices whose grouped matmul gives each row the same bits whatever other rows and groups share the call, so
+    # resident experts may share one (`_on_slots`). Not the CPU: there several threads split the rows by place.
+    GROUPED_SLOT_DEVICES = frozenset({"cuda"})
 
     def __init__(
         self,
@@ -131,7 +139,21 @@ class MiraExperts(nn.Module):
                     y = part.new_empty((routed, H))
                 y[a:b] = part
 
-        host = self._serve(needed, compute, [counts[e] for e in needed], lambda e: x[starts[e] : starts[e] + counts[e]])
+        group = None
+        if kernel and self._grouped_on(x) and (self.block_tokens is None or routed <= self.block_tokens):
+
+            def group(plan, experts: list[int], _) -> None:  # resident experts: one grouped matmul per projection
+                nonlocal y
+                slots = [plan.slots[e].index for e in experts]
+                by_slot = sorted(range(len(experts)), key=slots.__getitem__)
+                rows = np.concatenate([np.arange(starts[experts[i]], starts[experts[i]] + counts[experts[i]]) for i in by_slot])
+                rows = torch.from_numpy(rows).to(x.device)  # [n] their rows in x and y, slot by slot
+                out = self._on_slots([slots[i] for i in by_slot], [counts[experts[i]] for i in by_slot], x[rows])  # [n, H]
+                if y is None:
+                    y = out.new_empty((routed, H))
+                y[rows] = out
+
+        host = self._serve(needed, compute, [counts[e] for e in needed], lambda e: x[starts[e] : starts[e] + counts[e]], group)
         for e, out in host:  # [n, H] computed on the host (host_compute), into the rows the device would fill
             y = out.new_empty((routed, H)) if y is None else y
             y[starts[e] : starts[e] + counts[e]] = self._post(out)
@@ -172,7 +194,19 @@ class MiraExperts(nn.Module):
                 y = part.new_zeros((K, H)) if sentinel else part.new_empty((K, H))
             y[slot_of[e]] = part[0]
 
-        for e, out in self._serve(sorted(slot_of), compute, [1] * len(slot_of), lambda e: hidden_states):  # host_compute
+        group = None
+        if kernel and self._grouped_on(hidden_states):
+
+            def group(plan, experts: list[int], _) -> None:  # resident experts: one grouped matmul per projection
+                nonlocal y
+                slots = sorted((plan.slots[e].index, slot_of[e]) for e in experts)  # (pool slot, output row k)
+                out = self._on_slots([s for s, _ in slots], [1] * len(slots), hidden_states.expand(len(slots), H).contiguous())
+                if y is None:
+                    y = out.new_zeros((K, H)) if sentinel else out.new_empty((K, H))
+                y[torch.tensor([k for _, k in slots], device=out.device)] = out
+
+        host = self._serve(sorted(slot_of), compute, [1] * len(slot_of), lambda e: hidden_states, group)
+        for e, out in host:  # host_compute
             y = (out.new_zeros((K, H)) if sentinel else out.new_empty((K, H))) if y is None else y
             y[slot_of[e]] = self._post(out)[0]
         return self._combine(y, None, hidden_states, top_k_index, top_k_weights, impl, sentinel or None)
@@ -223,12 +257,27 @@ class MiraExperts(nn.Module):
             self.manager.acquire_rest(plan, e)
             put(w, down, rows)
 
+        group = None
+        if self.manager.slot_views(self.layer) is not None and not self._packed:
+
+            def group(plan, experts: list[int], weights: list) -> None:  # resident experts, acquired
+                if len(experts) < len(needed) or written < S:  # some rows come later: each expert into its rows
+                    for e, w in zip(experts, weights):
+                        put(w, up + down, rows_of(e))
+                    return
+                # every row's expert is resident: each tensor is one gather from the pool, as the unwrapped model's
+                # `weight[expert_ids]` (no buffer beside it)
+                slot_of = torch.zeros(self.num_experts, dtype=torch.long)  # [E] expert -> its slot
+                slot_of[experts] = torch.tensor([plan.slots[e].index for e in experts])
+                at = slot_of.to(hidden_states.device)[top_k_index.reshape(-1)]  # [S] each row's slot
+                gathered.update(self._from_slots(at, up + down))
+
         K = top_k_index.shape[1]
         tokens = lambda r: r // K if isinstance(r, torch.Tensor) else slice(r // K, r // K + 1)  # noqa: E731
         counts = (
             [r.numel() if isinstance(r, torch.Tensor) else 1 for r in map(rows_of, needed)] if self.manager.host.active else None
         )
-        host = self._serve(needed, compute, counts, lambda e: hidden_states[tokens(rows_of(e))])
+        host = self._serve(needed, compute, counts, lambda e: hidden_states[tokens(rows_of(e))], group)
         y = None  # [S, H]
         if gathered:
             x = hidden_states.repeat_interleave(K, dim=0)  # [S, H]
@@ -241,11 +290,18 @@ class MiraExperts(nn.Module):
             y[r] = out if isinstance(r, torch.Tensor) else out[0]
         return y if y is None else self._post(y)
 
-    def _serve(self, needed: list[int], compute, rows=None, inputs=None) -> list[tuple[int, torch.Tensor]]:
+    def _from_slots(self, at: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """Each of `names` for rows whose experts sit in pool slots `at` [S]: [S, ...] gathered from the pool."""
+        views = self.manager.slot_views(self.layer)
+        return {name: views[name][at] for name in names}
+
+    def _serve(self, needed: list[int], compute, rows=None, inputs=None, group=None) -> list[tuple[int, torch.Tensor]]:
         """One block call of the manager's protocol: `begin`, then for each expert in `plan.order` (resident
         first) `acquire` its first part (the rest of the record may still be crossing: `_expert` waits for
         it), `compute(plan, e, w)`, `release`; `end` even when a compute raises (it unpins the slots).
-        `rows`: each needed expert's row count, `inputs(e)`: its rows [n, H]. With host compute on, the
+        `group(plan, experts, weights)`: computes the experts resident and landed at `begin` (`plan.ready`, two
+        or more) at once, after acquiring them all (`weights`: what `acquire` gave each), instead of `compute` on
+        each. `rows`: each needed expert's row count, `inputs(e)`: its rows [n, H]. With host compute on, the
         misses `begin` sent to the host run there meanwhile; returns their (expert, outputs [n, H] on the
         device, before a post-expert norm), else []."""
         plan = self.manager.begin(self.layer, needed, rows)
@@ -253,13 +309,56 @@ class MiraExperts(nn.Module):
         try:
             if plan.host:
                 job = self.manager.host.start(self.layer, plan.host, inputs)
-            for e in plan.order:
+            first = 0
+            if group is not None and plan.ready > 1:
+                first = plan.ready
+                resident = plan.order[:first]
+                group(plan, resident, [self.manager.acquire(plan, e) for e in resident])
+                for e in resident:
+                    self.manager.release(plan, e)
+            for e in plan.order[first:]:
                 w = self.manager.acquire(plan, e, first_part=True)
                 compute(plan, e, w)
                 self.manager.release(plan, e)
         finally:
             self.manager.end(plan)
         return job.collect() if job is not None else []
+
+    def _grouped_on(self, x: torch.Tensor) -> bool:
+        """Whether resident experts may share one grouped matmul (`_on_slots`): on a `GROUPED_SLOT_DEVICES` device,
+        with raw weights in the slots."""
+        return x.device.type in self.GROUPED_SLOT_DEVICES and not self._packed and self.manager.slot_views(self.layer) is not None
+
+    def _on_slots(self, slots: list[int], counts: list[int], x: torch.Tensor) -> torch.Tensor:
+        """Resident experts, acquired, on their rows x [n, H] in one grouped matmul per projection over their
+        pool's slots (`manager.slot_views`), as transformers' grouped_mm runs one over all experts: slot
+        `slots[i]` (ascending) takes the next `counts[i]` rows; slots not listed get no rows. A pool of more slots
+        than torch's grouped kernel takes groups is covered by windows of `MAX_GROUPS` slots. Returns [n, H]."""
+        views = self.manager.slot_views(self.layer)  # name -> [n_slots, ...]
+        parts, i, row = [], 0, 0
+        while i < len(slots):
+            j = i
+            while j < len(slots) and slots[j] - slots[i] < MAX_GROUPS:
+                j += 1
+            n = sum(counts[i:j])
+            parts.append(self._on_window(views, slots[i:j], counts[i:j], x[row : row + n]))
+            i, row = j, row + n
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _on_window(self, views: dict[str, torch.Tensor], slots: list[int], counts: list[int], x: torch.Tensor) -> torch.Tensor:
+        """`_on_slots` for slots that span fewer than `MAX_GROUPS`: one group per slot of the span."""
+        first = slots[0]
+        w = {name: t[first : slots[-1] + 1] for name, t in views.items()}  # [span, ...]
+        sizes = np.zeros(slots[-1] + 1 - first, dtype=np.int32)
+        sizes[np.asarray(slots) - first] = counts
+        offs = torch.from_numpy(np.cumsum(sizes, dtype=np.int32)).to(x.device)  # [span] cumulative rows
+        bias = None
+        if self._has_bias:
+            at = torch.repeat_interleave(torch.tensor(slots) - first, torch.tensor(counts)).to(x.device)  # [n] row -> slot
+            bias = lambda name: w[name + "_bias"][at]  # noqa: E731  [n, out], added per row as transformers does
+        h = grouped_linear(x, w[self._up], self._transposed, offs, bias and bias(self._up))  # [n, I']
+        h = self._activate(h)  # [n, I]
+        return self._post(grouped_linear(h, w["down_proj"], self._transposed, offs, bias and bias("down_proj")))  # [n, H]
 
     def _expert(self, plan, e: int, w, x: torch.Tensor, kernel: bool = False) -> torch.Tensor:
         """Expert `e` (acquired with `first_part=True`) on rows x [n, H] -> [n, H]: the up half may start

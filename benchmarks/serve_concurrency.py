@@ -10,11 +10,14 @@ holds whole (prompt + completion, in blocks of 256 tokens), in three set-ups:
   activations;
 - accelerate: the model dispatched by accelerate (`infer_auto_device_map` + `dispatch_model` with max_memory):
   the layers that do not fit are offloaded to host memory and copied in at each use; it gets the same KV cache
-  as mira-hf's plan, the rest of the memory for weights. Its decode is slow, so it runs --accelerate-new-tokens
+  as mira-hf's last run (mira-more where it ran), the rest of the memory for weights. Its decode is slow, so it runs --accelerate-new-tokens
   new tokens (its time per output token is measured on those);
 - mira: mira-hf with the device-memory planner (`mira_hf.serve.planning`): hit rates from a routing trace of
   the model (its routers' top-k on random prompts, replayed at each concurrency), link bandwidth measured here;
-  the expert cache and KV cache sized from the plan.
+  the expert cache and KV cache sized from the plan;
+- mira-more: mira-hf with the KV part fixed (`ServeConfig.kv_cache_memory`) to hold --more (1.5) times the
+  resident set-up's sequences and the expert cache given the rest: what the freed memory buys in sequences,
+  and at what speed per sequence.
 
 Reported per run: sequences at once (the KV cache's whole contexts; all submitted together, so none waits for
 blocks), whether any request failed (an out-of-memory error fails a request in transformers' batching thread),
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import math
 import os
 import sys
 import time
@@ -58,6 +62,7 @@ from mira_hf.trace import RoutingTrace  # noqa: E402
 DEFAULT_MEMORY_GIB = {"mixtral-8x7b-8l": 26.0, "qwen3-30b-a3b-12l": 18.0}
 SMOKE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2, vocab_size=512)
 PAGE = serve_memory.DEFAULT_PAGE_TOKENS
+RUNS = ("mira", "mira-more", "accelerate")
 MAX_BATCH_TOKENS = 2048
 
 
@@ -248,38 +253,58 @@ def bench_shape(shape: str, args, on_gpu: bool, deadline: float) -> dict:
     out["plan"]["planning_s"] = round(time.perf_counter() - t0, 2)
     out["plan"]["step_cost"] = dataclasses.asdict(cost)
     out["plan"]["curve"] = {str(c): dict(points=curve.points[c], uses_per_step=curve.uses_per_step[c]) for c in curve.points}
+    kv_mira = run_mira(out, "mira", wrapped, plan, total, args, deadline) if "mira" in args.runs else None
+    # mira-more: the KV part fixed (the split is overridable) to hold --more times the resident set-up's sequences
+    more = math.ceil(args.more * resident.get("sequences", 0))
+    if more and "mira-more" in args.runs:
+        kv_more = more * blocks_per_seq * PAGE * serve_memory.kv_bytes_per_token(model)
+        try:
+            plan_more = planning.plan(wrapped, dataclasses.replace(serve_config, kv_cache_memory=kv_more), cost, curve)
+        except Exception as exc:  # the experts' minimum does not fit beside that much KV cache
+            out["runs"]["mira-more"] = dict(ok=False, sequences=more, error=f"{type(exc).__name__}: {exc}"[:300])
+        else:
+            out["plan_more"] = {k: v for k, v in plan_more.as_dict().items() if k != "candidates"}
+            kv_mira = run_mira(out, "mira-more", wrapped, plan_more, total, args, deadline)
+            plan = plan_more  # accelerate is measured at the most sequences mira-hf served
+    model = wrapped.unload()
+    model.to("cpu")
+    del wrapped
+    limit_memory(None)
+
+    # accelerate: layers that do not fit are offloaded; the same KV cache as mira-hf's last run
+    if "accelerate" not in args.runs or kv_mira is None:
+        pass
+    elif not on_gpu:
+        out["runs"]["accelerate"] = dict(ok=False, error="skipped: accelerate offload needs a CUDA device")
+    elif time.perf_counter() > deadline:
+        out["runs"]["accelerate"] = dict(ok=False, error="skipped: time limit")
+    else:
+        out["runs"]["accelerate"] = guarded(bench_accelerate, model, text, total, kv_mira, plan.concurrency, top_k, args)
+    print(shape, "accelerate", out["runs"].get("accelerate"), flush=True)
+    del model
+    limit_memory(None)
+    return out
+
+
+def run_mira(out: dict, name: str, wrapped, plan, total: int, args, deadline: float) -> int:
+    """mira-hf's run at `plan`'s split, recorded as `out["runs"][name]`; returns the plan's KV bytes."""
     limit_memory(total)
-    kv_mira = planning.apply(wrapped, plan)
+    kv = planning.apply(wrapped, plan)
     wrapped.mira.reset_stats()
     if time.perf_counter() < deadline:
-        run = run_fitting(wrapped, plan.concurrency, kv_mira, args, text.vocab_size)
+        run = run_fitting(wrapped, plan.concurrency, kv, args, wrapped.config.vocab_size)
         stats = wrapped.mira.stats()
         run.update(
             expert_cache_bytes=wrapped.mira.device_bytes,
             hit_rate=round(stats["hit_rate"], 4),
             h2d_gb=round(stats["bytes_h2d"] / 1e9, 2),
         )
-        out["runs"]["mira"] = run
+        out["runs"][name] = run
     else:
-        out["runs"]["mira"] = dict(ok=False, error="skipped: time limit")
-    print(shape, "mira", out["runs"]["mira"], flush=True)
+        out["runs"][name] = dict(ok=False, error="skipped: time limit")
+    print(out["shape"], name, out["runs"][name], flush=True)
     limit_memory(None)
-    model = wrapped.unload()
-    model.to("cpu")
-    del wrapped
-    limit_memory(None)
-
-    # accelerate: layers that do not fit are offloaded; the same KV cache as the plan
-    if not on_gpu:
-        out["runs"]["accelerate"] = dict(ok=False, error="skipped: accelerate offload needs a CUDA device")
-    elif time.perf_counter() > deadline:
-        out["runs"]["accelerate"] = dict(ok=False, error="skipped: time limit")
-    else:
-        out["runs"]["accelerate"] = guarded(bench_accelerate, model, text, total, kv_mira, plan.concurrency, top_k, args)
-    print(shape, "accelerate", out["runs"]["accelerate"], flush=True)
-    del model
-    limit_memory(None)
-    return out
+    return kv
 
 
 def bench_accelerate(model, text, total: int, kv_bytes: int, sequences: int, top_k: int, args) -> dict:
@@ -313,6 +338,8 @@ def main() -> int:
     p.add_argument("--max-sequences", type=int, default=256, help="sequences at once at most (the request mix)")
     p.add_argument("--skew", type=float, default=0.5, help="router popularity skew (common.balance_routers)")
     p.add_argument("--time-limit-s", type=float, default=420.0, help="runs not started by then are skipped")
+    p.add_argument("--more", type=float, default=1.5, help="mira-more: this many times the resident sequences")
+    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS, help="set-ups after resident (which always runs)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, short requests (< 1 minute)")
     args = p.parse_args()
     on_gpu = torch.cuda.is_available() and not args.smoke
@@ -337,16 +364,23 @@ def main() -> int:
         r = bench_shape(shape, args, on_gpu, deadline)
         results["shapes"].append(r)
         write_json(args.out, results)  # what is done so far survives a later failure
+        base = r["runs"].get("resident", {})
         for name, run in r["runs"].items():
-            rows.append(
-                dict(
-                    shape=shape,
-                    setup=name,
-                    **{k: run.get(k) for k in ("ok", "sequences", "tokens_per_s", "tpot_p50_ms", "tpot_p95_ms")},
-                )
+            row = dict(
+                shape=shape,
+                setup=name,
+                **{k: run.get(k) for k in ("ok", "sequences", "tokens_per_s", "tpot_p50_ms", "tpot_p95_ms")},
             )
-    write_json(args.out, results)
-    print_table(rows, ["shape", "setup", "ok", "sequences", "tokens_per_s", "tpot_p50_ms", "tpot_p95_ms"])
+            if base.get("ok") and run.get("ok") and base.get("sequences"):  # against all experts resident
+                row["x_sequences"] = round(run["sequences"] / base["sequences"], 2)
+                row["x_speed_per_sequence"] = round(
+                    run["tokens_per_s"] / run["sequences"] / (base["tokens_per_s"] / base["sequences"]), 3
+                )
+                r["runs"][name].update(x_sequences=row["x_sequences"], x_speed_per_sequence=row["x_speed_per_sequence"])
+            rows.append(row)
+        write_json(args.out, results)
+    columns = ["shape", "setup", "ok", "sequences", "tokens_per_s", "tpot_p50_ms", "tpot_p95_ms", "x_sequences"]
+    print_table(rows, columns + ["x_speed_per_sequence"])
     return 0
 
 

@@ -96,7 +96,11 @@ class BatchUsage:
         """For staging while no predictor runs: `(next layer, its experts most likely first, their probabilities of
         being used by the next block)` after `layer`'s block, or None when steps carry one token (the predictor's
         business then) or `layer` is the last (its next block is a step away)."""
-        target = layer + 1
+        return self.guess(layer + 1)
+
+    def guess(self, target: int) -> tuple[int, list[int], list[float]] | None:
+        """`(target, its experts most likely first, their probabilities of being used by its next block)`, or None
+        when steps carry one token or `target` is not a MoE layer."""
         if self.batch_tokens <= 1 or target not in self.share:
             return None
         values = self.union_probability(target).tolist()

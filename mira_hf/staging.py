@@ -164,19 +164,23 @@ class Staging:
 
     def _stage_next_step(self) -> None:
         """The last layer's block has run: copy the likely experts of the first layer's next block, from
-        its next-step guess (the learned predictor's next-step head). No guess made within a step reaches
-        the first layer, so without this its misses always stall."""
+        its next-step guess (the learned predictor's next-step head), or, where steps carry many tokens and no
+        predictor guesses across the step, from the batch's use rates (`BatchUse.guess`). No guess made within
+        a step reaches the first layer, so without this its misses always stall."""
         first = self.manager.first_ordinal
         values = self.layer_probs.get(first) if first in self.next_step else None
         if values is not None:
             self._copy_likely(first, sorted(range(len(values)), key=lambda e: -values[e]), values)
+        elif self.manager.batch is not None and (guess := self.manager.batch.guess(first)):
+            self._copy_likely(*guess)  # steps of many tokens: the batch's use rates guess the first layer's next block
 
     def _copy_likely(self, layer: int, order: Sequence[int], values: Sequence[float]) -> None:
-        """Prefetch `layer`'s guesses (`order`: most likely first) with probability ≥ `stage_probability`,
-        at most `max_staged_per_layer` (default 2 · top-k)."""
+        """Prefetch `layer`'s guesses (`order`: most likely first) with probability ≥ `stage_probability` that are
+        neither resident nor in flight, at most `max_staged_per_layer` (default 2 · top-k) of them."""
         cfg = self.config
         cap = cfg.max_staged_per_layer or 2 * self.manager.layers[layer].top_k
-        staged = [e for e in order if values[e] >= cfg.stage_probability][:cap]
+        # the cap counts copies: at a large batch every expert is likely and the resident ones, the most used, rank first
+        staged = [e for e in order if values[e] >= cfg.stage_probability and self.manager.wants((layer, e))][:cap]
         self.manager.prefetch(layer, staged, [values[e] for e in staged])
 
     def drop_speculation(self, layer: int | None = None) -> None:

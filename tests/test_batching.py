@@ -123,11 +123,39 @@ def test_batch_generation_with_batch_aware_ranking_is_bit_identical():
 def test_without_a_predictor_batch_union_guesses_stage_the_next_layer_ahead_of_its_router(monkeypatch):
     trace = zipf_trace()
     staged = replay(trace, budget=0.5, policy="heat", concurrency=32)
-    assert staged["prefetches"] > 0 and staged["prefetch_wasted"] == 0  # only experts the next block surely uses
-    monkeypatch.setattr(BatchUsage, "next_layer_guess", lambda self, layer: None)
+    # experts the next block is all but sure to use: almost every copy ahead is used
+    assert staged["prefetches"] > 0 and staged["prefetch_wasted"] <= 0.05 * staged["prefetches"]
+    monkeypatch.setattr(BatchUsage, "guess", lambda self, layer: None)
     plain = replay(trace, budget=0.5, policy="heat", concurrency=32)
-    assert plain["prefetches"] == 0 and plain["loads"] == staged["loads"]  # the same copies, made earlier
-    assert staged["misses"] + staged["stage_hits"] == plain["misses"]  # each staged copy is a stall avoided
+    assert plain["prefetches"] == 0 and staged["loads"] <= 1.01 * plain["loads"]  # about the same copies, made earlier
+    assert staged["misses"] < plain["misses"] - 0.5 * staged["prefetch_used"]  # most copies ahead are stalls avoided
+
+
+def test_steps_of_many_tokens_stage_the_first_layer_at_the_end_of_a_step(monkeypatch):
+    """No guess made within a step reaches the first layer: at steps of many tokens its next block is guessed from
+    the batch's use rates once the last layer has run, so its misses are copied ahead instead of stalling."""
+    trace = zipf_trace()
+    staged = replay(trace, budget=0.5, policy="heat", concurrency=32)
+    first = staged["per_layer"][0]
+    next_layer_only = BatchUsage.guess
+    monkeypatch.setattr(BatchUsage, "guess", lambda self, layer: None if layer == 0 else next_layer_only(self, layer))
+    plain = replay(trace, budget=0.5, policy="heat", concurrency=32)
+    assert plain["per_layer"][0]["prefetches"] == 0 < first["prefetches"]
+    assert first["prefetch_wasted"] <= 0.05 * first["prefetches"] and first["misses"] < plain["per_layer"][0]["misses"]
+
+
+def test_the_staging_cap_counts_copies_not_guesses_already_resident():
+    """At a large batch every expert of a layer is used at each step and the resident ones, the most used, rank first
+    among the guesses: the cap on copies ahead per layer (2 x top-k) must not be spent on them, or the missing
+    experts are never copied ahead and every load stalls."""
+    g = torch.Generator().manual_seed(0)
+    steps, layers, experts, batch = 20, 4, 8, 64
+    shares = torch.softmax(torch.randn(layers, experts, generator=g) * 0.5, -1)
+    routed = torch.stack([torch.multinomial(shares[i].expand(batch * steps, experts), 2, generator=g) for i in range(layers)], 1)
+    trace = RoutingTrace(routed, None, [0], [experts] * layers, [2**20] * layers)
+    r = replay(trace, budget=0.8, policy="heat", concurrency=batch)
+    assert r["uses"] == steps * layers * experts  # every expert at every step
+    assert r["misses"] < 0.4 * r["loads"] and r["prefetch_wasted"] <= 0.05 * r["prefetches"]  # most copies made ahead
 
 
 def test_one_token_steps_stage_nothing():

@@ -14,7 +14,7 @@ holds whole (prompt + completion, in blocks of 256 tokens), in three set-ups:
   new tokens (its time per output token is measured on those);
 - mira: mira-hf with the device-memory planner (`mira_hf.serve.planning`): hit rates from a routing trace of
   the model (its routers' top-k on random prompts, replayed at each concurrency), link bandwidth measured here;
-  the expert cache and KV cache sized from the plan;
+  the expert cache and KV cache sized from the plan, and batch-aware use estimates on, as `mira serve` runs;
 - mira-more: mira-hf with the KV part fixed (`ServeConfig.kv_cache_memory`) to hold --more (1.5) times the
   resident set-up's sequences and the expert cache given the rest: what the freed memory buys in sequences,
   and at what speed per sequence.
@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import SHAPES, balance_routers, build_config, environment, h2d_bandwidth, print_table, write_json  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
+from mira_hf import MiraConfig, MiraMoEModel, batching  # noqa: E402
 from mira_hf.planner import HitRateCurve, StepCost  # noqa: E402
 from mira_hf.serve import (
     ServeConfig,  # noqa: E402
@@ -290,6 +290,7 @@ def run_mira(out: dict, name: str, wrapped, plan, total: int, args, deadline: fl
     """mira-hf's run at `plan`'s split, recorded as `out["runs"][name]`; returns the plan's KV bytes."""
     limit_memory(total)
     kv = planning.apply(wrapped, plan)
+    batching.enable(wrapped.mira)  # batch-aware use estimates, as `mira serve` runs
     wrapped.mira.reset_stats()
     if time.perf_counter() < deadline:
         run = run_fitting(wrapped, plan.concurrency, kv, args, wrapped.config.vocab_size)

@@ -3,8 +3,8 @@ unwrapped model's grouped matmul over all experts.
 
 The path runs on devices whose grouped kernel computes each row independently of the call's other rows
 (`MiraExperts.GROUPED_SLOT_DEVICES`: CUDA). torch's CPU kernel does so with one thread (with several, a row's place
-decides how it rounds), so these tests turn the path on for the CPU and run with one thread; `pytest -m gpu` and
-`benchmarks/gpu_reliability.py` check it on CUDA."""
+decides how it rounds), so these tests turn the path on for the CPU and run with one thread; `pytest -m gpu` checks it
+on CUDA, and `benchmarks/fidelity_real_dims.py --budget 1.0` at real dimensions."""
 
 import pytest
 import torch

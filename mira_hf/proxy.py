@@ -52,7 +52,8 @@ class MiraExperts(nn.Module):
     and dtypes, so the logits are bit-identical to the unwrapped model's."""
 
     # Devices whose grouped matmul gives each row the same bits whatever other rows and groups share the call, so
-    # resident experts may share one (`_on_slots`). Not the CPU: there several threads split the rows by place.
+    # resident experts may share one (`_on_slots`). Not the CPU: where threads split the rows, a CPU kernel may round
+    # a row by its place (docs/ARCHITECTURE.md), and there the launches this saves cost little.
     GROUPED_SLOT_DEVICES = frozenset({"cuda"})
 
     def __init__(

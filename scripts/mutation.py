@@ -53,7 +53,8 @@ GROUPS: dict[str, dict[str, list[str]]] = {
         + _methods(
             "mira_hf.proxy",
             "MiraExperts",
-            "serve _row_order _decode_step _combine _batched _serve _expert _linear _up_proj _activate _down_proj",
+            "serve _row_order _decode_step _combine _batched _from_slots _serve _grouped_on _on_slots _on_window _expert "
+            "_linear _up_proj _activate _down_proj",
         )
         + _methods("mira_hf.proxy", "MiraScaledExperts", "_linear"),
         "mira_hf/ops.py": _functions("mira_hf.ops", "register"),
@@ -160,22 +161,21 @@ EQUIVALENT: dict[str, list[str]] = {
     + _names(_POL, "ExpectedDistance._guess_array", "1 2 5"),
     # combine and codecs
     "zeros or uninitialised rows that are never read or are zeroed later": _names(_PROXY, "MiraExperts._batched", "12 13 15")
-    + _names(_PROXY, "MiraExperts._decode_step", "18 57 58 78 79")
-    + _names(_PROXY, "MiraExperts.serve", "69")
+    + _names(_PROXY, "MiraExperts._decode_step", "57 58 83 84 110 111")
     + _names(_PROXY, "MiraExperts._combine", "25 30"),
     "the sentinel's rows not zeroed after weighting: zero already (zero weights when batched, else new_zeros)": _names(
         _PROXY, "MiraExperts.serve", "82 90"
     )
-    + _names(_PROXY, "MiraExperts._decode_step", "30 38 91 99"),
+    + _names(_PROXY, "MiraExperts._decode_step", "30 38 123 131"),
     "a sentinel mask made where no row is the sentinel's: it zeroes nothing": _names(_PROXY, "MiraExperts.serve", "91"),
     "the decode step's one token: any slice of the hidden states from 0 or before to 1 or after": _names(
-        _PROXY, "MiraExperts._batched", "58 59 60 65"
+        _PROXY, "MiraExperts._batched", "96 97 98 103"
     ),
     "rows counted for the planner with host compute off: `begin` reads them only when it is on": _names(
-        _PROXY, "MiraExperts._batched", "68"
+        _PROXY, "MiraExperts._batched", "106"
     ),
     "a [1, H] host output put into one row: indexed assignment drops the leading 1": _names(
-        _PROXY, "MiraExperts._batched", "134"
+        _PROXY, "MiraExperts._batched", "174"
     ),
     "the host's up projection through transformers' grouped matmul: F.linear's bits on the CPU": _names(
         _PROXY, "MiraExperts._up_proj", "1"
@@ -185,14 +185,29 @@ EQUIVALENT: dict[str, list[str]] = {
     "the eager accumulator's dtype from routing weights in fp32 or the hidden dtype": _names(
         _PROXY, "MiraExperts._combine", "40"
     ),
-    "the whole record acquired at once": _names(_PROXY, "MiraExperts._serve", "19 22 23"),
+    "the whole record acquired at once": _names(_PROXY, "MiraExperts._serve", "41 44 45"),
+    "slab views exist exactly where slots hold raw weights (None for packed records)": _names(
+        _PROXY, "MiraExperts._batched", "52"
+    ),
+    "one window's output concatenated alone: the same rows": _names(_PROXY, "MiraExperts._on_slots", "29"),
+    "the group sizes' dtype: their cumulative sum is taken in int32 whatever it is": _names(
+        _PROXY, "MiraExperts._on_window", "10 12"
+    ),
+    "a slice from None starts at 0": _names(_PROXY, "MiraExperts._serve", "16"),
+    "resident experts grouped on a CPU too: the same bits in every test with one to four threads (the path is kept "
+    "to CUDA because a CPU kernel may round a row by its place where threads split the rows)": _names(
+        _PROXY, "MiraExperts._grouped_on", "1 2"
+    ),
+    "one expert, or a block of exactly `prefill_block_tokens` rows, by the grouped call or by its own call: the same "
+    "bits wherever the grouped path runs (each row's result does not depend on the call's other rows)": _names(
+        _PROXY, "MiraExperts._serve", "20"
+    )
+    + _names(_PROXY, "MiraExperts.serve", "137"),
     "two addends in either order, a one-column sort, a 2-D tensor's dim 1 as -1": _names(_IMPL, "combine", "3 25 26")
     + _names(_PROXY, "MiraExperts._activate", "11"),
     "a uint8 view of a uint8 view": _names("mira_hf.quant.record", "section_view", "2"),
     "one more zero count after the sentinel's": _names(_PROXY, "MiraExperts.serve", "36 43"),
-    "Llama 4's batch of two holds the same expert twice: either output": _names(
-        _PROXY, "MiraScaledExperts._linear", "19"
-    ),
+    "Llama 4's batch of two holds the same expert twice: either output": _names(_PROXY, "MiraScaledExperts._linear", "19"),
     "a default that no caller uses": _names(_PROXY, "MiraExperts._down_proj", "1"),
     "a dtype cast whose values every use keeps": _names(_LB, "_high_low", "9 12")
     + _names(_LB, "_sign_mantissa", "1")
@@ -227,14 +242,13 @@ EQUIVALENT: dict[str, list[str]] = {
 }
 NEEDS_GPU: dict[str, list[str]] = {
     "transformers' grouped kernel instead of F.linear (the same bits on the CPU)": _names(
-        _PROXY, "MiraExperts._decode_step", "40 41 42 43 49 54"
+        _PROXY, "MiraExperts._decode_step", "49 54"
     )
     + _names(_PROXY, "MiraExperts._expert", "1 5 8 15 18")
     + _names(_PROXY, "MiraExperts._up_proj", "6")
     + _names(_PROXY, "MiraExperts._down_proj", "6")
-    + _names(_PROXY, "MiraExperts.serve", "96 97 98 99 121 126")
-    + _names(_PROXY, "MiraExperts._linear", " ".join(str(n) for n in (*range(1, 10), *range(24, 31))))
-    + _names(_IMPL, "grouped_linear", "5 9"),
+    + _names(_PROXY, "MiraExperts.serve", "121 126")
+    + _names(_PROXY, "MiraExperts._linear", " ".join(str(n) for n in (*range(1, 10), *range(24, 31)))),
     # not a GPU, but a run mutmut cannot make: its forked runner runs torch single-threaded, and the row order
     # and Llama 4's batch matter only where the kernels split rows among threads (each mutant below fails
     # test_combine's row-order or Llama 4 test in a plain run, with 2 threads; checked by hand)
@@ -246,10 +260,17 @@ NEEDS_GPU: dict[str, list[str]] = {
     "Llama 4's matmul for a GPU or for records kept packed, which the fast selection does not run": _names(
         _PROXY, "MiraScaledExperts._linear", "1 20 21 22 23 24 25 26 27"
     ),
-    "a tensor made on the host instead of the record's device": _names("mira_hf.quant.mxfp4", "Mxfp4Codec._lut", "6 9")
+    "a tensor made on the host instead of the record's or the rows' device": _names(
+        "mira_hf.quant.mxfp4", "Mxfp4Codec._lut", "6 9"
+    )
     + _names("mira_hf.quant.mxfp4", "Mxfp4Codec.dequantize", "11")
     + _names("mira_hf.quant.mxfp4", "dequantize_mxfp4", "5 8")
-    + _names(_LB, "decode_words_classes_torch", "2 50 53"),
+    + _names(_LB, "decode_words_classes_torch", "2 50 53")
+    + _names(_IMPL, "grouped_linear", "6 10")
+    + _names(_PROXY, "MiraExperts._batched", "79")
+    + _names(_PROXY, "MiraExperts._decode_step", "89 91")
+    + _names(_PROXY, "MiraExperts._on_window", "22 30")
+    + _names(_PROXY, "MiraExperts.serve", "153"),
     "a slot's `free` event: a copy waits on it and a block records on it only on CUDA": _names(_CACHE, "Slot.__init__", "17"),
     "the Triton kernels' call": _names("mira_hf.quant.integer", "PackedCodec.decode_entry", "9 10 11 12 13 14 15 16 17 18")
     + _names(_LL, "LosslessCodec._decode_into", "15 16 17 18 19 20 21 22"),

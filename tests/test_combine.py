@@ -112,6 +112,7 @@ def routings(E: int, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tenso
         "prefill, sentinel rows": (sentinel, weights(6, 2)),
         "decode, sentinel slot": (torch.tensor([[E, 4]]), weights(1, 2)),
         "decode, only the sentinel": (torch.tensor([[E, E]]), weights(1, 2)),
+        "decode, the sentinel among four picks": (torch.tensor([[6, E, 1, 0]]), weights(1, 4)),
     }
 
 

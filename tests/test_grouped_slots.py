@@ -2,8 +2,8 @@
 unwrapped model's grouped matmul over all experts.
 
 The path runs on devices whose grouped kernel computes each row independently of the call's other rows
-(`MiraExperts.GROUPED_SLOT_DEVICES`: CUDA). torch's CPU kernel does so with one thread (with several, a row's place
-decides how it rounds), so these tests turn the path on for the CPU and run with one thread; `pytest -m gpu` checks it
+(`MiraExperts.GROUPED_SLOT_DEVICES`: CUDA). These tests turn it on for the CPU, with one torch thread, where torch's
+CPU kernel has that property (with several, a CPU kernel may round a row by its place); `pytest -m gpu` checks it
 on CUDA, and `benchmarks/fidelity_real_dims.py --budget 1.0` at real dimensions."""
 
 import pytest
@@ -22,7 +22,7 @@ def grouped_on_cpu(monkeypatch):
     original = MiraExperts._on_slots
 
     def counted(self, slots, counts, x):
-        calls.append(len(slots))
+        calls.append((len(slots), sum(counts)))  # experts, rows
         return original(self, slots, counts, x)
 
     monkeypatch.setattr(MiraExperts, "GROUPED_SLOT_DEVICES", frozenset({"cuda", "cpu"}))
@@ -52,7 +52,7 @@ def test_grouped_resident_experts_give_the_unwrapped_logits(tiny_checkpoint, gro
     assert torch.equal(got, expected)
     proxy = next(m for m in model.modules() if isinstance(m, MiraExperts))
     if type(proxy) is MiraExperts and implementation_of(proxy.base) == "grouped_mm":
-        assert grouped_on_cpu and max(grouped_on_cpu) > 1  # the path ran, on several experts at once
+        assert any(rows > experts > 1 for experts, rows in grouped_on_cpu)  # the path ran on a block of several tokens
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"])
@@ -70,7 +70,7 @@ def test_grouped_decode_steps_give_the_unwrapped_logits(tiny_checkpoint, grouped
     out, expected = model.generate(ids, **kw), ref.generate(ids, **kw)
     assert torch.equal(out.sequences, expected.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, expected.logits, strict=True))  # every step's logits
-    assert len(grouped_on_cpu) >= 8
+    assert sum(rows == experts for experts, rows in grouped_on_cpu) >= 8  # decode steps: one row per expert
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "qwen2_moe"])
@@ -125,6 +125,25 @@ def test_grouped_resident_experts_on_cuda_give_the_unwrapped_logits(tiny_checkpo
     assert calls or type(proxy) is not MiraExperts or implementation_of(proxy.base) != "grouped_mm"
 
 
+def test_one_window_or_two_give_the_same_rows(tiny_checkpoint, grouped_on_cpu, monkeypatch):
+    """Two resident experts in slots further apart than one grouped call reaches: two windows, each expert's rows as
+    a window of its own gives them."""
+    from mira_hf import proxy as proxy_module
+
+    model = _wrapped(tiny_checkpoint("gpt_oss"), 1.0)  # biased, transposed experts
+    with torch.no_grad():
+        model(torch.arange(3, 40).view(1, -1))  # every expert resident
+    proxy = next(m for m in model.modules() if isinstance(m, MiraExperts))
+    slots = sorted(s.index for s in model.mira.cache.pools[model.mira.budget.pool_of_layer[proxy.layer]].where.values())
+    a, b = slots[0], slots[-1]
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(proxy_module, "MAX_GROUPS", b - a)  # b is out of a's window
+    with torch.no_grad():
+        both = proxy._on_slots([a, b], [2, 3], x)
+        assert torch.equal(both[:2], proxy._on_slots([a], [2], x[:2])) and torch.equal(both[2:], proxy._on_slots([b], [3], x[2:]))
+    assert both.shape == x.shape
+
+
 def test_a_pool_wider_than_one_grouped_call_is_covered_by_windows(tiny_checkpoint, grouped_on_cpu, monkeypatch):
     """torch's grouped matmul takes at most 1024 groups: a larger pool is multiplied window by window, exactly."""
     from mira_hf import proxy
@@ -143,3 +162,26 @@ def test_a_pool_wider_than_one_grouped_call_is_covered_by_windows(tiny_checkpoin
             model(ids)
             assert torch.equal(model(ids).logits, ref(ids).logits)
     assert windows and all(s[-1] - s[0] < 3 for s in windows) and any(len(s) > 1 for s in windows)
+
+
+@pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_resident_experts_together_combine_as_transformers_experts_do(grouped_on_cpu, monkeypatch, name, impl):
+    """test_combine's routings (skewed prefill, decode steps, repeated picks, the expert-parallel sentinel) run twice:
+    the second time the experts they use are resident and computed together."""
+    from test_combine import mismatches
+
+    gathered = []
+    original = MiraExperts._from_slots
+    monkeypatch.setattr(MiraExperts, "_from_slots", lambda self, at, names: gathered.append(1) or original(self, at, names))
+    assert mismatches(name, impl) == []
+    assert mismatches(name, impl) == []
+    assert grouped_on_cpu if impl == "grouped_mm" else gathered  # the path ran
+
+
+def test_a_normalised_expert_output_is_normalised_when_resident_experts_run_together(grouped_on_cpu):
+    from test_combine import mismatches
+
+    assert mismatches("qwen3_moe", "grouped_mm", post_norm=True) == []
+    assert mismatches("qwen3_moe", "grouped_mm", post_norm=True) == [] and grouped_on_cpu

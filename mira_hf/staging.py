@@ -14,6 +14,7 @@ It copies only through the manager's public verbs (`prefetch`, `prefetch_part`, 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -165,7 +166,7 @@ class Staging:
     def _stage_next_step(self) -> None:
         """The last layer's block has run: copy the likely experts of the first layer's next block, from
         its next-step guess (the learned predictor's next-step head), or, where steps carry many tokens and no
-        predictor guesses across the step, from the batch's use rates (`BatchUse.guess`). No guess made within
+        predictor guesses across the step, from the batch's use rates (`BatchUsage.guess`). No guess made within
         a step reaches the first layer, so without this its misses always stall."""
         first = self.manager.first_ordinal
         values = self.layer_probs.get(first) if first in self.next_step else None
@@ -180,7 +181,8 @@ class Staging:
         cfg = self.config
         cap = cfg.max_staged_per_layer or 2 * self.manager.layers[layer].top_k
         # the cap counts copies: at a large batch every expert is likely and the resident ones, the most used, rank first
-        staged = [e for e in order if values[e] >= cfg.stage_probability and self.manager.wants((layer, e))][:cap]
+        likely = (e for e in order if values[e] >= cfg.stage_probability and self.manager.wants((layer, e)))
+        staged = list(itertools.islice(likely, cap))
         self.manager.prefetch(layer, staged, [values[e] for e in staged])
 
     def drop_speculation(self, layer: int | None = None) -> None:

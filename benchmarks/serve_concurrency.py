@@ -10,8 +10,8 @@ holds whole (prompt + completion, in blocks of 256 tokens), in three set-ups:
   activations;
 - accelerate: the model dispatched by accelerate (`infer_auto_device_map` + `dispatch_model` with max_memory):
   the layers that do not fit are offloaded to host memory and copied in at each use; it gets the same KV cache
-  as mira-hf's last run (mira-more where it ran), the rest of the memory for weights. Its decode is slow, so it runs --accelerate-new-tokens
-  new tokens (its time per output token is measured on those);
+  as mira-hf's last run (mira-more where it ran), the rest of the memory for weights. Its decode is slow, so it
+  runs --accelerate-new-tokens new tokens (its time per output token is measured on those);
 - mira: mira-hf with the device-memory planner (`mira_hf.serve.planning`): hit rates from a routing trace of
   the model (its routers' top-k on random prompts, replayed at each concurrency), link bandwidth measured here;
   the expert cache and KV cache sized from the plan, and batch-aware use estimates on, as `mira serve` runs;
@@ -272,15 +272,14 @@ def bench_shape(shape: str, args, on_gpu: bool, deadline: float) -> dict:
     limit_memory(None)
 
     # accelerate: layers that do not fit are offloaded; the same KV cache as mira-hf's last run
-    if "accelerate" not in args.runs or kv_mira is None:
-        pass
-    elif not on_gpu:
-        out["runs"]["accelerate"] = dict(ok=False, error="skipped: accelerate offload needs a CUDA device")
-    elif time.perf_counter() > deadline:
-        out["runs"]["accelerate"] = dict(ok=False, error="skipped: time limit")
-    else:
-        out["runs"]["accelerate"] = guarded(bench_accelerate, model, text, total, kv_mira, plan.concurrency, top_k, args)
-    print(shape, "accelerate", out["runs"].get("accelerate"), flush=True)
+    if "accelerate" in args.runs and kv_mira is not None:  # after a mira-hf run: it takes that run's KV cache
+        if not on_gpu:
+            out["runs"]["accelerate"] = dict(ok=False, error="skipped: accelerate offload needs a CUDA device")
+        elif time.perf_counter() > deadline:
+            out["runs"]["accelerate"] = dict(ok=False, error="skipped: time limit")
+        else:
+            out["runs"]["accelerate"] = guarded(bench_accelerate, model, text, total, kv_mira, plan.concurrency, top_k, args)
+        print(shape, "accelerate", out["runs"]["accelerate"], flush=True)
     del model
     limit_memory(None)
     return out

@@ -259,7 +259,7 @@ class MiraExperts(nn.Module):
             put(w, down, rows)
 
         group = None
-        if self.manager.slot_views(self.layer) is not None and not self._packed:
+        if self.manager.slot_views(self.layer) is not None:  # raw weights in the slots
 
             def group(plan, experts: list[int], weights: list) -> None:  # resident experts, acquired
                 if len(experts) < len(needed) or written < S:  # some rows come later: each expert into its rows
@@ -328,7 +328,7 @@ class MiraExperts(nn.Module):
     def _grouped_on(self, x: torch.Tensor) -> bool:
         """Whether resident experts may share one grouped matmul (`_on_slots`): on a `GROUPED_SLOT_DEVICES` device,
         with raw weights in the slots."""
-        return x.device.type in self.GROUPED_SLOT_DEVICES and not self._packed and self.manager.slot_views(self.layer) is not None
+        return x.device.type in self.GROUPED_SLOT_DEVICES and self.manager.slot_views(self.layer) is not None
 
     def _on_slots(self, slots: list[int], counts: list[int], x: torch.Tensor) -> torch.Tensor:
         """Resident experts, acquired, on their rows x [n, H] in one grouped matmul per projection over their
@@ -353,13 +353,12 @@ class MiraExperts(nn.Module):
         sizes = np.zeros(slots[-1] + 1 - first, dtype=np.int32)
         sizes[np.asarray(slots) - first] = counts
         offs = torch.from_numpy(np.cumsum(sizes, dtype=np.int32)).to(x.device)  # [span] cumulative rows
-        bias = None
+        up_bias = down_bias = None  # [n, out] each, added per row as transformers does
         if self._has_bias:
             at = torch.repeat_interleave(torch.tensor(slots) - first, torch.tensor(counts)).to(x.device)  # [n] row -> slot
-            bias = lambda name: w[name + "_bias"][at]  # noqa: E731  [n, out], added per row as transformers does
-        h = grouped_linear(x, w[self._up], self._transposed, offs, bias and bias(self._up))  # [n, I']
-        h = self._activate(h)  # [n, I]
-        return self._post(grouped_linear(h, w["down_proj"], self._transposed, offs, bias and bias("down_proj")))  # [n, H]
+            up_bias, down_bias = w[self._up + "_bias"][at], w["down_proj_bias"][at]
+        h = self._activate(grouped_linear(x, w[self._up], self._transposed, offs, up_bias))  # [n, I]
+        return self._post(grouped_linear(h, w["down_proj"], self._transposed, offs, down_bias))  # [n, H]
 
     def _expert(self, plan, e: int, w, x: torch.Tensor, kernel: bool = False) -> torch.Tensor:
         """Expert `e` (acquired with `first_part=True`) on rows x [n, H] -> [n, H]: the up half may start

@@ -40,7 +40,7 @@ LAYOUT_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "ha
 TRANSFORMERS_FLAGS = ("has_gate", "has_bias", "is_transposed")
 
 
-MAX_GROUPS = 1024  # groups torch's grouped matmul takes in one call
+MAX_GROUPS = 1023  # groups torch's grouped matmul takes in one call (fewer than 1024)
 
 
 class MiraExperts(nn.Module):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import load_reference
 from tiny_models import make_config
 from transformers import AutoModelForCausalLM
 
@@ -163,3 +164,19 @@ def test_one_token_steps_stage_nothing():
     usage.observe(0, [0, 1], torch.tensor([[0, 1]]))
     usage.end_step({0: np.zeros(4, np.float32), 1: np.zeros(4, np.float32)})
     assert usage.next_layer_guess(0) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_forwards_in_and_out_of_inference_mode_share_the_predictors_host_buffers(tiny_checkpoint):
+    """Continuous batching runs in inference mode; the predictor's pinned buffers, made there, are written again by
+    forwards outside it (a planning probe, generate) and must stay normal tensors."""
+    path = tiny_checkpoint("qwen3_moe")
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.5, device="cuda", predictor="gate"), progress=False)
+    ref = load_reference(path).cuda()
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.inference_mode():
+        first = model(ids).logits
+    with torch.no_grad():
+        again = model(ids).logits
+        assert torch.equal(again, ref(ids).logits) and torch.equal(first, again)

@@ -125,6 +125,21 @@ def test_grouped_resident_experts_on_cuda_give_the_unwrapped_logits(tiny_checkpo
     assert calls or type(proxy) is not MiraExperts or implementation_of(proxy.base) != "grouped_mm"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_window_of_max_groups_is_one_call_of_torchs_grouped_kernel():
+    """A window of `MAX_GROUPS` slots is within what torch's grouped matmul takes in one call."""
+    from mira_hf.proxy import MAX_GROUPS
+
+    def grouped(n):  # n groups of two rows each
+        x = torch.randn(2 * n, 16, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, 16, 8, device="cuda", dtype=torch.bfloat16)
+        offs = torch.arange(2, 2 * n + 1, 2, device="cuda", dtype=torch.int32)
+        return torch.nn.functional.grouped_mm(x, w, offs=offs)
+
+    assert grouped(MAX_GROUPS).shape == (2 * MAX_GROUPS, 8)
+
+
 def test_one_window_or_two_give_the_same_rows(tiny_checkpoint, grouped_on_cpu, monkeypatch):
     """Two resident experts in slots further apart than one grouped call reaches: two windows, each expert's rows as
     a window of its own gives them."""
@@ -145,7 +160,7 @@ def test_one_window_or_two_give_the_same_rows(tiny_checkpoint, grouped_on_cpu, m
 
 
 def test_a_pool_wider_than_one_grouped_call_is_covered_by_windows(tiny_checkpoint, grouped_on_cpu, monkeypatch):
-    """torch's grouped matmul takes at most 1024 groups: a larger pool is multiplied window by window, exactly."""
+    """torch's grouped matmul takes at most 1023 groups: a larger pool is multiplied window by window, exactly."""
     from mira_hf import proxy
 
     monkeypatch.setattr(proxy, "MAX_GROUPS", 3)

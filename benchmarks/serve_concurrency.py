@@ -265,6 +265,12 @@ def bench_shape(shape: str, args, on_gpu: bool, deadline: float) -> dict:
         else:
             out["plan_more"] = {k: v for k, v in plan_more.as_dict().items() if k != "candidates"}
             kv_mira = run_mira(out, "mira-more", wrapped, plan_more, total, args, deadline)
+            staging = wrapped.mira.staging
+            for ahead in args.batch_stage_lookahead:  # the same run, batch copies staged that many blocks ahead
+                default = staging.config
+                staging.config = dataclasses.replace(default, batch_stage_lookahead=ahead)
+                run_mira(out, f"mira-more-ahead-{ahead}", wrapped, plan_more, total, args, deadline)
+                staging.config = default
             plan = plan_more  # accelerate is measured at the most sequences mira-hf served
     model = wrapped.unload()
     model.to("cpu")
@@ -298,6 +304,12 @@ def run_mira(out: dict, name: str, wrapped, plan, total: int, args, deadline: fl
             expert_cache_bytes=wrapped.mira.device_bytes,
             hit_rate=round(stats["hit_rate"], 4),
             h2d_gb=round(stats["bytes_h2d"] / 1e9, 2),
+            forwards=stats["steps"],
+            loads=stats["loads"],
+            loads_ahead=stats["prefetches"],
+            ahead_unused=stats["prefetch_wasted"],
+            stall_s=round(stats["stall_s"], 2),  # forward time spent waiting for copies
+            load_latency_p50_ms=stats["load_latency_p50_s"] and round(stats["load_latency_p50_s"] * 1e3, 2),
         )
         out["runs"][name] = run
     else:
@@ -339,6 +351,14 @@ def main() -> int:
     p.add_argument("--skew", type=float, default=0.5, help="router popularity skew (common.balance_routers)")
     p.add_argument("--time-limit-s", type=float, default=420.0, help="runs not started by then are skipped")
     p.add_argument("--more", type=float, default=1.5, help="mira-more: this many times the resident sequences")
+    p.add_argument(
+        "--batch-stage-lookahead",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="N",
+        help="also run mira-more with PredictorConfig.batch_stage_lookahead=N, for each N (mira-more-ahead-N)",
+    )
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS, help="set-ups after resident (which always runs)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, short requests (< 1 minute)")
     args = p.parse_args()

@@ -13,9 +13,9 @@ keeps s_e from each block's routing counts (one bincount per MoE layer and one d
 per step, only on steps with more than one token) and, after such a step, writes these
 probabilities into the heat tracker's use rates, which the heat policy ranks evictions by
 (`ExpectedDistance.keep_values`: 1 / expected layers to the next use). While no predictor runs, they
-also stage: after a block, the next layer's experts at least `stage_probability` likely are copied
-ahead of its router (`next_layer_guess`), as a predictor's guesses are. At one token per step s_e is
-exactly the tracker's own EMA of "used this step" and nothing is staged, so single-sequence decoding
+also stage: after a block, the experts at least `stage_probability` likely of the next blocks (two by default,
+on into the next step) are copied ahead of their routers (`guesses_after`), as a predictor's guesses are. At one
+token per step s_e is exactly the tracker's own EMA of "used this step" and nothing is staged, so single-sequence decoding
 is unchanged.
 
 Token-block grouping (computing a batch in groups of tokens that route alike) does not apply to
@@ -92,11 +92,16 @@ class BatchUsage:
         b = self.batch_tokens if batch_tokens is None else batch_tokens
         return self.share[layer] * np.float32(b)
 
-    def next_layer_guess(self, layer: int) -> tuple[int, list[int], list[float]] | None:
-        """For staging while no predictor runs: `(next layer, its experts most likely first, their probabilities of
-        being used by the next block)` after `layer`'s block, or None when steps carry one token (the predictor's
-        business then) or `layer` is the last (its next block is a step away)."""
-        return self.guess(layer + 1)
+    def guesses_after(self, layer: int, blocks: int) -> list[tuple[int, list[int], list[float]]]:
+        """For staging while no predictor runs: `guess` for each of the next `blocks` MoE blocks after `layer`'s,
+        nearest first, in layer order and on into the next step (after the last layer comes the first); empty when
+        steps carry one token (the predictor's business then)."""
+        if self.batch_tokens <= 1 or layer not in self.share:
+            return []
+        order = sorted(self.share)
+        at = order.index(layer)
+        targets = (order[(at + d) % len(order)] for d in range(1, min(blocks, len(order)) + 1))
+        return [guess for target in targets if (guess := self.guess(target))]
 
     def guess(self, target: int) -> tuple[int, list[int], list[float]] | None:
         """`(target, its experts most likely first, their probabilities of being used by its next block)`, or None

@@ -186,6 +186,10 @@ class PredictorConfig:
     # Copies ahead of the router are made only for the next `stage_lookahead` layers: a copy issued two
     # layers early evicts an expert sooner than needed.
     stage_lookahead: int = 1
+    # At steps of many tokens (no predictor; the batch's use rates guess), copies go this many blocks ahead, across
+    # the end of a step: every expert of a layer is used at each step, so a copy's victim is an expert of the block
+    # just queued, and a copy for the very next block would wait for that block's compute and then stall its successor.
+    batch_stage_lookahead: int = 2
     # ... and only for guesses at least this likely: on a saturated link a wrong copy costs a whole
     # expert's transfer (mira-tiny, offline: 1.29× Belady's bytes at 0.95, 1.31× at 0.9; benchmarks/NOTES.md, "Prediction").
     stage_probability: float = 0.95
@@ -214,8 +218,11 @@ class PredictorConfig:
     speculate_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.lookahead < 1 or self.stage_lookahead < 1:
-            raise ConfigError(f"PredictorConfig.lookahead={self.lookahead}, stage_lookahead={self.stage_lookahead}: must be ≥ 1.")
+        if self.lookahead < 1 or self.stage_lookahead < 1 or self.batch_stage_lookahead < 1:
+            raise ConfigError(
+                f"PredictorConfig.lookahead={self.lookahead}, stage_lookahead={self.stage_lookahead}, "
+                f"batch_stage_lookahead={self.batch_stage_lookahead}: must be ≥ 1 (layers)."
+            )
         if self.pause_unprofitable not in (None, True, False):
             raise ConfigError(
                 f"PredictorConfig.pause_unprofitable={self.pause_unprofitable!r}: must be None (on CUDA), True or False."

@@ -108,15 +108,18 @@ class Staging:
 
     def block_ended(self, layer: int, predictions: dict | None) -> None:
         """`layer`'s block has queued its compute: stage its guesses (and, after the last layer, the first
-        layer's next-step guess)."""
+        layer's next-step guess); at steps of many tokens without a predictor, the batch's guesses for the next
+        `batch_stage_lookahead` blocks, across the end of the step."""
         t0 = time.perf_counter()
         batch = self.manager.batch
+        guesses = []
         if predictions:
             self.stage(layer, predictions)
         elif batch is not None and not self.predicting and self.enabled:  # batch-aware use rates stand in
-            if guess := batch.next_layer_guess(layer):
+            guesses = batch.guesses_after(layer, self.config.batch_stage_lookahead)
+            for guess in guesses:
                 self._copy_likely(*guess)
-        if layer == self.manager.last_ordinal and self.enabled:
+        if layer == self.manager.last_ordinal and self.enabled and not guesses:
             self._stage_next_step()
         if self.predicting:
             self.gate.charge(time.perf_counter() - t0)

@@ -276,7 +276,10 @@ def test_planned_device_memory_resizes_the_expert_cache_and_requests_beyond_the_
     record = model.mira.store.record_bytes(0)  # one pool: every layer's experts have one size
     assert (fp.min_expert_bytes, fp.expert_bytes, fp.record_bytes) == (2 * record, 6 * 8 * record, record)  # top-2; 6 x 8
     assert fp.kv_bytes_per_token == 3072 and fp.weights_bytes == serve_memory.device_weight_bytes(model) > 0
-    planned = planning.plan(model, ServeConfig(**base))  # both parts planned
+    from mira_hf.planner import StepCost
+
+    # both parts planned; the host's time per expert use and per miss set (measured, they follow the machine's load)
+    planned = planning.plan(model, ServeConfig(**base), StepCost(use_s=1e-4, miss_s=1e-4))
     assert planned.fixed == () and planned.concurrency == 8
     assert planned.weights_bytes + planned.activation_bytes + planned.expert_cache_bytes + planned.kv_cache_bytes <= 48 * 2**20
 
@@ -302,7 +305,13 @@ def test_planned_device_memory_resizes_the_expert_cache_and_requests_beyond_the_
         watcher.join()
         values = metric_values(get(server.url + "/metrics")[1])
         split = app.state.mira_runtime.split
+        masks = list((app.state.mira_runtime.cb.batch_processor.inputs_and_outputs.attention_mask or {}).values())
     assert_answers_are_generates(answers, prompts, references, tokenizer)
+    # transformers' attention masks are [tokens per step, cache tokens + tokens per step]: the plan pays the cache-token
+    # columns per token of KV cache and the step's own columns among the activations
+    text, itemsize, cache_tokens = model.config.get_text_config(), model.dtype.itemsize, 2 * 256
+    assert len(masks) == planning._attention_masks(text) == 1
+    assert masks[0].shape[-2:] == (256, cache_tokens + 256) and masks[0].element_size() == itemsize
     assert depth["active"] <= 2 and depth["waiting"] >= 1  # two at a time; the others queued, none refused
     assert split["kv_blocks"] == 2 and split["plan"]["expert_cache_bytes"] == plan.expert_cache_bytes
     assert values['mira_serve_plan_bytes{model="mira-tiny",part="kv_cache"}'] == plan.kv_cache_bytes

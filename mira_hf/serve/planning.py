@@ -61,23 +61,31 @@ def _minimum_expert_bytes(layers, pool_of, buffers, expert_bytes: int) -> int:
     return lo
 
 
+def _attention_masks(text) -> int:
+    """Attention masks transformers' paged attention keeps, each [max_batch_tokens, cache tokens + max_batch_tokens]
+    in the model's dtype: one, two with sliding-window layers, none under flash attention (5.17 to 5.24)."""
+    if "flash" in str(getattr(text, "_attn_implementation", "") or ""):
+        return 0
+    return 2 if getattr(text, "sliding_window", None) else 1
+
+
 def cache_token_overhead(text, itemsize: int, max_batch_tokens: int) -> int:
-    """Bytes beside K and V that transformers' paged attention takes per cached token (5.24's memory handler): the
-    K and V read back at the attention peak (heads repeated for eager/sdpa) and its read index, plus one row of the
-    attention mask [max_batch_tokens, cache tokens] (eager/sdpa; flash attention has none)."""
+    """Bytes beside K and V that transformers' paged attention takes per cached token (its memory handler, 5.17 to
+    5.24): the K and V read back at the attention peak (heads repeated for eager/sdpa) and its read index, plus one
+    column of each attention mask (`_attention_masks`)."""
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     flash = "flash" in str(getattr(text, "_attn_implementation", "") or "")
     at_peak = 2 * kv_heads if flash else 2 * heads + kv_heads
-    masks = 0 if flash else max_batch_tokens * itemsize * (2 if getattr(text, "sliding_window", None) else 1)
-    return at_peak * head_dim * itemsize + 8 + masks
+    return at_peak * head_dim * itemsize + 8 + _attention_masks(text) * max_batch_tokens * itemsize
 
 
 def step_activation_bytes(text, itemsize: int, max_batch_tokens: int, top_k: int) -> int:
     """Activations of one forward step of `max_batch_tokens` tokens: transformers' per-token peak (fp32 logits or
     the attention's projections, the larger) and input buffers, plus the routed experts' rows (K per token: the
-    gathered inputs, the up projection, the activation and the outputs, and fp32 sums)."""
+    gathered inputs, the up projection, the activation and the outputs, and fp32 sums), plus the attention masks'
+    columns for the step's own tokens ([max_batch_tokens, max_batch_tokens] each)."""
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -86,7 +94,8 @@ def step_activation_bytes(text, itemsize: int, max_batch_tokens: int, top_k: int
     attention = itemsize * (hidden + heads * head_dim + 2 * kv_heads * head_dim + (2 * heads + kv_heads) * head_dim)
     inter = getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", hidden * 4)
     experts = top_k * (3 * hidden + 3 * inter) * itemsize + hidden * 4
-    return max_batch_tokens * (max(lm_head, attention) + experts + 64)
+    masks = _attention_masks(text) * max_batch_tokens * itemsize
+    return max_batch_tokens * (max(lm_head, attention) + experts + 64 + masks)
 
 
 def batch_tokens(model, config) -> int:

@@ -281,3 +281,52 @@ def test_load_time_smoke_times_three_loads_and_reads_the_cache(tmp_path):
     assert rows["none"]["quantization"] is None and rows["first"]["quantization"] == "lossless"
     assert rows["first"]["encoded_experts"] > 0 and rows["cached"]["encoded_experts"] == 0
     assert rows["first"]["store_bytes"] == rows["cached"]["store_bytes"] < rows["none"]["store_bytes"]
+
+
+def test_plan_memory_finds_the_allocations_live_at_the_peak():
+    """benchmarks/plan_memory.py replays a device trace: the peak is where the most bytes were live, and the live
+    allocations are grouped by the first frame outside torch, largest first."""
+    spec = importlib.util.spec_from_file_location("plan_memory", ROOT / "benchmarks" / "plan_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch_frame = dict(filename="/x/site-packages/torch/nn/functional.py", line=1, name="linear")
+
+    def event(action, addr, size, line):
+        return dict(
+            action=action, addr=addr, size=size, frames=[torch_frame, dict(filename="/x/site-packages/a.py", line=line, name="f")]
+        )
+
+    trace = [
+        event("alloc", 1, 100, 10),
+        event("alloc", 2, 50, 20),
+        event("free_requested", 1, 100, 10),  # not yet free
+        event("alloc", 3, 30, 20),  # peak: 100 + 50 + 30 (+ 5 at the start)
+        event("free_completed", 1, 100, 10),
+        event("alloc", 4, 120, 30),  # 5 + 50 + 30 + 120 = 205: the peak
+        event("free_completed", 4, 120, 30),
+        event("alloc", 5, 10, 40),
+    ]
+    groups = module.live_at_peak(trace, 5, top=2)
+    assert groups == [
+        dict(where="a.py:30 f", bytes=120, allocations=1),
+        dict(where="a.py:20 f", bytes=80, allocations=2),
+    ]
+    assert module.live_at_peak(trace[:4], 0, top=5) == [
+        dict(where="a.py:10 f", bytes=100, allocations=1),
+        dict(where="a.py:20 f", bytes=80, allocations=2),
+    ]
+
+
+@pytest.mark.slow
+def test_plan_memory_smoke_plans_and_decodes_on_the_cpu(tmp_path):
+    script = ROOT / "benchmarks" / "plan_memory.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (result,) = tmp_path.glob("*-cpu-plan-memory.json")
+    (row,) = json.loads(result.read_text())["rows"]
+    assert row["failed_requests"] == 0 and row["output_tokens"] == 8 * 8
+    assert (
+        sum(row[p] for p in ("weights_bytes", "activation_bytes", "expert_cache_bytes", "kv_cache_bytes")) <= row["total_bytes"]
+    )

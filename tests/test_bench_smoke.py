@@ -330,3 +330,22 @@ def test_plan_memory_smoke_plans_and_decodes_on_the_cpu(tmp_path):
     assert (
         sum(row[p] for p in ("weights_bytes", "activation_bytes", "expert_cache_bytes", "kv_cache_bytes")) <= row["total_bytes"]
     )
+
+
+def test_batch_staging_timing_model_on_a_known_sequence():
+    """benchmarks/batch_staging.py's timing model: a copy waits for the link and for the last block that used its
+    victim; a block waits for its previous block and for its experts' copies."""
+    spec = importlib.util.spec_from_file_location("batch_staging", ROOT / "benchmarks" / "batch_staging.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    events = [
+        ("copy", (0, 0), None),  # lands at 6
+        ("block", 0, (0,)),  # waits 6, runs 6..16
+        ("copy", (1, 1), (0, 0)),  # its victim is in use until 16: lands at 22
+        ("block", 1, (1,)),  # waits 16..22, runs 22..32
+        ("copy", (0, 2), None),  # issued when block 0 ended (16), after the link's last copy: lands at 28
+        ("block", 0, (0, 2)),  # no wait: runs 32..42
+    ]
+    assert module.timed_wait(events, block_ms=10, copy_ms=6, host_lead=0, skip_blocks=0) == 12
+    assert module.timed_wait(events, block_ms=10, copy_ms=6, host_lead=0, skip_blocks=1) == 6
+    assert module.timed_wait(events, block_ms=10, copy_ms=20, host_lead=0, skip_blocks=0) == 20 + 20 + 10  # the third copy, issued at 30, waits for the link until 50

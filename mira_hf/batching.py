@@ -15,8 +15,8 @@ probabilities into the heat tracker's use rates, which the heat policy ranks evi
 (`ExpectedDistance.keep_values`: 1 / expected layers to the next use). While no predictor runs, they
 also stage: after a block, the experts at least `stage_probability` likely of the next blocks (two by default,
 on into the next step) are copied ahead of their routers (`guesses_after`), as a predictor's guesses are. At one
-token per step s_e is exactly the tracker's own EMA of "used this step" and nothing is staged, so single-sequence decoding
-is unchanged.
+token per step s_e is exactly the tracker's own EMA of "used this step" and nothing is staged, so single-sequence
+decoding is unchanged.
 
 Token-block grouping (computing a batch in groups of tokens that route alike) does not apply to
 these proxies: each block call already groups its rows by expert and loads each needed expert once,

@@ -348,4 +348,5 @@ def test_batch_staging_timing_model_on_a_known_sequence():
     ]
     assert module.timed_wait(events, block_ms=10, copy_ms=6, host_lead=0, skip_blocks=0) == 12
     assert module.timed_wait(events, block_ms=10, copy_ms=6, host_lead=0, skip_blocks=1) == 6
-    assert module.timed_wait(events, block_ms=10, copy_ms=20, host_lead=0, skip_blocks=0) == 20 + 20 + 10  # the third copy, issued at 30, waits for the link until 50
+    # slower copies: the third, issued at 30, waits for the link until 50
+    assert module.timed_wait(events, block_ms=10, copy_ms=20, host_lead=0, skip_blocks=0) == 20 + 20 + 10

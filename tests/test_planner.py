@@ -144,24 +144,15 @@ def test_the_split_weighs_the_host_work_per_use_and_per_miss():
 def test_transformers_attention_masks_are_counted_per_cache_token_and_per_step_token(sliding):
     """Paged attention keeps one mask (two with sliding-window layers) of [M, cache tokens + M] in the model's dtype
     unless flash attention runs: M columns per cache token in the KV overhead, M x M among a step's activations."""
-    from transformers import MixtralConfig
-
     from mira_hf.serve import planning
+    from mira_hf.testing import make_config
 
     m, itemsize, masks = 512, 2, 2 if sliding else 1
-    text = MixtralConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        sliding_window=sliding,
-    )
-    flash = MixtralConfig(**{**text.to_dict(), "sliding_window": sliding})
-    flash._attn_implementation = "flash_attention_2"
-    text._attn_implementation = "sdpa"
+    text, flash = make_config("mixtral", sliding_window=sliding), make_config("mixtral", sliding_window=sliding)
+    text._attn_implementation, flash._attn_implementation = "sdpa", "flash_attention_2"
     step = planning.step_activation_bytes(text, itemsize, m, 2) - planning.step_activation_bytes(flash, itemsize, m, 2)
     assert step == masks * m * m * itemsize
-    at_peak = (2 * 4 + 2 - 2 * 2) * 16 * itemsize  # heads repeated for sdpa's K and V read back, not for flash
+    heads, kv_heads, head_dim = text.num_attention_heads, text.num_key_value_heads, text.head_dim
+    at_peak = (2 * heads - 2 * kv_heads + kv_heads) * head_dim * itemsize  # sdpa reads K and V back with heads repeated
     per_token = planning.cache_token_overhead(text, itemsize, m) - planning.cache_token_overhead(flash, itemsize, m)
     assert per_token == masks * m * itemsize + at_peak

@@ -26,7 +26,8 @@ them; the runs after it find them built.
 Reported per run: sequences at once (the KV cache's whole contexts; all submitted together, so none waits for
 blocks), whether any request failed (an out-of-memory error fails a request in transformers' batching thread),
 output tokens/s over the run, P50/P95 of each request's time per output token (first to last token), the
-memory plan and expert-cache counters. CUDA graphs are off for all three (mira-hf's experts move between
+memory plan and expert-cache counters (for mira-hf also the batch estimate's check: the experts each block
+was expected to use against those it used, `BatchUsage.union_check`). CUDA graphs are off for all three (mira-hf's experts move between
 steps; the others follow for a like-for-like step), cuDNN attention is off (it has failed on some shapes).
 
 The 8-layer Mixtral shape holds 22.5 GB of experts and the 12-layer Qwen3-30B-A3B shape 14.5 GB: the default
@@ -316,6 +317,7 @@ def run_mira(out: dict, name: str, wrapped, plan, total: int, args, deadline: fl
             ahead_unused=stats["prefetch_wasted"],
             stall_s=round(stats["stall_s"], 2),  # forward time spent waiting for copies
             load_latency_p50_ms=stats["load_latency_p50_s"] and round(stats["load_latency_p50_s"] * 1e3, 2),
+            union_check=wrapped.mira.batch.union_check(),  # experts a block was expected to use / used, per block
         )
         out["runs"][name] = run
     else:

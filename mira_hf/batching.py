@@ -51,6 +51,9 @@ class BatchUsage:
         self.batch_tokens = 1  # tokens expected in the next step: median of the latest steps' (largest block of each)
         self._recent = deque(maxlen=BATCH_WINDOW_STEPS)
         self._step: dict[int, tuple[Sequence[int], torch.Tensor | None, int]] = {}  # layer -> (experts, index, T)
+        # How well the estimate guessed, over the blocks of steps it was made for (batch_tokens > 1): the experts it
+        # expected each block to use (the sum of their union probabilities) and the distinct experts the block used.
+        self.reset_check()
 
     def observe(self, layer: int, experts: Sequence[int], top_k_index: torch.Tensor | None) -> None:
         """A block of `layer` routed its tokens to `experts` (distinct); `top_k_index` [T, K] (on any device) gives the
@@ -65,6 +68,11 @@ class BatchUsage:
         if not self._step:
             return
         step, self._step = self._step, {}
+        if self.batch_tokens > 1:  # the estimate made for this step, before this step updates it
+            for layer, (experts, _, _) in step.items():
+                self.expected_union += float(self.union_probability(layer).sum())
+                self.observed_union += len(experts)
+                self.blocks_checked += 1
         rows = self._rows(step)
         tokens = max(t for _, _, t in step.values())
         for layer, (experts, _, t) in step.items():
@@ -111,9 +119,25 @@ class BatchUsage:
         values = self.union_probability(target).tolist()
         return target, sorted(range(len(values)), key=lambda e: -values[e]), values
 
+    def union_check(self) -> dict:
+        """`{"blocks", "expected", "observed"}`: per block of the steps the estimate was made for, the experts it
+        expected the block to use and the distinct experts the block used (means; None before any such step)."""
+        n = self.blocks_checked
+        return dict(
+            blocks=n,
+            expected=self.expected_union / n if n else None,
+            observed=self.observed_union / n if n else None,
+        )
+
+    def reset_check(self) -> None:
+        """Zero `union_check`'s counters (the manager's `reset_stats`)."""
+        self.expected_union = self.observed_union = 0.0
+        self.blocks_checked = 0
+
     def reset(self) -> None:
         for s in self.share.values():
             s[:] = 0
+        self.reset_check()
         self.batch_tokens = 1
         self._recent.clear()
         self._step.clear()

@@ -471,6 +471,8 @@ class ExpertManager(NotebookViews):
             self.loader.reset_stalls()
             self.telemetry.reset()
             self.staging.gate.reset_stats()
+            if self.batch is not None:
+                self.batch.reset_check()
 
     def set_host_only(self, experts: Mapping[int, Sequence[int]]) -> None:
         """Mark experts as host-only: `{layer: [expert, ...]}` (replaces the previous marking; `{}` clears

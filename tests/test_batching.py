@@ -121,6 +121,9 @@ def test_batch_generation_with_batch_aware_ranking_is_bit_identical():
         assert torch.equal(wrapped.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0), reference)
     assert usage.batch_tokens == 8 and usage.share[0].sum() > 0  # the decode steps carried 8 tokens
     assert wrapped.mira.stats()["misses"] > 0  # experts did move: the ranking was exercised
+    assert usage.union_check()["blocks"] > 0
+    wrapped.mira.reset_stats()  # counters only: the estimate stays
+    assert usage.union_check()["blocks"] == 0 and usage.batch_tokens == 8
 
 
 def test_without_a_predictor_batch_union_guesses_stage_the_next_layer_ahead_of_its_router(monkeypatch):
@@ -202,6 +205,21 @@ def test_at_steps_of_many_tokens_copies_go_to_the_next_blocks_and_never_evict_th
     assert distances <= set(range(1, ahead + 1)) and ahead in distances
     # a victim is never of a block that runs before the copy's own (0: the block just queued, needed a step later)
     assert all(v is None or v == 0 or v > d for d, v in copies)
+
+
+def test_the_union_check_compares_each_blocks_expected_experts_with_those_it_used():
+    usage = BatchUsage({0: 4, 1: 4})
+    rates = {0: np.zeros(4, np.float32), 1: np.zeros(4, np.float32)}
+    usage.observe(0, [0, 1, 2, 3], torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]]))
+    usage.end_step(rates)  # no estimate was made for this step: steps carried one token until now
+    assert usage.union_check() == dict(blocks=0, expected=None, observed=None)
+    expected = float(usage.union_probability(0).sum())  # what the estimate expects of the next step's block
+    usage.observe(0, [0, 1], torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0]]))
+    usage.end_step(rates)
+    check = usage.union_check()
+    assert check["blocks"] == 1 and check["observed"] == 2 and check["expected"] == pytest.approx(expected)
+    usage.reset_check()
+    assert usage.union_check()["blocks"] == 0 and usage.batch_tokens == 4  # the estimate itself stays
 
 
 def test_one_token_steps_stage_nothing():

@@ -26,9 +26,10 @@ them; the runs after it find them built.
 Reported per run: sequences at once (the KV cache's whole contexts; all submitted together, so none waits for
 blocks), whether any request failed (an out-of-memory error fails a request in transformers' batching thread),
 output tokens/s over the run, P50/P95 of each request's time per output token (first to last token), the
-memory plan and expert-cache counters (for mira-hf also the batch estimate's check: the experts each block
-was expected to use against those it used, `BatchUsage.union_check`). CUDA graphs are off for all three (mira-hf's experts move between
-steps; the others follow for a like-for-like step), cuDNN attention is off (it has failed on some shapes).
+memory plan and expert-cache counters (for mira-hf also the batch estimate's check: the experts each block was
+expected to use against those it used, `BatchUsage.union_check`). CUDA graphs are off for all three (mira-hf's
+experts move between steps; the others follow for a like-for-like step), cuDNN attention is off (it has failed on
+some shapes).
 
 The 8-layer Mixtral shape holds 22.5 GB of experts and the 12-layer Qwen3-30B-A3B shape 14.5 GB: the default
 memory (26 GiB and 18 GiB) lets all experts be resident with ~2 GB for activations and KV cache, which is the

@@ -51,8 +51,10 @@ class BatchUsage:
         self.batch_tokens = 1  # tokens expected in the next step: median of the latest steps' (largest block of each)
         self._recent = deque(maxlen=BATCH_WINDOW_STEPS)
         self._step: dict[int, tuple[Sequence[int], torch.Tensor | None, int]] = {}  # layer -> (experts, index, T)
+        self._order = sorted(self.share)  # MoE layers in the order their blocks run
         # How well the estimate guessed, over the blocks of steps it was made for (batch_tokens > 1): the experts it
         # expected each block to use (the sum of their union probabilities) and the distinct experts the block used.
+        self._expected: dict[int, float] = {}  # layer -> experts the estimate written for the next step expects
         self.reset_check()
 
     def observe(self, layer: int, experts: Sequence[int], top_k_index: torch.Tensor | None) -> None:
@@ -68,11 +70,12 @@ class BatchUsage:
         if not self._step:
             return
         step, self._step = self._step, {}
-        if self.batch_tokens > 1:  # the estimate made for this step, before this step updates it
-            for layer, (experts, _, _) in step.items():
-                self.expected_union += float(self.union_probability(layer).sum())
+        for layer, (experts, _, _) in step.items():  # the estimate made for this step (none at one token per step)
+            if layer in self._expected:
+                self.expected_union += self._expected[layer]
                 self.observed_union += len(experts)
                 self.blocks_checked += 1
+        self._expected.clear()
         rows = self._rows(step)
         tokens = max(t for _, _, t in step.values())
         for layer, (experts, _, t) in step.items():
@@ -87,6 +90,7 @@ class BatchUsage:
         if self.batch_tokens > 1:
             for layer in self.share:
                 use_rate[layer][:] = self.union_probability(layer)
+                self._expected[layer] = float(use_rate[layer].sum())
 
     def union_probability(self, layer: int, batch_tokens: int | None = None) -> np.ndarray:
         """[E] probability that a step of `batch_tokens` tokens (default: the latest step's) uses each expert of
@@ -106,7 +110,7 @@ class BatchUsage:
         steps carry one token (the predictor's business then)."""
         if self.batch_tokens <= 1 or layer not in self.share:
             return []
-        order = sorted(self.share)
+        order = self._order
         at = order.index(layer)
         targets = (order[(at + d) % len(order)] for d in range(1, min(blocks, len(order)) + 1))
         return [guess for target in targets if (guess := self.guess(target))]
@@ -138,6 +142,7 @@ class BatchUsage:
         for s in self.share.values():
             s[:] = 0
         self.reset_check()
+        self._expected.clear()
         self.batch_tokens = 1
         self._recent.clear()
         self._step.clear()

@@ -183,12 +183,12 @@ def test_at_steps_of_many_tokens_copies_go_to_the_next_blocks_and_never_evict_th
     """Every expert of a layer is used at each step of a large batch, so a copy's victim is an expert of the block
     that has just been queued: copies for the very next block would wait for that block's compute. They go
     `batch_stage_lookahead` blocks ahead instead, and no copy takes the slot of an expert of a block before its own."""
-    copies = []  # (blocks after the one just queued, the copy's layer, the victim's layer)
-    allocate = ExpertManager._load
+    copies = []  # (the copy's layer, its victim's layer or None), each in blocks after the one just queued
+    original_load = ExpertManager._load
 
     def load(self, key, staged, **kw):
         before = {k for pool in self.cache.pools.values() for k in pool.where}
-        slot = allocate(self, key, staged, **kw)
+        slot = original_load(self, key, staged, **kw)
         if staged and slot is not None:
             (victim,) = before - {k for pool in self.cache.pools.values() for k in pool.where} or [None]
             copies.append(((key[0] - self._last_layer) % 8, victim and (victim[0] - self._last_layer) % 8))

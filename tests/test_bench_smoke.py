@@ -283,12 +283,18 @@ def test_load_time_smoke_times_three_loads_and_reads_the_cache(tmp_path):
     assert rows["first"]["store_bytes"] == rows["cached"]["store_bytes"] < rows["none"]["store_bytes"]
 
 
+def benchmark_module(name: str):
+    """benchmarks/NAME.py loaded as a module (its functions, without running its main)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_plan_memory_finds_the_allocations_live_at_the_peak():
     """benchmarks/plan_memory.py replays a device trace: the peak is where the most bytes were live, and the live
     allocations are grouped by the first frame outside torch, largest first."""
-    spec = importlib.util.spec_from_file_location("plan_memory", ROOT / "benchmarks" / "plan_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = benchmark_module("plan_memory")
     torch_frame = dict(filename="/x/site-packages/torch/nn/functional.py", line=1, name="linear")
 
     def event(action, addr, size, line):
@@ -335,9 +341,7 @@ def test_plan_memory_smoke_plans_and_decodes_on_the_cpu(tmp_path):
 def test_batch_staging_timing_model_on_a_known_sequence():
     """benchmarks/batch_staging.py's timing model: a copy waits for the link and for the last block that used its
     victim; a block waits for its previous block and for its experts' copies."""
-    spec = importlib.util.spec_from_file_location("batch_staging", ROOT / "benchmarks" / "batch_staging.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = benchmark_module("batch_staging")
     events = [
         ("copy", (0, 0), None),  # lands at 6
         ("block", 0, (0,)),  # waits 6, runs 6..16

@@ -61,10 +61,14 @@ def _minimum_expert_bytes(layers, pool_of, buffers, expert_bytes: int) -> int:
     return lo
 
 
+def _flash_attention(text) -> bool:
+    return "flash" in str(getattr(text, "_attn_implementation", "") or "")
+
+
 def _attention_masks(text) -> int:
     """Attention masks transformers' paged attention keeps, each [max_batch_tokens, cache tokens + max_batch_tokens]
     in the model's dtype: one, two with sliding-window layers, none under flash attention (5.17 to 5.24)."""
-    if "flash" in str(getattr(text, "_attn_implementation", "") or ""):
+    if _flash_attention(text):
         return 0
     return 2 if getattr(text, "sliding_window", None) else 1
 
@@ -76,8 +80,7 @@ def cache_token_overhead(text, itemsize: int, max_batch_tokens: int) -> int:
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    flash = "flash" in str(getattr(text, "_attn_implementation", "") or "")
-    at_peak = 2 * kv_heads if flash else 2 * heads + kv_heads
+    at_peak = 2 * kv_heads if _flash_attention(text) else 2 * heads + kv_heads
     return at_peak * head_dim * itemsize + 8 + _attention_masks(text) * max_batch_tokens * itemsize
 
 

@@ -99,45 +99,88 @@ def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None
         max_batch_tokens = planning.batch_tokens(model, config)
     if manager is not None:
         enable_batch_aware(manager)
-    model_manager = LoadedModelManager(model, tokenizer, name)
-    state = GenerationState(continuous_batching=True, cb_config=memory.batching_config(model, kv_memory, max_batch_tokens))
-    template_kwargs = (
-        {} if getattr(tokenizer, "chat_template", None) else {"chat_template": config.chat_template or PLAIN_CHAT_TEMPLATE}
-    )
-    chat_handler = ChatCompletionHandler(
-        model_manager=model_manager, generation_state=state, chat_template_kwargs=template_kwargs
-    )
-    completion_handler = CompletionHandler(model_manager=model_manager, generation_state=state)
-    registry, mira_collector, serve_collector = build_registry(model, name, lambda: runtime.cb, lambda: runtime.plan)
-    created = int(time.time())
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await asyncio.to_thread(_start_batching, model, config, state, runtime)
-        if on_ready is not None:
-            on_ready(runtime.split)
-        try:
-            yield
-        finally:
-            await asyncio.to_thread(state.shutdown)
-
-    app = FastAPI(title=f"mira-hf: {name}", lifespan=lifespan)
+    app = FastAPI(title=f"mira-hf: {name}", lifespan=_lifespan)
     app.state.mira_runtime = runtime
-
-    def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-        return JSONResponse(checks.RequestError(status, message, param, code).body(), status_code=status)
+    app.state.mira_service = _Service(model, tokenizer, config, runtime, kv_memory, max_batch_tokens, on_ready)
+    # The routes reach the model through `request.app.state` only: fastapi caches facts about endpoint functions
+    # in module-level caches, so an endpoint that closed over the model would keep it (and its device memory)
+    # alive after the app is gone.
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException):
         status = 400 if exc.status_code == 422 else exc.status_code  # OpenAI answers a bad field with 400
-        return error(status, str(exc.detail))
+        return _error(status, str(exc.detail))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError):
-        return error(400, f"invalid request: {exc.errors()}")
+        return _error(400, f"invalid request: {exc.errors()}")
 
-    def check_chat(body: dict) -> None:
-        limits = runtime.limits
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        service = request.app.state.mira_service
+        return await service.answer("chat", request, service.check_chat, service.chat_handler, "chatcmpl")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        service = request.app.state.mira_service
+        return await service.answer("completions", request, service.check_completion, service.completion_handler, "cmpl")
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        return request.app.state.mira_service.models()
+
+    @app.get("/health")
+    async def health(request: Request):
+        return request.app.state.mira_service.health()
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        return request.app.state.mira_service.metrics()
+
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    service = app.state.mira_service
+    await asyncio.to_thread(_start_batching, service.model, service.config, service.state, service.runtime)
+    if service.on_ready is not None:
+        service.on_ready(service.runtime.split)
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(service.state.shutdown)
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(checks.RequestError(status, message, param, code).body(), status_code=status)
+
+
+class _Service:
+    """What the app's routes answer with: the model, its tokenizer, transformers' handlers over one batching
+    state, the request checks and the metrics."""
+
+    def __init__(self, model, tokenizer, config: ServeConfig, runtime: _Runtime, kv_memory, max_batch_tokens, on_ready):
+        self.model, self.tokenizer, self.config, self.runtime, self.on_ready = model, tokenizer, config, runtime, on_ready
+        self.name = config.model_name
+        self.created = int(time.time())
+        model_manager = LoadedModelManager(model, tokenizer, self.name)
+        self.state = GenerationState(
+            continuous_batching=True, cb_config=memory.batching_config(model, kv_memory, max_batch_tokens)
+        )
+        self.template_kwargs = (
+            {} if getattr(tokenizer, "chat_template", None) else {"chat_template": config.chat_template or PLAIN_CHAT_TEMPLATE}
+        )
+        self.chat_handler = ChatCompletionHandler(
+            model_manager=model_manager, generation_state=self.state, chat_template_kwargs=self.template_kwargs
+        )
+        self.completion_handler = CompletionHandler(model_manager=model_manager, generation_state=self.state)
+        self.registry, self.mira_collector, self.serve_collector = build_registry(
+            model, self.name, lambda: runtime.cb, lambda: runtime.plan
+        )
+
+    def check_chat(self, body: dict) -> None:
+        limits = self.runtime.limits
         checks.check_common(body, limits)
         messages = checks.check_messages(body)
         extra = body.get("chat_template_kwargs", {})
@@ -145,26 +188,27 @@ def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None
             raise checks.RequestError(400, "chat_template_kwargs must be a JSON object.", param="chat_template_kwargs")
         rendered = ChatCompletionHandler.get_processor_inputs_from_messages(messages, Modality.LLM)
         try:  # as the handler will tokenise it (same template and arguments)
-            ids = tokenizer.apply_chat_template(
+            ids = self.tokenizer.apply_chat_template(
                 rendered,
                 add_generation_prompt=True,
                 tools=body.get("tools"),
                 tokenize=True,
                 return_dict=True,
-                **{**template_kwargs, **extra},
+                **{**self.template_kwargs, **extra},
             )["input_ids"]
         except Exception as exc:  # a template error is the request's: its messages do not fit the template
             raise checks.RequestError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
         checks.settle_max_tokens(body, len(ids), limits, ("max_completion_tokens", "max_tokens"), "messages")
 
-    def check_completion(body: dict) -> None:
-        limits = runtime.limits
+    def check_completion(self, body: dict) -> None:
+        limits = self.runtime.limits
         checks.check_common(body, limits)
         prompt = checks.check_prompt(body)
-        checks.settle_max_tokens(body, len(tokenizer(prompt)["input_ids"]), limits, ("max_tokens",), "prompt")
+        checks.settle_max_tokens(body, len(self.tokenizer(prompt)["input_ids"]), limits, ("max_tokens",), "prompt")
 
-    async def answer(endpoint: str, request: Request, check, handler, id_prefix: str) -> Response:
+    async def answer(self, endpoint: str, request: Request, check, handler, id_prefix: str) -> Response:
         start = time.perf_counter()
+        serve_collector, mira_collector = self.serve_collector, self.mira_collector
         serve_collector.started()
         outcome = {"status": 500, "streaming": False}
 
@@ -191,44 +235,31 @@ def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None
             return JSONResponse(exc.body(), status_code=exc.status)
         except HTTPException as exc:
             outcome["status"] = 400 if exc.status_code == 422 else exc.status_code
-            return error(outcome["status"], str(exc.detail))
+            return _error(outcome["status"], str(exc.detail))
         except CBWorkerDeadError as exc:
             outcome["status"] = 503
-            return error(503, f"the batching worker stopped: {exc}. Restart the server.", code="service_unavailable")
+            return _error(503, f"the batching worker stopped: {exc}. Restart the server.", code="service_unavailable")
         except Exception as exc:
             logger.exception("request to %s failed", endpoint)
-            return error(500, f"the server failed on this request: {type(exc).__name__}: {exc}")
+            return _error(500, f"the server failed on this request: {type(exc).__name__}: {exc}")
         finally:
             if not outcome["streaming"]:
                 serve_collector.finished(endpoint, outcome["status"], time.perf_counter() - start)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await answer("chat", request, check_chat, chat_handler, "chatcmpl")
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created, "owned_by": "mira-hf"}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await answer("completions", request, check_completion, completion_handler, "cmpl")
-
-    @app.get("/v1/models")
-    async def list_models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "mira-hf"}]}
-
-    @app.get("/health")
-    async def health():
-        if runtime.cb is None:
+    def health(self):
+        if self.runtime.cb is None:
             return JSONResponse({"status": "starting"}, status_code=503)
-        if not state.is_cb_alive():
+        if not self.state.is_cb_alive():
             return JSONResponse({"status": "unhealthy", "reason": "the batching worker stopped"}, status_code=503)
-        return {"status": "ok", "model": name}
+        return {"status": "ok", "model": self.name}
 
-    @app.get("/metrics")
-    async def metrics():
+    def metrics(self) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def _start_batching(model, config: ServeConfig, state: GenerationState, runtime: _Runtime) -> None:

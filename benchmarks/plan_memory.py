@@ -91,7 +91,7 @@ def measure(total: str, dtype: torch.dtype, device: str, args) -> dict:
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
         if args.history:
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     outputs = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, progress_bar=False)
     row["failed_requests"] = sum(o.error is not None for o in outputs.values())
     row["output_tokens"] = sum(len(o.generated_tokens) for o in outputs.values())

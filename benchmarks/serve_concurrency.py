@@ -14,7 +14,9 @@ holds whole (prompt + completion, in blocks of 256 tokens), in three set-ups:
   runs --accelerate-new-tokens new tokens (its time per output token is measured on those);
 - mira: mira-hf with the device-memory planner (`mira_hf.serve.planning`): hit rates from a routing trace of
   the model (its routers' top-k on random prompts, replayed at each concurrency), link bandwidth measured here;
-  the expert cache and KV cache sized from the plan, and batch-aware use estimates on, as `mira serve` runs;
+  the expert cache and KV cache sized from the plan, batch-aware use estimates on, and the expert records in the
+  format `mira serve` loads (--quantization auto: lossless for records of 32 MiB or more, each decoded once per
+  copy into a slot of the checkpoint's dtype: `serving_mira_config`);
 - mira-more: mira-hf with the KV part fixed (`ServeConfig.kv_cache_memory`) to hold --more (1.5) times the
   resident set-up's sequences and the expert cache given the rest: what the freed memory buys in sequences,
   and at what speed per sequence.
@@ -57,10 +59,12 @@ from common import SHAPES, balance_routers, build_config, environment, h2d_bandw
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mira_hf import MiraConfig, MiraMoEModel, batching  # noqa: E402
+from mira_hf.config import QuantConfig  # noqa: E402
 from mira_hf.planner import HitRateCurve, StepCost  # noqa: E402
-from mira_hf.serve import (
-    ServeConfig,  # noqa: E402
-    planning,  # noqa: E402
+from mira_hf.serve import (  # noqa: E402
+    ServeConfig,
+    planning,
+    serving_mira_config,
 )
 from mira_hf.serve import memory as serve_memory  # noqa: E402
 from mira_hf.trace import RoutingTrace  # noqa: E402
@@ -239,7 +243,12 @@ def bench_shape(shape: str, args, on_gpu: bool, deadline: float) -> dict:
     layers = text.num_hidden_layers
     experts = getattr(text, "num_local_experts", None) or text.num_experts
     first = min(1.0, max(0.05, 1.5 * top_k / (layers * experts)))  # a small cache to load with: the plan resizes it
-    wrapped = MiraMoEModel.wrap(model, MiraConfig(gpu_budget=first, device=device, quantization=None))
+    quantization = None if args.quantization == "none" else args.quantization
+    mira_config = serving_mira_config(  # as `mira serve` loads: compressed records decoded once per copy
+        MiraConfig(gpu_budget=first, device=device, quantization=quantization, quant=QuantConfig(placement=args.placement))
+    )
+    wrapped = MiraMoEModel.wrap(model, mira_config)
+    out["quantization"] = wrapped.mira.quantization
     t0 = time.perf_counter()
     concurrencies = tuple(c for c in (1, 8, 64, 256) if c <= args.max_sequences)
     curve = HitRateCurve.from_trace(trace, concurrencies=concurrencies, shares=(0.1, 0.25, 0.5, 0.75, 1.0))
@@ -373,6 +382,19 @@ def main() -> int:
         default=[],
         metavar="N",
         help="also run mira-more with PredictorConfig.batch_stage_lookahead=N, for each N (mira-more-ahead-N)",
+    )
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["none", "auto", "lossless"],
+        help="mira-hf's expert transfer format (MiraConfig.quantization; default auto, as `mira serve`); all three are exact",
+    )
+    p.add_argument(
+        "--placement",
+        default="auto",
+        choices=["auto", "packed", "dequant"],
+        help="compressed records kept packed in the cache, or decoded once per copy (QuantConfig.placement; default auto: "
+        "what `mira serve` loads, serving_mira_config's choice)",
     )
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS, help="set-ups after resident (which always runs)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, short requests (< 1 minute)")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import gc
 import json
 import time
-import weakref
 import urllib.error
 import urllib.request
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -340,6 +340,45 @@ def test_cli_serve_refuses_a_bad_flag_before_loading(capsys):
     assert main(["serve", "--device-memory", "lots"]) == 2
     assert capsys.readouterr().err.startswith("mira: error: device_memory='lots' is not a size")
     assert main(["serve", "--help"]) == 0
+
+
+def test_a_serving_config_decodes_compressed_records_once_per_copy_unless_told_otherwise():
+    from mira_hf.config import QuantConfig
+    from mira_hf.serve import serving_mira_config
+
+    chosen = MiraConfig(gpu_budget=0.3, quantization="lossless", quant=QuantConfig(placement="packed"))
+    assert serving_mira_config(chosen) == chosen
+    served = serving_mira_config(MiraConfig(gpu_budget=0.3, quantization="lossless", quant=QuantConfig(group_size=32)))
+    assert served == MiraConfig(gpu_budget=0.3, quantization="lossless", quant=QuantConfig(group_size=32, placement="dequant"))
+
+
+def test_serving_a_model_whose_records_stay_packed_warns_how_to_load_it(caplog):
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from mira_hf.config import QuantConfig
+    from mira_hf.serve import build_app
+
+    path = bundled_model_path()
+    cfg = MiraConfig(gpu_budget=0.25, device="cpu", quantization="lossless", quant=QuantConfig(placement="packed"))
+    model = MiraMoEModel.from_pretrained(path, cfg, progress=False, dtype=torch.float32)
+    with caplog.at_level(logging.WARNING, logger="mira_hf.serve"):
+        build_app(model, AutoTokenizer.from_pretrained(path), ServeConfig())
+    assert "decodes them at every use" in caplog.text and "serving_mira_config" in caplog.text
+
+
+def test_cli_serve_loads_compressed_records_decoded_once_per_copy(monkeypatch, capsys):
+    """`mira serve` serves batches, where a record kept packed would be decoded at every use of every step."""
+    from mira_hf.cli import serve as cli_serve
+
+    loaded = []
+    real_load = cli_serve.load
+    monkeypatch.setattr(cli_serve, "load", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
+    argv = ["serve", "mira-tiny", "--device", "cpu", "--quantization", "lossless", "--max-tokens", "2", "--memory-report"]
+    assert main(argv) == 0, capsys.readouterr().err
+    ((model, _),) = loaded
+    assert model.mira.quantization == "lossless" and model.mira.arena.placement == "dequant"
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_decoding(served):

@@ -48,7 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Serve MODEL over HTTP with an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics), many requests at once through transformers' continuous batching. Prints how the device
     memory is split between weights, expert cache and KV cache. Needs pip install "mira-hf[serve]"."""
-    from ..serve.options import ServeConfig, require_serve
+    from ..serve.options import ServeConfig, require_serve, serving_mira_config
 
     fixed_experts = args.budget is not None and args.device_memory is not None
     if args.budget is None:  # with a plan, load with a small cache: the plan resizes it before serving
@@ -64,7 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         routing_trace=args.routing_trace,
     )
     require_serve()
-    cfg = mira_config(args)
+    cfg = serving_mira_config(mira_config(args))
     model, tokenizer = load(model_source(args.model), cfg, args.dtype)
 
     import logging

@@ -1,9 +1,9 @@
 """An OpenAI-compatible HTTP server for a mira-hf model (optional: `pip install "mira-hf[serve]"`).
 
     from mira_hf import MiraMoEModel, MiraConfig
-    from mira_hf.serve import ServeConfig, serve
+    from mira_hf.serve import ServeConfig, serve, serving_mira_config
 
-    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget="12GiB"))
+    model = MiraMoEModel.from_pretrained(path, serving_mira_config(MiraConfig(gpu_budget="12GiB")))
     serve(model, tokenizer, ServeConfig(model_name="mixtral"), port=8000)     # or: mira serve PATH
 
 Built on transformers' serving stack and its continuous batching (paged attention): /v1/chat/completions and
@@ -13,11 +13,18 @@ Built on transformers' serving stack and its continuous batching (paged attentio
 
 from __future__ import annotations
 
-from .options import SERVE_PACKAGES, ServeConfig, is_serve_available, missing_serve_packages
+from .options import SERVE_PACKAGES, ServeConfig, is_serve_available, missing_serve_packages, serving_mira_config
 
 _APP_NAMES = ("BackgroundServer", "LoadedModelManager", "build_app", "serve")
 
-__all__ = ["SERVE_PACKAGES", "ServeConfig", "is_serve_available", "missing_serve_packages", *_APP_NAMES]
+__all__ = [
+    "SERVE_PACKAGES",
+    "ServeConfig",
+    "is_serve_available",
+    "missing_serve_packages",
+    "serving_mira_config",
+    *_APP_NAMES,
+]
 
 
 def __getattr__(name: str):

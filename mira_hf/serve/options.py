@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
-from ..config import parse_bytes
+from ..config import MiraConfig, parse_bytes
 from ..errors import ConfigError, MissingDependencyError
 
 SERVE_EXTRA = "serve"
@@ -33,6 +34,16 @@ def require_serve(feature: str = "mira serve") -> None:
             f"{feature} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed: "
             f'pip install "mira-hf[{SERVE_EXTRA}]".'
         )
+
+
+def serving_mira_config(config: MiraConfig) -> MiraConfig:
+    """`config` for a model loaded to serve batches: where the record placement is left to "auto", compressed
+    records are decoded once per copy into a slot of the checkpoint's dtype (`QuantConfig(placement="dequant")`).
+    A batch uses nearly every expert of a layer at each step, so records kept packed would be decoded at every
+    use of every step (benchmarks/NOTES.md, "Transfer formats"). Both placements are exact."""
+    if config.quant.placement != "auto":
+        return config
+    return config.replace(quant=dataclasses.replace(config.quant, placement="dequant"))
 
 
 @dataclass(frozen=True)

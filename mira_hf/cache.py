@@ -15,7 +15,7 @@ Pinned slots (in use by the block being computed) are never evicted.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -243,8 +243,31 @@ class ExpertCache:
         if slot.tier == HOT:
             pool.hot.move_to_end(slot.key)
             return
-        if not pool.policy.admit_hot(slot.key):
+        if pool.policy.admit_hot(slot.key):
+            self._join_hot(pool, slot)
+
+    def use_many(self, slots: Sequence[Slot]) -> None:
+        """`use` for each of `slots` (one layer's: one pool), in order; the recency stamps and awaiting flags are
+        written to the pool's arrays at once. The same state as `use` slot by slot."""
+        if not slots:
             return
+        pool = self.pool(slots[0].key[0])
+        t = pool.table
+        at = np.fromiter((slot.index for slot in slots), np.int64, len(slots))
+        t.stamp[at] = np.arange(t.clock + 1, t.clock + 1 + len(slots))  # as `touch` in turn: nothing reads them between
+        t.clock += len(slots)
+        t.awaiting[at] = False
+        policy, hot = pool.policy, pool.hot
+        for slot in slots:
+            key = slot.key
+            policy.used(key)
+            slot.used_since_load, slot._awaiting = True, False
+            if slot.tier == HOT:
+                hot.move_to_end(key)
+            elif policy.admit_hot(key):
+                self._join_hot(pool, slot)
+
+    def _join_hot(self, pool: SlotPool, slot: Slot) -> None:
         slot.tier = HOT
         pool.hot[slot.key] = None
         if len(pool.hot) > pool.n_hot:

@@ -150,11 +150,12 @@ class Loader:
         if len(self._stalls) > 512:  # keep the list bounded; old events are long done
             self._resolve(len(self._stalls) - 256)
 
-    def mark_free(self, slot_free_event: object) -> object:
-        """Record, on the compute stream, that the last read of a slot is enqueued."""
+    def mark_free(self) -> object:
+        """A new event recorded on the compute stream: the last reads of the slots it is given to are enqueued.
+        Slots released together share one; an event is never recorded again, so a slot's stays where it was."""
         if not self.cuda:
             return None
-        ev = slot_free_event if slot_free_event is not None else torch.cuda.Event()
+        ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 

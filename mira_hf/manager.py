@@ -292,6 +292,22 @@ class ExpertManager(NotebookViews):
             self.cache.use(slot)
             return self.arena.views(plan.layer, slot)
 
+    def acquire_group(self, plan: BlockPlan, experts: Sequence[int]) -> None:
+        """`acquire` for experts that had landed at `begin` (`plan.order[:plan.ready]`) and are computed together
+        from their pool's slots (`slot_views`): their uses are booked in order, nothing is waited for and no views
+        are made (`weights` gives one expert's where needed)."""
+        with self._lock:
+            slots = [plan.slots[e] for e in experts]
+            for e, slot in zip(experts, slots):
+                if slot.prefetched and not slot.used_since_load:
+                    self.telemetry.layer(plan.layer).prefetch_used += 1
+                    self.heat.feedback(plan.layer, e, used=True)
+            self.cache.use_many(slots)
+
+    def weights(self, plan: BlockPlan, expert: int) -> dict[str, torch.Tensor]:
+        """The device tensors of an acquired `expert` (what `acquire` returns)."""
+        return self.arena.views(plan.layer, plan.slots[expert])
+
     def slot_views(self, layer: int) -> dict[str, torch.Tensor] | None:
         """`layer`'s tensors in every slot of its pool, [n_slots, ...] each (`DeviceArena.slab_views`), for
         computing many acquired experts in one grouped matmul (`plan.slots[e].index` is expert e's row); None
@@ -309,13 +325,25 @@ class ExpertManager(NotebookViews):
     def release(self, plan: BlockPlan, expert: int) -> None:
         """The block has enqueued its last read of `expert`: its slot may be reused after that."""
         with self._lock:
-            slot = plan.slots.pop(expert)
-            slot.free = self.loader.mark_free(slot.free)
-            slot.pins -= 1
-            plan.loading.discard(expert)
-            if self.host_only and (plan.layer, expert) in self.host_only and not slot.pins:
-                self.cache.remove((plan.layer, expert))  # used and gone: its slot serves the cached experts
+            self._release(plan, expert, self.loader.mark_free())
             self._issue(plan)
+
+    def release_group(self, plan: BlockPlan, experts: Sequence[int]) -> None:
+        """`release` for experts whose last reads were enqueued together (one grouped matmul): one device event
+        marks all their slots free, and the block's pending misses are issued once, with all of them unpinned."""
+        with self._lock:
+            free = self.loader.mark_free()
+            for e in experts:
+                self._release(plan, e, free)
+            self._issue(plan)
+
+    def _release(self, plan: BlockPlan, expert: int, free: object) -> None:
+        slot = plan.slots.pop(expert)
+        slot.free = free
+        slot.pins -= 1
+        plan.loading.discard(expert)
+        if self.host_only and (plan.layer, expert) in self.host_only and not slot.pins:
+            self.cache.remove((plan.layer, expert))  # used and gone: its slot serves the cached experts
 
     def end(self, plan: BlockPlan) -> None:
         """Unpin whatever the plan still holds (normal end, or an exception mid-block), then stage the predicted
@@ -393,8 +421,9 @@ class ExpertManager(NotebookViews):
                 slot.awaiting = False
 
     def _unpin(self, plan: BlockPlan) -> None:
+        free = self.loader.mark_free() if plan.slots else None
         for slot in plan.slots.values():
-            slot.free = self.loader.mark_free(slot.free)
+            slot.free = free
             slot.pins -= 1
         plan.slots.clear()
         plan.loading.clear()

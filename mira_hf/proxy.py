@@ -143,13 +143,12 @@ class MiraExperts(nn.Module):
         group = None
         if kernel and self._grouped_on(x) and (self.block_tokens is None or routed <= self.block_tokens):
 
-            def group(plan, experts: list[int], _) -> None:  # resident experts: one grouped matmul per projection
+            def group(plan, experts: list[int]) -> None:  # resident experts: one grouped matmul per projection
                 nonlocal y
-                slots = [plan.slots[e].index for e in experts]
-                by_slot = sorted(range(len(experts)), key=slots.__getitem__)
-                rows = np.concatenate([np.arange(starts[experts[i]], starts[experts[i]] + counts[experts[i]]) for i in by_slot])
-                rows = torch.from_numpy(rows).to(x.device)  # [n] their rows in x and y, slot by slot
-                out = self._on_slots([slots[i] for i in by_slot], [counts[experts[i]] for i in by_slot], x[rows])  # [n, H]
+                by_slot = sorted((plan.slots[e].index, e) for e in experts)
+                sizes = [counts[e] for _, e in by_slot]
+                rows = torch.from_numpy(_ranges([starts[e] for _, e in by_slot], sizes)).to(x.device)  # [n] slot by slot
+                out = self._on_slots([slot for slot, _ in by_slot], sizes, x[rows])  # [n, H]
                 if y is None:
                     y = out.new_empty((routed, H))
                 y[rows] = out
@@ -198,7 +197,7 @@ class MiraExperts(nn.Module):
         group = None
         if kernel and self._grouped_on(hidden_states):
 
-            def group(plan, experts: list[int], _) -> None:  # resident experts: one grouped matmul per projection
+            def group(plan, experts: list[int]) -> None:  # resident experts: one grouped matmul per projection
                 nonlocal y
                 slots = sorted((plan.slots[e].index, slot_of[e]) for e in experts)  # (pool slot, output row k)
                 out = self._on_slots([s for s, _ in slots], [1] * len(slots), hidden_states.expand(len(slots), H).contiguous())
@@ -261,10 +260,10 @@ class MiraExperts(nn.Module):
         group = None
         if self.manager.slot_views(self.layer) is not None:  # raw weights in the slots
 
-            def group(plan, experts: list[int], weights: list) -> None:  # resident experts, acquired
+            def group(plan, experts: list[int]) -> None:  # resident experts, acquired
                 if len(experts) < len(needed) or written < S:  # some rows come later: each expert into its rows
-                    for e, w in zip(experts, weights):
-                        put(w, up + down, rows_of(e))
+                    for e in experts:
+                        put(self.manager.weights(plan, e), up + down, rows_of(e))
                     return
                 # every row's expert is resident: each tensor is one gather from the pool, as the unwrapped model's
                 # `weight[expert_ids]` (no buffer beside it)
@@ -300,11 +299,11 @@ class MiraExperts(nn.Module):
         """One block call of the manager's protocol: `begin`, then for each expert in `plan.order` (resident
         first) `acquire` its first part (the rest of the record may still be crossing: `_expert` waits for
         it), `compute(plan, e, w)`, `release`; `end` even when a compute raises (it unpins the slots).
-        `group(plan, experts, weights)`: computes the experts resident and landed at `begin` (`plan.ready`, two
-        or more) at once, after acquiring them all (`weights`: what `acquire` gave each), instead of `compute` on
-        each. `rows`: each needed expert's row count, `inputs(e)`: its rows [n, H]. With host compute on, the
-        misses `begin` sent to the host run there meanwhile; returns their (expert, outputs [n, H] on the
-        device, before a post-expert norm), else []."""
+        `group(plan, experts)`: computes the experts resident and landed at `begin` (`plan.ready`, two or more) at
+        once, between `acquire_group` and `release_group`, instead of `compute` on each. `rows`: each needed
+        expert's row count, `inputs(e)`: its rows [n, H]. With host compute on, the misses `begin` sent to the
+        host run there meanwhile; returns their (expert, outputs [n, H] on the device, before a post-expert
+        norm), else []."""
         plan = self.manager.begin(self.layer, needed, rows)
         job = None
         try:
@@ -314,9 +313,9 @@ class MiraExperts(nn.Module):
             if group is not None and plan.ready > 1:
                 first = plan.ready
                 resident = plan.order[:first]
-                group(plan, resident, [self.manager.acquire(plan, e) for e in resident])
-                for e in resident:
-                    self.manager.release(plan, e)
+                self.manager.acquire_group(plan, resident)
+                group(plan, resident)
+                self.manager.release_group(plan, resident)
             for e in plan.order[first:]:
                 w = self.manager.acquire(plan, e, first_part=True)
                 compute(plan, e, w)
@@ -462,3 +461,12 @@ class MiraScaledExperts(MiraExperts):
         for e, y in self._serve(needed, compute, [x.shape[1]] * len(needed), x.__getitem__):  # host_compute
             out[e] = self._post(y)
         return _guarded(out).view(hidden_states.shape)
+
+
+def _ranges(starts: list[int], sizes: list[int]) -> np.ndarray:
+    """The ranges [starts[i], starts[i] + sizes[i]) one after another, as one int64 array."""
+    sizes_ = np.asarray(sizes, dtype=np.int64)
+    ends = np.cumsum(sizes_)
+    return np.arange(ends[-1] if len(ends) else 0, dtype=np.int64) + np.repeat(
+        np.asarray(starts, dtype=np.int64) - ends + sizes_, sizes_
+    )

@@ -252,3 +252,70 @@ def test_a_mirrored_attribute_is_kept_in_its_owner_and_the_table_column_of_its_n
     row.pins = 4
     assert row.pins == 4 and row._pins == 4 and table.pins.tolist() == [0, 4, 0]
     assert Slot.pins is vars(Slot)["pins"] and Slot.awaiting is vars(Slot)["awaiting"]  # on the class: the descriptor
+
+
+def _cache_state(m):
+    """Everything a use writes: per pool the slot arrays, the HOT order, the policy's own order and last uses,
+    and each slot's flags."""
+    state = []
+    for pool in m.cache.pools.values():
+        t = pool.table
+        arrays = [a.tolist() for a in (t.layer, t.expert, t.pins, t.awaiting, t.hot, t.stamp)] + [t.clock]
+        slots = [(s.key, s.tier, s.pins, s.awaiting, s.used_since_load, s.prefetched) for s in pool.slots]
+        policy = [list(getattr(pool.policy, "_order", ())), dict(getattr(pool.policy, "_last_use", {}))]
+        state.append((arrays, list(pool.hot), slots, policy))
+    return state
+
+
+@pytest.mark.parametrize("policy", ["heat", "lru", "priority"])
+def test_using_a_group_of_slots_at_once_leaves_the_state_of_using_them_one_by_one(policy):
+    """`ExpertCache.use_many` (a block's resident experts, computed in one grouped matmul) against `use` per slot:
+    the same HOT admissions and demotions, recency stamps, flags and policy order, on random uses of one layer."""
+    one, many = (make_manager(layers=4, experts=32, slots=60, policy=policy) for _ in range(2))
+    _drive(one, seed=11, steps=8)
+    _drive(many, seed=11, steps=8)
+    assert _cache_state(one) == _cache_state(many)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(30):
+        layer = int(torch.randint(4, (1,), generator=g))
+        resident = [k[1] for k in one.cache.resident(layer)]
+        picks = [resident[i] for i in torch.randperm(len(resident), generator=g)[: max(2, len(resident) // 2)].tolist()]
+        for e in picks:
+            one.cache.use(one.cache.lookup((layer, e)))
+        many.cache.use_many([many.cache.lookup((layer, e)) for e in picks])
+        assert _cache_state(one) == _cache_state(many)
+    assert any(pool.hot for pool in one.cache.pools.values())
+
+
+def run_block_grouped(m, layer, experts):
+    """`run_block` as a device block runs it: the experts landed at `begin` acquired, computed and released as
+    one group, the others one by one."""
+    plan = m.begin(layer, experts)
+    ready = plan.order[: plan.ready]
+    m.acquire_group(plan, ready)
+    m.release_group(plan, ready)
+    for e in plan.order[plan.ready :]:
+        m.acquire(plan, e)
+        m.release(plan, e)
+    m.end(plan)
+
+
+@pytest.mark.parametrize("policy", ["heat", "lru", "priority"])
+def test_a_block_of_grouped_resident_experts_books_what_one_by_one_books(policy):
+    """With every miss issued at `begin` (room for all of a block's copies), acquiring and releasing the resident
+    experts as a group changes nothing: the same allocations and evictions, counters and cache state."""
+    runs = []
+    for block in (run_block, run_block_grouped):
+        m = make_manager(layers=4, experts=32, slots=40, policy=policy)
+        log = _logged(m.cache)
+        g = torch.Generator().manual_seed(4)
+        popularity = torch.rand(4, 32, generator=g) ** 4
+        for _ in range(25):
+            m.enter_forward()
+            for layer in range(4):
+                block(m, layer, sorted(torch.multinomial(popularity[layer], 6, generator=g).tolist()))
+            m.exit_forward()
+        s = m.stats()
+        runs.append((log, _cache_state(m), (s["hits"], s["misses"], s["loads"], s["evictions"])))
+    assert runs[0][2][3] > 50  # it evicts
+    assert runs[0] == runs[1]

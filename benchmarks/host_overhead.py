@@ -2,18 +2,21 @@
 
 A fine-grained model (Qwen3-30B-A3B's routing: 128 experts, top-8) with a hidden size of 32 and an expert width
 of 16: its matmuls take microseconds, so what is measured is the runtime's own host work at the pool sizes a real
-model has (a budget giving ~900 slots, as Qwen3-30B-A3B's one pool at 8 GiB). Two workloads:
+model has (a budget giving ~900 slots, as Qwen3-30B-A3B's one pool at 8 GiB). Three workloads:
 
     batch 1,  48 MoE layers   decode, one token per step (each missed expert costs a victim search)
-    batch 64, 12 MoE layers   serving, 64 tokens per step (~128 expert uses per layer)
+    batch 64, 12 MoE layers   64 tokens per step (~128 expert uses per layer), most of them misses
+    serve 65, 12 MoE layers   a server's step: every expert resident (budget 1.0), batch-aware estimates on as
+                              `mira serve` runs; ~120 experts per block computed in one grouped matmul on CUDA
 
 Each workload decodes `--steps` tokens twice: once plainly timed (the step time), once with each part's
 exclusive time recorded by wrapping the instance's methods (the split; the wrappers add ~1 µs per call, so the
 split sums to more than the plain time). Parts:
 
     victim search   ExpertCache.allocate: the free-slot or victim search and the slot's bookkeeping
-    use bookkeeping cache.use / heat.activate / heat.feedback: per-use accounting
-    manager verbs   begin / acquire / release / end beyond the two above (plans, pins, events, telemetry)
+    use bookkeeping cache.use(_many) / heat.activate / heat.feedback: per-use accounting
+    manager verbs   begin / acquire(_group) / release(_group) / end beyond the two above (plans, pins, events,
+                    telemetry)
     copy            ExpertManager._load beyond allocate: the record's copy and its counters
     compute         the proxy's per-expert matmuls (MiraExperts._expert)
     proxy loop      MiraExperts.serve beyond all of the above: routing sync, grouping, the loop, the combine
@@ -43,25 +46,32 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import device_slug, environment, print_table, sync, write_json  # noqa: E402
 
-from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
+from mira_hf import MiraConfig, MiraMoEModel, batching  # noqa: E402
 
 HIDDEN, EXPERT_WIDTH, EXPERTS, TOP_K = 32, 16, 128, 8
 TARGET_SLOTS = 910  # Qwen3-30B-A3B's pool at 8 GiB on the H200
-WORKLOADS = (("batch 1", 1, 48), ("batch 64", 64, 12))
+# (label, batch, MoE layers, every expert resident): the third is a server's step (`mira serve`: batch-aware estimates
+# on), where nearly every expert of a layer is used and resident, so what is left is the host's own work per block
+WORKLOADS = (("batch 1", 1, 48, False), ("batch 64", 64, 12, False), ("serve 65, resident", 65, 12, True))
 
 # part -> (owner, method names); owners: "cache", "heat", "manager", "proxy"
 PARTS = {
     "victim search": ("cache", ("allocate",)),
-    "use bookkeeping": ("cache", ("use", "use_block")),
+    "use bookkeeping": ("cache", ("use", "use_many", "use_block")),
     "heat": ("heat", ("activate", "feedback")),
-    "manager verbs": ("manager", ("begin", "acquire", "acquire_rest", "release", "end", "use_block")),
+    "manager verbs": (
+        "manager",
+        ("begin", "acquire", "acquire_rest", "acquire_group", "release", "release_group", "end", "use_block"),
+    ),
     "copy": ("manager", ("_load",)),
     "compute": ("proxy", ("_expert", "_batched", "_on_slots")),
     "proxy loop": ("proxy", ("serve",)),
 }
 
 
-def build(batch: int, layers: int, device: str = "cpu", seed: int = 0, dtype: torch.dtype = torch.float32):
+def build(
+    batch: int, layers: int, device: str = "cpu", seed: int = 0, dtype: torch.dtype = torch.float32, resident: bool = False
+):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
@@ -80,7 +90,11 @@ def build(batch: int, layers: int, device: str = "cpu", seed: int = 0, dtype: to
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config).to(dtype).eval()
     record = 3 * HIDDEN * EXPERT_WIDTH * dtype.itemsize  # gate_up [2I, H] and down [H, I]
-    return MiraMoEModel.wrap(model, MiraConfig(gpu_budget=TARGET_SLOTS * record, device=device))
+    if not resident:
+        return MiraMoEModel.wrap(model, MiraConfig(gpu_budget=TARGET_SLOTS * record, device=device))
+    wrapped = MiraMoEModel.wrap(model, MiraConfig(gpu_budget=1.0, device=device))
+    batching.enable(wrapped.mira)  # as `mira serve` does
+    return wrapped
 
 
 class PartTimer:
@@ -150,8 +164,10 @@ def _counters(m) -> tuple[int, int]:
     return sum(s.misses for s in layers), sum(s.evictions for s in layers)
 
 
-def measure(label: str, batch: int, layers: int, steps: int, warmup: int, device: str, dtype: torch.dtype) -> dict:
-    model = build(batch, layers, device, dtype=dtype)
+def measure(
+    label: str, batch: int, layers: int, resident: bool, steps: int, warmup: int, device: str, dtype: torch.dtype
+) -> dict:
+    model = build(batch, layers, device, dtype=dtype, resident=resident)
     m = model.mira
     n_slots = sum(p.n_slots for p in m.cache.pools.values())
     decode(model, batch, warmup, seed=1)  # fills the cache: the measured steps evict
@@ -217,7 +233,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*past_key_values.*")  # renamed in later transformers; both work
-    rows = [measure(label, b, n, args.steps, args.warmup, args.device, dtype) for label, b, n in WORKLOADS]
+    rows = [measure(label, b, n, r, args.steps, args.warmup, args.device, dtype) for label, b, n, r in WORKLOADS]
     table = []
     for r in rows:
         row = {k: r[k] for k in ("workload", "slots", "uses_per_step", "misses_per_step", "step_ms", "host_us_per_use")}

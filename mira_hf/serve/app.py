@@ -99,12 +99,11 @@ def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None
         max_batch_tokens = planning.batch_tokens(model, config)
     if manager is not None:
         enable_batch_aware(manager)
-        if manager.arena.placement == "packed":
+        if manager.arena.placement == "packed" and manager.quantization == "lossless":
             logger.warning(
-                "this model keeps its %s expert records packed and decodes them at every use: a batch uses nearly "
-                "every expert of a layer at each step, so serving is faster with each record decoded once per copy. "
-                "Load it with mira_hf.serve.serving_mira_config(MiraConfig(...)) (what `mira serve` does).",
-                manager.quantization,
+                "this model keeps its lossless expert records packed and decodes them at every use: a batch uses "
+                "nearly every expert of a layer at each step, so serving is faster with each record decoded once per "
+                "copy. Load it with mira_hf.serve.serving_mira_config(MiraConfig(...)) (what `mira serve` does)."
             )
     app = FastAPI(title=f"mira-hf: {name}", lifespan=_lifespan)
     app.state.mira_runtime = runtime

@@ -243,9 +243,8 @@ def bench_shape(shape: str, args, on_gpu: bool, deadline: float) -> dict:
     layers = text.num_hidden_layers
     experts = getattr(text, "num_local_experts", None) or text.num_experts
     first = min(1.0, max(0.05, 1.5 * top_k / (layers * experts)))  # a small cache to load with: the plan resizes it
-    quantization = None if args.quantization == "none" else args.quantization
     mira_config = serving_mira_config(  # as `mira serve` loads: compressed records decoded once per copy
-        MiraConfig(gpu_budget=first, device=device, quantization=quantization, quant=QuantConfig(placement=args.placement))
+        MiraConfig(gpu_budget=first, device=device, quantization=args.quantization, quant=QuantConfig(placement=args.placement))
     )
     wrapped = MiraMoEModel.wrap(model, mira_config)
     out["quantization"] = wrapped.mira.quantization

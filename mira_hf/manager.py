@@ -286,9 +286,7 @@ class ExpertManager(NotebookViews):
             else:
                 slot.first_ready = None
                 self.loader.wait(slot.ready, plan.layer)
-            if slot.prefetched and not slot.used_since_load:
-                self.telemetry.layer(plan.layer).prefetch_used += 1
-                self.heat.feedback(plan.layer, expert, used=True)
+            self._first_use_of_prefetch(plan.layer, expert, slot)
             self.cache.use(slot)
             return self.arena.views(plan.layer, slot)
 
@@ -299,10 +297,14 @@ class ExpertManager(NotebookViews):
         with self._lock:
             slots = [plan.slots[e] for e in experts]
             for e, slot in zip(experts, slots):
-                if slot.prefetched and not slot.used_since_load:
-                    self.telemetry.layer(plan.layer).prefetch_used += 1
-                    self.heat.feedback(plan.layer, e, used=True)
+                self._first_use_of_prefetch(plan.layer, e, slot)
             self.cache.use_many(slots)
+
+    def _first_use_of_prefetch(self, layer: int, expert: int, slot: Slot) -> None:
+        """A prefetched expert's first use since its copy: counted, and its guess rewarded in the heat scores."""
+        if slot.prefetched and not slot.used_since_load:
+            self.telemetry.layer(layer).prefetch_used += 1
+            self.heat.feedback(layer, expert, used=True)
 
     def weights(self, plan: BlockPlan, expert: int) -> dict[str, torch.Tensor]:
         """The device tensors of an acquired `expert` (what `acquire` returns)."""

@@ -239,7 +239,9 @@ class HostCompute:
 
     def _new_worker(self) -> ThreadPoolExecutor:
         # The initializer holds no reference to self: an idle worker must not keep the manager (and its store) alive.
-        return ThreadPoolExecutor(1, thread_name_prefix="mira-host", initializer=_init_worker, initargs=(self._cpus, self.threads))
+        return ThreadPoolExecutor(
+            1, thread_name_prefix="mira-host", initializer=_init_worker, initargs=(self._cpus, self.threads)
+        )
 
     def _worker(self) -> ThreadPoolExecutor:
         """This process's worker: a process forked after the model was used has no copy of the parent's

@@ -2,7 +2,8 @@
 
 Once copies are hidden, a fine-grained model decodes at the speed of its host work: per block the proxy's loop
 over the used experts (launches, the manager's per-use bookkeeping) and per miss a victim search and a copy to
-issue. `BlockClock` times every block call, from the manager counting its hits (in `begin`) to `end`, and fits
+issue. `BlockClock` times every block call, from the manager counting its hits (in `begin`) to `end` (with its deferred
+part, run at the manager's next verb), and fits
 
     block_s ≈ fixed_s + use_s · uses + miss_s · misses
 
@@ -49,6 +50,7 @@ class BlockClock:
         self.blocks = 0
         self._moments = [0.0] * 9  # Σ1 Σu Σm Σuu Σum Σmm Σy Σuy Σmy
         self._open: tuple[float, int, int] | None = None
+        self._last: tuple[int, int] | None = None  # (uses, misses) of the block stopped last
 
     def start(self, uses: int, misses: int) -> None:
         """A block call with `uses` experts, `misses` of them not resident, starts its host work now."""
@@ -60,7 +62,18 @@ class BlockClock:
             return
         t0, u, m = self._open
         self._open = None
+        self._last = (u, m)
         self.add(u, m, time.perf_counter() - t0)
+
+    def extend(self, seconds: float) -> None:
+        """The block stopped last took `seconds` more host time (its deferred end, `ExpertManager.end`)."""
+        if self._last is None:
+            return
+        u, m = self._last
+        s = self._moments
+        s[6] += seconds
+        s[7] += u * seconds
+        s[8] += m * seconds
 
     def add(self, uses: int, misses: int, seconds: float) -> None:
         """One block of `uses` expert uses and `misses` misses took `seconds` of host time."""

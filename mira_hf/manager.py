@@ -104,6 +104,7 @@ class ExpertManager(NotebookViews):
         self._batch_index = None  # the routing `observe` saw last, for `batch` in `begin`
         self._lock = threading.RLock()
         self._last_layer = -1
+        self._tail: tuple[BlockPlan, Sequence[int]] | None = None  # the last block's deferred `end` (see `end`)
         self.host = host_compute_for(settings.host_compute)  # misses computed on the host (host_compute.py)
         self._place(store, budget, device)
         self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
@@ -135,6 +136,7 @@ class ExpertManager(NotebookViews):
         planned by `budget` on `device` (the model moved there). Every copy in flight finishes first; the
         cache starts empty (what it held is stale or elsewhere). Counters, heat and the predictor stay."""
         with self._lock:
+            self._settle()
             self.loader.synchronize()
             self.staging.drop_speculation()
             self.arena.close()
@@ -174,6 +176,7 @@ class ExpertManager(NotebookViews):
             )
         self._forward_owner = threading.get_ident()
         with self._lock:
+            self._settle()
             if self._last_layer >= 0:
                 self._end_step()
             self._last_layer = -1
@@ -184,12 +187,17 @@ class ExpertManager(NotebookViews):
         """The forward step ended (normally or by an exception, KeyboardInterrupt included)."""
         if self._forward_owner != threading.get_ident():
             return  # this thread never entered (its enter_forward raised)
-        with self._lock:
-            if self._last_layer >= 0:
-                self._end_step()
-            self._last_layer = -1
-        self._forward_owner = None
-        self._forward_lock.release()
+        try:
+            with self._lock:
+                try:
+                    self._settle()  # its copies may fail: the step still ends and the next may start
+                finally:
+                    if self._last_layer >= 0:
+                        self._end_step()
+                    self._last_layer = -1
+        finally:
+            self._forward_owner = None
+            self._forward_lock.release()
 
     def _end_step(self) -> None:
         self.staging.end_step(self.loader.stall_total())
@@ -205,6 +213,7 @@ class ExpertManager(NotebookViews):
         sees it and guesses later layers (on CUDA its device work and its copy to the host are then
         finished by that one sync). `begin` stages the guesses once the block's own copies are issued."""
         with self._lock:
+            self._settle()
             if self.recorder is not None:
                 self.recorder(layer, hidden, top_k_index)
             self.staging.observe(layer, hidden, top_k_index)
@@ -217,6 +226,7 @@ class ExpertManager(NotebookViews):
         resident and issue copies for misses while slots can be taken (the guesses `observe` made are
         staged by `end`, after this block's own copies). `rows`: each expert's rows (host compute: `plan.host`)."""
         with self._lock:
+            self._settle()
             ahead = self.staging.take_ahead(layer)  # before a step boundary would clear it
             if layer <= self._last_layer:
                 self._end_step()
@@ -347,15 +357,42 @@ class ExpertManager(NotebookViews):
         if self.host_only and (plan.layer, expert) in self.host_only and not slot.pins:
             self.cache.remove((plan.layer, expert))  # used and gone: its slot serves the cached experts
 
-    def end(self, plan: BlockPlan) -> None:
+    def end(self, plan: BlockPlan, grouped: Sequence[int] = (), later: bool = False) -> None:
         """Unpin whatever the plan still holds (normal end, or an exception mid-block), then stage the predicted
         experts of later layers. Staging waits until now because, before the block's experts are used, its fresh
-        demand loads still fill the STAGE tier; on CUDA the block's compute is queued, so these copies overlap it."""
+        demand loads still fill the STAGE tier; on CUDA the block's compute is queued, so these copies overlap it.
+
+        `grouped`: experts the block computed together from their slots without `acquire_group` (all of its
+        experts, resident at `begin`): their uses are booked first, as `acquire_group` and `release_group` would.
+        `later`: within a forward step, all of this waits until the manager's next verb (the next block's
+        `observe` or `begin`, or the step's end), so the host does it while the device runs the layers queued
+        after the block instead of the device waiting for it; the manager does the same things in the same
+        order, only later (a slot freed by this block is free once the device has run a little more)."""
         with self._lock:
-            self._unpin(plan)
+            self._settle()
+            if later and self._forward_owner == threading.get_ident():
+                self.telemetry.blocks.stop()  # the block's host time so far; its tail's is added when it runs
+                self._tail = (plan, grouped)
+                return
+            self._end(plan, grouped)
             self.telemetry.blocks.stop()  # the block's host time against its uses and misses (host_time.py)
-            predictions, plan.predictions = plan.predictions, None
-            self.staging.block_ended(plan.layer, predictions)
+
+    def _end(self, plan: BlockPlan, grouped: Sequence[int]) -> None:
+        if grouped:
+            self.acquire_group(plan, grouped)
+            self.release_group(plan, grouped)
+        self._unpin(plan)
+        predictions, plan.predictions = plan.predictions, None
+        self.staging.block_ended(plan.layer, predictions)
+
+    def _settle(self) -> None:
+        """Finish the last block's deferred `end` (see `end`), if any. Every verb that reads or changes the cache,
+        the heat or the staging calls this first, under the lock."""
+        tail, self._tail = self._tail, None
+        if tail is not None:
+            t0 = time.perf_counter()
+            self._end(*tail)
+            self.telemetry.blocks.extend(time.perf_counter() - t0)
 
     def prefetch(self, layer: int, experts: Sequence[int], probabilities: Sequence[float] | None = None) -> int:
         """Stage `experts` of `layer` (with their probabilities of use) into STAGE slots ahead of need;
@@ -363,6 +400,7 @@ class ExpertManager(NotebookViews):
         expected to be needed sooner than the guess itself (nor a HOT one, under the lru and priority
         policies); it stops at the first expert that finds no slot."""
         with self._lock:
+            self._settle()
             started = 0
             for i, e in enumerate(experts):
                 if not self.wants((layer, e)):
@@ -378,6 +416,7 @@ class ExpertManager(NotebookViews):
         """Stage the first `nbytes` of `key`'s record (a speculative copy, `Staging`): its block finishes
         the copy if it uses the expert; `drop_partial` frees the slot otherwise. None: no slot was free."""
         with self._lock:
+            self._settle()
             return self._load(key, staged=True, evict=self._warmed_up, probability=probability, nbytes=nbytes)
 
     def wants(self, key: Key) -> bool:
@@ -499,6 +538,7 @@ class ExpertManager(NotebookViews):
     def reset_stats(self) -> None:
         """Zero the counters (not the cache contents, heat scores or predictor state)."""
         with self._lock:
+            self._settle()
             self.loader.reset_stalls()
             self.telemetry.reset()
             self.staging.gate.reset_stats()
@@ -513,6 +553,7 @@ class ExpertManager(NotebookViews):
         (`mira_hf.calibrate(..., host_only_unused=True)`)."""
         keys = expert_keys(self.layers, experts, "set_host_only")
         with self._lock:
+            self._settle()
             self.host_only = frozenset(keys)
             for key in keys:
                 slot = self.cache.lookup(key)

@@ -147,7 +147,7 @@ class MiraExperts(nn.Module):
                 nonlocal y
                 by_slot = sorted((plan.slots[e].index, e) for e in experts)
                 sizes = [counts[e] for _, e in by_slot]
-                rows = torch.from_numpy(_ranges([starts[e] for _, e in by_slot], sizes)).to(x.device)  # [n] slot by slot
+                rows = _to(x.device, torch.from_numpy(_ranges([starts[e] for _, e in by_slot], sizes)))  # [n] slot by slot
                 out = self._on_slots([slot for slot, _ in by_slot], sizes, x[rows])  # [n, H]
                 if y is None:
                     y = out.new_empty((routed, H))
@@ -203,7 +203,7 @@ class MiraExperts(nn.Module):
                 out = self._on_slots([s for s, _ in slots], [1] * len(slots), hidden_states.expand(len(slots), H).contiguous())
                 if y is None:
                     y = out.new_zeros((K, H)) if sentinel else out.new_empty((K, H))
-                y[torch.tensor([k for _, k in slots], device=out.device)] = out
+                y[_to(out.device, torch.tensor([k for _, k in slots]))] = out
 
         host = self._serve(sorted(slot_of), compute, [1] * len(slot_of), lambda e: hidden_states, group)
         for e, out in host:  # host_compute
@@ -269,7 +269,7 @@ class MiraExperts(nn.Module):
                 # `weight[expert_ids]` (no buffer beside it)
                 slot_of = torch.zeros(self.num_experts, dtype=torch.long)  # [E] expert -> its slot
                 slot_of[experts] = torch.tensor([plan.slots[e].index for e in experts])
-                at = slot_of.to(hidden_states.device)[top_k_index.reshape(-1)]  # [S] each row's slot
+                at = _to(hidden_states.device, slot_of)[top_k_index.reshape(-1)]  # [S] each row's slot
                 gathered.update(self._from_slots(at, up + down))
 
         K = top_k_index.shape[1]
@@ -300,12 +300,14 @@ class MiraExperts(nn.Module):
         first) `acquire` its first part (the rest of the record may still be crossing: `_expert` waits for
         it), `compute(plan, e, w)`, `release`; `end` even when a compute raises (it unpins the slots).
         `group(plan, experts)`: computes the experts resident and landed at `begin` (`plan.ready`, two or more) at
-        once, between `acquire_group` and `release_group`, instead of `compute` on each. `rows`: each needed
+        once, between `acquire_group` and `release_group`, instead of `compute` on each (where they are the whole
+        block, `end` books them). The block's bookkeeping after its last launch waits for the manager's next verb
+        (`end(..., later=True)`): the device runs meanwhile. `rows`: each needed
         expert's row count, `inputs(e)`: its rows [n, H]. With host compute on, the misses `begin` sent to the
         host run there meanwhile; returns their (expert, outputs [n, H] on the device, before a post-expert
         norm), else []."""
         plan = self.manager.begin(self.layer, needed, rows)
-        job = None
+        job, grouped = None, ()
         try:
             if plan.host:
                 job = self.manager.host.start(self.layer, plan.host, inputs)
@@ -313,15 +315,21 @@ class MiraExperts(nn.Module):
             if group is not None and plan.ready > 1:
                 first = plan.ready
                 resident = plan.order[:first]
-                self.manager.acquire_group(plan, resident)
-                group(plan, resident)
-                self.manager.release_group(plan, resident)
+                if first == len(plan.order):  # the whole block: its uses are booked with its end
+                    group(plan, resident)
+                    grouped = resident
+                else:
+                    self.manager.acquire_group(plan, resident)
+                    group(plan, resident)
+                    self.manager.release_group(plan, resident)
             for e in plan.order[first:]:
                 w = self.manager.acquire(plan, e, first_part=True)
                 compute(plan, e, w)
                 self.manager.release(plan, e)
-        finally:
-            self.manager.end(plan)
+        except BaseException:
+            self.manager.end(plan)  # unpins now
+            raise
+        self.manager.end(plan, grouped, later=True)
         return job.collect() if job is not None else []
 
     def _grouped_on(self, x: torch.Tensor) -> bool:
@@ -351,10 +359,10 @@ class MiraExperts(nn.Module):
         w = {name: t[first : slots[-1] + 1] for name, t in views.items()}  # [span, ...]
         sizes = np.zeros(slots[-1] + 1 - first, dtype=np.int32)
         sizes[np.asarray(slots) - first] = counts
-        offs = torch.from_numpy(np.cumsum(sizes, dtype=np.int32)).to(x.device)  # [span] cumulative rows
+        offs = _to(x.device, torch.from_numpy(np.cumsum(sizes, dtype=np.int32)))  # [span] cumulative rows
         up_bias = down_bias = None  # [n, out] each, added per row as transformers does
         if self._has_bias:
-            at = torch.repeat_interleave(torch.tensor(slots) - first, torch.tensor(counts)).to(x.device)  # [n] row -> slot
+            at = _to(x.device, torch.repeat_interleave(torch.tensor(slots) - first, torch.tensor(counts)))  # [n] row -> slot
             up_bias, down_bias = w[self._up + "_bias"][at], w["down_proj_bias"][at]
         h = self._activate(grouped_linear(x, w[self._up], self._transposed, offs, up_bias))  # [n, I]
         return self._post(grouped_linear(h, w["down_proj"], self._transposed, offs, down_bias))  # [n, H]
@@ -461,6 +469,13 @@ class MiraScaledExperts(MiraExperts):
         for e, y in self._serve(needed, compute, [x.shape[1]] * len(needed), x.__getitem__):  # host_compute
             out[e] = self._post(y)
         return _guarded(out).view(hidden_states.shape)
+
+
+def _to(device: torch.device, t: torch.Tensor) -> torch.Tensor:
+    """A small host tensor (indices, offsets) on `device` without waiting for the device's queued work: torch's
+    blocking host-to-device copy synchronises the stream; from pageable memory the non-blocking one has read its
+    source when it returns."""
+    return t.to(device, non_blocking=True)
 
 
 def _ranges(starts: list[int], sizes: list[int]) -> np.ndarray:

@@ -42,6 +42,7 @@ class NotebookViews:
     def stats(self) -> dict:
         """Counters so far: hits, misses, hit_rate, loads, evictions, bytes_h2d, stall_s, per_layer, ..."""
         with self._lock:
+            self._settle()
             stalls = self.loader.stalls()
             for layer, s in stalls.items():
                 self.telemetry.layer(layer).stall_s = s

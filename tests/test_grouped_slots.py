@@ -200,3 +200,46 @@ def test_a_normalised_expert_output_is_normalised_when_resident_experts_run_toge
 
     assert mismatches("qwen3_moe", "grouped_mm", post_norm=True) == []
     assert mismatches("qwen3_moe", "grouped_mm", post_norm=True) == [] and grouped_on_cpu
+
+
+def _generate_reading_counters(path, ids, kw, later: bool):
+    """Greedy tokens, the uses counted so far as a hook after the second decoder layer reads them at each step, and
+    the final hits, misses and loads; with `later=False` every block's end runs at once."""
+    model = _wrapped(path, 1.0)
+    if not later:
+        end = model.mira.end
+        model.mira.end = lambda plan, grouped=(), later=False: end(plan, grouped, False)
+    seen = []
+    model.model.layers[1].register_forward_hook(lambda *a: seen.append(model.mira.stats()["hits"] + model.mira.stats()["misses"]))
+    with torch.no_grad():
+        out = model.generate(ids, **kw)
+    s = model.mira.stats()
+    return out, seen, s["hits"], s["misses"], s["loads"]
+
+
+def test_counters_read_within_a_forward_step_include_every_block_run_so_far(tiny_checkpoint, grouped_on_cpu):
+    """A block's bookkeeping runs at the next block's start (its end is deferred while the device runs on), yet a
+    hook that reads `model.mira.stats()` between layers sees every block before it counted, and the counters
+    after generate are those of ends run at once."""
+    path = tiny_checkpoint("qwen3_moe")
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    runs = [_generate_reading_counters(path, ids, kw, later) for later in (True, False)]
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1:] == runs[1][1:]
+    assert sum(rows == experts for experts, rows in grouped_on_cpu) >= 6  # whole resident blocks: the deferred booking
+
+
+def test_an_error_after_a_deferred_block_leaves_no_slot_pinned(tiny_checkpoint, grouped_on_cpu):
+    path = tiny_checkpoint("qwen3_moe")
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    model = _wrapped(path, 1.0)
+    with torch.no_grad():
+        model(ids)  # every expert the prompt needs is resident: the next call's blocks are whole resident groups
+        handle = model.model.layers[1].register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("injected")))
+        with pytest.raises(RuntimeError, match="injected"):
+            model(ids)
+        handle.remove()
+        assert model.mira._tail is None and not model.mira._forward_lock.locked()
+        assert all(s.pins == 0 for pool in model.mira.cache.pools.values() for s in pool.slots)
+        assert torch.equal(model(ids).logits, load_reference(path)(ids).logits)

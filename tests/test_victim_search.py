@@ -319,3 +319,66 @@ def test_a_block_of_grouped_resident_experts_books_what_one_by_one_books(policy)
         runs.append((log, _cache_state(m), (s["hits"], s["misses"], s["loads"], s["evictions"])))
     assert runs[0][2][3] > 50  # it evicts
     assert runs[0] == runs[1]
+
+
+def run_block_deferred(m, layer, experts):
+    """`run_block_grouped` as a proxy runs it within a forward step: a block whose experts had all landed books
+    them with its `end`, and every block's `end` waits for the manager's next verb."""
+    plan = m.begin(layer, experts)
+    ready = plan.order[: plan.ready]
+    if len(ready) == len(plan.order):
+        m.end(plan, ready, later=True)
+        return
+    m.acquire_group(plan, ready)
+    m.release_group(plan, ready)
+    for e in plan.order[plan.ready :]:
+        m.acquire(plan, e)
+        m.release(plan, e)
+    m.end(plan, later=True)
+
+
+def _count_deferred_ends(m, out: list) -> None:
+    """Append to `out`, at each `_settle` that finds a block's end waiting, how many experts it books."""
+    settle = m._settle
+
+    def counted():
+        if m._tail is not None:
+            out.append(len(m._tail[1]))
+        settle()
+
+    m._settle = counted
+
+
+@pytest.mark.parametrize("policy", ["heat", "lru", "priority"])
+def test_a_blocks_end_deferred_to_the_next_verb_decides_what_an_immediate_end_decides(policy):
+    """Ends run at the next block's `begin` or the step's end: the same allocations and evictions, counters and
+    cache state as ends run at once, with some blocks wholly resident (booked at their end) and some not."""
+    runs, deferred = [], []
+    for block in (run_block_grouped, run_block_deferred):
+        m = make_manager(layers=4, experts=32, slots=64, policy=policy)
+        log = _logged(m.cache)
+        _count_deferred_ends(m, deferred)
+        g = torch.Generator().manual_seed(4)
+        popularity = torch.rand(4, 32, generator=g) ** 4
+        for _ in range(25):
+            m.enter_forward()
+            for layer in range(4):
+                block(m, layer, sorted(torch.multinomial(popularity[layer], 6, generator=g).tolist()))
+            assert (m._tail is not None) == (block is run_block_deferred)  # the last block's end waits for the step's
+            m.exit_forward()
+            assert m._tail is None and all(s.pins == 0 for p in m.cache.pools.values() for s in p.slots)
+        s = m.stats()
+        runs.append((log, _cache_state(m), (s["hits"], s["misses"], s["loads"], s["evictions"])))
+    assert runs[0][2][3] > 20  # it evicts
+    assert runs[0] == runs[1]
+    assert len(deferred) == 100  # every block's end ran at a later verb
+    assert sum(n > 0 for n in deferred) >= 10  # wholly resident blocks booked their uses there
+
+
+def test_outside_a_forward_step_a_blocks_end_runs_at_once():
+    """A block called on its own (no forward step entered, e.g. a test calling a proxy) leaves nothing pending."""
+    m = make_manager(layers=2, experts=8, slots=8, policy="heat")
+    plan = m.begin(0, [1, 2])
+    m.end(plan, later=True)
+    assert m._tail is None and m.stats()["misses"] == 2
+    assert all(s.pins == 0 for p in m.cache.pools.values() for s in p.slots)

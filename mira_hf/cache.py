@@ -140,10 +140,12 @@ class SlotPool:
     hot: OrderedDict[Key, None] = field(default_factory=OrderedDict)  # the HOT experts, least recently used first
     table: SlotTable = field(init=False, repr=False)  # the slots as arrays, for victim searches
     ranks_slots: bool = field(init=False, repr=False)  # the policy chooses victims from `table` (`ranks_slots`)
+    demotes_lru: bool = field(init=False, repr=False)  # the policy demotes HOT's least recently used (`demotes_lru`)
 
     def __post_init__(self) -> None:
         self.table = SlotTable(self.n_slots)
         self.ranks_slots = ranks_slots(self.policy)
+        self.demotes_lru = demotes_lru(self.policy)
         self.slots = [Slot(i, self.table) for i in range(self.n_slots)]
         self._free = list(range(self.n_slots - 1, -1, -1))
 
@@ -257,24 +259,40 @@ class ExpertCache:
         t.stamp[at] = np.arange(t.clock + 1, t.clock + 1 + len(slots))  # as `touch` in turn: nothing reads them between
         t.clock += len(slots)
         t.awaiting[at] = False
-        policy, hot = pool.policy, pool.hot
+        used, admit_hot, hot = pool.policy.used, pool.policy.admit_hot, pool.hot
         for slot in slots:
-            key = slot.key
-            policy.used(key)
+            key = slot._key
+            used(key)
             slot.used_since_load, slot._awaiting = True, False
-            if slot.tier == HOT:
+            if slot._tier == HOT:
                 hot.move_to_end(key)
-            elif policy.admit_hot(key):
+            elif admit_hot(key):
                 self._join_hot(pool, slot)
 
     def _join_hot(self, pool: SlotPool, slot: Slot) -> None:
         slot.tier = HOT
-        pool.hot[slot.key] = None
-        if len(pool.hot) > pool.n_hot:
-            victim = pool.policy.demote(_HotKeys(pool.hot, slot.key))
+        hot, key = pool.hot, slot._key
+        hot[key] = None
+        if len(hot) > pool.n_hot:
+            if pool.demotes_lru:  # the first HOT key but the one just admitted (last): no candidate set made
+                first = iter(hot)
+                victim = next(first)
+                victim = next(first, None) if victim == key else victim
+            else:
+                victim = pool.policy.demote(_HotKeys(hot, key))
             if victim is not None:
                 pool.where[victim].tier = STAGE
-                del pool.hot[victim]
+                del hot[victim]
+
+    def pin(self, slots: Sequence[Slot], by: int = 1) -> None:
+        """Add `by` pins to each of `slots` (one pool's, distinct): `slot.pins += by` for each, with the pool's
+        array written once."""
+        if not slots:
+            return
+        for slot in slots:
+            slot._pins += by
+        t = slots[0]._table
+        t.pins[np.fromiter((slot.index for slot in slots), np.intp, len(slots))] += by
 
     def remove(self, key: Key) -> None:
         """Forget `key` (its copy failed or was abandoned); its slot becomes free."""
@@ -313,6 +331,13 @@ def _choose(pool: SlotPool, group: np.ndarray) -> Key | None:
         return None if i is None else pool.slots[i].key
     t = pool.table
     return policy.victim(list(zip(t.layer[group].tolist(), t.expert[group].tolist())))
+
+
+def demotes_lru(policy: CachePolicy) -> bool:
+    """Whether `policy.demote` takes the least recently used HOT expert (the first it is offered): the policy's
+    class says so by naming its `demote` also `lru_demote`; a subclass that overrides `demote` is asked."""
+    lru = getattr(type(policy), "lru_demote", None)
+    return lru is not None and getattr(type(policy), "demote", None) is lru
 
 
 def ranks_slots(policy: CachePolicy) -> bool:

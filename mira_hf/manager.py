@@ -240,29 +240,27 @@ class ExpertManager(NotebookViews):
             ready, in_flight, finishing, misses = [], [], [], []
             stage_hits = 0
             plan = BlockPlan(layer, [], predictions=ahead)
+            where, pinned = self.cache.pool(layer).where, plan.slots
             for e in experts:
-                slot = self.cache.lookup((layer, e))
+                slot = where.get((layer, e))
                 if slot is None:
                     misses.append(e)
                     continue
+                pinned[e] = slot
                 if slot.partial:  # a speculative copy cut short: the rest is a demand load (a miss)
                     finishing.append(e)
-                    slot.pins += 1
-                    plan.slots[e] = slot
                     plan.loading.add(e)
                     continue
                 # Labels (one meaning everywhere, `tier_of`): a "stage" hit is the first use of an expert
                 # copied ahead of need, a miss the prediction avoided; a "hot" hit reuses a kept expert.
                 if slot.prefetched and not slot.used_since_load:
                     stage_hits += 1  # for PayoffGate
-                    stats.stage_hits += 1
-                else:
-                    stats.hot_hits += 1
-                slot.pins += 1
-                plan.slots[e] = slot
                 if slot.ready is not None and slot.ready.query():
                     slot.ready = slot.first_ready = None  # landed: its later readers need no wait (no CUDA call per hit)
                 (in_flight if slot.ready is not None else ready).append(e)
+            self.cache.pin(list(pinned.values()))
+            stats.stage_hits += stage_hits
+            stats.hot_hits += len(ready) + len(in_flight) - stage_hits
             stats.misses += len(misses) + len(finishing)
             self.staging.gate.count_block(stage_hits, len(misses) + len(finishing))
             self.telemetry.count_uses(len(experts) - len(misses) - len(finishing), len(experts))
@@ -345,8 +343,15 @@ class ExpertManager(NotebookViews):
         marks all their slots free, and the block's pending misses are issued once, with all of them unpinned."""
         with self._lock:
             free = self.loader.mark_free()
-            for e in experts:
-                self._release(plan, e, free)
+            if self.host_only:
+                for e in experts:
+                    self._release(plan, e, free)
+            else:  # `_release` for each, the pins taken off at once
+                slots = [plan.slots.pop(e) for e in experts]
+                for slot in slots:
+                    slot.free = free
+                self.cache.pin(slots, by=-1)
+                plan.loading.difference_update(experts)
             self._issue(plan)
 
     def _release(self, plan: BlockPlan, expert: int, free: object) -> None:
@@ -463,9 +468,10 @@ class ExpertManager(NotebookViews):
 
     def _unpin(self, plan: BlockPlan) -> None:
         free = self.loader.mark_free() if plan.slots else None
-        for slot in plan.slots.values():
+        slots = list(plan.slots.values())
+        for slot in slots:
             slot.free = free
-            slot.pins -= 1
+        self.cache.pin(slots, by=-1)
         plan.slots.clear()
         plan.loading.clear()
         plan.pending.clear()

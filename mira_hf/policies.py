@@ -67,6 +67,8 @@ class LRUPolicy:
         `candidates` iterate least recently used first (the order this policy keeps for them)."""
         return next(iter(candidates), None)
 
+    lru_demote = demote  # `demote` takes the least recently used: the cache may take it without asking
+
 
 def _expected_distance(d: int, num_layers: int, p: float, q: float) -> float:
     """Layers until the next use of an expert whose layer runs in `d` layers and uses it with

@@ -52,8 +52,8 @@ class DeviceArena:
 
     def fill(self, slot: Slot, nbytes: int, pinned: bool) -> None:
         """Copy the first `nbytes` of the record of `slot.key` into `slot` after its last reader (`slot.free`):
-        "dequant" copies the whole record into the staging buffer and decodes it into the slot on the copy
-        stream; otherwise the bytes land as they are (`copy_into`)."""
+        "dequant" copies the whole record into the staging buffer while that reader may still run and decodes
+        it into the slot on the copy stream once it has; otherwise the bytes land as they are (`copy_into`)."""
         layer = slot.key[0]
         if self.placement == "dequant":
             layout, dtype = self.store.layout(layer), self.store.dtype(layer)

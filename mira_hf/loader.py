@@ -62,8 +62,9 @@ class Loader:
         """Copy a host record into a device buffer. Returns the event that marks it done (None on CPU).
 
         `pieces`: the record's bytes as they lie in host memory, `(offset in dst, uint8 tensor)` in order
-        (`ExpertStore.pieces`). `after`: an event the copy must wait for (the last compute that read the
-        slot). `then`: work to run on the copy stream after the copy (e.g. dequantising into the slot).
+        (`ExpertStore.pieces`). `after`: an event the writes into the slot must wait for (the last compute that
+        read it). `then`: work to run on the copy stream after the copy (e.g. dequantising into the slot); with
+        it, `dst` is a buffer only `then` reads, so the bytes cross meanwhile and `then` waits for `after`.
         """
         return self.copy_split(dst, pieces, src_pinned, 0, after, then)[1]
 
@@ -85,7 +86,7 @@ class Loader:
         issued.record(self._clock)
         first = None
         with torch.cuda.stream(self.stream):
-            if after is not None:
+            if after is not None and then is None:  # the bytes land in the slot
                 self.stream.wait_event(after)
             if split:
                 for offset, src in head:
@@ -95,6 +96,8 @@ class Loader:
             for offset, src in tail:
                 self._copy_bytes(dst[offset : offset + src.numel()], src, src_pinned)
             if then is not None:
+                if after is not None:  # `then` writes the slot
+                    self.stream.wait_event(after)
                 then()
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)

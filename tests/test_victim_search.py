@@ -300,23 +300,35 @@ def run_block_grouped(m, layer, experts):
     m.end(plan)
 
 
+def _run_blocks(block, policy, slots, watch=None, before_exit=None, after_exit=None):
+    """25 forward steps of 4 MoE layers, each block 6 experts drawn from a skewed popularity and run by
+    `block(m, layer, experts)`; `watch(m)` once the manager is made, `before_exit(m, block)` and
+    `after_exit(m, block)` around each step's end. Returns the cache's allocation log, its state and the counters
+    (hits, misses, loads, evictions)."""
+    m = make_manager(layers=4, experts=32, slots=slots, policy=policy)
+    log = _logged(m.cache)
+    if watch is not None:
+        watch(m)
+    g = torch.Generator().manual_seed(4)
+    popularity = torch.rand(4, 32, generator=g) ** 4
+    for _ in range(25):
+        m.enter_forward()
+        for layer in range(4):
+            block(m, layer, sorted(torch.multinomial(popularity[layer], 6, generator=g).tolist()))
+        if before_exit is not None:
+            before_exit(m, block)
+        m.exit_forward()
+        if after_exit is not None:
+            after_exit(m, block)
+    s = m.stats()
+    return log, _cache_state(m), (s["hits"], s["misses"], s["loads"], s["evictions"])
+
+
 @pytest.mark.parametrize("policy", ["heat", "lru", "priority"])
 def test_a_block_of_grouped_resident_experts_books_what_one_by_one_books(policy):
     """With every miss issued at `begin` (room for all of a block's copies), acquiring and releasing the resident
     experts as a group changes nothing: the same allocations and evictions, counters and cache state."""
-    runs = []
-    for block in (run_block, run_block_grouped):
-        m = make_manager(layers=4, experts=32, slots=40, policy=policy)
-        log = _logged(m.cache)
-        g = torch.Generator().manual_seed(4)
-        popularity = torch.rand(4, 32, generator=g) ** 4
-        for _ in range(25):
-            m.enter_forward()
-            for layer in range(4):
-                block(m, layer, sorted(torch.multinomial(popularity[layer], 6, generator=g).tolist()))
-            m.exit_forward()
-        s = m.stats()
-        runs.append((log, _cache_state(m), (s["hits"], s["misses"], s["loads"], s["evictions"])))
+    runs = [_run_blocks(block, policy, slots=40) for block in (run_block, run_block_grouped)]
     assert runs[0][2][3] > 50  # it evicts
     assert runs[0] == runs[1]
 
@@ -353,22 +365,18 @@ def _count_deferred_ends(m, out: list) -> None:
 def test_a_blocks_end_deferred_to_the_next_verb_decides_what_an_immediate_end_decides(policy):
     """Ends run at the next block's `begin` or the step's end: the same allocations and evictions, counters and
     cache state as ends run at once, with some blocks wholly resident (booked at their end) and some not."""
-    runs, deferred = [], []
-    for block in (run_block_grouped, run_block_deferred):
-        m = make_manager(layers=4, experts=32, slots=64, policy=policy)
-        log = _logged(m.cache)
-        _count_deferred_ends(m, deferred)
-        g = torch.Generator().manual_seed(4)
-        popularity = torch.rand(4, 32, generator=g) ** 4
-        for _ in range(25):
-            m.enter_forward()
-            for layer in range(4):
-                block(m, layer, sorted(torch.multinomial(popularity[layer], 6, generator=g).tolist()))
-            assert (m._tail is not None) == (block is run_block_deferred)  # the last block's end waits for the step's
-            m.exit_forward()
-            assert m._tail is None and all(s.pins == 0 for p in m.cache.pools.values() for s in p.slots)
-        s = m.stats()
-        runs.append((log, _cache_state(m), (s["hits"], s["misses"], s["loads"], s["evictions"])))
+    deferred = []
+
+    def before_exit(m, block):
+        assert (m._tail is not None) == (block is run_block_deferred)  # the last block's end waits for the step's
+
+    def after_exit(m, block):
+        assert m._tail is None and all(s.pins == 0 for p in m.cache.pools.values() for s in p.slots)
+
+    runs = [
+        _run_blocks(block, policy, 64, lambda m: _count_deferred_ends(m, deferred), before_exit, after_exit)
+        for block in (run_block_grouped, run_block_deferred)
+    ]
     assert runs[0][2][3] > 20  # it evicts
     assert runs[0] == runs[1]
     assert len(deferred) == 100  # every block's end ran at a later verb

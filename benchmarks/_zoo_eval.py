@@ -53,6 +53,19 @@ def zoo_models(zoo_dir: str, only: list[str] | None) -> list[tuple[str, str, str
     return [m for m in models if only is None or m[0] in only]
 
 
+def training_of(path: str) -> dict:
+    """What reproduces a zoo model's weights (`scripts/train_zoo.py --models NAME --steps STEPS --minutes 1e9` with
+    the seed; the text is fingerprinted): from its training_report.json."""
+    r = json.load(open(os.path.join(path, "training_report.json")))
+    return dict(
+        steps=r["steps"],
+        seed=r["args"]["seed"],
+        heldout_loss=r["heldout_loss"],
+        corpus_sha256=r["data"]["corpus_sha256"],
+        date_utc=r["date_utc"],
+    )
+
+
 def trace_routing_stats(trace) -> dict:
     """routing_stats of a recorded trace: each sequence's steps are consecutive tokens."""
     B = len(trace.sequence_starts)
@@ -184,12 +197,14 @@ def zoo_main(args) -> None:
         args={k: v for k, v in vars(args).items() if k not in ("out",)},
         mira_config_defaults=dict(policy=DEFAULTS.policy, predictor=DEFAULTS.predictor),
         goals=GOALS,
+        zoo_fingerprint=json.load(open(os.path.join(args.zoo, "zoo.json")))["fingerprint"],
         models={},
     )
     for name, path, domain in models:
         other = names[(names.index(name) + 1) % len(names)]  # the next model's text: another domain
         m = evaluate_model(name, path, (other, texts[other]), args)
         m["domain"] = domain
+        m["training"] = None if name == TINY else training_of(path)
         m["goals"] = goals(name, m)
         report["models"][name] = m
     report["timings_s"] = round(time.perf_counter() - start, 1)
@@ -205,14 +220,17 @@ def zoo_main(args) -> None:
 
 def markdown(report: dict) -> str:
     lines = ["# Offline evaluation over the model zoo (CPU replay)", "", f"Environment: `{report['environment']}`", ""]
-    lines += ["| model | family | experts × top-k | domain | top-20% share | reuse | × Belady 10/25/50% (calibrated) |"]
-    lines += ["|---|---|---|---|---|---|---|"]
+    lines += [
+        "| model | family | experts × top-k | domain | training steps | top-20% share | reuse | × Belady 10/25/50% (calibrated) |"
+    ]
+    lines += ["|---|---|---|---|---|---|---|---|"]
     for name, m in report["models"].items():
         t, r = m["trace"], m["routing"]
         x = [m["budgets"][b]["rows"] for b in m["budgets"]]
         cal = [next(row["xBelady"] for row in rows if row["config"] == "default, calibrated") for rows in x]
         lines.append(
             f"| {name} | {m['family']} | {t['num_experts'][0]} × {t['top_k']} | {m['domain']} | "
+            f"{(m.get('training') or {}).get('steps', 'bundled')} | "
             f"{r['top20_share']['mean']:.3f} (uniform {r['chance_top20_share']:.3f}) | "
             f"{r['reuse']['mean']:.3f} (chance {r['chance_reuse']:.3f}) | {' / '.join(f'{v:.2f}' for v in cal)} |"
         )

@@ -392,7 +392,11 @@ class ExpertManager(NotebookViews):
 
     def _settle(self) -> None:
         """Finish the last block's deferred `end` (see `end`), if any. Every verb that reads or changes the cache,
-        the heat or the staging calls this first, under the lock."""
+        the heat or the staging calls this first, under the lock. Only the thread running the forward step does:
+        the slot-free events must follow the block's work on its thread's stream (another thread, such as a metrics
+        reader, sees the counters as of the block before)."""
+        if self._tail is None or self._forward_owner != threading.get_ident():
+            return
         tail, self._tail = self._tail, None
         if tail is not None:
             t0 = time.perf_counter()

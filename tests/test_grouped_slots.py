@@ -243,3 +243,30 @@ def test_an_error_after_a_deferred_block_leaves_no_slot_pinned(tiny_checkpoint, 
         assert model.mira._tail is None and not model.mira._forward_lock.locked()
         assert all(s.pins == 0 for pool in model.mira.cache.pools.values() for s in pool.slots)
         assert torch.equal(model(ids).logits, load_reference(path)(ids).logits)
+
+
+def test_another_thread_reading_counters_mid_step_leaves_the_blocks_bookkeeping_to_the_step(tiny_checkpoint, grouped_on_cpu):
+    """A metrics reader in another thread (`mira serve`'s /metrics) calls `stats()` while a step runs: the deferred
+    end of the block before stays with the thread running the step (its slot-free events belong to that thread's
+    stream), which finishes it at its next block; the step's tokens and counters are unchanged."""
+    import threading
+
+    path = tiny_checkpoint("qwen3_moe")
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    model = _wrapped(path, 1.0)
+    with torch.no_grad():
+        model(ids)  # every expert the prompt needs is resident: the next call's blocks are whole resident groups
+    pending = []
+
+    def read_elsewhere(*_):
+        reader = threading.Thread(target=model.mira.stats)
+        reader.start()
+        reader.join()
+        pending.append(model.mira._tail is not None)
+
+    handle = model.model.layers[0].register_forward_hook(read_elsewhere)
+    with torch.no_grad():
+        got = model(ids).logits
+    handle.remove()
+    assert pending == [True] and model.mira._tail is None
+    assert torch.equal(got, load_reference(path)(ids).logits)

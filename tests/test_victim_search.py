@@ -390,3 +390,29 @@ def test_outside_a_forward_step_a_blocks_end_runs_at_once():
     m.end(plan, later=True)
     assert m._tail is None and m.stats()["misses"] == 2
     assert all(s.pins == 0 for p in m.cache.pools.values() for s in p.slots)
+
+
+def test_hot_demotion_taken_without_asking_is_the_policys_own_choice():
+    """Where the policy's `demote` is LRU's (`lru_demote`), the cache takes HOT's least recently used itself; a
+    subclass that overrides `demote` is asked. Both give the same HOT order and tiers on random uses."""
+    from mira_hf.cache import demotes_lru
+
+    class AskedLRU(LRUPolicy):
+        def demote(self, candidates):
+            return next(iter(candidates), None)
+
+    assert demotes_lru(LRUPolicy()) and not demotes_lru(AskedLRU())
+    states = []
+    for policy in (LRUPolicy(), AskedLRU()):
+        pool = SlotPool(1, 24, 8, policy)
+        cache = ExpertCache({0: pool}, {0: 0, 1: 0})
+        g = torch.Generator().manual_seed(7)
+        for _ in range(400):
+            key = (int(torch.randint(2, (1,), generator=g)), int(torch.randint(20, (1,), generator=g)))
+            slot = cache.lookup(key)
+            if slot is None:
+                slot, _ = cache.allocate(key, staged=False)
+            cache.use(slot)
+        states.append((list(pool.hot), [(s.key, s.tier) for s in pool.slots], pool.table.hot.tolist()))
+    assert len(states[0][0]) == 16  # HOT full: admissions demoted others
+    assert states[0] == states[1]

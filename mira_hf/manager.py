@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .arena import DeviceArena
@@ -431,6 +432,16 @@ class ExpertManager(NotebookViews):
     def wants(self, key: Key) -> bool:
         """Whether a copy of `key` ahead of need could help: not on the device, and not host-only."""
         return self.cache.lookup(key) is None and key not in self.host_only
+
+    def wanted(self, layer: int) -> list[bool]:
+        """`wants((layer, e))` for every expert e of `layer` at once, read from its pool's arrays (a guess list at a
+        large batch names every expert of a layer, nearly all resident)."""
+        out = np.ones(self.layers[layer].num_experts, bool)  # [E]
+        t = self.cache.pool(layer).table
+        out[t.expert[t.layer == layer]] = False
+        if self.host_only:
+            out[[e for at, e in self.host_only if at == layer]] = False
+        return out.tolist()
 
     def drop_partial(self, key: Key, slot: Slot) -> None:
         """Free `slot` if it still holds the unfinished speculative copy of `key` (unpinned): a wasted guess."""

@@ -184,7 +184,8 @@ class Staging:
         cfg = self.config
         cap = cfg.max_staged_per_layer or 2 * self.manager.layers[layer].top_k
         # the cap counts copies: at a large batch every expert is likely and the resident ones, the most used, rank first
-        likely = (e for e in order if values[e] >= cfg.stage_probability and self.manager.wants((layer, e)))
+        wanted = self.manager.wanted(layer)
+        likely = (e for e in order if values[e] >= cfg.stage_probability and wanted[e])
         staged = list(itertools.islice(likely, cap))
         self.manager.prefetch(layer, staged, [values[e] for e in staged])
 

@@ -416,3 +416,17 @@ def test_hot_demotion_taken_without_asking_is_the_policys_own_choice():
         states.append((list(pool.hot), [(s.key, s.tier) for s in pool.slots], pool.table.hot.tolist()))
     assert len(states[0][0]) == 16  # HOT full: admissions demoted others
     assert states[0] == states[1]
+
+
+def test_a_layers_wanted_experts_read_from_the_pool_are_each_experts_wants():
+    """`wanted(layer)` (one array read, for a large batch's guess lists) says for every expert what `wants` says:
+    after loads, evictions, speculative copies cut short and host-only marks."""
+    m = make_manager(layers=4, experts=32, slots=40, policy="heat")
+    _drive(m, seed=5, steps=6)
+    m.set_host_only({1: [3, 4], 2: [0]})
+    key = next((3, e) for e in range(32) if m.wants((3, e)))
+    assert m.prefetch_part(key, 0.9, 1) is not None  # a speculative copy cut short: resident, so not wanted
+    assert not m.wants(key)
+    for layer in range(4):
+        assert m.wanted(layer) == [m.wants((layer, e)) for e in range(32)]
+    assert sum(m.wanted(0)) < 32 and not m.wanted(1)[3] and not m.wanted(2)[0]

@@ -287,6 +287,9 @@ class ExpertCache:
     def pin(self, slots: Sequence[Slot], by: int = 1) -> None:
         """Add `by` pins to each of `slots` (one pool's, distinct): `slot.pins += by` for each, with the pool's
         array written once."""
+        if len(slots) == 1:  # one slot (a single release): no array built
+            slots[0].pins += by
+            return
         if not slots:
             return
         for slot in slots:

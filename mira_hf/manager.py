@@ -335,33 +335,23 @@ class ExpertManager(NotebookViews):
 
     def release(self, plan: BlockPlan, expert: int) -> None:
         """The block has enqueued its last read of `expert`: its slot may be reused after that."""
-        with self._lock:
-            self._release(plan, expert, self.loader.mark_free())
-            self._issue(plan)
+        self.release_group(plan, [expert])
 
     def release_group(self, plan: BlockPlan, experts: Sequence[int]) -> None:
         """`release` for experts whose last reads were enqueued together (one grouped matmul): one device event
         marks all their slots free, and the block's pending misses are issued once, with all of them unpinned."""
         with self._lock:
             free = self.loader.mark_free()
+            slots = [plan.slots.pop(e) for e in experts]
+            for slot in slots:
+                slot.free = free
+            self.cache.pin(slots, by=-1)
+            plan.loading.difference_update(experts)
             if self.host_only:
-                for e in experts:
-                    self._release(plan, e, free)
-            else:  # `_release` for each, the pins taken off at once
-                slots = [plan.slots.pop(e) for e in experts]
-                for slot in slots:
-                    slot.free = free
-                self.cache.pin(slots, by=-1)
-                plan.loading.difference_update(experts)
+                for e, slot in zip(experts, slots):
+                    if (plan.layer, e) in self.host_only and not slot.pins:
+                        self.cache.remove((plan.layer, e))  # used and gone: its slot serves the cached experts
             self._issue(plan)
-
-    def _release(self, plan: BlockPlan, expert: int, free: object) -> None:
-        slot = plan.slots.pop(expert)
-        slot.free = free
-        slot.pins -= 1
-        plan.loading.discard(expert)
-        if self.host_only and (plan.layer, expert) in self.host_only and not slot.pins:
-            self.cache.remove((plan.layer, expert))  # used and gone: its slot serves the cached experts
 
     def end(self, plan: BlockPlan, grouped: Sequence[int] = (), later: bool = False) -> None:
         """Unpin whatever the plan still holds (normal end, or an exception mid-block), then stage the predicted
@@ -399,10 +389,9 @@ class ExpertManager(NotebookViews):
         if self._tail is None or self._forward_owner != threading.get_ident():
             return
         tail, self._tail = self._tail, None
-        if tail is not None:
-            t0 = time.perf_counter()
-            self._end(*tail)
-            self.telemetry.blocks.extend(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        self._end(*tail)
+        self.telemetry.blocks.extend(time.perf_counter() - t0)
 
     def prefetch(self, layer: int, experts: Sequence[int], probabilities: Sequence[float] | None = None) -> int:
         """Stage `experts` of `layer` (with their probabilities of use) into STAGE slots ahead of need;

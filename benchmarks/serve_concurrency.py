@@ -16,10 +16,12 @@ holds whole (prompt + completion, in blocks of 256 tokens), in three set-ups:
   the model (its routers' top-k on random prompts, replayed at each concurrency), link bandwidth measured here;
   the expert cache and KV cache sized from the plan, batch-aware use estimates on, and the expert records in the
   format `mira serve` loads (--quantization auto: lossless for records of 32 MiB or more, each decoded once per
-  copy into a slot of the checkpoint's dtype: `serving_mira_config`);
+  copy into a slot of the checkpoint's dtype, and where the expert cache holds every expert only with a few kept
+  packed, those few kept packed and decoded at each use: `serving_mira_config`);
 - mira-more: mira-hf with the KV part fixed (`ServeConfig.kv_cache_memory`) to hold --more (1.5) times the
   resident set-up's sequences and the expert cache given the rest: what the freed memory buys in sequences,
-  and at what speed per sequence.
+  and at what speed per sequence. `--compare-placements dequant` runs it again in the same process with every
+  record decoded into a slot (none kept packed).
 
 Before the resident run, an unmeasured batch of the same sequences (--warmup-tokens new tokens) builds the kernels
 and caches the first batch in a process needs, so the resident figure, which every ratio divides by, does not carry
@@ -287,6 +289,10 @@ def bench_shape(shape: str, args, on_gpu: bool, deadline: float) -> dict:
                 staging.config = dataclasses.replace(default, batch_stage_lookahead=ahead)
                 run_mira(out, f"mira-more-ahead-{ahead}", wrapped, plan_more, total, args, deadline)
                 staging.config = default
+            for placement in args.compare_placements:  # the same split, compressed records held another way
+                manager = wrapped.mira
+                manager.relocate(manager.store, planning.slot_plan(manager, manager.budget.budget_bytes, placement), manager.device)
+                run_mira(out, f"mira-more-{placement}", wrapped, plan_more, total, args, deadline)
             plan = plan_more  # accelerate is measured at the most sequences mira-hf served
     model = wrapped.unload()
     model.to("cpu")
@@ -391,9 +397,16 @@ def main() -> int:
     p.add_argument(
         "--placement",
         default="auto",
-        choices=["auto", "packed", "dequant"],
+        choices=["auto", "packed", "dequant", "mixed"],
         help="compressed records kept packed in the cache, or decoded once per copy (QuantConfig.placement; default auto: "
         "what `mira serve` loads, serving_mira_config's choice)",
+    )
+    p.add_argument(
+        "--compare-placements",
+        nargs="*",
+        default=[],
+        choices=["dequant", "mixed"],
+        help="after mira-more, the same split again with the records held by each of these placements (one process)",
     )
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS, help="set-ups after resident (which always runs)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, short requests (< 1 minute)")

@@ -1,9 +1,10 @@
 """`DeviceArena`: the device memory a `BudgetPlan` grants, and the copies into it.
 
 One uint8 slab per slot pool (a slot is one row, so the budget is never exceeded by later
-allocations) and the codec's device buffers ("dequant": the staging record copies land in before
-they are decoded into their slot; "packed" lossless: the scratch a weight is decoded into). The
-arena knows slots by pool and index only; which expert a slot holds is the cache's business.
+allocations), the codec's device buffers ("dequant": the staging record copies land in before
+they are decoded into their slot; "packed" lossless: the scratch a weight is decoded into) and, for
+placement "mixed", one slab per layer of the records kept packed beside the cache (`BudgetPlan.kept`),
+copied once. The arena knows slots by pool and index only; which expert a slot holds is the cache's business.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class DeviceArena:
         split_min_bytes: int,
     ) -> None:
         self.store, self.budget, self.device, self.loader = store, budget, device, loader
-        self.placement = budget.placement
+        self.placement = budget.slot_placement  # how a slot holds its expert ("mixed" slots: as "dequant")
         # One allocation per pool, made once: slots are views, so the budget is never exceeded.
         self.slabs: dict[Hashable, torch.Tensor] = {
             g: torch.empty((n, budget.slot_bytes[g]), dtype=torch.uint8, device=device) for g, n in budget.n_slots.items()
@@ -49,6 +50,21 @@ class DeviceArena:
         }
         self._views: dict[tuple, object] = {}  # (pool, slot, layer) -> tensors or PackedWeights
         self._slab_views: dict[int, dict[str, torch.Tensor] | None] = {}  # layer -> tensors [n_slots, ...]
+        self.kept = self._keep(budget.kept)  # (layer, expert) -> PackedWeights
+
+    def _keep(self, kept) -> dict[tuple[int, int], PackedWeights]:
+        """Copy the records `kept` names (layer -> experts) into one slab per layer, once, and bind each; the copies
+        are finished when this returns."""
+        out, scratch = {}, self.buffers.get("scratch")
+        for layer, experts in kept.items():
+            layout, pinned = self.store.layout(layer), self.store.tier(layer) == "pinned"
+            slab = self.slabs[("kept", layer)] = torch.empty((len(experts), layout.nbytes), dtype=torch.uint8, device=self.device)
+            for row, e in zip(slab, experts):
+                self.loader.copy(row, self.store.pieces(layer, e), pinned)
+                out[layer, e] = PackedWeights(self.store.codec, row, layout, self.store.dtype(layer), scratch)
+        if out:
+            self.loader.synchronize()
+        return out
 
     def fill(self, slot: Slot, nbytes: int, pinned: bool) -> None:
         """Copy the first `nbytes` of the record of `slot.key` into `slot` after its last reader (`slot.free`):
@@ -127,3 +143,4 @@ class DeviceArena:
         self.buffers.clear()
         self._views.clear()
         self._slab_views.clear()
+        self.kept.clear()

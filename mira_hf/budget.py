@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .config import MiraConfig
 from .errors import BudgetError, ConfigError
@@ -38,8 +38,18 @@ class BudgetPlan:
     n_slots: dict[Hashable, int]
     buffer_bytes: dict[str, int] = field(default_factory=dict)  # codec buffers taken from the budget first
     # How a slot holds an expert: "raw" (checkpoint bytes), "dequant" (packed records dequantised into a
-    # slot of the checkpoint dtype) or "packed" (packed records, computed from as they are).
+    # slot of the checkpoint dtype), "packed" (packed records, computed from as they are) or "mixed" (slots as
+    # "dequant", and the experts of `kept` held packed outside the cache).
     placement: str = "raw"
+    # "mixed": layer -> the experts kept on the device as packed records (never evicted, decoded at each use), and
+    # layer -> the bytes of one such record. Empty otherwise, and where every expert has a decoded slot.
+    kept: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    kept_bytes: Mapping[int, int] = field(default_factory=dict)
+
+    @property
+    def slot_placement(self) -> str:
+        """How a slot of the pools holds its expert: `placement`, with "mixed" slots holding decoded records."""
+        return "dequant" if self.placement == "mixed" else self.placement
 
     @property
     def capacity_bytes(self) -> int:
@@ -48,8 +58,9 @@ class BudgetPlan:
 
     @property
     def device_bytes(self) -> int:
-        """Everything the manager allocates on the device: slots and codec buffers (≤ budget_bytes)."""
-        return self.capacity_bytes + sum(self.buffer_bytes.values())
+        """Everything the manager allocates on the device: slots, kept records and codec buffers (≤ budget_bytes)."""
+        kept = sum(len(es) * self.kept_bytes[layer] for layer, es in self.kept.items())
+        return self.capacity_bytes + kept + sum(self.buffer_bytes.values())
 
     def reload_costs(self, store, layers: Iterable[int]) -> dict[int, float]:
         """Relative cost of reloading an expert of each of `layers` from `store` (an `ExpertStore`), in
@@ -80,13 +91,14 @@ def device_buffers(placement: str, codec, layouts: Mapping[int, object]) -> dict
     placement "dequant": "staging", one record (the largest) that copies land in before they are
     decoded into their slot (copies and decodes run in order on one copy stream, so one is enough);
     placement "packed": "scratch", where the codec's `linear` decodes a weight (codecs with
-    `scratch_bytes`: lossless). None for uncompressed records ("raw")."""
-    if placement == "dequant":
-        return {"staging": max(layout.nbytes for layout in layouts.values())}
+    `scratch_bytes`: lossless); "mixed": both. None for uncompressed records ("raw")."""
+    buffers = {}
+    if placement in ("dequant", "mixed"):
+        buffers["staging"] = max(layout.nbytes for layout in layouts.values())
     scratch = getattr(codec, "scratch_bytes", None)
-    if placement == "packed" and scratch is not None:
-        return {"scratch": max(scratch(layout) for layout in layouts.values())}
-    return {}
+    if placement in ("packed", "mixed") and scratch is not None:
+        buffers["scratch"] = max(scratch(layout) for layout in layouts.values())
+    return buffers
 
 
 def plan_budget(
@@ -196,7 +208,44 @@ def plan_records(
 ) -> BudgetPlan:
     """The plan for records laid out as `layouts` (per layer; empty for uncompressed records, whose
     sizes are `raw_bytes`) held in slots by `placement`: a "packed" slot holds a record as it is, any
-    other placement a record of the checkpoint dtype. `round_up_from`: see `plan_budget`."""
+    other placement a record of the checkpoint dtype ("mixed": see `keep_packed`). `round_up_from`: see `plan_budget`."""
     slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else dict(raw_bytes)
     buffers = device_buffers(placement, codec, layouts)
-    return plan_budget(layers, slot_bytes, budget_bytes, buffers, placement, round_up_from=round_up_from)
+    plan = plan_budget(layers, slot_bytes, budget_bytes, buffers, placement, round_up_from=round_up_from)
+    if placement == "mixed":
+        return keep_packed(plan, layers, {layer: layout.nbytes for layer, layout in layouts.items()})
+    return plan
+
+
+def keep_packed(plan: BudgetPlan, layers: Sequence[LayerInfo], packed_bytes: Mapping[int, int]) -> BudgetPlan:
+    """Placement "mixed": where `plan`'s decoded slots cannot hold every expert, but would with some experts kept
+    packed on the device beside them (`packed_bytes` per layer, smaller than a slot), the plan that keeps the fewest
+    packed and gives every other expert a slot, so nothing is ever copied again; else `plan` itself. A batch that
+    uses every expert at every step then decodes the kept ones (a fraction of a millisecond on a GPU each) instead
+    of copying the missing ones across the link. Experts are kept one layer at a time, in turn (each layer's block
+    decodes about as many), the highest-numbered first, and each layer keeps at least its top-k experts in slots."""
+    experts = {li.ordinal: li.num_experts for li in layers}
+    pool = plan.pool_of_layer
+    held = {g: 0 for g in plan.n_slots}  # experts each pool would hold
+    for layer, n in experts.items():
+        held[pool[layer]] += n
+    if all(plan.n_slots[g] >= held[g] for g in held):
+        return plan  # every expert has a decoded slot already
+    room = plan.budget_bytes - sum(plan.buffer_bytes.values())
+    need = sum(held[g] * g for g in held)  # bytes of every expert decoded
+    kept = dict.fromkeys(experts, 0)
+    most = {li.ordinal: li.num_experts - li.top_k for li in layers if packed_bytes[li.ordinal] < pool[li.ordinal]}
+    while need > room and any(kept[layer] < most[layer] for layer in most):
+        for layer in sorted(most):
+            if need <= room:
+                break
+            if kept[layer] < most[layer]:
+                kept[layer] += 1
+                need -= pool[layer] - packed_bytes[layer]
+    if need > room:
+        return plan  # not even that holds every expert: slots only
+    n_slots = {g: 0 for g in held}
+    for layer, n in experts.items():
+        n_slots[pool[layer]] += n - kept[layer]
+    keep = {layer: tuple(range(experts[layer] - k, experts[layer])) for layer, k in kept.items() if k}
+    return replace(plan, n_slots=n_slots, kept=keep, kept_bytes={layer: packed_bytes[layer] for layer in keep})

@@ -24,7 +24,7 @@ Budget = Union[int, float, str, None]
 # The built-in choices (the registries in `mira_hf.registry` also hold what users register later).
 POLICIES = POLICY_REGISTRY.names()
 PREDICTORS: tuple[str | None, ...] = (None, *PREDICTOR_REGISTRY.names())
-PLACEMENTS = ("auto", "dequant", "packed")
+PLACEMENTS = ("auto", "dequant", "packed", "mixed")
 # quantization="auto" picks "lossless" only for expert records at least this large. Decoding a packed
 # expert at each use costs ~25 µs of kernel launches; a miss saves a quarter of the record at ~55 GB/s
 # (4.5 ms per GB). With misses ~70% of uses, lossless pays from ~8 MB; 32 MiB keeps a margin (Mixtral
@@ -158,8 +158,11 @@ class QuantConfig:
     # "dequant": experts cross the link packed and are dequantised on the device into a slot of the
     # checkpoint dtype (same experts per budget, fewer bytes moved). "packed": experts stay packed in
     # the cache and are computed from packed weights (≈3.7× more int4 experts in the same budget;
-    # lossless: ≈1.33×, minus one decoded weight of scratch). Either way the device buffers this
-    # needs (a staging record, or the scratch) are taken from gpu_budget. "auto": "packed" for
+    # lossless: ≈1.33×, minus one decoded weight of scratch). "mixed": as "dequant", except where the
+    # budget holds every expert only if some stay packed: those few are then kept packed on the device
+    # and decoded at each use, and nothing is copied again (for batches that use every expert at each
+    # step: `mira serve` loads with it). Either way the device buffers this needs (a staging record,
+    # and/or the scratch) are taken from gpu_budget. "auto": "packed" for
     # "lossless" (more experts per budget, measured faster on the H200: benchmarks/NOTES.md, "Transfer formats"),
     # "dequant" for the lossy formats (faster at batch 1).
     placement: str = "auto"

@@ -52,6 +52,7 @@ class BlockPlan:
     predictions: dict | None = None  # the predictor's guesses, staged once the block's own experts are in use
     host: list[int] = field(default_factory=list)  # misses computed on the host, not copied (host_compute)
     ready: int = 0  # how many experts at the head of `order` were resident with their copies landed at `begin`
+    kept: int = 0  # how many experts after those are kept packed beside the cache (placement "mixed")
 
 
 class ExpertManager(NotebookViews):
@@ -117,10 +118,11 @@ class ExpertManager(NotebookViews):
         s = self.settings
         self.store, self.budget, self.device = store, budget, device
         self.placement = budget.placement  # how a slot holds an expert (BudgetPlan.placement)
+        self.kept: frozenset[Key] = frozenset((layer, e) for layer, es in budget.kept.items() for e in es)
         # Demand copies a block keeps in flight (see CacheConfig.demand_inflight_bytes): ≥ 2 per layer.
         self._depth = {layer: max(2, -(-s.demand_inflight_bytes // store.record_bytes(layer))) for layer in self.layers}
         self.loader = Loader(device, s.ring_bytes, timeout_s=s.copy_timeout_s)
-        self.staging.place(device, self.placement)
+        self.staging.place(device, budget.slot_placement)
         self._staged: dict[int, list[Slot]] = {}  # layer -> slots given to its prefetches since its last block
         self._cost = budget.reload_costs(store, self.layers)  # the eviction policies' `cost` of each layer
         make_policy = POLICIES.get(s.policy).factory
@@ -238,14 +240,14 @@ class ExpertManager(NotebookViews):
                 self.batch.observe(layer, experts, self._batch_index)
             self._expire_prefetches(layer)
             stats = self.telemetry.layer(layer)
-            ready, in_flight, finishing, misses = [], [], [], []
+            ready, kept, in_flight, finishing, misses = [], [], [], [], []
             stage_hits = 0
             plan = BlockPlan(layer, [], predictions=ahead)
             where, pinned = self.cache.pool(layer).where, plan.slots
             for e in experts:
                 slot = where.get((layer, e))
                 if slot is None:
-                    misses.append(e)
+                    (kept if (layer, e) in self.kept else misses).append(e)
                     continue
                 pinned[e] = slot
                 if slot.partial:  # a speculative copy cut short: the rest is a demand load (a miss)
@@ -261,15 +263,15 @@ class ExpertManager(NotebookViews):
                 (in_flight if slot.ready is not None else ready).append(e)
             self.cache.pin(list(pinned.values()))
             stats.stage_hits += stage_hits
-            stats.hot_hits += len(ready) + len(in_flight) - stage_hits
+            stats.hot_hits += len(ready) + len(kept) + len(in_flight) - stage_hits
             stats.misses += len(misses) + len(finishing)
             self.staging.gate.count_block(stage_hits, len(misses) + len(finishing))
             self.telemetry.count_uses(len(experts) - len(misses) - len(finishing), len(experts))
             if self.host.active and misses and rows is not None:  # the misses the host finishes sooner: no copy, no slot
                 misses, plan.host = self.host.split(layer, misses, dict(zip(experts, rows)), self.heat.use_rate[layer])
                 stats.host_computed += len(plan.host)
-            plan.order = ready + in_flight + finishing + misses
-            plan.ready = len(ready)
+            plan.order = ready + kept + in_flight + finishing + misses
+            plan.ready, plan.kept = len(ready), len(kept)
             plan.pending.extend(misses)
             self.staging.drop_speculation(layer)  # guesses for this block that it does not use
             try:
@@ -284,10 +286,13 @@ class ExpertManager(NotebookViews):
     def acquire(self, plan: BlockPlan, expert: int, first_part: bool = False) -> dict[str, torch.Tensor]:
         """The device tensors of `expert`, once its copy is done (the compute stream waits on it). With
         `first_part`, once the tensors of its first matmul are in: the caller must `acquire_rest` before
-        it reads any other tensor."""
+        it reads any other tensor. An expert kept packed (placement "mixed") is its `PackedWeights`, at once."""
         with self._lock:
             slot = plan.slots.get(expert)
             if slot is None:
+                packed = self.arena.kept.get((plan.layer, expert))
+                if packed is not None:
+                    return packed
                 self._issue(plan, at_least_one=True)  # misses are acquired in issue order: this is the next one
                 slot = plan.slots[expert]
             if first_part and slot.first_ready is not None:
@@ -327,15 +332,16 @@ class ExpertManager(NotebookViews):
 
     def acquire_rest(self, plan: BlockPlan, expert: int) -> None:
         """After `acquire(..., first_part=True)`: the compute stream also waits for the rest of the record."""
-        slot = plan.slots[expert]
-        if slot.first_ready is not None:
+        slot = plan.slots.get(expert)  # None: kept packed
+        if slot is not None and slot.first_ready is not None:
             with self._lock:
                 slot.first_ready = None
                 self.loader.wait(slot.ready, plan.layer)
 
     def release(self, plan: BlockPlan, expert: int) -> None:
         """The block has enqueued its last read of `expert`: its slot may be reused after that."""
-        self.release_group(plan, [expert])
+        if expert in plan.slots:  # not kept packed
+            self.release_group(plan, [expert])
 
     def release_group(self, plan: BlockPlan, experts: Sequence[int]) -> None:
         """`release` for experts whose last reads were enqueued together (one grouped matmul): one device event
@@ -420,7 +426,7 @@ class ExpertManager(NotebookViews):
 
     def wants(self, key: Key) -> bool:
         """Whether a copy of `key` ahead of need could help: not on the device, and not host-only."""
-        return self.cache.lookup(key) is None and key not in self.host_only
+        return self.cache.lookup(key) is None and key not in self.host_only and key not in self.kept
 
     def wanted(self, layer: int) -> list[bool]:
         """`wants((layer, e))` for every expert e of `layer` at once, read from its pool's arrays (a guess list at a
@@ -430,6 +436,7 @@ class ExpertManager(NotebookViews):
         out[t.expert[t.layer == layer]] = False
         if self.host_only:
             out[[e for at, e in self.host_only if at == layer]] = False
+        out[list(self.budget.kept.get(layer, ()))] = False
         return out.tolist()
 
     def drop_partial(self, key: Key, slot: Slot) -> None:

@@ -79,9 +79,9 @@ class MiraExperts(nn.Module):
         # columns first, then up, as Llama 4's experts), and whether slots hold packed records.
         self._apply_gate = getattr(base, "_apply_gate", None)
         self._packed = manager.placement == "packed"
-        # Whether batched_mm's gather of decoded weights gives the unwrapped model's bits: unpacked slots, or packed
-        # records that decode exactly (`decodes_exactly`).
-        self._gathers = not self._packed or decodes_exactly(manager.store.codec)
+        # Whether batched_mm's gather of decoded weights gives the unwrapped model's bits: unpacked experts, or packed
+        # records (in slots, or kept beside them: "mixed") that decode exactly (`decodes_exactly`).
+        self._gathers = manager.placement not in ("packed", "mixed") or decodes_exactly(manager.store.codec)
         self._handle = register(self)  # how the compiled graph's operator finds this module
         manager.host.register(layer, *host_expert_math(self, manager.store.raw_layout(layer)))  # host_compute.py
         # transformers' flags of an experts module (`@use_experts_implementation`), where `base` has them: its
@@ -300,8 +300,8 @@ class MiraExperts(nn.Module):
         first) `acquire` its first part (the rest of the record may still be crossing: `_expert` waits for
         it), `compute(plan, e, w)`, `release`; `end` even when a compute raises (it unpins the slots).
         `group(plan, experts)`: computes the experts resident and landed at `begin` (`plan.ready`, two or more) at
-        once, between `acquire_group` and `release_group`, instead of `compute` on each (where they are the whole
-        block, `end` books them). The block's bookkeeping after its last launch waits for the manager's next verb
+        once, between `acquire_group` and `release_group`, instead of `compute` on each (where no other expert of the
+        block waits for a copy, `end` books them; experts kept packed follow, through `compute`). The block's bookkeeping after its last launch waits for the manager's next verb
         (`end(..., later=True)`): the device runs meanwhile. `rows`: each needed
         expert's row count, `inputs(e)`: its rows [n, H]. With host compute on, the misses `begin` sent to the
         host run there meanwhile; returns their (expert, outputs [n, H] on the device, before a post-expert
@@ -315,7 +315,7 @@ class MiraExperts(nn.Module):
             if group is not None and plan.ready > 1:
                 first = plan.ready
                 resident = plan.order[:first]
-                if first == len(plan.order):  # the whole block: its uses are booked with its end
+                if first + plan.kept == len(plan.order):  # nothing awaited: their uses are booked with the block's end
                     group(plan, resident)
                     grouped = resident
                 else:

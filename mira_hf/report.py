@@ -60,6 +60,7 @@ class NotebookViews:
                 quantization=self.quantization,
                 placement=self.placement,
                 host_only_experts=len(self.host_only),
+                kept_packed_experts=len(self.kept),  # placement "mixed": held packed beside the slots, decoded at each use
                 prediction_active=self.staging.predicting,  # the predictor runs now (False without one, or paused by the payoff gate)
                 prediction_paused_steps=self.staging.gate.paused_steps,
             )
@@ -68,10 +69,11 @@ class NotebookViews:
     def tier_of(self, layer: int, expert: int) -> str | None:
         """ "hot" (on the device and used since its copy), "stage" (on the device or in flight, copied ahead of
         its use and not used yet) or None (not on the device). The same labels as `stats()`' `hot_hits` and
-        `stage_hits`; the cache's eviction groups (`ExpertCache`) are its own business."""
+        `stage_hits`; the cache's eviction groups (`ExpertCache`) are its own business. An expert kept packed beside
+        the cache (placement "mixed") is always "hot"."""
         slot = self.cache.lookup((layer, expert))
         if slot is None:
-            return None
+            return "hot" if (layer, expert) in self.kept else None
         return "hot" if slot.used_since_load else "stage"
 
     def expert_counts(self) -> dict[int, list[int]]:

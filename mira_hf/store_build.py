@@ -246,9 +246,9 @@ def resolve_format(
     the codec runs transformers' own kernels on packed records (`computes_natively`)."""
     if native is not None:
         placement = "dequant" if cfg.quant.placement == "auto" else cfg.quant.placement
-        if placement == "packed" and not native.computes_natively(device):
+        if placement in ("packed", "mixed") and not native.computes_natively(device):
             raise ConfigError(
-                f"QuantConfig(placement='packed') was given for {native.name} experts, but transformers computes "
+                f"QuantConfig(placement={placement!r}) was given for {native.name} experts, but transformers computes "
                 f"{native.name} with its own kernels only on GPUs that support them (not on {device}), and dequantizes "
                 "elsewhere; mira-hf does the same. Use placement='auto' or 'dequant'."
             )

@@ -5,6 +5,7 @@ import warnings
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from mira_hf import BudgetError, MiraConfig, MiraMoEModel
 from mira_hf.budget import LayerInfo, device_buffers, plan_budget, plan_records
@@ -121,3 +122,51 @@ def test_the_round_up_warning_names_the_line_that_asked_for_the_plan():
     assert len(caught) == 1 and caught[0].filename != budget.__file__
     if "MUTANT_UNDER_TEST" not in os.environ:  # mutation testing (mutmut) wraps every call in two more frames
         assert caught[0].filename == __file__
+
+
+# -- placement "mixed": the fewest experts kept packed so that every expert is on the device ------------------------
+
+# Two layers of 4 experts, top-1: decoded records of 1000 bytes, packed ones of 700 (a saving of 300 each).
+MIXED_LAYERS = [LayerInfo(0, "layers.0.mlp.experts", 4, 1), LayerInfo(1, "layers.1.mlp.experts", 4, 1)]
+DECODED, PACKED = {0: 1000, 1: 1000}, {0: 700, 1: 700}
+
+
+def _mixed(budget: int):
+    from mira_hf.budget import keep_packed
+
+    return keep_packed(plan_budget(MIXED_LAYERS, DECODED, budget, placement="mixed"), MIXED_LAYERS, PACKED)
+
+
+def test_mixed_keeps_the_fewest_experts_packed_that_put_every_expert_on_the_device():
+    # 7000 bytes: every expert decoded needs 8000, so 1000 must be saved: four experts kept (4 × 300 ≥ 1000),
+    # taken one layer at a time, the highest-numbered first; the other four get decoded slots
+    plan = _mixed(7000)
+    assert plan.kept == {0: (2, 3), 1: (2, 3)} and plan.kept_bytes == {0: 700, 1: 700}
+    assert plan.n_slots == {1000: 4}
+    assert plan.device_bytes == 4 * 1000 + 4 * 700 <= plan.budget_bytes
+    # 7400 bytes: 600 to save, two kept, one per layer
+    assert _mixed(7400).kept == {0: (3,), 1: (3,)} and _mixed(7400).n_slots == {1000: 6}
+    # 7650: 350 to save, still two (one expert saves only 300); the layers take turns from the first
+    assert _mixed(7650).kept == {0: (3,), 1: (3,)}
+    assert _mixed(7750).kept == {0: (3,)} and _mixed(7750).n_slots == {1000: 7}
+
+
+def test_mixed_is_the_decoded_plan_where_every_expert_fits_decoded_or_keeping_cannot_make_them_fit():
+    assert _mixed(8000).kept == {} and _mixed(8000).n_slots == {1000: 8}
+    # Each layer keeps its top-k experts in slots: at most 3 + 3 kept saves 1800; 6100 would need 1900
+    low = _mixed(6100)
+    assert low.kept == {} and low.n_slots == plan_budget(MIXED_LAYERS, DECODED, 6100).n_slots == {1000: 6}
+    edge = _mixed(6200)  # exactly 1800 to save
+    assert edge.kept == {0: (1, 2, 3), 1: (1, 2, 3)} and edge.n_slots == {1000: 2}
+
+
+def test_mixed_plans_the_staging_record_and_the_decode_scratch():
+    from mira_hf.quant import LosslessCodec
+
+    codec = LosslessCodec()
+    w = {"gate_up_proj": torch.randn(4, 64, 32, dtype=torch.bfloat16), "down_proj": torch.randn(4, 32, 32, dtype=torch.bfloat16)}
+    layout = codec.plan_experts(w)
+    buffers = device_buffers("mixed", codec, {0: layout})
+    assert buffers == {"staging": layout.nbytes, "scratch": codec.scratch_bytes(layout)}
+    assert device_buffers("dequant", codec, {0: layout}).keys() == {"staging"}
+    assert device_buffers("packed", codec, {0: layout}).keys() == {"scratch"}

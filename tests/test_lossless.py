@@ -224,9 +224,9 @@ def test_cuda_encode_and_decode_are_exact():
 # ----------------------------------------------------------------------------------------- runtime
 
 
-def _wrapped(path: str, quantization, placement="dequant", dtype=torch.float32, budget=0.3, code="nibble"):
+def _wrapped(path: str, quantization, placement="dequant", dtype=torch.float32, budget=0.3, code="nibble", device="cpu"):
     quant = QuantConfig(placement=placement, lossless_code=code)
-    cfg = MiraConfig(device="cpu", gpu_budget=budget, quantization=quantization, quant=quant)
+    cfg = MiraConfig(device=device, gpu_budget=budget, quantization=quantization, quant=quant)
     return MiraMoEModel.from_pretrained(path, cfg, dtype=dtype, progress=False).eval()
 
 
@@ -337,3 +337,68 @@ def test_device_allocations_stay_within_the_budget(tiny_checkpoint, quantization
             model(torch.arange(3, 20).view(1, -1))
     with pytest.raises(BudgetError):
         _wrapped(path, quantization, placement, budget=minimum - 1)
+
+
+# Budgets (shares of the uncompressed experts' bytes) that hold every expert of the bundled model only with some
+# kept packed: its lossless records are 0.70 of bf16's bytes and 0.88 of fp32's.
+MIXED_BUDGET = {torch.bfloat16: 0.85, torch.float32: 0.97}
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mixed_placement_keeps_a_few_experts_packed_copies_nothing_more_and_computes_the_same_bits(dtype, device):
+    """Placement "mixed": where the budget holds every expert only with some kept packed, those few stay packed on
+    the device (decoded at each use) and the rest are decoded into slots, so after the first step nothing crosses the
+    link again; under every experts implementation the logits and tokens are the unwrapped model's."""
+    from safetensors.torch import load_file
+
+    path = bundled_model_path()
+    ids = load_file(f"{path}/heldout_tokens.safetensors")["input_ids"][:2, :24].long().to(device)
+    ref = load_reference(path, dtype).to(device)
+    model = _wrapped(path, "lossless", "mixed", dtype=dtype, budget=MIXED_BUDGET[dtype], code="classes", device=device)
+    mira = model.mira
+    kept = mira.budget.kept
+    n_kept = sum(len(es) for es in kept.values())
+    assert 0 < n_kept and sum(mira.budget.n_slots.values()) + n_kept == 6 * 8  # every expert is on the device
+    assert max(map(len, kept.values())) - min(len(kept.get(layer, ())) for layer in range(6)) <= 1  # spread evenly
+    assert mira.device_bytes == mira.budget.device_bytes <= mira.stats()["budget_bytes"]
+    with torch.no_grad():
+        for impl in ("grouped_mm", "eager", "batched_mm"):
+            ref.set_experts_implementation(impl)
+            model.set_experts_implementation(impl)
+            assert torch.equal(model(ids).logits, ref(ids).logits), impl
+        loads = mira.stats()["loads"]
+        assert 0 < loads <= 6 * 8 - n_kept  # each used expert with a slot copied once, the kept ones never
+        prompt = ids[:1, :12]
+        for kw in (dict(do_sample=False), dict(do_sample=False, num_beams=4)):
+            kw.update(max_new_tokens=8, min_new_tokens=8)
+            assert torch.equal(model.generate(prompt, **kw), ref.generate(prompt, **kw))
+    assert sum(mira.expert_counts()[layer][e] for layer, es in kept.items() for e in es) > 0  # kept ones were used
+    s = mira.stats()
+    assert s["loads"] == loads and s["evictions"] == 0 and s["kept_packed_experts"] == n_kept
+    layer, (expert, *_) = next(iter(kept.items()))
+    assert mira.tier_of(layer, expert) == "hot" and not mira.wants((layer, expert))
+    assert not any(w for e, w in enumerate(mira.wanted(layer)) if e in kept[layer])
+
+
+def test_a_mixed_cache_resized_keeps_packed_only_what_the_new_size_needs():
+    """The server's plan resizes the expert cache after loading (`resize_expert_cache`): a mixed placement is planned
+    again at the new size, kept experts appearing or going, and the logits stay the unwrapped model's."""
+    from mira_hf.serve.planning import resize_expert_cache
+
+    path = bundled_model_path()
+    ids = torch.arange(3, 40).view(1, -1)
+    ref = load_reference(path, torch.bfloat16)
+    model = _wrapped(path, "lossless", "mixed", dtype=torch.bfloat16, budget=0.3, code="classes")
+    assert model.mira.budget.kept == {}
+    all_bytes = sum(model.mira.store.raw_layout(layer).nbytes * 8 for layer in range(6))
+    with torch.no_grad():
+        expected = ref(ids).logits
+        for share, keeps in ((0.85, True), (0.3, False), (1.2, False)):
+            resize_expert_cache(model, int(share * all_bytes))
+            assert bool(model.mira.budget.kept) == keeps, share
+            assert model.mira.budget.placement == "mixed"
+            assert torch.equal(model(ids).logits, expected), share

@@ -349,7 +349,7 @@ def test_a_serving_config_decodes_compressed_records_once_per_copy_unless_told_o
     chosen = MiraConfig(gpu_budget=0.3, quantization="lossless", quant=QuantConfig(placement="packed"))
     assert serving_mira_config(chosen) == chosen
     served = serving_mira_config(MiraConfig(gpu_budget=0.3, quantization="lossless", quant=QuantConfig(group_size=32)))
-    assert served == MiraConfig(gpu_budget=0.3, quantization="lossless", quant=QuantConfig(group_size=32, placement="dequant"))
+    assert served == MiraConfig(gpu_budget=0.3, quantization="lossless", quant=QuantConfig(group_size=32, placement="mixed"))
 
 
 def test_serving_a_model_whose_records_stay_packed_warns_how_to_load_it(caplog):
@@ -378,7 +378,8 @@ def test_cli_serve_loads_compressed_records_decoded_once_per_copy(monkeypatch, c
     argv = ["serve", "mira-tiny", "--device", "cpu", "--quantization", "lossless", "--max-tokens", "2", "--memory-report"]
     assert main(argv) == 0, capsys.readouterr().err
     ((model, _),) = loaded
-    assert model.mira.quantization == "lossless" and model.mira.arena.placement == "dequant"
+    assert model.mira.quantization == "lossless" and model.mira.arena.placement == "dequant"  # slots hold decoded records
+    assert model.mira.placement == "mixed"  # and where every expert fits only so, a few are kept packed
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_decoding(served):

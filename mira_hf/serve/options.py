@@ -38,12 +38,14 @@ def require_serve(feature: str = "mira serve") -> None:
 
 def serving_mira_config(config: MiraConfig) -> MiraConfig:
     """`config` for a model loaded to serve batches: where the record placement is left to "auto", compressed
-    records are decoded once per copy into a slot of the checkpoint's dtype (`QuantConfig(placement="dequant")`).
-    A batch uses nearly every expert of a layer at each step, so records kept packed would be decoded at every
-    use of every step (benchmarks/NOTES.md, "Transfer formats"). Both placements are exact."""
+    records are decoded once per copy into a slot of the checkpoint's dtype, and where the budget holds every
+    expert only if some stay packed, those few are kept packed on the device (`QuantConfig(placement="mixed")`).
+    A batch uses nearly every expert of a layer at each step, so records kept packed in every slot would be decoded
+    at every use of every step, and a budget short of every expert decoded copies the missing ones at every step
+    (benchmarks/NOTES.md, "Transfer formats"). Every placement is exact."""
     if config.quant.placement != "auto":
         return config
-    return config.replace(quant=dataclasses.replace(config.quant, placement="dequant"))
+    return config.replace(quant=dataclasses.replace(config.quant, placement="mixed"))
 
 
 @dataclass(frozen=True)

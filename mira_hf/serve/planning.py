@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from ..budget import plan_budget
+from ..budget import plan_budget, plan_records
 from ..config import parse_bytes
 from ..errors import BudgetError, ConfigError
 from ..host_time import MIN_BLOCKS
@@ -215,13 +215,22 @@ def _expert_cache_bytes(value, fp: ModelFootprint) -> int | None:
     return parse_bytes(value, "expert_cache_memory")
 
 
+def slot_plan(manager, budget_bytes: int, placement: str):
+    """The `BudgetPlan` of `budget_bytes` for `manager`'s records held by `placement` (BudgetPlan.placement), as
+    planned at load; raises `BudgetError` below the minimum working set."""
+    store = manager.store
+    layers = list(manager.layers.values())
+    layouts = {li.ordinal: store.layout(li.ordinal) for li in layers} if store.quantized else {}
+    raw_bytes = {li.ordinal: store.raw_layout(li.ordinal).nbytes for li in layers}
+    return plan_records(layers, budget_bytes, placement, store.codec, layouts, raw_bytes)
+
+
 def resize_expert_cache(model, budget_bytes: int) -> None:
     """Give the model's expert cache `budget_bytes` (slots re-planned as at load, the cache emptied). Nothing
     changes if the plan is refused (below the minimum working set)."""
     manager = model.mira
-    layers = list(manager.layers.values())
-    budget = plan_budget(layers, dict(manager.budget.pool_of_layer), budget_bytes, manager.budget.buffer_bytes, manager.placement)
-    if budget.n_slots != manager.budget.n_slots:
+    budget = slot_plan(manager, budget_bytes, manager.placement)
+    if (budget.n_slots, budget.kept) != (manager.budget.n_slots, manager.budget.kept):
         manager.relocate(manager.store, budget, manager.device)
 
 

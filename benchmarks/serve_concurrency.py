@@ -291,7 +291,9 @@ def bench_shape(shape: str, args, on_gpu: bool, deadline: float) -> dict:
                 staging.config = default
             for placement in args.compare_placements:  # the same split, compressed records held another way
                 manager = wrapped.mira
-                manager.relocate(manager.store, planning.slot_plan(manager, manager.budget.budget_bytes, placement), manager.device)
+                manager.relocate(
+                    manager.store, planning.slot_plan(manager, manager.budget.budget_bytes, placement), manager.device
+                )
                 run_mira(out, f"mira-more-{placement}", wrapped, plan_more, total, args, deadline)
             plan = plan_more  # accelerate is measured at the most sequences mira-hf served
     model = wrapped.unload()
@@ -331,6 +333,7 @@ def run_mira(out: dict, name: str, wrapped, plan, total: int, args, deadline: fl
             loads_ahead=stats["prefetches"],
             ahead_unused=stats["prefetch_wasted"],
             stall_s=round(stats["stall_s"], 2),  # forward time spent waiting for copies
+            kept_packed=stats["kept_packed_experts"],  # placement "mixed": experts kept packed beside the slots
             load_latency_p50_ms=stats["load_latency_p50_s"] and round(stats["load_latency_p50_s"] * 1e3, 2),
             union_check=wrapped.mira.batch.union_check(),  # experts a block was expected to use / used, per block
         )

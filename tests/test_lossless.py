@@ -346,7 +346,12 @@ MIXED_BUDGET = {torch.bfloat16: 0.85, torch.float32: 0.97}
 
 @pytest.mark.parametrize(
     "device",
-    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])],
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+        ),
+    ],
 )
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_mixed_placement_keeps_a_few_experts_packed_copies_nothing_more_and_computes_the_same_bits(dtype, device):

@@ -242,3 +242,21 @@ def test_a_cuda_model_casts_on_its_device_and_moves_to_the_cpu_and_back(tiny_che
     ref.cuda()
     with torch.no_grad():
         assert torch.equal(model(IDS.cuda()).logits, ref(IDS.cuda()).logits)
+
+
+def test_a_cast_of_a_mixed_placement_plans_its_kept_experts_again_and_serves_exactly(tiny_checkpoint):
+    """Placement "mixed" keeps a few experts packed where every expert fits only so; a cast re-encodes the records
+    (fp32 ones compress less than bf16 ones), and the plan made again keeps what the new records need."""
+    from mira_hf.config import QuantConfig
+
+    path = tiny_checkpoint("mixtral")
+    model = _wrapped(path, quantization="lossless", quant=QuantConfig(placement="mixed"), gpu_budget=1.0)
+    assert model.mira.budget.kept  # the codec buffers come out of the budget: every expert fits only with some kept
+    ref = load_reference(path)
+    assert torch.equal(_logits(model), _logits(ref))
+    model.bfloat16()  # smaller records: a different number kept, or none
+    assert model.mira.placement == "mixed" and model.mira.store.dtype(0) == torch.bfloat16
+    assert sum(map(len, model.mira.budget.kept.values())) + sum(model.mira.budget.n_slots.values()) == 2 * 8
+    assert model.mira.device_bytes <= model.mira.stats()["budget_bytes"]
+    assert torch.equal(_logits(model), _logits(ref.bfloat16()))
+    assert _same(model.state_dict(), ref.state_dict())

@@ -58,17 +58,21 @@ def kernel_device():
 
 
 def load_reference(path: str, dtype=None):
-    """The unwrapped model of a checkpoint, loaded by transformers (in `dtype`, as mira-hf is given it), with
-    every weight at a 16-byte-aligned address. A tensor that transformers maps from the file as is sits where
-    the file put it, which safetensors aligns to 8 bytes only, and on a CPU torch's grouped matmul (torch ≥ 2.11)
-    rounds such a weight differently from an aligned one: the unwrapped model's last bits then depend on the
-    file's layout. mira-hf's copies, like any copy (`.to`, `.clone`), are aligned (docs/ARCHITECTURE.md)."""
+    """The unwrapped model of a checkpoint, loaded by transformers (in `dtype`, as mira-hf is given it), with its
+    routed experts' weights at 16-byte-aligned addresses and every other weight where transformers put it, as in the
+    wrapped model. A tensor that transformers maps from the file as is sits where the file put it, which safetensors
+    aligns to 8 bytes only, and a CPU kernel may round a weight by its address: torch's grouped matmul (torch ≥ 2.11),
+    and on some CPUs a one-row `F.linear` (an lm_head computing the last position only). The unwrapped model's last
+    bits then depend on the file's layout. mira-hf's copies of the experts, like any copy (`.to`, `.clone`), are
+    aligned (docs/ARCHITECTURE.md); the rest of the model it leaves as transformers loaded it."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, **({"dtype": dtype} if dtype is not None else {})).eval()
-    for p in model.parameters():
-        if p.data_ptr() % 16:
-            p.data = p.data.clone()
+    for name, module in model.named_modules():
+        if name.endswith("experts") and isinstance(getattr(module, "num_experts", None), int):
+            for p in module.parameters(recurse=False):
+                if p.data_ptr() % 16:
+                    p.data = p.data.clone()
     return model
 
 

@@ -425,7 +425,8 @@ class ExpertManager(NotebookViews):
             return self._load(key, staged=True, evict=self._warmed_up, probability=probability, nbytes=nbytes)
 
     def wants(self, key: Key) -> bool:
-        """Whether a copy of `key` ahead of need could help: not on the device, and not host-only."""
+        """Whether a copy of `key` ahead of need could help: not on the device (in a slot or kept packed), and not
+        host-only."""
         return self.cache.lookup(key) is None and key not in self.host_only and key not in self.kept
 
     def wanted(self, layer: int) -> list[bool]:

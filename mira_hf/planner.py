@@ -196,6 +196,9 @@ class ModelFootprint:
     page_tokens: int = 256  # tokens per KV block
     kv_overhead_per_token: int = 0  # other bytes that grow with the cache's tokens (attention masks, read buffers)
     activation_bytes: int = 0  # one forward step's activations at the step's token limit
+    # The smallest expert cache that holds every routed expert on the device, where that is less than expert_bytes
+    # (placement "mixed" keeps a few packed, decoded at each use: a cost the step model leaves out); 0: expert_bytes.
+    all_fit_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -266,8 +269,10 @@ def plan_memory(
     def kv_share(kv_bytes: int) -> int:  # K and V bytes of a KV part that also pays its per-token overhead
         return kv_bytes * model.kv_bytes_per_token // per_token
 
+    all_fit = model.all_fit_bytes or model.expert_bytes  # past this, more expert cache holds nothing more
+
     def evaluate(c: int, experts: int, kv_total: int) -> dict:
-        share = min(experts / model.expert_bytes, 1.0) if model.expert_bytes else 1.0
+        share = 1.0 if experts >= all_fit else experts / model.expert_bytes
         hit = curve.hit_rate(c, share)
         uses = curve.uses(c)
         misses = uses * (1 - hit)
@@ -289,7 +294,7 @@ def plan_memory(
             experts, kv_total = expert_cache_bytes, room - expert_cache_bytes
         else:
             kv_total = kv_cache_bytes * per_token // model.kv_bytes_per_token
-            experts = min(room - kv_total, model.expert_bytes)
+            experts = min(room - kv_total, all_fit)
         if experts + kv_total > room or experts < model.min_expert_bytes or kv_total < one_seq:
             raise BudgetError(
                 f"the fixed parts do not fit {total_bytes:,} bytes: expert cache {experts:,} (at least "
@@ -302,7 +307,7 @@ def plan_memory(
         candidates = []
         for c in range(1, mix.concurrency + 1):
             kv_total = c * one_seq
-            experts = min(room - kv_total, model.expert_bytes)
+            experts = min(room - kv_total, all_fit)
             if experts < model.min_expert_bytes:
                 break
             candidates.append(evaluate(c, experts, kv_total))

@@ -301,8 +301,9 @@ class MiraExperts(nn.Module):
         it), `compute(plan, e, w)`, `release`; `end` even when a compute raises (it unpins the slots).
         `group(plan, experts)`: computes the experts resident and landed at `begin` (`plan.ready`, two or more) at
         once, between `acquire_group` and `release_group`, instead of `compute` on each (where no other expert of the
-        block waits for a copy, `end` books them; experts kept packed follow, through `compute`). The block's bookkeeping after its last launch waits for the manager's next verb
-        (`end(..., later=True)`): the device runs meanwhile. `rows`: each needed
+        block waits for a copy, `end` books them; experts kept packed follow, through `compute`). The block's
+        bookkeeping after its last launch waits for the manager's next verb (`end(..., later=True)`): the device runs
+        meanwhile. `rows`: each needed
         expert's row count, `inputs(e)`: its rows [n, H]. With host compute on, the misses `begin` sent to the
         host run there meanwhile; returns their (expert, outputs [n, H] on the device, before a post-expert
         norm), else []."""

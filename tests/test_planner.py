@@ -156,3 +156,33 @@ def test_transformers_attention_masks_are_counted_per_cache_token_and_per_step_t
     at_peak = (2 * heads - 2 * kv_heads + kv_heads) * head_dim * itemsize  # sdpa reads K and V back with heads repeated
     per_token = planning.cache_token_overhead(text, itemsize, m) - planning.cache_token_overhead(flash, itemsize, m)
     assert per_token == masks * m * itemsize + at_peak
+
+
+def test_an_expert_cache_that_holds_every_expert_below_their_bytes_is_planned_as_whole():
+    # Placement "mixed": 70 bytes hold every expert (a few kept packed). From 70 on the hit rate is 1, and memory past
+    # 70 goes to the KV cache: with 200 bytes, 100 of room, c=3 leaves 70 for experts (1 s/step, 3 tokens/s)
+    model = ModelFootprint(**{**MODEL.__dict__, "all_fit_bytes": 70})
+    plan = plan_memory(200, model, MIX, CURVE, COST)
+    assert [round(c["tokens_per_s"], 3) for c in plan.candidates][:3] == [1.0, 2.0, 3.0]
+    assert plan.candidates[2]["expert_cache_bytes"] == 70 and plan.candidates[2]["hit_rate"] == 1.0
+    assert (plan.expert_cache_bytes, plan.concurrency, plan.expected_hit_rate) == (70, 3, 1.0)
+    roomy = plan_memory(400, model, MIX, CURVE, COST)  # every sequence and every expert: the rest to the KV cache
+    assert roomy.expert_cache_bytes == 70 and roomy.kv_cache_bytes == 230 and roomy.expected_hit_rate == 1.0
+
+
+def test_a_served_mixed_model_reports_the_smallest_cache_that_holds_every_expert():
+    from mira_hf import MiraConfig, MiraMoEModel, bundled_model_path
+    from mira_hf.config import QuantConfig
+    from mira_hf.serve import planning
+
+    cfg = MiraConfig(device="cpu", gpu_budget=0.3, quantization="lossless", quant=QuantConfig(placement="mixed"))
+    model = MiraMoEModel.from_pretrained(bundled_model_path(), cfg, dtype=torch.bfloat16, progress=False)
+    fp = planning.footprint(model, 1024)
+    assert fp.min_expert_bytes < fp.all_fit_bytes < fp.expert_bytes
+    on_device = lambda plan: sum(plan.n_slots.values()) + sum(map(len, plan.kept.values()))  # noqa: E731
+    assert on_device(planning.slot_plan(model.mira, fp.all_fit_bytes, "mixed")) == 6 * 8
+    assert on_device(planning.slot_plan(model.mira, fp.all_fit_bytes - 1, "mixed")) < 6 * 8
+    dequant = MiraMoEModel.from_pretrained(
+        bundled_model_path(), cfg.replace(quant=QuantConfig(placement="dequant")), progress=False
+    )
+    assert planning.footprint(dequant, 1024).all_fit_bytes == 0  # every expert decoded: expert_bytes

@@ -44,7 +44,26 @@ def footprint(model, max_batch_tokens: int) -> ModelFootprint:
         page_tokens=memory.DEFAULT_PAGE_TOKENS,
         kv_overhead_per_token=cache_token_overhead(text, model.dtype.itemsize, max_batch_tokens),
         activation_bytes=step_activation_bytes(text, model.dtype.itemsize, max_batch_tokens, max(li.top_k for li in layers)),
+        all_fit_bytes=_all_fit_bytes(manager, minimum, expert_bytes + buffers) if manager.placement == "mixed" else 0,
     )
+
+
+def _all_fit_bytes(manager, lo: int, hi: int) -> int:
+    """The smallest expert cache in [lo, hi] whose "mixed" plan puts every expert on the device (slots plus the
+    experts kept packed), found by bisection: keeping more packed only ever needs fewer bytes."""
+    experts = sum(li.num_experts for li in manager.layers.values())
+
+    def all_fit(budget_bytes: int) -> bool:
+        try:
+            plan = slot_plan(manager, budget_bytes, "mixed")
+        except BudgetError:
+            return False
+        return sum(plan.n_slots.values()) + sum(map(len, plan.kept.values())) == experts
+
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if all_fit(mid) else (mid + 1, hi)
+    return lo
 
 
 def _minimum_expert_bytes(layers, pool_of, buffers, expert_bytes: int) -> int:

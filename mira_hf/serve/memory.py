@@ -117,8 +117,9 @@ def device_weight_bytes(model) -> int:
 
 
 def memory_split(model, cb_manager) -> dict:
-    """Where the model's device memory goes: weights resident there, the expert cache, the KV cache, and (on CUDA)
-    what is still free. Bytes; the KV entries are None until the batching manager has built its cache."""
+    """Where the model's device memory goes: weights resident there, the expert cache (bytes, and how many experts it
+    holds: slots, experts kept packed beside them, experts in all), the KV cache, and (on CUDA) what is still free.
+    Bytes; the KV entries are None until the batching manager has built its cache."""
     import torch
 
     device = model.device
@@ -129,6 +130,9 @@ def memory_split(model, cb_manager) -> dict:
         device=str(device),
         weights_bytes=weights,
         expert_cache_bytes=manager.device_bytes if manager is not None else 0,
+        expert_slots=sum(manager.budget.n_slots.values()) if manager is not None else 0,
+        experts_kept_packed=len(manager.kept) if manager is not None else 0,
+        experts=sum(li.num_experts for li in manager.layers.values()) if manager is not None else 0,
         kv_cache_bytes=kv["bytes"] if kv else None,
         kv_blocks=kv["blocks_total"] if kv else None,
         kv_tokens=kv["blocks_total"] * kv["tokens_per_block"] if kv else None,
@@ -150,7 +154,7 @@ def format_split(split: dict) -> str:
     lines = [
         f"device memory on {split['device']}:",
         f"  weights on the device   {size(split['weights_bytes'])}",
-        f"  expert cache            {size(split['expert_cache_bytes'])}",
+        f"  expert cache            {size(split['expert_cache_bytes'])}" + _expert_count(split),
         f"  KV cache (paged)        {size(split['kv_cache_bytes'])}"
         + (f", {split['kv_blocks']} blocks, {split['kv_tokens']} tokens" if split["kv_blocks"] is not None else ""),
     ]
@@ -165,3 +169,13 @@ def format_split(split: dict) -> str:
             f"{plan['expected_hit_rate']:.1%}; hit rates from {plan['curve_source']})"
         )
     return "\n".join(lines)
+
+
+def _expert_count(split: dict) -> str:
+    """ ", 20 slots for 48 experts" or, where every expert is on the device, how (a few kept packed: "mixed")."""
+    slots, kept, experts = split.get("expert_slots", 0), split.get("experts_kept_packed", 0), split.get("experts", 0)
+    if not experts:
+        return ""
+    if slots + kept < experts:
+        return f", {slots} slots for {experts} experts"
+    return f", all {experts} experts" + (f" ({kept} kept packed, decoded at each use)" if kept else "")

@@ -91,6 +91,11 @@ class MiraCollector:
         yield counter("mira_forward_steps", "Forward steps (prefill or one decode step) seen.", stats["steps"])
         yield gauge("mira_cache_capacity_bytes", "Device bytes of the expert cache.", stats["capacity_bytes"])
         yield gauge("mira_cache_resident_bytes", "Device bytes of the expert cache holding an expert.", stats["resident_bytes"])
+        yield gauge(
+            "mira_experts_kept_packed",
+            'Experts kept packed on the device beside the cache, decoded at each use (placement "mixed").',
+            stats["kept_packed_experts"],
+        )
         layer_rate = core.GaugeMetricFamily(
             "mira_layer_hit_rate", "Expert cache hit rate of one MoE layer.", labels=names + ["layer"]
         )

@@ -114,6 +114,7 @@ def test_prometheus_collector_exports_the_counters(manager):
     assert value("mira_h2d_bytes_total") == stats["bytes_h2d"]
     assert value("mira_tokens_per_second") == pytest.approx(20.0)
     assert value("mira_layer_hit_rate", layer="0") == pytest.approx(stats["per_layer"][0]["hit_rate"])
+    assert value("mira_experts_kept_packed") == stats["kept_packed_experts"] == 0
     assert b"mira_stall_seconds_total" in prometheus_client.generate_latest(registry)
 
 

@@ -368,35 +368,35 @@ def test_serving_a_model_whose_records_stay_packed_warns_how_to_load_it(caplog):
     assert "decodes them at every use" in caplog.text and "serving_mira_config" in caplog.text
 
 
-def test_cli_serve_loads_compressed_records_decoded_once_per_copy(monkeypatch, capsys):
-    """`mira serve` serves batches, where a record kept packed would be decoded at every use of every step."""
+def _memory_report(monkeypatch, capsys, *options: str):
+    """`mira serve mira-tiny --device cpu --quantization lossless --memory-report` with `options`: (the model it
+    loaded, what it printed)."""
     from mira_hf.cli import serve as cli_serve
 
     loaded = []
     real_load = cli_serve.load
     monkeypatch.setattr(cli_serve, "load", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
-    argv = ["serve", "mira-tiny", "--device", "cpu", "--quantization", "lossless", "--max-tokens", "2", "--memory-report"]
+    argv = ["serve", "mira-tiny", "--device", "cpu", "--quantization", "lossless", "--memory-report", *options]
     assert main(argv) == 0, capsys.readouterr().err
     ((model, _),) = loaded
+    return model, capsys.readouterr().out
+
+
+def test_cli_serve_loads_compressed_records_decoded_once_per_copy(monkeypatch, capsys):
+    """`mira serve` serves batches, where a record kept packed would be decoded at every use of every step."""
+    model, out = _memory_report(monkeypatch, capsys, "--max-tokens", "2")
     assert model.mira.quantization == "lossless" and model.mira.arena.placement == "dequant"  # slots hold decoded records
     assert model.mira.placement == "mixed"  # and where every expert fits only so, a few are kept packed
     slots = sum(model.mira.budget.n_slots.values())  # the default budget (0.25) holds some, none kept packed
-    assert f"{slots} slots for 48 experts" in capsys.readouterr().out and not model.mira.kept
+    assert f"{slots} slots for 48 experts" in out and not model.mira.kept
 
 
 def test_cli_serve_reports_the_experts_kept_packed(monkeypatch, capsys):
     """Where the budget holds every expert only with a few kept packed, the memory report says so."""
-    from mira_hf.cli import serve as cli_serve
-
-    loaded = []
-    real_load = cli_serve.load
-    monkeypatch.setattr(cli_serve, "load", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
-    argv = ["serve", "mira-tiny", "--device", "cpu", "--quantization", "lossless", "--budget", "0.97", "--memory-report"]
-    assert main(argv) == 0, capsys.readouterr().err
-    ((model, _),) = loaded
+    model, out = _memory_report(monkeypatch, capsys, "--budget", "0.97")
     kept = len(model.mira.kept)
     assert kept > 0 and sum(model.mira.budget.n_slots.values()) + kept == 48
-    assert f"all 48 experts ({kept} kept packed, decoded at each use)" in capsys.readouterr().out
+    assert f"all 48 experts ({kept} kept packed, decoded at each use)" in out
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_decoding(served):

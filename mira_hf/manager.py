@@ -118,7 +118,6 @@ class ExpertManager(NotebookViews):
         s = self.settings
         self.store, self.budget, self.device = store, budget, device
         self.placement = budget.placement  # how a slot holds an expert (BudgetPlan.placement)
-        self.kept: frozenset[Key] = frozenset((layer, e) for layer, es in budget.kept.items() for e in es)
         # Demand copies a block keeps in flight (see CacheConfig.demand_inflight_bytes): ≥ 2 per layer.
         self._depth = {layer: max(2, -(-s.demand_inflight_bytes // store.record_bytes(layer))) for layer in self.layers}
         self.loader = Loader(device, s.ring_bytes, timeout_s=s.copy_timeout_s)
@@ -145,6 +144,12 @@ class ExpertManager(NotebookViews):
             self.arena.close()
             self.staging.forget_ahead()
             self._place(store, budget, device)
+
+    @property
+    def kept(self) -> Mapping[Key, object]:
+        """The experts kept packed beside the cache (placement "mixed"; `BudgetPlan.kept`), each to its
+        `PackedWeights`: membership and `len` as of a set."""
+        return self.arena.kept
 
     @property
     def predictor(self):
@@ -290,7 +295,7 @@ class ExpertManager(NotebookViews):
         with self._lock:
             slot = plan.slots.get(expert)
             if slot is None:
-                packed = self.arena.kept.get((plan.layer, expert))
+                packed = self.kept.get((plan.layer, expert))
                 if packed is not None:
                     return packed
                 self._issue(plan, at_least_one=True)  # misses are acquired in issue order: this is the next one

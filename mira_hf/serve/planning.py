@@ -54,29 +54,28 @@ def _all_fit_bytes(manager, lo: int, hi: int) -> int:
     experts = sum(li.num_experts for li in manager.layers.values())
 
     def all_fit(budget_bytes: int) -> bool:
-        try:
-            plan = slot_plan(manager, budget_bytes, "mixed")
-        except BudgetError:
-            return False
+        plan = slot_plan(manager, budget_bytes, "mixed")
         return sum(plan.n_slots.values()) + sum(map(len, plan.kept.values())) == experts
 
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if all_fit(mid) else (mid + 1, hi)
-    return lo
+    return _smallest(lo, hi, all_fit)
 
 
 def _minimum_expert_bytes(layers, pool_of, buffers, expert_bytes: int) -> int:
     """The smallest budget `plan_budget` accepts: the codec buffers and the top-k experts of a layer in every pool,
     found by bisection over what plan_budget itself accepts (pools share the budget in proportion to their bytes)."""
-    lo, hi = 1, expert_bytes + sum(buffers.values())
+    return _smallest(1, expert_bytes + sum(buffers.values()), lambda mid: plan_budget(layers, pool_of, mid, buffers) is not None)
+
+
+def _smallest(lo: int, hi: int, holds) -> int:
+    """The smallest budget in [lo, hi] for which `holds(budget)` (false below it, true from it on; a `BudgetError` is
+    false), by bisection; `hi` if none below it holds."""
     while lo < hi:
         mid = (lo + hi) // 2
         try:
-            plan_budget(layers, pool_of, mid, buffers)
-            hi = mid
+            ok = holds(mid)
         except BudgetError:
-            lo = mid + 1
+            ok = False
+        lo, hi = (lo, mid) if ok else (mid + 1, hi)
     return lo
 
 

@@ -31,7 +31,7 @@ PLACEMENTS = ("auto", "dequant", "packed", "mixed")
 # experts are 352 MB; Qwen3-30B's 9.4 MB stay uncompressed until measured).
 AUTO_LOSSLESS_MIN_RECORD_BYTES = 32 * 2**20
 HOST_MEMORY_KINDS = ("auto", "pinned", "pageable")
-HOST_COMPUTE_MODES = ("off", "on", "auto")  # mira_hf.host_compute
+HOST_COMPUTE_MODES = ("off", "on", "auto", "split")  # mira_hf.host_compute, mira_hf.neuron_split
 
 _UNITS = {
     "": 1,
@@ -327,7 +327,12 @@ class MiraConfig:
         them (`mira_hf.host_compute`): `"off"` (default), `"auto"` (on a CUDA device with uncompressed
         records; `quantization="auto"` then stays uncompressed) or `"on"` (on any device; refuses encoded
         records). Each miss goes to whichever path finishes it first (measured link speed and host time).
+        `"split"`: every expert is split by its intermediate neurons (`mira_hf.neuron_split`); the host computes
+        a share `host_share` of each expert's neurons at every use, and the GPU caches and receives only the
+        rest, so each miss moves fewer bytes and the budget holds more experts.
         Not bit-exact: the host's matmuls round differently from the device's (bounds in docs/usage.md).
+    host_share: with host_compute="split", the share of each expert's intermediate neurons the host computes,
+        in (0, 1). The host's time per layer grows with it and the link's shrinks (docs/usage.md).
     """
 
     gpu_budget: Budget = None
@@ -340,6 +345,7 @@ class MiraConfig:
     offload_dir: str | None = None
     expert_layer_path: str | None = None
     host_compute: str = "off"  # inexact (host rounding), so opt-in
+    host_share: float = 0.25  # host_compute="split": at one token, about where a 16-core host and a PCIe 5 link finish together
     predictor_path: str | None = None
     store_path: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -411,6 +417,12 @@ class MiraConfig:
                 f"host_compute='on' computes experts from uncompressed records on the host, but quantization="
                 f"{self.quantization!r} encodes them. Use quantization=None or 'auto' with it, or host_compute='auto' "
                 "(off where records are encoded)."
+            )
+        share = self.host_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share < 1.0:
+            raise ConfigError(
+                f"host_share={share!r}: the share of each expert's neurons computed on the host with "
+                "host_compute='split', a number strictly between 0 and 1 (e.g. 0.25)."
             )
         if self.predictor == "learned" and self.predictor_path is None:
             raise ConfigError(

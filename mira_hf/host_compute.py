@@ -206,26 +206,34 @@ class HostComputeOff:
         pass
 
 
-def host_compute_for(mode: str) -> HostCompute | HostComputeOff:
-    """The host path of a manager for `MiraConfig.host_compute` (`mode`)."""
-    return HostComputeOff() if mode == "off" else HostCompute(mode)
+def host_compute_for(mode: str, parts=None) -> HostCompute | HostComputeOff:
+    """The host path of a manager for `MiraConfig.host_compute` (`mode`); `parts`: the experts' host parts
+    (`neuron_split.HostParts`, mode "split")."""
+    return HostComputeOff() if mode == "off" else HostCompute(mode, parts=parts)
 
 
 class HostCompute:
     """The host path of one manager: which layers can run on the host, the cost model, the worker.
 
-    `mode`: "on" (plan every miss; refuses encoded records) or "auto" (plan where it can pay: a CUDA
+    `mode`: "on" (plan every miss; refuses encoded records), "auto" (plan where it can pay: a CUDA
     device and uncompressed records, and, per step width, only while steps that plan host sends are
-    measured faster than steps that do not: `switch`; otherwise inactive). `threads`: torch CPU threads
+    measured faster than steps that do not: `switch`; otherwise inactive) or "split" (no miss is sent
+    whole: the proxy has every expert's host part, `parts`, computed here). `threads`: torch CPU threads
     of the worker (None: the cores it is pinned to). `costs`: an injected cost model (tests); None: measured."""
 
     def __init__(
-        self, mode: str, threads: int | None = None, costs: HostCosts | None = None, switch: HostSwitch | None = None
+        self,
+        mode: str,
+        threads: int | None = None,
+        costs: HostCosts | None = None,
+        switch: HostSwitch | None = None,
+        parts=None,
     ) -> None:
         self.mode = mode
+        self.parts = parts  # neuron_split.HostParts (mode "split")
         self.costs = costs if costs is not None else HostCosts()
         self.switch = switch if switch is not None else (HostSwitch() if mode == "auto" else None)
-        self.sending = True  # whether this step plans host sends (the switch's choice for its width)
+        self.sending = mode != "split"  # whether this step plans whole misses on the host (the switch's choice for its width)
         self._last_layer = None  # the last block's layer: a block at or before it starts a step
         self.active = False
         self._injected = costs is not None  # an injected cost model is kept; a measured one is measured again by `place`
@@ -253,7 +261,7 @@ class HostCompute:
     def place(self, store, layers: Mapping[int, object], device: torch.device) -> None:
         """Serve from `store` on `device` (at wrap, and again after a cast or move): decide whether the host
         path is active and forget host timings (the dtype or the records may have changed)."""
-        raw = not store.quantized
+        raw = not store.quantized or self.mode == "split"  # split: the host parts are uncompressed
         if self.mode == "on" and not raw:
             raise ConfigError(
                 f"host_compute='on' computes experts from their uncompressed records on the host, but this model's "
@@ -262,7 +270,7 @@ class HostCompute:
                 "host_compute='auto' (off where records are encoded) or 'off'."
             )
         self.store, self.device = store, device
-        self.active = raw and (self.mode == "on" or device.type == "cuda")
+        self.active = raw and (self.mode in ("on", "split") or device.type == "cuda")
         if device.type == "cuda":  # the worker waits on this device's events and page-locks its outputs
             index = device.index if device.index is not None else torch.cuda.current_device()
             self._worker().submit(torch.cuda.set_device, index).result()
@@ -271,7 +279,7 @@ class HostCompute:
         self.costs.link_free_at = 0.0
         if self.switch is not None:
             self.switch.forget()
-        self._last_layer, self.sending = None, True
+        self._last_layer, self.sending = None, self.mode != "split"
 
     def set_costs(self, costs: HostCosts) -> None:
         """Plan with `costs` from now on, kept as given (only what it lacks is measured: the link speed if None,
@@ -316,7 +324,9 @@ class HostCompute:
 
     # -- running (the proxy) -----------------------------------------------------------------------
     def weights(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """Expert `expert` of `layer` as typed views of its host record (no copy)."""
+        """Expert `expert` of `layer` as typed views of its host record, or of its host part (no copy)."""
+        if self.parts is not None:
+            return self.parts.weights(layer, expert)
         # the host computes only from uncompressed stores, where each fused tensor's expert slice is contiguous
         return {name: v[expert] for name, v in self.store.expert_views(layer).items()}
 

@@ -31,6 +31,7 @@ from .errors import ConcurrencyError, ConfigError, LoaderError, UnsupportedOpera
 from .heat import HeatTracker
 from .host_compute import host_compute_for
 from .loader import Loader
+from .neuron_split import SplitWeights
 from .policies import ExpectedDistance, PolicyContext
 from .registry import POLICIES
 from .report import NotebookViews
@@ -76,6 +77,7 @@ class ExpertManager(NotebookViews):
         router_probs=None,
         fingerprint: dict | None = None,
         record_cache=None,
+        host_parts=None,
         **fields,
     ) -> None:
         settings = settings or ManagerSettings()
@@ -107,7 +109,10 @@ class ExpertManager(NotebookViews):
         self._lock = threading.RLock()
         self._last_layer = -1
         self._tail: tuple[BlockPlan, Sequence[int]] | None = None  # the last block's deferred `end` (see `end`)
-        self.host = host_compute_for(settings.host_compute)  # misses computed on the host (host_compute.py)
+        self.host = host_compute_for(settings.host_compute, host_parts)  # misses computed on the host (host_compute.py)
+        # The experts as whole tensors (parameters, state dict, casts): the store, or with host parts (neuron_split)
+        # the store's device parts joined to them.
+        self.whole = store if host_parts is None else SplitWeights(store, host_parts)
         self._place(store, budget, device)
         self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
         self._forward_owner: int | None = None

@@ -79,11 +79,13 @@ class MiraExperts(nn.Module):
         # columns first, then up, as Llama 4's experts), and whether slots hold packed records.
         self._apply_gate = getattr(base, "_apply_gate", None)
         self._packed = manager.placement == "packed"
+        self._split = manager.host.mode == "split"  # each expert's host part computed on the host (neuron_split)
         # Whether batched_mm's gather of decoded weights gives the unwrapped model's bits: unpacked experts, or packed
         # records (in slots, or kept beside them: "mixed") that decode exactly (`decodes_exactly`).
         self._gathers = manager.placement not in ("packed", "mixed") or decodes_exactly(manager.store.codec)
         self._handle = register(self)  # how the compiled graph's operator finds this module
-        manager.host.register(layer, *host_expert_math(self, manager.store.raw_layout(layer)))  # host_compute.py
+        fn, hidden = host_expert_math(self, manager.store.raw_layout(layer))  # host_compute.py
+        manager.host.register(layer, self._host_part if manager.host.mode == "split" else fn, hidden)
         # transformers' flags of an experts module (`@use_experts_implementation`), where `base` has them: its
         # code finds experts modules, and reads their layout, by them (parallel plans, exporters, quantizers)
         for flag in TRANSFORMERS_FLAGS:
@@ -154,9 +156,9 @@ class MiraExperts(nn.Module):
                 y[rows] = out
 
         host = self._serve(needed, compute, [counts[e] for e in needed], lambda e: x[starts[e] : starts[e] + counts[e]], group)
-        for e, out in host:  # [n, H] computed on the host (host_compute), into the rows the device would fill
+        for e, out, adds in host:  # [n, H] computed on the host (host_compute), into the rows the device fills
             y = out.new_empty((routed, H)) if y is None else y
-            y[starts[e] : starts[e] + counts[e]] = self._post(out)
+            _put(y, slice(starts[e], starts[e] + counts[e]), out, adds)
         return self._combine(y, order, hidden_states, top_k_index, top_k_weights, impl, None)
 
     @staticmethod
@@ -206,9 +208,9 @@ class MiraExperts(nn.Module):
                 y[_to(out.device, torch.tensor([k for _, k in slots]))] = out
 
         host = self._serve(sorted(slot_of), compute, [1] * len(slot_of), lambda e: hidden_states, group)
-        for e, out in host:  # host_compute
+        for e, out, adds in host:  # host_compute
             y = (out.new_zeros((K, H)) if sentinel else out.new_empty((K, H))) if y is None else y
-            y[slot_of[e]] = self._post(out)[0]
+            _put(y, slot_of[e], out[0], adds)
         return self._combine(y, None, hidden_states, top_k_index, top_k_weights, impl, sentinel or None)
 
     def _combine(self, y, order, hidden_states, top_k_index, top_k_weights, impl: str, sentinel) -> torch.Tensor:
@@ -284,11 +286,13 @@ class MiraExperts(nn.Module):
             h = batched_linear(x, gathered[self._up], gathered.get(self._up + "_bias"), self._transposed)  # [S, I']
             h = self._activate(h)  # [S, I]
             y = batched_linear(h, gathered["down_proj"], gathered.get("down_proj_bias"), self._transposed)  # [S, H]
-        for e, out in host:  # [n, H] computed on the host (host_compute): its rows' bmm outputs are replaced
+        if y is not None:
+            y = self._post(y)
+        for e, out, adds in host:  # [n, H] computed on the host (host_compute): its rows' bmm outputs are replaced
             y = out.new_zeros((S, out.shape[1])) if y is None else y
             r = rows_of(e)
-            y[r] = out if isinstance(r, torch.Tensor) else out[0]
-        return y if y is None else self._post(y)
+            _put(y, r, out if isinstance(r, torch.Tensor) else out[0], adds)
+        return y
 
     def _from_slots(self, at: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """Each of `names` for rows whose experts sit in pool slots `at` [S]: [S, ...] gathered from the pool."""
@@ -305,13 +309,16 @@ class MiraExperts(nn.Module):
         bookkeeping after its last launch waits for the manager's next verb (`end(..., later=True)`): the device runs
         meanwhile. `rows`: each needed
         expert's row count, `inputs(e)`: its rows [n, H]. With host compute on, the misses `begin` sent to the
-        host run there meanwhile; returns their (expert, outputs [n, H] on the device, before a post-expert
-        norm), else []."""
+        host run there meanwhile, and with host_compute="split" every expert's host part: returns
+        [(expert, outputs [n, H] on the device, adds)]: a whole expert's outputs (post-expert norm applied) take
+        the place of its rows (`adds` False), a host part's are added to the device part's (True)."""
         plan = self.manager.begin(self.layer, needed, rows)
-        job, grouped = None, ()
+        job, grouped, parts = None, (), []
         try:
             if plan.host:
                 job = self.manager.host.start(self.layer, plan.host, inputs)
+            elif self._split:  # every expert's host part, computing while the device runs the device parts
+                job, parts = self._host_parts(needed, rows, inputs)
             first = 0
             if group is not None and plan.ready > 1:
                 first = plan.ready
@@ -331,7 +338,25 @@ class MiraExperts(nn.Module):
             self.manager.end(plan)  # unpins now
             raise
         self.manager.end(plan, grouped, later=True)
-        return job.collect() if job is not None else []
+        done = job.collect() if job is not None else []
+        if self._split:
+            return [(e, out, True) for e, out in done + parts]
+        return [(e, self._post(out), False) for e, out in done]
+
+    def _host_parts(self, needed: list[int], rows: list[int], inputs) -> tuple[object, list[tuple[int, torch.Tensor]]]:
+        """(the host job of the host parts of `needed`, [(expert, output [n, H])] of those computed on the device):
+        an expert with more than `max_rows` rows in the block (a prefill) has its host part copied to the device and
+        computed there, as the host's time grows with rows and the copy's does not."""
+        host = self.manager.host
+        limit = host.costs.max_rows
+        small = [e for e, n in zip(needed, rows) if n <= limit]
+        job = host.start(self.layer, small, inputs) if small else None
+        parts = []
+        for e in (e for e, n in zip(needed, rows) if n > limit):
+            x = inputs(e)  # [n, H]
+            w = {name: t.to(x.device, non_blocking=True) for name, t in host.weights(self.layer, e).items()}
+            parts.append((e, self._host_part(w, x)))
+        return job, parts
 
     def _grouped_on(self, x: torch.Tensor) -> bool:
         """Whether resident experts may share one grouped matmul (`_on_slots`): on a `GROUPED_SLOT_DEVICES` device,
@@ -386,10 +411,7 @@ class MiraExperts(nn.Module):
             else:
                 y = w.linear(x, name, self._transposed)
             return y + w.raw(name + "_bias") if self._has_bias else y
-        if kernel:
-            y = grouped_linear(x, w[name], self._transposed)
-        else:
-            y = x @ w[name] if self._transposed else F.linear(x, w[name])
+        y = grouped_linear(x, w[name], self._transposed) if kernel else plain_linear(x, w[name], self._transposed)
         return y + w[name + "_bias"] if self._has_bias else y
 
     def _up_proj(self, x: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
@@ -397,12 +419,7 @@ class MiraExperts(nn.Module):
         return self._activate(self._linear(x, w, self._up, kernel))  # [n, 2I] or [n, I] -> [n, I]
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
-        if not self._has_gate:
-            return self.base.act_fn(h)  # [n, I]
-        if self._apply_gate is not None:
-            return self._apply_gate(h)
-        gate, up = h.chunk(2, dim=-1)  # gate columns first, then up (Llama 4's experts)
-        return self.base.act_fn(gate) * up  # [n, I]
+        return activate(self.base, self._has_gate, self._apply_gate, h)
 
     def _down_proj(self, h: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
         # h [n, I] -> [n, H]
@@ -410,6 +427,13 @@ class MiraExperts(nn.Module):
 
     def _post(self, y: torch.Tensor) -> torch.Tensor:
         return self.base.post_expert_norm(y) if self._post_norm else y
+
+    def _host_part(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """An expert's host part (`neuron_split`, host_compute="split") on rows x [n, H] -> [n, H]: its neurons'
+        up projection (with their share of its bias) and gate function, and their columns of the down projection,
+        whose bias the device part adds."""
+        h = self._activate(self._linear(x, w, self._up, False))  # [n, I_host]
+        return plain_linear(h, w["down_proj"], self._transposed)  # [n, H]
 
     def _host_expert(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """One expert on the host (`host_compute`): x [n, H] and `w` (views of its host record) -> [n, H],
@@ -467,9 +491,34 @@ class MiraScaledExperts(MiraExperts):
         def compute(plan, e: int, w) -> None:
             out[e] = self._expert(plan, e, w, x[e])  # [T, H]
 
-        for e, y in self._serve(needed, compute, [x.shape[1]] * len(needed), x.__getitem__):  # host_compute
-            out[e] = self._post(y)
+        for e, y, adds in self._serve(needed, compute, [x.shape[1]] * len(needed), x.__getitem__):  # host_compute
+            _put(out, e, y, adds)
         return _guarded(out).view(hidden_states.shape)
+
+
+def _put(y: torch.Tensor, rows, out: torch.Tensor, adds: bool) -> None:
+    """Host outputs into rows `rows` of y: added to the device part's (a host part), or in their place."""
+    if adds:
+        y[rows] += out
+    else:
+        y[rows] = out
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """x [n, in] times an expert weight ([in, out] when `transposed`, else [out, in]) -> [n, out], as transformers'
+    experts modules multiply one expert's rows."""
+    return x @ weight if transposed else F.linear(x, weight)
+
+
+def activate(base: nn.Module, has_gate: bool, apply_gate, h: torch.Tensor) -> torch.Tensor:
+    """The gate function of experts module `base` on h [n, 2I] (gated) or [n, I] -> [n, I]: `apply_gate` where
+    transformers' decorator gives one, else gate columns first, then up (Llama 4's experts)."""
+    if not has_gate:
+        return base.act_fn(h)  # [n, I]
+    if apply_gate is not None:
+        return apply_gate(h)
+    gate, up = h.chunk(2, dim=-1)
+    return base.act_fn(gate) * up  # [n, I]
 
 
 def _to(device: torch.device, t: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,8 @@ class ExpertState:
 
     @property
     def store(self):
-        return self.manager.store
+        """The experts as whole tensors: the manager's store, or its device parts joined to their host parts."""
+        return self.manager.whole
 
     # -- parameters -----------------------------------------------------------------------------
     def expose(self, proxy: nn.Module, requires_grad: Mapping[str, bool] | None = None) -> None:
@@ -161,7 +162,7 @@ class ExpertState:
             budget = self.replan(layouts, {li: store.raw_layout(li).nbytes for li in store.layers}, manager.device)
         manager.loader.synchronize()  # no copy still reads the records about to change
         store.rewrite(layer, fused, layout=layout)
-        manager.relocate(store, budget, manager.device)
+        manager.relocate(manager.store, budget, manager.device)
         self.expose(self.proxies[layer])
 
     # -- casts and moves ------------------------------------------------------------------------
@@ -220,7 +221,7 @@ class ExpertState:
                     f"cannot cast the experts to {dtype}: {exc} Nothing was changed; call model.unload(), cast, and wrap "
                     "it again with the transfer format you want."
                 ) from exc
-            specs = {n: (shape, dtype) for n, (shape, _) in store.expert_specs(layer).items()}
+            specs = {n: (shape, dtype) for n, (shape, _) in manager.store.expert_specs(layer).items()}  # what a slot holds
             raw_bytes[layer] = IdentityCodec().plan(specs).nbytes
         budget = self.replan(layouts, raw_bytes, device)
         return _Change(cast, layouts, budget, device)
@@ -232,7 +233,7 @@ class ExpertState:
         manager.loader.synchronize()
         for layer, dtype in change.cast.items():
             store.rewrite(layer, dtype=dtype, layout=change.layouts[layer])
-        manager.relocate(store, change.budget, change.device)
+        manager.relocate(manager.store, change.budget, change.device)
         for proxy in self.proxies.values():
             self.expose(proxy)
 

@@ -24,7 +24,9 @@ from .errors import ConfigError, IncompatibleFileError
 from .layout import IdentityCodec
 from .load_report import LoadReport
 from .manager import ExpertManager
+from .neuron_split import HostParts, NeuronSplit, SplitWeights, host_neurons, pairing_of
 from .predictors import build_predictor
+from .proxy import LAYOUT_FLAGS, activate
 from .quant import codec_for_config, codec_names, find_codec_entry, is_native
 from .record_cache import RecordCache, default_root
 from .resources import (
@@ -58,6 +60,12 @@ class StorePlan:
     layouts: dict  # layer -> record layout ({} for raw records)
     saved: SavedStore | None  # saved records read instead of encoding
     cache: RecordCache | None  # None until every shard is there where the checkpoint still arrives
+    parts: HostParts | None = None  # host_compute="split": the experts' host parts (the store holds the device parts)
+
+    @property
+    def weights(self):
+        """The experts as whole tensors: the store, or its device parts joined to the host parts."""
+        return self.store if self.parts is None else SplitWeights(self.store, self.parts)
 
     def close(self) -> None:
         """Give back what planning took: page-locked slabs, experts kept on the device between the passes."""
@@ -88,6 +96,12 @@ def plan_store(
     loading = unloaded_bytes(model)  # a skeleton's other weights load after the store is filled
     # A fractional budget is a share of the checkpoint's expert bytes, whatever the transfer format.
     all_bytes = sum(raw_bytes[li.ordinal] * li.num_experts for li in layers)
+    parts = None
+    if cfg.host_compute == "split":  # the store holds each expert's device part; the host parts stay beside it
+        parts = HostParts(neuron_splits(cfg, adapter, targets, specs))
+        whole, specs = specs, {layer: parts.splits[layer].specs(s)[0] for layer, s in specs.items()}
+        host_bytes = {layer: raw_bytes[layer] - IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
+        raw_bytes = {layer: IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
     budget_bytes = resolve_budget_bytes(cfg, all_bytes, device, lambda: bytes_to_move(model, targets, device))
     native = streamed.codec if streamed is not None else None  # a pre-quantized checkpoint's own format
     cfg = resolve_format(cfg, device, specs, raw_bytes, all_bytes, budget_bytes, native)
@@ -100,7 +114,8 @@ def plan_store(
     encoder = encoder_for(device, max(raw_bytes.values(), default=0), progress, keep_free_bytes=after, report=report)
     if streamed is not None:
         streamed.report = report
-    saved, cache = saved_records(cfg, codec, fingerprint, streamed, specs)
+    # host parts are read from the checkpoint at each load: saved device parts alone would not do
+    saved, cache = saved_records(cfg, codec, fingerprint, streamed, specs) if parts is None else (None, None)
     if cache is not None:
         cache.report = report
     layouts = saved_layouts(codec, targets, specs, saved) if saved is not None else None
@@ -123,7 +138,7 @@ def plan_store(
         early, reserved = streamed is not None and cfg.host_budget_bytes is None, 0
         with encoder.progress_pass(f"planning {codec.name} records", all_bytes):
             for i, t in enumerate(targets):
-                expert = _experts(t, streamed, encoder.device)
+                expert = _experts(t, streamed, encoder.device, parts)
                 layouts[t.ordinal] = encoder.plan_layer(codec, specs[t.ordinal], t.module.num_experts, expert, key=t.ordinal)
                 nbytes = t.module.num_experts * layouts[t.ordinal].nbytes
                 unplanned = sum(raw_bytes[u.ordinal] * u.module.num_experts for u in targets[i + 1 :])
@@ -139,12 +154,17 @@ def plan_store(
         check_device_memory(budget.device_bytes, device, model, targets)
         store_bytes = [(layouts[li.ordinal].nbytes if layouts else raw_bytes[li.ordinal]) * li.num_experts for li in layers]
         check_offload_space(cfg, store_bytes)
+        if parts is not None:
+            store_bytes += [host_bytes[li.ordinal] * li.num_experts for li in layers]
         check_host_memory(cfg, store_bytes, targets, streamed is not None, codec.exact, loading)
+        if parts is not None:
+            for li in layers:
+                parts.allocate(li.ordinal, whole[li.ordinal], li.num_experts)
     except BaseException:
         store.close()  # slabs page-locked while planning
         encoder.finish()
         raise
-    return StorePlan(cfg, layers, specs, raw_bytes, all_bytes, codec, budget, encoder, store, layouts, saved, cache)
+    return StorePlan(cfg, layers, specs, raw_bytes, all_bytes, codec, budget, encoder, store, layouts, saved, cache, parts)
 
 
 def build_router_predictor(plan: StorePlan, model: nn.Module, adapter: MoEAdapter, targets: list[Target], fingerprint: dict):
@@ -168,6 +188,7 @@ def new_manager(plan: StorePlan, device: torch.device, router_probs, predictor, 
         router_probs=router_probs,
         fingerprint=fingerprint,
         record_cache=plan.cache,
+        host_parts=plan.parts,
     )
 
 
@@ -204,7 +225,7 @@ def fill_store(
     try:
         with encoder.progress_pass(f"encoding {codec.name} records", plan.all_bytes if encoding else 0):
             for t in _progress(targets, progress and not encoding, "reading experts" if streamed else "storing experts"):
-                saved = _add_layer(store, t, plan.specs[t.ordinal], layouts.get(t.ordinal), streamed, saved, cache)
+                saved = _add_layer(store, t, plan.specs[t.ordinal], layouts.get(t.ordinal), streamed, saved, cache, plan.parts)
                 if streamed is not None:  # nothing in the model to free or to give back on failure
                     continue
                 if not store.exact:
@@ -221,7 +242,7 @@ def fill_store(
                 for n, p in keep[t.ordinal].items():
                     t.module.register_parameter(n, p)
             else:
-                t.restore(store)
+                t.restore(plan.weights)
         store.close()
         encoder.finish()  # experts kept on the device between the passes
         raise
@@ -266,7 +287,7 @@ def resolve_format(
         q = (
             "lossless"
             if device.type == "cuda"
-            and cfg.host_compute == "off"  # the host computes from uncompressed records (host_compute.py)
+            and cfg.host_compute in ("off", "split")  # the host computes from uncompressed records (host_compute.py)
             and budget_bytes < all_bytes
             and min(raw_bytes.values()) >= AUTO_LOSSLESS_MIN_RECORD_BYTES
             and dtypes <= {torch.bfloat16, torch.float32}
@@ -278,12 +299,41 @@ def resolve_format(
     return cfg.replace(quantization=q, quant=dataclasses.replace(cfg.quant, placement=placement))
 
 
-def _experts(t: Target, streamed: StreamedExperts | None, device: torch.device | None = None):
+def _experts(t: Target, streamed: StreamedExperts | None, device: torch.device | None = None, parts: HostParts | None = None):
     """`e -> {name: expert e's tensor}` of one target: read from the checkpoint (onto `device`, the
-    encoder's), or views of its tensors."""
+    encoder's), or views of its tensors; with `parts`, each expert's device part."""
     if streamed is not None:
-        return streamed.expert_fn(t.name, device)
-    return lambda e: {n: x[e] for n, x in t.tensors.items()}
+        whole = streamed.expert_fn(t.name, device)
+    else:
+        whole = lambda e: {n: x[e] for n, x in t.tensors.items()}  # noqa: E731
+    if parts is None:
+        return whole
+    split = parts.splits[t.ordinal]
+    return lambda e: split.split(whole(e))[0]
+
+
+def neuron_splits(cfg: MiraConfig, adapter: MoEAdapter, targets: list[Target], specs: dict) -> dict[int, NeuronSplit]:
+    """How each layer's experts split by neuron for host_compute="split" (`neuron_split`); refused, before
+    anything changes, for experts whose output is not a sum over neurons of what the host can compute."""
+    splits = {}
+    for t in targets:
+        flags = {n: adapter.flag(t.module, n, default) for n, default in LAYOUT_FLAGS.items()}
+        own = [n for n, _ in (*t.module.named_parameters(), *t.module.named_buffers()) if n.split(".")[0] not in t.tensors]
+        if flags["has_post_expert_norm"] or own:
+            raise ConfigError(
+                f"host_compute='split' adds each expert's host part to its device part, but the experts module at "
+                f"{t.name} ({type(t.module).__name__}) applies its own tensors to the expert's output "
+                f"({', '.join(own) or 'a post-expert norm'}), so its output is not a sum over neurons. Use "
+                "host_compute='auto', 'on' or 'off'."
+            )
+        has_gate = flags["has_gate"]
+        apply_gate = getattr(t.module, "_apply_gate", None)
+        pairing = pairing_of(lambda h, m=t.module, g=has_gate, a=apply_gate: activate(m, g, a, h), has_gate)
+        down = specs[t.ordinal]["down_proj"][0]  # [I, H] transposed, else [H, I]
+        neurons = down[0] if flags["is_transposed"] else down[1]
+        up = "gate_up_proj" if has_gate else "up_proj"
+        splits[t.ordinal] = NeuronSplit(up, pairing, flags["is_transposed"], neurons, host_neurons(neurons, cfg.host_share))
+    return splits
 
 
 def saved_records(
@@ -333,7 +383,9 @@ def saved_layouts(codec, targets: list[Target], specs: dict, saved: SavedStore) 
     return layouts
 
 
-def _add_layer(store: ExpertStore, t: Target, specs, layout, streamed, saved: SavedStore | None, cache: RecordCache | None):
+def _add_layer(
+    store: ExpertStore, t: Target, specs, layout, streamed, saved: SavedStore | None, cache: RecordCache | None, parts=None
+):
     """Store one target's experts: its saved records when there are some, else encoded (or copied) from
     its weights. A cache entry found damaged here is dropped and the layer encoded; returns the saved
     records still in use (None once dropped)."""
@@ -347,7 +399,10 @@ def _add_layer(store: ExpertStore, t: Target, specs, layout, streamed, saved: Sa
                 raise
             cache.drop(str(exc))
     device = store.encoder.device if store.quantized else None  # raw records: copied from host memory into the slab
-    store.add_layer_from(t.ordinal, specs, E, _experts(t, streamed, device), layout=layout)
+    expert = _experts(t, streamed, device)
+    if parts is not None:  # each expert's host part written beside the store on the way
+        expert = parts.splitter(t.ordinal, expert)
+    store.add_layer_from(t.ordinal, specs, E, expert, layout=layout)
     return None
 
 

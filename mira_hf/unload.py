@@ -31,7 +31,7 @@ def unload(model: nn.Module) -> nn.Module:
     manager.close()
     model.to("cpu")
     for t in model._mira_targets:
-        t.restore(manager.store)
+        t.restore(manager.whole)
         setattr(t.parent, t.attr, t.module)
     manager.store.close()
     bound = ("unload", "save_pretrained", "set_experts_implementation", "mira_load_report")  # per-instance, from `_wrap`
@@ -49,6 +49,6 @@ def save_pretrained(model: nn.Module, save_directory, **kwargs):
         warnings.simplefilter("ignore")
         state = model.state_dict()
     for t in model._mira_targets:  # one contiguous tensor each (views of raw records share their slab)
-        for n, tensor in model.mira.store.fused(t.ordinal).items():
+        for n, tensor in model.mira.whole.fused(t.ordinal).items():
             state[f"{t.name}.{n}"] = tensor
     return type(model).save_pretrained(model, save_directory, state_dict=state, **kwargs)

@@ -257,7 +257,6 @@ def test_dropping_a_model_frees_its_store_and_host_worker():
         assert not t.is_alive()
 
 
-
 def test_a_forked_process_gets_its_own_host_worker():
     # A process forked after the model computed on the host has the parent's pool but not its thread, so a job
     # queued there would never run. Here the pid the pool was made in is set to another process's.

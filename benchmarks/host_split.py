@@ -1,0 +1,258 @@
+"""Experts split by neuron between the host and the GPU (`MiraConfig(host_compute="split")`) against copying
+whole experts, on GPU shapes.
+
+For each workload (`host_compute.py`'s: the expert dimensions of Mixtral-8x7B, Qwen3-30B-A3B and gpt-oss-20b cut
+to a few layers, random bf16 weights, routers spread as trained ones are) and expert budget, the same model is
+wrapped once per system, one after the other in the same process:
+
+    lru             LRU eviction, no prediction, whole experts copied uncompressed (batch 1 only: its routing
+                    gives Belady's floor)
+    without         the default cache and predictor, whole experts copied uncompressed
+    lossless        the default on a GPU: whole experts copied in the lossless format (0.69x the bytes)
+    split-X         host_compute="split", host_share=X, device parts copied uncompressed
+    split-X-lossless  the same with the device parts in the lossless format
+
+Metrics: decode tokens/s at batch 1 (median of `--rounds`), batch 8 and beam search (4 beams); x_limit: time per
+token over the PCIe floor (Belady's bytes per token of whole uncompressed experts over LRU's routing, at the
+measured H2D speed); x_limit_lossless: over the same floor in the lossless format's bytes (Belady's count of copies
+times the lossless record's bytes: the floor of the default); the bytes each system moved per token, its hit rate,
+the largest logit difference against `without` on a prompt (split rounds differently: not bit-exact).
+
+    python benchmarks/host_split.py --models mixtral --out benchmarks/results/      # H200: ~5 minutes per budget
+    python benchmarks/host_split.py --smoke --out /tmp                             # CPU, tiny shapes: checks the script
+
+Writes OUT/<date>-<device>-host-split.json and .md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+
+from bench.clock import START, Deadline, log  # noqa: E402, F401  (before torch: the log counts imports too)
+
+if __name__ == "__main__":
+    for _k, _v in (("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "error")):
+        os.environ.setdefault(_k, _v)
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from bench import GB  # noqa: E402
+from bench.limits import compute_limit  # noqa: E402
+from bench.measure import decode_phase, free_device_cache, generate_timed, measure_bandwidth, routing_trace  # noqa: E402
+from bench.workloads import Workload, model_facts  # noqa: E402
+from common import device_slug, environment, print_table, sync, write_json  # noqa: E402
+from host_compute import WORKLOADS, budget_of, build, spread_routers  # noqa: E402
+
+from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
+
+COLUMNS = [
+    "model",
+    "budget",
+    "system",
+    "b1_tok_s",
+    "x_limit",
+    "x_limit_lossless",
+    "hit_rate",
+    "h2d_gb_per_token",
+    "b8_tok_s",
+    "beam_tok_s",
+    "logit_rel_diff",
+]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="mixtral", help="workloads: " + ",".join(WORKLOADS))
+    ap.add_argument("--budgets", default="consumer,0.25", help="fractions of the expert bytes and/or 'consumer'")
+    ap.add_argument("--shares", default="0.25", help="host_share values of the split systems")
+    ap.add_argument("--systems", default="lru,without,lossless,split,split-lossless")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch-tokens", type=int, default=12)
+    ap.add_argument("--beams", type=int, default=4)
+    ap.add_argument("--beam-tokens", type=int, default=12)
+    ap.add_argument("--warmup-tokens", type=int, default=4)
+    ap.add_argument("--time-budget-s", type=float, default=540.0, help="phases that would start after this are skipped")
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, a few tokens: checks the script")
+    args = ap.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = [m for m in args.models if m not in WORKLOADS]
+    if bad:
+        ap.error(f"--models: unknown {bad}; choose from {', '.join(WORKLOADS)}")
+    args.budgets = [b.strip() if b.strip() == "consumer" else float(b) for b in args.budgets.split(",") if b.strip()]
+    args.shares = [float(s) for s in args.shares.split(",") if s.strip()]
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if args.smoke:
+        args.prompt_len, args.new_tokens, args.batch_tokens, args.beam_tokens, args.warmup_tokens = 8, 4, 2, 2, 1
+        args.batch, args.budgets, args.rounds = min(args.batch, 4), args.budgets[:1], 1
+    return args
+
+
+def configs(args, gpu_budget, device: str) -> list[tuple[str, MiraConfig]]:
+    """(system, its config) in the order measured: lru first (its routing gives the floor)."""
+    base = dict(gpu_budget=gpu_budget, device=device)
+    out = []
+    for system in args.systems:
+        if system == "lru":
+            out.append((system, MiraConfig(**base, quantization=None, policy="lru", predictor=None)))
+        elif system == "without":
+            out.append((system, MiraConfig(**base, quantization=None)))
+        elif system == "lossless":
+            out.append((system, MiraConfig(**base, quantization="lossless")))
+        elif system in ("split", "split-lossless"):
+            q = "lossless" if system.endswith("lossless") else None
+            for share in args.shares:
+                name = system.replace("split", f"split-{share:g}")
+                out.append((name, MiraConfig(**base, quantization=q, host_compute="split", host_share=share)))
+        else:
+            raise SystemExit(f"--systems: unknown {system!r}; choose from lru, without, lossless, split, split-lossless")
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("no CUDA GPU visible: run on a GPU machine, or pass --smoke for the CPU check.", flush=True)
+        return 2
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=UserWarning)
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)  # it builds a graph per new sequence length (NOTES.md, "Measuring")
+    deadline = Deadline(args.time_budget_s)
+    env = environment()
+    stem = os.path.join(args.out, f"{env['date']}-{device_slug(env, on_gpu=not args.smoke)}-host-split")
+    os.makedirs(args.out, exist_ok=True)
+    result = dict(env=env, args=vars(args), command=" ".join(["benchmarks/host_split.py", *sys.argv[1:]]), rows=[])
+    result["bandwidth"] = measure_bandwidth(args.smoke)
+    try:
+        for key in args.models:
+            label, shape, smoke_shape, consumer, full_layers = WORKLOADS[key]
+            for budget in args.budgets:
+                wl = Workload(key, label, smoke_shape if args.smoke else shape, args.seed)
+                run_workload(args, result, key, wl, budget, consumer, full_layers, device, deadline)
+                write_json(stem + ".json", result)
+    finally:
+        write_json(stem + ".json", result)
+        with open(stem + ".md", "w") as f:
+            f.write(render(result))
+        log(f"wrote {stem}.json and .md")
+    return 0
+
+
+def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers, device, deadline) -> None:
+    model = build(wl, device, args.smoke)
+    wl.facts = model_facts(model)
+    if not args.smoke:
+        spread_routers(model, args.prompt_len, args.seed)
+    gpu_budget, budget_label = budget_of(budget, wl.facts, consumer, full_layers)
+    pad = wl.facts["pad_token_id"]
+    ids = wl.prompts(args.batch, args.prompt_len, wl.facts["vocab_size"], device)
+    rows, trace, reference = [], [], None
+    limit = None
+
+    def gen(x, n, beams=1, probe=None):
+        return generate_timed(model, x, n, beams, pad, deadline, probe)
+
+    for system, cfg in configs(args, gpu_budget, device):
+        if deadline.remaining() <= 0:
+            rows.append(dict(model=key, budget=budget_label, system=system, notes="skipped: time budget"))
+            continue
+        t0 = time.perf_counter()
+        MiraMoEModel.wrap(model, cfg)
+        m = model.mira
+        row = dict(model=key, budget=budget_label, system=system, wrap_s=time.perf_counter() - t0)
+        row["record_bytes"] = m.store.record_bytes(m.first_ordinal)
+        row["expert_slots"] = sum(m.budget.n_slots.values())
+        try:
+            decode_phase(gen, ids[:1], args.warmup_tokens + 2, args.warmup_tokens, m)  # warm-up
+            speeds = []
+            for r in range(args.rounds):
+                recording = system == "lru" and r == 0
+                d = decode_phase(gen, ids[:1], args.new_tokens, args.warmup_tokens, m, trace if recording else None)
+                speeds.append(d["tok_s"])
+                if r == 0:
+                    row.update(
+                        hit_rate=d.get("hit_rate"),
+                        h2d_gb_per_token=(d.get("h2d_bytes_per_step") or 0) / GB,
+                        stall_share=d.get("stall_share"),
+                    )
+            row["b1_tok_s_rounds"], row["b1_tok_s"] = speeds, statistics.median(s for s in speeds if s)
+            if system == "lru" and trace:
+                limit = compute_limit(wl.facts, routing_trace(trace, m), result["bandwidth"])
+            with torch.no_grad():
+                logits = model(ids[:1, :4]).logits.float()
+            if system == "without":
+                reference = logits
+            elif reference is not None and system != "lru":
+                row["logit_rel_diff"] = ((logits - reference).abs().max() / reference.abs().max()).item()
+            log(f"{key} / {budget_label} / {system}: batch 1 {row['b1_tok_s']:.2f} tok/s, hit rate {row['hit_rate']:.2f}")
+            if system != "lru" and deadline.remaining() > 0:
+                gen(ids, args.warmup_tokens)
+                t, n, _ = gen(ids, args.batch_tokens)
+                first, _, _ = gen(ids, 1)
+                row["b8_tok_s"] = args.batch * (n - 1) / (t - first) if n > 1 and t > first else None
+                gen(ids[:1], args.warmup_tokens, beams=args.beams)
+                t, n, _ = gen(ids[:1], args.beam_tokens, beams=args.beams)
+                row["beam_tok_s"] = n / t
+                log(
+                    f"{key} / {budget_label} / {system}: batch {args.batch} {row['b8_tok_s'] or 0:.2f}, beam {row['beam_tok_s']:.2f}"
+                )
+        finally:
+            rows.append(row)
+            model.unload()
+            free_device_cache()
+            sync()
+    if limit is not None:
+        raw = next((r["record_bytes"] for r in rows if r["system"] == "lru"), None)
+        lossless = next((r["record_bytes"] for r in rows if r["system"] == "lossless"), None)
+        for r in rows:
+            r["limit_s"], r["belady_bytes_per_token"] = limit["limit_s"], limit["belady_bytes_per_token"]
+            if r.get("b1_tok_s"):
+                r["x_limit"] = 1.0 / r["b1_tok_s"] / limit["limit_s"]
+                if raw and lossless:
+                    r["x_limit_lossless"] = r["x_limit"] * raw / lossless
+    result["rows"].extend(rows)
+    model = None
+    free_device_cache()
+
+
+def render(result: dict) -> str:
+    lines = [
+        "# Experts split by neuron between the host and the GPU",
+        "",
+        f"`{result['command']}` on {result['env'].get('device')} ({result['env'].get('cpu_count')} host cores), "
+        f"torch {result['env']['torch']}, transformers {result['env']['transformers']}, {result['env']['date']}.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    for r in result["rows"]:
+        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |")
+    print_table(result["rows"], COLUMNS)
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return "" if v is None else str(v)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Each expert split by its intermediate neurons: a device part the cache holds and the link moves, and a host
+part the host computes at every use (`MiraConfig(host_compute="split")`).
+
+A routed expert is a sum over its intermediate neurons: `down @ act(gate_up @ x)` is `down[:, n] · act(...)[n]`
+summed over n, and each neuron reads only its own rows (columns, transposed) of the up projection. So the first
+`device_neurons` of every expert form an expert of their own (the same gate function, smaller), computed on the
+device from its slot, and the rest form the host part: the host computes it on the token's hidden rows while the
+device computes the device parts, and the two outputs add. The link carries only the device parts (a share
+`1 - host_share` of every record: fewer bytes per miss, more experts per byte of budget), and the host's cores,
+a resource apart from the link, carry the rest at every use. Adding two partial sums rounds differently from one
+matmul over all neurons: not bit-exact, like every host compute mode.
+
+How a gate function pairs its up projection's columns with neurons is read from the function itself
+(`pairing_of`): gate columns then up columns ("halves": Mixtral, Qwen, DeepSeek, Llama 4), gate and up
+alternating ("interleaved": gpt-oss), or one column per neuron (no gate). Biases of the up projection split with
+their neurons; the down projection's bias belongs to the device part (added once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+
+PAIRINGS = ("halves", "interleaved", "single")
+DEVICE = 0  # part index: the device's neurons
+HOST = 1  # the host's
+# The host part's neurons, where an expert has enough, are a multiple of this (row-aligned slices).
+NEURON_MULTIPLE = 16
+
+Tensors = Mapping[str, torch.Tensor]
+Specs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def pairing_of(activate: Callable[[torch.Tensor], torch.Tensor], has_gate: bool) -> str:
+    """How `activate` ([n, 2I] -> [n, I] with a gate, else [n, I] -> [n, I]) pairs columns with neurons: found by
+    applying it to the columns each pairing gives two neurons and comparing with the full call."""
+    if not has_gate:
+        return "single"
+    neurons = 4
+    h = torch.randn(3, 2 * neurons, generator=torch.Generator().manual_seed(0))  # [3, 2I], fp32
+    with torch.no_grad():
+        full = activate(h)  # [3, I]
+        for pairing in ("halves", "interleaved"):
+            cols = _up_columns(pairing, neurons, range(2))
+            if torch.allclose(activate(h[:, cols]), full[:, :2], rtol=0, atol=1e-6):
+                return pairing
+    raise ConfigError(
+        "host_compute='split' splits each expert by its intermediate neurons, but this experts module's gate "
+        "function pairs its up projection's columns with neurons in a way mira-hf does not recognise (neither gate "
+        "columns then up columns, nor the two alternating). Use host_compute='auto', 'on' or 'off'."
+    )
+
+
+def _up_columns(pairing: str, intermediate: int, neurons) -> list[int]:
+    """The up projection's columns of `neurons` (ascending), in the order a smaller expert of them holds them."""
+    neurons = list(neurons)
+    if pairing == "halves":
+        return neurons + [intermediate + n for n in neurons]
+    if pairing == "interleaved":
+        return [c for n in neurons for c in (2 * n, 2 * n + 1)]
+    return neurons
+
+
+def host_neurons(intermediate: int, share: float) -> int:
+    """How many of an expert's `intermediate` neurons the host computes for `share` (at least one, at most all but
+    one; a multiple of NEURON_MULTIPLE where that leaves both parts some)."""
+    n = round(intermediate * share)
+    if intermediate >= 4 * NEURON_MULTIPLE:
+        n = round(n / NEURON_MULTIPLE) * NEURON_MULTIPLE
+    return min(max(n, 1), intermediate - 1)
+
+
+@dataclass(frozen=True)
+class NeuronSplit:
+    """How one layer's experts split: `up` is the name of the up projection ("gate_up_proj" or "up_proj"),
+    `transposed` the layout flag (weights [in, out]), `intermediate` the neurons of an expert, the last
+    `host` of them on the host. Works on one expert's tensors or on fused ones (leading expert dimension)."""
+
+    up: str
+    pairing: str
+    transposed: bool
+    intermediate: int
+    host: int
+
+    @property
+    def device_neurons(self) -> int:
+        return self.intermediate - self.host
+
+    def _index(self, name: str, part: int) -> tuple[int, torch.Tensor | None]:
+        """(axis from the end, the columns of `part`) of tensor `name`; None: the whole tensor is `part`'s or
+        none of it (down bias: the device's)."""
+        d = self.device_neurons
+        neurons = range(d) if part == DEVICE else range(d, self.intermediate)
+        if name in (self.up, self.up + "_bias"):
+            axis = -1 if self.transposed or name.endswith("_bias") else -2  # [.., 2I, H], [.., H, 2I] or [.., 2I]
+            return axis, torch.tensor(_up_columns(self.pairing, self.intermediate, neurons))
+        if name == "down_proj":
+            return (-2 if self.transposed else -1), torch.arange(neurons.start, neurons.stop)  # [.., I, H] or [.., H, I]
+        if name == "down_proj_bias":
+            return 0, None
+        raise ConfigError(
+            f"host_compute='split' splits expert tensors by neuron, but this layer has a tensor {name!r} it does not "
+            f"know how to split (known: {self.up}, down_proj and their biases). Use host_compute='auto', 'on' or 'off'."
+        )
+
+    def split(self, tensors: Tensors) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(device part, host part) of `tensors` (name -> one expert's tensor, or fused [E, ...]); contiguous copies."""
+        parts: tuple[dict, dict] = ({}, {})
+        for name, t in tensors.items():
+            axis, cols = self._index(name, DEVICE)
+            if cols is None:
+                parts[DEVICE][name] = t.contiguous()
+                continue
+            parts[DEVICE][name] = t.index_select(t.dim() + axis, cols.to(t.device))
+            parts[HOST][name] = t.index_select(t.dim() + axis, self._index(name, HOST)[1].to(t.device))
+        return parts
+
+    def specs(self, specs: Specs) -> tuple[dict, dict]:
+        """(device part, host part) of one expert's `specs` (name -> (shape, dtype))."""
+        meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in specs.items()}
+        return tuple({n: (tuple(t.shape), t.dtype) for n, t in part.items()} for part in self.split(meta))
+
+    def combine(self, device: Tensors, host: Tensors) -> dict[str, torch.Tensor]:
+        """The whole tensors from their two parts (the inverse of `split`)."""
+        out = {}
+        for name, d in device.items():
+            axis, cols = self._index(name, DEVICE)
+            if cols is None:
+                out[name] = d
+                continue
+            h = host[name]
+            both = torch.cat([d, h], dim=d.dim() + axis)  # columns in the order: device part's, then host part's
+            order = torch.cat([cols, self._index(name, HOST)[1]])
+            out[name] = both.index_select(d.dim() + axis, torch.argsort(order).to(d.device))
+        return out
+
+
+class HostParts:
+    """The host parts of every layer's experts: name -> [E, ...] tensors in host memory, filled expert by
+    expert as the device parts are stored."""
+
+    def __init__(self, splits: Mapping[int, NeuronSplit]) -> None:
+        self.splits = dict(splits)
+        self.tensors: dict[int, dict[str, torch.Tensor]] = {}
+
+    def allocate(self, layer: int, specs: Specs, num_experts: int) -> None:
+        """Room for `layer`'s host parts; `specs`: one whole expert's (name -> (shape, dtype))."""
+        _, host = self.splits[layer].specs(specs)
+        self.tensors[layer] = {name: torch.empty((num_experts, *shape), dtype=dtype) for name, (shape, dtype) in host.items()}
+
+    def splitter(self, layer: int, expert: Callable[[int], Tensors]) -> Callable[[int], dict[str, torch.Tensor]]:
+        """`expert(e) -> whole tensors` as `e -> device part`, writing the host part here on the way."""
+        split, parts = self.splits[layer], self.tensors[layer]
+
+        def device_part(e: int) -> dict[str, torch.Tensor]:
+            device, host = split.split(expert(e))
+            for name, t in host.items():
+                parts[name][e].copy_(t)
+            return device
+
+        return device_part
+
+    def weights(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """Expert `expert`'s host part: name -> view."""
+        return {name: t[expert] for name, t in self.tensors[layer].items()}
+
+    def cast(self, layer: int, dtype: torch.dtype) -> None:
+        self.tensors[layer] = {name: t.to(dtype) for name, t in self.tensors[layer].items()}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for parts in self.tensors.values() for t in parts.values())
+
+
+class SplitWeights:
+    """The experts as whole tensors over a store of device parts and their `HostParts`: what the wrapped model's
+    parameters, `state_dict()`, `load_state_dict()`, casts and `unload()` read and write (`mira_hf.state`).
+    Parameters are placeholders (the whole tensors exist nowhere); `fused` gives copies."""
+
+    quantized = True  # parameters are not views of one slab: state_dict() assembles copies
+
+    def __init__(self, store, parts: HostParts) -> None:
+        self.device_store, self.parts = store, parts
+
+    def __getattr__(self, name: str):  # layers, num_experts, dtype, layout, raw_layout, codec, exact, ...
+        return getattr(self.device_store, name)
+
+    def expert_views(self, layer: int) -> None:
+        return None
+
+    def expert_specs(self, layer: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        device = {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in self.device_store.expert_specs(layer).items()}
+        host = {n: t[0].to("meta") for n, t in self.parts.tensors[layer].items()}
+        return {n: (tuple(t.shape), t.dtype) for n, t in self.parts.splits[layer].combine(device, host).items()}
+
+    def fused(self, layer: int) -> dict[str, torch.Tensor]:
+        return self.parts.splits[layer].combine(self.device_store.fused(layer), self.parts.tensors[layer])
+
+    def plan_rewrite(self, layer: int, fused: Tensors | None = None, dtype: torch.dtype | None = None):
+        device = None if fused is None else self.parts.splits[layer].split(fused)[DEVICE]
+        return self.device_store.plan_rewrite(layer, device, dtype)
+
+    def rewrite(self, layer: int, fused: Tensors | None = None, dtype: torch.dtype | None = None, layout=None) -> None:
+        if fused is None:
+            self.device_store.rewrite(layer, dtype=dtype, layout=layout)
+            self.parts.cast(layer, dtype)
+            return
+        device, host = self.parts.splits[layer].split(fused)
+        self.device_store.rewrite(layer, device, dtype, layout=layout)
+        for name, t in host.items():
+            self.parts.tensors[layer][name].copy_(t)

@@ -1,0 +1,212 @@
+"""Experts split by neuron (`MiraConfig(host_compute="split")`): the GPU caches and receives each expert's device
+part, the host computes the rest at every use, and the two add. Not bit-exact (two partial sums, the host's
+rounding), so outputs are checked within the host-compute bound; the weights themselves (state dict, unload,
+casts) stay exact."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_host_compute import BOUND
+from tiny_models import make_auto_config, make_config
+from transformers import AutoModelForCausalLM
+
+from mira_hf import ConfigError, MiraConfig, MiraMoEModel, bundled_model_path
+from mira_hf.host_compute import MAX_HOST_ROWS
+from mira_hf.layout import IdentityCodec
+from mira_hf.neuron_split import NeuronSplit, host_neurons, pairing_of
+
+IDS = torch.tensor([[5, 9, 17, 33, 42, 7, 64, 100, 3]])
+FAMILIES = ["mixtral", "gpt_oss", "qwen3_moe", "deepseek_v3", "llama4", "nemotron_h"]
+
+
+def _tiny(name: str, dtype=torch.float32):
+    config = make_auto_config(name) if name == "nemotron_h" else make_config(name)
+    if config is None:
+        pytest.skip(f"transformers {__import__('transformers').__version__} has no {name}")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("_bias") and "experts" in pname:
+                p.normal_(0.0, 0.5)  # transformers initialises expert biases to zero, which would hide them
+    return model.to(dtype)
+
+
+def _split(model, share=0.25, gpu_budget=0.3, **kw):
+    return MiraMoEModel.wrap(model, MiraConfig(device="cpu", gpu_budget=gpu_budget, host_compute="split", host_share=share, **kw))
+
+
+def _experts_of(model):
+    return next(m for p, m in model.named_modules() if p.endswith("experts") and isinstance(getattr(m, "num_experts", None), int))
+
+
+# -- how an expert splits ----------------------------------------------------------------------------
+@pytest.mark.parametrize(("name", "pairing"), [("mixtral", "halves"), ("gpt_oss", "interleaved"), ("nemotron_h", "single")])
+def test_the_gate_functions_pairing_of_columns_and_neurons_is_read_from_the_function(name, pairing):
+    experts = _experts_of(_tiny(name))
+    has_gate = getattr(experts, "has_gate", True)
+
+    def act(h):
+        if not has_gate:
+            return experts.act_fn(h)
+        gate = getattr(experts, "_apply_gate", None)
+        if gate is not None:
+            return gate(h)
+        g, u = h.chunk(2, dim=-1)
+        return experts.act_fn(g) * u
+
+    assert pairing_of(act, has_gate) == pairing
+
+
+def test_a_gate_function_that_mixes_neurons_is_refused():
+    with pytest.raises(ConfigError, match="does not recognise"):
+        pairing_of(lambda h: h[:, : h.shape[1] // 2] * h[:, h.shape[1] // 2 :].sum(dim=1, keepdim=True), True)
+
+
+@pytest.mark.parametrize("pairing", ["halves", "interleaved", "single"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_two_parts_join_back_into_the_whole_tensors_and_their_outputs_add_up(pairing, transposed):
+    H, I, E = 6, 8, 3  # noqa: E741
+    split = NeuronSplit("up_proj" if pairing == "single" else "gate_up_proj", pairing, transposed, I, host=3)
+    width = I if pairing == "single" else 2 * I
+    g = torch.Generator().manual_seed(1)
+    up = torch.randn(E, *((H, width) if transposed else (width, H)), generator=g, dtype=torch.float64)
+    down = torch.randn(E, *((I, H) if transposed else (H, I)), generator=g, dtype=torch.float64)
+    whole = {split.up: up, split.up + "_bias": torch.randn(E, width, generator=g, dtype=torch.float64), "down_proj": down}
+    whole["down_proj_bias"] = torch.randn(E, H, generator=g, dtype=torch.float64)
+    device, host = split.split(whole)
+    assert set(host) == {split.up, split.up + "_bias", "down_proj"}  # the down bias is added once, by the device part
+    joined = split.combine(device, host)
+    assert all(torch.equal(joined[n], whole[n]) for n in whole)
+    assert split.specs({n: (tuple(t.shape[1:]), t.dtype) for n, t in whole.items()})[1]["down_proj"][0] == (
+        (3, H) if transposed else (H, 3)
+    )
+
+    def act(h):  # the gate function of each pairing: silu(gate) * up
+        if pairing == "single":
+            return torch.nn.functional.silu(h)
+        if pairing == "halves":
+            a, b = h.chunk(2, dim=-1)
+        else:
+            a, b = h[..., ::2], h[..., 1::2]
+        return torch.nn.functional.silu(a) * b
+
+    def expert(w, x, bias=True):
+        mm = (lambda x, t: x @ t) if transposed else (lambda x, t: x @ t.T)
+        h = act(mm(x, w[split.up]) + w[split.up + "_bias"])
+        return mm(h, w["down_proj"]) + (w["down_proj_bias"] if bias else 0)
+
+    x = torch.randn(4, H, generator=g, dtype=torch.float64)
+    for e in range(E):
+        one = lambda part, e=e: {n: t[e] for n, t in part.items()}  # noqa: E731
+        total = expert(one(device), x) + expert(one(host), x, bias=False)
+        assert torch.allclose(total, expert(one(whole), x), rtol=1e-12, atol=1e-12)
+
+
+def test_the_host_share_is_rounded_to_whole_neurons_and_leaves_both_parts_some():
+    assert host_neurons(14336, 0.25) == 3584
+    assert host_neurons(14336, 0.3) % 16 == 0
+    assert host_neurons(8, 0.25) == 2
+    assert host_neurons(8, 0.01) == 1 and host_neurons(8, 0.99) == 7
+
+
+# -- in a model ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_stay_within_the_bound_with_each_expert_split_between_host_and_device(name, dtype):
+    ref = _tiny(name, dtype)
+    model = _split(copy.deepcopy(ref))
+    for impl in ("grouped_mm", "batched_mm", "eager"):
+        if name == "llama4" and impl == "grouped_mm":
+            continue  # Llama 4's experts scale their inputs: transformers runs them with their own loop
+        ref.set_experts_implementation(impl)
+        model.set_experts_implementation(impl)
+        for ids in (IDS, IDS[:, :1], IDS.expand(2, -1)):  # a small block, a decode step, two sequences
+            with torch.no_grad():
+                expected, got = ref(ids).logits.float(), model(ids).logits.float()
+            assert (got - expected).abs().max() <= BOUND[dtype] * expected.abs().max(), (impl, ids.shape)
+
+
+def test_prefill_sized_blocks_compute_their_host_parts_on_the_device():
+    ref = _tiny("mixtral")
+    model = _split(copy.deepcopy(ref))
+    seen = []
+    model.mira.host.start = lambda layer, experts, inputs, f=model.mira.host.start: (
+        seen.append(len(experts)) or f(layer, experts, inputs)
+    )
+    ids = torch.randint(3, 128, (1, 8 * MAX_HOST_ROWS), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = ref(ids).logits, model(ids).logits  # ~32 rows per expert: more than the host takes
+    assert (got - expected).abs().max() <= BOUND[torch.float32] * expected.abs().max()
+    assert sum(seen) < 8 * len(model.mira.layers)  # the crowded experts' host parts ran on the device
+
+
+def test_the_store_holds_device_parts_so_the_same_budget_holds_more_experts():
+    ref = _tiny("mixtral")
+    whole = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.3))
+    split = _split(copy.deepcopy(ref), share=0.5)
+    specs = whole.mira.store.expert_specs(0)
+    record = IdentityCodec().plan(specs).nbytes
+    assert split.mira.store.record_bytes(0) == record // 2  # half the neurons: half of every tensor but the biases
+    assert sum(split.mira.budget.n_slots.values()) >= 2 * sum(whole.mira.budget.n_slots.values()) - 1
+    assert split.mira.budget.budget_bytes == whole.mira.budget.budget_bytes  # a fraction of the whole experts' bytes
+
+
+def test_the_weights_stay_exact_state_dict_load_cast_and_unload():
+    ref = _tiny("gpt_oss")
+    original = {k: v.clone() for k, v in ref.state_dict().items()}
+    model = _split(copy.deepcopy(ref))
+    state = model.state_dict()
+    assert state.keys() == original.keys()
+    assert all(torch.equal(state[k], original[k]) for k in original)
+    experts = [k for k in original if ".experts." in k and original[k].dim() >= 2]
+    shapes = dict(model.named_parameters())
+    assert all(shapes[k].shape == original[k].shape for k in experts)
+    # load_state_dict writes both parts: the model computes with the loaded weights
+    other = _tiny("gpt_oss")
+    with torch.no_grad():
+        for k in experts:
+            other.get_parameter(k).mul_(-1.0)
+    model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        expected, got = other(IDS).logits, model(IDS).logits
+    assert (got - expected).abs().max() <= BOUND[torch.float32] * expected.abs().max()
+    # a cast casts both parts as casting the tensors would
+    model.to(torch.bfloat16)
+    other.to(torch.bfloat16)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], other.state_dict()[k]) for k in experts)
+    with torch.no_grad():
+        expected, got = other(IDS).logits.float(), model(IDS).logits.float()
+    assert (got - expected).abs().max() <= BOUND[torch.bfloat16] * expected.abs().max()
+    back = model.unload()
+    assert all(torch.equal(back.get_parameter(k), other.get_parameter(k)) for k in experts)
+
+
+def test_bundled_model_greedy_tokens_are_unchanged_with_split_experts():
+    path = bundled_model_path()
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = _split(copy.deepcopy(ref), gpu_budget=0.25, predictor="auto")
+    prompt = torch.tensor([[3, 17, 250, 1024, 77, 5]])
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, **kw), ref.generate(prompt, **kw))
+    assert model.mira.stats()["misses"] > 0
+
+
+def test_split_is_validated_before_anything_changes():
+    for share in (0, 1, 1.5, -0.1, "half", True):
+        with pytest.raises(ConfigError, match="host_share="):
+            MiraConfig(host_compute="split", host_share=share)
+    ref = _tiny("qwen3_moe")
+    experts = _experts_of(ref)
+    experts.has_post_expert_norm = True
+    experts.post_expert_norm = torch.nn.RMSNorm(ref.config.hidden_size)
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    with pytest.raises(ConfigError, match="not a sum over neurons"):
+        _split(ref)
+    after = ref.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert not hasattr(ref, "mira")

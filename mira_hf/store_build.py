@@ -97,6 +97,12 @@ def plan_store(
     # A fractional budget is a share of the checkpoint's expert bytes, whatever the transfer format.
     all_bytes = sum(raw_bytes[li.ordinal] * li.num_experts for li in layers)
     parts = None
+    if cfg.host_compute == "split" and streamed is not None and streamed.codec is not None:
+        raise ConfigError(
+            f"host_compute='split' computes each expert's host part from its uncompressed weights, but this checkpoint "
+            f"ships its experts as {streamed.codec.name}, which mira-hf serves in their own bytes. Use host_compute='off' "
+            "or 'auto', or a checkpoint in bf16."
+        )
     if cfg.host_compute == "split":  # the store holds each expert's device part; the host parts stay beside it
         parts = HostParts(neuron_splits(cfg, adapter, targets, specs))
         whole, specs = specs, {layer: parts.splits[layer].specs(s)[0] for layer, s in specs.items()}

@@ -149,6 +149,11 @@ def test_packed_placement_is_refused_where_transformers_dequantizes(quantized_ch
         _load(quantized_checkpoint("qwen3_moe"), quant=QuantConfig(placement="packed"))
 
 
+def test_splitting_experts_of_a_prequantized_checkpoint_is_refused(quantized_checkpoint):
+    with pytest.raises(ConfigError, match="host_compute='split'.*fp8_block"):
+        _load(quantized_checkpoint("qwen3_moe"), host_compute="split")
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors", "bitsandbytes"])
 def test_other_quantized_formats_are_named_in_the_warning_or_error(tiny_checkpoint, tmp_path, method):
     import json

@@ -90,18 +90,22 @@ class NeuronSplit:
     def device_neurons(self) -> int:
         return self.intermediate - self.host
 
-    def _index(self, name: str, part: int) -> tuple[int, torch.Tensor | None]:
-        """(axis from the end, the columns of `part`) of tensor `name`; None: the whole tensor is `part`'s or
-        none of it (down bias: the device's)."""
-        d = self.device_neurons
-        neurons = range(d) if part == DEVICE else range(d, self.intermediate)
+    def _ranges(self, name: str, part: int) -> tuple[int, list[tuple[int, int]]] | None:
+        """(axis from the end, the (start, length) column ranges of `part`, in the order a smaller expert holds
+        them) of tensor `name`; None where the whole tensor belongs to the device part (the down bias)."""
+        d, h = self.device_neurons, self.host
+        first, count = (0, d) if part == DEVICE else (d, h)
         if name in (self.up, self.up + "_bias"):
             axis = -1 if self.transposed or name.endswith("_bias") else -2  # [.., 2I, H], [.., H, 2I] or [.., 2I]
-            return axis, torch.tensor(_up_columns(self.pairing, self.intermediate, neurons))
+            if self.pairing == "halves":  # gate columns, then up columns
+                return axis, [(first, count), (self.intermediate + first, count)]
+            if self.pairing == "interleaved":  # (gate, up) per neuron
+                return axis, [(2 * first, 2 * count)]
+            return axis, [(first, count)]
         if name == "down_proj":
-            return (-2 if self.transposed else -1), torch.arange(neurons.start, neurons.stop)  # [.., I, H] or [.., H, I]
+            return (-2 if self.transposed else -1), [(first, count)]  # [.., I, H] or [.., H, I]
         if name == "down_proj_bias":
-            return 0, None
+            return None
         raise ConfigError(
             f"host_compute='split' splits expert tensors by neuron, but this layer has a tensor {name!r} it does not "
             f"know how to split (known: {self.up}, down_proj and their biases). Use host_compute='auto', 'on' or 'off'."
@@ -111,12 +115,13 @@ class NeuronSplit:
         """(device part, host part) of `tensors` (name -> one expert's tensor, or fused [E, ...]); contiguous copies."""
         parts: tuple[dict, dict] = ({}, {})
         for name, t in tensors.items():
-            axis, cols = self._index(name, DEVICE)
-            if cols is None:
+            if self._ranges(name, DEVICE) is None:
                 parts[DEVICE][name] = t.contiguous()
                 continue
-            parts[DEVICE][name] = t.index_select(t.dim() + axis, cols.to(t.device))
-            parts[HOST][name] = t.index_select(t.dim() + axis, self._index(name, HOST)[1].to(t.device))
+            for part in (DEVICE, HOST):
+                axis, ranges = self._ranges(name, part)
+                pieces = [t.narrow(t.dim() + axis, a, n) for a, n in ranges]
+                parts[part][name] = torch.cat(pieces, dim=t.dim() + axis) if len(pieces) > 1 else pieces[0].contiguous()
         return parts
 
     def specs(self, specs: Specs) -> tuple[dict, dict]:
@@ -128,14 +133,17 @@ class NeuronSplit:
         """The whole tensors from their two parts (the inverse of `split`)."""
         out = {}
         for name, d in device.items():
-            axis, cols = self._index(name, DEVICE)
-            if cols is None:
+            if self._ranges(name, DEVICE) is None:
                 out[name] = d
                 continue
-            h = host[name]
-            both = torch.cat([d, h], dim=d.dim() + axis)  # columns in the order: device part's, then host part's
-            order = torch.cat([cols, self._index(name, HOST)[1]])
-            out[name] = both.index_select(d.dim() + axis, torch.argsort(order).to(d.device))
+            axis = d.dim() + self._ranges(name, DEVICE)[0]
+            pieces = []  # (first column in the whole tensor, the columns)
+            for part, t in ((DEVICE, d), (HOST, host[name])):
+                at = 0
+                for a, n in self._ranges(name, part)[1]:
+                    pieces.append((a, t.narrow(axis, at, n)))
+                    at += n
+            out[name] = torch.cat([p for _, p in sorted(pieces, key=lambda item: item[0])], dim=axis)
         return out
 
 

@@ -145,6 +145,13 @@ class PackedWeights:
         """Tensor `name` decoded in the model's dtype (into the shared scratch buffer when it fits)."""
         return self._bound.weight(name, self.dtype)
 
+    def decoded(self, name: str) -> torch.Tensor:
+        """Tensor `name` as a slot of placement "dequant" holds it, for any codec (`weight` where the bound form
+        has one, else the codec's decode of the record)."""
+        if hasattr(self._bound, "weight"):
+            return self.weight(name)
+        return self.codec.decode(self.record, self.layout, self.dtype)[name]
+
     def raw(self, name: str) -> torch.Tensor:
         """A tensor stored unquantised in the record (biases)."""
         return self._bound.raw(name, self.dtype)

@@ -79,6 +79,7 @@ class MiraExperts(nn.Module):
         # columns first, then up, as Llama 4's experts), and whether slots hold packed records.
         self._apply_gate = getattr(base, "_apply_gate", None)
         self._packed = manager.placement == "packed"
+        self._kept_packed = manager.placement == "mixed"  # experts kept packed compute as their decoded slots would
         self._split = manager.host.mode == "split"  # each expert's host part computed on the host (neuron_split)
         # Whether batched_mm's gather of decoded weights gives the unwrapped model's bits: unpacked experts, or packed
         # records (in slots, or kept beside them: "mixed") that decode exactly (`decodes_exactly`).
@@ -472,8 +473,10 @@ class MiraScaledExperts(MiraExperts):
     def _linear(self, x: torch.Tensor, w, name: str, kernel: bool) -> torch.Tensor:
         # Llama4TextExperts multiplies every expert in one `bmm`. On a CPU, torch's batched kernel rounds a batch
         # of one as `mm` does, unlike a batch of several, so one expert goes through a batch of two views of itself.
-        if x.device.type == "cpu" and not isinstance(w, PackedWeights):
-            t = w[name]  # [in, out]: these experts are transposed and have no biases
+        # An expert kept packed ("mixed") goes the same way with its decoded weight: it computes what its decoded
+        # slot would at a larger budget.
+        if x.device.type == "cpu" and (self._kept_packed or not isinstance(w, PackedWeights)):
+            t = w.decoded(name) if isinstance(w, PackedWeights) else w[name]  # [in, out]: transposed, no biases
             return torch.bmm(x.expand(2, *x.shape), t.expand(2, *t.shape))[0]
         return super()._linear(x, w, name, kernel)
 

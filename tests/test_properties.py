@@ -8,7 +8,7 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from tiny_models import RECIPES, make_config  # noqa: E402
 
@@ -126,6 +126,10 @@ compressed_case = st.fixed_dictionaries(
 
 
 @given(compressed_case)
+@example(  # Llama 4's experts kept packed on a CPU: through the batched matmul its decoded slots take
+    dict(family="llama4", quantization="int8", placement="mixed", budget=0.5, policy="lru", predictor=None, batch=1, seed=0)
+    | dict(speculate=0, code="nibble")
+)
 def test_compressed_transfer_computes_the_same_at_any_budget(c):
     """With a compressed format the numbers change once, at quantisation; caching never changes them:
     any budget, policy and predictor gives the logits and tokens of the same format with every expert

@@ -345,7 +345,7 @@ class MiraConfig:
     offload_dir: str | None = None
     expert_layer_path: str | None = None
     host_compute: str = "off"  # inexact (host rounding), so opt-in
-    host_share: float = 0.25  # host_compute="split": at one token, about where a 16-core host and a PCIe 5 link finish together
+    host_share: float = 0.25  # host_compute="split": faster than 0.35 on the Mixtral shape (benchmarks/NOTES.md, "Host compute")
     predictor_path: str | None = None
     store_path: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -52,7 +52,7 @@ from bench.limits import compute_limit  # noqa: E402
 from bench.measure import decode_phase, free_device_cache, generate_timed, measure_bandwidth, routing_trace  # noqa: E402
 from bench.workloads import Workload, model_facts  # noqa: E402
 from common import device_slug, environment, print_table, sync, write_json  # noqa: E402
-from host_compute import WORKLOADS, budget_of, build, spread_routers  # noqa: E402
+from host_compute import WORKLOADS, _fmt, budget_of, build, spread_routers  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
 
@@ -251,12 +251,6 @@ def render(result: dict) -> str:
         lines.append("| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |")
     print_table(result["rows"], COLUMNS)
     return "\n".join(lines) + "\n"
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    return "" if v is None else str(v)
 
 
 if __name__ == "__main__":

@@ -188,7 +188,7 @@ def worker_cpus(reserved: int = 1) -> set[int] | None:
 class HostComputeOff:
     """`MiraConfig(host_compute="off")`: every miss is copied; the manager's hooks do nothing."""
 
-    mode, active, switch = "off", False, None
+    mode, active, switch, parts = "off", False, None, None
 
     def place(self, store, layers: Mapping[int, object], device: torch.device) -> None:
         pass

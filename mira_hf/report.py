@@ -61,6 +61,7 @@ class NotebookViews:
                 placement=self.placement,
                 host_only_experts=len(self.host_only),
                 kept_packed_experts=len(self.kept),  # placement "mixed": held packed beside the slots, decoded at each use
+                host_part_bytes=self.host.parts.nbytes() if self.host.parts is not None else 0,  # host_compute="split"
                 prediction_active=self.staging.predicting,  # the predictor runs now (False without one, or paused by the payoff gate)
                 prediction_paused_steps=self.staging.gate.paused_steps,
             )

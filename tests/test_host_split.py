@@ -153,6 +153,9 @@ def test_the_store_holds_device_parts_so_the_same_budget_holds_more_experts():
     assert split.mira.store.record_bytes(0) == record // 2  # half the neurons: half of every tensor but the biases
     assert sum(split.mira.budget.n_slots.values()) >= 2 * sum(whole.mira.budget.n_slots.values()) - 1
     assert split.mira.budget.budget_bytes == whole.mira.budget.budget_bytes  # a fraction of the whole experts' bytes
+    layers, E = len(whole.mira.layers), whole.mira.store.num_experts(0)
+    assert split.mira.stats()["host_part_bytes"] == layers * E * (record - record // 2)  # beside the store, in host memory
+    assert whole.mira.stats()["host_part_bytes"] == 0
 
 
 def test_the_weights_stay_exact_state_dict_load_cast_and_unload():

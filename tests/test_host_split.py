@@ -213,3 +213,20 @@ def test_split_is_validated_before_anything_changes():
     after = ref.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert not hasattr(ref, "mira")
+
+
+@pytest.mark.parametrize("quantization", [None, "lossless"])
+def test_a_checkpoint_loads_split_from_disk_and_saves_back_whole(tiny_checkpoint, tmp_path, quantization):
+    """The user's path: from_pretrained reads each expert from the checkpoint once, stores its device part (here
+    uncompressed or lossless) and keeps its host part; save_pretrained writes the whole experts back."""
+    path = tiny_checkpoint("qwen3_moe")
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    cfg = MiraConfig(device="cpu", gpu_budget=0.3, host_compute="split", quantization=quantization)
+    model = MiraMoEModel.from_pretrained(path, cfg, progress=False).eval()
+    assert model.mira.quantization == quantization
+    with torch.no_grad():
+        expected, got = ref(IDS).logits, model(IDS).logits
+    assert (got - expected).abs().max() <= BOUND[torch.float32] * expected.abs().max()
+    model.save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in ref.state_dict().items())

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
+import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
@@ -87,6 +88,9 @@ def parse_args(argv=None):
     ap.add_argument("--warmup-tokens", type=int, default=4)
     ap.add_argument("--time-budget-s", type=float, default=540.0, help="phases that would start after this are skipped")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    ap.add_argument(
+        "--floor-from", help="an earlier result file of the same workloads, budgets and seed: its lru rows give the floor"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, a few tokens: checks the script")
     args = ap.parse_args(argv)
@@ -223,8 +227,14 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
             model = m = None
             free_device_cache()
             sync()
+    earlier = []
+    if limit is None and args.floor_from:  # the floor depends on the routing only: the same model, prompt and budget
+        with open(args.floor_from) as f:
+            earlier = [r for r in json.load(f)["rows"] if (r["model"], r["budget"], r["system"]) == (key, budget_label, "lru")]
+        if earlier:
+            limit = {k: earlier[0][k] for k in ("limit_s", "belady_bytes_per_token")}
     if limit is not None:
-        raw = next((r["record_bytes"] for r in rows if r["system"] == "lru"), None)
+        raw = next((r["record_bytes"] for r in rows + earlier if r["system"] == "lru"), None)
         lossless = next((r["record_bytes"] for r in rows if r["system"] == "lossless"), None)
         for r in rows:
             r["limit_s"], r["belady_bytes_per_token"] = limit["limit_s"], limit["belady_bytes_per_token"]

@@ -418,6 +418,12 @@ class MiraConfig:
                 f"{self.quantization!r} encodes them. Use quantization=None or 'auto' with it, or host_compute='auto' "
                 "(off where records are encoded)."
             )
+        if self.host_compute == "split" and self.store_path is not None:
+            raise ConfigError(
+                "store_path is set with host_compute='split': a saved store holds whole experts' records, and the split "
+                "stores each expert's device part (read from the checkpoint at each load). Drop store_path, or use "
+                "another host_compute."
+            )
         share = self.host_share
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share < 1.0:
             raise ConfigError(

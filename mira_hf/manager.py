@@ -603,6 +603,11 @@ class ExpertManager(NotebookViews):
         reads them instead of quantising again."""
         if not self.store.quantized:
             raise ConfigError("save_store() saves quantized records; this model moves experts uncompressed (quantization=None).")
+        if self.host.parts is not None:
+            raise ConfigError(
+                "save_store() saves whole experts' records, but with host_compute='split' the store holds each expert's "
+                "device part only. Wrap the model without host_compute='split' to save its records."
+            )
         self.store.save(directory, self.fingerprint)
 
     def close(self) -> None:

@@ -203,6 +203,10 @@ def test_split_is_validated_before_anything_changes():
     for share in (0, 1, 1.5, -0.1, "half", True):
         with pytest.raises(ConfigError, match="host_share="):
             MiraConfig(host_compute="split", host_share=share)
+    with pytest.raises(ConfigError, match="store_path is set with host_compute='split'"):
+        MiraConfig(host_compute="split", quantization="lossless", store_path="/tmp/records")
+    with pytest.raises(ConfigError, match="device part only"):
+        _split(_tiny("mixtral"), quantization="lossless").mira.save_store("/tmp/never-written")
     ref = _tiny("qwen3_moe")
     experts = _experts_of(ref)
     experts.has_post_expert_norm = True

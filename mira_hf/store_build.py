@@ -8,6 +8,7 @@ given back untouched if anything fails (`fill_store`).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -109,6 +110,12 @@ def plan_store(
         host_bytes = {layer: raw_bytes[layer] - IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
         raw_bytes = {layer: IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
     budget_bytes = resolve_budget_bytes(cfg, all_bytes, device, lambda: bytes_to_move(model, targets, device))
+    if parts is not None and budget_bytes >= all_bytes:
+        warnings.warn(
+            "mira-hf: host_compute='split' with a GPU budget that holds every whole expert: nothing needs copying after "
+            "the first uses, and the host parts still cost host time at every use. host_compute='off' is faster here.",
+            stacklevel=4,
+        )
     native = streamed.codec if streamed is not None else None  # a pre-quantized checkpoint's own format
     cfg = resolve_format(cfg, device, specs, raw_bytes, all_bytes, budget_bytes, native)
     codec = native if native is not None else codec_for_config(cfg.quantization, cfg.quant)

@@ -199,6 +199,11 @@ def test_bundled_model_greedy_tokens_are_unchanged_with_split_experts():
     assert model.mira.stats()["misses"] > 0
 
 
+def test_a_budget_that_holds_every_whole_expert_warns_that_the_split_only_costs_time():
+    with pytest.warns(UserWarning, match="holds every whole expert"):
+        _split(_tiny("mixtral"), gpu_budget=1.0)
+
+
 def test_split_is_validated_before_anything_changes():
     for share in (0, 1, 1.5, -0.1, "half", True):
         with pytest.raises(ConfigError, match="host_share="):

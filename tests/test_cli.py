@@ -91,6 +91,16 @@ def test_generate_writes_a_stats_file(generated):
     assert record["config"]["gpu_budget"] == 0.25 and record["config"]["dtype"] == "float32"  # CPU defaults
 
 
+def test_generate_splits_experts_between_host_and_device_when_asked(tmp_path):
+    stats_file = tmp_path / "run.json"
+    argv = ["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "4", "--device", "cpu"]
+    argv += ["--host-compute", "split", "--host-share", "0.3", "--stats-out", str(stats_file)]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert cli.main(argv) == 0
+    record = json.loads(stats_file.read_text())
+    assert record["stats"]["host_part_bytes"] > 0
+
+
 def test_stats_summarises_a_saved_stats_file(generated, capsys):
     rc, out, _ = run(["stats", str(generated[2])], capsys)
     assert rc == 0 and "hit rate" in out and "tokens/s" in out and "layer  hit rate" in out
@@ -104,6 +114,8 @@ def test_stats_summarises_a_saved_stats_file(generated, capsys):
         (["generate", "/nonexistent/model", "--prompt", "x"], ["/nonexistent/model"]),
         (["generate", "--prompt", "x", "--policy", "fifo"], ["policy='fifo'", "Supported: lru, heat, priority"]),
         (["generate", "--prompt", "x", "--temperature", "0.7"], ["--do-sample"]),
+        (["generate", "--prompt", "x", "--host-compute", "sometimes"], ["host_compute='sometimes'", "split"]),
+        (["generate", "--prompt", "x", "--host-compute", "split", "--host-share", "2"], ["host_share=2.0"]),
         (["stats", "/nonexistent/run.json"], ["no such file"]),
         (["calibrate", "mira-tiny", "--data", "/nonexistent.txt", "--out", "/tmp/x"], ["--data"]),
         (["env", "--model", "/nonexistent/model"], ["/nonexistent/model"]),

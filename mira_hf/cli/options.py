@@ -13,14 +13,15 @@ import re
 from pathlib import Path
 
 from ..bundled import BUNDLED_NAME, resolve_model_name
-from ..config import POLICIES, PREDICTORS, QUANTIZATIONS, MiraConfig, choices_text, spelling
+from ..config import HOST_COMPUTE_MODES, POLICIES, PREDICTORS, QUANTIZATIONS, MiraConfig, choices_text, spelling
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODEL_HELP = f'model directory or hub id already in the local cache (default: "{BUNDLED_NAME}", the bundled model)'
 
 
-def add_model_options(p: argparse.ArgumentParser, budget_default: str | None, predictors: bool = True) -> None:
-    """--budget, --policy, (--predictor,) --quantization, --device and --dtype: the MiraConfig a command loads with."""
+def add_model_options(p: argparse.ArgumentParser, budget_default: str | None, predictors: bool = True, host: bool = True) -> None:
+    """--budget, --policy, (--predictor,) --quantization, (--host-compute, --host-share,) --device and --dtype: the
+    MiraConfig a command loads with."""
     fit = "0.25" if budget_default else "all experts that fit in 90%% of free GPU memory"
     p.add_argument(
         "--budget",
@@ -50,9 +51,29 @@ def add_model_options(p: argparse.ArgumentParser, budget_default: str | None, pr
         help=f"expert transfer format: {formats} (default {spelling(defaults['quantization'])}: lossless where copies are the "
         "bottleneck, else none; int8/int4/nf4 change the numbers)",
     )
+    if host:
+        add_host_options(p, defaults)
     p.add_argument("--device", default=None, metavar="D", help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument(
         "--dtype", default=None, choices=DTYPES, help="weights dtype (default float32 on CPU, the checkpoint's on GPU)"
+    )
+
+
+def add_host_options(p: argparse.ArgumentParser, defaults: dict) -> None:
+    """--host-compute and --host-share (`MiraConfig.host_compute`, `host_share`)."""
+    p.add_argument(
+        "--host-compute",
+        default=defaults["host_compute"],
+        metavar="H",
+        help=f"compute on the host CPU: {choices_text(HOST_COMPUTE_MODES)} (default {defaults['host_compute']}; not bit-exact: "
+        "'auto'/'on' compute some misses there, 'split' a share of every expert)",
+    )
+    p.add_argument(
+        "--host-share",
+        type=float,
+        default=defaults["host_share"],
+        metavar="S",
+        help=f"with --host-compute split: the share of each expert's neurons the host computes (default {defaults['host_share']})",
     )
 
 
@@ -82,6 +103,7 @@ def mira_config(args: argparse.Namespace) -> MiraConfig:
         policy=args.policy,
         predictor=getattr(args, "predictor", None),  # spelled as typed: MiraConfig reads "none", "Gate", ...
         quantization=args.quantization,
+        **{name: getattr(args, name) for name in ("host_compute", "host_share") if hasattr(args, name)},
         **({"predictor_path": predictor_path} if predictor_path else {}),
     )
     if cfg.device is None:

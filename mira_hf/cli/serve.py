@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="with --device-memory: routing of MODEL for the plan's hit rates (a trace file, or a mira calibrate DIR)",
     )
-    add_model_options(v, budget_default="0.25")
+    add_model_options(v, budget_default="0.25", host=False)  # host compute is not measured under serving's batches
     v.set_defaults(run=cmd_serve, budget=None)  # None: 0.25, or planned with --device-memory
 
 

@@ -164,15 +164,18 @@ def _init_worker(cpus: set[int] | None, threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def own_tensors(module: torch.nn.Module, skip) -> list[str]:
+    """Names of `module`'s parameters and buffers, except those under a top-level name in `skip`."""
+    return [n for n, _ in (*module.named_parameters(), *module.named_buffers()) if n.split(".")[0] not in skip]
+
+
 def host_expert_math(proxy, layout) -> tuple[ExpertFn | None, int]:
     """(`proxy`'s per-expert math for the host, its hidden size H) for a `MiraExperts` proxy whose records
     have the raw `layout`. The math is None where the experts module keeps tensors of its own (other than
     a post-expert norm, applied on the device): they live on the device, so the host cannot compute it."""
     down = next(t.shape for t in layout.tensors if t.name == "down_proj")
     hidden = down[1] if proxy._transposed else down[0]  # [I, H] transposed, else [H, I]
-    base = proxy.base
-    own = [n for n, _ in (*base.named_parameters(), *base.named_buffers()) if not n.startswith("post_expert_norm.")]
-    return (None if own else proxy._host_expert), hidden
+    return (None if own_tensors(proxy.base, {"post_expert_norm"}) else proxy._host_expert), hidden
 
 
 def worker_cpus(reserved: int = 1) -> set[int] | None:

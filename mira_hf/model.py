@@ -29,7 +29,7 @@ from .expert_keys import native_codec_name
 from .experts_impl import check_model_implementations, checked_set_experts_implementation
 from .load_report import LoadReport
 from .manager import ExpertManager
-from .proxy import LAYOUT_FLAGS, MiraExperts, MiraScaledExperts
+from .proxy import MiraExperts, MiraScaledExperts, layout_flags
 from .resources import replan
 from .shards import NotStreamable, ShardIndex, missing_checkpoint_error
 from .state import install as install_state
@@ -248,7 +248,7 @@ def _install(
     proxy = MiraScaledExperts if adapter.input_scaled else MiraExperts
     proxies = []
     for t in targets:
-        flags = {n: adapter.flag(t.module, n, default) for n, default in LAYOUT_FLAGS.items()}
+        flags = layout_flags(adapter, t.module)
         proxies.append(proxy(t.module, manager, t.ordinal, flags, plan.cfg.cache.prefill_block_tokens))
         setattr(t.parent, t.attr, proxies[-1])
     model.to(device)

@@ -25,7 +25,6 @@ import torch
 
 from .errors import ConfigError
 
-PAIRINGS = ("halves", "interleaved", "single")
 DEVICE = 0  # part index: the device's neurons
 HOST = 1  # the host's
 # The host part's neurons, where an expert has enough, are a multiple of this (row-aligned slices).

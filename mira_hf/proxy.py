@@ -40,6 +40,11 @@ LAYOUT_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "ha
 TRANSFORMERS_FLAGS = ("has_gate", "has_bias", "is_transposed")
 
 
+def layout_flags(adapter, module: nn.Module) -> dict[str, bool]:
+    """Every LAYOUT_FLAGS entry for experts module `module`, as its adapter resolves them."""
+    return {n: adapter.flag(module, n, default) for n, default in LAYOUT_FLAGS.items()}
+
+
 MAX_GROUPS = 1023  # groups torch's grouped matmul takes in one call (fewer than 1024)
 
 

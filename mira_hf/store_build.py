@@ -22,12 +22,13 @@ from .checkpoint import StreamedExperts
 from .config import AUTO_LOSSLESS_MIN_RECORD_BYTES, MiraConfig
 from .encode import RecordEncoder, encoder_for
 from .errors import ConfigError, IncompatibleFileError
+from .host_compute import own_tensors
 from .layout import IdentityCodec
 from .load_report import LoadReport
 from .manager import ExpertManager
 from .neuron_split import HostParts, NeuronSplit, SplitWeights, host_neurons, pairing_of
 from .predictors import build_predictor
-from .proxy import LAYOUT_FLAGS, activate
+from .proxy import activate, layout_flags
 from .quant import codec_for_config, codec_names, find_codec_entry, is_native
 from .record_cache import RecordCache, default_root
 from .resources import (
@@ -107,8 +108,9 @@ def plan_store(
     if cfg.host_compute == "split":  # the store holds each expert's device part; the host parts stay beside it
         parts = HostParts(neuron_splits(cfg, adapter, targets, specs))
         whole, specs = specs, {layer: parts.splits[layer].specs(s)[0] for layer, s in specs.items()}
-        host_bytes = {layer: raw_bytes[layer] - IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
-        raw_bytes = {layer: IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
+        device_bytes = {layer: IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
+        host_bytes = {layer: raw_bytes[layer] - device_bytes[layer] for layer in specs}
+        raw_bytes = device_bytes
     budget_bytes = resolve_budget_bytes(cfg, all_bytes, device, lambda: bytes_to_move(model, targets, device))
     if parts is not None and budget_bytes >= all_bytes:
         warnings.warn(
@@ -330,8 +332,8 @@ def neuron_splits(cfg: MiraConfig, adapter: MoEAdapter, targets: list[Target], s
     anything changes, for experts whose output is not a sum over neurons of what the host can compute."""
     splits = {}
     for t in targets:
-        flags = {n: adapter.flag(t.module, n, default) for n, default in LAYOUT_FLAGS.items()}
-        own = [n for n, _ in (*t.module.named_parameters(), *t.module.named_buffers()) if n.split(".")[0] not in t.tensors]
+        flags = layout_flags(adapter, t.module)
+        own = own_tensors(t.module, t.tensors)
         if flags["has_post_expert_norm"] or own:
             raise ConfigError(
                 f"host_compute='split' adds each expert's host part to its device part, but the experts module at "

@@ -181,17 +181,25 @@ FAMILIES = ["mixtral", "gpt_oss", "deepseek_v3", "llama4"]  # qwen3_moe and nemo
 def test_logits_stay_within_the_bound_when_misses_run_on_the_host(name, dtype):
     ref = _tiny(name, dtype)
     model = _forced(copy.deepcopy(ref))
+    for impl in logits_within_bound(ref, model, name, dtype, (IDS, IDS[:, :1])):  # a small block, a decode-sized one
+        assert model.mira.stats()["host_computed"] > 0, impl
+
+
+def logits_within_bound(ref, model, name: str, dtype, inputs):
+    """For each experts implementation transformers runs `name` with: set it on both models, assert that `model`'s
+    logits on each of `inputs` are within BOUND[dtype] of `ref`'s (relative to the largest), and yield it (the
+    caller checks what it needs of that implementation's run; the stats were reset before it)."""
     for impl in ("grouped_mm", "batched_mm", "eager"):
         if name == "llama4" and impl == "grouped_mm":
             continue  # Llama 4's experts scale their inputs: transformers runs them with their own loop
         ref.set_experts_implementation(impl)
         model.set_experts_implementation(impl)
         model.mira.reset_stats()
-        for ids in (IDS, IDS[:, :1]):  # a small block and a decode-sized one
+        for ids in inputs:
             with torch.no_grad():
                 expected, got = ref(ids).logits.float(), model(ids).logits.float()
             assert (got - expected).abs().max() <= BOUND[dtype] * expected.abs().max(), (impl, ids.shape)
-        assert model.mira.stats()["host_computed"] > 0, impl
+        yield impl
 
 
 def all_on_host(layers) -> HostCosts:

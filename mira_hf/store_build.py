@@ -154,7 +154,10 @@ def plan_store(
         with encoder.progress_pass(f"planning {codec.name} records", all_bytes):
             for i, t in enumerate(targets):
                 expert = _experts(t, streamed, encoder.device, parts)
-                layouts[t.ordinal] = encoder.plan_layer(codec, specs[t.ordinal], t.module.num_experts, expert, key=t.ordinal)
+                # An expert kept on the device from here is encoded without being read again; a split one must be
+                # read again, for its host part is written beside the store as it is read (`HostParts.splitter`).
+                key = t.ordinal if parts is None else None
+                layouts[t.ordinal] = encoder.plan_layer(codec, specs[t.ordinal], t.module.num_experts, expert, key=key)
                 nbytes = t.module.num_experts * layouts[t.ordinal].nbytes
                 unplanned = sum(raw_bytes[u.ordinal] * u.module.num_experts for u in targets[i + 1 :])
                 early = early and host_has_room(reserved + nbytes + unplanned + loading)

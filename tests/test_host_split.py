@@ -182,6 +182,25 @@ def test_the_weights_stay_exact_state_dict_load_cast_and_unload():
     assert all(torch.equal(back.get_parameter(k), other.get_parameter(k)) for k in experts)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("quantization", [None, "lossless"], ids=["uncompressed", "lossless"])
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_on_a_gpu_both_parts_hold_the_weights_and_the_logits_stay_within_the_bound(name, quantization):
+    """On a GPU the lossless device parts are encoded there (planned, then encoded, in two passes over the
+    experts): every expert's host part is written all the same, so the state dict is the original's, bit for bit."""
+    ref = _tiny(name, torch.bfloat16).cuda()
+    original = {k: v.clone() for k, v in ref.state_dict().items()}
+    cfg = MiraConfig(device="cuda", gpu_budget=0.3, host_compute="split", quantization=quantization)
+    model = MiraMoEModel.wrap(copy.deepcopy(ref), cfg)
+    assert model.mira.store.quantized == (quantization is not None)
+    state = model.state_dict()
+    assert all(torch.equal(state[k].cpu(), original[k].cpu()) for k in original)
+    ids = IDS.cuda()
+    inputs = (ids, ids[:, :1], ids.expand(2, -1))
+    assert len(list(logits_within_bound(ref, model, name, torch.bfloat16, inputs))) == 3
+
+
 def test_bundled_model_greedy_tokens_are_unchanged_with_split_experts():
     path = bundled_model_path()
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

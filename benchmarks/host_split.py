@@ -68,6 +68,8 @@ COLUMNS = [
     "h2d_gb_per_token",
     "b8_tok_s",
     "beam_tok_s",
+    "b8_parts_copied",
+    "beam_parts_copied",
     "logit_rel_diff",
 ]
 
@@ -210,12 +212,16 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
             log(f"{key} / {budget_label} / {system}: batch 1 {row['b1_tok_s']:.2f} tok/s, hit rate {row['hit_rate']:.2f}")
             if system != "lru" and deadline.remaining() > 0:
                 gen(ids, args.warmup_tokens)
+                before = m.stats()
                 t, n, _ = gen(ids, args.batch_tokens)
+                row["b8_parts_copied"] = copied_share(before, m.stats())
                 first, _, _ = gen(ids, 1)
                 row["b8_tok_s"] = args.batch * (n - 1) / (t - first) if n > 1 and t > first else None
                 gen(ids[:1], args.warmup_tokens, beams=args.beams)
+                before = m.stats()
                 t, n, _ = gen(ids[:1], args.beam_tokens, beams=args.beams)
                 row["beam_tok_s"] = n / t
+                row["beam_parts_copied"] = copied_share(before, m.stats())
                 log(
                     f"{key} / {budget_label} / {system}: batch {args.batch} {row['b8_tok_s'] or 0:.2f}, beam {row['beam_tok_s']:.2f}"
                 )
@@ -245,6 +251,12 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
     result["rows"].extend(rows)
     base = None
     free_device_cache()
+
+
+def copied_share(before: dict, after: dict) -> float | None:
+    """Of the expert uses between two `stats()`, the share whose host part was copied to the device (split)."""
+    uses = after["hits"] + after["misses"] - before["hits"] - before["misses"]
+    return (after["parts_copied"] - before["parts_copied"]) / uses if uses else None
 
 
 def render(result: dict) -> str:

@@ -122,6 +122,27 @@ class HostCosts:
                 link_t += copy
         return copied, host
 
+    def balance(
+        self, layer: int, experts: Sequence[int], rows: Sequence[int], nbytes: int, now: float | None = None
+    ) -> list[int]:
+        """host_compute="split": which of a block's `experts` (with their `rows`) have their host parts (`nbytes`
+        each) copied to the device and computed there, so that the block's later path ends soonest. The host
+        computes its parts one after another from its job's start; the link copies after what is queued. Parts
+        move most host time first (the host's time grows with rows, the copy's does not), while a move brings
+        the later of the two ends earlier: ties stay on the host (the link is busy enough with misses)."""
+        now = time.perf_counter() if now is None else now
+        link_t = max(self.link_free_at - now, 0.0)
+        times = [self.host_time(layer, n) for n in rows]
+        host_t = self.job_start_s() + sum(times)
+        copy, left, moved = self.copy_s(nbytes), len(experts), []
+        for i in sorted(range(len(experts)), key=lambda i: -times[i]):  # stable: ties keep the router's order
+            after = host_t - times[i] if left > 1 else 0.0  # the last part moved: no host job at all
+            if max(after, link_t + copy) >= max(host_t, link_t):
+                break
+            host_t, link_t, left = after, link_t + copy, left - 1
+            moved.append(experts[i])
+        return moved
+
     def job_start_s(self) -> float:
         """Seconds from planning a block until its host job's first expert can start."""
         return self.host_overhead_s + self.host_lag_s
@@ -319,6 +340,24 @@ class HostCompute:
         if layer not in self.costs.host_s:
             self._measure_layer(layer)
         return self.costs.split(layer, misses, n, self.store.record_bytes(layer))
+
+    def place_parts(self, layer: int, experts: list[int], rows: Sequence[int]) -> tuple[list[int], list[int]]:
+        """host_compute="split": (copied, host) for the host parts of a block's `experts` (after its misses' copies
+        were queued): an expert with more than `max_rows` rows (a prefill's) has its host part copied and computed
+        on the device, and so do those `HostCosts.balance` moves off a host that would finish after the link.
+        Measures the link and the layer's host times first if unknown. On a CPU device (no link: both paths use
+        the same cores) every part with few rows stays on the host, unless a cost model was injected."""
+        limit = self.costs.max_rows
+        crowded = [e for e, n in zip(experts, rows) if n > limit]
+        small = [(e, n) for e, n in zip(experts, rows) if n <= limit]
+        if not small or layer not in self._fns or (self.device.type == "cpu" and not self._injected):
+            return crowded, [e for e, _ in small]
+        if self.costs.link_bytes_per_s is None:
+            self._measure_link(layer)
+        if layer not in self.costs.host_s:
+            self._measure_layer(layer)
+        moved = self.costs.balance(layer, [e for e, _ in small], [n for _, n in small], self.parts.expert_bytes(layer))
+        return crowded + moved, [e for e, _ in small if e not in moved]
 
     def copy_issued(self, nbytes: int) -> None:
         """A copy of `nbytes` was queued (on CUDA: asynchronous; on a CPU a copy is done when it returns)."""

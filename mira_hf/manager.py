@@ -52,6 +52,9 @@ class BlockPlan:
     loading: set[int] = field(default_factory=set)  # demand-loaded experts this plan still pins
     predictions: dict | None = None  # the predictor's guesses, staged once the block's own experts are in use
     host: list[int] = field(default_factory=list)  # misses computed on the host, not copied (host_compute)
+    # host_compute="split": the experts whose host parts the host computes, and those copied to the device
+    host_parts: list[int] = field(default_factory=list)
+    parts_copied: list[int] = field(default_factory=list)
     ready: int = 0  # how many experts at the head of `order` were resident with their copies landed at `begin`
     kept: int = 0  # how many experts after those are kept packed beside the cache (placement "mixed")
 
@@ -291,6 +294,11 @@ class ExpertManager(NotebookViews):
             except BaseException:
                 self._unpin(plan)  # the caller never gets the plan, so it cannot end() it
                 raise
+            if self.host.parts is not None and rows is not None:  # split: where each host part runs, after the copies
+                plan.parts_copied, plan.host_parts = self.host.place_parts(layer, list(experts), rows)
+                stats.parts_copied += len(plan.parts_copied)
+                for _ in plan.parts_copied:
+                    self.host.copy_issued(self.host.parts.expert_bytes(layer))
             return plan
 
     def acquire(self, plan: BlockPlan, expert: int, first_part: bool = False) -> dict[str, torch.Tensor]:

@@ -18,12 +18,14 @@ their neurons; the down projection's bias belongs to the device part (added once
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from .errors import ConfigError
+from .pinned import pinned_empty
 
 DEVICE = 0  # part index: the device's neurons
 HOST = 1  # the host's
@@ -150,14 +152,21 @@ class HostParts:
     """The host parts of every layer's experts: name -> [E, ...] tensors in host memory, filled expert by
     expert as the device parts are stored."""
 
-    def __init__(self, splits: Mapping[int, NeuronSplit]) -> None:
+    def __init__(self, splits: Mapping[int, NeuronSplit], pinned: bool = False) -> None:
         self.splits = dict(splits)
+        self.pinned = pinned  # page-locked: a part copied to the device (a crowded block's) crosses at link speed
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
 
     def allocate(self, layer: int, specs: Specs, num_experts: int) -> None:
         """Room for `layer`'s host parts; `specs`: one whole expert's (name -> (shape, dtype))."""
         _, host = self.splits[layer].specs(specs)
-        self.tensors[layer] = {name: torch.empty((num_experts, *shape), dtype=dtype) for name, (shape, dtype) in host.items()}
+        self.tensors[layer] = {name: self._empty((num_experts, *shape), dtype) for name, (shape, dtype) in host.items()}
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if not self.pinned:
+            return torch.empty(shape, dtype=dtype)
+        n = math.prod(shape) * dtype.itemsize
+        return pinned_empty(n).view(dtype).view(shape)  # exactly its size, as the store's slabs
 
     def splitter(self, layer: int, expert: Callable[[int], Tensors]) -> Callable[[int], dict[str, torch.Tensor]]:
         """`expert(e) -> whole tensors` as `e -> device part`, writing the host part here on the way."""
@@ -175,8 +184,14 @@ class HostParts:
         """Expert `expert`'s host part: name -> view."""
         return {name: t[expert] for name, t in self.tensors[layer].items()}
 
+    def expert_bytes(self, layer: int) -> int:
+        """Bytes of one expert's host part in `layer`."""
+        return sum(t[0].numel() * t.element_size() for t in self.tensors[layer].values())
+
     def cast(self, layer: int, dtype: torch.dtype) -> None:
-        self.tensors[layer] = {name: t.to(dtype) for name, t in self.tensors[layer].items()}
+        self.tensors[layer] = {
+            name: t if t.dtype == dtype else self._empty(t.shape, dtype).copy_(t) for name, t in self.tensors[layer].items()
+        }
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for parts in self.tensors.values() for t in parts.values())

@@ -324,7 +324,7 @@ class MiraExperts(nn.Module):
             if plan.host:
                 job = self.manager.host.start(self.layer, plan.host, inputs)
             elif self._split:  # every expert's host part, computing while the device runs the device parts
-                job, parts = self._host_parts(needed, rows, inputs)
+                job, parts = self._host_parts(plan, inputs)
             first = 0
             if group is not None and plan.ready > 1:
                 first = plan.ready
@@ -349,16 +349,15 @@ class MiraExperts(nn.Module):
             return [(e, out, True) for e, out in done + parts]
         return [(e, self._post(out), False) for e, out in done]
 
-    def _host_parts(self, needed: list[int], rows: list[int], inputs) -> tuple[object, list[tuple[int, torch.Tensor]]]:
-        """(the host job of the host parts of `needed`, [(expert, output [n, H])] of those computed on the device):
-        an expert with more than `max_rows` rows in the block (a prefill) has its host part copied to the device and
-        computed there, as the host's time grows with rows and the copy's does not."""
+    def _host_parts(self, plan, inputs) -> tuple[object, list[tuple[int, torch.Tensor]]]:
+        """(the host job of the host parts `plan.host_parts`, [(expert, output [n, H])] of `plan.parts_copied`): the
+        manager copies to the device the host parts of experts with many rows in the block (a prefill's: the host's
+        time grows with rows, the copy's does not) and those the host would finish after the link
+        (`HostCompute.place_parts`); they are computed here, on the device."""
         host = self.manager.host
-        limit = host.costs.max_rows
-        small = [e for e, n in zip(needed, rows) if n <= limit]
-        job = host.start(self.layer, small, inputs) if small else None
+        job = host.start(self.layer, plan.host_parts, inputs) if plan.host_parts else None
         parts = []
-        for e in (e for e, n in zip(needed, rows) if n > limit):
+        for e in plan.parts_copied:
             x = inputs(e)  # [n, H]
             w = {name: t.to(x.device, non_blocking=True) for name, t in host.weights(self.layer, e).items()}
             parts.append((e, self._host_part(w, x)))

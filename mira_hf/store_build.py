@@ -99,6 +99,7 @@ def plan_store(
     # A fractional budget is a share of the checkpoint's expert bytes, whatever the transfer format.
     all_bytes = sum(raw_bytes[li.ordinal] * li.num_experts for li in layers)
     parts = None
+    pinned = device.type == "cuda" and cfg.host_memory in ("auto", "pinned")
     if cfg.host_compute == "split" and streamed is not None and streamed.codec is not None:
         raise ConfigError(
             f"host_compute='split' computes each expert's host part from its uncompressed weights, but this checkpoint "
@@ -106,7 +107,7 @@ def plan_store(
             "or 'auto', or a checkpoint in bf16."
         )
     if cfg.host_compute == "split":  # the store holds each expert's device part; the host parts stay beside it
-        parts = HostParts(neuron_splits(cfg, adapter, targets, specs))
+        parts = HostParts(neuron_splits(cfg, adapter, targets, specs), pinned=pinned)
         whole, specs = specs, {layer: parts.splits[layer].specs(s)[0] for layer, s in specs.items()}
         device_bytes = {layer: IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
         host_bytes = {layer: raw_bytes[layer] - device_bytes[layer] for layer in specs}
@@ -142,7 +143,6 @@ def plan_store(
             )
         cache.drop("its layouts do not fit this checkpoint")
         saved = None
-    pinned = device.type == "cuda" and cfg.host_memory in ("auto", "pinned")
     store = ExpertStore(
         codec, pinned=pinned, host_budget_bytes=cfg.host_budget_bytes, offload_dir=cfg.offload_dir, encoder=encoder
     )

@@ -307,6 +307,7 @@ STATS_CHECKED_BY = {
     "host_only_experts": "test_host_only_experts_are_computed_but_never_keep_a_slot",
     "kept_packed_experts": "test_lossless.py::test_mixed_placement_keeps_a_few_experts_packed_copies_nothing_more_and_...",
     "host_part_bytes": "test_host_split.py::test_the_store_holds_device_parts_so_the_same_budget_holds_more_experts",
+    "parts_copied": "test_host_split.py::test_the_manager_places_each_host_part_as_the_costs_say",
     "host_computed": "test_host_compute.py::test_the_manager_splits_a_blocks_misses_as_the_costs_say",
     "buffer_bytes": "test_budget.py::test_codec_buffers_are_planned_out_of_the_budget",
     "quantization": "test_api.py::test_default_config_reports_the_format_it_resolved (None), test_codec_buffers_...",

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from test_host_compute import BOUND, logits_within_bound
+from test_host_compute import BOUND, MS, costs, logits_within_bound
 from tiny_models import make_auto_config, make_config
 from transformers import AutoModelForCausalLM
 
@@ -135,6 +135,43 @@ def test_prefill_sized_blocks_compute_their_host_parts_on_the_device():
         expected, got = ref(ids).logits, model(ids).logits  # ~32 rows per expert: more than the host takes
     assert (got - expected).abs().max() <= BOUND[torch.float32] * expected.abs().max()
     assert sum(seen) < 8 * len(model.mira.layers)  # the crowded experts' host parts ran on the device
+    assert model.mira.stats()["parts_copied"] == 8 * len(model.mira.layers) - sum(seen)
+
+
+def test_the_host_parts_a_slower_host_would_finish_last_cross_the_link_as_hand_computed():
+    # Host: 2 ms per part on 1 row, 8 ms on 4 rows; link: 1 ms per part (1 MB at 1 GB/s), busy 5 ms more.
+    c = costs(host_s={0: {1: 2 * MS, 4: 8 * MS}})
+    c.link_free_at = 100.0 + 5 * MS
+    # A decode step's two experts: the host ends at 4 ms, before the link's 5: both parts stay.
+    assert c.balance(0, [3, 7], [1, 1], nbytes=1_000_000, now=100.0) == []
+    # A beam step's four experts, 26 ms on the host: moving the three four-row parts brings the block's end to
+    # 18, 10 and 8 ms (the link's 6, 7, 8); moving the last would end it at 9 ms: that one stays.
+    assert c.balance(0, [3, 7, 1, 5], [4, 4, 1, 4], nbytes=1_000_000, now=100.0) == [3, 7, 5]
+    # The link idle: a decode step's first part crosses (ends at 2 ms instead of 4); the second would end the
+    # block no sooner (2 ms either way): ties stay on the host.
+    c.link_free_at = 0.0
+    assert c.balance(0, [3, 7], [1, 1], nbytes=1_000_000, now=100.0) == [3]
+
+
+@pytest.mark.parametrize(("link_bytes_per_s", "host_s"), [(1.0, 1e-6), (1e9, 1.0)], ids=["slow-link", "slow-host"])
+def test_the_manager_places_each_host_part_as_the_costs_say(link_bytes_per_s, host_s):
+    """A host faster than any copy keeps every part; one slower than the link gives every part to the device.
+    Either way the outputs stay within the bound."""
+    ref = _tiny("mixtral")
+    model = _split(copy.deepcopy(ref))
+    c = costs(link_bytes_per_s=link_bytes_per_s, host_s={layer: {1: host_s} for layer in model.mira.layers})
+    model.mira.host.set_costs(c)
+    started = []
+    model.mira.host.start = lambda layer, experts, inputs, f=model.mira.host.start: (
+        started.extend(experts) or f(layer, experts, inputs)
+    )
+    with torch.no_grad():
+        expected, got = ref(IDS[:, :1]).logits, model(IDS[:, :1]).logits
+    assert (got - expected).abs().max() <= BOUND[torch.float32] * expected.abs().max()
+    s = model.mira.stats()
+    uses = s["hits"] + s["misses"]
+    assert uses == 2 * len(model.mira.layers)  # one token, top-2
+    assert (s["parts_copied"], len(started)) == ((uses, 0) if host_s == 1.0 else (0, uses))
 
 
 def test_the_store_holds_device_parts_so_the_same_budget_holds_more_experts():

@@ -4,16 +4,20 @@ the link copies at full speed (and the link's speed meanwhile), and a host job's
 through a worker thread, back to the GPU). Random bf16 weights in page-locked memory, laid out as transformers' fused
 `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`; each timed call reads another expert, so weights come from memory.
 
-    python benchmarks/host_split_probe.py      # a GPU machine; writes $OUT/probe.json (else /tmp/probe.json)
+    python benchmarks/host_split_probe.py          # a GPU machine; writes $OUT/probe.json (else /tmp/probe.json)
+    python benchmarks/host_split_probe.py --rows   # host time against rows only (no GPU needed): $OUT/rows.json
 
 Keys: host.bf16_last_<share> (seconds for the expert's last neurons, sliced in place), host.<dtype>_contig_<share>
 [_threads<n>] (the same neurons copied contiguous, as the split stores them; 15 threads unless named),
 link_gbps_alone, link_gbps_with_host, host_part_ms_during_link (a quarter share, while the link copies),
 roundtrip_ms_median and roundtrip_ms_p90. Committed as results/2026-12-03-nvidia-h200-host-split-probe.json.
+With --rows: rows.<dtype>_<share>_rows<n>, seconds of a contiguous share on n rows (bf16 weights, and the same
+weights widened to fp32 with fp32 rows), for the row counts of batched decoding and beam search.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -45,10 +49,17 @@ def part(x, gate, up, down):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", action="store_true", help="host time against rows only")
+    args = parser.parse_args()
     out = {}
     out["lscpu"] = subprocess.run(
-        ["bash", "-c", "lscpu | egrep 'Model name|Flags' | cut -c1-400; nproc"], capture_output=True, text=True
+        ["bash", "-c", "lscpu | egrep 'Model name' ; lscpu | egrep -o 'avx512[a-z_0-9]*|amx[a-z_0-9]*' | sort -u; nproc"],
+        capture_output=True,
+        text=True,
     ).stdout
+    if args.rows:
+        return rows_only(out)
     torch.manual_seed(0)
     gate_up = torch.randn(EXPERTS, 2 * NEURONS, HIDDEN, dtype=torch.bfloat16).pin_memory()
     down = torch.randn(EXPERTS, HIDDEN, NEURONS, dtype=torch.bfloat16).pin_memory()
@@ -131,6 +142,37 @@ def main() -> None:
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps({k: v for k, v in out.items() if k != "lscpu"}, indent=1))
+
+
+def rows_only(out: dict) -> None:
+    """Host seconds of a share of Mixtral-size experts against the rows of a block, bf16 and fp32."""
+    torch.manual_seed(0)
+    torch.set_num_threads(THREADS)
+    try:
+        os.sched_setaffinity(0, set(range(1, os.cpu_count())))
+    except OSError as exc:
+        out["affinity"] = str(exc)
+    rows = out["rows"] = {}
+    for share in (0.2, 0.25):
+        n = int(NEURONS * share)
+        parts = [
+            (
+                torch.randn(n, HIDDEN, dtype=torch.bfloat16),
+                torch.randn(n, HIDDEN, dtype=torch.bfloat16),
+                torch.randn(HIDDEN, n, dtype=torch.bfloat16),
+            )
+            for _ in range(EXPERTS)
+        ]
+        for dtype in (torch.bfloat16, torch.float32):
+            weights = parts if dtype == torch.bfloat16 else [tuple(t.float() for t in p) for p in parts]
+            for r in (1, 2, 4, 8, 16):
+                x = torch.randn(r, HIDDEN, dtype=dtype)
+                key = f"{str(dtype).removeprefix('torch.')}_{share}_rows{r}"
+                rows[key] = median_s(lambda i, w=weights, x=x: part(x, *w[i % EXPERTS]))
+    path = os.path.join(os.environ.get("OUT", "/tmp"), "rows.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import copy  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 import warnings  # noqa: E402
 
 from bench.clock import START, Deadline, log  # noqa: E402, F401  (before torch: the log counts imports too)
@@ -225,6 +226,9 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
                 log(
                     f"{key} / {budget_label} / {system}: batch {args.batch} {row['b8_tok_s'] or 0:.2f}, beam {row['beam_tok_s']:.2f}"
                 )
+        except Exception as exc:  # recorded with its traceback; the next systems still run
+            row["notes"] = f"failed: {type(exc).__name__}: {exc}"
+            traceback.print_exc()
         finally:
             rows.append(row)
             m.close()

@@ -154,7 +154,7 @@ class HostParts:
 
     def __init__(self, splits: Mapping[int, NeuronSplit], pinned: bool = False) -> None:
         self.splits = dict(splits)
-        self.pinned = pinned  # page-locked: a part copied to the device (a crowded block's) crosses at link speed
+        self.pinned = pinned  # page-locked: a part copied to the device (`HostCosts.balance`) crosses at link speed
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
 
     def allocate(self, layer: int, specs: Specs, num_experts: int) -> None:

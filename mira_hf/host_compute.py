@@ -335,29 +335,27 @@ class HostCompute:
         if use_rate is not None:
             misses = sorted(misses, key=lambda e: -use_rate[e])  # stable: ties keep the router's order
         n = [rows[e] for e in misses]
-        if self.costs.link_bytes_per_s is None:
-            self._measure_link(layer)
-        if layer not in self.costs.host_s:
-            self._measure_layer(layer)
+        self._measured(layer)
         return self.costs.split(layer, misses, n, self.store.record_bytes(layer))
 
     def place_parts(self, layer: int, experts: list[int], rows: Sequence[int]) -> tuple[list[int], list[int]]:
         """host_compute="split": (copied, host) for the host parts of a block's `experts` (after its misses' copies
         were queued): an expert with more than `max_rows` rows (a prefill's) has its host part copied and computed
         on the device, and so do those `HostCosts.balance` moves off a host that would finish after the link.
-        Measures the link and the layer's host times first if unknown. On a CPU device (no link: both paths use
-        the same cores) every part with few rows stays on the host, unless a cost model was injected."""
-        limit = self.costs.max_rows
+        Measures the link and the layer's host times first if unknown, and books the copies on the link. On a CPU
+        device (no link: both paths use the same cores) every part with few rows stays on the host, unless a cost
+        model was injected."""
+        limit, nbytes = self.costs.max_rows, self.parts.expert_bytes(layer)
         crowded = [e for e, n in zip(experts, rows) if n > limit]
         small = [(e, n) for e, n in zip(experts, rows) if n <= limit]
-        if not small or layer not in self._fns or (self.device.type == "cpu" and not self._injected):
-            return crowded, [e for e, _ in small]
-        if self.costs.link_bytes_per_s is None:
-            self._measure_link(layer)
-        if layer not in self.costs.host_s:
-            self._measure_layer(layer)
-        moved = self.costs.balance(layer, [e for e, _ in small], [n for _, n in small], self.parts.expert_bytes(layer))
-        return crowded + moved, [e for e, _ in small if e not in moved]
+        moved = []
+        if small and layer in self._fns and (self.device.type != "cpu" or self._injected):
+            self._measured(layer)
+            moved = self.costs.balance(layer, [e for e, _ in small], [n for _, n in small], nbytes)
+        copied = crowded + moved
+        for _ in copied:
+            self.copy_issued(nbytes)
+        return copied, [e for e, _ in small if e not in moved]
 
     def copy_issued(self, nbytes: int) -> None:
         """A copy of `nbytes` was queued (on CUDA: asynchronous; on a CPU a copy is done when it returns)."""
@@ -417,6 +415,13 @@ class HostCompute:
         return y
 
     # -- measuring ---------------------------------------------------------------------------------
+    def _measured(self, layer: int) -> None:
+        """Measure the link and `layer`'s host times where they are not known yet."""
+        if self.costs.link_bytes_per_s is None:
+            self._measure_link(layer)
+        if layer not in self.costs.host_s:
+            self._measure_layer(layer)
+
     def _measure_link(self, layer: int) -> None:
         """Link speed and per-copy overhead from host→device copies of a record's first bytes (up to 64 KiB,
         and up to 16 MiB; the transient device buffer is freed at once). On CPU, a memcpy."""

@@ -297,8 +297,6 @@ class ExpertManager(NotebookViews):
             if self.host.parts is not None and rows is not None:  # split: where each host part runs, after the copies
                 plan.parts_copied, plan.host_parts = self.host.place_parts(layer, list(experts), rows)
                 stats.parts_copied += len(plan.parts_copied)
-                for _ in plan.parts_copied:
-                    self.host.copy_issued(self.host.parts.expert_bytes(layer))
             return plan
 
     def acquire(self, plan: BlockPlan, expert: int, first_part: bool = False) -> dict[str, torch.Tensor]:

@@ -258,7 +258,32 @@ def load_model(
         except NotStreamable as exc:
             if wanted or quantization_config is not None:
                 _cannot_stream(name_or_path, str(exc), None, bool(stream_experts))
+    if quantization_config is not None and _is_native(quantization_config):
+        from transformers import AutoConfig
+
+        hf_kwargs = dequantizing(AutoConfig.from_pretrained(name_or_path, **_config_kwargs(hf_kwargs)), hf_kwargs)
     return auto_model_class(model_type).from_pretrained(name_or_path, **hf_kwargs), None
+
+
+def _is_native(quantization_config: dict) -> bool:
+    """Whether config.json's `quantization_config` names a format mira-hf serves in its own bytes."""
+    try:
+        return native_codec_name(quantization_config) is not None
+    except NotStreamable:  # another quantized format: transformers loads it its own way
+        return False
+
+
+def dequantizing(config, hf_kwargs: dict) -> dict:
+    """`hf_kwargs` that load a checkpoint of `config` in a format mira-hf serves in its own bytes (FP8 with block
+    scales, MXFP4) as transformers loads it where it dequantizes: FP8 linears in the model dtype, MXFP4 experts in
+    bf16, and none of transformers' own kernels for the format (which transformers ≥ 5.25 fetches from the hub
+    for MXFP4, even on a CPU). mira-hf decodes such experts exactly as that path does. Other checkpoints:
+    `hf_kwargs` as given."""
+    quantization = getattr(config, "quantization_config", None)
+    if native_codec_name(quantization) is None:
+        return hf_kwargs
+    config.quantization_config = {**quantization_dict(quantization), "dequantize": True}
+    return {**hf_kwargs, "config": config}
 
 
 def auto_model_class(model_type: str | None):
@@ -286,11 +311,7 @@ def load_without_experts(
     config = _model_config(name_or_path, hf_kwargs)
     quantization = getattr(config, "quantization_config", None)
     native = native_codec_name(quantization)
-    if native is not None:
-        # The experts are read here; the other weights load as transformers loads this checkpoint where it
-        # dequantizes (its dequantize path: FP8 linears to the model dtype; gpt-oss quantizes only experts).
-        config.quantization_config = {**quantization_dict(quantization), "dequantize": True}
-        hf_kwargs = {**hf_kwargs, "config": config}
+    hf_kwargs = dequantizing(config, hf_kwargs)  # the experts are read here; the other weights as transformers loads them
     base = _model_class(config)
     state: dict[str, object] = {}
     block = block_size(quantization_dict(quantization)) if native is not None else None
@@ -397,11 +418,16 @@ def _model_config(name_or_path, hf_kwargs: dict):
     """config.json as transformers reads it for from_pretrained; `NotStreamable` for a model with its own code."""
     from transformers import AutoConfig
 
-    names = ("revision", "cache_dir", "local_files_only", "token", "subfolder", "trust_remote_code")
-    config = AutoConfig.from_pretrained(name_or_path, **{k: hf_kwargs[k] for k in names if k in hf_kwargs})
+    config = AutoConfig.from_pretrained(name_or_path, **_config_kwargs(hf_kwargs))
     if getattr(config, "auto_map", None):
         raise NotStreamable("it defines its own modeling code (auto_map)")
     return config
+
+
+def _config_kwargs(hf_kwargs: dict) -> dict:
+    """The keywords of `hf_kwargs` that AutoConfig.from_pretrained takes too (where the config is read from)."""
+    names = ("revision", "cache_dir", "local_files_only", "token", "subfolder", "trust_remote_code")
+    return {k: hf_kwargs[k] for k in names if k in hf_kwargs}
 
 
 def _model_class(config):

@@ -57,6 +57,22 @@ def kernel_device():
         sys.modules.pop("mira_hf.quant.triton_kernels", None)  # later imports get compiled kernels
 
 
+def reference_kwargs(path: str, dtype=None) -> dict:
+    """What a test passes to transformers' `from_pretrained` to load a checkpoint as transformers computes it on a
+    CPU: `dtype`, and for an MXFP4 checkpoint its experts dequantized on load. transformers ≥ 5.25 would otherwise
+    fetch its hub kernels for MXFP4 on a CPU (tests run offline); up to 5.24 it dequantized there on its own."""
+    import json
+
+    kw = {"dtype": dtype} if dtype is not None else {}
+    with open(os.path.join(path, "config.json")) as f:
+        quant = json.load(f).get("quantization_config") or {}
+    if quant.get("quant_method") == "mxfp4":
+        from transformers import Mxfp4Config
+
+        kw["quantization_config"] = Mxfp4Config(dequantize=True)
+    return kw
+
+
 def load_reference(path: str, dtype=None):
     """The unwrapped model of a checkpoint, loaded by transformers (in `dtype`, as mira-hf is given it), with its
     routed experts' weights at 16-byte-aligned addresses and every other weight where transformers put it, as in the
@@ -67,7 +83,7 @@ def load_reference(path: str, dtype=None):
     aligned (docs/ARCHITECTURE.md); the rest of the model it leaves as transformers loaded it."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, **({"dtype": dtype} if dtype is not None else {})).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, **reference_kwargs(path, dtype)).eval()
     for name, module in model.named_modules():
         if name.endswith("experts") and isinstance(getattr(module, "num_experts", None), int):
             for p in module.parameters(recurse=False):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import reference_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -174,7 +175,7 @@ def test_written_checkpoint_has_the_hub_layout_and_loads_as_transformers_loads_i
     assert facts["checkpoint_bytes"] > 0
 
     ids = torch.randint(3, config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(2))
-    expected = AutoModelForCausalLM.from_pretrained(ours, dtype=torch.bfloat16).eval()(ids).logits
+    expected = AutoModelForCausalLM.from_pretrained(ours, **reference_kwargs(ours, torch.bfloat16)).eval()(ids).logits
     wrapped = MiraMoEModel.from_pretrained(ours, MiraConfig(device="cpu", gpu_budget=0.5), progress=False, dtype=torch.bfloat16)
     assert torch.equal(wrapped.eval()(ids).logits, expected)
 

@@ -2,13 +2,15 @@
 own bytes, and compute what transformers' own loading of the same directory computes.
 
 On a CPU transformers dequantizes both formats at load (FP8: "requires a GPU or XPU, we will default to
-dequantizing"; MXFP4: "requires use_kernels=True ... We will dequantize"), so the reference here is
-`AutoModelForCausalLM.from_pretrained(dir)`, which takes that dequantize path by itself."""
+dequantizing"; MXFP4: dequantized on load), so the reference here is `AutoModelForCausalLM.from_pretrained(dir)`
+on that path (`conftest.reference_kwargs`: MXFP4 asked to dequantize, as transformers ≥ 5.25 would fetch hub
+kernels for it on a CPU otherwise)."""
 
 import glob
 
 import pytest
 import torch
+from conftest import reference_kwargs
 from quantized_checkpoints import FP8_FAMILIES, write_fp8_checkpoint, write_mxfp4_checkpoint
 from safetensors import safe_open
 
@@ -50,7 +52,7 @@ def _load(path: str, **kw):
 def _reference(path: str, dtype=None):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, **({"dtype": dtype} if dtype else {})).eval()
+    return AutoModelForCausalLM.from_pretrained(path, **reference_kwargs(path, dtype)).eval()
 
 
 def _expert_bytes(path: str, model) -> tuple[int, int]:

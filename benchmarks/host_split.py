@@ -8,9 +8,12 @@ wrapped once per system, one after the other in the same process:
     lru             LRU eviction, no prediction, whole experts copied uncompressed (batch 1 only: its routing
                     gives Belady's floor)
     without         the default cache and predictor, whole experts copied uncompressed
-    lossless        the default on a GPU: whole experts copied in the lossless format (0.69x the bytes)
+    lossless        whole experts copied in the lossless format (0.69x the bytes)
+    lossless-dequant  the same, each record decoded once per copy into a slot of bf16 (not at every use)
+    default         MiraConfig's defaults (quantization="auto": lossless for large experts, uncompressed for small)
     split-X         host_compute="split", host_share=X, device parts copied uncompressed
     split-X-lossless  the same with the device parts in the lossless format
+    split-X-auto    the same with quantization="auto" (the format `default` picks)
 
 Metrics: decode tokens/s at batch 1 (median of `--rounds`), batch 8 and beam search (4 beams); x_limit: time per
 token over the PCIe floor (Belady's bytes per token of whole uncompressed experts over LRU's routing, at the
@@ -57,6 +60,7 @@ from common import device_slug, environment, print_table, sync, write_json  # no
 from host_compute import WORKLOADS, _fmt, budget_of, build, spread_routers  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
+from mira_hf.config import QuantConfig  # noqa: E402
 
 COLUMNS = [
     "model",
@@ -121,13 +125,19 @@ def configs(args, gpu_budget, device: str) -> list[tuple[str, MiraConfig]]:
             out.append((system, MiraConfig(**base, quantization=None)))
         elif system == "lossless":
             out.append((system, MiraConfig(**base, quantization="lossless")))
-        elif system in ("split", "split-lossless"):
-            q = "lossless" if system.endswith("lossless") else None
+        elif system == "lossless-dequant":
+            out.append((system, MiraConfig(**base, quantization="lossless", quant=QuantConfig(placement="dequant"))))
+        elif system == "default":
+            out.append((system, MiraConfig(**base)))
+        elif system in ("split", "split-lossless", "split-auto"):
+            q = {"split": None, "split-lossless": "lossless", "split-auto": "auto"}[system]
             for share in args.shares:
                 name = system.replace("split", f"split-{share:g}")
                 out.append((name, MiraConfig(**base, quantization=q, host_compute="split", host_share=share)))
         else:
-            raise SystemExit(f"--systems: unknown {system!r}; choose from lru, without, lossless, split, split-lossless")
+            raise SystemExit(
+                f"--systems: unknown {system!r}; choose from lru, without, lossless, lossless-dequant, default, split, split-lossless, split-auto"
+            )
     return out
 
 
@@ -202,11 +212,15 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
                         stall_share=d.get("stall_share"),
                     )
             row["b1_tok_s_rounds"], row["b1_tok_s"] = speeds, statistics.median(s for s in speeds if s)
+            if m.host.active:
+                row["host_costs"] = host_costs(m)
             if system == "lru" and trace:
                 limit = compute_limit(wl.facts, routing_trace(trace, m), result["bandwidth"])
             with torch.no_grad():
                 logits = model(ids[:1, :4]).logits.float()
-            if system in ("without", "lossless") and reference is None:  # exact: the unwrapped model's logits
+            if (
+                system in ("without", "lossless", "lossless-dequant", "default") and reference is None
+            ):  # exact: the unwrapped model's logits
                 reference = logits
             elif reference is not None and system != "lru":
                 row["logit_rel_diff"] = ((logits - reference).abs().max() / reference.abs().max()).item()
@@ -255,6 +269,20 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
     result["rows"].extend(rows)
     base = None
     free_device_cache()
+
+
+def host_costs(m) -> dict:
+    """What the split's planner measured after batch 1 (seconds): the link, a host job's fixed cost and lag, and
+    the first split layer's host time per expert part by rows."""
+    c = m.host.costs
+    table = c.host_s.get(m.first_ordinal, {})
+    return dict(
+        link_gb_per_s=c.link_bytes_per_s / GB if c.link_bytes_per_s else None,
+        host_overhead_s=c.host_overhead_s,
+        host_lag_s=c.host_lag_s,
+        host_part_s={str(n): t for n, t in sorted(table.items())},
+        host_part_bytes=m.host.parts.expert_bytes(m.first_ordinal) if m.host.parts is not None else None,
+    )
 
 
 def copied_share(before: dict, after: dict) -> float | None:

@@ -15,7 +15,7 @@ holds whole (prompt + completion, in blocks of 256 tokens), in three set-ups:
 - mira: mira-hf with the device-memory planner (`mira_hf.serve.planning`): hit rates from a routing trace of
   the model (its routers' top-k on random prompts, replayed at each concurrency), link bandwidth measured here;
   the expert cache and KV cache sized from the plan, batch-aware use estimates on, and the expert records in the
-  format `mira serve` loads (--quantization auto: lossless for records of 32 MiB or more, each decoded once per
+  format `mira serve` loads (--quantization auto: lossless for records of 128 MiB or more, each decoded once per
   copy into a slot of the checkpoint's dtype, and where the expert cache holds every expert only with a few kept
   packed, those few kept packed and decoded at each use: `serving_mira_config`);
 - mira-more: mira-hf with the KV part fixed (`ServeConfig.kv_cache_memory`) to hold --more (1.5) times the

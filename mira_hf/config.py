@@ -25,11 +25,12 @@ Budget = Union[int, float, str, None]
 POLICIES = POLICY_REGISTRY.names()
 PREDICTORS: tuple[str | None, ...] = (None, *PREDICTOR_REGISTRY.names())
 PLACEMENTS = ("auto", "dequant", "packed", "mixed")
-# quantization="auto" picks "lossless" only for expert records at least this large. Decoding a packed
-# expert at each use costs ~25 µs of kernel launches; a miss saves a quarter of the record at ~55 GB/s
-# (4.5 ms per GB). With misses ~70% of uses, lossless pays from ~8 MB; 32 MiB keeps a margin (Mixtral
-# experts are 352 MB; Qwen3-30B's 9.4 MB stay uncompressed until measured).
-AUTO_LOSSLESS_MIN_RECORD_BYTES = 32 * 2**20
+# quantization="auto" picks "lossless" only for expert records at least this large. A packed record costs the
+# host ~0.7 ms per use on the H200 machine (views of its sections, two decode launches, the escapes' patch), hits
+# included; a miss saves 0.31 of the record's copy (5.6 ms per GB at 55 GB/s). With misses 70-90% of uses that
+# pays from ~140-170 MB. Measured (benchmarks/NOTES.md, "Transfer formats"): gpt-oss's 50 MB experts decode
+# 0.65-0.71x as fast packed as uncompressed, Mixtral's 352 MB 1.43-1.58x as fast.
+AUTO_LOSSLESS_MIN_RECORD_BYTES = 128 * 2**20
 HOST_MEMORY_KINDS = ("auto", "pinned", "pageable")
 HOST_COMPUTE_MODES = ("off", "on", "auto", "split")  # mira_hf.host_compute, mira_hf.neuron_split
 
@@ -305,7 +306,7 @@ class MiraConfig:
     store_path: directory written by `model.mira.save_store()`: encoded expert records reused as they are
         (encode once); refused if made from other weights or in another format.
     quantization: expert transfer format. `"auto"` (default): `"lossless"` on a CUDA device when the
-        budget cannot hold every expert and the experts are bf16/fp32 records of ≥ 32 MiB, else `None`
+        budget cannot hold every expert and the experts are bf16/fp32 records of ≥ 128 MiB, else `None`
         (both exact; `model.mira.quantization` says which). `"none"` (or `None`): the checkpoint's dtype, bit-exact.
         `"lossless"`: bit-exact too, ~0.69× the bytes for bf16 experts with the default exponent code
         (`QuantConfig.lossless_code`; 0.75× with "nibble"; see `mira_hf.quant.lossless`). `"int8"`,

@@ -324,6 +324,7 @@ def test_missing_checkpoint_gives_a_clear_error(tmp_path, where):
         ("cpu", torch.bfloat16, 2**28, 0.25, (None, "dequant")),  # no link to save
         ("cuda", torch.bfloat16, 2**28, 1.0, (None, "dequant")),  # every expert fits: nothing moves
         ("cuda", torch.bfloat16, 2**16, 0.25, (None, "dequant")),  # tiny records: decoding costs more than it saves
+        ("cuda", torch.bfloat16, 49_766_400, 0.25, (None, "dequant")),  # gpt-oss-sized: so do its uses' decodes
         ("cuda", torch.float16, 2**28, 0.25, (None, "dequant")),  # lossless handles bf16 and fp32 only
     ],
 )

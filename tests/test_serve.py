@@ -134,11 +134,11 @@ def test_streamed_chat_gives_the_tokens_of_generate(served):
     expected = references["chat", PROMPTS[0]]
     events = stream(url + "/v1/chat/completions", {"model": "mira-tiny", "messages": [{"role": "user", "content": PROMPTS[0]}]})
     assert not any("error" in e for e in events), events
-    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
-    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
-    assert text == tokenizer.decode(expected, skip_special_tokens=True)
-    assert events[-1]["usage"]["completion_tokens"] == len(expected)
-    assert events[-1]["choices"][0]["finish_reason"] == ("length" if len(expected) == NEW_TOKENS else "stop")
+    choices = [e["choices"][0] for e in events if e["choices"]]  # the usage may come in an event without choices
+    assert choices[0]["delta"]["role"] == "assistant"
+    assert "".join(c["delta"].get("content") or "" for c in choices) == tokenizer.decode(expected, skip_special_tokens=True)
+    assert choices[-1]["finish_reason"] == ("length" if len(expected) == NEW_TOKENS else "stop")
+    assert events[-1]["usage"]["completion_tokens"] == len(expected)  # the last event has the usage
 
 
 def test_concurrent_requests_give_the_tokens_of_generate(served):
@@ -203,6 +203,34 @@ def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(served, e
     assert got == 200 and answer["choices"][0]["text"] == tokenizer.decode(
         references["completion", PROMPTS[1]], skip_special_tokens=True
     )
+
+
+def test_a_server_whose_batching_worker_stopped_says_so_and_answers_503():
+    """Once transformers' batching worker has stopped, /health says so and a request gets an OpenAI-style 503 at
+    once (not a request that never ends)."""
+    from mira_hf.serve import BackgroundServer, build_app
+
+    tokenizer, model = bundled(0.25, "cpu")
+    app = build_app(model, tokenizer, ServeConfig(default_max_tokens=2))
+    with BackgroundServer(app) as server:
+        app.state.mira_runtime.cb.background_thread_status.record_fatal_error(RuntimeError("the device was lost"))
+        status, text = get(server.url + "/health")
+        assert status == 503 and json.loads(text)["status"] == "unhealthy"
+        status, body = post(server.url + "/v1/completions", {"prompt": PROMPTS[0]})
+    assert status == 503, body
+    assert body["error"]["type"] == "server_error" and body["error"]["code"] == "service_unavailable"
+
+
+def test_an_unknown_serving_stack_is_refused_with_what_to_install(monkeypatch):
+    """The design of transformers' serving stack is recognised by its names; one mira-hf does not know is refused
+    with the releases it supports and the pip command, not an ImportError from deep inside the app."""
+    from mira_hf.errors import MissingDependencyError
+    from mira_hf.serve import stack
+
+    assert stack.resolve().__module__ in {f"mira_hf.serve.{d.module}" for d in stack.DESIGNS}
+    monkeypatch.setattr(stack, "DESIGNS", (stack.Design("future", "9.0 on", ("NoSuchName",), "stack_engines"),))
+    with pytest.raises(MissingDependencyError, match=r"future \(transformers 9.0 on: NoSuchName\).*pip install"):
+        stack.resolve()
 
 
 def test_models_health_and_unknown_routes(served):

@@ -1,10 +1,9 @@
 """The OpenAI-compatible app over one loaded model, on transformers' serving stack.
 
-transformers' `ChatCompletionHandler` and `CompletionHandler` do the work (chat template, continuous batching
-through their `GenerationState`/`CBGenerateManager`, OpenAI response and SSE chunk schemas); a small
-`ModelManager` subclass hands them the model mira-hf already loaded instead of loading one by name.
-transformers' own app factory is not used: it also routes endpoints that load, list or unload other models,
-and its errors are not OpenAI-shaped. This app routes /v1/chat/completions, /v1/completions, /v1/models,
+transformers' `ChatCompletionHandler` and `CompletionHandler` do the work (chat template, continuous batching,
+OpenAI response and SSE chunk schemas); `stack` wires them to the model mira-hf already loaded, whichever design of
+transformers' serving stack is installed. transformers' own app factory is not used: it also routes endpoints that
+load, list or unload other models, and its errors are not OpenAI-shaped. This app routes /v1/chat/completions, /v1/completions, /v1/models,
 /health and /metrics, checks each request first (`checks`) and answers every error as `{"error": {...}}`.
 """
 
@@ -27,38 +26,19 @@ from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.exceptions import HTTPException, RequestValidationError  # noqa: E402
 from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
 from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
-from transformers.cli.serving.chat_completion import ChatCompletionHandler  # noqa: E402
-from transformers.cli.serving.completion import CompletionHandler  # noqa: E402
-from transformers.cli.serving.model_manager import ModelManager  # noqa: E402
-from transformers.cli.serving.utils import CBWorkerDeadError, GenerationState, Modality  # noqa: E402
 
 from ..batching import enable as enable_batch_aware  # noqa: E402
 from ..errors import ConfigError  # noqa: E402
 from . import checks, memory, planning  # noqa: E402
 from .metrics import build_registry  # noqa: E402
+from .stack import ServingStack, resolve  # noqa: E402
 
 logger = logging.getLogger("mira_hf.serve")
 READY_TIMEOUT_S = 300.0  # the batching thread builds its KV cache on start; a failure there surfaces sooner
 
-
-class LoadedModelManager(ModelManager):
-    """transformers' model manager holding one model that is already loaded (by `MiraMoEModel.from_pretrained`
-    or `wrap`): every request resolves to it; it never loads, lists or unloads another. The model stays the
-    caller's: `shutdown()` leaves it in place."""
-
-    def __init__(self, model, tokenizer, name: str) -> None:
-        super().__init__(device=str(model.device), dtype="auto", model_timeout=-1)
-        self.force_model = name  # handlers refuse any other name and use this one when none is given
-        self._model, self._tokenizer = model, tokenizer
-
-    def process_model_name(self, model_id: str) -> str:
-        return model_id
-
-    def load_model_and_processor(self, model_id_and_revision: str, *args, **kwargs):
-        return self._model, self._tokenizer
-
-    def shutdown(self) -> None:
-        pass
+Stack: type[ServingStack] = resolve()  # for the design of transformers' serving stack that is installed
+# transformers' model manager holding the one loaded model, as the handlers of that design take it
+LoadedModelManager = Stack.model_manager
 
 
 class _Runtime:
@@ -149,13 +129,13 @@ def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     service = app.state.mira_service
-    await asyncio.to_thread(_start_batching, service.model, service.config, service.state, service.runtime)
+    await asyncio.to_thread(_start_batching, service.model, service.config, service.stack, service.runtime)
     if service.on_ready is not None:
         service.on_ready(service.runtime.split)
     try:
         yield
     finally:
-        await asyncio.to_thread(service.state.shutdown)
+        await asyncio.to_thread(service.stack.stop)
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -170,17 +150,13 @@ class _Service:
         self.model, self.tokenizer, self.config, self.runtime, self.on_ready = model, tokenizer, config, runtime, on_ready
         self.name = config.model_name
         self.created = int(time.time())
-        model_manager = LoadedModelManager(model, tokenizer, self.name)
-        self.state = GenerationState(
-            continuous_batching=True, cb_config=memory.batching_config(model, kv_memory, max_batch_tokens)
-        )
         self.template_kwargs = (
             {} if getattr(tokenizer, "chat_template", None) else {"chat_template": config.chat_template or PLAIN_CHAT_TEMPLATE}
         )
-        self.chat_handler = ChatCompletionHandler(
-            model_manager=model_manager, generation_state=self.state, chat_template_kwargs=self.template_kwargs
-        )
-        self.completion_handler = CompletionHandler(model_manager=model_manager, generation_state=self.state)
+        cb_config = memory.batching_config(model, kv_memory, max_batch_tokens)
+        generation_config = _greedy_generation_config(model, config.default_max_tokens)
+        self.stack = Stack(model, tokenizer, self.name, generation_config, cb_config, self.template_kwargs)
+        self.chat_handler, self.completion_handler = self.stack.chat_handler, self.stack.completion_handler
         self.registry, self.mira_collector, self.serve_collector = build_registry(
             model, self.name, lambda: runtime.cb, lambda: runtime.plan
         )
@@ -192,7 +168,7 @@ class _Service:
         extra = body.get("chat_template_kwargs", {})
         if not isinstance(extra, dict):
             raise checks.RequestError(400, "chat_template_kwargs must be a JSON object.", param="chat_template_kwargs")
-        rendered = ChatCompletionHandler.get_processor_inputs_from_messages(messages, Modality.LLM)
+        rendered = self.stack.processor_inputs(messages)
         try:  # as the handler will tokenise it (same template and arguments)
             ids = self.tokenizer.apply_chat_template(
                 rendered,
@@ -228,11 +204,18 @@ class _Service:
         try:
             body = checks.parse_body(await request.body())
             check(body)
+            self.stack.prepare_request(body)
             response = await handler.handle_request(body, f"{id_prefix}-{uuid.uuid4().hex}")
             outcome["status"] = response.status_code
             if isinstance(response, StreamingResponse):
                 outcome["streaming"] = True
-                response.body_iterator = _observed_stream(response.body_iterator, finish)
+                # Starlette's own streaming response: it stops the stream when the client disconnects, whatever
+                # response class the handler chose
+                return StreamingResponse(
+                    _observed_stream(response.body_iterator, finish),
+                    status_code=response.status_code,
+                    headers=dict(response.headers),
+                )
             else:
                 finish(_completion_tokens(response.body))
             return response
@@ -242,7 +225,7 @@ class _Service:
         except HTTPException as exc:
             outcome["status"] = 400 if exc.status_code == 422 else exc.status_code
             return _error(outcome["status"], str(exc.detail))
-        except CBWorkerDeadError as exc:
+        except self.stack.worker_dead_error as exc:
             outcome["status"] = 503
             return _error(503, f"the batching worker stopped: {exc}. Restart the server.", code="service_unavailable")
         except Exception as exc:
@@ -258,7 +241,7 @@ class _Service:
     def health(self):
         if self.runtime.cb is None:
             return JSONResponse({"status": "starting"}, status_code=503)
-        if not self.state.is_cb_alive():
+        if self.runtime.cb.background_thread_status.fatal_error is not None:
             return JSONResponse({"status": "unhealthy", "reason": "the batching worker stopped"}, status_code=503)
         return {"status": "ok", "model": self.name}
 
@@ -268,18 +251,22 @@ class _Service:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _start_batching(model, config: ServeConfig, state: GenerationState, runtime: _Runtime) -> None:
-    """Start transformers' continuous batching with the server's one decoding setting (greedy) and wait until
-    its KV cache exists, so the request limits and the memory split are known before the first request."""
+def _greedy_generation_config(model, max_new_tokens: int):
+    """The model's generation config with the server's one decoding setting: greedy, `max_new_tokens` unless a request
+    sets its own."""
     gen = copy.deepcopy(model.generation_config)
     gen.do_sample = False
     gen.temperature = gen.top_p = gen.top_k = None
     gen.num_beams = 1
-    gen.max_new_tokens = config.default_max_tokens
+    gen.max_new_tokens = max_new_tokens
     gen.use_cache = False  # the batching manager keeps its own paged cache
-    manager = state.get_manager(config.model_name, use_cb=True)
-    manager.init_cb(model, gen)
-    cb = manager._cb  # the ContinuousBatchingManager init_cb started (transformers keeps it on this attribute)
+    return gen
+
+
+def _start_batching(model, config: ServeConfig, stack: ServingStack, runtime: _Runtime) -> None:
+    """Start transformers' continuous batching and wait until its KV cache exists, so the request limits and the
+    memory split are known before the first request."""
+    cb = stack.start()
     deadline = time.monotonic() + READY_TIMEOUT_S
     while getattr(cb, "batch_processor", None) is None:
         fatal = cb.background_thread_status.fatal_error

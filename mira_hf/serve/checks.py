@@ -97,6 +97,8 @@ def check_common(body: dict, limits: Limits) -> None:
                 )
     if "stream" in body and not isinstance(body["stream"], bool):
         raise RequestError(400, f"stream={body['stream']!r}: must be true or false.", param="stream")
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+        raise RequestError(400, 'stream_options must be a JSON object, e.g. {"include_usage": true}.', param="stream_options")
 
 
 def check_messages(body: dict) -> list[dict]:

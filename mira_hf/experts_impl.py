@@ -9,7 +9,9 @@ The maths is the same; the arithmetic is not, and in bf16/fp16 the bits differ:
   comes: bf16 x bf16 stays bf16 where the router gives weights in the hidden dtype, bf16 x fp32 is fp32
   where it gives fp32) and sum the K rows of a token with one `sum(dim=1)`;
 * eager adds each expert's weighted rows, cast to the accumulator's dtype, into a zero accumulator, one
-  expert after the other in ascending expert order (one rounding per add);
+  expert after the other in ascending expert order (one rounding per add). The accumulator has the hidden
+  states' dtype, except in the loops that allocate it in the routing weights' dtype (NemotronH's before
+  transformers 5.25): `eager_sums_in_weights_dtype` reads which, off the module's own forward;
 * grouped_mm multiplies each expert's rows by its weight with a grouped matmul (on the CPU, and on the GPU
   for dtypes without a grouped kernel, one `mm` per expert, which is what `F.linear` computes); batched_mm
   multiplies every row by its own copy of its expert's weights with one `bmm` (whose bits may differ from
@@ -29,10 +31,6 @@ from torch import nn
 from .errors import ConfigError, UnsupportedOperationError
 
 SUPPORTED = ("grouped_mm", "batched_mm", "eager")
-
-# Experts classes whose eager forward accumulates in the routing weights' dtype rather than the hidden
-# states' (`zeros_like(hidden_states, dtype=top_k_weights.dtype)`, cast back at the end).
-EAGER_SUMS_IN_WEIGHTS_DTYPE = frozenset({"NemotronHExperts"})
 
 
 def implementation_of(base: nn.Module) -> str:
@@ -79,9 +77,55 @@ def check_call(name: str) -> None:
         raise UnsupportedOperationError(_refusal(name, "is set in the model's config"))
 
 
-def sum_dtype(base: nn.Module, hidden_dtype: torch.dtype, weights_dtype: torch.dtype) -> torch.dtype:
-    """The dtype eager accumulates the experts' weighted rows in."""
-    return weights_dtype if type(base).__name__ in EAGER_SUMS_IN_WEIGHTS_DTYPE else hidden_dtype
+# The probe of `eager_sums_in_weights_dtype`: one bf16 token, both of its rows exactly 1, weighted 1 and
+# 2^-8 + 2^-20 in fp32. Summed in fp32 and rounded once to bf16: 1 + 2^-7. Summed in bf16, the second row
+# rounds to 2^-8 first and 1 + 2^-8 ties to even: 1.
+_PROBE_WEIGHTS = (1.0, 2.0**-8 + 2.0**-20)
+_PROBE_SUM_IN_WEIGHTS_DTYPE = 1.0 + 2.0**-7
+
+
+def eager_sums_in_weights_dtype(base: nn.Module, flags: dict[str, bool]) -> bool:
+    """Whether the eager forward of `base` (an original experts module built by transformers' decorator) adds
+    the experts' weighted rows into an accumulator of the routing weights' dtype, cast to the hidden dtype at
+    the end (`zeros_like(hidden_states, dtype=top_k_weights.dtype)`: NemotronH before transformers 5.25),
+    rather than one of the hidden states' dtype (every other family, and NemotronH from 5.25).
+
+    Read off the module's own loop once, when it is wrapped, not from a list of classes or versions: the loop
+    of `type(base)` runs on a stand-in with `base`'s attributes and two experts of width one whose rows are
+    exactly 1 (`_PROBE_WEIGHTS`). `flags`: `base`'s resolved layout flags (`proxy.LAYOUT_FLAGS`). A module
+    not built by the decorator, or whose loop gives another result on the stand-in, sums as the decorator's
+    template does: in the hidden dtype."""
+    cls = type(base)
+    if not hasattr(base, "is_concatenated") or not hasattr(cls.forward, "__wrapped__"):
+        return False
+    loop = cls.forward.__wrapped__  # the class's own forward, behind the decorator's dispatch on the config
+    probe = cls.__new__(cls)  # a throwaway instance: `base` and its class are left as they are
+    nn.Module.__init__(probe)
+    probe.__dict__.update({k: v for k, v in vars(base).items() if not k.startswith("_") and not isinstance(v, nn.Module)})
+    probe.num_experts, probe.has_post_expert_norm, probe.act_fn = 2, False, nn.Identity()
+
+    def gate_times_up(h: torch.Tensor) -> torch.Tensor:  # 1 * 1, whatever the family's own gate
+        gate, up = h.chunk(2, dim=-1)
+        return gate * up
+
+    probe._apply_gate = gate_times_up
+    up, width = ("gate_up_proj", 2) if flags["has_gate"] else ("up_proj", 1)
+    bf16 = dict(dtype=torch.bfloat16)
+    w_up = torch.ones(2, width, 1, **bf16)  # [E, 2I or I, H] with I = H = 1
+    setattr(probe, up, w_up.transpose(1, 2) if flags["is_transposed"] else w_up)
+    probe.down_proj = torch.ones(2, 1, 1, **bf16)  # [E, H, I]
+    if flags["has_bias"]:
+        setattr(probe, up + "_bias", torch.zeros(2, width, **bf16))
+        probe.down_proj_bias = torch.zeros(2, 1, **bf16)
+    hidden = torch.ones(1, 1, **bf16)  # [T, H]
+    top_k_index = torch.tensor([[0, 1]])  # [T, K]
+    top_k_weights = torch.tensor([_PROBE_WEIGHTS], dtype=torch.float32)  # [T, K]
+    try:
+        with torch.no_grad():
+            out = loop(probe, hidden, top_k_index, top_k_weights)  # [T, H]
+    except Exception:  # a loop that needs more than the stand-in has is not the one looked for: the template's sum
+        return False  # (every transformers family runs on the stand-in; a raise here would stop a wrap halfway)
+    return isinstance(out, torch.Tensor) and out.numel() == 1 and out.item() == _PROBE_SUM_IN_WEIGHTS_DTYPE
 
 
 def combine(

@@ -18,7 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .experts_impl import batched_linear, check_call, combine, grouped_linear, implementation_of, sum_dtype
+from .experts_impl import (
+    batched_linear,
+    check_call,
+    combine,
+    eager_sums_in_weights_dtype,
+    grouped_linear,
+    implementation_of,
+)
 from .host_compute import host_expert_math
 from .layout import PackedWeights, decodes_exactly
 from .manager import ExpertManager
@@ -80,6 +87,8 @@ class MiraExperts(nn.Module):
         self._has_bias = flags["has_bias"]
         self._transposed = flags["is_transposed"]
         self._post_norm = flags["has_post_expert_norm"]
+        # Resolved once, off the module's own loop: the dtype eager sums the weighted rows in (experts_impl).
+        self._eager_sums_in_weights = eager_sums_in_weights_dtype(base, flags)
         # Resolved once: the gate function transformers' decorator gives every experts module (None: gate
         # columns first, then up, as Llama 4's experts), and whether slots hold packed records.
         self._apply_gate = getattr(base, "_apply_gate", None)
@@ -236,7 +245,7 @@ class MiraExperts(nn.Module):
             shape, dtype = (len(w), H), torch.promote_types(y.dtype, w.dtype)
             parts = y.new_zeros(shape, dtype=dtype) if len(order) < len(w) else y.new_empty(shape, dtype=dtype)
             parts[order] = y * w[order]  # one weighting and scatter for all rows
-        eager_dtype = sum_dtype(self.base, hidden_states.dtype, top_k_weights.dtype)
+        eager_dtype = top_k_weights.dtype if self._eager_sums_in_weights else hidden_states.dtype
         return _guarded(combine(parts, top_k_index, impl, hidden_states.dtype, eager_dtype))  # [T, H]
 
     def _batched(self, hidden_states, top_k_index, needed: list[int], rows_of, written: int) -> torch.Tensor | None:

@@ -46,8 +46,8 @@ GROUPS: dict[str, dict[str, list[str]]] = {
     "combine": {
         "mira_hf/experts_impl.py": _functions(
             "mira_hf.experts_impl",
-            "implementation_of check_model_implementations checked_set_experts_implementation check_call sum_dtype "
-            "combine grouped_linear batched_linear",
+            "implementation_of check_model_implementations checked_set_experts_implementation check_call "
+            "eager_sums_in_weights_dtype combine grouped_linear batched_linear",
         ),
         "mira_hf/proxy.py": _functions("mira_hf.proxy", "_guarded")
         + _methods(

@@ -11,6 +11,7 @@ Fast: no generate, no checkpoint; a model per (family, dtype) built once.
 """
 
 import copy
+import inspect
 import os
 
 import pytest
@@ -25,15 +26,16 @@ from mira_hf.experts_impl import (
     check_call,
     check_model_implementations,
     combine,
+    eager_sums_in_weights_dtype,
     implementation_of,
-    sum_dtype,
 )
-from mira_hf.proxy import MiraExperts
+from mira_hf.proxy import LAYOUT_FLAGS, MiraExperts
 
 IMPLS = ("grouped_mm", "batched_mm", "eager")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # mixtral: gated [out, in] experts; qwen3_moe: the same with other routing; gpt_oss: transposed experts with
-# biases and its own gate; nemotron_h: non-gated experts whose eager forward sums in the weights' dtype.
+# biases and its own gate; nemotron_h: non-gated experts whose eager forward sums in the weights' dtype (before
+# transformers 5.25; in the hidden dtype from 5.25).
 FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "nemotron_h")
 _BUILT: dict = {}
 # Their eager forwards index the experts with the sentinel (no EP handling): transformers cannot run those cases.
@@ -341,8 +343,22 @@ def test_implementation_is_read_from_the_config_of_decorated_modules_only():
 def test_eager_sums_in_the_weights_dtype_only_where_transformers_does():
     nemotron, _ = experts_pair("nemotron_h", torch.bfloat16)
     mixtral, _ = experts_pair("mixtral", torch.bfloat16)
-    assert sum_dtype(nemotron, torch.bfloat16, torch.float32) == torch.float32
-    assert sum_dtype(mixtral, torch.bfloat16, torch.float32) == torch.bfloat16
+
+    def flags(m):
+        return {n: getattr(m, n, default) for n, default in LAYOUT_FLAGS.items()}
+
+    # NemotronH's loop allocated its accumulator with the weights' dtype before transformers 5.25
+    loop = inspect.getsource(type(nemotron).forward.__wrapped__)
+    assert eager_sums_in_weights_dtype(nemotron, flags(nemotron)) == ("dtype=top_k_weights.dtype" in loop)
+    assert not eager_sums_in_weights_dtype(mixtral, flags(mixtral))
+    before = {n: p for n, p in nemotron.named_parameters()}
+    eager_sums_in_weights_dtype(nemotron, flags(nemotron))  # the probe runs on a stand-in: the module is untouched
+    assert {n: p for n, p in nemotron.named_parameters()} == before and nemotron.num_experts == 8
+
+    class Plain(torch.nn.Module):  # not built by transformers' decorator: sums as the template does
+        pass
+
+    assert not eager_sums_in_weights_dtype(Plain(), flags(Plain()))
 
 
 def test_implementations_mira_cannot_compute_are_refused_by_name():

@@ -100,7 +100,7 @@ def test_logits_are_bit_identical_in_every_dtype(name, dtype):
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "nemotron_h"])
 def test_each_experts_implementation_is_reproduced(name, impl, dtype):
     """mixtral: fp32 routing weights; qwen3_moe: weights in the hidden dtype; gpt_oss: transposed experts
-    with biases; nemotron_h: non-gated experts, eager sums in the weights' dtype."""
+    with biases; nemotron_h: non-gated experts, eager sums in the weights' dtype (before transformers 5.25)."""
     ref, model = pair(name, dtype, impl)
     assert model.config._experts_implementation == impl
     assert differences(ref, model) == []

@@ -63,8 +63,8 @@ def expected(ref, impl: str, hidden, index, w, on_host: set[int]) -> torch.Tenso
     return (y.view(T * K, -1) * w.reshape(-1, 1)).view(T, K, -1).sum(dim=1).to(hidden.dtype)  # batched_mm's combine
 
 
-# gpt_oss: transposed experts with biases; nemotron_h: non-gated, eager sums in the weights' dtype; qwen3_moe with
-# a post-expert norm (applied on the device to the host's rows; transformers' eager forwards have none).
+# gpt_oss: transposed experts with biases; nemotron_h: non-gated, eager sums in the weights' dtype (before transformers
+# 5.25); qwen3_moe with a post-expert norm (applied on the device to the host's rows; transformers' eager forwards have none).
 CASES = [(name, False, impl) for name in ("mixtral", "gpt_oss", "nemotron_h") for impl in IMPLS]
 CASES += [("qwen3_moe", True, impl) for impl in ("grouped_mm", "batched_mm")]
 

@@ -25,11 +25,11 @@ Budget = Union[int, float, str, None]
 POLICIES = POLICY_REGISTRY.names()
 PREDICTORS: tuple[str | None, ...] = (None, *PREDICTOR_REGISTRY.names())
 PLACEMENTS = ("auto", "dequant", "packed", "mixed")
-# quantization="auto" picks "lossless" only for expert records at least this large. A packed record costs the
-# host ~0.7 ms per use on the H200 machine (views of its sections, two decode launches, the escapes' patch), hits
+# quantization="auto" picks "lossless" only for expert records at least this large. A packed record cost the
+# host ~0.7 ms per use on an H200 machine (two decode launches, the sections' views, the escapes' patch), hits
 # included; a miss saves 0.31 of the record's copy (5.6 ms per GB at 55 GB/s). With misses 70-90% of uses that
 # pays from ~140-170 MB. Measured (benchmarks/NOTES.md, "Transfer formats"): gpt-oss's 50 MB experts decode
-# 0.65-0.71x as fast packed as uncompressed, Mixtral's 352 MB 1.43-1.58x as fast.
+# 0.65-0.83x as fast packed as uncompressed, Mixtral's 352 MB 1.43-1.58x as fast.
 AUTO_LOSSLESS_MIN_RECORD_BYTES = 128 * 2**20
 HOST_MEMORY_KINDS = ("auto", "pinned", "pageable")
 HOST_COMPUTE_MODES = ("off", "on", "auto", "split")  # mira_hf.host_compute, mira_hf.neuron_split

@@ -246,11 +246,14 @@ class BoundRecord:
         """Tensor `name` decoded in `dtype`, into the scratch buffer when it fits (valid until the next
         call that decodes into it: use it at once, on the same stream)."""
         entry = self.entries[name]
+        return self.codec.decode_entry(self.record, entry, dtype, self._scratch_for(entry, dtype), self.use_triton)
+
+    def _scratch_for(self, entry, dtype: torch.dtype) -> torch.Tensor | None:
+        """The scratch buffer as `entry` in `dtype`, where it fits; else None (the decode allocates)."""
         nbytes = entry.numel * dtype.itemsize
-        out = None
         if self.scratch is not None and self.scratch.numel() >= nbytes and self.scratch.device == self.record.device:
-            out = self.scratch[:nbytes].view(dtype).view(entry.shape)
-        return self.codec.decode_entry(self.record, entry, dtype, out, self.use_triton)
+            return self.scratch[:nbytes].view(dtype).view(entry.shape)
+        return None
 
     def raw(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """A tensor stored raw (a bias), as a fresh tensor of `dtype` (the slot is refilled later)."""

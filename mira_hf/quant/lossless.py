@@ -40,8 +40,8 @@ count over the layer's experts, measured when the layout is planned from the wei
 weight's own value), so decoding patches all `capacity` entries without reading the count (no
 device->host sync). A tensor whose encoding would not be smaller (1-D biases; weights with very
 spread exponents) is stored raw ("raw" section). Decoding: the bulk planes by one Triton kernel on
-CUDA (`triton_kernels.lossless_decode`; the torch reference of `lossless_bits` on CPU), then one `index_put_`
-of the escapes.
+CUDA (`triton_kernels.lossless_decode`; the torch reference of `lossless_bits` on CPU), then the escapes patched
+(one more launch on CUDA, one `index_put_` on CPU).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import ConfigError
-from .base import RecordCodec
+from .base import BoundRecord, RecordCodec
 from .formats import LOSSLESS_CODES as CODES
 from .lossless_bits import (
     CLASS_BLOCK,
@@ -71,6 +71,7 @@ from .record import (
     PackedLayout,
     TensorEntry,
     _align,
+    check_record,
     dense_linear,
     lay_out,
     raw_parts,
@@ -274,32 +275,42 @@ class LosslessCodec(RecordCodec):
         self._check_dtype(t, entry)
         section_view(out, entry.section("raw")).copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
 
-    def decode_entry(self, record, entry, dtype, dst, use_triton) -> torch.Tensor:
-        """Bit-exact in the stored dtype (converted if `dtype` is another one)."""
+    def decode_entry(self, record, entry, dtype, dst, use_triton, sections=None) -> torch.Tensor:
+        """Bit-exact in the stored dtype (converted if `dtype` is another one). `sections`: the entry's
+        `EntrySections`, where a bound slot keeps them."""
         if entry.dtype == dtype:
             if dst is None:
                 dst = torch.empty(entry.shape, dtype=dtype, device=record.device)
-            return self._decode_into(record, entry, dst, use_triton)
-        w = self._decode_into(record, entry, torch.empty(entry.shape, dtype=entry.dtype, device=record.device), use_triton)
+            return self._decode_into(record, entry, dst, use_triton, sections)
+        empty = torch.empty(entry.shape, dtype=entry.dtype, device=record.device)
+        w = self._decode_into(record, entry, empty, use_triton, sections)
         return w.to(dtype) if dst is None else dst.copy_(w)
 
     @staticmethod
-    def _decode_into(record: torch.Tensor, entry: TensorEntry, dst: torch.Tensor, use_triton: bool) -> torch.Tensor:
-        """Decode one tensor of the record into `dst` (contiguous, entry.shape, entry.dtype)."""
+    def _decode_into(
+        record: torch.Tensor, entry: TensorEntry, dst: torch.Tensor, use_triton: bool, sections=None
+    ) -> torch.Tensor:
+        """Decode one tensor of the record into `dst` (contiguous, entry.dtype)."""
         if not entry.quantized:
             return dst.copy_(section_view(record, entry.section("raw"), entry.dtype).view(entry.shape))
         classes = is_class_coded(entry)
         if use_triton:
             from . import triton_kernels
 
-            (triton_kernels.lossless_classes_decode if classes else triton_kernels.lossless_decode)(record, entry, dst)
-        else:
-            words = dst.view(-1).view(torch.int32 if entry.dtype == torch.float32 else torch.int16)
-            (decode_words_classes_torch if classes else decode_words_torch)(record, entry, words)
+            if sections is None:
+                sections = EntrySections(record, entry)
+            if classes:
+                triton_kernels.lossless_classes_decode(record, entry, dst, sections=sections.decode)
+            else:
+                triton_kernels.lossless_decode(record, entry, dst)
+            triton_kernels.patch_escapes(sections.esc_index, sections.esc_value, dst.view(-1).view(torch.int16))
+            return dst
+        words = dst.view(-1).view(torch.int32 if entry.dtype == torch.float32 else torch.int16)
+        (decode_words_classes_torch if classes else decode_words_torch)(record, entry, words)
         patch_escapes(record, entry, dst)
         return dst
 
-    def matmul(self, x2, record, entry, transposed, use_triton, scratch) -> torch.Tensor:
+    def matmul(self, x2, record, entry, transposed, use_triton, scratch, sections=None) -> torch.Tensor:
         """W decoded into `scratch` (a uint8 device buffer of `scratch_bytes(layout)`, reused call after call)
         and multiplied with the same op the resident model uses, so y is bit-identical to it."""
         nbytes = entry.numel * entry.dtype.itemsize
@@ -307,10 +318,54 @@ class LosslessCodec(RecordCodec):
             w = scratch[:nbytes].view(entry.dtype).view(entry.shape)
         else:
             w = torch.empty(entry.shape, dtype=entry.dtype, device=record.device)
-        w = self._decode_into(record, entry, w, use_triton)
+        w = self._decode_into(record, entry, w, use_triton, sections)
         if x2.dtype != entry.dtype:
             w = w.to(x2.dtype)
         return dense_linear(x2, w, transposed)
+
+    def bind(self, record: torch.Tensor, layout: PackedLayout, scratch: torch.Tensor | None = None) -> BoundLossless:
+        """As `RecordCodec.bind`, with each encoded tensor's section views made here, once per slot."""
+        self.check_layout(layout)
+        check_record(record, layout)
+        return BoundLossless(self, record, layout, self.uses_triton(record), scratch)
+
+
+class EntrySections:
+    """The views of one encoded tensor's sections that a Triton decode reads (no copy, nothing read): made once
+    per bound slot, so a use launches its kernels without slicing the record again (on a GPU, slicing and
+    viewing each section per use cost more host time than the decode's launch)."""
+
+    __slots__ = ("decode", "esc_index", "esc_value")
+
+    def __init__(self, record: torch.Tensor, entry: TensorEntry) -> None:
+        from . import triton_kernels
+
+        self.decode = triton_kernels.classes_sections(record, entry) if is_class_coded(entry) else None
+        self.esc_index = section_view(record, entry.section("esc_index"), torch.int32)
+        self.esc_value = section_view(record, entry.section("esc_value"), torch.int16)
+
+
+class BoundLossless(BoundRecord):
+    """A lossless record slot bound to its codec: `BoundRecord` with the section views of each encoded tensor
+    (`EntrySections`) made once, where the slot decodes with Triton."""
+
+    __slots__ = ("sections",)
+
+    def __init__(self, codec: LosslessCodec, record: torch.Tensor, layout: PackedLayout, use_triton: bool, scratch) -> None:
+        super().__init__(codec, record, layout, use_triton, scratch)
+        self.sections = {e.name: EntrySections(record, e) for e in layout.entries if e.quantized} if use_triton else {}
+
+    def linear(self, x: torch.Tensor, name: str, transposed: bool) -> torch.Tensor:
+        # x [..., in] -> [..., out]
+        entry, sections = self.entries[name], self.sections.get(name)
+        y = self.codec.matmul(x.reshape(-1, x.shape[-1]), self.record, entry, transposed, self.use_triton, self.scratch, sections)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        entry = self.entries[name]
+        return self.codec.decode_entry(
+            self.record, entry, dtype, self._scratch_for(entry, dtype), self.use_triton, self.sections.get(name)
+        )
 
 
 def for_config(quant) -> LosslessCodec:

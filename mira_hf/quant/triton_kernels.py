@@ -377,26 +377,41 @@ def _lossless_classes_kernel(
         _class_store(out_ptr, lo_ptr, i + 3, n, h3, FP32)
 
 
+def classes_sections(record: torch.Tensor, entry: TensorEntry) -> tuple[torch.Tensor, ...]:
+    """The views of one classes-coded tensor's sections that its decode reads (no copy): made once per bound slot."""
+    fp32 = entry.dtype == torch.float32
+    sm = section_view(record, entry.section("sm"))
+    lo = section_view(record, entry.section("lo"), torch.int16) if fp32 else sm  # unused alias for bf16
+    cls, extra = section_view(record, entry.section("cls")), section_view(record, entry.section("extra"))
+    boff, exps = (
+        section_view(record, entry.section("boff"), torch.int32),
+        section_view(record, entry.section("exps"), torch.int32),
+    )
+    return sm, lo, cls, boff, extra, exps
+
+
 def lossless_classes_decode(
-    record: torch.Tensor, entry: TensorEntry, out: torch.Tensor, blocks_per_program: int = 0, warps: int = 0
+    record: torch.Tensor,
+    entry: TensorEntry,
+    out: torch.Tensor,
+    blocks_per_program: int = 0,
+    warps: int = 0,
+    sections: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Bulk-decode one tensor of the lossless classes code into `out`: one launch; the caller patches
     the escapes. `blocks_per_program` / `warps`: launch shape (0: the module defaults; the GPU check
-    script sweeps them)."""
+    script sweeps them). `sections`: `classes_sections(record, entry)`, where the caller keeps them."""
     n = entry.numel
     fp32 = entry.dtype == torch.float32
     words = out.view(-1).view(torch.int32 if fp32 else torch.int16)
-    sm = section_view(record, entry.section("sm"))
-    lo = section_view(record, entry.section("lo"), torch.int16) if fp32 else sm  # unused alias for bf16
+    sm, lo, cls, boff, extra, exps = sections if sections is not None else classes_sections(record, entry)
     r = blocks_per_program or CLASS_BLOCKS_PER_PROGRAM
     n_blocks = triton.cdiv(n, CLASS_BLOCK)
     pack = not fp32 and n % 4 == 0 and words.storage_offset() % 4 == 0 and sm.storage_offset() % 4 == 0
     pack = pack and words.data_ptr() % 8 == 0 and sm.data_ptr() % 4 == 0
     _lossless_classes_kernel[(triton.cdiv(n_blocks, r),)](
-        sm.view(torch.int32) if pack else sm, section_view(record, entry.section("cls")),
-        section_view(record, entry.section("boff"), torch.int32), section_view(record, entry.section("extra")),
-        section_view(record, entry.section("exps"), torch.int32), lo, words.view(torch.int64) if pack else words, n, n_blocks,
-        FP32=fp32, PACK=pack, R=r, BLK=CLASS_BLOCK, num_warps=warps or CLASS_WARPS,
+        sm.view(torch.int32) if pack else sm, cls, boff, extra, exps, lo, words.view(torch.int64) if pack else words,
+        n, n_blocks, FP32=fp32, PACK=pack, R=r, BLK=CLASS_BLOCK, num_warps=warps or CLASS_WARPS,
     )  # fmt: skip
     return out
 
@@ -415,3 +430,23 @@ def lossless_decode(record: torch.Tensor, entry: TensorEntry, out: torch.Tensor)
         words, n, FP32=fp32, BLOCK=LOSSLESS_BLOCK, num_warps=LOSSLESS_WARPS,
     )  # fmt: skip
     return out
+
+
+ESCAPE_BLOCK = 1024  # escapes per patch program
+
+
+@triton.jit
+def _patch_escapes_kernel(words_ptr, index_ptr, value_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    index = tl.load(index_ptr + i, mask=mask, other=0)
+    tl.store(words_ptr + index, tl.load(value_ptr + i, mask=mask, other=0), mask=mask)
+
+
+def patch_escapes(index: torch.Tensor, values: torch.Tensor, words: torch.Tensor) -> None:
+    """`words[index] = values` (int32 indices of 16-bit words, int16 values) in one launch: what
+    `lossless_bits.patch_escapes` does with `index_put_`, without turning the indices into int64 first. Entries
+    that repeat an index carry the same value (the format's filler), so the order of the writes does not matter."""
+    n = index.numel()
+    if n:
+        _patch_escapes_kernel[(triton.cdiv(n, ESCAPE_BLOCK),)](words, index, values, n, BLOCK=ESCAPE_BLOCK, num_warps=4)

@@ -176,6 +176,27 @@ def test_triton_classes_decode_matches_torch_reference(kernel_device, dtype, tai
             assert torch.equal(bits(bulk).reshape(-1).cpu(), expected)
 
 
+@pytest.mark.parametrize("code", ["classes", "nibble"])
+def test_a_bound_slot_decodes_each_expert_copied_into_it_exactly(kernel_device, code):
+    """A slot is bound once (its sections' views made then) and then holds one expert after another: each
+    decodes to its own weights bit for bit, escapes included, through `weight` and `linear`."""
+    from mira_hf.quant.record import dense_linear
+
+    w = weights(3, 8, 2 * 256 + 5)
+    w[1, 0, : specials(torch.bfloat16).numel()] = specials(torch.bfloat16)  # escapes in the middle expert only
+    layout, records = round_trip({"w": w}, code)
+    codec = LosslessCodec(code=code, backend="triton")
+    slot = torch.zeros(layout.nbytes, dtype=torch.uint8, device=kernel_device)
+    bound = codec.bind(slot, layout)
+    assert bound.use_triton and set(bound.sections) == {"w"}
+    x = weights(2, w.shape[-1], seed=3).to(kernel_device)
+    for e in (0, 1, 2, 1):
+        slot.copy_(records[e])
+        assert torch.equal(bits(bound.weight("w", torch.bfloat16)).cpu(), bits(w[e]))
+        expected = dense_linear(x.cpu(), w[e], False)
+        assert torch.equal(bits(bound.linear(x, "w", False)).cpu(), bits(expected))
+
+
 def test_an_unknown_exponent_code_is_refused():
     with pytest.raises(ConfigError, match="Supported: nibble, classes"):
         QuantConfig(lossless_code="huffman")

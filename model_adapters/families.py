@@ -1,6 +1,6 @@
 """Built-in adapters: one entry per family, keyed by `config.model_type`.
 
-Each was checked against transformers' modeling code (5.17 to 5.24) and a tiny random model in the
+Each was checked against transformers' modeling code (5.17 to 5.25) and a tiny random model in the
 tests. Families that share a layout share an entry.
 """
 

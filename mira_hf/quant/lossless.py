@@ -290,7 +290,7 @@ class LosslessCodec(RecordCodec):
     def _decode_into(
         record: torch.Tensor, entry: TensorEntry, dst: torch.Tensor, use_triton: bool, sections=None
     ) -> torch.Tensor:
-        """Decode one tensor of the record into `dst` (contiguous, entry.dtype)."""
+        """Decode one tensor of the record into `dst` (contiguous, entry.shape, entry.dtype)."""
         if not entry.quantized:
             return dst.copy_(section_view(record, entry.section("raw"), entry.dtype).view(entry.shape))
         classes = is_class_coded(entry)

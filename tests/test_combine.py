@@ -7,6 +7,8 @@ The routings are chosen to expose a wrong combine: skewed (most rows on one expe
 weights far from uniform), a decode step whose picks are not in ascending order (eager adds experts in
 ascending order), four experts per token (the order of the additions shows in bf16/fp16), a repeated pick,
 two tokens sharing the same K experts (K distinct picks, but not one token), and the expert-parallel sentinel (index E: a row that must stay zero whatever its weight).
+The routings that pick the sentinel are compared only where transformers' implementation leaves its rows at zero
+(`require_sentinel_reference`), and a post-expert norm only where transformers' implementations apply one (`POST_EXPERT_NORM`).
 Fast: no generate, no checkpoint; a model per (family, dtype) built once.
 """
 
@@ -19,6 +21,7 @@ import torch
 from conftest import torch_threads
 from tiny_models import make_auto_config, make_config
 from transformers import AutoModelForCausalLM
+from transformers.integrations.moe import use_experts_implementation
 
 from mira_hf import ConfigError, MiraConfig, MiraMoEModel
 from mira_hf.errors import UnsupportedOperationError
@@ -38,8 +41,17 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # transformers 5.25; in the hidden dtype from 5.25).
 FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "nemotron_h")
 _BUILT: dict = {}
-# Their eager forwards index the experts with the sentinel (no EP handling): transformers cannot run those cases.
-EAGER_WITHOUT_SENTINEL = ("gpt_oss", "nemotron_h")
+# grouped_mm and batched_mm normalise each expert's output where the module asks (the experts decorator's
+# `has_post_expert_norm`); a transformers whose decorator has no such flag ignores a post-expert norm.
+POST_EXPERT_NORM = "has_post_expert_norm" in inspect.signature(use_experts_implementation).parameters
+needs_post_expert_norm = pytest.mark.skipif(
+    not POST_EXPERT_NORM,
+    reason="transformers' experts implementations apply no post-expert norm "
+    "(its use_experts_implementation takes no has_post_expert_norm)",
+)
+# The routings that pick the expert-parallel sentinel, apart from the others: transformers gives no reference for them
+# under some implementations (`require_sentinel_reference`), and the other routings are compared there all the same.
+with_and_without_sentinel = pytest.mark.parametrize("sentinel", [False, True], ids=["no-sentinel", "sentinel"])
 
 
 def experts_pair(
@@ -86,13 +98,15 @@ def experts_pair(
         proxy = model.get_submodule(path)
         assert isinstance(proxy, MiraExperts)
         experts = ref.get_submodule(path)
-        experts._is_expert_parallel = True  # transformers then treats index E as the EP sentinel, as the proxy always does
+        # transformers then treats index E as the EP sentinel (where it reads this flag), as the proxy always does
+        experts._is_expert_parallel = True
         _BUILT[key] = (experts, proxy, model)
     return _BUILT[key][:2]
 
 
-def routings(E: int, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """name -> (top_k_index [T, K], top_k_weights [T, K] fp32)."""
+def routings(E: int, seed: int = 0, sentinel: bool | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """name -> (top_k_index [T, K], top_k_weights [T, K] fp32). `sentinel`: only the routings that pick the
+    expert-parallel sentinel E (True), only those that do not (False), or all (None)."""
     g = torch.Generator().manual_seed(seed)
 
     def weights(T: int, K: int) -> torch.Tensor:  # far from uniform: one dominant slot, the rest small and unequal
@@ -103,36 +117,67 @@ def routings(E: int, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tenso
     skew = torch.stack([torch.zeros(12, dtype=torch.long), torch.arange(12) % 3 + 1], 1)  # expert 0 on every token
     skew[::4] = skew[::4].flip(1)
     perms = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(5)])
-    sentinel = torch.tensor([[2, E], [E, 5], [1, 2], [E, E], [5, 1], [2, 7]])
-    return {
+    picks_and_sentinels = torch.tensor([[2, E], [E, 5], [1, 2], [E, E], [5, 1], [2, 7]])
+    every = {
         "skewed prefill": (skew, weights(12, 2)),
         "decode, descending picks": (torch.tensor([[E - 1, 2]]), weights(1, 2)),
         "decode, four picks": (torch.tensor([[6, 1, E - 1, 0]]), weights(1, 4)),
         "prefill, four picks": (perms, weights(5, 4)),
         "decode, repeated pick": (torch.tensor([[3, 3]]), weights(1, 2)),
         "two tokens, the same two experts": (torch.tensor([[5, 2], [2, 5]]), weights(2, 2)),  # K experts, not a decode step
-        "prefill, sentinel rows": (sentinel, weights(6, 2)),
+        "prefill, sentinel rows": (picks_and_sentinels, weights(6, 2)),
         "decode, sentinel slot": (torch.tensor([[E, 4]]), weights(1, 2)),
         "decode, only the sentinel": (torch.tensor([[E, E]]), weights(1, 2)),
         "decode, the sentinel among four picks": (torch.tensor([[6, E, 1, 0]]), weights(1, 4)),
     }
+    return {case: r for case, r in every.items() if sentinel is None or bool((r[0] == E).any()) == sentinel}
+
+
+def require_sentinel_reference(ref: torch.nn.Module, impl: str) -> None:
+    """Skip the calling test where transformers' `impl` forward of experts module `ref` does not leave the rows of the
+    expert-parallel sentinel at zero whatever their weight, as the proxy does: transformers then gives no reference
+    for the routings that pick it. Eager loops without expert-parallel handling reject index E (`one_hot` over E
+    classes) or index the experts with it; a batched_mm without it multiplies the sentinel's rows by their weight,
+    counting on the router to have zeroed it."""
+    E, before = ref.num_experts, ref.config._experts_implementation
+    ref.config._experts_implementation = impl
+    hidden = torch.ones(1, ref.config.hidden_size, dtype=next(ref.parameters()).dtype)  # [T=1, H]
+    try:
+        with torch.no_grad():
+            out = ref(hidden, torch.tensor([[E]]), torch.ones(1, 1))  # [1, H]: its only slot the sentinel, weighted 1
+    except (IndexError, RuntimeError) as exc:
+        pytest.skip(f"transformers' {impl} forward of {type(ref).__name__} takes no expert-parallel sentinel (index {E}): {exc}")
+    finally:
+        ref.config._experts_implementation = before
+    if out.any():
+        pytest.skip(
+            f"transformers' {impl} forward of {type(ref).__name__} does not zero the expert-parallel sentinel's rows: "
+            "it weights them, counting on the router to give them weight zero"
+        )
 
 
 def mismatches(
-    name: str, impl: str, post_norm: bool = False, quantization: str | None = None, dtypes=DTYPES, cases=None
+    name: str,
+    impl: str,
+    sentinel: bool,
+    post_norm: bool = False,
+    quantization: str | None = None,
+    dtypes=DTYPES,
+    cases=None,
 ) -> list[str]:
-    """The (routing, dtypes) cases where the proxy's output differs from transformers' experts module's;
-    `cases`: the routings to try (default: all)."""
+    """The (routing, dtypes) cases where the proxy's output differs from transformers' experts module's.
+    `sentinel`: the routings that pick the expert-parallel sentinel (the test skips where transformers gives no
+    reference for them), or the others; `cases`: of those, the ones to try (default: all)."""
     found = []
     for dtype in dtypes:
         ref, proxy = experts_pair(name, dtype, post_norm, quantization)
+        if sentinel:
+            require_sentinel_reference(ref, impl)
         ref.config._experts_implementation = impl
         proxy.base.config._experts_implementation = impl
         H, E = proxy.base.config.hidden_size, proxy.num_experts
-        for case, (index, w) in routings(E).items():
+        for case, (index, w) in routings(E, sentinel=sentinel).items():
             if cases is not None and case not in cases:
-                continue
-            if impl == "eager" and name in EAGER_WITHOUT_SENTINEL and "sentinel" in case:
                 continue
             g = torch.Generator().manual_seed(len(case))
             hidden = (torch.randn(index.shape[0], H, generator=g) * 4).to(dtype)
@@ -146,27 +191,31 @@ def mismatches(
 
 
 @pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@with_and_without_sentinel
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", FAMILIES)
-def test_the_proxy_combines_as_transformers_experts_do(name, impl):
-    assert mismatches(name, impl) == []
+def test_the_proxy_combines_as_transformers_experts_do(name, impl, sentinel):
+    assert mismatches(name, impl, sentinel) == []
 
 
+@needs_post_expert_norm
+@with_and_without_sentinel
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])  # transformers' eager forwards have no post-norm
-def test_a_normalised_expert_output_is_normalised_before_it_is_weighted(impl):
-    assert mismatches("qwen3_moe", impl, post_norm=True) == []
+def test_a_normalised_expert_output_is_normalised_before_it_is_weighted(impl, sentinel):
+    assert mismatches("qwen3_moe", impl, sentinel, post_norm=True) == []
 
 
 @pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@with_and_without_sentinel
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
-def test_experts_kept_packed_in_their_slots_combine_as_transformers_experts_do(name, impl):
+def test_experts_kept_packed_in_their_slots_combine_as_transformers_experts_do(name, impl, sentinel):
     """Lossless records stay packed in the cache (placement "packed") and each matmul decodes its weight:
     the decoded weights are the stored ones bit for bit, so the combine is still transformers' own (gpt_oss:
     transposed, with biases read from the record). A few routings: each matmul decodes a record."""
     assert experts_pair(name, torch.bfloat16, quantization="lossless")[1].manager.placement == "packed"
     cases = ("skewed prefill", "decode, descending picks", "prefill, sentinel rows", "decode, sentinel slot")
-    assert mismatches(name, impl, quantization="lossless", dtypes=(torch.float32, torch.bfloat16), cases=cases) == []
+    assert mismatches(name, impl, sentinel, quantization="lossless", dtypes=(torch.float32, torch.bfloat16), cases=cases) == []
 
 
 def test_lossy_records_kept_packed_compute_with_their_codec_under_every_implementation():
@@ -215,14 +264,15 @@ def test_experts_scaled_by_their_routing_weight_compute_as_llama4s_do(dtype):
 
 def test_the_routings_tell_the_implementations_apart():
     """The cases above are strong enough to matter: on them, in bf16, transformers' three implementations
-    do not all agree with one another, so a proxy combining as the wrong one would be caught."""
+    do not all agree with one another, so a proxy combining as the wrong one would be caught. The routings
+    without the expert-parallel sentinel already show it (and every implementation computes them)."""
     ref, _ = experts_pair("qwen3_moe", torch.bfloat16)
     E, H = ref.num_experts, ref.config.hidden_size
     outputs = {}
     for impl in IMPLS:
         ref.config._experts_implementation = impl
         got = []
-        for case, (index, w) in routings(E).items():
+        for case, (index, w) in routings(E, sentinel=False).items():
             hidden = (torch.randn(index.shape[0], H, generator=torch.Generator().manual_seed(len(case))) * 4).bfloat16()
             with torch.no_grad():
                 got.append(ref(hidden, index, w.bfloat16()))

@@ -9,6 +9,7 @@ on CUDA, and `benchmarks/fidelity_real_dims.py --budget 1.0` at real dimensions.
 import pytest
 import torch
 from conftest import ALL_TINY, load_reference, torch_threads
+from test_combine import needs_post_expert_norm, with_and_without_sentinel
 
 from mira_hf import MiraConfig, MiraMoEModel
 from mira_hf.experts_impl import implementation_of
@@ -180,9 +181,10 @@ def test_a_pool_wider_than_one_grouped_call_is_covered_by_windows(tiny_checkpoin
 
 
 @pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@with_and_without_sentinel
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"])
-def test_resident_experts_together_combine_as_transformers_experts_do(grouped_on_cpu, monkeypatch, name, impl):
+def test_resident_experts_together_combine_as_transformers_experts_do(grouped_on_cpu, monkeypatch, name, impl, sentinel):
     """test_combine's routings (skewed prefill, decode steps, repeated picks, the expert-parallel sentinel) run twice:
     the second time the experts they use are resident and computed together."""
     from test_combine import mismatches
@@ -190,16 +192,19 @@ def test_resident_experts_together_combine_as_transformers_experts_do(grouped_on
     gathered = []
     original = MiraExperts._from_slots
     monkeypatch.setattr(MiraExperts, "_from_slots", lambda self, at, names: gathered.append(1) or original(self, at, names))
-    assert mismatches(name, impl) == []
-    assert mismatches(name, impl) == []
-    assert grouped_on_cpu if impl == "grouped_mm" else gathered  # the path ran
+    assert mismatches(name, impl, sentinel) == []
+    assert mismatches(name, impl, sentinel) == []
+    # the path ran (batched_mm gathers all rows' weights from the slots only where no row is the sentinel's)
+    assert grouped_on_cpu if impl == "grouped_mm" else gathered or sentinel
 
 
-def test_a_normalised_expert_output_is_normalised_when_resident_experts_run_together(grouped_on_cpu):
+@needs_post_expert_norm
+@with_and_without_sentinel
+def test_a_normalised_expert_output_is_normalised_when_resident_experts_run_together(grouped_on_cpu, sentinel):
     from test_combine import mismatches
 
-    assert mismatches("qwen3_moe", "grouped_mm", post_norm=True) == []
-    assert mismatches("qwen3_moe", "grouped_mm", post_norm=True) == [] and grouped_on_cpu
+    assert mismatches("qwen3_moe", "grouped_mm", sentinel, post_norm=True) == []
+    assert mismatches("qwen3_moe", "grouped_mm", sentinel, post_norm=True) == [] and grouped_on_cpu
 
 
 def _generate_reading_counters(path, ids, kw, later: bool):

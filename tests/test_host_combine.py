@@ -13,7 +13,14 @@ and whole models are in `tests/test_host_compute.py`.
 
 import pytest
 import torch
-from test_combine import EAGER_WITHOUT_SENTINEL, IMPLS, experts_pair, routings
+from test_combine import (
+    IMPLS,
+    experts_pair,
+    needs_post_expert_norm,
+    require_sentinel_reference,
+    routings,
+    with_and_without_sentinel,
+)
 from test_host_compute import all_on_host, costs
 
 RESIDENT = (0, 1)  # computed on the device; every other expert of a block on the host
@@ -66,21 +73,22 @@ def expected(ref, impl: str, hidden, index, w, on_host: set[int]) -> torch.Tenso
 # gpt_oss: transposed experts with biases; nemotron_h: non-gated, eager sums in the weights' dtype (before transformers
 # 5.25); qwen3_moe with a post-expert norm (applied on the device to the host's rows; transformers' eager forwards have none).
 CASES = [(name, False, impl) for name in ("mixtral", "gpt_oss", "nemotron_h") for impl in IMPLS]
-CASES += [("qwen3_moe", True, impl) for impl in ("grouped_mm", "batched_mm")]
+CASES += [pytest.param("qwen3_moe", True, impl, marks=needs_post_expert_norm) for impl in ("grouped_mm", "batched_mm")]
 
 
 @pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@with_and_without_sentinel
 @pytest.mark.parametrize(("name", "post_norm", "impl"), CASES)
-def test_rows_computed_on_the_host_combine_exactly_as_on_the_device(name, post_norm, impl):
+def test_rows_computed_on_the_host_combine_exactly_as_on_the_device(name, post_norm, impl, sentinel):
     """Each routing with experts 0 and 1 on the device: every other expert of the block is computed on the
     host (none is copied, none is cached), and its outputs land in the rows the device would have filled."""
     for dtype in (torch.float32, torch.bfloat16):
         ref, proxy = host_pair(name, dtype, post_norm)
+        if sentinel:
+            require_sentinel_reference(ref, impl)
         proxy.base.config._experts_implementation = impl
         H, E = proxy.base.config.hidden_size, proxy.num_experts
-        for case, (index, w) in routings(E).items():
-            if impl == "eager" and name in EAGER_WITHOUT_SENTINEL and "sentinel" in case:
-                continue
+        for case, (index, w) in routings(E, sentinel=sentinel).items():
             hidden = (torch.randn(index.shape[0], H, generator=torch.Generator().manual_seed(len(case))) * 4).to(dtype)
             on_host = {e for e in index.unique().tolist() if e < E} - set(RESIDENT)
             for w_dtype in {torch.float32, dtype}:

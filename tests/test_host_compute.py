@@ -7,8 +7,15 @@ import copy
 
 import pytest
 import torch
-from test_combine import EAGER_WITHOUT_SENTINEL, experts_pair, routings
 from test_combine import FAMILIES as COMBINE_FAMILIES
+from test_combine import (
+    IMPLS,
+    experts_pair,
+    needs_post_expert_norm,
+    require_sentinel_reference,
+    routings,
+    with_and_without_sentinel,
+)
 from tiny_models import make_config
 from transformers import AutoModelForCausalLM
 
@@ -207,26 +214,33 @@ def all_on_host(layers) -> HostCosts:
     return costs(link_bytes_per_s=1.0, host_s={layer: {1: 1e-6} for layer in layers})
 
 
+# Each family under each implementation; with a post-expert norm, the implementations that apply one (not eager).
+HOST_ROUTING_CASES = [(name, False, impl) for name in COMBINE_FAMILIES for impl in IMPLS]
+HOST_ROUTING_CASES += [
+    pytest.param("qwen3_moe", True, impl, marks=needs_post_expert_norm) for impl in ("grouped_mm", "batched_mm")
+]
+
+
 @pytest.mark.filterwarnings("ignore:mira-hf. model_type")
-@pytest.mark.parametrize(("name", "post_norm"), [(f, False) for f in COMBINE_FAMILIES] + [("qwen3_moe", True)])
-def test_host_outputs_go_to_the_rows_the_device_would_fill(name, post_norm):
+@with_and_without_sentinel
+@pytest.mark.parametrize(("name", "post_norm", "impl"), HOST_ROUTING_CASES)
+def test_host_outputs_go_to_the_rows_the_device_would_fill(name, post_norm, impl, sentinel):
     """`tests/test_combine.py`'s hard routings (skewed, repeated picks, four per token, the expert-parallel
     sentinel) with every miss on the host: each experts implementation within the bound of transformers'
     own experts module; with a post-expert norm (its weights stay on the device: it runs there)."""
     for dtype in (torch.float32, torch.bfloat16):
         ref, proxy = experts_pair(name, dtype, post_norm, host_costs=all_on_host)
+        if sentinel:
+            require_sentinel_reference(ref, impl)
         H, E = proxy.base.config.hidden_size, proxy.num_experts
-        for impl in ("grouped_mm", "batched_mm") if post_norm else ("grouped_mm", "batched_mm", "eager"):
-            ref.config._experts_implementation = proxy.base.config._experts_implementation = impl
-            proxy.manager.reset_stats()
-            for case, (index, w) in routings(E).items():
-                if impl == "eager" and name in EAGER_WITHOUT_SENTINEL and "sentinel" in case:
-                    continue
-                hidden = (torch.randn(index.shape[0], H, generator=torch.Generator().manual_seed(len(case))) * 4).to(dtype)
-                with torch.no_grad():
-                    expected, got = ref(hidden, index, w).float(), proxy(hidden, index, w).float()
-                assert (got - expected).abs().max() <= BOUND[dtype] * expected.abs().max(), (case, impl, dtype)
-            assert proxy.manager.stats()["host_computed"] > 0
+        ref.config._experts_implementation = proxy.base.config._experts_implementation = impl
+        proxy.manager.reset_stats()
+        for case, (index, w) in routings(E, sentinel=sentinel).items():
+            hidden = (torch.randn(index.shape[0], H, generator=torch.Generator().manual_seed(len(case))) * 4).to(dtype)
+            with torch.no_grad():
+                expected, got = ref(hidden, index, w).float(), proxy(hidden, index, w).float()
+            assert (got - expected).abs().max() <= BOUND[dtype] * expected.abs().max(), (case, impl, dtype)
+        assert proxy.manager.stats()["host_computed"] > 0
 
 
 def test_bundled_model_greedy_tokens_are_unchanged_with_misses_on_the_host():

@@ -10,6 +10,7 @@ promises exactness (fp32 on the CPU: logits, scores, router logits, losses) the 
 
 import collections
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -151,6 +152,8 @@ def test_router_logits_and_losses_are_identical(name):
     kw = dict(attention_mask=MASK, labels=PADDED, output_router_logits=True)
     with torch.no_grad():
         a, b = ref(PADDED, **kw), model(PADDED, **kw)
+    if "router_logits" not in {f.name for f in dataclasses.fields(a)}:
+        pytest.skip(f"transformers' {type(ref).__name__} outputs no router logits ({type(a).__name__} has no router_logits)")
     assert len(a.router_logits) > 0
     for field in ("logits", "loss", "aux_loss", "router_logits"):
         assert _same(getattr(a, field, None), getattr(b, field, None)), field

@@ -445,8 +445,11 @@ class HostCompute:
 
         t_small, t_big = timed(small), timed(big)  # `dst` is freed on return
         # The slope is the speed and what is left of the small copy the fixed cost; never slower than the large
-        # copy's own average (timer noise on copies too small to tell apart).
-        per_byte = min(max(t_big - t_small, 0.0) / (big - small), t_big / big) if big > small else t_big / big
+        # copy's own average. Where timer noise leaves no slope (the small copy timed as long as the large one),
+        # the average alone.
+        average = max(t_big, 1e-9) / big
+        slope = (t_big - t_small) / (big - small) if big > small else 0.0
+        per_byte = min(slope, average) if slope > 0 else average
         overhead = max(t_small - small * per_byte, 0.0)
         self.costs.link_bytes_per_s, self.costs.copy_overhead_s = 1.0 / per_byte, overhead
 

@@ -95,6 +95,24 @@ def test_issued_copies_advance_the_link_clock():
 
 
 # -- configuration ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(("small_s", "big_s"), [(2e-3, 1e-3), (1e-3, 1e-3), (0.0, 0.0)], ids=["inverted", "equal", "zero"])
+def test_link_timings_without_a_slope_give_the_large_copys_average_speed(small_s, big_s, monkeypatch):
+    """Timer noise can time the small probe copy as long as the large one (or both as nothing): the link's speed is
+    then the large copy's average, never a division by zero."""
+    import mira_hf.host_compute as hc
+
+    model = MiraMoEModel.wrap(_tiny(), MiraConfig(device="cpu", gpu_budget=0.3, host_compute="on"))
+    host = model.mira.host
+    ticks = iter([0.0, small_s] * 6 + [0.0, big_s] * 6)  # (start, end) of each timed copy: six small, six large
+    monkeypatch.setattr(hc.time, "perf_counter", lambda: next(ticks))
+    host._measure_link(model.mira.first_ordinal)
+    speed = host.costs.link_bytes_per_s
+    assert speed > 0 and speed != float("inf")
+    record = max(piece.numel() for _, piece in model.mira.store.pieces(model.mira.first_ordinal, 0))
+    if big_s > 0:
+        assert speed == pytest.approx(min(hc.LINK_PROBE_BYTES, record) / big_s)
+
+
 def test_host_compute_is_off_by_default_and_validated():
     assert MiraConfig().host_compute == "off"
     assert MiraConfig(host_compute="On").host_compute == "on"

@@ -212,6 +212,8 @@ def environment() -> dict:
         "transformers": transformers.__version__,
         "cpu_count": os.cpu_count(),
     }
+    # settings read from the environment that change the host's kernels (oneDNN's instruction set, threads)
+    env.update({k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS") if k in os.environ})
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         env.update(device=p.name, device_memory_gb=round(p.total_memory / 1e9, 1))

@@ -14,8 +14,6 @@ wrapped once per system, one after the other in the same process:
     split-X         host_compute="split", host_share=X, device parts copied uncompressed
     split-X-lossless  the same with the device parts in the lossless format
     split-X-auto    the same with quantization="auto" (the format `default` picks)
-    split-X-auto-plain  the same with the host parts multiplied from their plain tensors, not laid out once for
-                    the host's kernels (`mira_hf.host_kernels`)
 
 Metrics: decode tokens/s at batch 1 (median of `--rounds`), batch 8 and beam search (4 beams); x_limit: time per
 token over the PCIe floor (Belady's bytes per token of whole uncompressed experts over LRU's routing, at the
@@ -39,7 +37,6 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -62,7 +59,7 @@ from bench.workloads import Workload, model_facts  # noqa: E402
 from common import device_slug, environment, print_table, sync, write_json  # noqa: E402
 from host_compute import WORKLOADS, _fmt, budget_of, build, spread_routers  # noqa: E402
 
-from mira_hf import MiraConfig, MiraMoEModel, host_kernels  # noqa: E402
+from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.config import QuantConfig  # noqa: E402
 
 COLUMNS = [
@@ -132,15 +129,14 @@ def configs(args, gpu_budget, device: str) -> list[tuple[str, MiraConfig]]:
             out.append((system, MiraConfig(**base, quantization="lossless", quant=QuantConfig(placement="dequant"))))
         elif system == "default":
             out.append((system, MiraConfig(**base)))
-        elif system in ("split", "split-lossless", "split-auto", "split-auto-plain"):
-            q = {"split": None, "split-lossless": "lossless", "split-auto": "auto", "split-auto-plain": "auto"}[system]
+        elif system in ("split", "split-lossless", "split-auto"):
+            q = {"split": None, "split-lossless": "lossless", "split-auto": "auto"}[system]
             for share in args.shares:
                 name = system.replace("split", f"split-{share:g}")
                 out.append((name, MiraConfig(**base, quantization=q, host_compute="split", host_share=share)))
         else:
             raise SystemExit(
-                f"--systems: unknown {system!r}; choose from lru, without, lossless, lossless-dequant, default, split, split-lossless, split-auto, "
-                "split-auto-plain"
+                f"--systems: unknown {system!r}; choose from lru, without, lossless, lossless-dequant, default, split, split-lossless, split-auto"
             )
     return out
 
@@ -197,8 +193,7 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
             rows.append(dict(model=key, budget=budget_label, system=system, notes="skipped: time budget"))
             continue
         t0 = time.perf_counter()
-        with plain_host_parts(system.endswith("-plain")):
-            model = MiraMoEModel.wrap(copy.deepcopy(base), cfg)
+        model = MiraMoEModel.wrap(copy.deepcopy(base), cfg)
         m = model.mira
         row = dict(model=key, budget=budget_label, system=system, wrap_s=time.perf_counter() - t0)
         row["record_bytes"] = m.store.record_bytes(m.first_ordinal)
@@ -276,22 +271,9 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
     free_device_cache()
 
 
-@contextlib.contextmanager
-def plain_host_parts(plain: bool):
-    """While wrapping: with `plain`, host parts are not laid out for the host's kernels (no dtype is)."""
-    kept = host_kernels.PREPACKED_DTYPES
-    if plain:
-        host_kernels.PREPACKED_DTYPES = ()
-    try:
-        yield
-    finally:
-        host_kernels.PREPACKED_DTYPES = kept
-
-
 def host_costs(m) -> dict:
     """What the split's planner measured after batch 1 (seconds): the link, a host job's fixed cost and lag, and
-    the first split layer's host time per expert part by rows; whether the host parts were laid out for the host's
-    kernels."""
+    the first split layer's host time per expert part by rows."""
     c = m.host.costs
     table = c.host_s.get(m.first_ordinal, {})
     return dict(
@@ -300,7 +282,6 @@ def host_costs(m) -> dict:
         host_lag_s=c.host_lag_s,
         host_part_s={str(n): t for n, t in sorted(table.items())},
         host_part_bytes=m.host.parts.expert_bytes(m.first_ordinal) if m.host.parts is not None else None,
-        host_parts_laid_out=bool(m.host.parts.packed) if m.host.parts is not None else None,  # host_kernels
     )
 
 

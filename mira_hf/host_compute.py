@@ -364,10 +364,9 @@ class HostCompute:
 
     # -- running (the proxy) -----------------------------------------------------------------------
     def weights(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """Expert `expert` of `layer` as typed views of its host record, or its host part as the host multiplies it
-        (`HostParts.host_weights`)."""
+        """Expert `expert` of `layer` as typed views of its host record, or of its host part (no copy)."""
         if self.parts is not None:
-            return self.parts.host_weights(layer, expert)
+            return self.parts.weights(layer, expert)
         # the host computes only from uncompressed stores, where each fused tensor's expert slice is contiguous
         return {name: v[expert] for name, v in self.store.expert_views(layer).items()}
 

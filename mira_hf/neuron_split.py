@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ConfigError
-from .host_kernels import PrepackedLinear, prepacks
 from .pinned import pinned_empty
 
 DEVICE = 0  # part index: the device's neurons
@@ -153,15 +152,10 @@ class HostParts:
     """The host parts of every layer's experts: name -> [E, ...] tensors in host memory, filled expert by
     expert as the device parts are stored."""
 
-    def __init__(
-        self, splits: Mapping[int, NeuronSplit], pinned: bool = False, prepack: Callable[[torch.dtype], bool] = prepacks
-    ) -> None:
+    def __init__(self, splits: Mapping[int, NeuronSplit], pinned: bool = False) -> None:
         self.splits = dict(splits)
         self.pinned = pinned  # page-locked: a part copied to the device (`HostCosts.balance`) crosses at link speed
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
-        # layer -> per expert, its weights laid out for the host's kernels (`host_kernels`), where `prepack(dtype)`
-        self.prepack = prepack
-        self.packed: dict[int, list[dict[str, PrepackedLinear]]] = {}
 
     def allocate(self, layer: int, specs: Specs, num_experts: int) -> None:
         """Room for `layer`'s host parts; `specs`: one whole expert's (name -> (shape, dtype))."""
@@ -186,31 +180,9 @@ class HostParts:
 
         return device_part
 
-    def lay_out(self, layer: int) -> None:
-        """Lay `layer`'s host weights out once for the host's kernels, where that reads them faster
-        (`host_kernels.prepacks`); again after they change (a cast, a rewrite)."""
-        self.packed.pop(layer, None)
-        tensors, split = self.tensors[layer], self.splits[layer]
-        names = [n for n in tensors if not n.endswith("_bias")]
-        if not names or not self.prepack(tensors[names[0]].dtype):
-            return
-        experts = tensors[names[0]].shape[0]
-        self.packed[layer] = [
-            {n: PrepackedLinear(tensors[n][e].t() if split.transposed else tensors[n][e]) for n in names} for e in range(experts)
-        ]
-
     def weights(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """Expert `expert`'s host part: name -> view."""
         return {name: t[expert] for name, t in self.tensors[layer].items()}
-
-    def host_weights(self, layer: int, expert: int) -> dict[str, torch.Tensor | PrepackedLinear]:
-        """Expert `expert`'s host part as the host multiplies it: its weights laid out (`lay_out`) where they are,
-        else views; biases as views. `host_kernels.host_linear` takes either."""
-        w = self.weights(layer, expert)
-        packed = self.packed.get(layer)
-        if packed is not None:
-            w.update(packed[expert])
-        return w
 
     def expert_bytes(self, layer: int) -> int:
         """Bytes of one expert's host part in `layer`."""
@@ -220,12 +192,9 @@ class HostParts:
         self.tensors[layer] = {
             name: t if t.dtype == dtype else self._empty(t.shape, dtype).copy_(t) for name, t in self.tensors[layer].items()
         }
-        self.lay_out(layer)
 
     def nbytes(self) -> int:
-        """Host bytes of the host parts, with their laid-out copies."""
-        plain = sum(t.numel() * t.element_size() for parts in self.tensors.values() for t in parts.values())
-        return plain + sum(w.nbytes for experts in self.packed.values() for ws in experts for w in ws.values())
+        return sum(t.numel() * t.element_size() for parts in self.tensors.values() for t in parts.values())
 
 
 class SplitWeights:
@@ -265,4 +234,3 @@ class SplitWeights:
         self.device_store.rewrite(layer, device, dtype, layout=layout)
         for name, t in host.items():
             self.parts.tensors[layer][name].copy_(t)
-        self.parts.lay_out(layer)

@@ -27,7 +27,6 @@ from .experts_impl import (
     implementation_of,
 )
 from .host_compute import host_expert_math
-from .host_kernels import host_linear
 from .layout import PackedWeights, decodes_exactly
 from .manager import ExpertManager
 from .ops import no_backward, register
@@ -369,7 +368,7 @@ class MiraExperts(nn.Module):
         parts = []
         for e in plan.parts_copied:
             x = inputs(e)  # [n, H]
-            w = {name: t.to(x.device, non_blocking=True) for name, t in host.parts.weights(self.layer, e).items()}
+            w = {name: t.to(x.device, non_blocking=True) for name, t in host.weights(self.layer, e).items()}
             parts.append((e, self._host_part(w, x)))
         return job, parts
 
@@ -447,9 +446,8 @@ class MiraExperts(nn.Module):
         """An expert's host part (`neuron_split`, host_compute="split") on rows x [n, H] -> [n, H]: its neurons'
         up projection (with their share of its bias) and gate function, and their columns of the down projection,
         whose bias the device part adds."""
-        h = host_linear(x, w[self._up], self._transposed)  # [n, 2 I_host] or [n, I_host]
-        h = self._activate(h + w[self._up + "_bias"] if self._has_bias else h)  # [n, I_host]
-        return host_linear(h, w["down_proj"], self._transposed)  # [n, H]
+        h = self._activate(self._linear(x, w, self._up, False))  # [n, I_host]
+        return plain_linear(h, w["down_proj"], self._transposed)  # [n, H]
 
     def _host_expert(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """One expert on the host (`host_compute`): x [n, H] and `w` (views of its host record) -> [n, H],

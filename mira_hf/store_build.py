@@ -421,8 +421,6 @@ def _add_layer(
     if parts is not None:  # each expert's host part written beside the store on the way
         expert = parts.splitter(t.ordinal, expert)
     store.add_layer_from(t.ordinal, specs, E, expert, layout=layout)
-    if parts is not None:
-        parts.lay_out(t.ordinal)
     return None
 
 

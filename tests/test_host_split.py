@@ -13,9 +13,8 @@ from test_host_compute import BOUND, MS, costs, logits_within_bound
 from tiny_models import make_auto_config, make_config
 from transformers import AutoModelForCausalLM
 
-from mira_hf import ConfigError, MiraConfig, MiraMoEModel, bundled_model_path, host_kernels
+from mira_hf import ConfigError, MiraConfig, MiraMoEModel, bundled_model_path
 from mira_hf.host_compute import MAX_HOST_ROWS
-from mira_hf.host_kernels import PrepackedLinear, can_prepack, host_linear
 from mira_hf.layout import IdentityCodec
 from mira_hf.neuron_split import NeuronSplit, host_neurons, pairing_of
 
@@ -190,56 +189,6 @@ def test_a_block_with_parts_on_both_paths_stays_within_the_bound(name):
     assert (got - expected).abs().max() <= BOUND[torch.float32] * expected.abs().max()
     s = model.mira.stats()
     assert 0 < s["parts_copied"] < s["hits"] + s["misses"]
-
-
-# -- host parts laid out for the host's kernels --------------------------------------------------------
-@pytest.fixture
-def fp32_laid_out(monkeypatch):
-    """Host parts of fp32 laid out once as bf16 ones are on a CPU with bf16 matrix instructions (this one may have
-    none): the same code path, checkable here."""
-    if not can_prepack(torch.float32):
-        pytest.skip("this torch build cannot lay out fp32 weights for oneDNN")
-    monkeypatch.setattr(host_kernels, "PREPACKED_DTYPES", (torch.float32,))
-
-
-@pytest.mark.parametrize("transposed", [False, True])
-def test_a_laid_out_weight_multiplies_as_the_plain_one(transposed, fp32_laid_out):
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(24, 40, generator=g)  # [out, in]
-    x = torch.randn(3, 40, generator=g)
-    plain = w.t().contiguous() if transposed else w
-    packed = PrepackedLinear(plain.t() if transposed else plain)
-    expected = host_linear(x, plain, transposed)
-    assert torch.allclose(host_linear(x, packed, transposed), expected, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(expected, x @ w.t(), rtol=1e-5, atol=1e-5)
-
-
-def test_a_dtype_the_kernels_cannot_lay_out_keeps_its_plain_weights():
-    assert not can_prepack(torch.int64)
-    assert not host_kernels.prepacks(torch.float64)  # not one of PREPACKED_DTYPES
-
-
-@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])  # [out, in] weights with halves; [in, out] interleaved
-def test_host_parts_laid_out_once_compute_within_the_bound_and_follow_casts(name, fp32_laid_out, monkeypatch):
-    ref = _tiny(name)
-    model = _split(copy.deepcopy(ref))
-    parts = model.mira.host.parts
-    layers = sorted(parts.tensors)
-    assert sorted(parts.packed) == layers
-    w = parts.host_weights(layers[0], 0)
-    assert {n for n, f in w.items() if isinstance(f, PrepackedLinear)} == {n for n in w if not n.endswith("_bias")}
-    calls = []
-    multiply = PrepackedLinear.__call__
-    monkeypatch.setattr(PrepackedLinear, "__call__", lambda self, x: calls.append(x.shape[0]) or multiply(self, x))
-    assert len(list(logits_within_bound(ref, model, name, torch.float32, (IDS, IDS[:, :1])))) == 3
-    assert calls  # the host parts ran on their laid-out weights
-    plain = sum(t.numel() * t.element_size() for ts in parts.tensors.values() for t in ts.values())
-    weights = sum(t.numel() * t.element_size() for ts in parts.tensors.values() for n, t in ts.items() if not n.endswith("bias"))
-    assert model.mira.stats()["host_part_bytes"] == plain + weights  # the laid-out copies count in host memory
-    model.to(torch.bfloat16)  # not laid out in bf16 here: the fp32 copies go with the fp32 tensors
-    assert not parts.packed
-    model.to(torch.float32)
-    assert sorted(parts.packed) == layers
 
 
 def test_the_store_holds_device_parts_so_the_same_budget_holds_more_experts():

@@ -325,9 +325,10 @@ class MiraConfig:
     expert_layer_path: for models without an adapter, a glob of the routed-experts modules,
         e.g. `"model.layers.*.mlp.experts"` (fused 3-D expert tensors, as transformers 5 builds them).
     host_compute: compute some missed experts on the host CPU, where their weights are, instead of copying
-        them (`mira_hf.host_compute`): `"off"` (default), `"auto"` (on a CUDA device with uncompressed
-        records; `quantization="auto"` then stays uncompressed) or `"on"` (on any device; refuses encoded
-        records). Each miss goes to whichever path finishes it first (measured link speed and host time).
+        them (`mira_hf.host_compute`): `"off"` (default), `"auto"` (on a CUDA device where records are
+        uncompressed; where `quantization="auto"` picks the lossless format, for large experts, that format is
+        kept and host compute stays off) or `"on"` (on any device; `quantization="auto"` then stays
+        uncompressed; refuses encoded records). Each miss goes to whichever path finishes it first (measured link speed and host time).
         `"split"`: every expert is split by its intermediate neurons (`mira_hf.neuron_split`); the host computes
         a share `host_share` of each expert's neurons at every use, and the GPU caches and receives only the
         rest, so each miss moves fewer bytes and the budget holds more experts.

@@ -290,7 +290,7 @@ class HostCompute:
             raise ConfigError(
                 f"host_compute='on' computes experts from their uncompressed records on the host, but this model's "
                 f"records are encoded ({store.codec.name}): decoding one on the host per use costs more than copying it. "
-                "Load with quantization=None (or 'auto', which stays uncompressed with host compute), or use "
+                "Load with quantization=None (or 'auto', which stays uncompressed with host_compute='on'), or use "
                 "host_compute='auto' (off where records are encoded) or 'off'."
             )
         self.store, self.device = store, device

@@ -305,7 +305,9 @@ def resolve_format(
         q = (
             "lossless"
             if device.type == "cuda"
-            and cfg.host_compute in ("off", "split")  # the host computes from uncompressed records (host_compute.py)
+            # "on" computes misses from uncompressed records on the host; "auto" keeps the faster format and stays
+            # off where it is encoded (host_compute.py)
+            and cfg.host_compute != "on"
             and budget_bytes < all_bytes
             and min(raw_bytes.values()) >= AUTO_LOSSLESS_MIN_RECORD_BYTES
             and dtypes <= {torch.bfloat16, torch.float32}

@@ -341,6 +341,21 @@ def test_auto_transfer_format_is_exact_and_used_only_where_it_pays(device, dtype
     assert (cfg.quantization, cfg.quant.placement) == ("lossless", "dequant")  # given values are kept
 
 
+@pytest.mark.parametrize(
+    ("host_compute", "want"), [("off", "lossless"), ("auto", "lossless"), ("split", "lossless"), ("on", None)]
+)
+def test_host_compute_keeps_the_lossless_format_except_where_every_miss_may_run_on_the_host(host_compute, want):
+    """On Mixtral-sized experts the lossless copies beat uncompressed ones with host sends at every width
+    (docs/usage.md): `host_compute="auto"` keeps them (and stays off); `"on"` needs uncompressed records."""
+    from mira_hf.store_build import resolve_format
+
+    record = 2**28
+    specs = {layer: {"down_proj": ((record // 2, 1), torch.bfloat16)} for layer in range(4)}
+    raw = {layer: record for layer in range(4)}
+    cfg = resolve_format(MiraConfig(host_compute=host_compute), torch.device("cuda"), specs, raw, 32 * record, 8 * record)
+    assert cfg.quantization == want
+
+
 def test_default_config_reports_the_format_it_resolved(tiny_checkpoint):
     model = MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(device="cpu", gpu_budget=0.5), progress=False)
     assert model._mira_config.quantization == "auto"

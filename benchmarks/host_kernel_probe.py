@@ -22,6 +22,8 @@ over a 2 GiB fp32 tensor) and the fastest path and `onednn` while the link copie
     python benchmarks/host_kernel_probe.py     # writes $OUT/host_kernel_probe.json (else /tmp/host_kernel_probe.json)
     ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python benchmarks/host_kernel_probe.py --paths onednn,prepacked --name isa
         # oneDNN without AMX, some paths only: $OUT/host_kernel_probe_isa.json
+    OMP_WAIT_POLICY=ACTIVE python benchmarks/host_kernel_probe.py --gaps --name gaps-active
+        # host parts as decode runs them (jobs apart on a pinned worker): `gaps.gap<n>ms`, ms per quarter
 
 Keys: `<shape>.<path>.rows<n>`: {"ms": median, "gbps": weight bytes read per second}, `<shape>.pack_ms`,
 `<shape>.prepacked_rel_diff` (largest difference from `onednn`'s output over its largest); `memory_read_gbps`;
@@ -126,10 +128,41 @@ def neuron_threads(experts: Experts, pool: ThreadPoolExecutor, ranges: list[tupl
     return run
 
 
+def gaps(out: dict) -> None:
+    """Host parts as decode runs them: two quarters of a Mixtral expert per job, on a worker thread set up as
+    `host_compute`'s (pinned away from the first core, its torch threads there), jobs `gap` ms apart while the
+    submitting thread spins (as the thread that drives the GPU does). Each job's compute is timed inside it."""
+    from mira_hf.host_compute import _init_worker, worker_cpus
+
+    hidden, neurons, count = SHAPES["mixtral_quarter"]
+    experts = Experts(hidden, neurons, count, torch.bfloat16)
+    cpus = worker_cpus()
+    worker = ThreadPoolExecutor(1, initializer=_init_worker, initargs=(cpus, len(cpus) if cpus else THREADS))
+    x = torch.randn(1, hidden).bfloat16()
+
+    def job(i: int) -> float:
+        t0 = time.perf_counter()
+        experts.full(2 * i, x)
+        experts.full(2 * i + 1, x)
+        return time.perf_counter() - t0
+
+    for gap_ms in (0, 1, 3, 7):
+        times = []
+        for i in range(40):
+            times.append(worker.submit(job, i).result())
+            stop = time.perf_counter() + gap_ms / 1e3
+            while time.perf_counter() < stop:
+                pass
+        out.setdefault("gaps", {})[f"gap{gap_ms}ms"] = 1e3 * statistics.median(times[4:]) / 2  # per quarter
+        print(f"jobs {gap_ms} ms apart: {out['gaps'][f'gap{gap_ms}ms']:.3f} ms per quarter", flush=True)
+    worker.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--paths", default=None, help="comma-separated paths to time (default: all)")
     ap.add_argument("--name", default=None, help="suffix of the result file's name")
+    ap.add_argument("--gaps", action="store_true", help="only host parts as decode runs them (`gaps`)")
     args = ap.parse_args()
     out = {"threads": THREADS, "torch": torch.__version__, "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")}
     out["lscpu"] = subprocess.run(
@@ -141,6 +174,10 @@ def main() -> None:
         capture_output=True,
         text=True,
     ).stdout
+    out["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+    if args.gaps:
+        gaps(out)
+        return write(out, args.name or "gaps")
     torch.set_num_threads(THREADS)
     big = torch.ones(512 * 2**20)  # 2 GiB fp32
     out["memory_read_gbps"] = big.nbytes / median_ms(lambda i, t=big: t.sum(), 6) / 1e6
@@ -184,8 +221,11 @@ def main() -> None:
 
     if torch.cuda.is_available():
         during_link(out, paths)
-    name = "host_kernel_probe" + (f"_{args.name}" if args.name else "")
-    path = os.path.join(os.environ.get("OUT", "/tmp"), name + ".json")
+    write(out, args.name)
+
+
+def write(out: dict, name: str | None) -> None:
+    path = os.path.join(os.environ.get("OUT", "/tmp"), "host_kernel_probe" + (f"_{name}" if name else "") + ".json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print("wrote", path)

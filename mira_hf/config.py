@@ -328,7 +328,8 @@ class MiraConfig:
         them (`mira_hf.host_compute`): `"off"` (default), `"auto"` (on a CUDA device where records are
         uncompressed; where `quantization="auto"` picks the lossless format, for large experts, that format is
         kept and host compute stays off) or `"on"` (on any device; `quantization="auto"` then stays
-        uncompressed; refuses encoded records). Each miss goes to whichever path finishes it first (measured link speed and host time).
+        uncompressed; refuses encoded records). Each miss goes to whichever path finishes it first (measured
+        link speed and host time).
         `"split"`: every expert is split by its intermediate neurons (`mira_hf.neuron_split`); the host computes
         a share `host_share` of each expert's neurons at every use, and the GPU caches and receives only the
         rest, so each miss moves fewer bytes and the budget holds more experts.

@@ -1,0 +1,188 @@
+"""How much of the gap to Belady's loads is the routing's randomness: the zoo's evaluation traces against
+memoryless surrogates with the same per-sequence use rates.
+
+For each model of the zoo (and mira-tiny), the evaluation trace of `offline_eval.py --zoo` is recorded, and a
+surrogate is drawn from it: in every sequence and layer, each step's experts are sampled anew (k distinct,
+weighted by how often the sequence used each expert in that layer), independently of every other step. The
+surrogate keeps what a use rate can know (which experts a sequence favours, per layer) and drops every
+dependence between steps (reuse beyond the rates, bursts, drift within a sequence). On a memoryless stream with
+known rates, ranking by expected next-use distance with those rates is what an online policy can do best; Belady's
+loads still know the draws. So heat's loads over Belady's on the surrogate is the share of the gap that no online
+ranking closes without foresight, and the same ratio on the real trace says whether the real routing's dependence
+between steps helps (lower) or hurts (higher) an online cache.
+
+Per model and budget (10 / 25 / 50%): Belady's loads and heat's and LRU's over them (demand loads only, no
+predictor), on the real trace and on the surrogate (`--draws` surrogates, seeds 0..n-1, their mean).
+
+    python benchmarks/zoo_surrogate.py --zoo ~/.cache/mira-hf/zoo [--zoo-models NAME ...] [--out DIR]
+
+Writes DIR/<date>-cpu-zoo-surrogate.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from _zoo_eval import TINY, training_of, zoo_models  # noqa: E402
+from common import environment, write_json  # noqa: E402
+from offline_eval import BUDGETS, DEFAULTS, _rounded  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
+from mira_hf.replay import belady, replay  # noqa: E402
+from mira_hf.trace import RoutingTrace, record_trace  # noqa: E402
+
+
+def surrogate(trace: RoutingTrace, seed: int) -> RoutingTrace:
+    """`trace` with each step's experts drawn anew from its sequence's use counts per layer (see the docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    experts = trace.experts.clone()  # [steps, L, K]
+    bounds = [*trace.sequence_starts, trace.steps]
+    for a, b in zip(bounds, bounds[1:]):
+        for layer in range(trace.num_layers):
+            routed = trace.experts[a:b, layer]  # [n, K]
+            k = int((routed[0] >= 0).sum())
+            counts = torch.bincount(routed[routed >= 0], minlength=trace.num_experts[layer]).double()
+            draws = torch.stack([torch.multinomial(counts, k, replacement=False, generator=g) for _ in range(b - a)])
+            experts[a:b, layer, :k] = draws
+    return dataclasses.replace(trace, experts=experts, hidden=None)
+
+
+def known_rates_loads(trace: RoutingTrace, budget: float, known: bool) -> int:
+    """Loads of one pool of `budget` × all experts slots, block by block (a step's layers in order), each miss
+    evicting the resident expert not needed now whose next use is furthest: by Belady (`known=False`: the trace's
+    actual next use) or by expectation from each sequence's true use rates per layer (`known=True`: layers until the
+    expert's layer runs + L·(1/p − 1) steps, p its share of the sequence's steps; the best ranking an online cache
+    could make on a memoryless stream with those rates, were they known)."""
+    L = trace.num_layers
+    slots = max(1, round(budget * sum(trace.num_experts)))
+    routed = trace.experts.tolist()  # [steps][L][K]
+    bounds = [*trace.sequence_starts, trace.steps]
+    rate: dict[tuple[int, int], float] = {}
+    uses: dict[tuple[int, int], list[int]] = {}  # (layer, expert) -> its blocks' indices, ascending (Belady)
+    for t, step in enumerate(routed):
+        for layer, experts in enumerate(step):
+            for e in experts:
+                if e >= 0:
+                    uses.setdefault((layer, e), []).append(t * L + layer)
+    resident: set[tuple[int, int]] = set()
+    loads = 0
+    for a, b in zip(bounds, bounds[1:]):
+        if known:
+            rate = {}
+            for step in routed[a:b]:
+                for layer, experts in enumerate(step):
+                    for e in experts:
+                        if e >= 0:
+                            rate[(layer, e)] = rate.get((layer, e), 0.0) + 1.0 / (b - a)
+        for t in range(a, b):
+            for layer in range(L):
+                block = t * L + layer
+                need = {(layer, e) for e in routed[t][layer] if e >= 0}
+                for key in need - resident:
+                    loads += 1
+                    if len(resident) >= slots:
+                        candidates = resident - need
+                        if known:
+                            far = max(candidates, key=lambda k: ((k[0] - layer - 1) % L) + L * (1 / rate.get(k, 1e-9) - 1))
+                        else:
+                            far = max(candidates, key=lambda k: _next_use(uses[k], block))
+                        resident.discard(far)
+                    resident.add(key)
+    return loads
+
+
+def _next_use(blocks: list[int], block: int) -> int:
+    """The first of `blocks` (ascending) after `block`; never used again: after every block."""
+    i = bisect.bisect_right(blocks, block)
+    return blocks[i] if i < len(blocks) else 1 << 60
+
+
+def ratios(trace: RoutingTrace) -> dict:
+    """Per budget: Belady's loads, and heat's and LRU's over them (demand loads only)."""
+    out = {}
+    for budget in BUDGETS:
+        best = belady(trace, budget=budget)["loads"]
+        kw = dict(stage_fraction=DEFAULTS.cache.stage_fraction, predictor_config=DEFAULTS.prediction)
+        heat = replay(trace, budget=budget, policy=DEFAULTS.policy, heat=DEFAULTS.heat, **kw)["loads"]
+        lru = replay(trace, budget=budget, policy="lru", **kw)["loads"]
+        pool_best = known_rates_loads(trace, budget, known=False)
+        out[str(budget)] = dict(
+            belady_loads=best,
+            heat=heat / best,
+            lru=lru / best,
+            known_rates=known_rates_loads(trace, budget, known=True) / pool_best,  # over the same pool's Belady
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--zoo", required=True, help="the directory scripts/train_zoo.py wrote")
+    ap.add_argument("--zoo-models", nargs="*", default=None)
+    ap.add_argument("--calib-windows", type=int, default=32, help="held-out windows before the evaluation's")
+    ap.add_argument("--eval-windows", type=int, default=8)
+    ap.add_argument("--eval-tokens", type=int, default=128)
+    ap.add_argument("--draws", type=int, default=3, help="surrogates per model")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    report = dict(environment=environment(), args={k: v for k, v in vars(args).items() if k != "out"}, models={})
+    for name, path, _ in zoo_models(args.zoo, args.zoo_models):
+        heldout = load_file(os.path.join(path, "heldout_tokens.safetensors"))["input_ids"].long()
+        evaluation = heldout[args.calib_windows : args.calib_windows + args.eval_windows, : args.eval_tokens]
+        model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=1.0, device="cpu"), dtype=torch.float32, progress=False)
+        trace = record_trace(model, evaluation, progress=False)
+        real = ratios(trace)
+        drawn = [ratios(surrogate(trace, seed)) for seed in range(args.draws)]
+        rows = {}
+        for budget, r in real.items():
+            rows[budget] = dict(
+                real_heat=r["heat"],
+                real_lru=r["lru"],
+                surrogate_heat=sum(d[budget]["heat"] for d in drawn) / len(drawn),
+                surrogate_lru=sum(d[budget]["lru"] for d in drawn) / len(drawn),
+                surrogate_heat_spread=max(d[budget]["heat"] for d in drawn) - min(d[budget]["heat"] for d in drawn),
+                real_known_rates=r["known_rates"],
+                surrogate_known_rates=sum(d[budget]["known_rates"] for d in drawn) / len(drawn),
+            )
+        report["models"][name] = dict(budgets=rows, training=None if name == TINY else training_of(path))
+        print(f"## {name}", {b: {k: round(v, 3) for k, v in r.items()} for b, r in rows.items()}, flush=True)
+    report["timings_s"] = round(time.perf_counter() - start, 1)
+    stem = os.path.join(args.out, f"{report['environment']['date']}-cpu-zoo-surrogate")
+    write_json(stem + ".json", _rounded(report))
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(report))
+    print(f"wrote {stem}.json and {stem}.md")
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# Heat and LRU over Belady's loads: real traces against memoryless surrogates (same per-sequence rates)",
+        "",
+        "| model | budget | heat, real | heat, surrogate | known rates, real | known rates, surrogate | LRU, real | LRU, surrogate |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, model in report["models"].items():
+        for budget, r in model["budgets"].items():
+            lines.append(
+                f"| {name} | {float(budget):.0%} | {r['real_heat']:.3f} | {r['surrogate_heat']:.3f} | "
+                f"{r['real_known_rates']:.3f} | {r['surrogate_known_rates']:.3f} | {r['real_lru']:.3f} | {r['surrogate_lru']:.3f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -75,12 +75,28 @@ def trace_routing_stats(trace) -> dict:
     return routing_stats(layers, list(trace.num_experts))
 
 
-def evaluate_model(name: str, path: str, cross: tuple[str, torch.Tensor], args) -> dict:
+def load_windows(path: str, args) -> tuple[object, torch.Tensor, torch.Tensor]:
+    """(the zoo model at `path` wrapped on the CPU in fp32, its calibration windows, its evaluation windows): the
+    held-out tokens cut by `args.calib_windows`/`calib_tokens` and `eval_windows`/`eval_tokens`."""
     heldout = load_file(os.path.join(path, "heldout_tokens.safetensors"))["input_ids"].long()  # [64, 256]
     calib_ids = heldout[: args.calib_windows, : args.calib_tokens]
     eval_ids = heldout[args.calib_windows : args.calib_windows + args.eval_windows, : args.eval_tokens]
-    cross_name, cross_ids = cross
     model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=1.0, device="cpu"), dtype=torch.float32, progress=False)
+    return model, calib_ids, eval_ids
+
+
+def write_report(report: dict, out: str, name: str, markdown_text: str) -> None:
+    """OUT/<date>-<name>.json (figures rounded) and .md."""
+    stem = os.path.join(out, f"{report['environment']['date']}-{name}")
+    write_json(stem + ".json", _rounded(report))
+    with open(stem + ".md", "w") as f:
+        f.write(markdown_text)
+    print(f"wrote {stem}.json and {stem}.md")
+
+
+def evaluate_model(name: str, path: str, cross: tuple[str, torch.Tensor], args) -> dict:
+    model, calib_ids, eval_ids = load_windows(path, args)
+    cross_name, cross_ids = cross
     timings = {}
     t = time.perf_counter()
     trace = record_trace(model, eval_ids, progress=False)
@@ -211,11 +227,7 @@ def zoo_main(args) -> None:
     print("\n## Goals per model (values; False = not met)")
     for name, m in report["models"].items():
         print(name, m["goals"]["values"], {k: v for k, v in m["goals"]["met"].items() if not v})
-    stem = os.path.join(args.out, f"{report['environment']['date']}-cpu-zoo-offline-eval" + ("-quick" if args.quick else ""))
-    write_json(stem + ".json", _rounded(report))
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(report))
-    print(f"wrote {stem}.json and {stem}.md")
+    write_report(report, args.out, "cpu-zoo-offline-eval" + ("-quick" if args.quick else ""), markdown(report))
 
 
 def markdown(report: dict) -> str:

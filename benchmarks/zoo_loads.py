@@ -31,13 +31,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from _zoo_eval import zoo_models  # noqa: E402
-from common import environment, write_json  # noqa: E402
-from offline_eval import BUDGETS, DEFAULTS, _rounded, learned_predictor  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+from _zoo_eval import load_windows, write_report, zoo_models  # noqa: E402
+from common import environment  # noqa: E402
+from offline_eval import BUDGETS, DEFAULTS, learned_predictor  # noqa: E402
 
 import mira_hf.replay as replay_module  # noqa: E402
-from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.replay import belady, replay  # noqa: E402
 from mira_hf.trace import record_trace  # noqa: E402
 
@@ -171,10 +169,7 @@ def main() -> None:
     start = time.perf_counter()
     report = dict(environment=environment(), args={k: v for k, v in vars(args).items() if k != "out"}, models={})
     for name, path, _ in zoo_models(args.zoo, args.zoo_models):
-        heldout = load_file(os.path.join(path, "heldout_tokens.safetensors"))["input_ids"].long()
-        calib = heldout[: args.calib_windows, : args.calib_tokens]
-        evaluation = heldout[args.calib_windows : args.calib_windows + args.eval_windows, : args.eval_tokens]
-        model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=1.0, device="cpu"), dtype=torch.float32, progress=False)
+        model, calib, evaluation = load_windows(path, args)
         trace = record_trace(model, evaluation, progress=False)
         learned, why = learned_predictor(model, calib, args.epochs)
         if learned is None:
@@ -182,11 +177,7 @@ def main() -> None:
         print(f"## {name}", flush=True)
         report["models"][name] = measure(trace, learned, model.mira.router_probs)
     report["timings_s"] = round(time.perf_counter() - start, 1)
-    stem = os.path.join(args.out, f"{report['environment']['date']}-cpu-zoo-loads")
-    write_json(stem + ".json", _rounded(report))
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(report))
-    print(f"wrote {stem}.json and {stem}.md")
+    write_report(report, args.out, "cpu-zoo-loads", markdown(report))
 
 
 def markdown(report: dict) -> str:

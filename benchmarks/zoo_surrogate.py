@@ -34,12 +34,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from _zoo_eval import TINY, training_of, zoo_models  # noqa: E402
-from common import environment, write_json  # noqa: E402
-from offline_eval import BUDGETS, DEFAULTS, _rounded  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+from _zoo_eval import TINY, load_windows, training_of, write_report, zoo_models  # noqa: E402
+from common import environment  # noqa: E402
+from offline_eval import BUDGETS, DEFAULTS  # noqa: E402
 
-from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.replay import belady, replay  # noqa: E402
 from mira_hf.trace import RoutingTrace, record_trace  # noqa: E402
 
@@ -132,6 +130,7 @@ def main() -> None:
     ap.add_argument("--zoo", required=True, help="the directory scripts/train_zoo.py wrote")
     ap.add_argument("--zoo-models", nargs="*", default=None)
     ap.add_argument("--calib-windows", type=int, default=32, help="held-out windows before the evaluation's")
+    ap.add_argument("--calib-tokens", type=int, default=256)
     ap.add_argument("--eval-windows", type=int, default=8)
     ap.add_argument("--eval-tokens", type=int, default=128)
     ap.add_argument("--draws", type=int, default=3, help="surrogates per model")
@@ -141,9 +140,7 @@ def main() -> None:
     start = time.perf_counter()
     report = dict(environment=environment(), args={k: v for k, v in vars(args).items() if k != "out"}, models={})
     for name, path, _ in zoo_models(args.zoo, args.zoo_models):
-        heldout = load_file(os.path.join(path, "heldout_tokens.safetensors"))["input_ids"].long()
-        evaluation = heldout[args.calib_windows : args.calib_windows + args.eval_windows, : args.eval_tokens]
-        model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=1.0, device="cpu"), dtype=torch.float32, progress=False)
+        model, _, evaluation = load_windows(path, args)
         trace = record_trace(model, evaluation, progress=False)
         real = ratios(trace)
         drawn = [ratios(surrogate(trace, seed)) for seed in range(args.draws)]
@@ -161,11 +158,7 @@ def main() -> None:
         report["models"][name] = dict(budgets=rows, training=None if name == TINY else training_of(path))
         print(f"## {name}", {b: {k: round(v, 3) for k, v in r.items()} for b, r in rows.items()}, flush=True)
     report["timings_s"] = round(time.perf_counter() - start, 1)
-    stem = os.path.join(args.out, f"{report['environment']['date']}-cpu-zoo-surrogate")
-    write_json(stem + ".json", _rounded(report))
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(report))
-    print(f"wrote {stem}.json and {stem}.md")
+    write_report(report, args.out, "cpu-zoo-surrogate", markdown(report))
 
 
 def markdown(report: dict) -> str:

@@ -75,6 +75,16 @@ def trace_routing_stats(trace) -> dict:
     return routing_stats(layers, list(trace.num_experts))
 
 
+def add_window_args(ap) -> None:
+    """The zoo's arguments and the windows `load_windows` cuts: --zoo, --zoo-models, --calib-*, --eval-*."""
+    ap.add_argument("--zoo", required=True, help="the directory scripts/train_zoo.py wrote")
+    ap.add_argument("--zoo-models", nargs="*", default=None)
+    ap.add_argument("--calib-windows", type=int, default=32, help="held-out windows that calibrate (before the evaluation's)")
+    ap.add_argument("--calib-tokens", type=int, default=256)
+    ap.add_argument("--eval-windows", type=int, default=8)
+    ap.add_argument("--eval-tokens", type=int, default=128)
+
+
 def load_windows(path: str, args) -> tuple[object, torch.Tensor, torch.Tensor]:
     """(the zoo model at `path` wrapped on the CPU in fp32, its calibration windows, its evaluation windows): the
     held-out tokens cut by `args.calib_windows`/`calib_tokens` and `eval_windows`/`eval_tokens`."""

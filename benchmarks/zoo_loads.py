@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from _zoo_eval import load_windows, write_report, zoo_models  # noqa: E402
+from _zoo_eval import add_window_args, load_windows, write_report, zoo_models  # noqa: E402
 from common import environment  # noqa: E402
 from offline_eval import BUDGETS, DEFAULTS, learned_predictor  # noqa: E402
 
@@ -156,12 +156,7 @@ def measure(trace, learned, router_probs) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--zoo", required=True, help="the directory scripts/train_zoo.py wrote")
-    ap.add_argument("--zoo-models", nargs="*", default=None)
-    ap.add_argument("--calib-windows", type=int, default=32)
-    ap.add_argument("--calib-tokens", type=int, default=256)
-    ap.add_argument("--eval-windows", type=int, default=8)
-    ap.add_argument("--eval-tokens", type=int, default=128)
+    add_window_args(ap)
     ap.add_argument("--epochs", type=int, default=30)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()

@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from _zoo_eval import TINY, load_windows, training_of, write_report, zoo_models  # noqa: E402
+from _zoo_eval import TINY, add_window_args, load_windows, training_of, write_report, zoo_models  # noqa: E402
 from common import environment  # noqa: E402
 from offline_eval import BUDGETS, DEFAULTS  # noqa: E402
 
@@ -127,12 +127,7 @@ def ratios(trace: RoutingTrace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--zoo", required=True, help="the directory scripts/train_zoo.py wrote")
-    ap.add_argument("--zoo-models", nargs="*", default=None)
-    ap.add_argument("--calib-windows", type=int, default=32, help="held-out windows before the evaluation's")
-    ap.add_argument("--calib-tokens", type=int, default=256)
-    ap.add_argument("--eval-windows", type=int, default=8)
-    ap.add_argument("--eval-tokens", type=int, default=128)
+    add_window_args(ap)
     ap.add_argument("--draws", type=int, default=3, help="surrogates per model")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()

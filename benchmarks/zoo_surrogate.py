@@ -57,34 +57,36 @@ def surrogate(trace: RoutingTrace, seed: int) -> RoutingTrace:
     return dataclasses.replace(trace, experts=experts, hidden=None)
 
 
-def known_rates_loads(trace: RoutingTrace, budget: float, known: bool) -> int:
+def pool_loads(trace: RoutingTrace, budget: float, ranking: str) -> int:
     """Loads of one pool of `budget` × all experts slots, block by block (a step's layers in order), each miss
-    evicting the resident expert not needed now whose next use is furthest: by Belady (`known=False`: the trace's
-    actual next use) or by expectation from each sequence's true use rates per layer (`known=True`: layers until the
-    expert's layer runs + L·(1/p − 1) steps, p its share of the sequence's steps; the best ranking an online cache
-    could make on a memoryless stream with those rates, were they known)."""
+    evicting the resident expert not needed now whose next use is furthest: by Belady (`"belady"`: the trace's
+    actual next use) or by expectation, layers until the expert's layer runs + L·(1/p − 1) steps, from a use rate p
+    per layer: `"known"`, the expert's share of its sequence's steps (the sequence's true rate, known in advance:
+    the best ranking an online cache could make on a memoryless stream with those rates); `"counted"`, its share of
+    the sequence's steps so far, after one step's worth of a uniform prior (what an online count can know)."""
     L = trace.num_layers
     slots = max(1, round(budget * sum(trace.num_experts)))
     routed = trace.experts.tolist()  # [steps][L][K]
     bounds = [*trace.sequence_starts, trace.steps]
-    rate: dict[tuple[int, int], float] = {}
     uses: dict[tuple[int, int], list[int]] = {}  # (layer, expert) -> its blocks' indices, ascending (Belady)
     for t, step in enumerate(routed):
         for layer, experts in enumerate(step):
             for e in experts:
                 if e >= 0:
                     uses.setdefault((layer, e), []).append(t * L + layer)
+    prior = {layer: sum(e >= 0 for e in routed[0][layer]) / trace.num_experts[layer] for layer in range(L)}
     resident: set[tuple[int, int]] = set()
     loads = 0
     for a, b in zip(bounds, bounds[1:]):
-        if known:
-            rate = {}
+        counts: dict[tuple[int, int], float] = {}
+        if ranking == "known":
             for step in routed[a:b]:
                 for layer, experts in enumerate(step):
                     for e in experts:
                         if e >= 0:
-                            rate[(layer, e)] = rate.get((layer, e), 0.0) + 1.0 / (b - a)
+                            counts[(layer, e)] = counts.get((layer, e), 0.0) + 1.0
         for t in range(a, b):
+            seen = (b - a) if ranking == "known" else (t - a)  # steps the rates count
             for layer in range(L):
                 block = t * L + layer
                 need = {(layer, e) for e in routed[t][layer] if e >= 0}
@@ -92,12 +94,20 @@ def known_rates_loads(trace: RoutingTrace, budget: float, known: bool) -> int:
                     loads += 1
                     if len(resident) >= slots:
                         candidates = resident - need
-                        if known:
-                            far = max(candidates, key=lambda k: ((k[0] - layer - 1) % L) + L * (1 / rate.get(k, 1e-9) - 1))
-                        else:
+                        if ranking == "belady":
                             far = max(candidates, key=lambda k: _next_use(uses[k], block))
+                        else:
+                            far = max(
+                                candidates,
+                                key=lambda k: (
+                                    ((k[0] - layer - 1) % L) + L * ((seen + 1) / (counts.get(k, 0.0) + prior[k[0]] + 1e-9) - 1)
+                                ),
+                            )
                         resident.discard(far)
                     resident.add(key)
+                if ranking == "counted":
+                    for key in need:
+                        counts[key] = counts.get(key, 0.0) + 1.0
     return loads
 
 
@@ -115,12 +125,13 @@ def ratios(trace: RoutingTrace) -> dict:
         kw = dict(stage_fraction=DEFAULTS.cache.stage_fraction, predictor_config=DEFAULTS.prediction)
         heat = replay(trace, budget=budget, policy=DEFAULTS.policy, heat=DEFAULTS.heat, **kw)["loads"]
         lru = replay(trace, budget=budget, policy="lru", **kw)["loads"]
-        pool_best = known_rates_loads(trace, budget, known=False)
+        pool_best = pool_loads(trace, budget, "belady")
         out[str(budget)] = dict(
             belady_loads=best,
             heat=heat / best,
             lru=lru / best,
-            known_rates=known_rates_loads(trace, budget, known=True) / pool_best,  # over the same pool's Belady
+            known_rates=pool_loads(trace, budget, "known") / pool_best,  # over the same pool's Belady
+            counted_rates=pool_loads(trace, budget, "counted") / pool_best,
         )
     return out
 
@@ -149,6 +160,8 @@ def main() -> None:
                 surrogate_heat_spread=max(d[budget]["heat"] for d in drawn) - min(d[budget]["heat"] for d in drawn),
                 real_known_rates=r["known_rates"],
                 surrogate_known_rates=sum(d[budget]["known_rates"] for d in drawn) / len(drawn),
+                real_counted_rates=r["counted_rates"],
+                surrogate_counted_rates=sum(d[budget]["counted_rates"] for d in drawn) / len(drawn),
             )
         report["models"][name] = dict(budgets=rows, training=None if name == TINY else training_of(path))
         print(f"## {name}", {b: {k: round(v, 3) for k, v in r.items()} for b, r in rows.items()}, flush=True)
@@ -160,14 +173,16 @@ def markdown(report: dict) -> str:
     lines = [
         "# Heat and LRU over Belady's loads: real traces against memoryless surrogates (same per-sequence rates)",
         "",
-        "| model | budget | heat, real | heat, surrogate | known rates, real | known rates, surrogate | LRU, real | LRU, surrogate |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | budget | heat, real | heat, surrogate | known rates, real | known rates, surrogate | counted rates, real "
+        "| counted rates, surrogate | LRU, real | LRU, surrogate |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, model in report["models"].items():
         for budget, r in model["budgets"].items():
             lines.append(
                 f"| {name} | {float(budget):.0%} | {r['real_heat']:.3f} | {r['surrogate_heat']:.3f} | "
-                f"{r['real_known_rates']:.3f} | {r['surrogate_known_rates']:.3f} | {r['real_lru']:.3f} | {r['surrogate_lru']:.3f} |"
+                f"{r['real_known_rates']:.3f} | {r['surrogate_known_rates']:.3f} | {r['real_counted_rates']:.3f} | "
+                f"{r['surrogate_counted_rates']:.3f} | {r['real_lru']:.3f} | {r['surrogate_lru']:.3f} |"
             )
     return "\n".join(lines) + "\n"
 

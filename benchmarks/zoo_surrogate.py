@@ -5,14 +5,16 @@ For each model of the zoo (and mira-tiny), the evaluation trace of `offline_eval
 surrogate is drawn from it: in every sequence and layer, each step's experts are sampled anew (k distinct,
 weighted by how often the sequence used each expert in that layer), independently of every other step. The
 surrogate keeps what a use rate can know (which experts a sequence favours, per layer) and drops every
-dependence between steps (reuse beyond the rates, bursts, drift within a sequence). On a memoryless stream with
-known rates, ranking by expected next-use distance with those rates is what an online policy can do best; Belady's
-loads still know the draws. So heat's loads over Belady's on the surrogate is the share of the gap that no online
-ranking closes without foresight, and the same ratio on the real trace says whether the real routing's dependence
-between steps helps (lower) or hurts (higher) an online cache.
+dependence between steps (reuse beyond the rates, bursts, drift within a sequence). Heat's loads over Belady's on
+the real trace against the surrogate say whether the real routing's dependence between steps helps (lower) or
+hurts (higher) an online cache. A plain pool (`pool_loads`: budget × experts slots, no STAGE tier) then ranks by
+expected next use from each sequence's rates, known in advance (on a memoryless stream, the best an online ranking
+can do: what is left over its own Belady's is the draws themselves) or counted as the sequence goes (what an online
+count knows).
 
-Per model and budget (10 / 25 / 50%): Belady's loads and heat's and LRU's over them (demand loads only, no
-predictor), on the real trace and on the surrogate (`--draws` surrogates, seeds 0..n-1, their mean).
+Per model and budget (10 / 25 / 50%), on the real trace and on the surrogate (`--draws` surrogates, seeds 0..n-1,
+their mean): heat's and LRU's loads over Belady's (the cache's replay, demand loads only, no predictor), and the
+pool's known-rate and counted-rate rankings over the pool's Belady's.
 
     python benchmarks/zoo_surrogate.py --zoo ~/.cache/mira-hf/zoo [--zoo-models NAME ...] [--out DIR]
 

@@ -95,6 +95,11 @@ def load_windows(path: str, args) -> tuple[object, torch.Tensor, torch.Tensor]:
     return model, calib_ids, eval_ids
 
 
+def new_report(args, **fields) -> dict:
+    """A result's opening: the environment, the arguments (but where it is written), `fields`, no models yet."""
+    return dict(environment=environment(), args={k: v for k, v in vars(args).items() if k != "out"}, **fields, models={})
+
+
 def write_report(report: dict, out: str, name: str, markdown_text: str) -> None:
     """OUT/<date>-<name>.json (figures rounded) and .md."""
     stem = os.path.join(out, f"{report['environment']['date']}-{name}")
@@ -218,13 +223,11 @@ def zoo_main(args) -> None:
     every = zoo_models(args.zoo, None)
     texts = {name: load_file(os.path.join(path, "heldout_tokens.safetensors"))["input_ids"].long() for name, path, _ in every}
     names = [m[0] for m in every]
-    report = dict(
-        environment=environment(),
-        args={k: v for k, v in vars(args).items() if k not in ("out",)},
+    report = new_report(
+        args,
         mira_config_defaults=dict(policy=DEFAULTS.policy, predictor=DEFAULTS.predictor),
         goals=GOALS,
         zoo_fingerprint=json.load(open(os.path.join(args.zoo, "zoo.json")))["fingerprint"],
-        models={},
     )
     for name, path, domain in models:
         other = names[(names.index(name) + 1) % len(names)]  # the next model's text: another domain

@@ -31,8 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from _zoo_eval import add_window_args, load_windows, write_report, zoo_models  # noqa: E402
-from common import environment  # noqa: E402
+from _zoo_eval import add_window_args, load_windows, new_report, write_report, zoo_models  # noqa: E402
 from offline_eval import BUDGETS, DEFAULTS, learned_predictor  # noqa: E402
 
 import mira_hf.replay as replay_module  # noqa: E402
@@ -162,7 +161,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()
-    report = dict(environment=environment(), args={k: v for k, v in vars(args).items() if k != "out"}, models={})
+    report = new_report(args)
     for name, path, _ in zoo_models(args.zoo, args.zoo_models):
         model, calib, evaluation = load_windows(path, args)
         trace = record_trace(model, evaluation, progress=False)

@@ -36,8 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from _zoo_eval import TINY, add_window_args, load_windows, training_of, write_report, zoo_models  # noqa: E402
-from common import environment  # noqa: E402
+from _zoo_eval import TINY, add_window_args, load_windows, new_report, training_of, write_report, zoo_models  # noqa: E402
 from offline_eval import BUDGETS, DEFAULTS  # noqa: E402
 
 from mira_hf.replay import belady, replay  # noqa: E402
@@ -70,8 +69,8 @@ def pool_loads(trace: RoutingTrace, budget: float, ranking: str) -> int:
     slots = max(1, round(budget * sum(trace.num_experts)))
     routed = trace.experts.tolist()  # [steps][L][K]
     bounds = [*trace.sequence_starts, trace.steps]
-    uses: dict[tuple[int, int], list[int]] = {}  # (layer, expert) -> its blocks' indices, ascending (Belady)
-    for t, step in enumerate(routed):
+    uses: dict[tuple[int, int], list[int]] = {}  # (layer, expert) -> its blocks' indices, ascending (Belady only)
+    for t, step in enumerate(routed if ranking == "belady" else ()):
         for layer, experts in enumerate(step):
             for e in experts:
                 if e >= 0:
@@ -122,9 +121,9 @@ def _next_use(blocks: list[int], block: int) -> int:
 def ratios(trace: RoutingTrace) -> dict:
     """Per budget: Belady's loads, and heat's and LRU's over them (demand loads only)."""
     out = {}
+    kw = dict(stage_fraction=DEFAULTS.cache.stage_fraction, predictor_config=DEFAULTS.prediction)
     for budget in BUDGETS:
         best = belady(trace, budget=budget)["loads"]
-        kw = dict(stage_fraction=DEFAULTS.cache.stage_fraction, predictor_config=DEFAULTS.prediction)
         heat = replay(trace, budget=budget, policy=DEFAULTS.policy, heat=DEFAULTS.heat, **kw)["loads"]
         lru = replay(trace, budget=budget, policy="lru", **kw)["loads"]
         pool_best = pool_loads(trace, budget, "belady")
@@ -146,7 +145,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()
-    report = dict(environment=environment(), args={k: v for k, v in vars(args).items() if k != "out"}, models={})
+    report = new_report(args)
     for name, path, _ in zoo_models(args.zoo, args.zoo_models):
         model, _, evaluation = load_windows(path, args)
         trace = record_trace(model, evaluation, progress=False)
@@ -154,17 +153,12 @@ def main() -> None:
         drawn = [ratios(surrogate(trace, seed)) for seed in range(args.draws)]
         rows = {}
         for budget, r in real.items():
-            rows[budget] = dict(
-                real_heat=r["heat"],
-                real_lru=r["lru"],
-                surrogate_heat=sum(d[budget]["heat"] for d in drawn) / len(drawn),
-                surrogate_lru=sum(d[budget]["lru"] for d in drawn) / len(drawn),
-                surrogate_heat_spread=max(d[budget]["heat"] for d in drawn) - min(d[budget]["heat"] for d in drawn),
-                real_known_rates=r["known_rates"],
-                surrogate_known_rates=sum(d[budget]["known_rates"] for d in drawn) / len(drawn),
-                real_counted_rates=r["counted_rates"],
-                surrogate_counted_rates=sum(d[budget]["counted_rates"] for d in drawn) / len(drawn),
-            )
+            rows[budget] = {}
+            for metric in ("heat", "lru", "known_rates", "counted_rates"):  # the real trace's, the surrogates' mean
+                rows[budget][f"real_{metric}"] = r[metric]
+                rows[budget][f"surrogate_{metric}"] = sum(d[budget][metric] for d in drawn) / len(drawn)
+            heats = [d[budget]["heat"] for d in drawn]
+            rows[budget]["surrogate_heat_spread"] = max(heats) - min(heats)
         report["models"][name] = dict(budgets=rows, training=None if name == TINY else training_of(path))
         print(f"## {name}", {b: {k: round(v, 3) for k, v in r.items()} for b, r in rows.items()}, flush=True)
     report["timings_s"] = round(time.perf_counter() - start, 1)

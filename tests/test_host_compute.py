@@ -94,7 +94,6 @@ def test_issued_copies_advance_the_link_clock():
     assert c.link_free_at == pytest.approx(20.0 + 2 * MS)
 
 
-# -- configuration ---------------------------------------------------------------------------------
 @pytest.mark.parametrize(("small_s", "big_s"), [(2e-3, 1e-3), (1e-3, 1e-3), (0.0, 0.0)], ids=["inverted", "equal", "zero"])
 def test_link_timings_without_a_slope_give_the_large_copys_average_speed(small_s, big_s, monkeypatch):
     """Timer noise can time the small probe copy as long as the large one (or both as nothing): the link's speed is
@@ -113,6 +112,7 @@ def test_link_timings_without_a_slope_give_the_large_copys_average_speed(small_s
         assert speed == pytest.approx(min(hc.LINK_PROBE_BYTES, record) / big_s)
 
 
+# -- configuration ---------------------------------------------------------------------------------
 def test_host_compute_is_off_by_default_and_validated():
     assert MiraConfig().host_compute == "off"
     assert MiraConfig(host_compute="On").host_compute == "on"

@@ -11,7 +11,9 @@ Paths (bf16 weights unless named):
 - `neuron_threads`: the expert cut into as many neuron ranges as threads, each range's whole SwiGLU computed by its
   own Python thread with one torch thread (no barrier between the projections), the partial outputs summed;
 - `prepacked`: each weight laid out once in oneDNN's blocked format for one row (`pack_ms`: the laying out, per
-  expert).
+  expert);
+- `compiled`: each projection written as products summed in fp32 (`(w * x).sum(-1)`), compiled by torch's
+  compiler into one loop over the bf16 weights per projection (`compile_s`: the compilation, once per shape).
 
 Where oneDNN runs torch's bf16 matmuls, `ONEDNN_MAX_CPU_ISA` (read once, at its first use) caps the instructions it
 may use: `AVX512_CORE_BF16` leaves out the AMX tiles.
@@ -109,10 +111,26 @@ class Experts:
         gate, up, down = self.packed[i % self.count]
         return down(F.silu(gate(x)) * up(x))
 
+    def compiled(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        e = i % self.count
+        return _compiled_swiglu(self.gate[e], self.up[e], self.down_t[e], x)
+
     def mv(self, i: int, x: torch.Tensor) -> torch.Tensor:
         e = i % self.count
         h = F.silu(torch.mv(self.gate[e], x[0])) * torch.mv(self.up[e], x[0])  # [I]
         return (h @ self.down_t[e])[None]  # [1, H]
+
+
+def _swiglu_sums(gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU as products summed in fp32: gate, up [I, H], down_t [I, H], x [n, H] -> [n, H]."""
+    xf = x.float()[:, None, :]  # [n, 1, H]
+    g = (gate[None] * xf).sum(-1)  # [n, I]
+    u = (up[None] * xf).sum(-1)
+    h = F.silu(g) * u  # [n, I] fp32
+    return (down_t[None] * h[:, :, None]).sum(1).to(x.dtype)  # [n, H]
+
+
+_compiled_swiglu = torch.compile(_swiglu_sums, dynamic=False)
 
 
 def neuron_threads(experts: Experts, pool: ThreadPoolExecutor, ranges: list[tuple[int, int]]):
@@ -197,6 +215,17 @@ def main() -> None:
             "fp32": (f32, f32.full, torch.float32, True),
             "neuron_threads": (bf16, neuron_threads(bf16, pool, ranges), torch.bfloat16, True),
         }
+        try:
+            t0 = time.perf_counter()
+            x = torch.randn(1, hidden).bfloat16()
+            ref = bf16.full(0, x).float()
+            got = bf16.compiled(0, x).float()
+            out.setdefault(name, {})["compile_s"] = time.perf_counter() - t0
+            out[name]["compiled_rel_diff"] = float((got - ref).abs().max() / ref.abs().max())
+            paths[name]["compiled"] = (bf16, bf16.compiled, torch.bfloat16, True)
+        except Exception as exc:  # no C++ compiler, or the compiler refuses the shape
+            out.setdefault(name, {})["compiled_error"] = repr(exc)[:400]
+            print(f"{name}: compiled path unavailable: {exc!r}"[:300], flush=True)
         if can_prepack():
             t0 = time.perf_counter()
             bf16.prepack()

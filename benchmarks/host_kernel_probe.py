@@ -24,8 +24,8 @@ over a 2 GiB fp32 tensor) and the fastest path and `onednn` while the link copie
     python benchmarks/host_kernel_probe.py     # writes $OUT/host_kernel_probe.json (else /tmp/host_kernel_probe.json)
     ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python benchmarks/host_kernel_probe.py --paths onednn,prepacked --name isa
         # oneDNN without AMX, some paths only: $OUT/host_kernel_probe_isa.json
-    OMP_WAIT_POLICY=ACTIVE python benchmarks/host_kernel_probe.py --gaps --name gaps-active
-        # host parts as decode runs them (jobs apart on a pinned worker): `gaps.gap<n>ms`, ms per quarter
+    python benchmarks/host_kernel_probe.py --gaps --name gaps
+        # host parts as decode runs them (jobs apart on a pinned worker, by cores left to the submitting thread)
 
 Keys: `<shape>.<path>.rows<n>`: {"ms": median, "gbps": weight bytes read per second}, `<shape>.pack_ms`,
 `<shape>.prepacked_rel_diff` (largest difference from `onednn`'s output over its largest); `memory_read_gbps`;
@@ -148,15 +148,15 @@ def neuron_threads(experts: Experts, pool: ThreadPoolExecutor, ranges: list[tupl
 
 def gaps(out: dict) -> None:
     """Host parts as decode runs them: two quarters of a Mixtral expert per job, on a worker thread set up as
-    `host_compute`'s (pinned away from the first core, its torch threads there), jobs `gap` ms apart while the
-    submitting thread spins (as the thread that drives the GPU does). Each job's compute is timed inside it."""
-    from mira_hf.host_compute import _init_worker, worker_cpus
+    `host_compute`'s (pinned away from the first `reserved` cores, its torch threads there), jobs `gap` ms apart
+    while the submitting thread spins (as the thread that drives the GPU does), unpinned or pinned to the cores
+    the worker leaves. Each job's compute is timed inside it. Keys: `gaps.<setup>.gap<n>ms`, ms per quarter."""
+    from mira_hf.host_compute import _init_worker
 
     hidden, neurons, count = SHAPES["mixtral_quarter"]
     experts = Experts(hidden, neurons, count, torch.bfloat16)
-    cpus = worker_cpus()
-    worker = ThreadPoolExecutor(1, initializer=_init_worker, initargs=(cpus, len(cpus) if cpus else THREADS))
     x = torch.randn(1, hidden).bfloat16()
+    everything = os.sched_getaffinity(0)
 
     def job(i: int) -> float:
         t0 = time.perf_counter()
@@ -164,16 +164,27 @@ def gaps(out: dict) -> None:
         experts.full(2 * i + 1, x)
         return time.perf_counter() - t0
 
-    for gap_ms in (0, 1, 3, 7):
-        times = []
-        for i in range(40):
-            times.append(worker.submit(job, i).result())
-            stop = time.perf_counter() + gap_ms / 1e3
-            while time.perf_counter() < stop:
-                pass
-        out.setdefault("gaps", {})[f"gap{gap_ms}ms"] = 1e3 * statistics.median(times[4:]) / 2  # per quarter
-        print(f"jobs {gap_ms} ms apart: {out['gaps'][f'gap{gap_ms}ms']:.3f} ms per quarter", flush=True)
-    worker.shutdown()
+    for reserved in (1, 2, 4, 8):
+        for pin_main in (False, True):
+            cpus = set(sorted(everything)[reserved:])  # as `worker_cpus(reserved)`, from every core
+            if not cpus:
+                continue
+            left = everything - cpus
+            os.sched_setaffinity(0, left if pin_main else everything)
+            worker = ThreadPoolExecutor(1, initializer=_init_worker, initargs=(cpus, len(cpus)))
+            setup = f"reserved{reserved}" + ("_main_pinned" if pin_main else "")
+            for gap_ms in (0, 1, 3):
+                times = []
+                for i in range(40):
+                    times.append(worker.submit(job, i).result())
+                    stop = time.perf_counter() + gap_ms / 1e3
+                    while time.perf_counter() < stop:
+                        pass
+                ms = 1e3 * statistics.median(times[4:]) / 2  # per quarter
+                out.setdefault("gaps", {}).setdefault(setup, {})[f"gap{gap_ms}ms"] = ms
+                print(f"{setup:22s} jobs {gap_ms} ms apart: {ms:.3f} ms per quarter", flush=True)
+            worker.shutdown()
+    os.sched_setaffinity(0, everything)
 
 
 def main() -> None:

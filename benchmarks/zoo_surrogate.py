@@ -10,11 +10,13 @@ the real trace against the surrogate say whether the real routing's dependence b
 hurts (higher) an online cache. A plain pool (`pool_loads`: budget × experts slots, no STAGE tier) then ranks by
 expected next use from each sequence's rates, known in advance (on a memoryless stream, the best an online ranking
 can do: what is left over its own Belady's is the draws themselves) or counted as the sequence goes (what an online
-count knows).
+count knows). The known-rate ranking is also given the next 1, 2 and 4 steps of each sequence's routing exactly (the
+most a predictor of the coming tokens' routing could tell a cache): how far from Belady's a cache stays that knows
+the rates and the next tokens' experts.
 
 Per model and budget (10 / 25 / 50%), on the real trace and on the surrogate (`--draws` surrogates, seeds 0..n-1,
 their mean): heat's and LRU's loads over Belady's (the cache's replay, demand loads only, no predictor), and the
-pool's known-rate and counted-rate rankings over the pool's Belady's.
+pool's known-rate (without and with the next steps) and counted-rate rankings over the pool's Belady's.
 
     python benchmarks/zoo_surrogate.py --zoo ~/.cache/mira-hf/zoo [--zoo-models NAME ...] [--out DIR]
 
@@ -42,6 +44,8 @@ from offline_eval import BUDGETS, DEFAULTS  # noqa: E402
 from mira_hf.replay import belady, replay  # noqa: E402
 from mira_hf.trace import RoutingTrace, record_trace  # noqa: E402
 
+HORIZONS = (1, 2, 4)  # steps of the coming routing a "known" ranking is also given exactly
+
 
 def surrogate(trace: RoutingTrace, seed: int) -> RoutingTrace:
     """`trace` with each step's experts drawn anew from its sequence's use counts per layer (see the docstring)."""
@@ -58,19 +62,22 @@ def surrogate(trace: RoutingTrace, seed: int) -> RoutingTrace:
     return dataclasses.replace(trace, experts=experts, hidden=None)
 
 
-def pool_loads(trace: RoutingTrace, budget: float, ranking: str) -> int:
+def pool_loads(trace: RoutingTrace, budget: float, ranking: str, horizon: int = 0) -> int:
     """Loads of one pool of `budget` × all experts slots, block by block (a step's layers in order), each miss
     evicting the resident expert not needed now whose next use is furthest: by Belady (`"belady"`: the trace's
     actual next use) or by expectation, layers until the expert's layer runs + L·(1/p − 1) steps, from a use rate p
     per layer: `"known"`, the expert's share of its sequence's steps (the sequence's true rate, known in advance:
     the best ranking an online cache could make on a memoryless stream with those rates); `"counted"`, its share of
-    the sequence's steps so far, after one step's worth of a uniform prior (what an online count can know)."""
+    the sequence's steps so far, after one step's worth of a uniform prior (what an online count can know).
+    `horizon` (with "known"): the next `horizon` steps of the sequence are known exactly too, as a predictor of the
+    coming tokens' routing would know them at best: an expert used within them ranks by that use, the rest after
+    them by their rates."""
     L = trace.num_layers
     slots = max(1, round(budget * sum(trace.num_experts)))
     routed = trace.experts.tolist()  # [steps][L][K]
     bounds = [*trace.sequence_starts, trace.steps]
-    uses: dict[tuple[int, int], list[int]] = {}  # (layer, expert) -> its blocks' indices, ascending (Belady only)
-    for t, step in enumerate(routed if ranking == "belady" else ()):
+    uses: dict[tuple[int, int], list[int]] = {}  # (layer, expert) -> its blocks' indices, ascending (Belady, horizons)
+    for t, step in enumerate(routed if ranking == "belady" or horizon else ()):
         for layer, experts in enumerate(step):
             for e in experts:
                 if e >= 0:
@@ -98,10 +105,11 @@ def pool_loads(trace: RoutingTrace, budget: float, ranking: str) -> int:
                         if ranking == "belady":
                             far = max(candidates, key=lambda k: _next_use(uses[k], block))
                         else:
+                            ahead = dict(uses=uses, horizon=horizon, end=b * L) if horizon else None
                             far = max(
                                 candidates,
-                                key=lambda k: (
-                                    ((k[0] - layer - 1) % L) + L * ((seen + 1) / (counts.get(k, 0.0) + prior[k[0]] + 1e-9) - 1)
+                                key=lambda k: _expected_next(
+                                    k, block, L, (counts.get(k, 0.0) + prior[k[0]] + 1e-9) / (seen + 1), ahead
                                 ),
                             )
                         resident.discard(far)
@@ -110,6 +118,19 @@ def pool_loads(trace: RoutingTrace, budget: float, ranking: str) -> int:
                     for key in need:
                         counts[key] = counts.get(key, 0.0) + 1.0
     return loads
+
+
+def _expected_next(key: tuple[int, int], block: int, L: int, rate: float, ahead: dict | None) -> float:
+    """Blocks from `block` until `key`'s next expected use: its layer's next turn, then 1/rate - 1 steps more on
+    average; with `ahead` (`uses`, `horizon` steps, the sequence's `end`), a use within the horizon is known
+    exactly and the rest rank after it."""
+    wait = (key[0] - block % L - 1) % L + L * (1 / rate - 1)
+    if ahead is None:
+        return wait
+    soon = _next_use(ahead["uses"].get(key, []), block)
+    if soon < min(block + ahead["horizon"] * L, ahead["end"]):  # within the horizon and the sequence
+        return soon - block
+    return ahead["horizon"] * L + wait
 
 
 def _next_use(blocks: list[int], block: int) -> int:
@@ -133,6 +154,7 @@ def ratios(trace: RoutingTrace) -> dict:
             lru=lru / best,
             known_rates=pool_loads(trace, budget, "known") / pool_best,  # over the same pool's Belady
             counted_rates=pool_loads(trace, budget, "counted") / pool_best,
+            **{f"known_next{h}": pool_loads(trace, budget, "known", h) / pool_best for h in HORIZONS},
         )
     return out
 
@@ -154,7 +176,13 @@ def main() -> None:
         rows = {}
         for budget, r in real.items():
             rows[budget] = {}
-            for metric in ("heat", "lru", "known_rates", "counted_rates"):  # the real trace's, the surrogates' mean
+            for metric in (
+                "heat",
+                "lru",
+                "known_rates",
+                "counted_rates",
+                *(f"known_next{h}" for h in HORIZONS),
+            ):  # the real trace's, the surrogates' mean
                 rows[budget][f"real_{metric}"] = r[metric]
                 rows[budget][f"surrogate_{metric}"] = sum(d[budget][metric] for d in drawn) / len(drawn)
             heats = [d[budget]["heat"] for d in drawn]
@@ -170,15 +198,19 @@ def markdown(report: dict) -> str:
         "# Heat and LRU over Belady's loads: real traces against memoryless surrogates (same per-sequence rates)",
         "",
         "| model | budget | heat, real | heat, surrogate | known rates, real | known rates, surrogate | counted rates, real "
-        "| counted rates, surrogate | LRU, real | LRU, surrogate |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| counted rates, surrogate | LRU, real | LRU, surrogate | "
+        + " | ".join(f"known rates + next {h}, real" for h in HORIZONS)
+        + " |",
+        "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(HORIZONS),
     ]
     for name, model in report["models"].items():
         for budget, r in model["budgets"].items():
             lines.append(
                 f"| {name} | {float(budget):.0%} | {r['real_heat']:.3f} | {r['surrogate_heat']:.3f} | "
                 f"{r['real_known_rates']:.3f} | {r['surrogate_known_rates']:.3f} | {r['real_counted_rates']:.3f} | "
-                f"{r['surrogate_counted_rates']:.3f} | {r['real_lru']:.3f} | {r['surrogate_lru']:.3f} |"
+                f"{r['surrogate_counted_rates']:.3f} | {r['real_lru']:.3f} | {r['surrogate_lru']:.3f} | "
+                + " | ".join(f"{r[f'real_known_next{h}']:.3f}" for h in HORIZONS)
+                + " |"
             )
     return "\n".join(lines) + "\n"
 

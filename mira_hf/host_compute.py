@@ -220,7 +220,7 @@ class HostComputeOff:
     def register(self, layer: int, fn: ExpertFn | None, hidden_size: int) -> None:
         pass
 
-    def block(self, layer: int, width: int) -> None:
+    def block(self, layer: int, width: int, stall_s: Callable[[], float] | None = None) -> None:
         pass
 
     def copy_issued(self, nbytes: int) -> None:
@@ -319,10 +319,11 @@ class HostCompute:
             self._fns[layer] = (fn, hidden_size)
 
     # -- planning (manager.observe and begin, under its lock) ---------------------------------------
-    def block(self, layer: int, width: int) -> None:
-        """A block of `layer` runs `width` tokens: at a step's first block, the switch decides the step."""
+    def block(self, layer: int, width: int, stall_s: Callable[[], float] | None = None) -> None:
+        """A block of `layer` runs `width` tokens: at a step's first block, the switch decides the step
+        (`stall_s()`: the seconds the device has waited for copies so far, what host sends could save)."""
         if self.active and self.switch is not None and (self._last_layer is None or layer <= self._last_layer):
-            self.sending = self.switch.step(width)
+            self.sending = self.switch.step(width, stall_s() if stall_s is not None else None)
         self._last_layer = layer
 
     def split(self, layer: int, misses: list[int], rows: Mapping[int, int], use_rate=None) -> tuple[list[int], list[int]]:

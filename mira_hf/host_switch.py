@@ -17,6 +17,13 @@ sampling, is the same either way); each choice keeps its last `history` times an
 median, which a pause between two calls does not move. Widths above `max_width` (a prompt's prefill: its
 experts stay on the device anyway) always plan host sends and are not timed. The exploring steps run
 both ways, half of them the slower: the price of knowing.
+
+Host sends can save at most the time a step waits for copies (a miss the host computes is one the link
+need not carry; a copy that lands in time costs the step nothing). So where the manager reports that
+wait (`step(width, stall_s)`), a width starts with one window without host sends, and while those steps
+wait for copies less than `margin` of their time, host sends could not win by the margin: the width
+stays without them and is not explored (at a high hit rate, or where prefetching hides the copies); the
+recheck looks at the wait again and explores once it has grown.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ class _Width:
     """One step width's times and plan."""
 
     times: dict[bool, deque] = field(default_factory=dict)  # host on? -> recent step seconds
+    stalls: deque | None = None  # recent steps without host sends: seconds each waited for copies (None: unknown)
     plan: list[bool] = field(default_factory=list)  # choices of the steps to come while exploring, next first
     choice: bool | None = None  # the faster, once decided
     since: int = 0  # steps run with `choice` since the last exploring window
@@ -60,14 +68,18 @@ class HostSwitch:
         self.window, self.rounds, self.recheck_steps = window, rounds, recheck_steps
         self.margin, self.history, self.max_width, self.clock = margin, history, max_width, clock
         self.widths: dict[int, _Width] = {}
-        self._step: tuple[_Width, bool, float] | None = None  # the step being timed: its width, choice, start
+        # the step being timed: its width, choice, start, and the copy waits reported at its start (None: unknown)
+        self._step: tuple[_Width, bool, float, float | None] | None = None
 
-    def step(self, width: int) -> bool:
-        """A forward step of `width` tokens starts (and the one before it ended): whether it plans host sends."""
+    def step(self, width: int, stall_s: float | None = None) -> bool:
+        """A forward step of `width` tokens starts (and the one before it ended): whether it plans host sends.
+        `stall_s`: the seconds the device has waited for copies so far, in total (None: not known)."""
         now = self.clock()
         if self._step is not None:  # the previous step's time: from its start to this one's
-            w, on, t0 = self._step
+            w, on, t0, stall0 = self._step
             w.times[on].append(now - t0)
+            if not on and w.stalls is not None and stall_s is not None and stall0 is not None:
+                w.stalls.append(stall_s - stall0)
             if not w.plan:
                 self._decide(w)
         self._step = None
@@ -76,6 +88,8 @@ class HostSwitch:
         w = self.widths.get(width)
         if w is None:
             w = self.widths[width] = _Width(times={True: deque(maxlen=self.history), False: deque(maxlen=self.history)})
+            if stall_s is not None:  # a window without host sends first: what they could save at most
+                w.stalls, w.plan = deque(maxlen=self.history), [False] * self.window
         if not w.plan and w.choice is None:
             self._decide(w)
         if w.plan:
@@ -83,14 +97,26 @@ class HostSwitch:
         else:
             on = w.choice
             w.since += 1
-            if w.since >= self.recheck_steps:  # the other choice gets a window again
+            if w.since >= self.recheck_steps:  # the other choice gets a window again, unless it could not pay
                 w.since = 0
-                w.plan = [not w.choice] * self.window
-        self._step = (w, on, now)
+                if w.choice or not self._cannot_pay(w):
+                    w.plan = [not w.choice] * self.window
+        self._step = (w, on, now, stall_s)
         return on
 
+    def _cannot_pay(self, w: _Width) -> bool:
+        """Whether the recent steps without host sends waited for copies less than `margin` of their time, so
+        that host sends, which save at most that wait, could not be faster by the margin."""
+        if not w.stalls or not w.times[False]:
+            return False
+        return statistics.median(w.stalls) < self.margin * statistics.median(w.times[False])
+
     def _decide(self, w: _Width) -> None:
-        """The faster choice from the times so far; with a choice not yet timed, a round of exploring first."""
+        """The faster choice from the times so far; with a choice not yet timed, a round of exploring first,
+        unless host sends could not pay (`_cannot_pay`)."""
+        if not w.times[True] and self._cannot_pay(w):
+            w.choice = False
+            return
         if w.times[True] and w.times[False]:
             w.choice = statistics.median(w.times[True]) < (1 - self.margin) * statistics.median(w.times[False])
             return
@@ -103,9 +129,12 @@ class HostSwitch:
         self._step = None
 
     def summary(self) -> dict[int, dict]:
-        """Per width: the median step milliseconds with host sends and without, and the choice (None: exploring)."""
+        """Per width: the median step milliseconds with host sends and without, the choice (None: exploring) and,
+        where reported, the median milliseconds a step without host sends waited for copies."""
         out = {}
         for width, w in sorted(self.widths.items()):
             ms = {on: round(1e3 * statistics.median(t), 3) if t else None for on, t in w.times.items()}
             out[width] = {"host_ms": ms[True], "without_ms": ms[False], "host_sends": w.choice}
+            if w.stalls:
+                out[width]["stall_ms"] = round(1e3 * statistics.median(w.stalls), 3)  # without host sends
         return out

@@ -233,7 +233,7 @@ class ExpertManager(NotebookViews):
             if self.recorder is not None:
                 self.recorder(layer, hidden, top_k_index)
             self.staging.observe(layer, hidden, top_k_index)
-            self.host.block(layer, hidden.shape[0])
+            self.host.block(layer, hidden.shape[0], self.loader.stall_total)
             if self.batch is not None:
                 self._batch_index = top_k_index
 

@@ -84,6 +84,39 @@ def test_one_long_pause_does_not_flip_a_decision():
     assert s.widths == {} and s.step(1) is True  # forgotten (the model was moved or cast): exploring again
 
 
+def run_waiting(switch: HostSwitch, clock: Clock, steps: int, host_s: float, without_s: float, wait_s: float, waited=None):
+    """As `run` at width 1, the manager reporting copy waits: `wait_s` in each step without host sends (`waited`:
+    the running total, a one-element list, carried between calls)."""
+    waited = [0.0] if waited is None else waited
+    chosen = []
+    for _ in range(steps):
+        on = switch.step(1, waited[0])
+        chosen.append(on)
+        clock.t += host_s if on else without_s
+        waited[0] += 0.0 if on else wait_s
+    return chosen
+
+
+def test_steps_that_barely_wait_for_copies_are_never_explored():
+    # Host sends save at most a step's copy waits: 0.2 ms of 10 ms is under the 3% margin, so no step plans them,
+    # not even at the recheck (every 4 steps here).
+    clock = Clock()
+    s = HostSwitch(window=2, rounds=1, recheck_steps=4, margin=0.03, clock=clock)
+    assert run_waiting(s, clock, 12, host_s=0.005, without_s=0.010, wait_s=0.0002) == [False] * 12
+    assert s.summary() == {1: {"host_ms": None, "without_ms": 10.0, "host_sends": False, "stall_ms": 0.2}}
+
+
+def test_host_sends_are_explored_once_the_steps_wait_for_copies():
+    clock, waited = Clock(), [0.0]
+    s = HostSwitch(window=1, rounds=1, recheck_steps=100, history=2, margin=0.03, clock=clock)
+    assert run_waiting(s, clock, 3, host_s=0.005, without_s=0.010, wait_s=0.0001, waited=waited) == [False] * 3
+    # The text moved on and the cache misses: the steps without host sends wait 6 of their 10 ms. Within the
+    # history of two steps the median wait passes the margin, and ABBA finds host sends faster.
+    chosen = run_waiting(s, clock, 8, host_s=0.005, without_s=0.010, wait_s=0.006, waited=waited)
+    assert chosen == [False, True, False, False, True, True, True, True]
+    assert s.summary()[1]["host_sends"] is True
+
+
 def test_bad_settings_say_what_is_allowed():
     with pytest.raises(ValueError, match=r"window=0.*must be at least 1, margin in \[0, 1\)"):
         HostSwitch(window=0)
@@ -107,11 +140,14 @@ def test_steps_the_switch_turns_off_plan_no_host_sends():
     m.host.switch = HostSwitch(window=1, rounds=1, max_width=4, clock=clock)
     first = min(m.layers)
     steps = []  # per decode step: (the switch's choice, host-computed misses)
+    waited = [0.0]  # the copy waits the manager reports, in total: 10 of the 20 ms of a step without host sends
+    m.loader.stall_total = lambda: waited[0]
 
     def recorder(layer, hidden, top_k_index):  # before the switch reads the clock at the step's first block
         if layer == first and hidden.shape[0] == 1:
             steps.append((m.host.sending, m.stats()["host_computed"]))
             clock.t += 0.030 if m.host.sending else 0.020  # the step that ended: host sends made it slower
+            waited[0] += 0.0 if m.host.sending else 0.010
 
     m.recorder = recorder
     with torch.no_grad():
@@ -121,7 +157,8 @@ def test_steps_the_switch_turns_off_plan_no_host_sends():
     # steps[i]: step i's choice and the count after it (step 0: the prompt, at max_width 4 never switched)
     choices = [on for on, _ in steps[1:]]
     sent = [b - a for (_, a), (_, b) in zip(steps, steps[1:])]
-    assert choices == [True, False, False, True, False, False, False, False]
+    # a window without host sends (its copy waits could pay), ABBA, then the faster: without
+    assert choices == [False, True, False, False, True, False, False, False]
     # Steps that plan host sends computed misses there (not every one: a step may hit in every layer); the others none.
     assert sum(n for on, n in zip(choices, sent) if on) > 0 and all(n == 0 for on, n in zip(choices, sent) if not on)
     assert m.host.switch.summary()[1]["host_sends"] is False

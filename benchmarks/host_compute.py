@@ -13,7 +13,8 @@ three ways in the same process, on the same store:
 Metrics: decode tokens/s at batch 1 (the median of `--rounds` measurements, the systems in turn and each round
 in the other order, after a warm-up decode; the share of misses the host computed, the hit rate; x_limit: time
 per token over the PCIe floor, Belady's bytes per token over LRU's routing at the measured H2D speed), at batch 8
-and with beam search (4 beams): host against without there, which it must never lose to. The greedy tokens of
+and with beam search (4 beams; the median of `--batch-rounds` measurements, the order alternating): host against
+without there, which it must never lose to. The greedy tokens of
 host and without at batch 1 are compared too (host matmuls round differently: on random weights a flipped
 token is possible, not an error).
 
@@ -93,6 +94,9 @@ def parse_args(argv=None):
     ap.add_argument("--batch-tokens", type=int, default=12)
     ap.add_argument("--beams", type=int, default=4)
     ap.add_argument("--beam-tokens", type=int, default=12)
+    ap.add_argument(
+        "--batch-rounds", type=int, default=1, help="batch and beam measurements per system (the order alternates; medians)"
+    )
     ap.add_argument("--warmup-tokens", type=int, default=4)
     ap.add_argument("--time-budget-s", type=float, default=420.0, help="phases that would start after this are skipped")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
@@ -103,8 +107,8 @@ def parse_args(argv=None):
     bad = [m for m in args.models if m not in WORKLOADS]
     if bad:
         ap.error(f"--models: unknown {bad}; choose from {', '.join(WORKLOADS)}")
-    if args.rounds < 1:
-        ap.error(f"--rounds {args.rounds}: give 1 or more")
+    if args.rounds < 1 or args.batch_rounds < 1:
+        ap.error(f"--rounds {args.rounds}, --batch-rounds {args.batch_rounds}: give 1 or more")
     args.budgets = [b.strip() if b.strip() == "consumer" else float(b) for b in args.budgets.split(",") if b.strip()]
     if args.smoke:
         args.prompt_len, args.new_tokens, args.batch_tokens, args.beam_tokens, args.warmup_tokens = 8, 4, 2, 2, 1
@@ -330,7 +334,9 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
         if tokens.get("host") is not None and tokens.get("without") is not None:
             same = sum(a == b for a, b in zip(tokens["host"], tokens["without"]))
             rows["host"]["same_tokens_b1"] = f"{same}/{len(tokens['without'])}"
-        for system in ("without", "host"):  # batch 8 and beam search
+        batch = {s: {"b8_tok_s": [], "beam_tok_s": []} for s in ("without", "host")}
+        pairs = [p for r in range(args.batch_rounds) for p in (("without", "host"), ("host", "without"))[r % 2]]
+        for system in pairs:  # batch 8 and beam search, each round in the other order
             if deadline.remaining() <= 0:
                 rows[system]["notes"] = "batch/beam skipped: time budget"
                 continue
@@ -339,15 +345,21 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
             m.reset_stats()
             t, n, _ = gen(ids, args.batch_tokens)
             first, _, _ = gen(ids, 1)
-            rows[system]["b8_tok_s"] = args.batch * (n - 1) / (t - first) if n > 1 and t > first else None
+            batch[system]["b8_tok_s"].append(args.batch * (n - 1) / (t - first) if n > 1 and t > first else None)
             rows[system]["host_share_b8"] = m.stats()["host_computed"] / max(m.stats()["misses"], 1)
             gen(ids[:1], args.warmup_tokens, beams=args.beams)
             t, n, _ = gen(ids[:1], args.beam_tokens, beams=args.beams)
-            rows[system]["beam_tok_s"] = n / t
+            batch[system]["beam_tok_s"].append(n / t)
+            for metric, values in batch[system].items():
+                measured = [v for v in values if v is not None]
+                rows[system][metric] = statistics.median(measured) if measured else None
+                if args.batch_rounds > 1:
+                    rows[system][metric + "_rounds"] = values
             if system == "host" and m.host.switch is not None:  # per step width: host sends kept?
                 rows[system]["host_switch"] = {str(w): v for w, v in m.host.switch.summary().items()}
             log(
-                f"{key} / {budget_label} / {system}: batch {args.batch} {rows[system]['b8_tok_s'] or 0:.2f} tok/s, beam {rows[system]['beam_tok_s']:.2f} tok/s"
+                f"{key} / {budget_label} / {system}: batch {args.batch} {batch[system]['b8_tok_s'][-1] or 0:.2f} tok/s, "
+                f"beam {batch[system]['beam_tok_s'][-1]:.2f} tok/s"
             )
     finally:
         result["rows"].extend(rows.values())

@@ -79,7 +79,7 @@ class HostSwitch:
             w, on, t0, stall0 = self._step
             w.times[on].append(now - t0)
             if not on and w.stalls is not None and stall_s is not None and stall0 is not None:
-                w.stalls.append(stall_s - stall0)
+                w.stalls.append(max(stall_s - stall0, 0.0))  # the total restarts at zero when stats are reset
             if not w.plan:
                 self._decide(w)
         self._step = None

@@ -9,8 +9,9 @@ import copy
 
 import pytest
 import torch
+from conftest import ALL_TINY
 from test_host_compute import BOUND, MS, costs, logits_within_bound
-from tiny_models import make_auto_config, make_config
+from tiny_models import AUTO_FAMILIES, make_auto_config, make_config
 from transformers import AutoModelForCausalLM
 
 from mira_hf import ConfigError, MiraConfig, MiraMoEModel, bundled_model_path
@@ -23,7 +24,7 @@ FAMILIES = ["mixtral", "gpt_oss", "qwen3_moe", "deepseek_v3", "llama4", "nemotro
 
 
 def _tiny(name: str, dtype=torch.float32):
-    config = make_auto_config(name) if name == "nemotron_h" else make_config(name)
+    config = make_auto_config(name) if name in AUTO_FAMILIES else make_config(name)
     if config is None:
         pytest.skip(f"transformers {__import__('transformers').__version__} has no {name}")
     torch.manual_seed(0)
@@ -121,6 +122,24 @@ def test_logits_stay_within_the_bound_with_each_expert_split_between_host_and_de
     model = _split(copy.deepcopy(ref))
     inputs = (IDS, IDS[:, :1], IDS.expand(2, -1))  # a small block, a decode step, two sequences
     assert len(list(logits_within_bound(ref, model, name, dtype, inputs))) == (2 if name == "llama4" else 3)
+
+
+@pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@pytest.mark.parametrize("name", ALL_TINY + AUTO_FAMILIES)
+def test_every_family_splits_its_experts_within_the_bound(name):
+    # Every family served, with an adapter or without: its experts split, the host computing their parts on a
+    # small block and on a decode step.
+    ref = _tiny(name)
+    model = _split(copy.deepcopy(ref))
+    jobs = []
+    model.mira.host.start = lambda layer, experts, inputs, f=model.mira.host.start: (
+        jobs.append(layer) or f(layer, experts, inputs)
+    )
+    for ids in (IDS, IDS[:, :1]):
+        with torch.no_grad():
+            expected, got = ref(ids).logits.float(), model(ids).logits.float()
+        assert (got - expected).abs().max() <= BOUND[torch.float32] * expected.abs().max(), ids.shape
+    assert set(jobs) == set(model.mira.layers)  # every MoE layer's host parts ran on the host
 
 
 def test_prefill_sized_blocks_compute_their_host_parts_on_the_device():

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from conftest import ALL_TINY
 from test_combine import FAMILIES as COMBINE_FAMILIES
 from test_combine import (
     IMPLS,
@@ -16,7 +17,7 @@ from test_combine import (
     routings,
     with_and_without_sentinel,
 )
-from tiny_models import make_config
+from tiny_models import AUTO_FAMILIES, make_auto_config, make_config
 from transformers import AutoModelForCausalLM
 
 from mira_hf import ConfigError, MiraConfig, MiraMoEModel, bundled_model_path
@@ -208,6 +209,23 @@ def test_logits_stay_within_the_bound_when_misses_run_on_the_host(name, dtype):
     model = _forced(copy.deepcopy(ref))
     for impl in logits_within_bound(ref, model, name, dtype, (IDS, IDS[:, :1])):  # a small block, a decode-sized one
         assert model.mira.stats()["host_computed"] > 0, impl
+
+
+@pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@pytest.mark.parametrize("name", ALL_TINY + AUTO_FAMILIES)
+def test_every_family_computes_misses_on_the_host_within_the_bound(name):
+    # Every family served, with an adapter or without: the misses of one-token forwards (one row per expert)
+    # computed on the host, the logits within the bound.
+    torch.manual_seed(0)
+    config = make_auto_config(name) if name in AUTO_FAMILIES else make_config(name)
+    ref = AutoModelForCausalLM.from_config(config).eval()
+    model = _forced(copy.deepcopy(ref))
+    for token in IDS[0, :4]:
+        ids = token.view(1, 1)
+        with torch.no_grad():
+            expected, got = ref(ids).logits.float(), model(ids).logits.float()
+        assert (got - expected).abs().max() <= BOUND[torch.float32] * expected.abs().max(), int(token)
+    assert model.mira.stats()["host_computed"] > 0
 
 
 def logits_within_bound(ref, model, name: str, dtype, inputs):

@@ -214,6 +214,12 @@ def make_config(name: str, **overrides):
     return getattr(transformers, cls_name)(**{**kwargs, **overrides})
 
 
+def tiny_config(name: str):
+    """The tiny config of any served family: its recipe (`make_config`), or for a family without an adapter
+    (`AUTO_FAMILIES`) its own defaults shrunk (`make_auto_config`; None if transformers lacks it)."""
+    return make_config(name) if name in RECIPES or name in EXTRA_RECIPES else make_auto_config(name)
+
+
 class InterruptAt(transformers.StoppingCriteria):
     """Raises KeyboardInterrupt at its `at`-th call: a Ctrl-C in the middle of `generate`
     (tests/test_reliability.py on CPU, benchmarks/gpu_reliability.py on CUDA)."""

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from conftest import ALL_TINY
-from tiny_models import AUTO_FAMILIES, make_auto_config, make_config
+from tiny_models import AUTO_FAMILIES, tiny_config
 from transformers import AutoModelForCausalLM
 
 from mira_hf import ConfigError, MiraConfig, MiraMoEModel
@@ -30,7 +30,7 @@ def skewed(name: str, **overrides):
     installed transformers lacks the family. Built once per (name, overrides); callers get a copy."""
     key = (name, tuple(sorted(overrides.items())))
     if key not in _BUILT:
-        config = make_config(name) if name in ALL_TINY else make_auto_config(name)
+        config = tiny_config(name)
         if config is not None:
             for k, v in overrides.items():
                 setattr(config, k, v)

@@ -17,7 +17,7 @@ from test_combine import (
     routings,
     with_and_without_sentinel,
 )
-from tiny_models import AUTO_FAMILIES, make_auto_config, make_config
+from tiny_models import AUTO_FAMILIES, make_config, tiny_config
 from transformers import AutoModelForCausalLM
 
 from mira_hf import ConfigError, MiraConfig, MiraMoEModel, bundled_model_path
@@ -217,8 +217,7 @@ def test_every_family_computes_misses_on_the_host_within_the_bound(name):
     # Every family served, with an adapter or without: the misses of one-token forwards (one row per expert)
     # computed on the host, the logits within the bound.
     torch.manual_seed(0)
-    config = make_auto_config(name) if name in AUTO_FAMILIES else make_config(name)
-    ref = AutoModelForCausalLM.from_config(config).eval()
+    ref = AutoModelForCausalLM.from_config(tiny_config(name)).eval()
     model = _forced(copy.deepcopy(ref))
     for token in IDS[0, :4]:
         ids = token.view(1, 1)

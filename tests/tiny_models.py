@@ -10,4 +10,5 @@ from mira_hf.testing import (  # noqa: F401
     InterruptAt,
     make_auto_config,
     make_config,
+    tiny_config,
 )

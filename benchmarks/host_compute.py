@@ -350,17 +350,19 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
             gen(ids[:1], args.warmup_tokens, beams=args.beams)
             t, n, _ = gen(ids[:1], args.beam_tokens, beams=args.beams)
             batch[system]["beam_tok_s"].append(n / t)
-            for metric, values in batch[system].items():
-                measured = [v for v in values if v is not None]
-                rows[system][metric] = statistics.median(measured) if measured else None
-                if args.batch_rounds > 1:
-                    rows[system][metric + "_rounds"] = values
             if system == "host" and m.host.switch is not None:  # per step width: host sends kept?
                 rows[system]["host_switch"] = {str(w): v for w, v in m.host.switch.summary().items()}
             log(
                 f"{key} / {budget_label} / {system}: batch {args.batch} {batch[system]['b8_tok_s'][-1] or 0:.2f} tok/s, "
                 f"beam {batch[system]['beam_tok_s'][-1]:.2f} tok/s"
             )
+        for system, metrics in batch.items():  # the medians of the rounds measured
+            for metric, values in metrics.items():
+                measured = [v for v in values if v is not None]
+                if values:
+                    rows[system][metric] = statistics.median(measured) if measured else None
+                if args.batch_rounds > 1:
+                    rows[system][metric + "_rounds"] = values
     finally:
         result["rows"].extend(rows.values())
         m.close()

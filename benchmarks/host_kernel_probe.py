@@ -151,7 +151,7 @@ def gaps(out: dict) -> None:
     `host_compute`'s (pinned away from the first `reserved` cores, its torch threads there), jobs `gap` ms apart
     while the submitting thread spins (as the thread that drives the GPU does), unpinned or pinned to the cores
     the worker leaves. Each job's compute is timed inside it. Keys: `gaps.<setup>.gap<n>ms`, ms per quarter."""
-    from mira_hf.host_compute import _init_worker
+    from mira_hf.host_compute import _init_worker, worker_cpus
 
     hidden, neurons, count = SHAPES["mixtral_quarter"]
     experts = Experts(hidden, neurons, count, torch.bfloat16)
@@ -166,8 +166,9 @@ def gaps(out: dict) -> None:
 
     for reserved in (1, 2, 4, 8):
         for pin_main in (False, True):
-            cpus = set(sorted(everything)[reserved:])  # as `worker_cpus(reserved)`, from every core
-            if not cpus:
+            os.sched_setaffinity(0, everything)  # the cores `worker_cpus` leaves are counted from all of them
+            cpus = worker_cpus(reserved)
+            if cpus is None:
                 continue
             left = everything - cpus
             os.sched_setaffinity(0, left if pin_main else everything)

@@ -109,6 +109,18 @@ def write_report(report: dict, out: str, name: str, markdown_text: str) -> None:
     print(f"wrote {stem}.json and {stem}.md")
 
 
+def run_zoo(args, name: str, measure, markdown_of) -> None:
+    """`measure(model name, path, args) -> dict` for each zoo model, on one CPU thread, into one report with the
+    run's seconds, written as OUT/<date>-<name>.json and .md (`markdown_of(report)`)."""
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    report = new_report(args)
+    for model_name, path, _ in zoo_models(args.zoo, args.zoo_models):
+        report["models"][model_name] = measure(model_name, path, args)
+    report["timings_s"] = round(time.perf_counter() - start, 1)
+    write_report(report, args.out, name, markdown_of(report))
+
+
 def evaluate_model(name: str, path: str, cross: tuple[str, torch.Tensor], args) -> dict:
     model, calib_ids, eval_ids = load_windows(path, args)
     cross_name, cross_ids = cross

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from contextlib import contextmanager
 
 import torch
@@ -31,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from _zoo_eval import add_window_args, load_windows, new_report, write_report, zoo_models  # noqa: E402
+from _zoo_eval import add_window_args, load_windows, run_zoo  # noqa: E402
 from offline_eval import BUDGETS, DEFAULTS, learned_predictor  # noqa: E402
 
 import mira_hf.replay as replay_module  # noqa: E402
@@ -153,25 +152,23 @@ def measure(trace, learned, router_probs) -> dict:
     return out
 
 
+def measure_model(name: str, path: str, args) -> dict:
+    """One zoo model: its evaluation trace replayed with the learned predictor calibrated on its own text."""
+    model, calib, evaluation = load_windows(path, args)
+    trace = record_trace(model, evaluation, progress=False)
+    learned, why = learned_predictor(model, calib, args.epochs)
+    if learned is None:
+        raise SystemExit(why)
+    print(f"## {name}", flush=True)
+    return measure(trace, learned, model.mira.router_probs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_window_args(ap)
     ap.add_argument("--epochs", type=int, default=30)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    start = time.perf_counter()
-    report = new_report(args)
-    for name, path, _ in zoo_models(args.zoo, args.zoo_models):
-        model, calib, evaluation = load_windows(path, args)
-        trace = record_trace(model, evaluation, progress=False)
-        learned, why = learned_predictor(model, calib, args.epochs)
-        if learned is None:
-            raise SystemExit(why)
-        print(f"## {name}", flush=True)
-        report["models"][name] = measure(trace, learned, model.mira.router_probs)
-    report["timings_s"] = round(time.perf_counter() - start, 1)
-    write_report(report, args.out, "cpu-zoo-loads", markdown(report))
+    run_zoo(ap.parse_args(), "cpu-zoo-loads", measure_model, markdown)
 
 
 def markdown(report: dict) -> str:

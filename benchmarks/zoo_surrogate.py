@@ -30,7 +30,6 @@ import bisect
 import dataclasses
 import os
 import sys
-import time
 
 import torch
 
@@ -38,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from _zoo_eval import TINY, add_window_args, load_windows, new_report, training_of, write_report, zoo_models  # noqa: E402
+from _zoo_eval import TINY, add_window_args, load_windows, run_zoo, training_of  # noqa: E402
 from offline_eval import BUDGETS, DEFAULTS  # noqa: E402
 
 from mira_hf.replay import belady, replay  # noqa: E402
@@ -159,38 +158,30 @@ def ratios(trace: RoutingTrace) -> dict:
     return out
 
 
+def measure(name: str, path: str, args) -> dict:
+    """One zoo model's rows: per budget, each metric on the real trace and its mean over the surrogates."""
+    model, _, evaluation = load_windows(path, args)
+    trace = record_trace(model, evaluation, progress=False)
+    real = ratios(trace)
+    drawn = [ratios(surrogate(trace, seed)) for seed in range(args.draws)]
+    rows = {}
+    for budget, r in real.items():
+        rows[budget] = {}
+        for metric in ("heat", "lru", "known_rates", "counted_rates", *(f"known_next{h}" for h in HORIZONS)):
+            rows[budget][f"real_{metric}"] = r[metric]
+            rows[budget][f"surrogate_{metric}"] = sum(d[budget][metric] for d in drawn) / len(drawn)
+        heats = [d[budget]["heat"] for d in drawn]
+        rows[budget]["surrogate_heat_spread"] = max(heats) - min(heats)
+    print(f"## {name}", {b: {k: round(v, 3) for k, v in r.items()} for b, r in rows.items()}, flush=True)
+    return dict(budgets=rows, training=None if name == TINY else training_of(path))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_window_args(ap)
     ap.add_argument("--draws", type=int, default=3, help="surrogates per model")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    start = time.perf_counter()
-    report = new_report(args)
-    for name, path, _ in zoo_models(args.zoo, args.zoo_models):
-        model, _, evaluation = load_windows(path, args)
-        trace = record_trace(model, evaluation, progress=False)
-        real = ratios(trace)
-        drawn = [ratios(surrogate(trace, seed)) for seed in range(args.draws)]
-        rows = {}
-        for budget, r in real.items():
-            rows[budget] = {}
-            for metric in (
-                "heat",
-                "lru",
-                "known_rates",
-                "counted_rates",
-                *(f"known_next{h}" for h in HORIZONS),
-            ):  # the real trace's, the surrogates' mean
-                rows[budget][f"real_{metric}"] = r[metric]
-                rows[budget][f"surrogate_{metric}"] = sum(d[budget][metric] for d in drawn) / len(drawn)
-            heats = [d[budget]["heat"] for d in drawn]
-            rows[budget]["surrogate_heat_spread"] = max(heats) - min(heats)
-        report["models"][name] = dict(budgets=rows, training=None if name == TINY else training_of(path))
-        print(f"## {name}", {b: {k: round(v, 3) for k, v in r.items()} for b, r in rows.items()}, flush=True)
-    report["timings_s"] = round(time.perf_counter() - start, 1)
-    write_report(report, args.out, "cpu-zoo-surrogate", markdown(report))
+    run_zoo(ap.parse_args(), "cpu-zoo-surrogate", measure, markdown)
 
 
 def markdown(report: dict) -> str:

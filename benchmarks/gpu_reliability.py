@@ -37,7 +37,7 @@ from common import device_slug, environment, print_table, write_json  # noqa: E4
 from mira_hf import LoaderError, MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.config import LoaderConfig, QuantConfig  # noqa: E402
 from mira_hf.quant.lossless import SUPPORTED_DTYPES as LOSSLESS_DTYPES  # noqa: E402
-from mira_hf.testing import AUTO_FAMILIES, EXTRA_RECIPES, RECIPES, InterruptAt, make_auto_config, tiny_config  # noqa: E402
+from mira_hf.testing import AUTO_FAMILIES, EXTRA_RECIPES, RECIPES, InterruptAt, build, make_auto_config, tiny_config  # noqa: E402
 
 # The tiny models' records are far below LoaderConfig.split_min_bytes: 0 keeps the split-copy path under test.
 SPLIT_ALL = LoaderConfig(split_min_bytes=0)
@@ -56,7 +56,7 @@ COMBOS = [("lru", None), ("heat", "auto"), ("priority", "markov"), ("heat", "glo
 def save_tiny(name: str, root: str) -> str:
     """A tiny random model of an adapter family, or of a family without an adapter (`AUTO_FAMILIES`), saved."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(name))
+    model = build(tiny_config(name))
     path = os.path.join(root, name)
     model.save_pretrained(path)
     return path

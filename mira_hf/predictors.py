@@ -178,6 +178,8 @@ class GatePredictor:
         one linear map."""
         if layer not in self._plans:
             targets = [layer + d for d in range(1, self.config.lookahead + 1) if layer + d in self.top_k]
+            width = getattr(self.router_probs, "width", None)  # a target of another width is another stack's
+            targets = [t for t in targets if width is None or width(t) == width(layer)]
             linear = getattr(self.router_probs, "linear", None)
             routers = [linear(t) for t in targets] if linear is not None and targets else None
             if routers is None or any(r is None for r in routers):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from model_adapters import MoEAdapter, generic_adapter, get_adapter, registered_model_types
-from model_adapters.base import AutoAdapter, auto_adapter, uses_experts_interface
+from model_adapters.base import AutoAdapter, auto_adapter, replaces_interface_forward, uses_experts_interface
 
 from .config import MiraConfig
 from .errors import ConfigError, UnsupportedModelError
@@ -78,13 +78,6 @@ def find_targets(
             f"is a routed-experts module built by transformers' experts interface. Supported: "
             f"{', '.join(registered_model_types())}. {_HOW_TO_ADD}"
         )
-    if found and isinstance(adapter, AutoAdapter):
-        warnings.warn(
-            f"mira-hf: model_type {auto_type!r} has no adapter; serving the {len(found)} routed-experts modules "
-            f"transformers built ({found[0][0]}, ...). Outputs are exact as for every family; the router beside them "
-            "ranks predictions. register_adapter(MoEAdapter(...)) records its routing and checkpoint layout.",
-            stacklevel=4,
-        )
     if not found:
         raise UnsupportedModelError(
             f"{type(model).__name__}: no routed-experts module matches {list(adapter.experts_globs)} "
@@ -113,6 +106,15 @@ def find_targets(
             problem = f"its tensors' first dimension is not num_experts={E}: {[tuple(p.shape) for p in tensors.values()]}"
         elif not in_checkpoint and any(p.device.type == "meta" for p in tensors.values()):
             problem = "its weights are on the meta device (not loaded)"
+        elif replaces_interface_forward(module):
+            raise UnsupportedModelError(
+                f"{name} ({type(module).__name__}) cannot be served: its class's forward "
+                f"({type(module).__qualname__}.forward) replaces that of transformers' experts interface and computes "
+                "more than the experts' matmuls and weighted sum, which is what mira-hf computes for a served expert; "
+                "serving it would change the model's outputs. Supported: experts modules whose forward is the "
+                "interface's (every family in docs/models.md). Load this model with transformers alone "
+                "(device_map='auto' offloads to the host)."
+            )
         if problem:
             raise UnsupportedModelError(
                 f"{name} ({type(module).__name__}) cannot be served: {problem}. Supported: fused 3-D experts "
@@ -130,6 +132,13 @@ def find_targets(
                 {n: p.data for n, p in tensors.items()},
                 {n: p.requires_grad for n, p in tensors.items()},
             )
+        )
+    if isinstance(adapter, AutoAdapter):
+        warnings.warn(
+            f"mira-hf: model_type {auto_type!r} has no adapter; serving the {len(found)} routed-experts modules "
+            f"transformers built ({found[0][0]}, ...). Outputs are exact as for every family; the router beside them "
+            "ranks predictions. register_adapter(MoEAdapter(...)) records its routing and checkpoint layout.",
+            stacklevel=4,
         )
     return targets
 
@@ -168,16 +177,31 @@ class RouterTable:
     def __init__(self, adapter: MoEAdapter, targets: list[Target]) -> None:
         self._adapter = adapter
         self._blocks = {t.ordinal: t.parent for t in targets}
+        # The width of each layer's experts' input rows (`down_proj` is [E, H, I], or [E, I, H] transposed): the
+        # hidden states a predictor sees there. A router may read a wider state (Muse Spark projects the hidden
+        # state down before its experts), or another stack's (a vision encoder's experts beside the text's).
+        self._width = {
+            t.ordinal: t.tensors["down_proj"].shape[2 if adapter.flag(t.module, "is_transposed", False) else 1] for t in targets
+        }
         self._linear: dict = {}
 
     def __call__(self, layer: int, hidden: torch.Tensor) -> torch.Tensor | None:
         linear = self.linear(layer)
+        if linear is None or linear.weight.shape[1] != hidden.shape[-1]:
+            return None
         with torch.no_grad():
-            return None if linear is None else linear.probs(hidden)
+            return linear.probs(hidden)
+
+    def width(self, layer: int) -> int:
+        """The width of the hidden states `layer`'s experts take (and a predictor observes there)."""
+        return self._width[layer]
 
     def linear(self, layer: int):
+        """`layer`'s router as one linear map, or None where it is not one or reads other states than the
+        experts' input rows."""
         if layer not in self._linear:
-            self._linear[layer] = self._adapter.router_linear(self._blocks[layer])
+            linear = self._adapter.router_linear(self._blocks[layer])
+            self._linear[layer] = None if linear is None or linear.weight.shape[1] != self._width[layer] else linear
         return self._linear[layer]
 
     def forget_routers(self) -> None:

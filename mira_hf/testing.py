@@ -172,22 +172,60 @@ EXTRA_RECIPES = {
 }
 
 
-# Families without an adapter (as of this file) whose shrunken defaults build MoE layers on the CPU.
+# Families without an adapter (as of this file) whose shrunken defaults build MoE layers on the CPU; each one's
+# causal-LM model type (a multimodal family's text decoder).
 AUTO_FAMILIES = [
-    "afmoe", "axk2", "bailing_hybrid", "cohere2_moe", "deepseek_v32", "deepseek_v4", "ernie4_5_moe", "exaone_moe",
-    "glm4_moe_lite", "glm_moe_dsa", "granitemoe_swa", "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "kimi_linear",
-    "kolibri1", "laguna", "lara_mini", "mellum", "mimo_v2_flash", "minimax_m2", "nemotron_h", "solar_open", "zaya",
+    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v32", "deepseek_v4",
+    "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flint", "gemma4_text", "glm4_moe_lite", "glm_moe_dsa",
+    "granitemoe_swa", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "inkling_text", "jamba",
+    "kimi_linear", "kolibri1", "kolibri1_1", "laguna", "lara_mini", "lfm2_moe", "longcat_flash", "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax_m2",
+    "minimax_m3_vl_text", "mistral4", "nemotron_h", "qwen4_exp_text", "solar_open", "zaya",
 ]  # fmt: skip
-# Per-family fixes to the shrunken defaults: MLA attention needs as many KV heads as heads; ZAYA routes top-1.
-AUTO_OVERRIDES = {t: dict(num_key_value_heads=4) for t in ("axk2", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa")}
+# Per-family fixes to the shrunken defaults, passed as given (not only where the defaults have the attribute).
+# MLA attention needs as many KV heads as heads; ZAYA routes top-1.
+AUTO_OVERRIDES = {t: dict(num_key_value_heads=4) for t in ("axk2", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "mistral4")}
 AUTO_OVERRIDES["zaya"] = dict(num_experts_per_tok=1)
 # Hybrid families: one full-attention layer, or transformers' generate finds no layer to measure its cache by.
 HYBRID = dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"])
+INKLING2 = dict(
+    unpadded_vocab_size=128, layer_types=["hybrid_sliding", "hybrid"], swa_num_attention_heads=4, swa_num_key_value_heads=2,
+    swa_head_dim=16, d_rel=4, rel_extent=8, n_layers_per_attn_res_block=1, sliding_window_size=8,
+)  # fmt: skip
 AUTO_OVERRIDES.update(
     jamba=dict(attn_layer_period=2, attn_layer_offset=1),
     kimi_linear=dict(HYBRID, num_key_value_heads=4),  # its full-attention layers are MLA
     bailing_hybrid=dict(HYBRID, num_key_value_heads=4),
-)
+    # Families whose defaults keep every layer of a two-layer model dense: one dense, one sparse.
+    beam=dict(mlp_layer_types=["dense", "sparse"]),
+    flint=dict(mlp_only_layers=[0]),
+    lfm2_moe=dict(num_dense_layers=1, layer_types=["conv", "full_attention"]),
+    gemma4_text=dict(
+        enable_moe_block=True, top_k_experts=2, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
+        layer_types=["sliding_attention", "full_attention"], num_global_key_value_heads=2, global_head_dim=16,
+    ),
+    # Per-layer attention configs: the sliding layers' own (MLA) sizes come as swa_* arguments.
+    dots3_note_text=dict(
+        mlp_layer_types=["dense", "sparse"], layer_types=["indexed_attention", "sliding_attention"], index_topk=4,
+        index_head_dim=16, index_n_heads=2, num_key_value_heads=4, shared_experts_intermediate_size=32,
+        swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=16, swa_kv_lora_rank=16,
+        swa_head_dim=16, swa_qk_nope_head_dim=8, swa_v_head_dim=16,
+    ),
+    inkling2_text=INKLING2,
+    inkling2_loop_text=dict(
+        INKLING2, num_hidden_layers=3, layer_types=["hybrid_sliding", "hybrid", "hybrid"], loop_layer_index_start=1,
+        loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=8,
+    ),
+    axk1=dict(num_key_value_heads=4, head_dim=8),  # MLA; its rotary width is head_dim
+    longcat_flash=dict(num_key_value_heads=4, head_dim=8),
+    kolibri1_1=dict(index_num_heads=1, index_topk=8, index_pool_size=16, index_compression=2, index_num_local_tokens=4,
+                    index_num_sink_tokens=1, mlp_only_intermediate_size=64, mlp_only_layers=[0]),
+    qwen4_exp_text=dict(
+        layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, hc_lowrank=8, ple_embed_dim=64, ngram_vocab_size_base=512,
+        split_ngram_parts=4, heads_per_ngram=2, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+        indexer_budget=8, indexer_compress_ratio=4,
+    ),
+)  # fmt: skip
 AUTO_SMALL = dict(
     vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_local_experts=8,
@@ -198,14 +236,26 @@ AUTO_SMALL = dict(
 )  # fmt: skip
 
 
+def _has(config, key: str) -> bool:
+    """Whether `config` has attribute `key`. A per-layer attribute of a heterogeneous config (whose global read
+    raises) counts: it exists, and setting it sets every layer's."""
+    try:
+        return hasattr(config, key)
+    except Exception:
+        return True
+
+
 def make_auto_config(model_type: str):
-    """A tiny config of a family without an adapter: its own defaults shrunk (None if transformers lacks it)."""
-    if model_type not in transformers.CONFIG_MAPPING:
+    """A tiny config of a family without an adapter: its own defaults shrunk (None if transformers lacks it, or
+    builds its experts outside its experts interface, as LongCat-Flash's before transformers 5.25)."""
+    from model_adapters.base import uses_experts_interface
+
+    if model_type not in transformers.CONFIG_MAPPING or uses_experts_interface(model_type) is False:
         return None
     cls = transformers.CONFIG_MAPPING[model_type]
     defaults = cls()
-    kw = dict(AUTO_SMALL, **AUTO_OVERRIDES.get(model_type, {}))
-    return cls(**{k: v for k, v in kw.items() if hasattr(defaults, k)})
+    small = {k: v for k, v in AUTO_SMALL.items() if _has(defaults, k)}
+    return cls(**{**small, **AUTO_OVERRIDES.get(model_type, {})})
 
 
 def make_config(name: str, **overrides):
@@ -218,6 +268,14 @@ def tiny_config(name: str):
     """The tiny config of any served family: its recipe (`make_config`), or for a family without an adapter
     (`AUTO_FAMILIES`) its own defaults shrunk (`make_auto_config`; None if transformers lacks it)."""
     return make_config(name) if name in RECIPES or name in EXTRA_RECIPES else make_auto_config(name)
+
+
+def build(config):
+    """A random model of `config`, of the class `MiraMoEModel.from_pretrained` loads its checkpoint as: the
+    causal LM, or the image-text-to-text model of a type without a causal-LM entry (Mistral 4)."""
+    from .checkpoint import auto_model_class
+
+    return auto_model_class(config.model_type).from_config(config)
 
 
 class InterruptAt(transformers.StoppingCriteria):

@@ -167,6 +167,14 @@ def is_transformers_experts(module: nn.Module) -> bool:
     return isinstance(down, torch.Tensor) and down.dim() == 3 and down.shape[0] == E
 
 
+def replaces_interface_forward(module: nn.Module) -> bool:
+    """Whether `module` was built by transformers' experts interface (`@use_experts_implementation`, which sets
+    `is_concatenated` on each instance) but its class replaces the interface's forward with one of its own that
+    computes more around it (Ergo's experts: a learned RMSNorm per expert on each route before the weighted sum).
+    The interface's forward is the decorator's dispatch (`functools.wraps` of the class's own loop)."""
+    return hasattr(module, "is_concatenated") and not hasattr(type(module).forward, "__wrapped__")
+
+
 def uses_experts_interface(model_type: str) -> bool | None:
     """Whether transformers' modeling code of `model_type` builds its experts with `@use_experts_implementation`
     (the test transformers itself uses to allow switching experts implementations); None when that code is

@@ -4,17 +4,18 @@ Every MoE family transformers builds with `@use_experts_implementation` has one 
 proxy can take the place of; only where it sits and how its router scores differ, and an adapter only
 records that. So a family without one is found by the module itself, with a warning, and must compute
 what the unwrapped model computes. Tiny configs are made by shrinking the family's own defaults; a family
-that the installed transformers lacks is skipped (they arrive over 5.17 to 5.24).
+that the installed transformers lacks is skipped (they arrive over 5.17 to 5.25).
 """
 
 import pytest
 import torch
 from tiny_models import AUTO_FAMILIES as FAMILIES
 from tiny_models import AUTO_SMALL as SMALL
-from tiny_models import make_auto_config
+from tiny_models import make_auto_config, make_config
 from transformers import AutoModelForCausalLM
 
 from mira_hf import MiraConfig, MiraMoEModel, UnsupportedModelError
+from mira_hf.checkpoint import auto_model_class
 from mira_hf.config import LoaderConfig
 from model_adapters import registered_model_types
 
@@ -26,14 +27,14 @@ def tiny(model_type: str):
     if config is None:
         pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
+    return auto_model_class(model_type).from_config(config).eval()
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_unregistered_family_is_served_exactly_through_the_experts_interface(model_type, tmp_path):
     assert model_type not in registered_model_types(), "has an adapter now: move it to the adapter tests"
     tiny(model_type).save_pretrained(tmp_path)
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ref = auto_model_class(model_type).from_pretrained(tmp_path).eval()
     with pytest.warns(UserWarning, match=f"model_type '{model_type}' has no adapter; serving the \\d+ routed-experts"):
         model = MiraMoEModel.from_pretrained(tmp_path, MiraConfig(device="cpu", gpu_budget=0.5), progress=False)
     kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -57,8 +58,41 @@ def test_unknown_model_type_without_experts_modules_is_refused_and_untouched():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-# nemotron_h keeps its experts under a layout neither the tables nor transformers' conversion mapping describe.
-NOT_STREAMABLE = {"nemotron_h"}
+def _refused_untouched(model, match: str) -> None:
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedModelError, match=match):
+        MiraMoEModel.wrap(model, MiraConfig(device="cpu"))
+    assert not hasattr(model, "mira")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_experts_class_whose_forward_computes_more_than_the_interface_is_refused_and_untouched():
+    """An experts class built by transformers' decorator whose subclass replaces the interface's forward with one
+    that computes more around it (Ergo's per-expert norms): serving its matmuls alone would change the outputs."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    class ScaledExperts(Qwen3MoeExperts):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return 2 * super().forward(hidden_states, top_k_index, top_k_weights)
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config("qwen3_moe")).eval()
+    for layer in model.model.layers:
+        scaled = ScaledExperts(model.config)
+        scaled.load_state_dict(layer.mlp.experts.state_dict())
+        layer.mlp.experts = scaled
+    _refused_untouched(model, "ScaledExperts.forward\\) replaces that of transformers' experts interface")
+
+
+def test_ergo_is_refused_and_untouched():
+    """Ergo's experts apply a learned RMSNorm per expert to each route before the weighted sum (transformers 5.25)."""
+    _refused_untouched(tiny("ergo"), "ErgoExperts.forward\\) replaces that of transformers' experts interface")
+
+
+# nemotron_h keeps its experts under a layout neither the tables nor transformers' conversion mapping describe;
+# Inkling 2's checkpoints store gate and up rows interleaved (transformers' `Interleave` conversion), which
+# mira-hf does not undo while reading one expert at a time.
+NOT_STREAMABLE = {"nemotron_h", "inkling2_text", "inkling2_loop_text"}
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -71,7 +105,7 @@ def test_unregistered_family_streams_its_experts_from_the_checkpoint(model_type,
         with pytest.raises(UnsupportedModelError, match="cannot be read one at a time"):
             MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False)
         return
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ref = auto_model_class(model_type).from_pretrained(tmp_path).eval()
     with pytest.warns(UserWarning, match="has no adapter"):
         model = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False)
     with torch.no_grad():
@@ -124,4 +158,33 @@ def test_vision_language_checkpoint_loads_with_from_pretrained(tmp_path, stream)
     assert type(model).__name__ == "Qwen3VLMoeForConditionalGeneration"
     with torch.no_grad():
         assert (model(input_ids=IDS).logits - ref(input_ids=IDS).logits).abs().max() <= 1e-5
+    assert model.mira.stats()["loads"] > 0
+
+
+def test_router_reading_a_wider_state_than_its_experts_is_not_used_to_predict():
+    """Muse Spark's router reads the hidden state; its experts take it projected down (moe_hidden_size). The
+    predictor must not apply that router to the experts' rows: served exactly, with the default predictor."""
+    import transformers
+
+    if not hasattr(transformers, "MuseSparkForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no muse_spark")
+    from transformers import MuseSparkConfig
+
+    text = {k: v for k, v in SMALL.items() if k in MuseSparkConfig().text_config.to_dict()}
+    config = MuseSparkConfig(
+        text_config=dict(text, sliding_window=16, moe_hidden_size=32),
+        vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2),
+        audio_config=dict(hidden_sizes=[8, 16, 16, 32], depths=[1, 1, 1, 1], out_hidden_size=64),
+        image_token_id=120, video_token_id=121, audio_token_id=122, out_hidden_size=64, projector_hidden_size=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MuseSparkForConditionalGeneration(config).eval()
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref, ref_tokens = model(input_ids=IDS).logits, model.generate(input_ids=IDS, **kw)
+    with pytest.warns(UserWarning, match="has no adapter"):
+        MiraMoEModel.wrap(model, MiraConfig(device="cpu", gpu_budget=0.5))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=IDS).logits, ref)
+        assert torch.equal(model.generate(input_ids=IDS, **kw), ref_tokens)
     assert model.mira.stats()["loads"] > 0

@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 from conftest import torch_threads
-from tiny_models import make_config, tiny_config
+from tiny_models import build, make_config, tiny_config
 from transformers import AutoModelForCausalLM
 from transformers.integrations.moe import use_experts_implementation
 
@@ -76,7 +76,7 @@ def experts_pair(
         if config is None:
             pytest.skip(f"transformers {__import__('transformers').__version__} has no {name}")
         torch.manual_seed(0)
-        ref = AutoModelForCausalLM.from_config(config).eval()
+        ref = build(config).eval()
         path = next(
             p for p, m in ref.named_modules() if p.endswith("experts") and isinstance(getattr(m, "num_experts", None), int)
         )

@@ -12,8 +12,7 @@ import copy
 import pytest
 import torch
 from conftest import ALL_TINY
-from tiny_models import AUTO_FAMILIES, tiny_config
-from transformers import AutoModelForCausalLM
+from tiny_models import AUTO_FAMILIES, build, tiny_config
 
 from mira_hf import ConfigError, MiraConfig, MiraMoEModel
 from mira_hf.errors import UnsupportedOperationError
@@ -35,7 +34,7 @@ def skewed(name: str, **overrides):
             for k, v in overrides.items():
                 setattr(config, k, v)
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config).eval()
+            model = build(config).eval()
             with torch.no_grad():
                 for path, module in model.named_modules():
                     E = getattr(module, "num_experts", None)
@@ -54,6 +53,11 @@ def pair(name: str, dtype: torch.dtype, impl: str | None = None, mira: dict | No
     """(unwrapped, wrapped) copies of the same model in `dtype`; `impl` set on both (on the wrapped one
     after wrapping, through its `set_experts_implementation`); `mira`: more MiraConfig fields."""
     ref = skewed(name, **overrides).to(dtype)
+    try:
+        with torch.no_grad():
+            ref(IDS, use_cache=False)
+    except RuntimeError as e:  # Inkling 2's CPU code mixes fp32 and the model's dtype in a matmul
+        pytest.skip(f"the unwrapped {name} model raises in {dtype} on the CPU ({e}): nothing to compare with")
     model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.5, **(mira or {})))
     if impl is not None:
         ref.set_experts_implementation(impl)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import ALL_TINY
 from test_host_compute import BOUND, MS, costs, logits_within_bound
-from tiny_models import AUTO_FAMILIES, tiny_config
+from tiny_models import AUTO_FAMILIES, build, tiny_config
 from transformers import AutoModelForCausalLM
 
 from mira_hf import ConfigError, MiraConfig, MiraMoEModel, bundled_model_path
@@ -28,7 +28,7 @@ def _tiny(name: str, dtype=torch.float32):
     if config is None:
         pytest.skip(f"transformers {__import__('transformers').__version__} has no {name}")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = build(config).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("_bias") and "experts" in pname:

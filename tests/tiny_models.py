@@ -8,6 +8,7 @@ from mira_hf.testing import (  # noqa: F401
     EXTRA_RECIPES,
     RECIPES,
     InterruptAt,
+    build,
     make_auto_config,
     make_config,
     tiny_config,

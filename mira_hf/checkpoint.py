@@ -396,8 +396,12 @@ def build_skeleton(
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise NotStreamable(f"the model's dtype is not given by its config ({dtype!r})")
+    model_class = _model_class(config)
+    text_config = getattr(config, "sub_configs", {}).get("text_config")
+    if text_config is not None and getattr(model_class, "config_class", None) is text_config:
+        config = config.get_text_config()  # the text-only model of a composite checkpoint, as the auto class builds it
     with torch.device("meta"):
-        model = _model_class(config)._from_config(config, dtype=dtype)
+        model = model_class._from_config(config, dtype=dtype)
     found = adapter.find_experts(model)
     if not found or not all(isinstance(getattr(m, "num_experts", None), int) for _, m in found):
         raise NotStreamable(f"no fused experts module matches {list(adapter.experts_globs)}")

@@ -188,3 +188,35 @@ def test_router_reading_a_wider_state_than_its_experts_is_not_used_to_predict():
         assert torch.equal(model(input_ids=IDS).logits, ref)
         assert torch.equal(model.generate(input_ids=IDS, **kw), ref_tokens)
     assert model.mira.stats()["loads"] > 0
+
+
+def test_composite_checkpoint_streams_into_its_text_only_causal_lm(tmp_path):
+    """A dots.3 note checkpoint (text, vision, audio) loads as `Dots3NoteForCausalLM`, as AutoModelForCausalLM
+    builds it: the text decoder of the composite config. Streamed expert by expert, exact."""
+    import transformers
+
+    if not hasattr(transformers, "Dots3NoteForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no dots3_note")
+    from transformers import Dots3NoteConfig
+
+    text = make_auto_config("dots3_note_text").to_dict()
+    config = Dots3NoteConfig(
+        text_config=text,
+        vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                           adapter_in_dim=32, adapter_out_dim=64, mlp_layer_types=["dense"]),
+        audio_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                          adapter_input_size=32, adapter_out_dim=64, downsample_hidden_size=16, feature_size=16),
+        image_token_id=120, video_token_id=121, audio_token_id=122,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Dots3NoteForConditionalGeneration(config).save_pretrained(tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=True))
+    with pytest.warns(UserWarning, match="has no adapter"):
+        model = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False)
+    assert type(model).__name__ == type(ref).__name__ == "Dots3NoteForCausalLM"
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+        assert torch.equal(model.generate(IDS, **kw), ref.generate(IDS, **kw))
+    assert model.mira.stats()["loads"] > 0

@@ -177,9 +177,10 @@ EXTRA_RECIPES = {
 AUTO_FAMILIES = [
     "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v32", "deepseek_v4",
     "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flint", "gemma4_text", "glm4_moe_lite", "glm_moe_dsa",
-    "granitemoe_swa", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "inkling_text", "jamba",
-    "kimi_linear", "kolibri1", "kolibri1_1", "laguna", "lara_mini", "lfm2_moe", "longcat_flash", "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax_m2",
-    "minimax_m3_vl_text", "mistral4", "nemotron_h", "qwen4_exp_text", "solar_open", "zaya",
+    "granitemoe_swa", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "inkling_text",
+    "jamba", "kimi_linear", "kolibri1", "kolibri1_1", "laguna", "lara_mini", "lfm2_moe", "longcat_flash", "mellum",
+    "mimo_v2_flash", "minicpm5_moe", "minimax_m2", "minimax_m3_vl_text", "mistral4", "nemotron_h", "qwen4_exp_text",
+    "solar_open", "zaya",
 ]  # fmt: skip
 # Per-family fixes to the shrunken defaults, passed as given (not only where the defaults have the attribute).
 # MLA attention needs as many KV heads as heads; ZAYA routes top-1.
@@ -188,8 +189,9 @@ AUTO_OVERRIDES["zaya"] = dict(num_experts_per_tok=1)
 # Hybrid families: one full-attention layer, or transformers' generate finds no layer to measure its cache by.
 HYBRID = dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"])
 INKLING2 = dict(
-    unpadded_vocab_size=128, layer_types=["hybrid_sliding", "hybrid"], swa_num_attention_heads=4, swa_num_key_value_heads=2,
-    swa_head_dim=16, d_rel=4, rel_extent=8, n_layers_per_attn_res_block=1, sliding_window_size=8,
+    unpadded_vocab_size=128, layer_types=["hybrid_sliding", "hybrid"], swa_num_attention_heads=4,
+    swa_num_key_value_heads=2, swa_head_dim=16, d_rel=4, rel_extent=8, n_layers_per_attn_res_block=1,
+    sliding_window_size=8,
 )  # fmt: skip
 AUTO_OVERRIDES.update(
     jamba=dict(attn_layer_period=2, attn_layer_offset=1),
@@ -217,8 +219,10 @@ AUTO_OVERRIDES.update(
     ),
     axk1=dict(num_key_value_heads=4, head_dim=8),  # MLA; its rotary width is head_dim
     longcat_flash=dict(num_key_value_heads=4, head_dim=8),
-    kolibri1_1=dict(index_num_heads=1, index_topk=8, index_pool_size=16, index_compression=2, index_num_local_tokens=4,
-                    index_num_sink_tokens=1, mlp_only_intermediate_size=64, mlp_only_layers=[0]),
+    kolibri1_1=dict(
+        index_num_heads=1, index_topk=8, index_pool_size=16, index_compression=2, index_num_local_tokens=4,
+        index_num_sink_tokens=1, mlp_only_intermediate_size=64, mlp_only_layers=[0],
+    ),
     qwen4_exp_text=dict(
         layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16, linear_value_head_dim=16,
         linear_num_key_heads=2, linear_num_value_heads=4, hc_lowrank=8, ple_embed_dim=64, ngram_vocab_size_base=512,

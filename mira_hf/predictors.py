@@ -164,7 +164,7 @@ class GatePredictor:
                 return HostScores(targets, scorers, self._to_host(layer, flat))
             probs = [r.probs_from(logits) for r, logits in zip(routers, parts)]
         else:
-            targets = [layer + d for d in range(1, self.config.lookahead + 1) if layer + d in self.top_k]
+            targets = self._targets(layer)
             probs = [self.router_probs(t, hidden) for t in targets]
             targets, probs = [t for t, p in zip(targets, probs) if p is not None], [p for p in probs if p is not None]
         if not probs:
@@ -172,14 +172,22 @@ class GatePredictor:
         # scored on the host: the rank of each expert per token, read through the measured use per rank
         return {t: self._calibration(t, t - layer, p.shape[1]).probabilities(p) for t, p in zip(targets, probs)}
 
+    def _targets(self, layer: int) -> list[int]:
+        """The MoE layers within `lookahead` of `layer` whose experts take rows of its width (one of another
+        width is another stack's: a vision encoder's experts beside the text decoder's)."""
+        width = getattr(self.router_probs, "width", None)
+        return [
+            layer + d
+            for d in range(1, self.config.lookahead + 1)
+            if layer + d in self.top_k and (width is None or width(layer + d) == width(layer))
+        ]
+
     def _plan(self, layer: int) -> tuple | None:
         """The targets of `layer`, their routers as linear maps, and per target the router with its selection
         bias on the host and its `RankCalibration` (what `HostScores` scores with). None: no target, or some router is not
         one linear map."""
         if layer not in self._plans:
-            targets = [layer + d for d in range(1, self.config.lookahead + 1) if layer + d in self.top_k]
-            width = getattr(self.router_probs, "width", None)  # a target of another width is another stack's
-            targets = [t for t in targets if width is None or width(t) == width(layer)]
+            targets = self._targets(layer)
             linear = getattr(self.router_probs, "linear", None)
             routers = [linear(t) for t in targets] if linear is not None and targets else None
             if routers is None or any(r is None for r in routers):

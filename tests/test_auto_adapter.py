@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny_models import AUTO_FAMILIES as FAMILIES
 from tiny_models import AUTO_SMALL as SMALL
-from tiny_models import make_auto_config, make_config
+from tiny_models import build, make_auto_config, make_config
 from transformers import AutoModelForCausalLM
 
 from mira_hf import MiraConfig, MiraMoEModel, UnsupportedModelError
@@ -27,7 +27,7 @@ def tiny(model_type: str):
     if config is None:
         pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
     torch.manual_seed(0)
-    return auto_model_class(model_type).from_config(config).eval()
+    return build(config).eval()
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

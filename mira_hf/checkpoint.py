@@ -12,7 +12,7 @@ Peak host memory while loading ≈ non-expert weights + the store's host tier (`
 expert's tensors, whatever the checkpoint's size.
 
 Where each family keeps its experts on disk is data in `model_adapters` (`MoEAdapter.checkpoint_keys`),
-derived from transformers' own conversion mapping for families without a table, and always tried
+found through transformers' own key renaming for families without a table, and always tried
 under the fused in-memory names too (`mira_hf.expert_keys`). A checkpoint matching none of them is loaded the
 ordinary way.
 """
@@ -32,7 +32,15 @@ import torch
 from model_adapters import MoEAdapter
 
 from .errors import BudgetError, CheckpointError, UnsupportedModelError
-from .expert_keys import NativeKeys, key_candidates, native_codec_name, plan_keys, plan_native_keys, quantization_dict
+from .expert_keys import (
+    Interleaved,
+    NativeKeys,
+    key_candidates,
+    native_codec_name,
+    plan_keys,
+    plan_native_keys,
+    quantization_dict,
+)
 from .fp8_partial_blocks import block_size, find_partial_block_weights, set_partial_block_weights
 from .load_report import LoadReport
 from .resources import available_host_bytes
@@ -98,7 +106,8 @@ class StreamedExperts:
         on `device` (the host where None)."""
         device = torch.device(device) if device is not None else None
         pieces = [self._read(t, e, device) for t in templates]
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        return templates.undo(out) if isinstance(templates, Interleaved) else out
 
     def _read(self, template: str, e: int, device: torch.device | None = None) -> torch.Tensor:
         key = template.format(e=e)
@@ -353,6 +362,7 @@ def load_without_experts(
             for n in modules[name]:
                 module.register_parameter(n, None)
             module._is_hf_initialized = True  # nothing left for transformers to initialise
+        state["stripped"] = [(module, modules[name]) for name, module in found]
         ignore_keys(model, [name + "." for name in modules])  # the checkpoint's expert tensors
         state["experts"] = StreamedExperts(index, modules, keys, native_keys, codec)
 
@@ -361,9 +371,25 @@ def load_without_experts(
         strip_experts(self)
         strip_partial_blocks(self)
 
+    def _initialize_missing_keys(self, *args, **kwargs):
+        """A parent's `_init_weights` may reach the experts' tensors (`module.experts.gate_up_proj`): during it
+        they are their meta tensors again, flagged as loaded, which transformers' init functions leave alone."""
+        stripped = state.get("stripped", ())
+        for module, tensors in stripped:
+            for n, meta in tensors.items():
+                meta._is_hf_initialized = True
+                module.register_parameter(n, meta)
+        try:
+            return base._initialize_missing_keys(self, *args, **kwargs)
+        finally:
+            for module, tensors in stripped:
+                for n in tensors:
+                    module.register_parameter(n, None)
+
     index.wait_all()  # every shard is there before transformers looks for them: it downloads none again
     # A subclass for this one load, so no transformers class is touched; the model gets its own class back.
-    namespace = {"__init__": __init__, "__module__": base.__module__, "__qualname__": base.__qualname__}
+    namespace = {"__init__": __init__, "_initialize_missing_keys": _initialize_missing_keys}
+    namespace |= {"__module__": base.__module__, "__qualname__": base.__qualname__}
     model = type(base.__name__, (base,), namespace).from_pretrained(name_or_path, **hf_kwargs)
     model.__class__ = base
     if "ignored" in state:
@@ -410,7 +436,8 @@ def build_skeleton(
         for n in meta[name]:
             module.register_parameter(n, None)
 
-    candidates = key_candidates(adapter, model)  # once: transformers' conversion mapping takes a while
+    targets = [f"{name}.{tensor}" for name, tensors in meta.items() for tensor in tensors]
+    candidates = key_candidates(adapter, model, index, targets)  # once: transformers' renaming takes a while
 
     def plan(name: str) -> dict[str, tuple[str, ...]]:
         return plan_keys(adapter, model, {name: meta[name]}, index, candidates)[name]

@@ -6,7 +6,7 @@ shard headers; and for a pre-quantized checkpoint, the keys of its quantized wei
 
 from __future__ import annotations
 
-import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,77 +19,109 @@ from .shards import NotStreamable, ShardIndex
 KeysFn = Callable[[str, str], "tuple[str, ...] | None"]  # (module path, fused tensor name) -> key templates
 
 
-def key_candidates(adapter: MoEAdapter, model: torch.nn.Module) -> list[tuple[str, KeysFn]]:
-    """Checkpoint layouts to try, in order: the adapter's tables (or, without any, one derived from
-    transformers' conversion mapping), then the fused in-memory names."""
+def key_candidates(adapter: MoEAdapter, model: torch.nn.Module, index: ShardIndex, targets) -> list[tuple[str, KeysFn]]:
+    """Checkpoint layouts to try, in order: the adapter's tables (or, without any, the keys transformers' own
+    renaming gives `targets`, the fused expert tensors `<module path>.<tensor>`), then the fused in-memory names."""
     found: list[tuple[str, KeysFn]] = [(f"{adapter.name} table", k.keys) for k in adapter.checkpoint_keys]
     if not found:
-        derived = transformers_keys(model)
+        derived = transformers_keys(model, index, targets)
         if derived is not None:
-            found.append(("transformers' conversion mapping", derived))
+            found.append(("transformers' key renaming", derived))
     found.append(("fused in-memory names", lambda path, tensor: (f"{path}.{tensor}",)))
     return found
 
 
-def _literal(pattern: str) -> str | None:
-    """A transformers key pattern as plain text, or None if it is a real regex."""
-    text = pattern.replace("\\.", ".")
-    return None if re.search(r"[\^$()\[\]{}?+|\\]", text) else text
+# Converters whose fused tensor is the per-expert tensors stacked (then concatenated, in source order).
+_STACKING = ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
 
 
-def transformers_keys(model: torch.nn.Module) -> KeysFn | None:
-    """Checkpoint keys of fused expert tensors, derived from transformers' own conversion mapping
-    (`WeightConverter`s that stack per-expert tensors, `WeightRenaming`s of plain names). None when
-    this transformers has no such mapping. Only the operations below are understood; any other
-    converter is ignored, and a wrong guess is harmless since every key is checked in the checkpoint."""
+class Interleaved(tuple):
+    """Key templates of a fused tensor stored with two halves interleaved along `dim` of each expert's tensor
+    (gate and up rows alternating: transformers' `Interleave`); `undo` puts them one after the other, as
+    transformers does when it loads them (a permutation: the same bits)."""
+
+    def __new__(cls, templates: tuple[str, ...], dim: int) -> Interleaved:
+        out = super().__new__(cls, templates)
+        out.dim = dim
+        return out
+
+    def __reduce__(self):
+        return Interleaved, (tuple(self), self.dim)
+
+    def undo(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.unflatten(self.dim, (-1, 2)).transpose(self.dim, self.dim + 1).flatten(self.dim, self.dim + 1)
+
+
+def transformers_keys(model: torch.nn.Module, index: ShardIndex, targets) -> KeysFn | None:
+    """Checkpoint keys of the fused expert tensors `targets`, found as transformers finds them when it loads:
+    every checkpoint key renamed by its `rename_source_key` (the model's renamings, at most one converter, the
+    base-model prefix), in the order it reads them. A target renamed from one key is read as stored; one
+    converted from per-expert keys is read expert by expert when its converter only stacks them (and joins
+    the stacks in its sources' order); one stored with its halves interleaved is read as `Interleaved`. Any
+    other conversion gives no keys. Computed once, at the first lookup; None when this transformers has no
+    such renaming."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
         conversions = get_model_conversion_mapping(model)
     except Exception:  # not in this transformers version, or a model it cannot map
         return None
-    stacking = ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
-    renames: list[tuple[str, str]] = []  # (checkpoint, in-memory)
-    converters: list[tuple[str, list[str]]] = []  # (in-memory target, per-expert checkpoint sources)
-    for c in conversions:
-        sources = [_literal(p) for p in c.source_patterns]
-        targets = [_literal(p) for p in c.target_patterns]
-        if None in sources or None in targets or len(targets) != 1:
-            continue
-        if isinstance(c, WeightConverter):
-            ops = [(type(op).__name__, getattr(op, "dim", None)) for op in c.operations]
-            if ops in stacking and all(s.count("*") == 1 for s in sources):
-                converters.append((targets[0], sources))
-        elif isinstance(c, WeightRenaming) and len(sources) == 1:
-            renames.append((sources[0], targets[0]))
+    targets = set(targets)
+    found: dict[str, tuple[str, ...]] = {}
+    collected, lock = [], threading.Lock()  # modules may be planned from several reader threads
+
+    def collect() -> None:
+        renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+        converters = [c for c in conversions if isinstance(c, WeightConverter)]
+        by_pattern = {p: c for c in converters for p in c.source_patterns}
+        state = dict.fromkeys(model.state_dict(), True) | dict.fromkeys(targets, True)
+        prefix = getattr(model, "base_model_prefix", None)
+        sources: dict[str, dict[str | None, list[str]]] = {}  # target -> converter source pattern -> keys
+        for key in sorted(index.entries, key=dot_natural_key):
+            renamed, pattern = rename_source_key(key, renamings, converters, prefix, state)
+            if renamed not in state and key in state:
+                renamed, pattern = rename_source_key(key, [], [], prefix, state)
+            if renamed in targets:
+                sources.setdefault(renamed, {}).setdefault(pattern, []).append(key)
+        for target, by_source in sources.items():
+            if list(by_source) == [None] and len(by_source[None]) == 1:
+                found[target] = (by_source[None][0],)
+                continue
+            converter = by_pattern.get(next(iter(by_source)))
+            operations = getattr(converter, "operations", ())
+            ops = [(type(op).__name__, getattr(op, "dim", None)) for op in operations]
+            if converter is None or set(by_source) != set(converter.source_patterns):
+                continue
+            if ops in _STACKING:
+                templates = tuple(_template(by_source[p]) for p in converter.source_patterns)
+                if None not in templates:
+                    found[target] = templates
+            elif [op for op, _ in ops] == ["Interleave"] and ops[0][1] >= 1 and not operations[0].inverse:
+                (keys,) = by_source.values()
+                if len(keys) == 1:  # the stacked tensor, interleaved within each expert's
+                    found[target] = Interleaved((keys[0],), ops[0][1] - 1)
 
     def keys(path: str, tensor: str) -> tuple[str, ...]:
-        key = f"{path}.{tensor}"
-        templates = [key]
-        for target, sources in converters:
-            if _ends_with(key, target):
-                templates = [key[: -len(target)] + s.replace("*", "{e}") for s in sources]
-                break
-        else:
-            for source, target in renames:
-                if _ends_with(key, target):
-                    templates = [key[: -len(target)] + source]
-                    break
-        out = []
-        for t in templates:  # undo plain renamings of the path (".block_sparse_moe." -> ".mlp.")
-            t = "." + t
-            for source, target in renames:
-                if target.startswith(".") and target.endswith("."):
-                    t = t.replace(target, source)
-            out.append(t[1:])
-        return tuple(out)
+        with lock:
+            if not collected:
+                collect()
+                collected.append(True)
+        return found.get(f"{path}.{tensor}", ())
 
     return keys
 
 
-def _ends_with(key: str, suffix: str) -> bool:
-    return key.endswith(suffix) and (suffix.startswith(".") or key == suffix or key.endswith("." + suffix))
+def _template(keys: list[str]) -> str | None:
+    """The template `t` with `t.format(e=i) == keys[i]` for every expert i (its index one dotted field of
+    the key), or None."""
+    fields = [k.split(".") for k in keys]
+    if any("{" in k or "}" in k for k in keys) or len({len(f) for f in fields}) != 1:
+        return None
+    for at in reversed(range(len(fields[0]))):
+        if all(f[at] == str(i) and f[:at] + f[at + 1 :] == fields[0][:at] + fields[0][at + 1 :] for i, f in enumerate(fields)):
+            return ".".join(fields[0][:at] + ["{e}"] + fields[0][at + 1 :])
+    return None
 
 
 def _match(index: ShardIndex, templates: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtype, E: int) -> str | None:
@@ -127,7 +159,8 @@ def plan_keys(
     """For every experts module (`name -> {tensor: meta tensor [E, ...]}`), the checkpoint key templates
     of each tensor. Raises `NotStreamable` naming what was looked for when no layout fits. `candidates`:
     the layouts to try (`key_candidates`), for a caller that plans one module at a time."""
-    candidates = candidates if candidates is not None else key_candidates(adapter, model)
+    if candidates is None:
+        candidates = key_candidates(adapter, model, index, [f"{n}.{t}" for n, ts in modules.items() for t in ts])
     plan = {}
     for name, tensors in modules.items():
         problems = []
@@ -135,7 +168,7 @@ def plan_keys(
             found, problem = {}, None
             for tensor, meta in tensors.items():
                 templates = keys(name, tensor)
-                problem = f"{tensor}: not in the table" if not templates else None
+                problem = f"{tensor}: no checkpoint key for it" if not templates else None
                 problem = problem or _match(index, templates, tuple(meta.shape[1:]), meta.dtype, meta.shape[0])
                 if problem:
                     break
@@ -241,6 +274,8 @@ def plan_native_keys(
     keys_of, plan_weights = _NATIVE_KEYS[codec_name]
     plain = {n: {t: m for t, m in ts.items() if plan_weights or t.endswith("_bias")} for n, ts in modules.items()}
     keys = plan_keys(adapter, model, plain, index)
+    if any(isinstance(t, Interleaved) for per in keys.values() for t in per.values()):
+        raise NotStreamable(f"its {codec_name} experts are stored with gate and up rows interleaved")
     native: dict[str, dict[str, NativeKeys]] = {}
     for name, tensors in modules.items():
         native[name] = {}

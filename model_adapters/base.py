@@ -77,7 +77,7 @@ class MoEAdapter:
     router_scoring: str = "softmax"  # how logits become probabilities: "softmax" or "sigmoid"
     notes: str = ""  # routing quirks worth knowing (shown in docs)
     # Checkpoint layouts of the routed experts, tried in order, for loading them one expert at a time
-    # without building the fused tensors. Empty: derived from transformers' own conversion mapping.
+    # without building the fused tensors. Empty: found through transformers' own key renaming.
     checkpoint_keys: tuple[ExpertKeys, ...] = ()
     # Layout flags of experts modules that do not carry those of `@use_experts_implementation`
     # (`is_transposed`, `has_gate`, `has_bias`): what the module's own forward does.

@@ -18,6 +18,7 @@ from mira_hf import MiraConfig, MiraMoEModel, UnsupportedModelError
 from mira_hf.checkpoint import auto_model_class
 from mira_hf.config import LoaderConfig
 from model_adapters import registered_model_types
+from model_adapters.base import is_transformers_experts
 
 IDS = torch.tensor([[5, 9, 17, 33, 42, 7, 64, 100, 3, 11]])
 
@@ -89,10 +90,9 @@ def test_ergo_is_refused_and_untouched():
     _refused_untouched(tiny("ergo"), "ErgoExperts.forward\\) replaces that of transformers' experts interface")
 
 
-# nemotron_h keeps its experts under a layout neither the tables nor transformers' conversion mapping describe;
 # Inkling 2's checkpoints store gate and up rows interleaved (transformers' `Interleave` conversion), which
 # mira-hf does not undo while reading one expert at a time.
-NOT_STREAMABLE = {"nemotron_h", "inkling2_text", "inkling2_loop_text"}
+NOT_STREAMABLE = {"inkling2_loop_text"}
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -159,6 +159,60 @@ def test_vision_language_checkpoint_loads_with_from_pretrained(tmp_path, stream)
     with torch.no_grad():
         assert (model(input_ids=IDS).logits - ref(input_ids=IDS).logits).abs().max() <= 1e-5
     assert model.mira.stats()["loads"] > 0
+
+
+def _aria(transformers):
+    """Aria: its checkpoints keep the text decoder under `language_model.model.`, which transformers renames
+    with a regular expression."""
+    return transformers.AriaForConditionalGeneration(
+        transformers.AriaConfig(
+            text_config=make_auto_config("aria_text").to_dict(),
+            vision_config=dict(model_type="idefics3_vision", num_hidden_layers=1, hidden_size=32,
+                               intermediate_size=64, num_attention_heads=2),
+            image_token_index=120, projector_patch_to_query_dict={49: 8},
+        )
+    )  # fmt: skip
+
+
+def _qwen3_omni_thinker(transformers):
+    """Qwen3-Omni's thinker: the sparse block's own weight init reaches its experts' tensors."""
+    config = transformers.Qwen3OmniMoeThinkerConfig
+    text = {k: v for k, v in SMALL.items() if hasattr(config.sub_configs["text_config"](), k)}
+    text["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
+    return transformers.Qwen3OmniMoeThinkerForConditionalGeneration(
+        config(
+            text_config=text,
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                               deepstack_visual_indexes=[0], num_position_embeddings=64),
+            audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
+                              output_dim=64, downsample_hidden_size=16, num_mel_bins=16),
+            image_token_id=120, video_token_id=121, audio_token_id=122,
+        )
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("make", [_aria, _qwen3_omni_thinker], ids=["aria", "qwen3_omni_thinker"])
+def test_multimodal_checkpoint_streams_through_transformers_renaming(make, tmp_path):
+    """Expert keys are found by renaming the checkpoint's keys as transformers does when it loads them, so
+    checkpoints renamed by regular expressions stream too; loaded expert by expert, outputs are exact."""
+    import transformers
+
+    try:
+        torch.manual_seed(0)
+        model = make(transformers)
+    except AttributeError as exc:
+        pytest.skip(f"transformers {transformers.__version__} lacks it ({exc})")
+    if not any(is_transformers_experts(m) for m in model.modules()):
+        pytest.skip(f"transformers {transformers.__version__} builds its experts outside the experts interface")
+    model.save_pretrained(tmp_path)
+    ref = type(model).from_pretrained(tmp_path).eval()
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=True))
+    with pytest.warns(UserWarning, match="has no adapter"):
+        streamed = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False)
+    assert type(streamed).__name__ == type(model).__name__
+    with torch.no_grad():
+        assert torch.equal(streamed(input_ids=IDS).logits, ref(input_ids=IDS).logits)
+    assert streamed.mira.stats()["loads"] > 0
 
 
 def test_router_reading_a_wider_state_than_its_experts_is_not_used_to_predict():

@@ -16,6 +16,7 @@ from tiny_models import make_config
 from mira_hf import BudgetError, CheckpointError, MiraConfig, MiraMoEModel, UnsupportedModelError
 from mira_hf.config import LoaderConfig
 from mira_hf.expert_keys import transformers_keys
+from mira_hf.shards import ShardIndex
 from model_adapters import ExpertKeys, MoEAdapter, get_adapter, register_adapter
 
 IDS = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(3))
@@ -70,15 +71,19 @@ def test_streamed_load_is_the_same_model(tiny_checkpoint, name, dtype, monkeypat
 
 
 @pytest.mark.parametrize("name", ALL_TINY)
-def test_adapter_tables_agree_with_transformers_conversion_mapping(name):
-    """The per-family tables are what transformers' own WeightConverters fuse (the generic fallback)."""
+def test_adapter_tables_agree_with_transformers_key_renaming(tiny_checkpoint, name):
+    """The per-family tables find the keys transformers' own loading renames to each fused expert tensor (the
+    generic fallback), in a checkpoint as save_pretrained writes it."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(make_config(name))
-    adapter, derived = get_adapter(model.config.model_type), transformers_keys(model)
+    adapter = get_adapter(model.config.model_type)
+    found = adapter.find_experts(model)
+    targets = [f"{path}.{tensor}" for path, module in found for tensor, _ in module.named_parameters(recurse=False)]
+    derived = transformers_keys(model, ShardIndex.find(tiny_checkpoint(name), {}), targets)
     assert derived is not None
-    for path, module in adapter.find_experts(model):
+    for path, module in found:
         for tensor, _ in module.named_parameters(recurse=False):
             tables = [k.keys(path, tensor) for k in adapter.checkpoint_keys] or [(f"{path}.{tensor}",)]
             assert derived(path, tensor) in tables

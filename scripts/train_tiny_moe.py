@@ -177,7 +177,7 @@ def forward_losses(
         out = model(input_ids=batch[:, :-1], output_router_logits=True, use_cache=False)
     logits = out.logits.float()
     ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
-    return ce, out.aux_loss, out.router_logits
+    return ce, getattr(out, "aux_loss", None), getattr(out, "router_logits", None) or ()
 
 
 @dataclass

@@ -7,7 +7,7 @@ adapters are exercised, trained long enough for its routing to specialise:
 
 | name | family | routed experts | top-k | shared expert | domain |
 |---|---|---|---|---|---|
-| deepseek-64x6 | deepseek_v3 | 64 (8 groups, 4 chosen) | 6 | 1 | the standard library's test suite |
+| deepseek-64x6 | deepseek_v3 | 64 (8 groups, 4 chosen) | 6 | 1 | transformers' Python sources |
 | qwen3-128x8 | qwen3_moe | 128 | 8 | - | the standard library (tests left out) |
 | olmoe-32x4 | olmoe | 32 | 4 | - | torch's Python sources |
 | qwen2-16x4 | qwen2_moe | 16 | 4 | 1 | installed packages' docs (.md, .rst, .txt) |
@@ -98,7 +98,7 @@ ZOO = {
                 qk_nope_head_dim=16,
                 v_head_dim=24,
             ),
-            "stdlib-tests",
+            "transformers-sources",
         ),
         ZooModel(
             "qwen3-128x8",
@@ -171,13 +171,12 @@ def _read_text(path: Path, max_bytes: int, min_bytes: int = 1) -> str | None:
 def domain_files(domain: str, max_bytes: int) -> list[data_prep.SourceFile]:
     """The documents of one text domain, in sorted order."""
     stdlib, site = Path(sysconfig.get_paths()["stdlib"]), Path(sysconfig.get_paths()["purelib"])
-    if domain in ("stdlib", "stdlib-tests"):
-        paths = [
-            p for p in data_prep.python_files(stdlib) if (p.relative_to(stdlib).parts[0] == "test") == (domain == "stdlib-tests")
-        ]
+    if domain == "stdlib":  # its test suite left out: some installs do not ship it
+        paths = [p for p in data_prep.python_files(stdlib) if p.relative_to(stdlib).parts[0] != "test"]
         root, min_bytes = stdlib, 1
-    elif domain == "torch-sources":
-        paths, root, min_bytes = sorted((site / "torch").rglob("*.py")), site, 1
+    elif domain in ("torch-sources", "transformers-sources"):  # dependencies: every install has them
+        package = Path((torch if domain == "torch-sources" else transformers).__file__).parent
+        paths, root, min_bytes = sorted(package.rglob("*.py")), package.parent, 1
     elif domain == "package-docs":
         paths = sorted(p for p in site.rglob("*") if p.suffix in DOC_SUFFIXES and "__pycache__" not in p.parts)
         root, min_bytes = site, MIN_DOC_BYTES
@@ -224,18 +223,26 @@ def prepare_domain(domain: str, tokenizer: Tokenizer, out: Path, args: argparse.
 def bias_balancer(model: torch.nn.Module, rate: float):
     """After each step, move each router's `e_score_correction_bias` by `rate` towards balance: up for
     experts chosen less than the mean, down for those chosen more (DeepSeek-V3's auxiliary-loss-free
-    balancing; the group restriction is left out of the load count). None if the family has no bias."""
+    balancing; the group restriction is left out of the load count). The routers' logits of the step's
+    forward are taken by a hook on each router (not every transformers version returns them). None if
+    the family has no bias."""
     gates = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
     if not gates:
         return None
     k = model.config.num_experts_per_tok
+    seen: dict[torch.nn.Module, torch.Tensor] = {}
+
+    def keep(gate, args, output) -> None:
+        seen[gate] = (output[0] if isinstance(output, tuple) else output).detach()
+
+    for gate in gates:
+        gate.register_forward_hook(keep)
 
     @torch.no_grad()
     def after_step(router_logits: tuple[torch.Tensor, ...]) -> None:
-        moe_logits = [r for r in router_logits if r is not None and r.shape[-1] == gates[0].e_score_correction_bias.numel()]
-        for gate, logits in zip(gates, moe_logits):  # logits [tokens, E]
+        for gate in gates:  # logits [tokens, E]
             bias = gate.e_score_correction_bias
-            top = (logits.float().sigmoid() + bias).topk(k, dim=-1).indices
+            top = (seen.pop(gate).float().sigmoid() + bias).topk(k, dim=-1).indices
             load = torch.bincount(top.reshape(-1), minlength=bias.numel()).float()
             bias += rate * torch.sign(load.mean() - load)
 

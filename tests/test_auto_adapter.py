@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny_models import AUTO_FAMILIES as FAMILIES
 from tiny_models import AUTO_SMALL as SMALL
-from tiny_models import build, make_auto_config, make_config
+from tiny_models import build, config_or_skip, make_auto_config, make_config
 from transformers import AutoModelForCausalLM
 
 from mira_hf import MiraConfig, MiraMoEModel, UnsupportedModelError
@@ -24,9 +24,7 @@ IDS = torch.tensor([[5, 9, 17, 33, 42, 7, 64, 100, 3, 11]])
 
 
 def tiny(model_type: str):
-    config = make_auto_config(model_type)
-    if config is None:
-        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
+    config = config_or_skip(model_type)
     torch.manual_seed(0)
     return build(config).eval()
 

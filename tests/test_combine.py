@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 from conftest import torch_threads
-from tiny_models import build, make_config, tiny_config
+from tiny_models import build, config_or_skip, make_config
 from transformers import AutoModelForCausalLM
 from transformers.integrations.moe import use_experts_implementation
 
@@ -72,9 +72,7 @@ def experts_pair(
     if host_costs is not None:  # the host worker is a thread, which a forked process (mutmut's runner) lacks
         key += (host_costs, os.getpid())
     if key not in _BUILT:
-        config = tiny_config(name)
-        if config is None:
-            pytest.skip(f"transformers {__import__('transformers').__version__} has no {name}")
+        config = config_or_skip(name)
         torch.manual_seed(0)
         ref = build(config).eval()
         path = next(

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from conftest import ALL_TINY
-from tiny_models import AUTO_FAMILIES, build, tiny_config
+from tiny_models import AUTO_FAMILIES, build, config_or_skip
 
 from mira_hf import ConfigError, MiraConfig, MiraMoEModel
 from mira_hf.errors import UnsupportedOperationError
@@ -25,27 +25,24 @@ _BUILT = {}
 
 
 def skewed(name: str, **overrides):
-    """A tiny random model of family `name` (fp32) whose routers are scaled by ROUTER_SCALE; None if the
-    installed transformers lacks the family. Built once per (name, overrides); callers get a copy."""
+    """A tiny random model of family `name` (fp32) whose routers are scaled by ROUTER_SCALE (skipped where the
+    installed transformers lacks the family). Built once per (name, overrides); callers get a copy."""
     key = (name, tuple(sorted(overrides.items())))
     if key not in _BUILT:
-        config = tiny_config(name)
-        if config is not None:
-            for k, v in overrides.items():
-                setattr(config, k, v)
-            torch.manual_seed(0)
-            model = build(config).eval()
-            with torch.no_grad():
-                for path, module in model.named_modules():
-                    E = getattr(module, "num_experts", None)
-                    if path.endswith("experts") and isinstance(E, int):  # its router: the block's [E, H] weights
-                        block = model.get_submodule(path.rpartition(".")[0])
-                        for pname, p in block.named_parameters():
-                            if not pname.startswith("experts.") and p.dim() == 2 and p.shape[0] == E:
-                                p.mul_(ROUTER_SCALE)
-        _BUILT[key] = model if config is not None else None
-    if _BUILT[key] is None:
-        pytest.skip(f"transformers {__import__('transformers').__version__} has no {name}")
+        config = config_or_skip(name)
+        for k, v in overrides.items():
+            setattr(config, k, v)
+        torch.manual_seed(0)
+        model = build(config).eval()
+        with torch.no_grad():
+            for path, module in model.named_modules():
+                E = getattr(module, "num_experts", None)
+                if path.endswith("experts") and isinstance(E, int):  # its router: the block's [E, H] weights
+                    block = model.get_submodule(path.rpartition(".")[0])
+                    for pname, p in block.named_parameters():
+                        if not pname.startswith("experts.") and p.dim() == 2 and p.shape[0] == E:
+                            p.mul_(ROUTER_SCALE)
+        _BUILT[key] = model
     return copy.deepcopy(_BUILT[key])
 
 

@@ -17,7 +17,7 @@ from test_combine import (
     routings,
     with_and_without_sentinel,
 )
-from tiny_models import AUTO_FAMILIES, build, make_config, tiny_config
+from tiny_models import AUTO_FAMILIES, build, config_or_skip, make_config
 from transformers import AutoModelForCausalLM
 
 from mira_hf import ConfigError, MiraConfig, MiraMoEModel, bundled_model_path
@@ -216,9 +216,7 @@ def test_logits_stay_within_the_bound_when_misses_run_on_the_host(name, dtype):
 def test_every_family_computes_misses_on_the_host_within_the_bound(name):
     # Every family served, with an adapter or without: the misses of one-token forwards (one row per expert)
     # computed on the host, the logits within the bound.
-    config = tiny_config(name)
-    if config is None:
-        pytest.skip(f"transformers {__import__('transformers').__version__} has no {name}")
+    config = config_or_skip(name)
     torch.manual_seed(0)
     ref = build(config).eval()
     model = _forced(copy.deepcopy(ref))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import ALL_TINY
 from test_host_compute import BOUND, MS, costs, logits_within_bound
-from tiny_models import AUTO_FAMILIES, build, tiny_config
+from tiny_models import AUTO_FAMILIES, build, config_or_skip
 from transformers import AutoModelForCausalLM
 
 from mira_hf import ConfigError, MiraConfig, MiraMoEModel, bundled_model_path
@@ -24,9 +24,7 @@ FAMILIES = ["mixtral", "gpt_oss", "qwen3_moe", "deepseek_v3", "llama4", "nemotro
 
 
 def _tiny(name: str, dtype=torch.float32):
-    config = tiny_config(name)
-    if config is None:
-        pytest.skip(f"transformers {__import__('transformers').__version__} has no {name}")
+    config = config_or_skip(name)
     torch.manual_seed(0)
     model = build(config).eval()
     with torch.no_grad():

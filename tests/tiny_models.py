@@ -1,5 +1,8 @@
 """The tests' tiny models: `mira_hf.testing`, the one table of tiny configs shared with the benchmarks."""
 
+import pytest
+import transformers
+
 from mira_hf.testing import (  # noqa: F401
     AUTO_FAMILIES,
     AUTO_OVERRIDES,
@@ -13,3 +16,11 @@ from mira_hf.testing import (  # noqa: F401
     make_config,
     tiny_config,
 )
+
+
+def config_or_skip(name: str):
+    """`tiny_config(name)`; the test is skipped where the installed transformers lacks the family."""
+    config = tiny_config(name)
+    if config is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    return config

@@ -40,7 +40,8 @@ MXFP4_QUANTIZATION_CONFIG = {
 # Families whose released checkpoints ship FP8 fine-grained experts. Widths are multiples of the 128 block (as in
 # every released checkpoint), and large enough that each expert weight has a 2 x 2 grid of scale blocks.
 FP8_WIDTHS = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256)
-FP8_FAMILIES = ("deepseek_v3", "qwen3_moe", "glm4_moe", "qwen3_next", "minimax_m2")
+# glm_moe_dsa has no adapter: its expert keys are found through transformers' own key renaming.
+FP8_FAMILIES = ("deepseek_v3", "qwen3_moe", "glm4_moe", "qwen3_next", "minimax_m2", "glm_moe_dsa")
 # Tensors the FP8 checkpoints leave unquantized (besides 1-D ones): embeddings, the LM head, routers, gates.
 _FP8_KEEP = ("embed_tokens", "lm_head", ".mlp.gate.weight", ".block_sparse_moe.gate.weight", "shared_expert_gate", "norm")
 _FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])

@@ -19,8 +19,9 @@ from mira_hf.config import LoaderConfig
 from mira_hf.quant.fp8_block import dequantize_fp8
 from mira_hf.quant.mxfp4 import dequantize_mxfp4
 
-# CI runs one family per format; the others (several seconds each on a CPU) run with -m slow.
-FAST = ("qwen3_moe", "gpt_oss")
+# CI runs one family per format and one without an adapter; the others (several seconds each on a CPU) run with
+# -m slow.
+FAST = ("qwen3_moe", "gpt_oss", "glm_moe_dsa")
 CASES = [
     pytest.param(f, c, marks=() if f in FAST else pytest.mark.slow)
     for f, c in [(f, "fp8_block") for f in FP8_FAMILIES] + [("gpt_oss", "mxfp4")]

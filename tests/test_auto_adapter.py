@@ -88,8 +88,8 @@ def test_ergo_is_refused_and_untouched():
     _refused_untouched(tiny("ergo"), "ErgoExperts.forward\\) replaces that of transformers' experts interface")
 
 
-# Inkling 2's checkpoints store gate and up rows interleaved (transformers' `Interleave` conversion), which
-# mira-hf does not undo while reading one expert at a time.
+# Inkling 2 Loop's checkpoints store their experts quantized in a format transformers dequantizes as it loads
+# them (its own converter); mira-hf reads experts as stored, stacked, joined or interleaved, nothing else.
 NOT_STREAMABLE = {"inkling2_loop_text"}
 
 

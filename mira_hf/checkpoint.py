@@ -33,8 +33,8 @@ from model_adapters import MoEAdapter
 
 from .errors import BudgetError, CheckpointError, UnsupportedModelError
 from .expert_keys import (
-    Interleaved,
     NativeKeys,
+    Rearranged,
     key_candidates,
     native_codec_name,
     plan_keys,
@@ -107,7 +107,7 @@ class StreamedExperts:
         device = torch.device(device) if device is not None else None
         pieces = [self._read(t, e, device) for t in templates]
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-        return templates.undo(out) if isinstance(templates, Interleaved) else out
+        return templates.undo(out) if isinstance(templates, Rearranged) else out
 
     def _read(self, template: str, e: int, device: torch.device | None = None) -> torch.Tensor:
         key = template.format(e=e)
@@ -436,7 +436,7 @@ def build_skeleton(
         for n in meta[name]:
             module.register_parameter(n, None)
 
-    targets = [f"{name}.{tensor}" for name, tensors in meta.items() for tensor in tensors]
+    targets = {f"{name}.{tensor}": tuple(t.shape) for name, tensors in meta.items() for tensor, t in tensors.items()}
     candidates = key_candidates(adapter, model, index, targets)  # once: transformers' renaming takes a while
 
     def plan(name: str) -> dict[str, tuple[str, ...]]:

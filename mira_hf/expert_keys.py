@@ -19,9 +19,12 @@ from .shards import NotStreamable, ShardIndex
 KeysFn = Callable[[str, str], "tuple[str, ...] | None"]  # (module path, fused tensor name) -> key templates
 
 
-def key_candidates(adapter: MoEAdapter, model: torch.nn.Module, index: ShardIndex, targets) -> list[tuple[str, KeysFn]]:
+def key_candidates(
+    adapter: MoEAdapter, model: torch.nn.Module, index: ShardIndex, targets: dict[str, tuple[int, ...]]
+) -> list[tuple[str, KeysFn]]:
     """Checkpoint layouts to try, in order: the adapter's tables (or, without any, the keys transformers' own
-    renaming gives `targets`, the fused expert tensors `<module path>.<tensor>`), then the fused in-memory names."""
+    renaming gives `targets`, the fused expert tensors `<module path>.<tensor>` and their shapes `[E, ...]`),
+    then the fused in-memory names."""
     found: list[tuple[str, KeysFn]] = [(f"{adapter.name} table", k.keys) for k in adapter.checkpoint_keys]
     if not found:
         derived = transformers_keys(model, index, targets)
@@ -31,34 +34,54 @@ def key_candidates(adapter: MoEAdapter, model: torch.nn.Module, index: ShardInde
     return found
 
 
-# Converters whose fused tensor is the per-expert tensors stacked (then concatenated, in source order).
-_STACKING = ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
 
 
-class Interleaved(tuple):
-    """Key templates of a fused tensor stored with two halves interleaved along `dim` of each expert's tensor
-    (gate and up rows alternating: transformers' `Interleave`); `undo` puts them one after the other, as
-    transformers does when it loads them (a permutation: the same bits)."""
+class Rearranged(tuple):
+    """Key templates of a fused tensor whose stored expert tensors transformers rearranges as it loads them:
+    `undo` does the same to each expert's tensor as read (a permutation of its elements: the same bits), and
+    `stored(shape)` is the shape an expert's tensor of loaded `shape` has in the checkpoint."""
 
-    def __new__(cls, templates: tuple[str, ...], dim: int) -> Interleaved:
+    def __new__(cls, templates: tuple[str, ...], *dims: int):
         out = super().__new__(cls, templates)
-        out.dim = dim
+        out.dims = dims
         return out
 
     def __reduce__(self):
-        return Interleaved, (tuple(self), self.dim)
+        return type(self), (tuple(self), *self.dims)
+
+
+class Interleaved(Rearranged):
+    """Two halves stored interleaved along dim `dims[0]` (gate and up rows alternating: transformers' `Interleave`),
+    put one after the other."""
 
     def undo(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.unflatten(self.dim, (-1, 2)).transpose(self.dim, self.dim + 1).flatten(self.dim, self.dim + 1)
+        (d,) = self.dims
+        return tensor.unflatten(d, (-1, 2)).transpose(d, d + 1).flatten(d, d + 1)
+
+    def stored(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(shape)
 
 
-def transformers_keys(model: torch.nn.Module, index: ShardIndex, targets) -> KeysFn | None:
+class Transposed(Rearranged):
+    """Stored with dims `dims` swapped (transformers' `Transpose`: Qwen3-VL-MoE's checkpoints keep `[H, 2I]`
+    experts where the model computes with `[2I, H]`)."""
+
+    def undo(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.transpose(*self.dims).contiguous()
+
+    def stored(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        out, (a, b) = list(shape), self.dims
+        out[a], out[b] = shape[b], shape[a]
+        return tuple(out)
+
+
+def transformers_keys(model: torch.nn.Module, index: ShardIndex, targets: dict[str, tuple[int, ...]]) -> KeysFn | None:
     """Checkpoint keys of the fused expert tensors `targets`, found as transformers finds them when it loads:
     every checkpoint key renamed by its `rename_source_key` (the model's renamings, at most one converter, the
     base-model prefix), in the order it reads them. A target renamed from one key is read as stored; one
     converted from per-expert keys is read expert by expert when its converter only stacks them (and joins
-    the stacks in its sources' order); one stored with its halves interleaved is read as `Interleaved`. Any
-    other conversion gives no keys. Computed once, at the first lookup; None when this transformers has no
+    the stacks in its sources' order); one stored rearranged within each expert's tensor is read as
+    `Rearranged` (`_converted`). Any other conversion gives no keys. Computed once, at the first lookup; None when this transformers has no
     such renaming."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -67,7 +90,7 @@ def transformers_keys(model: torch.nn.Module, index: ShardIndex, targets) -> Key
         conversions = get_model_conversion_mapping(model)
     except Exception:  # not in this transformers version, or a model it cannot map
         return None
-    targets = set(targets)
+    targets = dict(targets)
     found: dict[str, tuple[str, ...]] = {}
     collected, lock = [], threading.Lock()  # modules may be planned from several reader threads
 
@@ -89,18 +112,11 @@ def transformers_keys(model: torch.nn.Module, index: ShardIndex, targets) -> Key
                 found[target] = (by_source[None][0],)
                 continue
             converter = by_pattern.get(next(iter(by_source)))
-            operations = getattr(converter, "operations", ())
-            ops = [(type(op).__name__, getattr(op, "dim", None)) for op in operations]
             if converter is None or set(by_source) != set(converter.source_patterns):
                 continue
-            if ops in _STACKING:
-                templates = tuple(_template(by_source[p]) for p in converter.source_patterns)
-                if None not in templates:
-                    found[target] = templates
-            elif [op for op, _ in ops] == ["Interleave"] and ops[0][1] >= 1 and not operations[0].inverse:
-                (keys,) = by_source.values()
-                if len(keys) == 1:  # the stacked tensor, interleaved within each expert's
-                    found[target] = Interleaved((keys[0],), ops[0][1] - 1)
+            templates = _converted(converter, [by_source[p] for p in converter.source_patterns], index, targets[target])
+            if templates is not None:
+                found[target] = templates
 
     def keys(path: str, tensor: str) -> tuple[str, ...]:
         with lock:
@@ -110,6 +126,35 @@ def transformers_keys(model: torch.nn.Module, index: ShardIndex, targets) -> Key
         return found.get(f"{path}.{tensor}", ())
 
     return keys
+
+
+def _converted(converter, keys: list[list[str]], index: ShardIndex, shape: tuple[int, ...]) -> tuple[str, ...] | None:
+    """Key templates of the tensor `converter` makes from `keys` (the checkpoint keys of each of its sources, in
+    order) for a target of `shape`, or None where its operations do more than these: stack per-expert tensors
+    (`MergeModulelist` on dim 0), then join the sources' stacks along each expert's rows (`Concatenate` on dim
+    1), then rearrange each expert's tensor (`Interleave`, `Transpose` of dims past the experts')."""
+    ops = list(converter.operations)
+    name = [type(op).__name__ for op in ops]
+    stacks = name[:1] == ["MergeModulelist"] and ops[0].dim == 0
+    ops, name = (ops[1:], name[1:]) if stacks else (ops, name)
+    joined = name[:1] == ["Concatenate"] and ops[0].dim == 1
+    ops, name = (ops[1:], name[1:]) if joined else (ops, name)
+    if len(ops) > 1 or (len(keys) > 1 and not joined):
+        return None
+    templates = tuple(_template(k) if stacks else (k[0] if len(k) == 1 else None) for k in keys)
+    if None in templates:
+        return None
+    if not ops:
+        return templates
+    op = ops[0]
+    if name == ["Interleave"] and op.dim >= 1 and not op.inverse:
+        return Interleaved(templates, op.dim - 1)
+    if name == ["Transpose"] and min(op.dim0, op.dim1) >= 1 and len(templates) == 1 and "{e}" not in templates[0]:
+        stored = index.entries[templates[0]].shape
+        if op.check_dims and tuple(stored) == tuple(shape):  # transformers transposes only what does not fit
+            return templates
+        return Transposed(templates, op.dim0 - 1, op.dim1 - 1)
+    return None
 
 
 def _template(keys: list[str]) -> str | None:
@@ -126,6 +171,7 @@ def _template(keys: list[str]) -> str | None:
 
 def _match(index: ShardIndex, templates: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtype, E: int) -> str | None:
     """None if `templates` give every expert's tensor of per-expert `shape`, else what is wrong."""
+    shape = templates.stored(shape) if isinstance(templates, Rearranged) else shape
     rows = 0
     for t in templates:
         keys = [t.format(e=e) for e in range(E)] if "{e}" in t else [t]
@@ -160,7 +206,8 @@ def plan_keys(
     of each tensor. Raises `NotStreamable` naming what was looked for when no layout fits. `candidates`:
     the layouts to try (`key_candidates`), for a caller that plans one module at a time."""
     if candidates is None:
-        candidates = key_candidates(adapter, model, index, [f"{n}.{t}" for n, ts in modules.items() for t in ts])
+        targets = {f"{n}.{t}": tuple(m.shape) for n, ts in modules.items() for t, m in ts.items()}
+        candidates = key_candidates(adapter, model, index, targets)
     plan = {}
     for name, tensors in modules.items():
         problems = []
@@ -274,8 +321,8 @@ def plan_native_keys(
     keys_of, plan_weights = _NATIVE_KEYS[codec_name]
     plain = {n: {t: m for t, m in ts.items() if plan_weights or t.endswith("_bias")} for n, ts in modules.items()}
     keys = plan_keys(adapter, model, plain, index)
-    if any(isinstance(t, Interleaved) for per in keys.values() for t in per.values()):
-        raise NotStreamable(f"its {codec_name} experts are stored with gate and up rows interleaved")
+    if any(isinstance(t, Rearranged) for per in keys.values() for t in per.values()):
+        raise NotStreamable(f"its {codec_name} experts are stored rearranged (interleaved or transposed)")
     native: dict[str, dict[str, NativeKeys]] = {}
     for name, tensors in modules.items():
         native[name] = {}

@@ -159,6 +159,38 @@ def test_vision_language_checkpoint_loads_with_from_pretrained(tmp_path, stream)
     assert model.mira.stats()["loads"] > 0
 
 
+def test_transposed_vision_language_checkpoint_streams(tmp_path):
+    """Qwen3-VL-MoE checkpoints on the hub keep each expert as `[H, 2I]` and `[I, H]`, which transformers
+    transposes as it loads them (where the shapes differ from the model's): read one expert at a time and
+    transposed the same way, outputs are exact."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    if not hasattr(transformers, "Qwen3VLMoeForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no qwen3_vl_moe")
+    from transformers import AutoModelForImageTextToText, Qwen3VLMoeConfig
+
+    text = {k: v for k, v in SMALL.items() if hasattr(Qwen3VLMoeConfig().text_config, k)}
+    text["moe_intermediate_size"] = 48  # [2I, H] = [96, 64]: not its own transpose
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    transformers.Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(text_config=text, vision_config=vision)).save_pretrained(
+        tmp_path
+    )
+    state = load_file(tmp_path / "model.safetensors")
+    experts = [k for k in state if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]
+    assert experts
+    save_file({k: t.transpose(1, 2).contiguous() if k in experts else t for k, t in state.items()},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    ref = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=True))
+    with pytest.warns(UserWarning, match="has no adapter"):
+        model = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=IDS).logits, ref(input_ids=IDS).logits)
+    assert model.mira.stats()["loads"] > 0
+
+
 def _aria(transformers):
     """Aria: its checkpoints keep the text decoder under `language_model.model.`, which transformers renames
     with a regular expression."""

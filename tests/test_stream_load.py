@@ -80,7 +80,7 @@ def test_adapter_tables_agree_with_transformers_key_renaming(tiny_checkpoint, na
         model = AutoModelForCausalLM.from_config(make_config(name))
     adapter = get_adapter(model.config.model_type)
     found = adapter.find_experts(model)
-    targets = [f"{path}.{tensor}" for path, module in found for tensor, _ in module.named_parameters(recurse=False)]
+    targets = {f"{path}.{n}": tuple(t.shape) for path, module in found for n, t in module.named_parameters(recurse=False)}
     derived = transformers_keys(model, ShardIndex.find(tiny_checkpoint(name), {}), targets)
     assert derived is not None
     for path, module in found:
@@ -317,3 +317,34 @@ def test_hub_id_in_the_local_cache_streams(tiny_checkpoint, tmp_path):
     model = MiraMoEModel.from_pretrained("mira/tiny-mixtral", cfg, progress=False, cache_dir=str(tmp_path / "hub"))
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, _load(tiny_checkpoint("mixtral"), WHOLE)(IDS).logits)
+
+
+def test_conversions_read_expert_by_expert_and_the_ones_refused():
+    """Which of transformers' weight conversions are read one expert at a time: per-expert tensors stacked (and
+    joined), stacked tensors joined along each expert's rows (Step 3.7's gate and up), rows interleaved within
+    each expert (Inkling); anything else (a conversion joining experts, another operation) gives no keys."""
+    from transformers.core_model_loading import Chunk, Concatenate, Interleave, MergeModulelist, WeightConverter
+
+    from mira_hf.expert_keys import Interleaved, _converted
+
+    def conv(sources, *ops):
+        return WeightConverter(source_patterns=sources, target_patterns="mlp.experts.gate_up_proj", operations=list(ops))
+
+    per_expert = [[f"m.experts.{e}.w1.weight" for e in range(3)], [f"m.experts.{e}.w3.weight" for e in range(3)]]
+    stacked = [["m.moe.gate_proj.weight"], ["m.moe.up_proj.weight"]]
+    both = ["experts.*.w1.weight", "experts.*.w3.weight"]
+    assert _converted(conv(both, MergeModulelist(dim=0), Concatenate(dim=1)), per_expert, None, ()) == (
+        "m.experts.{e}.w1.weight",
+        "m.experts.{e}.w3.weight",
+    )
+    assert _converted(conv(["moe.gate_proj.weight", "moe.up_proj.weight"], Concatenate(dim=1)), stacked, None, ()) == (
+        "m.moe.gate_proj.weight",
+        "m.moe.up_proj.weight",
+    )
+    interleaved = _converted(conv(["experts.w13_weight"], Interleave(dim=1)), [["m.experts.w13_weight"]], None, ())
+    assert isinstance(interleaved, Interleaved) and interleaved.dims == (0,)
+    rows = torch.arange(12.0).view(6, 2)  # gate and up rows alternating
+    assert torch.equal(interleaved.undo(rows), torch.cat([rows[0::2], rows[1::2]]))
+    assert _converted(conv(["experts.w13_weight"], Interleave(dim=0)), [["m.experts.w13_weight"]], None, ()) is None
+    assert _converted(conv(["moe.gate_proj.weight", "moe.up_proj.weight"], Concatenate(dim=0)), stacked, None, ()) is None
+    assert _converted(conv(["experts.w13_weight"], Chunk(dim=1)), [["m.experts.w13_weight"]], None, ()) is None

@@ -34,8 +34,6 @@ def key_candidates(
     return found
 
 
-
-
 class Rearranged(tuple):
     """Key templates of a fused tensor whose stored expert tensors transformers rearranges as it loads them:
     `undo` does the same to each expert's tensor as read (a permutation of its elements: the same bits), and

@@ -79,8 +79,8 @@ def transformers_keys(model: torch.nn.Module, index: ShardIndex, targets: dict[s
     base-model prefix), in the order it reads them. A target renamed from one key is read as stored; one
     converted from per-expert keys is read expert by expert when its converter only stacks them (and joins
     the stacks in its sources' order); one stored rearranged within each expert's tensor is read as
-    `Rearranged` (`_converted`). Any other conversion gives no keys. Computed once, at the first lookup; None when this transformers has no
-    such renaming."""
+    `Rearranged` (`_converted`). Any other conversion gives no keys. Computed once, at the first lookup; None
+    when this transformers has no such renaming."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key

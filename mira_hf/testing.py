@@ -172,6 +172,24 @@ EXTRA_RECIPES = {
 }
 
 
+# Vision-language families served by a registered adapter that have no causal-LM class (their image-text-to-text
+# model is built, which the causal-LM tests over RECIPES cannot): checked by tests/test_multimodal_families.py.
+MULTIMODAL_RECIPES = {
+    "step3p7": (
+        "Step3p7Config",
+        dict(
+            text_config=dict(
+                BASE, num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=32, head_dim=16,
+                num_local_experts=8, num_experts_per_tok=2, share_expert_dim=32, num_sliding_attention_heads=4,
+                query_pre_attn_scalar=16, sliding_window=16, mlp_layer_types=["dense", "sparse"],
+                swiglu_limits=[0.0, 0.05],  # the sparse layer's routed experts clamped (their own gate function)
+            ),
+            vision_config=dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2),
+            image_token_id=120,
+        ),
+    ),
+}  # fmt: skip
+
 # Families without an adapter (as of this file) whose shrunken defaults build MoE layers on the CPU; each one's
 # causal-LM model type (a multimodal family's text decoder).
 AUTO_FAMILIES = [
@@ -263,15 +281,16 @@ def make_auto_config(model_type: str):
 
 
 def make_config(name: str, **overrides):
-    """The tiny config of `name` (a key of `RECIPES` or `EXTRA_RECIPES`), with `overrides` on top of its recipe."""
-    cls_name, kwargs = {**RECIPES, **EXTRA_RECIPES}[name]
+    """The tiny config of `name` (a key of `RECIPES`, `EXTRA_RECIPES` or `MULTIMODAL_RECIPES`), with `overrides` on
+    top of its recipe."""
+    cls_name, kwargs = {**RECIPES, **EXTRA_RECIPES, **MULTIMODAL_RECIPES}[name]
     return getattr(transformers, cls_name)(**{**kwargs, **overrides})
 
 
 def tiny_config(name: str):
     """The tiny config of any served family: its recipe (`make_config`), or for a family without an adapter
     (`AUTO_FAMILIES`) its own defaults shrunk (`make_auto_config`; None if transformers lacks it)."""
-    return make_config(name) if name in RECIPES or name in EXTRA_RECIPES else make_auto_config(name)
+    return make_config(name) if name in {**RECIPES, **EXTRA_RECIPES, **MULTIMODAL_RECIPES} else make_auto_config(name)
 
 
 def build(config):

@@ -135,3 +135,15 @@ LLAMA4 = register_adapter(
         input_scaled=True,
     )
 )
+
+STEP3P7 = register_adapter(
+    MoEAdapter(
+        name="step3p7",
+        model_types=("step3p7", "step3p7_text"),
+        router_scoring="sigmoid",
+        notes="experts built outside transformers' experts interface, in its layout (`gate_up_proj [E, 2I, H]`), "
+        "SwiGLU clamped per layer (the module's own `_apply_gate`); sigmoid router with a selection bias; shared "
+        "expert and routed scaling on the block; a vision-language model (no causal-LM class)",
+        expert_flags={"is_transposed": False, "has_gate": True, "has_bias": False},
+    )
+)

@@ -9,6 +9,7 @@ from mira_hf.testing import (  # noqa: F401
     AUTO_SMALL,
     BASE,
     EXTRA_RECIPES,
+    MULTIMODAL_RECIPES,
     RECIPES,
     InterruptAt,
     build,

@@ -1,0 +1,49 @@
+"""Vision-language families served by a registered adapter that have no causal-LM class (`MULTIMODAL_RECIPES`):
+their image-text-to-text model wrapped in place and loaded with `from_pretrained`, whole and expert by expert,
+computes what transformers computes, bit for bit, in fp32 and bf16."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+from tiny_models import MULTIMODAL_RECIPES, build, make_config
+
+from mira_hf import MiraConfig, MiraMoEModel
+from mira_hf.config import LoaderConfig
+
+IDS = torch.tensor([[5, 9, 17, 33, 42, 7, 64, 100, 3, 11]])
+GEN = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+
+
+def tiny(name: str):
+    if not hasattr(transformers, MULTIMODAL_RECIPES[name][0]):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    torch.manual_seed(0)
+    return build(make_config(name)).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(MULTIMODAL_RECIPES))
+def test_wrapped_in_place_is_exact(name, dtype):
+    ref = tiny(name).to(dtype)
+    model = copy.deepcopy(ref)
+    MiraMoEModel.wrap(model, MiraConfig(device="cpu", gpu_budget=0.5))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=IDS).logits, ref(input_ids=IDS).logits)
+        assert torch.equal(model.generate(input_ids=IDS, **GEN), ref.generate(input_ids=IDS, **GEN))
+    assert model.mira.stats()["loads"] > 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("name", sorted(MULTIMODAL_RECIPES))
+def test_checkpoint_loads_exactly(name, stream, tmp_path):
+    original = tiny(name)
+    original.save_pretrained(tmp_path)
+    ref = type(original).from_pretrained(tmp_path).eval()
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=stream))
+    model = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False)
+    assert type(model) is type(ref)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=IDS).logits, ref(input_ids=IDS).logits)
+    assert model.mira.stats()["loads"] > 0

@@ -16,9 +16,10 @@ if "MIRA_HF_RECORD_CACHE" not in os.environ:  # records cached by the tests' loa
     atexit.register(shutil.rmtree, os.environ["MIRA_HF_RECORD_CACHE"], ignore_errors=True)  # after cache writers end
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from tiny_models import EXTRA_RECIPES, RECIPES, make_config  # noqa: E402
+from tiny_models import EXTRA_RECIPES, MULTIMODAL_RECIPES, RECIPES, make_config  # noqa: E402
 
 ALL_TINY = sorted(RECIPES) + sorted(EXTRA_RECIPES)
+MULTIMODAL = sorted(MULTIMODAL_RECIPES)  # served by an adapter, built as image-text-to-text models
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from conftest import ALL_TINY
+from conftest import ALL_TINY, MULTIMODAL
 from tiny_models import AUTO_FAMILIES, build, config_or_skip
 
 from mira_hf import ConfigError, MiraConfig, MiraMoEModel
@@ -81,7 +81,7 @@ def differences(ref, model, ids=IDS, steps: int = 3) -> list[str]:
 def _every_family_and_dtype():
     """Every family in every dtype; the families without an adapter run bf16 in CI (where the arithmetic
     of the combine differs most) and fp32/fp16 with the slow tests, to keep CI short."""
-    for name in ALL_TINY + AUTO_FAMILIES:
+    for name in ALL_TINY + MULTIMODAL + AUTO_FAMILIES:
         for dtype in DTYPES:
             slow = name in AUTO_FAMILIES and dtype != torch.bfloat16
             yield pytest.param(name, dtype, marks=[pytest.mark.slow] if slow else [], id=f"{name}-{str(dtype)[6:]}")

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import ALL_TINY
+from conftest import ALL_TINY, MULTIMODAL
 from test_combine import FAMILIES as COMBINE_FAMILIES
 from test_combine import (
     IMPLS,
@@ -212,7 +212,7 @@ def test_logits_stay_within_the_bound_when_misses_run_on_the_host(name, dtype):
 
 
 @pytest.mark.filterwarnings("ignore:mira-hf. model_type")
-@pytest.mark.parametrize("name", ALL_TINY + AUTO_FAMILIES)
+@pytest.mark.parametrize("name", ALL_TINY + MULTIMODAL + AUTO_FAMILIES)
 def test_every_family_computes_misses_on_the_host_within_the_bound(name):
     # Every family served, with an adapter or without: the misses of one-token forwards (one row per expert)
     # computed on the host, the logits within the bound.

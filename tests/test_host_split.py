@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import ALL_TINY
+from conftest import ALL_TINY, MULTIMODAL
 from test_host_compute import BOUND, MS, costs, logits_within_bound
 from tiny_models import AUTO_FAMILIES, build, config_or_skip
 from transformers import AutoModelForCausalLM
@@ -123,7 +123,7 @@ def test_logits_stay_within_the_bound_with_each_expert_split_between_host_and_de
 
 
 @pytest.mark.filterwarnings("ignore:mira-hf. model_type")
-@pytest.mark.parametrize("name", ALL_TINY + AUTO_FAMILIES)
+@pytest.mark.parametrize("name", ALL_TINY + MULTIMODAL + AUTO_FAMILIES)
 def test_every_family_splits_its_experts_within_the_bound(name):
     # Every family served, with an adapter or without: its experts split, the host computing their parts on a
     # small block and on a decode step.

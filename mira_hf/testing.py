@@ -280,17 +280,22 @@ def make_auto_config(model_type: str):
     return cls(**{**small, **AUTO_OVERRIDES.get(model_type, {})})
 
 
+# Every family with an adapter: name -> (config class name, kwargs).
+ALL_RECIPES = {**RECIPES, **EXTRA_RECIPES, **MULTIMODAL_RECIPES}
+
+
 def make_config(name: str, **overrides):
-    """The tiny config of `name` (a key of `RECIPES`, `EXTRA_RECIPES` or `MULTIMODAL_RECIPES`), with `overrides` on
-    top of its recipe."""
-    cls_name, kwargs = {**RECIPES, **EXTRA_RECIPES, **MULTIMODAL_RECIPES}[name]
+    """The tiny config of `name` (a key of `ALL_RECIPES`), with `overrides` on top of its recipe."""
+    cls_name, kwargs = ALL_RECIPES[name]
     return getattr(transformers, cls_name)(**{**kwargs, **overrides})
 
 
 def tiny_config(name: str):
     """The tiny config of any served family: its recipe (`make_config`), or for a family without an adapter
-    (`AUTO_FAMILIES`) its own defaults shrunk (`make_auto_config`; None if transformers lacks it)."""
-    return make_config(name) if name in {**RECIPES, **EXTRA_RECIPES, **MULTIMODAL_RECIPES} else make_auto_config(name)
+    (`AUTO_FAMILIES`) its own defaults shrunk (`make_auto_config`); None if transformers lacks the family."""
+    if name not in ALL_RECIPES:
+        return make_auto_config(name)
+    return make_config(name) if hasattr(transformers, ALL_RECIPES[name][0]) else None
 
 
 def build(config):

@@ -6,8 +6,7 @@ import copy
 
 import pytest
 import torch
-import transformers
-from tiny_models import MULTIMODAL_RECIPES, build, make_config
+from tiny_models import MULTIMODAL_RECIPES, build, config_or_skip
 
 from mira_hf import MiraConfig, MiraMoEModel
 from mira_hf.config import LoaderConfig
@@ -17,10 +16,9 @@ GEN = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
 
 
 def tiny(name: str):
-    if not hasattr(transformers, MULTIMODAL_RECIPES[name][0]):
-        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    config = config_or_skip(name)
     torch.manual_seed(0)
-    return build(make_config(name)).eval()
+    return build(config).eval()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -354,3 +354,16 @@ def test_batch_staging_timing_model_on_a_known_sequence():
     assert module.timed_wait(events, block_ms=10, copy_ms=6, host_lead=0, skip_blocks=1) == 6
     # slower copies: the third, issued at 30, waits for the link until 50
     assert module.timed_wait(events, block_ms=10, copy_ms=20, host_lead=0, skip_blocks=0) == 20 + 20 + 10
+
+
+def test_depth_profile_smoke_splits_a_decode_step_into_its_parts(tmp_path):
+    script = ROOT / "benchmarks" / "depth_profile.py"
+    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    (path,) = tmp_path.glob("*-cpu-depth-profile-qwen3.json")
+    result = json.loads(path.read_text())
+    timed, parts = result["timed"], result["parts"]
+    assert timed["misses_per_step"] + timed["hits_per_step"] > 0 and timed["tok_s"] > 0
+    assert {"victim_search", "copy_issue", "compute", "proxy_loop", "rest_of_model"} <= set(parts["ms_per_step"])
+    # every decode step routes each MoE layer once: the proxies' calls per step are the model's MoE layers
+    assert parts["calls_per_step"]["proxy_loop"] == result["moe_layers"]
+    assert result["host"] and all(row["calls"] > 0 for row in result["host"])

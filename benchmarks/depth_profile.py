@@ -165,6 +165,7 @@ def main() -> None:
     ap.add_argument("--profile-tokens", type=int, default=8, help="decode tokens under each profiler")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--no-resident", dest="resident", action="store_false")
+    ap.add_argument("--timed-only", action="store_true", help="only the timed decode (for A/B runs of two trees)")
     ap.add_argument("--smoke", action="store_true", help="CPU, the plan's tiny shape, a few tokens")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None)
@@ -206,6 +207,9 @@ def main() -> None:
         misses_per_step=(st["misses"] - pre["misses"]) / args.tokens,
         hits_per_step=(st["hits"] - pre["hits"]) / args.tokens,
     )
+    if args.timed_only:
+        print({k: v for k, v in result.items() if k in ("resident_tok_s", "timed", "slots")})
+        return
     result["parts"] = parts_profile(model, ids, args.tokens)
     result["host"] = host_profile(model, ids, args.profile_tokens, args.top)
     if device == "cuda":

@@ -274,27 +274,31 @@ class MiraExperts(nn.Module):
             self.manager.acquire_rest(plan, e)
             put(w, down, rows)
 
-        group = None
+        group = together = None
         if self.manager.slot_views(self.layer) is not None:  # raw weights in the slots
+
+            def together(plan, experts: list[int]) -> None:  # every row's expert, acquired in its slot
+                # each tensor is one gather from the pool, as the unwrapped model's `weight[expert_ids]` (no buffer
+                # beside it)
+                slot_of = torch.zeros(self.num_experts, dtype=torch.long)  # [E] expert -> its slot
+                slot_of[experts] = torch.tensor([plan.slots[e].index for e in experts])
+                at = _to(hidden_states.device, slot_of)[top_k_index.reshape(-1)]  # [S] each row's slot
+                gathered.update(self._from_slots(at, up + down))
 
             def group(plan, experts: list[int]) -> None:  # resident experts, acquired
                 if len(experts) < len(needed) or written < S:  # some rows come later: each expert into its rows
                     for e in experts:
                         put(self.manager.weights(plan, e), up + down, rows_of(e))
                     return
-                # every row's expert is resident: each tensor is one gather from the pool, as the unwrapped model's
-                # `weight[expert_ids]` (no buffer beside it)
-                slot_of = torch.zeros(self.num_experts, dtype=torch.long)  # [E] expert -> its slot
-                slot_of[experts] = torch.tensor([plan.slots[e].index for e in experts])
-                at = _to(hidden_states.device, slot_of)[top_k_index.reshape(-1)]  # [S] each row's slot
-                gathered.update(self._from_slots(at, up + down))
+                together(plan, experts)
 
         K = top_k_index.shape[1]
         tokens = lambda r: r // K if isinstance(r, torch.Tensor) else slice(r // K, r // K + 1)  # noqa: E731
         counts = (
             [r.numel() if isinstance(r, torch.Tensor) else 1 for r in map(rows_of, needed)] if self.manager.host.active else None
         )
-        host = self._serve(needed, compute, counts, lambda e: hidden_states[tokens(rows_of(e))], group)
+        inputs = lambda e: hidden_states[tokens(rows_of(e))]  # noqa: E731
+        host = self._serve(needed, compute, counts, inputs, group, together if written == S else None)
         y = None  # [S, H]
         if gathered:
             x = hidden_states.repeat_interleave(K, dim=0)  # [S, H]
@@ -314,7 +318,9 @@ class MiraExperts(nn.Module):
         views = self.manager.slot_views(self.layer)
         return {name: views[name][at] for name in names}
 
-    def _serve(self, needed: list[int], compute, rows=None, inputs=None, group=None) -> list[tuple[int, torch.Tensor]]:
+    def _serve(
+        self, needed: list[int], compute, rows=None, inputs=None, group=None, together=None
+    ) -> list[tuple[int, torch.Tensor]]:
         """One block call of the manager's protocol: `begin`, then for each expert in `plan.order` (resident
         first) `acquire` its first part (the rest of the record may still be crossing: `_expert` waits for
         it), `compute(plan, e, w)`, `release`; `end` even when a compute raises (it unpins the slots).
@@ -324,7 +330,11 @@ class MiraExperts(nn.Module):
         bookkeeping after its last launch waits for the manager's next verb (`end(..., later=True)`): the device runs
         meanwhile. `rows`: each needed
         expert's row count, `inputs(e)`: its rows [n, H]. With host compute on, the misses `begin` sent to the
-        host run there meanwhile, and with host_compute="split" every expert's host part: returns
+        host run there meanwhile, and with host_compute="split" every expert's host part. `together(plan,
+        experts)`: computes all of a block's experts from their slots once each is acquired (its copy landed), where
+        some were not resident and landed at `begin`, `begin` gave every miss a slot and none is kept packed or
+        computed on the host: one call for the block instead of `compute` on each miss (`batched_mm` multiplies every
+        row in one call anyway). Returns
         [(expert, outputs [n, H] on the device, adds)]: a whole expert's outputs (post-expert norm applied) take
         the place of its rows (`adds` False), a host part's are added to the device part's (True)."""
         plan = self.manager.begin(self.layer, needed, rows)
@@ -335,7 +345,14 @@ class MiraExperts(nn.Module):
             elif self._split:  # every expert's host part, computing while the device runs the device parts
                 job, parts = self._host_parts(plan, inputs)
             first = 0
-            if group is not None and plan.ready > 1:
+            together_ok = not (plan.pending or plan.kept or plan.host or self._split)  # every expert has its slot now
+            if together is not None and together_ok and 1 < len(plan.order) > plan.ready:
+                for e in plan.order:  # waits for its copy where it has not landed
+                    self.manager.acquire(plan, e)
+                together(plan, plan.order)
+                self.manager.release_group(plan, plan.order)
+                first = len(plan.order)
+            elif group is not None and plan.ready > 1:
                 first = plan.ready
                 resident = plan.order[:first]
                 if first + plan.kept == len(plan.order):  # nothing awaited: their uses are booked with the block's end

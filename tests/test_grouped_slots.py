@@ -102,6 +102,33 @@ def test_batched_mm_gathers_resident_experts_from_the_pool_exactly(tiny_checkpoi
     assert gathers and max(gathers) > 2  # the path ran, on several experts' rows at once
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "qwen2_moe"])
+def test_batched_mm_blocks_with_misses_gather_every_expert_once_their_copies_land(tiny_checkpoint, monkeypatch, name):
+    """A decode block whose misses all got slots at `begin` computes every expert from the pool in one gather per
+    tensor once its copies land, instead of copying each expert into its rows: the same bits, with misses."""
+    gathers, steps = [], []
+    original, decode_step = MiraExperts._from_slots, MiraExperts._decode_step
+    monkeypatch.setattr(
+        MiraExperts, "_from_slots", lambda self, at, names: gathers.append(at.numel()) or original(self, at, names)
+    )
+    monkeypatch.setattr(MiraExperts, "_decode_step", lambda self, *a: steps.append(len(a[3])) or decode_step(self, *a))
+    path = tiny_checkpoint(name)
+    ref, model = load_reference(path), _wrapped(path, 0.5)
+    for m in (ref, model):
+        m.set_experts_implementation("batched_mm")
+    kw = dict(
+        max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
+    )
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        out, want = model.generate(ids, **kw), ref.generate(ids, **kw)
+    assert torch.equal(out.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, want.logits, strict=True))
+    assert model.mira.stats()["misses"] > 0
+    (k,) = set(steps)  # each decode block: one token's k experts
+    assert gathers.count(k) == len(steps)  # every one of them one gather, misses or not
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # Llama 4's experts (MiraScaledExperts) have no grouped path; on CUDA in fp32 their block's sum differs from the

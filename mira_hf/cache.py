@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -60,6 +61,9 @@ class SlotTable:
         self.hot = np.zeros(n_slots, bool)  # [S] tier == HOT
         self.stamp = np.zeros(n_slots, np.int64)  # [S] when the slot was last allocated or used: LRU order
         self.clock = 0
+        # [S] inside `ExpertCache.ranking_once`: each slot's value for the policy's ranking, once computed (NaN: not
+        # yet, or the slot's key changed since); None outside
+        self.ranked: np.ndarray | None = None
 
 
 class _Mirrored:
@@ -103,7 +107,10 @@ class Slot:
     @key.setter
     def key(self, key: Key | None) -> None:
         self._key = key
-        self._table.layer[self.index], self._table.expert[self.index] = (-1, -1) if key is None else key
+        t = self._table
+        t.layer[self.index], t.expert[self.index] = (-1, -1) if key is None else key
+        if t.ranked is not None:
+            t.ranked[self.index] = np.nan
 
     @property
     def tier(self) -> str:
@@ -234,6 +241,21 @@ class ExpertCache:
             return
         yield from groups
         yield np.flatnonzero(unpinned & t.awaiting)
+
+    @contextmanager
+    def ranking_once(self) -> Iterator[None]:
+        """Victim searches inside rank each slot once (`SlotTable.ranked`): for a burst of allocations between which
+        nothing the ranking reads changes (one block's misses: the use rates, the guesses and the layer clock move
+        only between blocks) but the slots' keys, whose values are dropped as they change. The same victims as
+        ranking again at every search; re-entering is a no-op."""
+        tables = [pool.table for pool in self.pools.values() if pool.table.ranked is None]
+        for t in tables:
+            t.ranked = np.full(len(t.layer), np.nan)
+        try:
+            yield
+        finally:
+            for t in tables:
+                t.ranked = None
 
     def use(self, slot: Slot) -> None:
         """Record a use: the expert joins HOT if the policy admits it, demoting HOT's victim to

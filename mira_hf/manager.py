@@ -505,17 +505,21 @@ class ExpertManager(NotebookViews):
         plan.pending.clear()
 
     def _issue(self, plan: BlockPlan, at_least_one: bool = False) -> None:
-        """Issue the block's pending misses, in order, while fewer than its depth are in flight."""
-        while plan.pending and (at_least_one or len(plan.loading) < self._depth[plan.layer]):
-            e = plan.pending[0]
-            slot = self._load((plan.layer, e), staged=False)
-            if slot is None:
-                return  # every slot is pinned by this block: the next release makes room
-            plan.pending.popleft()
-            slot.pins += 1
-            plan.slots[e] = slot
-            plan.loading.add(e)
-            at_least_one = False
+        """Issue the block's pending misses, in order, while fewer than its depth are in flight (their victims
+        ranked once: nothing the ranking reads changes between them)."""
+        if not plan.pending:
+            return
+        with self.cache.ranking_once():
+            while plan.pending and (at_least_one or len(plan.loading) < self._depth[plan.layer]):
+                e = plan.pending[0]
+                slot = self._load((plan.layer, e), staged=False)
+                if slot is None:
+                    return  # every slot is pinned by this block: the next release makes room
+                plan.pending.popleft()
+                slot.pins += 1
+                plan.slots[e] = slot
+                plan.loading.add(e)
+                at_least_one = False
 
     def _load(
         self, key: Key, staged: bool, evict: bool = True, probability: float = 1.0, nbytes: int | None = None

@@ -211,8 +211,18 @@ class HeatPolicy(LRUPolicy):
         return self.heat.is_hot(*key)
 
     def victim_slots(self, table: SlotTable, slots: np.ndarray) -> int | None:
-        """`victim` on a pool's arrays: the least `keep_values_at`, ties to the least recently used."""
-        values = self.keep_values_at(table.layer[slots], table.expert[slots])  # [n]
+        """`victim` on a pool's arrays: the least `keep_values_at`, ties to the least recently used. Inside
+        `ExpertCache.ranking_once` a slot's value is computed once (elementwise, so the same values)."""
+        memo = table.ranked
+        if memo is None:
+            values = self.keep_values_at(table.layer[slots], table.expert[slots])  # [n]
+        else:
+            values = memo[slots]
+            todo = np.isnan(values)
+            if todo.any():
+                at = slots[todo]
+                memo[at] = self.keep_values_at(table.layer[at], table.expert[at])
+                values = memo[slots]
         tied = slots[values == values.min()]
         return int(tied[0] if len(tied) == 1 else tied[table.stamp[tied].argmin()])
 

@@ -430,3 +430,28 @@ def test_a_layers_wanted_experts_read_from_the_pool_are_each_experts_wants():
     for layer in range(4):
         assert m.wanted(layer) == [m.wants((layer, e)) for e in range(32)]
     assert sum(m.wanted(0)) < 32 and not m.wanted(1)[3] and not m.wanted(2)[0]
+
+
+@pytest.mark.parametrize("slots", [10, 60])
+def test_a_blocks_misses_ranked_once_evict_what_ranking_at_every_search_evicts(monkeypatch, slots):
+    """Within one block's burst of allocations the ranking's inputs do not change (`ExpertCache.ranking_once`):
+    each slot is valued once, and the victims are those of valuing every slot again at every search."""
+    import contextlib
+
+    once = make_manager(layers=4, experts=32, slots=slots, policy="heat")
+    every = make_manager(layers=4, experts=32, slots=slots, policy="heat")
+    monkeypatch.setattr(every.cache, "ranking_once", contextlib.nullcontext)
+    valued = {}
+    for name, m in (("once", once), ("every", every)):
+        valued[name] = []
+        for policy in {id(p.policy): p.policy for p in m.cache.pools.values()}.values():
+            f = policy.keep_values_at
+            policy.keep_values_at = lambda layers, experts, n=valued[name], f=f: n.append(len(layers)) or f(layers, experts)
+    once_log, every_log = _logged(once.cache), _logged(every.cache)
+    _drive(once, seed=slots + 1)
+    _drive(every, seed=slots + 1)
+    assert sum(e is not None for *_, e in once_log) > 100
+    assert once_log == every_log
+    assert once.cache.resident() == every.cache.resident()
+    assert sum(valued["once"]) < sum(valued["every"])  # slots valued fewer times: the bursts shared one ranking
+    assert all(pool.table.ranked is None for pool in once.cache.pools.values())  # only inside a burst

@@ -421,16 +421,17 @@ class ExpertManager(NotebookViews):
         expected to be needed sooner than the guess itself (nor a HOT one, under the lru and priority
         policies); it stops at the first expert that finds no slot."""
         with self._lock:
-            self._settle()
+            self._settle()  # first: a deferred block end changes what the ranking reads (uses, guesses)
             started = 0
-            for i, e in enumerate(experts):
-                if not self.wants((layer, e)):
-                    continue
-                p = 1.0 if probabilities is None else probabilities[i]
-                slot = self._load((layer, e), staged=True, evict=self._warmed_up, probability=p)
-                if slot is None:
-                    break
-                started += 1
+            with self.cache.ranking_once():  # nothing the ranking reads changes between the guesses
+                for i, e in enumerate(experts):
+                    if not self.wants((layer, e)):
+                        continue
+                    p = 1.0 if probabilities is None else probabilities[i]
+                    slot = self._load((layer, e), staged=True, evict=self._warmed_up, probability=p)
+                    if slot is None:
+                        break
+                    started += 1
             return started
 
     def prefetch_part(self, key: Key, probability: float, nbytes: int) -> Slot | None:

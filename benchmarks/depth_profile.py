@@ -207,16 +207,14 @@ def main() -> None:
         misses_per_step=(st["misses"] - pre["misses"]) / args.tokens,
         hits_per_step=(st["hits"] - pre["hits"]) / args.tokens,
     )
-    if args.timed_only:
-        print({k: v for k, v in result.items() if k in ("resident_tok_s", "timed", "slots")})
-        return
-    result["parts"] = parts_profile(model, ids, args.tokens)
-    result["host"] = host_profile(model, ids, args.profile_tokens, args.top)
-    if device == "cuda":
-        result["device"] = device_profile(model, ids, args.profile_tokens)
-    print_table(result["host"][:25], ["function", "calls", "own_ms", "cum_ms"])
+    if not args.timed_only:
+        result["parts"] = parts_profile(model, ids, args.tokens)
+        result["host"] = host_profile(model, ids, args.profile_tokens, args.top)
+        if device == "cuda":
+            result["device"] = device_profile(model, ids, args.profile_tokens)
+        print_table(result["host"][:25], ["function", "calls", "own_ms", "cum_ms"])
     print({k: v for k, v in result.items() if k in ("resident_tok_s", "timed", "parts", "device", "slots")})
-    if args.out:
+    if args.out:  # with --timed-only, name it with --label (one file per process of an A/B)
         name = f"{time.strftime('%Y-%m-%d')}-{device_slug(result['environment'], device == 'cuda')}-depth-profile-{args.model}{'-' + args.label if args.label else ''}.json"
         write_json(os.path.join(args.out, name), result)
 

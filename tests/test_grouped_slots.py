@@ -12,6 +12,7 @@ from conftest import ALL_TINY, load_reference, torch_threads
 from test_combine import needs_post_expert_norm, with_and_without_sentinel
 
 from mira_hf import MiraConfig, MiraMoEModel
+from mira_hf.config import QuantConfig
 from mira_hf.experts_impl import implementation_of
 from mira_hf.proxy import MiraExperts
 
@@ -102,10 +103,13 @@ def test_batched_mm_gathers_resident_experts_from_the_pool_exactly(tiny_checkpoi
     assert gathers and max(gathers) > 2  # the path ran, on several experts' rows at once
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "qwen2_moe"])
-def test_batched_mm_blocks_with_misses_gather_every_expert_once_their_copies_land(tiny_checkpoint, monkeypatch, name):
+@pytest.mark.parametrize(
+    "name, store", [("mixtral", "raw"), ("qwen3_moe", "raw"), ("gpt_oss", "raw"), ("qwen2_moe", "raw"), ("qwen3_moe", "lossless")]
+)
+def test_batched_mm_blocks_with_misses_gather_every_expert_once_their_copies_land(tiny_checkpoint, monkeypatch, name, store):
     """A decode block whose misses all got slots at `begin` computes every expert from the pool in one gather per
-    tensor once its copies land, instead of copying each expert into its rows: the same bits, with misses."""
+    tensor once its copies land (decoded into their slots, for lossless records), instead of copying each expert into
+    its rows: the same bits, with misses."""
     gathers, steps = [], []
     original, decode_step = MiraExperts._from_slots, MiraExperts._decode_step
     monkeypatch.setattr(
@@ -113,7 +117,9 @@ def test_batched_mm_blocks_with_misses_gather_every_expert_once_their_copies_lan
     )
     monkeypatch.setattr(MiraExperts, "_decode_step", lambda self, *a: steps.append(len(a[3])) or decode_step(self, *a))
     path = tiny_checkpoint(name)
-    ref, model = load_reference(path), _wrapped(path, 0.5)
+    formats = dict(raw=dict(quantization=None), lossless=dict(quantization="lossless", quant=QuantConfig(placement="dequant")))
+    ref = load_reference(path)
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.5, device="cpu", **formats[store]), progress=False).eval()
     for m in (ref, model):
         m.set_experts_implementation("batched_mm")
     kw = dict(

@@ -436,8 +436,7 @@ def build_skeleton(
         for n in meta[name]:
             module.register_parameter(n, None)
 
-    targets = {f"{name}.{tensor}": tuple(t.shape) for name, tensors in meta.items() for tensor, t in tensors.items()}
-    candidates = key_candidates(adapter, model, index, targets)  # once: transformers' renaming takes a while
+    candidates = key_candidates(adapter, model, index, meta)  # once: transformers' renaming takes a while
 
     def plan(name: str) -> dict[str, tuple[str, ...]]:
         return plan_keys(adapter, model, {name: meta[name]}, index, candidates)[name]

@@ -20,13 +20,14 @@ KeysFn = Callable[[str, str], "tuple[str, ...] | None"]  # (module path, fused t
 
 
 def key_candidates(
-    adapter: MoEAdapter, model: torch.nn.Module, index: ShardIndex, targets: dict[str, tuple[int, ...]]
+    adapter: MoEAdapter, model: torch.nn.Module, index: ShardIndex, modules: dict[str, dict[str, torch.Tensor]]
 ) -> list[tuple[str, KeysFn]]:
     """Checkpoint layouts to try, in order: the adapter's tables (or, without any, the keys transformers' own
-    renaming gives `targets`, the fused expert tensors `<module path>.<tensor>` and their shapes `[E, ...]`),
-    then the fused in-memory names."""
+    renaming gives the fused expert tensors of `modules`, `name -> {tensor: meta tensor [E, ...]}`), then the
+    fused in-memory names."""
     found: list[tuple[str, KeysFn]] = [(f"{adapter.name} table", k.keys) for k in adapter.checkpoint_keys]
     if not found:
+        targets = {f"{name}.{tensor}": tuple(t.shape) for name, tensors in modules.items() for tensor, t in tensors.items()}
         derived = transformers_keys(model, index, targets)
         if derived is not None:
             found.append(("transformers' key renaming", derived))
@@ -204,8 +205,7 @@ def plan_keys(
     of each tensor. Raises `NotStreamable` naming what was looked for when no layout fits. `candidates`:
     the layouts to try (`key_candidates`), for a caller that plans one module at a time."""
     if candidates is None:
-        targets = {f"{n}.{t}": tuple(m.shape) for n, ts in modules.items() for t, m in ts.items()}
-        candidates = key_candidates(adapter, model, index, targets)
+        candidates = key_candidates(adapter, model, index, modules)
     plan = {}
     for name, tensors in modules.items():
         problems = []

@@ -49,15 +49,18 @@ def prefill(model, ids: torch.Tensor):
     return out.past_key_values, out.logits[:, -1:].argmax(-1)
 
 
-def decode(model, ids: torch.Tensor, steps: int, profiler=None) -> float:
+def decode(model, ids: torch.Tensor, steps: int, profiler=None, after_prefill=None) -> float:
     """Seconds per greedy decode step after `ids`' prefill (not counted), with the experts implementation
-    `generate` decodes with on this device (batched_mm off the CPU); `profiler` (a context) covers the steps."""
+    `generate` decodes with on this device (batched_mm off the CPU); `profiler` (a context) covers the steps,
+    `after_prefill()` runs between the prefill and them (e.g. to reset counters)."""
     impl = model.get_experts_implementation()
     if ids.device.type != "cpu":
         model.set_experts_implementation({k: "batched_mm" if v == "grouped_mm" else v for k, v in impl.items()})
     try:
         with torch.inference_mode():
             past, tok = prefill(model, ids)
+            if after_prefill is not None:
+                after_prefill()
             sync()
             t = time.perf_counter()
             with profiler if profiler is not None else contextlib.nullcontext():
@@ -97,18 +100,9 @@ LOADER_PARTS = {"copy issue": ("loader", ("copy_split",)), "copy waits": ("loade
 def parts_profile(model, ids: torch.Tensor, steps: int) -> dict:
     """Each part's exclusive host time per decode step (host_overhead's wrappers: ~1 µs per call), and the calls."""
     timer = PartTimer()
-    m = model.mira
-    owners = {"cache": m.cache, "heat": m.heat, "manager": m, "loader": m.loader}
-    proxies = [mod for mod in model.modules() if type(mod).__name__ in ("MiraExperts", "MiraScaledExperts")]
-    wrapped = []
-    for part, (owner, names) in {**PARTS, **LOADER_PARTS}.items():
-        for name in names:
-            for obj in proxies if owner == "proxy" else [owners[owner]]:
-                if getattr(obj, name, None) is not None:
-                    timer.wrap(obj, name, part)
-                    wrapped.append((obj, name))
+    wrapped = timer.wrap_model(model, {**PARTS, **LOADER_PARTS})
     try:
-        total = decode(model, ids, steps, contextlib.contextmanager(lambda: (yield timer.clear()))()) * steps  # after prefill
+        total = decode(model, ids, steps, after_prefill=timer.clear) * steps
     finally:
         for obj, name in wrapped:
             obj.__dict__.pop(name, None)
@@ -193,19 +187,14 @@ def main() -> None:
     result["moe_layers"] = len(manager.layers)
     result["record_bytes"] = manager.store.record_bytes(0)
     decode(model, ids, 4)  # warm-up at this budget
-    manager.reset_stats()
-    s = decode(model, ids, args.tokens)  # its prefill's counters are taken off below
+    s = decode(model, ids, args.tokens, after_prefill=manager.reset_stats)  # counters of the decode steps only
     st = manager.stats()
-    manager.reset_stats()
-    with torch.inference_mode():
-        prefill(model, ids)
-    pre = manager.stats()
     result["timed"] = dict(
         tok_s=1.0 / s,
         ms_per_step=1e3 * s,
-        loads_per_step=(st["loads"] - pre["loads"]) / args.tokens,
-        misses_per_step=(st["misses"] - pre["misses"]) / args.tokens,
-        hits_per_step=(st["hits"] - pre["hits"]) / args.tokens,
+        loads_per_step=st["loads"] / args.tokens,
+        misses_per_step=st["misses"] / args.tokens,
+        hits_per_step=st["hits"] / args.tokens,
     )
     if not args.timed_only:
         result["parts"] = parts_profile(model, ids, args.tokens)

@@ -132,6 +132,22 @@ class PartTimer:
 
         setattr(obj, name, timed)
 
+    def wrap_model(self, model, parts: dict) -> list[tuple[object, str]]:
+        """Wrap the methods `parts` names (part -> (owner, method names); owners "cache", "heat", "manager",
+        "loader" of `model.mira`, or "proxy": every experts proxy) on their instances; returns the (object, name)
+        pairs wrapped, each undone by `obj.__dict__.pop(name)`."""
+        m = model.mira
+        owners = {"cache": m.cache, "heat": m.heat, "manager": m, "loader": m.loader}
+        proxies = [mod for mod in model.modules() if type(mod).__name__ in ("MiraExperts", "MiraScaledExperts")]
+        wrapped = []
+        for part, (owner, names) in parts.items():
+            for name in names:
+                for obj in proxies if owner == "proxy" else [owners[owner]]:
+                    if getattr(obj, name, None) is not None:
+                        self.wrap(obj, name, part)
+                        wrapped.append((obj, name))
+        return wrapped
+
 
 def decode(model, batch: int, steps: int, seed: int = 1, timer: PartTimer | None = None) -> tuple[float, int]:
     """Decode `steps` tokens for `batch` sequences (greedy, KV cache) after a 4-token prompt; returns (seconds,
@@ -178,12 +194,7 @@ def measure(
     fit = clock.fit() if clock is not None else None
 
     timer = PartTimer()
-    owners = {"cache": m.cache, "heat": m.heat, "manager": m}
-    proxies = [mod for mod in model.modules() if type(mod).__name__ in ("MiraExperts", "MiraScaledExperts")]
-    for part, (owner, names) in PARTS.items():
-        for name in names:
-            for obj in proxies if owner == "proxy" else [owners[owner]]:
-                timer.wrap(obj, name, part)
+    timer.wrap_model(model, PARTS)
     m.reset_stats()
     profiled_s, profiled_uses = decode(model, batch, steps, seed=3, timer=timer)
     profiled_misses, _ = _counters(m)

@@ -347,7 +347,8 @@ class MiraExperts(nn.Module):
             first = 0
             together_ok = not (plan.pending or plan.kept or plan.host or self._split)  # every expert has its slot now
             if together is not None and together_ok and 1 < len(plan.order) > plan.ready:
-                for e in plan.order:  # waits for its copy where it has not landed
+                self.manager.acquire_group(plan, plan.order[: plan.ready])  # landed at begin: booked in one pass
+                for e in plan.order[plan.ready :]:  # waits for its copy
                     self.manager.acquire(plan, e)
                 together(plan, plan.order)
                 self.manager.release_group(plan, plan.order)

@@ -21,6 +21,7 @@ eval_windows rows (as for mira-tiny in the main mode), cross-domain calibration 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -142,6 +143,11 @@ def evaluate_model(name: str, path: str, cross: tuple[str, torch.Tensor], args) 
         "default, calibrated": dict(policy=DEFAULTS.policy, predictor_obj=learned),
         f"default, calibrated on {cross_name}": dict(policy=DEFAULTS.policy, predictor_obj=crossed),
     }
+    prompt = getattr(args, "prompt_tokens", 0)
+    if prompt:  # what seeding the use rates from the prompt's shares gives: the same default without it
+        configs["default, calibrated, prompt as one step"] = dict(
+            policy=DEFAULTS.policy, predictor_obj=learned, heat=dataclasses.replace(DEFAULTS.heat, seed_from_prompt=False)
+        )
     out = dict(
         family=model.config.model_type,
         trace=trace_info(trace),
@@ -151,7 +157,7 @@ def evaluate_model(name: str, path: str, cross: tuple[str, torch.Tensor], args) 
     )
     t = time.perf_counter()
     for budget in BUDGETS:
-        best = belady(trace, budget=budget)
+        best = belady(trace, budget=budget, prompt_tokens=prompt)
         results = {}
         for label, kw in configs.items():
             results[label] = replay(
@@ -160,9 +166,9 @@ def evaluate_model(name: str, path: str, cross: tuple[str, torch.Tensor], args) 
                 router_probs=router_probs,
                 stage_fraction=DEFAULTS.cache.stage_fraction,
                 predictor_config=DEFAULTS.prediction,
-                heat=DEFAULTS.heat,
                 priority=DEFAULTS.priority,
-                **kw,
+                prompt_tokens=prompt,
+                **{"heat": DEFAULTS.heat, **kw},
             )
         lru = results["lru"]
         rows = [dict(config="belady", **{"hit%": round(100 * best["hit_rate"], 1), "xBelady": 1.0})]
@@ -181,7 +187,8 @@ def evaluate_model(name: str, path: str, cross: tuple[str, torch.Tensor], args) 
                     },
                 }
             )
-        print(f"\n## {name}: budget {budget:.0%} ({lru['config']['slots']} slots), {trace.steps} tokens")
+        prompts = f", each window's first {prompt} tokens its prompt" if prompt else ""
+        print(f"\n## {name}: budget {budget:.0%} ({lru['config']['slots']} slots), {lru['tokens']} tokens decoded{prompts}")
         table = print_table(rows, COLUMNS)
         out["budgets"][str(budget)] = dict(
             belady=dict(bytes_moved=best["bytes_moved"], hit_rate=best["hit_rate"], misses=best.get("misses")),
@@ -252,7 +259,8 @@ def zoo_main(args) -> None:
     print("\n## Goals per model (values; False = not met)")
     for name, m in report["models"].items():
         print(name, m["goals"]["values"], {k: v for k, v in m["goals"]["met"].items() if not v})
-    write_report(report, args.out, "cpu-zoo-offline-eval" + ("-quick" if args.quick else ""), markdown(report))
+    suffix = ("-prompts" if args.prompt_tokens else "") + ("-quick" if args.quick else "")
+    write_report(report, args.out, "cpu-zoo-offline-eval" + suffix, markdown(report))
 
 
 def markdown(report: dict) -> str:

@@ -270,6 +270,14 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--zoo", default=None, help="evaluate mira-tiny and the models of scripts/train_zoo.py in this directory")
     ap.add_argument("--zoo-models", nargs="*", default=None, help="with --zoo: only these models (mira-tiny is one)")
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="with --zoo: each evaluation window's first tokens are its prompt (one forward, as generate's prefill); "
+        "the counts are the decoding's, and a row with the prompt counted as one step (HeatConfig.seed_from_prompt off) "
+        "is added",
+    )
     args = ap.parse_args()
     if args.zoo:
         from _zoo_eval import zoo_main

@@ -39,6 +39,9 @@ class HeatConfig:
     # `USE_RATE_DECAYS`: the one that has predicted that layer's next step best lately (how long routing
     # stays put differs between models and layers, from ~2 steps to ~50).
     use_rate_decay: float | None = None
+    # A prompt's blocks (the forward that starts a sequence) move the use rates by each expert's share of the prompt's
+    # tokens, as that many decode steps would; False: a prompt's block counts as one step using every expert it names.
+    seed_from_prompt: bool = True
 
     def __post_init__(self) -> None:
         if self.clock not in ("steps", "wall"):
@@ -58,6 +61,8 @@ USE_RATE_DECAYS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
 SCORE_DECAY = 0.99  # weight of the past in each candidate's running prediction loss (~100 steps)
 _TINY = 1e-9
 _P_FLOOR = 1e-3  # a probability is never taken as 0 or 1 in the loss (the valuation's floor, too)
+# A prompt of more tokens weighs as this many decode steps (0.98 ** 512: nothing of the past is left anyway).
+MAX_PROMPT_STEPS = 512
 
 
 class UseRates:
@@ -101,6 +106,18 @@ class UseRates:
         self.best = self.loss.argmin(axis=0)
         out[:] = self.ema[self.best, self._rows]
 
+    def seed(self, shares: np.ndarray, rows: np.ndarray, tokens: int, out: np.ndarray) -> None:
+        """A prompt's routing: layer rows `rows` used each expert in `shares` [L, E] of `tokens` tokens. Each average
+        moves as `tokens` decode steps with those shares would move it in expectation (weight of the past d^tokens);
+        nothing is scored (a prompt's block is not one step's prediction). Writes the best estimates into `out`."""
+        keep = self.decays ** min(tokens, MAX_PROMPT_STEPS)  # [C, 1, 1]
+        ema = self.ema[:, rows]  # [C, n, E]
+        ema *= keep
+        ema += (1 - keep) * shares[rows]
+        ema[ema < _TINY] = 0  # no float32 denormals, as in `update`
+        self.ema[:, rows] = ema
+        out[rows] = self.ema[self.best[rows], rows]
+
     def decay(self, row: int) -> float:
         """The memory in use now for the layer of table row `row`."""
         return self.candidates[int(self.best[row])]
@@ -124,6 +141,10 @@ class HeatTracker:
         self._active = {layer: np.zeros(num_experts[layer], bool) for layer in self.layers}
         self._step_active_table = np.zeros((len(self.layers), max(num_experts.values(), default=0)), bool)
         self._step_active = {layer: self._step_active_table[i, : num_experts[layer]] for i, layer in enumerate(self.layers)}
+        # A prompt's blocks (`activate(..., shares=...)`): each expert's share of the block's tokens, per layer
+        self._step_shares = np.zeros(self._step_active_table.shape, np.float32)  # [L, E]
+        self._prompt_rows: list[int] = []  # table rows of the layers whose blocks this step were a prompt's
+        self._prompt_tokens = 0
         self._window = {layer: np.zeros(num_experts[layer], np.float32) for layer in self.layers}
         # Share of recent forward steps in which each expert was used (`HeatConfig.use_rate_decay`): an estimate of
         # the probability that its layer will use it next time, for eviction by expected next use. One
@@ -138,7 +159,16 @@ class HeatTracker:
         self._periods_in_window = 0
         self._last_tick = time.monotonic()
 
-    def activate(self, layer: int, experts: list[int]) -> None:
+    def activate(self, layer: int, experts: list[int], shares: list[float] | None = None, tokens: int = 1) -> None:
+        """`layer`'s block used `experts`. For a prompt's block of `tokens` tokens, `shares` gives each expert's
+        share of them (its rows over the tokens): at the step's end the use rates move as that many decode steps
+        with those shares would, instead of counting the block as one step that used every expert it names (a
+        long prompt names nearly all, which says nothing of which ones the next tokens use)."""
+        if shares is not None:
+            row = int(self._row_of_layer[layer])
+            self._step_shares[row, experts] = shares
+            self._prompt_rows.append(row)
+            self._prompt_tokens = max(self._prompt_tokens, tokens)
         if self.config.clock == "wall":
             self._tick_wall()
         s, n, w, a, sa = (
@@ -164,7 +194,9 @@ class HeatTracker:
     def end_step(self) -> None:
         """A forward step ended: one period passes on the step clock."""
         decay = self.config.use_rate_decay
-        if self._rates is not None:
+        if self._prompt_rows:
+            self._seed_from_prompt()
+        elif self._rates is not None:
             self._rates.update(self._step_active_table, self._use_rate_table)
         else:
             u, a = self._use_rate_table, self._step_active_table
@@ -173,6 +205,19 @@ class HeatTracker:
         self._step_active_table[:] = False
         if self.config.clock == "steps":
             self._end_period()
+
+    def _seed_from_prompt(self) -> None:
+        rows = np.asarray(sorted(set(self._prompt_rows)), np.intp)
+        shares, tokens = self._step_shares, self._prompt_tokens
+        if self._rates is not None:
+            self._rates.seed(shares, rows, tokens, self._use_rate_table)
+        else:
+            keep = np.float32(self.config.use_rate_decay) ** min(tokens, MAX_PROMPT_STEPS)
+            u = self._use_rate_table
+            u[rows] = keep * u[rows] + (1 - keep) * shares[rows]
+        shares[rows] = 0
+        self._prompt_rows.clear()
+        self._prompt_tokens = 0
 
     def use_rate_decays(self) -> dict[int, float]:
         """The memory of each layer's use rates now (`HeatConfig.use_rate_decay`, or the one chosen online)."""
@@ -222,4 +267,7 @@ class HeatTracker:
                 t[layer][:] = 0
         if self._rates is not None:
             self._rates.reset()
+        self._step_shares[:] = 0
+        self._prompt_rows.clear()
+        self._prompt_tokens = 0
         self._periods_in_window = 0

@@ -111,6 +111,8 @@ class ExpertManager(NotebookViews):
         self._batch_index = None  # the routing `observe` saw last, for `batch` in `begin`
         self._lock = threading.RLock()
         self._last_layer = -1
+        self._prompt = False  # this forward starts a sequence: its blocks of several tokens are a prompt's
+        self._block_tokens = 1  # tokens of the block `observe` saw last
         self._tail: tuple[BlockPlan, Sequence[int]] | None = None  # the last block's deferred `end` (see `end`)
         self.host = host_compute_for(settings.host_compute, host_parts)  # misses computed on the host (host_compute.py)
         # The experts as whole tensors (parameters, state dict, casts): the store, or with host parts (neuron_split)
@@ -196,6 +198,7 @@ class ExpertManager(NotebookViews):
             if self._last_layer >= 0:
                 self._end_step()
             self._last_layer = -1
+            self._prompt = new_sequence
             if new_sequence:
                 self.staging.new_sequence()
 
@@ -216,6 +219,7 @@ class ExpertManager(NotebookViews):
             self._forward_lock.release()
 
     def _end_step(self) -> None:
+        self._prompt = False
         self.staging.end_step(self.loader.stall_total())
         self.telemetry.end_step()
         self.heat.end_step()
@@ -233,6 +237,7 @@ class ExpertManager(NotebookViews):
             if self.recorder is not None:
                 self.recorder(layer, hidden, top_k_index)
             self.staging.observe(layer, hidden, top_k_index)
+            self._block_tokens = hidden.shape[0]
             self.host.block(layer, hidden.shape[0], self.loader.stall_total)
             if self.batch is not None:
                 self._batch_index = top_k_index
@@ -247,7 +252,12 @@ class ExpertManager(NotebookViews):
             if layer <= self._last_layer:
                 self._end_step()
             self._last_layer = layer
-            self.heat.activate(layer, list(experts))
+            tokens = self._block_tokens
+            prompt = self._prompt and tokens > 1 and rows is not None and self.heat.config.seed_from_prompt
+            if prompt:  # each expert's share of the prompt's tokens
+                self.heat.activate(layer, list(experts), [r / tokens for r in rows], tokens)
+            else:
+                self.heat.activate(layer, list(experts))
             self.staging.block_started(layer, experts)
             if self.batch is not None:
                 self.batch.observe(layer, experts, self._batch_index)

@@ -11,6 +11,9 @@ Requests, in order: step by step (one token), MoE layer by layer, the distinct e
 A block's experts are needed together: all of them are resident while the block computes.
 With `concurrency=B` a step decodes B tokens at once, one from each of B streams (the trace cut into B
 contiguous parts, as B sequences decoding together), and a block needs the union of their experts.
+With `prompt_tokens=P` each sequence's first P tokens are its prompt, served as `generate` serves one: a forward
+that starts the sequence, whose blocks need the union of the P tokens' experts at once; the counts (loads,
+hits, bytes) are the decoding's, after each prompt, and the prompts' loads are reported beside them.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def replay(
     reset_predictor_per_sequence: bool = False,
     concurrency: int = 1,
     batch_aware: bool | None = None,
+    prompt_tokens: int = 0,
 ) -> dict:
     """Replay `trace` through an `ExpertManager` holding `budget` (a fraction of all expert bytes).
 
@@ -71,6 +75,8 @@ def replay(
     concurrency: tokens per step (B streams decoding together; see the module docstring).
     batch_aware: rank by batch-aware use estimates (`mira_hf.batching`, as the server does); None: when
         concurrency > 1.
+    prompt_tokens: each sequence's first tokens served as its prompt (the module docstring); counts are then the
+        decoding's (`prompt_loads`: the prompts' own). Only with concurrency 1.
 
     Returns counts in the telemetry's definitions (`misses` = uses whose expert was neither
     resident nor in flight: the stall-causing ones), `bytes_moved` = loads × real record bytes
@@ -79,6 +85,7 @@ def replay(
     """
     t0 = time.perf_counter()
     _check_concurrency(trace, concurrency)
+    _check_prompts(trace, prompt_tokens, concurrency)
     layers = _layer_infos(trace)
     real = _real_plan(trace, layers, budget)
     tiny = _tiny_records(real)
@@ -115,12 +122,12 @@ def replay(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # every op here takes microseconds: OpenMP fork/join would cost more than it saves
     try:
-        _drive(manager, trace, pred, reset_predictor_per_sequence, concurrency)
+        prompts = _drive(manager, trace, pred, reset_predictor_per_sequence, concurrency, prompt_tokens)
     finally:
         torch.set_num_threads(threads)
 
-    stats = manager.stats()
-    steps = trace.steps // concurrency
+    stats = _minus(manager.stats(), prompts)
+    steps = trace.steps // concurrency - prompts["tokens"]
     loads = {layer: s["loads"] for layer, s in stats["per_layer"].items()}
     bytes_moved = sum(loads[li] * trace.record_bytes[li] for li in loads)
     uses = stats["hits"] + stats["misses"]
@@ -138,6 +145,7 @@ def replay(
             predictor_config=dataclasses.asdict(cfg),
             reset_predictor_per_sequence=reset_predictor_per_sequence,
             concurrency=concurrency,
+            prompt_tokens=prompt_tokens,
             batch_aware=manager.batch is not None,
             slots=sum(real.n_slots.values()),
             stage_slots=sum(int(n * stage_fraction) for n in real.n_slots.values()),
@@ -158,6 +166,7 @@ def replay(
         evictions=stats["evictions"],
         bytes_moved=bytes_moved,
         bytes_per_token=bytes_moved / (steps * concurrency) if steps else 0.0,
+        prompt_loads=sum(prompts["loads"].values()),
         per_layer=per_layer,
         use_rate_decays=manager.heat.use_rate_decays(),  # the heat tracker's memory per layer at the end
         seconds=time.perf_counter() - t0,
@@ -169,40 +178,52 @@ def replay(
     return out
 
 
-def belady(trace: RoutingTrace, *, budget: float, concurrency: int = 1) -> dict:
+def belady(trace: RoutingTrace, *, budget: float, concurrency: int = 1, prompt_tokens: int = 0) -> dict:
     """Belady's MIN on the trace's requests, per slot pool, with the slots `replay` would have:
     on a miss with no free slot, evict the resident expert used again farthest in the future (never
-    one the current block needs). No demand cache with these slots moves fewer bytes."""
+    one the current block needs). No demand cache with these slots moves fewer bytes. With `prompt_tokens`
+    as `replay`'s: the prompts' blocks are requests too, and the decoding's misses are counted."""
     _check_concurrency(trace, concurrency)
+    _check_prompts(trace, prompt_tokens, concurrency)
     layers = _layer_infos(trace)
     real = _real_plan(trace, layers, budget)
-    blocks = [(step, layer, needed) for step, layer, needed, _ in _blocks(trace, tensors=False, concurrency=concurrency)]
-    for _, layer, needed in blocks:
+    blocks = [
+        (step, layer, needed)
+        for step, layer, needed, _ in _blocks(trace, tensors=False, concurrency=concurrency, prompt_tokens=prompt_tokens)
+    ]
+    prompts = _prompt_spans(trace, prompt_tokens)
+    for step, layer, needed in blocks:
         n = real.n_slots[real.pool_of_layer[layer]]
-        if len(needed) > n:
+        if len(needed) > n and step not in prompts:  # a prompt's block streams the rest through, as at runtime
             raise ConfigError(f"a block of layer {layer} needs {len(needed)} experts but its pool has {n} slots.")
     misses = {li.ordinal: 0 for li in layers}
-    misses.update(belady_misses(blocks, real.pool_of_layer, real.n_slots))
-    return _demand_summary(trace, misses, sum(misses.values()), concurrency)
+    misses.update(belady_misses(blocks, real.pool_of_layer, real.n_slots, uncounted=set(prompts)))
+    return _demand_summary(trace, misses, sum(misses.values()), concurrency, prompt_tokens)
 
 
 def belady_misses(
-    blocks: list[tuple[int, int, list[int]]], pool_of_layer: dict, n_slots: dict, count_from: int = 0
+    blocks: list[tuple[int, int, list[int]]],
+    pool_of_layer: dict,
+    n_slots: dict,
+    count_from: int = 0,
+    uncounted: frozenset[int] | set[int] = frozenset(),
 ) -> dict[int, int]:
     """Misses per layer of Belady's MIN over `blocks` = (step, layer, distinct experts) in execution
     order, one cache of `n_slots[pool]` slots per pool (pools are independent). On a miss with the pool
     full, the resident expert used again farthest ahead is evicted, never one the current block needs;
     a block needing more experts than its pool has slots streams the rest through. Misses of steps
-    before `count_from` are not counted (a prefill that only warms the cache)."""
+    before `count_from`, and of the steps in `uncounted`, are not counted (a prefill that only warms the cache)."""
     misses: dict[int, int] = defaultdict(int)
     for pool, slots in n_slots.items():
         mine = [b for b in blocks if pool_of_layer[b[1]] == pool]
-        for layer, n in _belady_pool(mine, slots, count_from).items():
+        for layer, n in _belady_pool(mine, slots, count_from, uncounted).items():
             misses[layer] += n
     return dict(misses)
 
 
-def _belady_pool(blocks: list[tuple[int, int, list[int]]], slots: int, count_from: int) -> dict[int, int]:
+def _belady_pool(
+    blocks: list[tuple[int, int, list[int]]], slots: int, count_from: int, uncounted: frozenset[int] | set[int] = frozenset()
+) -> dict[int, int]:
     uses: dict[tuple[int, int], list[int]] = defaultdict(list)  # (layer, expert) -> block indices
     for b, (_, layer, experts) in enumerate(blocks):
         for e in experts:
@@ -223,7 +244,7 @@ def _belady_pool(blocks: list[tuple[int, int, list[int]]], slots: int, count_fro
             cache[key] = next_use(key, b)
             heapq.heappush(heap, (-cache[key], key))
         for key in sorted(needed - cache.keys()):
-            if step >= count_from:
+            if step >= count_from and step not in uncounted:
                 misses[layer] += 1
             if len(cache) >= slots:
                 held = []  # valid entries of experts this block needs: not evictable now
@@ -271,28 +292,77 @@ def lru_reference(trace: RoutingTrace, budget: float) -> dict:
 
 
 def _drive(
-    manager: ExpertManager, trace: RoutingTrace, pred: Predictor | None, reset_per_sequence: bool, concurrency: int = 1
-) -> None:
-    """Feed every block of the trace to `manager` as the proxies do during decoding."""
+    manager: ExpertManager,
+    trace: RoutingTrace,
+    pred: Predictor | None,
+    reset_per_sequence: bool,
+    concurrency: int = 1,
+    prompt_tokens: int = 0,
+) -> dict:
+    """Feed every block of the trace to `manager` as the proxies do during decoding (a prompt's blocks as during a
+    prefill). Returns what the prompts' forwards counted: {"tokens", "loads", "hits", "misses"} (per layer but tokens)."""
     placeholder = torch.zeros((1, 1))  # predictors that ignore hidden states still need a [T, H] argument
     has_hidden = trace.hidden is not None and trace.hidden.shape[0] == trace.steps
     starts = set(trace.sequence_starts[1:]) if concurrency == 1 else set()
-    for step, layer, needed, top_k_index in _blocks(trace, concurrency=concurrency):
+    spans = _prompt_spans(trace, prompt_tokens)
+    counted: dict = {"tokens": sum(end - start for start, end in spans.items()), **{k: defaultdict(int) for k in _COUNTERS}}
+    before = None
+    for step, layer, needed, top_k_index in _blocks(trace, concurrency=concurrency, prompt_tokens=prompt_tokens):
         if layer == 0:  # one decode step = one forward of the model: the runtime's step hooks
             if step:
                 manager.exit_forward()
+                if before is not None:  # the prompt's forward ended: what it counted is not the decoding's
+                    _add(counted, manager.stats(), before)
+                    before = None
             if pred is not None and reset_per_sequence and step in starts:
                 pred.reset()
-            manager.enter_forward()
-        hidden = trace.hidden[_token_steps(trace, step, concurrency), layer] if has_hidden else placeholder
-        manager.observe(layer, hidden, top_k_index)  # hidden [B, H], top_k_index [B, K]
-        block = manager.begin(layer, needed)
+            if step in spans:
+                before = manager.stats()
+            manager.enter_forward(new_sequence=step in spans)
+        if step in spans:  # the prompt's tokens
+            hidden = trace.hidden[step : spans[step], layer] if has_hidden else placeholder.expand(spans[step] - step, 1)
+        else:
+            hidden = trace.hidden[_token_steps(trace, step, concurrency), layer] if has_hidden else placeholder
+        manager.observe(layer, hidden, top_k_index)  # hidden [T, H], top_k_index [T, K]
+        rows = None
+        if step in spans:  # each needed expert's rows in the prompt's block
+            picks = top_k_index.reshape(-1).tolist()
+            rows = [picks.count(e) for e in needed]
+        block = manager.begin(layer, needed, rows)
         for e in block.order:
             manager.acquire(block, e)
             manager.release(block, e)
         manager.end(block)
     if trace.steps:
         manager.exit_forward()
+        if before is not None:
+            _add(counted, manager.stats(), before)
+    return counted
+
+
+_COUNTERS = ("loads", "hits", "misses", "prefetches", "prefetch_used", "prefetch_wasted")
+
+
+def _add(counted: dict, after: dict, before: dict) -> None:
+    """Add the per-layer counters `after` minus `before` (two `manager.stats()`) to `counted`."""
+    for layer, s in after["per_layer"].items():
+        for k in _COUNTERS:
+            counted[k][layer] += s[k] - before["per_layer"].get(layer, {}).get(k, 0)
+
+
+def _minus(stats: dict, prompts: dict) -> dict:
+    """`manager.stats()` without what the prompts' forwards counted (`_drive`'s return)."""
+    out = dict(stats, per_layer={})
+    for layer, s in stats["per_layer"].items():
+        row = dict(s)
+        for k in _COUNTERS:
+            row[k] = s[k] - prompts[k][layer]
+        uses = row["hits"] + row["misses"]
+        row["hit_rate"] = row["hits"] / uses if uses else 0.0
+        out["per_layer"][layer] = row
+    for k in _COUNTERS:
+        out[k] = stats[k] - sum(prompts[k].values())
+    return out
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -336,6 +406,22 @@ def _check_concurrency(trace: RoutingTrace, concurrency: int) -> None:
         )
 
 
+def _check_prompts(trace: RoutingTrace, prompt_tokens: int, concurrency: int) -> None:
+    if prompt_tokens < 0 or (prompt_tokens and concurrency != 1):
+        raise ConfigError(
+            f"prompt_tokens={prompt_tokens} with concurrency={concurrency}: prompts are replayed at concurrency 1, with "
+            "prompt_tokens ≥ 1 (0: every token decoded one by one)."
+        )
+
+
+def _prompt_spans(trace: RoutingTrace, prompt_tokens: int) -> dict[int, int]:
+    """{first step of a sequence: the step after its prompt} (a prompt is at most its sequence but its last token)."""
+    if not prompt_tokens:
+        return {}
+    ends = [*trace.sequence_starts[1:], trace.steps]
+    return {s: min(s + prompt_tokens, e - 1) for s, e in zip(trace.sequence_starts, ends) if min(s + prompt_tokens, e - 1) > s}
+
+
 def _token_steps(trace: RoutingTrace, step: int, concurrency: int) -> list[int]:
     """The trace steps decoded together at batch step `step`: one from each of `concurrency` contiguous parts."""
     part = trace.steps // concurrency
@@ -343,19 +429,33 @@ def _token_steps(trace: RoutingTrace, step: int, concurrency: int) -> list[int]:
 
 
 def _blocks(
-    trace: RoutingTrace, tensors: bool = True, concurrency: int = 1
+    trace: RoutingTrace, tensors: bool = True, concurrency: int = 1, prompt_tokens: int = 0
 ) -> Iterator[tuple[int, int, list[int], torch.Tensor | None]]:
     """(step, layer, distinct experts sorted, top_k_index [B, K] or None) of every block, in order (B = concurrency;
-    padding of a token's row is kept as -1 in the index when B > 1)."""
+    padding of a token's row is kept as -1 in the index when B > 1). A prompt's block (`prompt_tokens`) is one per
+    layer at its first step, with [P, K] (padding dropped)."""
     rows = trace.experts.tolist()  # one conversion, not one per block
     padded = bool((trace.experts < 0).any())
+    spans = _prompt_spans(trace, prompt_tokens)
     if concurrency == 1:
-        for step, per_layer in enumerate(rows):
+        step = 0
+        while step < len(rows):
+            if step in spans:
+                end = spans[step]
+                for layer in range(trace.num_layers):
+                    picks = [[e for e in rows[s][layer] if e >= 0] for s in range(step, end)]
+                    needed = sorted({e for row in picks for e in row})
+                    index = torch.tensor([e for row in picks for e in row]).view(end - step, -1) if tensors else None
+                    yield step, layer, needed, index
+                step = end
+                continue
+            per_layer = rows[step]
             for layer, row in enumerate(per_layer):
                 if padded:
                     row = [e for e in row if e >= 0]
                 index = torch.tensor([row]) if tensors else None
                 yield step, layer, sorted(set(row)), index
+            step += 1
         return
     for step in range(trace.steps // concurrency):
         together = [rows[s] for s in _token_steps(trace, step, concurrency)]
@@ -365,10 +465,14 @@ def _blocks(
             yield step, layer, needed, torch.tensor(picks) if tensors else None
 
 
-def _demand_summary(trace: RoutingTrace, misses: dict[int, int], total: int, concurrency: int = 1) -> dict:
-    uses = sum(len(needed) for _, _, needed, _ in _blocks(trace, tensors=False, concurrency=concurrency))
+def _demand_summary(
+    trace: RoutingTrace, misses: dict[int, int], total: int, concurrency: int = 1, prompt_tokens: int = 0
+) -> dict:
+    spans = _prompt_spans(trace, prompt_tokens)
+    blocks = _blocks(trace, tensors=False, concurrency=concurrency, prompt_tokens=prompt_tokens)
+    uses = sum(len(needed) for step, _, needed, _ in blocks if step not in spans)
     bytes_moved = sum(misses[layer] * trace.record_bytes[layer] for layer in misses)
-    steps = trace.steps if concurrency == 1 else trace.steps // concurrency
+    steps = (trace.steps if concurrency == 1 else trace.steps // concurrency) - sum(e - s for s, e in spans.items())
     return dict(
         steps=steps,
         uses=uses,

@@ -335,3 +335,62 @@ def test_an_estimate_below_1e_9_is_zero():
     rates = h.use_rate[0]
     assert not rates[:25].any()
     assert rates[25:].tolist() == [0.75 * 2.0 ** -(78 - 2 * e) for e in range(25, 40)]
+
+
+def test_a_prompts_block_moves_use_rates_by_each_experts_share_of_its_tokens():
+    # A prompt of 4 tokens: layer 0's experts 0, 1, 2 took 4, 2 and 1 of its rows, layer 1's expert 3 all 4. Each
+    # rate moves as 4 decode steps with those shares would in expectation: (1 - 0.9^4) × share from 0.
+    h = HeatTracker({0: 4, 1: 4}, HeatConfig(use_rate_decay=0.9))
+    h.activate(0, [0, 1, 2], shares=[1.0, 0.5, 0.25], tokens=4)
+    h.activate(1, [3], shares=[1.0], tokens=4)
+    h.end_step()
+    k = 1 - 0.9**4
+    assert h.use_rate[0].tolist() == pytest.approx([k, k * 0.5, k * 0.25, 0.0], rel=1e-6)
+    assert h.use_rate[1].tolist() == pytest.approx([0.0, 0.0, 0.0, k], rel=1e-6)
+    h.activate(0, [3])  # then a decode step, as always
+    h.end_step()
+    assert h.use_rate[0].tolist() == pytest.approx([0.9 * k, 0.45 * k, 0.225 * k, 0.1], rel=1e-6)
+    assert h.use_rate[1].tolist() == pytest.approx([0.0, 0.0, 0.0, 0.9 * k], rel=1e-6)
+
+
+def test_a_prompt_moves_every_memory_by_its_own_decay_and_scores_none():
+    h = HeatTracker({0: 3})  # memories chosen online
+    for _ in range(5):
+        h.activate(0, [0])
+        h.end_step()
+    rates = h._rates
+    loss, best, ema = rates.loss.copy(), rates.best.copy(), rates.ema.copy()
+    h.activate(0, [1, 2], shares=[0.75, 0.25], tokens=8)
+    h.end_step()
+    keep = np.asarray(heat_mod.USE_RATE_DECAYS, np.float32)[:, None] ** 8  # [C, 1]
+    expected = ema[:, 0] * keep + (1 - keep) * np.asarray([0.0, 0.75, 0.25], np.float32)
+    expected[expected < heat_mod._TINY] = 0
+    np.testing.assert_allclose(rates.ema[:, 0], expected, rtol=1e-6)
+    assert np.array_equal(rates.loss, loss) and np.array_equal(rates.best, best)  # a prompt is not a scored step
+    assert h.use_rate[0].tolist() == pytest.approx(expected[best[0]].tolist(), rel=1e-6)
+
+
+@pytest.mark.parametrize("seed_from_prompt", [True, False])
+def test_a_wrapped_models_prompt_moves_the_use_rates_by_its_routing(tiny_checkpoint, seed_from_prompt):
+    import torch
+
+    from mira_hf import MiraConfig, MiraMoEModel
+
+    heat = HeatConfig(use_rate_decay=0.9, seed_from_prompt=seed_from_prompt)
+    model = MiraMoEModel.from_pretrained(
+        tiny_checkpoint("qwen3_moe"), MiraConfig(gpu_budget=0.5, device="cpu", heat=heat), progress=False
+    )
+    routed = {}
+    model.mira.recorder = lambda layer, hidden, index: routed.__setitem__(layer, index.clone())
+    tokens = 12
+    ids = torch.randint(3, 128, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids)  # no KV cache: this forward starts a sequence, its blocks are the prompt's
+    assert routed
+    for layer, index in routed.items():
+        rows = torch.bincount(index.reshape(-1), minlength=model.mira.heat.use_rate[layer].size).numpy()
+        if seed_from_prompt:  # as 12 decode steps with each expert's share of the prompt's tokens
+            expected = (1 - 0.9**tokens) * rows / tokens
+        else:  # one step that used every expert the prompt named
+            expected = 0.1 * (rows > 0)
+        np.testing.assert_allclose(model.mira.heat.use_rate[layer], expected, rtol=1e-5)

@@ -5,6 +5,7 @@ import torch
 from conftest import load_reference
 
 from mira_hf import IncompatibleFileError, MiraConfig, MiraMoEModel
+from mira_hf.errors import ConfigError
 from mira_hf.predictors import PredictorConfig
 from mira_hf.replay import belady, lru_reference, replay
 from mira_hf.trace import RoutingTrace, record_topk, record_trace
@@ -199,3 +200,26 @@ def test_replay_reproduces_the_h200_runtime_counts():
     assert lru["loads"] == 736 == lru_reference(trace, budget=0.25)["loads"]
     assert lru["bytes_per_token"] == pytest.approx(4.116e9, rel=1e-3)
     assert belady(trace, budget=0.25)["loads"] == 494
+
+
+def test_a_prompt_is_one_block_per_layer_and_the_counts_are_the_decodings():
+    # One layer, 4 experts, 3 slots (budget 0.75), top-1; tokens 0 1 2 | 3 0 1 2 with a 3-token prompt.
+    # The prompt's block needs {0, 1, 2} at once: 3 loads, the prompt's own. Decoding then asks 3, 0, 1, 2.
+    # MIN: 3 evicts 2 (used last), 0 and 1 hit, 2 misses: 2 misses of 4 uses.
+    # LRU (a block's loads count as used in order): 3 evicts 0, 0 evicts 1, 1 evicts 2, 2 evicts 3: 4 misses.
+    trace = make_trace([[[e]] for e in (0, 1, 2, 3, 0, 1, 2)], num_experts=4)
+    b = belady(trace, budget=0.75, prompt_tokens=3)
+    assert (b["misses"], b["hits"], b["uses"], b["steps"]) == (2, 2, 4, 4)
+    r = replay(trace, budget=0.75, policy="lru", stage_fraction=0.0, prompt_tokens=3)
+    assert (r["misses"], r["loads"], r["hits"], r["uses"], r["steps"], r["prompt_loads"]) == (4, 4, 0, 4, 4, 3)
+    assert r["bytes_moved"] == 4000 and r["bytes_per_token"] == 1000
+    whole = replay(trace, budget=0.75, policy="lru", stage_fraction=0.0)  # without a prompt: 7 blocks of one expert
+    assert (whole["uses"], whole["prompt_loads"]) == (7, 0)
+
+
+def test_each_sequence_gets_its_prompt_and_keeps_a_token_to_decode():
+    trace = random_trace(3, steps=40)  # two sequences of 20 tokens
+    r = replay(trace, budget=0.5, policy="heat", prompt_tokens=25)  # longer than a sequence: all but its last token
+    assert r["steps"] == 2 and r["uses"] == sum(len(set(row)) for s in (19, 39) for row in trace.experts[s].tolist())
+    with pytest.raises(ConfigError, match="prompt_tokens"):
+        replay(trace, budget=0.5, prompt_tokens=4, concurrency=2)

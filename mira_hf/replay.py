@@ -85,7 +85,7 @@ def replay(
     """
     t0 = time.perf_counter()
     _check_concurrency(trace, concurrency)
-    _check_prompts(trace, prompt_tokens, concurrency)
+    _check_prompts(prompt_tokens, concurrency)
     layers = _layer_infos(trace)
     real = _real_plan(trace, layers, budget)
     tiny = _tiny_records(real)
@@ -184,7 +184,7 @@ def belady(trace: RoutingTrace, *, budget: float, concurrency: int = 1, prompt_t
     one the current block needs). No demand cache with these slots moves fewer bytes. With `prompt_tokens`
     as `replay`'s: the prompts' blocks are requests too, and the decoding's misses are counted."""
     _check_concurrency(trace, concurrency)
-    _check_prompts(trace, prompt_tokens, concurrency)
+    _check_prompts(prompt_tokens, concurrency)
     layers = _layer_infos(trace)
     real = _real_plan(trace, layers, budget)
     blocks = [
@@ -300,7 +300,7 @@ def _drive(
     prompt_tokens: int = 0,
 ) -> dict:
     """Feed every block of the trace to `manager` as the proxies do during decoding (a prompt's blocks as during a
-    prefill). Returns what the prompts' forwards counted: {"tokens", "loads", "hits", "misses"} (per layer but tokens)."""
+    prefill). Returns what the prompts' forwards counted: each of `_COUNTERS` per layer, and their "tokens"."""
     placeholder = torch.zeros((1, 1))  # predictors that ignore hidden states still need a [T, H] argument
     has_hidden = trace.hidden is not None and trace.hidden.shape[0] == trace.steps
     starts = set(trace.sequence_starts[1:]) if concurrency == 1 else set()
@@ -340,7 +340,7 @@ def _drive(
     return counted
 
 
-_COUNTERS = ("loads", "hits", "misses", "prefetches", "prefetch_used", "prefetch_wasted")
+_COUNTERS = ("loads", "hits", "stage_hits", "misses", "prefetches", "prefetch_used", "prefetch_wasted", "evictions")
 
 
 def _add(counted: dict, after: dict, before: dict) -> None:
@@ -406,7 +406,7 @@ def _check_concurrency(trace: RoutingTrace, concurrency: int) -> None:
         )
 
 
-def _check_prompts(trace: RoutingTrace, prompt_tokens: int, concurrency: int) -> None:
+def _check_prompts(prompt_tokens: int, concurrency: int) -> None:
     if prompt_tokens < 0 or (prompt_tokens and concurrency != 1):
         raise ConfigError(
             f"prompt_tokens={prompt_tokens} with concurrency={concurrency}: prompts are replayed at concurrency 1, with "

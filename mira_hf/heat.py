@@ -40,7 +40,8 @@ class HeatConfig:
     # stays put differs between models and layers, from ~2 steps to ~50).
     use_rate_decay: float | None = None
     # A prompt's blocks (the forward that starts a sequence) move the use rates by each expert's share of the prompt's
-    # tokens, as that many decode steps would; False: a prompt's block counts as one step using every expert it names.
+    # tokens (of B prompts: the chance that one of B tokens, one from each, uses it), as that many decode steps would;
+    # False: a prompt's block counts as one step using every expert it names.
     seed_from_prompt: bool = True
 
     def __post_init__(self) -> None:

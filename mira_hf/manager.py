@@ -112,6 +112,8 @@ class ExpertManager(NotebookViews):
         self._lock = threading.RLock()
         self._last_layer = -1
         self._prompt = False  # this forward starts a sequence: its blocks of several tokens are a prompt's
+        self._prompt_sequences = 1  # ... of this many sequences, each of the same number of tokens
+        self._prompt_index: torch.Tensor | None = None  # a prompt's block's routing `observe` saw last
         self._block_tokens = 1  # tokens of the block `observe` saw last
         self._tail: tuple[BlockPlan, Sequence[int]] | None = None  # the last block's deferred `end` (see `end`)
         self.host = host_compute_for(settings.host_compute, host_parts)  # misses computed on the host (host_compute.py)
@@ -183,10 +185,10 @@ class ExpertManager(NotebookViews):
             "and GPU arena. Save it with model.save_pretrained(dir) (a full transformers checkpoint, experts included)."
         )
 
-    def enter_forward(self, new_sequence: bool = False) -> None:
-        """A forward step of the model starts. Steps are serialised: a second thread calling the
-        same model waits for the first step to finish (steps of two generate calls interleave
-        safely: the expert cache holds no per-sequence state)."""
+    def enter_forward(self, new_sequence: bool = False, sequences: int = 1) -> None:
+        """A forward step of the model starts (`new_sequence`: the first of `sequences` sequences, whose blocks are
+        their prompts'). Steps are serialised: a second thread calling the same model waits for the first step to
+        finish (steps of two generate calls interleave safely: the expert cache holds no per-sequence state)."""
         if not self._forward_lock.acquire(timeout=600):
             raise ConcurrencyError(
                 "this model has been busy in another thread for 10 minutes; mira-hf runs one forward step at a "
@@ -198,7 +200,7 @@ class ExpertManager(NotebookViews):
             if self._last_layer >= 0:
                 self._end_step()
             self._last_layer = -1
-            self._prompt = new_sequence
+            self._prompt, self._prompt_sequences = new_sequence, sequences
             if new_sequence:
                 self.staging.new_sequence()
 
@@ -217,6 +219,18 @@ class ExpertManager(NotebookViews):
         finally:
             self._forward_owner = None
             self._forward_lock.release()
+
+    def _prompt_shares(self, layer: int, experts: Sequence[int], rows: Sequence[int], tokens: int) -> tuple[list[float], int]:
+        """(each expert's share of a prompt's block, the tokens of one of its sequences): of one sequence, its rows
+        over the tokens; of B sequences of P tokens each, the chance that a step of B tokens, one from each, uses it
+        (1 - Π_b (1 - share in b)), which is what a decode step's use measures."""
+        B, index = self._prompt_sequences, self._prompt_index
+        if B == 1 or tokens % B or index is None:
+            return [r / tokens for r in rows], tokens
+        P, E = tokens // B, len(self.heat.scores[layer]) + 1  # the EP sentinel's index is the layer's expert count
+        seq = torch.arange(B, device=index.device).repeat_interleave(P * index.shape[1])  # [T*K] each row's sequence
+        counts = torch.bincount(seq * E + index.reshape(-1), minlength=B * E).view(B, E)[:, list(experts)].cpu()
+        return (1 - (1 - counts.double() / P).prod(0)).tolist(), P
 
     def _end_step(self) -> None:
         self._prompt = False
@@ -238,6 +252,7 @@ class ExpertManager(NotebookViews):
                 self.recorder(layer, hidden, top_k_index)
             self.staging.observe(layer, hidden, top_k_index)
             self._block_tokens = hidden.shape[0]
+            self._prompt_index = top_k_index if self._prompt else None
             self.host.block(layer, hidden.shape[0], self.loader.stall_total)
             if self.batch is not None:
                 self._batch_index = top_k_index
@@ -255,7 +270,7 @@ class ExpertManager(NotebookViews):
             tokens = self._block_tokens
             prompt = self._prompt and tokens > 1 and rows is not None and self.heat.config.seed_from_prompt
             if prompt:  # each expert's share of the prompt's tokens
-                self.heat.activate(layer, list(experts), [r / tokens for r in rows], tokens)
+                self.heat.activate(layer, list(experts), *self._prompt_shares(layer, experts, rows, tokens))
             else:
                 self.heat.activate(layer, list(experts))
             self.staging.block_started(layer, experts)

@@ -19,15 +19,15 @@ class StepHooks:
     # boundaries from the order of its blocks (`ExpertManager.begin`), and steps are not serialised.
     def before(self, module, args, kwargs) -> None:
         if not torch.compiler.is_compiling():
-            self._enter(kwargs)
+            self._enter(args, kwargs)
 
     def after(self, module, args, output) -> None:
         if not torch.compiler.is_compiling():
             self._exit()
 
     @torch.compiler.disable
-    def _enter(self, kwargs: dict) -> None:
-        self.manager.enter_forward(_starts_sequence(kwargs))
+    def _enter(self, args: tuple, kwargs: dict) -> None:
+        self.manager.enter_forward(_starts_sequence(kwargs), _sequences(args, kwargs))
 
     @torch.compiler.disable
     def _exit(self) -> None:
@@ -41,3 +41,11 @@ def _starts_sequence(kwargs: dict) -> bool:
         return True
     length = getattr(cache, "get_seq_length", None)
     return length is not None and length() == 0
+
+
+def _sequences(args: tuple, kwargs: dict) -> int:
+    """How many sequences the forward's inputs hold (their first dimension; 1 where none is given as a tensor)."""
+    for x in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), args[0] if args else None):
+        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            return int(x.shape[0])
+    return 1

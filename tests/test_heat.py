@@ -370,8 +370,8 @@ def test_a_prompt_moves_every_memory_by_its_own_decay_and_scores_none():
     assert h.use_rate[0].tolist() == pytest.approx(expected[best[0]].tolist(), rel=1e-6)
 
 
-@pytest.mark.parametrize("seed_from_prompt", [True, False])
-def test_a_wrapped_models_prompt_moves_the_use_rates_by_its_routing(tiny_checkpoint, seed_from_prompt):
+@pytest.mark.parametrize(("seed_from_prompt", "sequences"), [(True, 1), (False, 1), (True, 3)])
+def test_a_wrapped_models_prompt_moves_the_use_rates_by_its_routing(tiny_checkpoint, seed_from_prompt, sequences):
     import torch
 
     from mira_hf import MiraConfig, MiraMoEModel
@@ -383,14 +383,15 @@ def test_a_wrapped_models_prompt_moves_the_use_rates_by_its_routing(tiny_checkpo
     routed = {}
     model.mira.recorder = lambda layer, hidden, index: routed.__setitem__(layer, index.clone())
     tokens = 12
-    ids = torch.randint(3, 128, (1, tokens), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 128, (sequences, tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(ids)  # no KV cache: this forward starts a sequence, its blocks are the prompt's
+        model(ids)  # no KV cache: this forward starts its sequences, its blocks are their prompts'
     assert routed
     for layer, index in routed.items():
-        rows = torch.bincount(index.reshape(-1), minlength=model.mira.heat.use_rate[layer].size).numpy()
-        if seed_from_prompt:  # as 12 decode steps with each expert's share of the prompt's tokens
-            expected = (1 - 0.9**tokens) * rows / tokens
-        else:  # one step that used every expert the prompt named
-            expected = 0.1 * (rows > 0)
-        np.testing.assert_allclose(model.mira.heat.use_rate[layer], expected, rtol=1e-5)
+        E = model.mira.heat.use_rate[layer].size
+        rows = np.stack([np.bincount(seq.reshape(-1).numpy(), minlength=E) for seq in index.view(sequences, -1)])  # [B, E]
+        if not seed_from_prompt:  # one step that used every expert the prompts named
+            expected = 0.1 * (rows.sum(0) > 0)
+        else:  # as 12 decode steps of one token from each sequence: the chance that one of them uses the expert
+            expected = (1 - 0.9**tokens) * (1 - np.prod(1 - rows / tokens, axis=0))
+        np.testing.assert_allclose(model.mira.heat.use_rate[layer], expected, rtol=1e-5, atol=1e-7)

@@ -395,3 +395,16 @@ def test_a_wrapped_models_prompt_moves_the_use_rates_by_its_routing(tiny_checkpo
         else:  # as 12 decode steps of one token from each sequence: the chance that one of them uses the expert
             expected = (1 - 0.9**tokens) * (1 - np.prod(1 - rows / tokens, axis=0))
         np.testing.assert_allclose(model.mira.heat.use_rate[layer], expected, rtol=1e-5, atol=1e-7)
+
+
+def test_the_step_hooks_count_the_sequences_a_forward_holds():
+    import torch
+
+    from mira_hf.step_hooks import _sequences
+
+    ids, embeds = torch.zeros(3, 7, dtype=torch.long), torch.zeros(2, 5, 8)
+    assert _sequences((ids,), {}) == 3  # model(ids)
+    assert _sequences((), {"input_ids": ids}) == 3  # generate's forwards
+    assert _sequences((), {"input_ids": None, "inputs_embeds": embeds}) == 2  # embeddings given instead (VLMs)
+    assert _sequences((torch.zeros(7, dtype=torch.long),), {}) == 1  # one unbatched sequence
+    assert _sequences((), {}) == 1

@@ -11,7 +11,10 @@ windows [0, calib_windows), evaluation on the next eval_windows), and a tiny ran
 With `--zoo DIR`, the evaluation runs over mira-tiny and every model of the zoo instead: per model its
 routing statistics, then per budget Belady's bytes beside LRU, heat alone, the default uncalibrated
 (heat + gate), calibrated on its own held-out text, and calibrated on another model's text (all share
-mira-tiny's tokenizer), written to DIR/<date>-cpu-zoo-offline-eval.json and .md (see `zoo_main`).
+mira-tiny's tokenizer), written to DIR/<date>-cpu-zoo-offline-eval.json and .md (see `zoo_main`). With
+`--prompt-tokens P` too, each evaluation window's first P tokens are its prompt, served as one forward as `generate`
+serves it; the counts are the decoding's after it, a row with the prompt counted as one step is added, and the
+files are named ...-cpu-zoo-offline-eval-prompts.
 
 Then the best predictive configs are replayed again over stage_fraction × stage_probability (and
 stage_lookahead 2) (`--no-sweep` skips it). A replay counts an expert in flight as a hit, as the runtime's

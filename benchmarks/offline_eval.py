@@ -14,7 +14,7 @@ routing statistics, then per budget Belady's bytes beside LRU, heat alone, the d
 mira-tiny's tokenizer), written to DIR/<date>-cpu-zoo-offline-eval.json and .md (see `zoo_main`). With
 `--prompt-tokens P` too, each evaluation window's first P tokens are its prompt, served as one forward as `generate`
 serves it; the counts are the decoding's after it, a row with the prompt counted as one step is added, and the
-files are named ...-cpu-zoo-offline-eval-prompts.
+files are named ...-cpu-zoo-offline-eval-prompts. `--concurrency B` decodes B windows together (files ...-bB).
 
 Then the best predictive configs are replayed again over stage_fraction × stage_probability (and
 stage_lookahead 2) (`--no-sweep` skips it). A replay counts an expert in flight as a hit, as the runtime's
@@ -280,6 +280,13 @@ def main() -> None:
         help="with --zoo: each evaluation window's first tokens are its prompt (one forward, as generate's prefill); "
         "the counts are the decoding's, and a row with the prompt counted as one step (HeatConfig.seed_from_prompt off) "
         "is added",
+    )
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="with --zoo: windows decoded together, as batched generate decodes them (the use rates as generate keeps "
+        "them, not a server's batch-aware estimates); with --prompt-tokens their prompts are one forward",
     )
     args = ap.parse_args()
     if args.zoo:

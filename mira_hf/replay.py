@@ -13,7 +13,9 @@ With `concurrency=B` a step decodes B tokens at once, one from each of B streams
 contiguous parts, as B sequences decoding together), and a block needs the union of their experts.
 With `prompt_tokens=P` each sequence's first P tokens are its prompt, served as `generate` serves one: a forward
 that starts the sequence, whose blocks need the union of the P tokens' experts at once; the counts (loads,
-hits, bytes) are the decoding's, after each prompt, and the prompts' loads are reported beside them.
+hits, bytes) are the decoding's, after each prompt, and the prompts' loads are reported beside them. With both,
+the B streams' sequences must start together: B prompts are one forward (as batched `generate` runs them), rows
+in stream order.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def replay(
     batch_aware: rank by batch-aware use estimates (`mira_hf.batching`, as the server does); None: when
         concurrency > 1.
     prompt_tokens: each sequence's first tokens served as its prompt (the module docstring); counts are then the
-        decoding's (`prompt_loads`: the prompts' own). Only with concurrency 1.
+        decoding's (`prompt_loads`: the prompts' own). With concurrency B, the streams' sequences start together
+        and B prompts are one forward (pass batch_aware=False for `generate`'s estimates rather than a server's).
 
     Returns counts in the telemetry's definitions (`misses` = uses whose expert was neither
     resident nor in flight: the stall-causing ones), `bytes_moved` = loads × real record bytes
@@ -127,7 +130,7 @@ def replay(
         torch.set_num_threads(threads)
 
     stats = _minus(manager.stats(), prompts)
-    steps = trace.steps // concurrency - prompts["tokens"]
+    steps = trace.steps // concurrency - prompts["steps"]
     loads = {layer: s["loads"] for layer, s in stats["per_layer"].items()}
     bytes_moved = sum(loads[li] * trace.record_bytes[li] for li in loads)
     uses = stats["hits"] + stats["misses"]
@@ -191,7 +194,7 @@ def belady(trace: RoutingTrace, *, budget: float, concurrency: int = 1, prompt_t
         (step, layer, needed)
         for step, layer, needed, _ in _blocks(trace, tensors=False, concurrency=concurrency, prompt_tokens=prompt_tokens)
     ]
-    prompts = _prompt_spans(trace, prompt_tokens)
+    prompts = _prompt_spans(trace, prompt_tokens, concurrency)
     for step, layer, needed in blocks:
         n = real.n_slots[real.pool_of_layer[layer]]
         if len(needed) > n and step not in prompts:  # a prompt's block streams the rest through, as at runtime
@@ -300,12 +303,12 @@ def _drive(
     prompt_tokens: int = 0,
 ) -> dict:
     """Feed every block of the trace to `manager` as the proxies do during decoding (a prompt's blocks as during a
-    prefill). Returns what the prompts' forwards counted: each of `_COUNTERS` per layer, and their "tokens"."""
+    prefill). Returns what the prompts' forwards counted: each of `_COUNTERS` per layer, and their "steps"."""
     placeholder = torch.zeros((1, 1))  # predictors that ignore hidden states still need a [T, H] argument
     has_hidden = trace.hidden is not None and trace.hidden.shape[0] == trace.steps
     starts = set(trace.sequence_starts[1:]) if concurrency == 1 else set()
-    spans = _prompt_spans(trace, prompt_tokens)
-    counted: dict = {"tokens": sum(end - start for start, end in spans.items()), **{k: defaultdict(int) for k in _COUNTERS}}
+    spans = _prompt_spans(trace, prompt_tokens, concurrency)
+    counted: dict = {"steps": sum(end - start for start, end in spans.items()), **{k: defaultdict(int) for k in _COUNTERS}}
     before = None
     for step, layer, needed, top_k_index in _blocks(trace, concurrency=concurrency, prompt_tokens=prompt_tokens):
         if layer == 0:  # one decode step = one forward of the model: the runtime's step hooks
@@ -318,9 +321,10 @@ def _drive(
                 pred.reset()
             if step in spans:
                 before = manager.stats()
-            manager.enter_forward(new_sequence=step in spans)
-        if step in spans:  # the prompt's tokens
-            hidden = trace.hidden[step : spans[step], layer] if has_hidden else placeholder.expand(spans[step] - step, 1)
+            manager.enter_forward(new_sequence=step in spans, sequences=concurrency)
+        if step in spans:  # the prompts' tokens
+            tokens = _prompt_token_steps(trace, step, spans[step], concurrency)
+            hidden = trace.hidden[tokens, layer] if has_hidden else placeholder.expand(len(tokens), 1)
         else:
             hidden = trace.hidden[_token_steps(trace, step, concurrency), layer] if has_hidden else placeholder
         manager.observe(layer, hidden, top_k_index)  # hidden [T, H], top_k_index [T, K]
@@ -407,19 +411,32 @@ def _check_concurrency(trace: RoutingTrace, concurrency: int) -> None:
 
 
 def _check_prompts(prompt_tokens: int, concurrency: int) -> None:
-    if prompt_tokens < 0 or (prompt_tokens and concurrency != 1):
-        raise ConfigError(
-            f"prompt_tokens={prompt_tokens} with concurrency={concurrency}: prompts are replayed at concurrency 1, with "
-            "prompt_tokens ≥ 1 (0: every token decoded one by one)."
-        )
+    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 0:
+        raise ConfigError(f"prompt_tokens={prompt_tokens!r}: give an int ≥ 1 (0: every token decoded one by one).")
 
 
-def _prompt_spans(trace: RoutingTrace, prompt_tokens: int) -> dict[int, int]:
-    """{first step of a sequence: the step after its prompt} (a prompt is at most its sequence but its last token)."""
+def _prompt_spans(trace: RoutingTrace, prompt_tokens: int, concurrency: int = 1) -> dict[int, int]:
+    """{(batch) step where sequences start: the step after their prompts} (a prompt is at most its sequence but its
+    last token). With concurrency B, each of the B streams must have its sequences start at the same steps."""
     if not prompt_tokens:
         return {}
-    ends = [*trace.sequence_starts[1:], trace.steps]
-    return {s: min(s + prompt_tokens, e - 1) for s, e in zip(trace.sequence_starts, ends) if min(s + prompt_tokens, e - 1) > s}
+    part = trace.steps // concurrency
+    per_stream = [[s - j * part for s in trace.sequence_starts if j * part <= s < (j + 1) * part] for j in range(concurrency)]
+    starts = per_stream[0]
+    if any(other != starts for other in per_stream) or not starts or starts[0] != 0:
+        raise ConfigError(
+            f"prompt_tokens={prompt_tokens} with concurrency={concurrency}: the trace's {concurrency} streams of {part} steps "
+            "do not start their sequences at the same steps; prompts of a batch are one forward. Give sequences of one "
+            "length (a multiple of the stream length), or concurrency=1."
+        )
+    ends = [*starts[1:], part]
+    return {s: min(s + prompt_tokens, e - 1) for s, e in zip(starts, ends) if min(s + prompt_tokens, e - 1) > s}
+
+
+def _prompt_token_steps(trace: RoutingTrace, start: int, end: int, concurrency: int) -> list[int]:
+    """The trace steps of the prompts at batch steps [start, end): each stream's in turn (as a batch's rows)."""
+    part = trace.steps // concurrency
+    return [j * part + s for j in range(concurrency) for s in range(start, end)]
 
 
 def _token_steps(trace: RoutingTrace, step: int, concurrency: int) -> list[int]:
@@ -436,39 +453,36 @@ def _blocks(
     layer at its first step, with [P, K] (padding dropped)."""
     rows = trace.experts.tolist()  # one conversion, not one per block
     padded = bool((trace.experts < 0).any())
-    spans = _prompt_spans(trace, prompt_tokens)
-    if concurrency == 1:
-        step = 0
-        while step < len(rows):
-            if step in spans:
-                end = spans[step]
-                for layer in range(trace.num_layers):
-                    picks = [[e for e in rows[s][layer] if e >= 0] for s in range(step, end)]
-                    needed = sorted({e for row in picks for e in row})
-                    index = torch.tensor([e for row in picks for e in row]).view(end - step, -1) if tensors else None
-                    yield step, layer, needed, index
-                step = end
-                continue
-            per_layer = rows[step]
-            for layer, row in enumerate(per_layer):
+    spans = _prompt_spans(trace, prompt_tokens, concurrency)
+    step = 0
+    while step < trace.steps // concurrency:
+        if step in spans:  # the prompts: one block per layer, each token's picks without padding
+            tokens = _prompt_token_steps(trace, step, spans[step], concurrency)
+            for layer in range(trace.num_layers):
+                picks = [[e for e in rows[t][layer] if e >= 0] for t in tokens]
+                needed = sorted({e for row in picks for e in row})
+                index = torch.tensor([e for row in picks for e in row]).view(len(tokens), -1) if tensors else None
+                yield step, layer, needed, index
+            step = spans[step]
+            continue
+        if concurrency == 1:
+            for layer, row in enumerate(rows[step]):
                 if padded:
                     row = [e for e in row if e >= 0]
-                index = torch.tensor([row]) if tensors else None
-                yield step, layer, sorted(set(row)), index
-            step += 1
-        return
-    for step in range(trace.steps // concurrency):
-        together = [rows[s] for s in _token_steps(trace, step, concurrency)]
-        for layer in range(trace.num_layers):
-            picks = [per_layer[layer] for per_layer in together]  # [B][K]
-            needed = sorted({e for row in picks for e in row if e >= 0})
-            yield step, layer, needed, torch.tensor(picks) if tensors else None
+                yield step, layer, sorted(set(row)), torch.tensor([row]) if tensors else None
+        else:
+            together = [rows[s] for s in _token_steps(trace, step, concurrency)]
+            for layer in range(trace.num_layers):
+                picks = [per_layer[layer] for per_layer in together]  # [B][K]
+                needed = sorted({e for row in picks for e in row if e >= 0})
+                yield step, layer, needed, torch.tensor(picks) if tensors else None
+        step += 1
 
 
 def _demand_summary(
     trace: RoutingTrace, misses: dict[int, int], total: int, concurrency: int = 1, prompt_tokens: int = 0
 ) -> dict:
-    spans = _prompt_spans(trace, prompt_tokens)
+    spans = _prompt_spans(trace, prompt_tokens, concurrency)
     blocks = _blocks(trace, tensors=False, concurrency=concurrency, prompt_tokens=prompt_tokens)
     uses = sum(len(needed) for step, _, needed, _ in blocks if step not in spans)
     bytes_moved = sum(misses[layer] * trace.record_bytes[layer] for layer in misses)

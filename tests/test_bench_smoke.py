@@ -232,7 +232,9 @@ def test_quant_native_check_smoke_finds_the_cpu_path_exact(tmp_path):
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     (row,) = json.loads(out.read_text())["rows"]
     comparisons = {k: v for k, v in row.items() if isinstance(v, dict)}
-    assert len(comparisons) == 4
+    # transformers' own native MXFP4 load: where transformers fetches a kernel from the hub for it (5.25 does, even on a
+    # CPU), offline it cannot run, and the script records why instead of that comparison
+    assert len(comparisons) == 4 or (len(comparisons) == 3 and "hub" in row.get("transformers_error", "").lower()), row
     for label, v in comparisons.items():
         checked = ("greedy_equal", "beam_equal") if label.endswith("_eager") else [k for k in v if k != "max_abs_diff"]
         assert all(v[k] for k in checked), (label, v)

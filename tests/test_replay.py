@@ -221,5 +221,17 @@ def test_each_sequence_gets_its_prompt_and_keeps_a_token_to_decode():
     trace = random_trace(3, steps=40)  # two sequences of 20 tokens
     r = replay(trace, budget=0.5, policy="heat", prompt_tokens=25)  # longer than a sequence: all but its last token
     assert r["steps"] == 2 and r["uses"] == sum(len(set(row)) for s in (19, 39) for row in trace.experts[s].tolist())
-    with pytest.raises(ConfigError, match="prompt_tokens"):
-        replay(trace, budget=0.5, prompt_tokens=4, concurrency=2)
+    with pytest.raises(ConfigError, match="do not start their sequences at the same steps"):
+        replay(trace, budget=0.5, prompt_tokens=4, concurrency=4)  # streams of 10 steps: the second starts mid-sequence
+
+
+def test_a_batch_of_prompts_is_one_block_per_layer_then_decodes_together():
+    # Two streams of one 4-token sequence each, one layer, 4 experts, 3 slots, top-1: A = 0 1 | 2 3, B = 1 2 | 3 0.
+    # The prompts' block needs {0, 1, 2}; the decoding then asks {2, 3} and {3, 0}.
+    # MIN: 3 evicts 1 (never used again): 1 miss of 4 uses. LRU: 3 evicts 0, then 0 evicts 1: 2 misses.
+    trace = make_trace([[[e]] for e in (0, 1, 2, 3, 1, 2, 3, 0)], num_experts=4)
+    trace.sequence_starts = [0, 4]
+    b = belady(trace, budget=0.75, concurrency=2, prompt_tokens=2)
+    assert (b["misses"], b["hits"], b["uses"], b["steps"]) == (1, 3, 4, 2)
+    r = replay(trace, budget=0.75, policy="lru", stage_fraction=0.0, concurrency=2, prompt_tokens=2, batch_aware=False)
+    assert (r["misses"], r["hits"], r["uses"], r["steps"], r["tokens"], r["prompt_loads"]) == (2, 2, 4, 2, 4, 3)

@@ -113,8 +113,7 @@ class ExpertManager(NotebookViews):
         self._last_layer = -1
         self._prompt = False  # this forward starts a sequence: its blocks of several tokens are a prompt's
         self._prompt_sequences = 1  # ... of this many sequences, each of the same number of tokens
-        self._prompt_index: torch.Tensor | None = None  # a prompt's block's routing `observe` saw last
-        self._block_tokens = 1  # tokens of the block `observe` saw last
+        self._prompt_index: torch.Tensor | None = None  # a prompt's block's routing [T, K] `observe` saw last
         self._tail: tuple[BlockPlan, Sequence[int]] | None = None  # the last block's deferred `end` (see `end`)
         self.host = host_compute_for(settings.host_compute, host_parts)  # misses computed on the host (host_compute.py)
         # The experts as whole tensors (parameters, state dict, casts): the store, or with host parts (neuron_split)
@@ -220,17 +219,17 @@ class ExpertManager(NotebookViews):
             self._forward_owner = None
             self._forward_lock.release()
 
-    def _prompt_shares(self, layer: int, experts: Sequence[int], rows: Sequence[int], tokens: int) -> tuple[list[float], int]:
-        """(each expert's share of a prompt's block, the tokens of one of its sequences): of one sequence, its rows
-        over the tokens; of B sequences of P tokens each, the chance that a step of B tokens, one from each, uses it
-        (1 - Π_b (1 - share in b)), which is what a decode step's use measures."""
-        B, index = self._prompt_sequences, self._prompt_index
-        if B == 1 or tokens % B or index is None:
-            return [r / tokens for r in rows], tokens
-        P, E = tokens // B, len(self.heat.scores[layer]) + 1  # the EP sentinel's index is the layer's expert count
+    def _prompt_shares(self, layer: int, experts: Sequence[int], index: torch.Tensor) -> tuple[list[float], int]:
+        """(each of `experts`' share of a prompt's block `index` [T, K], the tokens of one of its sequences): of one
+        sequence, its rows over the tokens; of B sequences of P tokens each, the chance that a step of B tokens, one
+        from each, uses it (1 - Π_b (1 - share in b)), which is what a decode step's use measures."""
+        T = index.shape[0]
+        B = self._prompt_sequences if T % self._prompt_sequences == 0 else 1
+        P, E = T // B, len(self.heat.scores[layer]) + 1  # the EP sentinel's index is the layer's expert count
         seq = torch.arange(B, device=index.device).repeat_interleave(P * index.shape[1])  # [T*K] each row's sequence
         counts = torch.bincount(seq * E + index.reshape(-1), minlength=B * E).view(B, E)[:, list(experts)].cpu()
-        return (1 - (1 - counts.double() / P).prod(0)).tolist(), P
+        shares = counts[0].double() / P if B == 1 else 1 - (1 - counts.double() / P).prod(0)
+        return shares.tolist(), P
 
     def _end_step(self) -> None:
         self._prompt = False
@@ -251,7 +250,6 @@ class ExpertManager(NotebookViews):
             if self.recorder is not None:
                 self.recorder(layer, hidden, top_k_index)
             self.staging.observe(layer, hidden, top_k_index)
-            self._block_tokens = hidden.shape[0]
             self._prompt_index = top_k_index if self._prompt else None
             self.host.block(layer, hidden.shape[0], self.loader.stall_total)
             if self.batch is not None:
@@ -267,10 +265,9 @@ class ExpertManager(NotebookViews):
             if layer <= self._last_layer:
                 self._end_step()
             self._last_layer = layer
-            tokens = self._block_tokens
-            prompt = self._prompt and tokens > 1 and rows is not None and self.heat.config.seed_from_prompt
-            if prompt:  # each expert's share of the prompt's tokens
-                self.heat.activate(layer, list(experts), *self._prompt_shares(layer, experts, rows, tokens))
+            index = self._prompt_index
+            if self._prompt and index is not None and index.shape[0] > 1 and self.heat.config.seed_from_prompt:
+                self.heat.activate(layer, list(experts), *self._prompt_shares(layer, experts, index))  # the prompt's shares
             else:
                 self.heat.activate(layer, list(experts))
             self.staging.block_started(layer, experts)

@@ -294,10 +294,8 @@ class MiraExperts(nn.Module):
 
         K = top_k_index.shape[1]
         tokens = lambda r: r // K if isinstance(r, torch.Tensor) else slice(r // K, r // K + 1)  # noqa: E731
-        counts = (  # each expert's rows: for host compute, and a prompt's shares (`begin`)
-            [r.numel() if isinstance(r, torch.Tensor) else 1 for r in map(rows_of, needed)]
-            if self.manager.host.active or S > K
-            else None
+        counts = (
+            [r.numel() if isinstance(r, torch.Tensor) else 1 for r in map(rows_of, needed)] if self.manager.host.active else None
         )
         inputs = lambda e: hidden_states[tokens(rows_of(e))]  # noqa: E731
         host = self._serve(needed, compute, counts, inputs, group, together if written == S else None)

@@ -328,11 +328,7 @@ def _drive(
         else:
             hidden = trace.hidden[_token_steps(trace, step, concurrency), layer] if has_hidden else placeholder
         manager.observe(layer, hidden, top_k_index)  # hidden [T, H], top_k_index [T, K]
-        rows = None
-        if step in spans:  # each needed expert's rows in the prompt's block
-            picks = top_k_index.reshape(-1).tolist()
-            rows = [picks.count(e) for e in needed]
-        block = manager.begin(layer, needed, rows)
+        block = manager.begin(layer, needed)
         for e in block.order:
             manager.acquire(block, e)
             manager.release(block, e)
@@ -344,7 +340,7 @@ def _drive(
     return counted
 
 
-_COUNTERS = ("loads", "hits", "stage_hits", "misses", "prefetches", "prefetch_used", "prefetch_wasted", "evictions")
+_COUNTERS = ("loads", "hits", "hot_hits", "stage_hits", "misses", "prefetches", "prefetch_used", "prefetch_wasted", "evictions")
 
 
 def _add(counted: dict, after: dict, before: dict) -> None:

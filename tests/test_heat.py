@@ -370,8 +370,11 @@ def test_a_prompt_moves_every_memory_by_its_own_decay_and_scores_none():
     assert h.use_rate[0].tolist() == pytest.approx(expected[best[0]].tolist(), rel=1e-6)
 
 
-@pytest.mark.parametrize(("seed_from_prompt", "sequences"), [(True, 1), (False, 1), (True, 3)])
-def test_a_wrapped_models_prompt_moves_the_use_rates_by_its_routing(tiny_checkpoint, seed_from_prompt, sequences):
+@pytest.mark.parametrize(
+    ("seed_from_prompt", "sequences", "impl"),
+    [(True, 1, "grouped_mm"), (False, 1, "grouped_mm"), (True, 3, "grouped_mm"), (True, 3, "batched_mm")],
+)
+def test_a_wrapped_models_prompt_moves_the_use_rates_by_its_routing(tiny_checkpoint, seed_from_prompt, sequences, impl):
     import torch
 
     from mira_hf import MiraConfig, MiraMoEModel
@@ -380,6 +383,7 @@ def test_a_wrapped_models_prompt_moves_the_use_rates_by_its_routing(tiny_checkpo
     model = MiraMoEModel.from_pretrained(
         tiny_checkpoint("qwen3_moe"), MiraConfig(gpu_budget=0.5, device="cpu", heat=heat), progress=False
     )
+    model.set_experts_implementation(impl)  # the prompt's routing reaches the cache through either path of the proxy
     routed = {}
     model.mira.recorder = lambda layer, hidden, index: routed.__setitem__(layer, index.clone())
     tokens = 12

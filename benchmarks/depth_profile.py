@@ -5,6 +5,9 @@ all-resident batch-1 decode timed, then wrapped at a budget and profiled three w
 
     timed       tokens/s of greedy decode steps after a prefill (not counted), loads, misses and hits per step
     parts       the host's exclusive time per step in each part of the runtime (victim search, copies, verbs, ...)
+    copies      with --copies-ab N: N rounds of the timed decode in this process, alternating the loader's host→device
+                copies through the CUDA runtime (the default) and through torch's `copy_` (who goes first alternates),
+                and each way's `parts` profile: the same host, so the ratio is not the spread between processes
     cProfile    the host's functions by their own time, per decode step (Python's profiler adds its own cost)
     torch       torch.profiler with CUDA activities: the device's busy share of the window (kernels and copies),
                 its kernel, host-to-device and device-to-device time per step, and the CUDA runtime calls per step
@@ -21,6 +24,7 @@ import cProfile
 import io
 import os
 import pstats
+import statistics
 import sys
 import time
 from collections import Counter
@@ -152,6 +156,37 @@ def device_profile(model, ids: torch.Tensor, steps: int) -> dict:
     )
 
 
+def copies_ab(model, ids: torch.Tensor, steps: int, rounds: int) -> dict:
+    """Batch-1 decode with the loader's copies issued through the CUDA runtime ("runtime") and through torch's
+    `copy_` ("torch"), `rounds` rounds alternating who goes first, then each way's parts profile."""
+    loader = model.mira.loader
+    ways = {"runtime": loader.memcpy, "torch": None}
+    runs = []
+    try:
+        for r in range(rounds):
+            for way in list(ways)[:: 1 if r % 2 == 0 else -1]:
+                loader.memcpy = ways[way]
+                s = decode(model, ids, steps, after_prefill=model.mira.reset_stats)
+                runs.append(dict(round=r, copies=way, tok_s=1.0 / s, loads_per_step=model.mira.stats()["loads"] / steps))
+                print(runs[-1])
+        parts = {}
+        for way, fn in ways.items():
+            loader.memcpy = fn
+            parts[way] = parts_profile(model, ids, steps)
+    finally:
+        loader.memcpy = ways["runtime"]
+    ratios = []
+    for r in range(rounds):
+        tok = {run["copies"]: run["tok_s"] for run in runs if run["round"] == r}
+        ratios.append(tok["runtime"] / tok["torch"])
+    return dict(
+        runtime_available=ways["runtime"] is not None,
+        runs=runs,
+        ratio_runtime_over_torch=dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios)),
+        parts=parts,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(k for k, p in PLANS.items() if p.source == "wrap"), default="qwen3")
@@ -162,6 +197,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--no-resident", dest="resident", action="store_false")
     ap.add_argument("--timed-only", action="store_true", help="only the timed decode (for A/B runs of two trees)")
+    ap.add_argument("--copies-ab", type=int, default=0, metavar="N", help="N alternating rounds: runtime copies against copy_")
     ap.add_argument("--smoke", action="store_true", help="CPU, the plan's tiny shape, a few tokens")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None)
@@ -198,6 +234,8 @@ def main() -> None:
         misses_per_step=st["misses"] / args.tokens,
         hits_per_step=st["hits"] / args.tokens,
     )
+    if args.copies_ab:
+        result["copies_ab"] = copies_ab(model, ids, args.tokens, args.copies_ab)
     if not args.timed_only:
         result["parts"] = parts_profile(model, ids, args.tokens)
         result["host"] = host_profile(model, ids, args.profile_tokens, args.top)

@@ -5,10 +5,19 @@ the event of the expert it is about to use, and that wait is timed with CUDA eve
 Sources that are not page-locked (a pageable or disk-backed store) go through a small pinned staging
 ring: the CPU copies a piece into a ring chunk, the copy engine moves the chunk. On CPU the same calls
 run synchronously and the "device" arena is host memory.
+
+A fine-grained model issues a few hundred copies per decode step, so the host time to issue one counts:
+torch's `copy_` holds the issuing thread ~29 µs per host→device copy, the CUDA runtime's `cudaMemcpyAsync`
+~5.7 µs (benchmarks/NOTES.md, "Host overhead"). Where the runtime torch loaded can be found, copies are issued
+through it (`runtime_memcpy`), on the copy stream given by its handle, so no stream switch is needed either;
+the bytes, the stream and the ordering are those of `copy_(non_blocking=True)`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -19,6 +28,29 @@ LATENCY_SAMPLES = 4096  # copies whose issue-to-ready latency is kept (the lates
 
 # A record's bytes as they lie in host memory: (offset in the record, uint8 host tensor), in record order.
 Pieces = Sequence[tuple[int, torch.Tensor]]
+
+
+H2D = 1  # cudaMemcpyHostToDevice
+
+
+@functools.cache
+def runtime_memcpy():
+    """`cudaMemcpyAsync(dst, src, nbytes, kind, stream) -> error code` of the CUDA runtime torch loaded (ctypes), or
+    None where it cannot be found: a CPU or ROCm build, no device, a runtime linked statically, or no /proc."""
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return None
+    soname = f"/libcudart.so.{torch.version.cuda.split('.')[0]}"
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if soname in line}
+        if len(paths) != 1:  # none loaded, or two runtimes: not known which is torch's
+            return None
+        fn = ctypes.CDLL(paths.pop()).cudaMemcpyAsync
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def cut(pieces: Pieces, at: int) -> tuple[list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor]]]:
@@ -56,6 +88,9 @@ class Loader:
         self._clock = torch.cuda.Stream(device) if self.cuda else None
         self._pending_latency: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)  # seconds
+        # host→device copies through the CUDA runtime (None: torch's copy_ on the current stream)
+        self.memcpy = runtime_memcpy() if self.cuda else None
+        self._handle = self.stream.cuda_stream if self.cuda else None
 
     # -- copies ---------------------------------------------------------------------------------
     def copy(self, dst: torch.Tensor, pieces: Pieces, src_pinned: bool, after: object = None, then=None) -> object:
@@ -85,16 +120,18 @@ class Loader:
         issued = torch.cuda.Event(enable_timing=True)
         issued.record(self._clock)
         first = None
-        with torch.cuda.stream(self.stream):
+        # torch's copy_ and `then` work on the current stream; the runtime's copies and events name theirs
+        switch = self.memcpy is None or then is not None
+        with torch.cuda.stream(self.stream) if switch else contextlib.nullcontext():
             if after is not None and then is None:  # the bytes land in the slot
                 self.stream.wait_event(after)
             if split:
                 for offset, src in head:
-                    self._copy_bytes(dst[offset : offset + src.numel()], src, src_pinned)
+                    self._copy_bytes(dst, offset, src, src_pinned)
                 first = torch.cuda.Event()
                 first.record(self.stream)
             for offset, src in tail:
-                self._copy_bytes(dst[offset : offset + src.numel()], src, src_pinned)
+                self._copy_bytes(dst, offset, src, src_pinned)
             if then is not None:
                 if after is not None:  # `then` writes the slot
                     self.stream.wait_event(after)
@@ -106,11 +143,23 @@ class Loader:
             self._resolve_latency(len(self._pending_latency) - 256)
         return first, done
 
-    def _copy_bytes(self, dst: torch.Tensor, src: torch.Tensor, src_pinned: bool) -> None:
+    def _copy_bytes(self, dst: torch.Tensor, offset: int, src: torch.Tensor, src_pinned: bool) -> None:
+        """`src` (host bytes) into `dst` (device bytes) from `offset` on, asynchronously on the copy stream."""
         if src_pinned:
-            dst.copy_(src, non_blocking=True)
+            self._h2d(dst, offset, src)
         else:
-            self._copy_through_ring(dst, src)
+            self._copy_through_ring(dst[offset : offset + src.numel()], src)
+
+    def _h2d(self, dst: torch.Tensor, offset: int, src: torch.Tensor) -> None:
+        # `src` page-locked, both uint8; where the runtime cannot take them, torch's copy_ (which checks the sizes)
+        n = src.numel()
+        if self.memcpy is not None and offset + n <= dst.numel() and src.is_contiguous() and dst.is_contiguous():
+            rc = self.memcpy(dst.data_ptr() + offset, src.data_ptr(), n, H2D, self._handle)
+            if rc != 0:
+                raise RuntimeError(f"cudaMemcpyAsync of {n} bytes to {self.device} failed with CUDA error {rc}")
+            return
+        with torch.cuda.stream(self.stream):
+            dst[offset : offset + n].copy_(src, non_blocking=True)
 
     def _copy_through_ring(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self._ring is None:
@@ -126,7 +175,7 @@ class Loader:
             self._ring_next = (i + 1) % len(self._ring)
             self._wait_host(self._ring_events[i])  # the chunk's previous copy has left it
             self._ring[i][:n].copy_(src[start : start + n])
-            dst[start : start + n].copy_(self._ring[i][:n], non_blocking=True)
+            self._h2d(dst, start, self._ring[i][:n])
             self._ring_events[i].record(self.stream)
 
     def _wait_host(self, event) -> None:

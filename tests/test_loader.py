@@ -1,0 +1,80 @@
+"""The loader's host→device copies: issued through the CUDA runtime where torch's is found, through torch's `copy_`
+otherwise, the same bytes either way, in one piece or two, from page-locked memory or through the staging ring,
+and with work run after them on the copy stream. A wrapped model decodes the same tokens both ways."""
+
+import pytest
+import torch
+
+from mira_hf import MiraConfig, MiraMoEModel
+from mira_hf.loader import Loader, runtime_memcpy
+from mira_hf.pinned import pinned_empty
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_no_runtime_is_bound_without_a_cuda_device():
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU case")
+    assert runtime_memcpy() is None
+    assert Loader(torch.device("cpu")).memcpy is None
+
+
+def _pieces(record: torch.Tensor, cuts: list[int]) -> list[tuple[int, torch.Tensor]]:
+    edges = [0, *cuts, record.numel()]
+    return [(a, record[a:b]) for a, b in zip(edges, edges[1:])]
+
+
+def test_cpu_copies_land_every_piece():
+    record = torch.randint(0, 256, (1000,), dtype=torch.uint8)
+    dst = torch.zeros(1000, dtype=torch.uint8)
+    loader = Loader(torch.device("cpu"))
+    assert loader.copy_split(dst, _pieces(record, [300, 700]), True, 500) == (None, None)
+    assert torch.equal(dst, record)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("pinned", [True, False])
+def test_runtime_copies_give_the_bytes_of_torch_copies(pinned):
+    """Split and whole copies, page-locked sources (store slabs) and pageable ones (through the ring, in chunks
+    smaller than a piece), each way; the slot's previous reader (`after`) and `then` ordered on the copy stream."""
+    dev = torch.device("cuda")
+    n = 3 * 2**20 + 77
+    record = pinned_empty(n) if pinned else torch.empty(n, dtype=torch.uint8)
+    record.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
+    pieces = _pieces(record, [2**20 + 5, 2 * 2**20 + 11])
+    loader = Loader(dev, ring_bytes=2**20, ring_chunks=4)
+    assert loader.memcpy is not None and loader.memcpy is runtime_memcpy()  # torch's runtime was found
+    out = {}
+    for way, fn in (("runtime", loader.memcpy), ("torch", None)):
+        loader.memcpy = fn
+        dst, whole, doubled = (torch.zeros(n, dtype=torch.uint8, device=dev) for _ in range(3))
+        torch.cuda.synchronize()  # the buffers are written before any copy is issued
+        after = torch.cuda.Event()
+        torch.cuda._sleep(10**6)  # the slot's last reader still runs: the copy must wait for it
+        dst.fill_(1)
+        after.record()
+        first, done = loader.copy_split(dst, pieces, pinned, 2**20 + 5, after)
+        torch.cuda.current_stream().wait_event(done)
+        ready = loader.copy(whole, pieces, pinned, then=lambda: doubled.copy_(whole * 2))  # noqa: B023
+        torch.cuda.current_stream().wait_event(ready)
+        assert first is not None
+        out[way] = (dst.cpu(), whole.cpu(), doubled.cpu())
+    for got in out.values():
+        assert torch.equal(got[0], record) and torch.equal(got[1], record) and torch.equal(got[2], record * 2)
+    assert len(loader.latencies()) == 4  # one sample per copy
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_wrapped_model_decodes_the_same_tokens_with_either_copy(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe")
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3), progress=False)
+    ids = torch.tensor([[5, 9, 17, 33, 42, 7, 64, 100, 3, 11]], device="cuda")
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        tokens = model.generate(ids, **kw)
+        loads = model.mira.stats()["loads"]
+        model.mira.loader.memcpy = None
+        assert torch.equal(model.generate(ids, **kw), tokens)
+    assert loads > 0

@@ -91,7 +91,10 @@ def main() -> None:
     print(op_us)
     env = environment()
     write_json(
-        os.path.join(args.out, f"{time.strftime('%Y-%m-%d')}-{device_slug(env)}-copy-issue-probe{'-' + args.label if args.label else ''}.json"),
+        os.path.join(
+            args.out,
+            f"{time.strftime('%Y-%m-%d')}-{device_slug(env)}-copy-issue-probe{'-' + args.label if args.label else ''}.json",
+        ),
         dict(environment=env, piece_bytes=PIECE, copies=COPIES, rows=rows, ops=OPS, op_us=op_us),
     )
 

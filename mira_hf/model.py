@@ -29,7 +29,7 @@ from .expert_keys import native_codec_name
 from .experts_impl import check_model_implementations, checked_set_experts_implementation
 from .load_report import LoadReport
 from .manager import ExpertManager
-from .proxy import MiraExperts, MiraScaledExperts, layout_flags
+from .proxy import proxy_for
 from .resources import replan
 from .shards import NotStreamable, ShardIndex, missing_checkpoint_error
 from .state import install as install_state
@@ -245,11 +245,9 @@ def _install(
 ) -> nn.Module:
     """Swap each experts module for its proxy on its parent, move the rest of the model to `device`, and
     bind the per-instance hooks and methods that `unload()` removes again."""
-    proxy = MiraScaledExperts if adapter.input_scaled else MiraExperts
     proxies = []
     for t in targets:
-        flags = layout_flags(adapter, t.module)
-        proxies.append(proxy(t.module, manager, t.ordinal, flags, plan.cfg.cache.prefill_block_tokens))
+        proxies.append(proxy_for(adapter, t.module, manager, t.ordinal, plan.cfg.cache.prefill_block_tokens))
         setattr(t.parent, t.attr, proxies[-1])
     model.to(device)
     # Per-instance hooks mark forward steps (the heat clock, serialised threads); always_call

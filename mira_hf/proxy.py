@@ -75,8 +75,16 @@ class MiraExperts(nn.Module):
         layer: int,
         flags: dict[str, bool],  # every LAYOUT_FLAGS entry, resolved for `base` (MoEAdapter.flag)
         block_tokens: int | None = None,
+        route_norm: str = "",  # MoEAdapter.route_norm (MiraRouteNormExperts)
     ) -> None:
         super().__init__()
+        self._route_norm = route_norm
+        # The experts module's members that hold tensors besides the experts (Ergo's per-expert norms) under their
+        # unwrapped names, ahead of `base`, which holds them too: named_parameters() and named_modules() give the
+        # unwrapped model's names (state_dict() renames `base.x` to `x`: `state`).
+        for name, child in base.named_children():
+            if any(True for _ in child.parameters()) or any(True for _ in child.buffers()):
+                self.add_module(name, child)
         self.base = base
         self.layer = layer
         self.block_tokens = block_tokens  # CacheConfig.prefill_block_tokens: rows per matmul, None = all
@@ -116,14 +124,20 @@ class MiraExperts(nn.Module):
         return self.serve(hidden_states, top_k_index, top_k_weights)
 
     def serve(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        # T tokens, K experts per token, H hidden, E experts; rows r = t * K + k
         impl = implementation_of(self.base)  # read at each call, as transformers does (generate swaps it)
         check_call(impl)
+        self.manager.observe(self.layer, hidden_states, top_k_index)  # the predictor's copy is finished by the block's sync
+        return self._experts(hidden_states, top_k_index, top_k_weights, impl)
+
+    def _experts(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, impl: str
+    ) -> torch.Tensor:
+        """The weighted sum of each token's experts, as `impl` computes it, the block's routing observed."""
+        # T tokens, K experts per token, H hidden, E experts; rows r = t * K + k
         T, H = hidden_states.shape
         K = top_k_index.shape[1]
         E = self.num_experts
         flat = top_k_index.reshape(-1)  # [T*K]
-        self.manager.observe(self.layer, hidden_states, top_k_index)  # the predictor's copy is finished by the sync below
         if T == 1:
             picks = flat.tolist()  # [K] one host sync per block
             if len(set(picks)) == K:  # distinct experts (as top-k picks are)
@@ -489,6 +503,26 @@ class MiraExperts(nn.Module):
         return proxy_apply(self, fn, recurse)
 
 
+class MiraRouteNormExperts(MiraExperts):
+    """Routed experts whose module normalises each route's output with its expert's own learned norm before the
+    weighted sum (Ergo; `MoEAdapter.route_norm` names the norm on the module, called as `norm(rows, expert_ids)`).
+    The module's forward gives each (token, expert) route a row of its own, runs the experts interface on the rows
+    with unit weights (one expert per row), normalises each row, then weights the rows and sums each token's K
+    in the weights' dtype, cast to the hidden dtype. The proxy does the same around the served experts, the norm
+    read from the module it replaced (`base`)."""
+
+    def serve(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        impl = implementation_of(self.base)
+        check_call(impl)
+        self.manager.observe(self.layer, hidden_states, top_k_index)  # the block's routing, [T, K]
+        T, K = top_k_index.shape
+        rows = hidden_states.repeat_interleave(K, dim=0) if K > 1 else hidden_states  # [T*K, H]: row t*K + k
+        routes = top_k_index.reshape(-1, 1)  # [T*K, 1]
+        y = self._experts(rows, routes, rows.new_ones(routes.shape), impl)  # [T*K, H]: each route's expert
+        y = getattr(self.base, self._route_norm)(y, routes.flatten().clamp_max(self.num_experts - 1))
+        return (y.view(T, K, -1) * top_k_weights.unsqueeze(-1)).sum(1).to(hidden_states.dtype)  # [T, H]
+
+
 class MiraScaledExperts(MiraExperts):
     """Routed experts of a block that scales each expert's input by its routing weight (Llama 4): the
     forward takes `[E·T, H]` rows, token t of expert e at row e·T + t, zero where the router did not
@@ -528,6 +562,17 @@ class MiraScaledExperts(MiraExperts):
         for e, y, adds in self._serve(needed, compute, [x.shape[1]] * len(needed), x.__getitem__):  # host_compute
             _put(out, e, y, adds)
         return _guarded(out).view(hidden_states.shape)
+
+
+def proxy_for(adapter, base: nn.Module, manager: ExpertManager, layer: int, block_tokens: int | None) -> MiraExperts:
+    """The proxy of experts module `base` (MoE layer `layer`): by how its block calls it (input-scaled rows,
+    `MoEAdapter.input_scaled`) and what its module computes around the experts (`MoEAdapter.route_norm`)."""
+    flags = layout_flags(adapter, base)
+    if adapter.input_scaled:
+        return MiraScaledExperts(base, manager, layer, flags, block_tokens)
+    if adapter.route_norm:
+        return MiraRouteNormExperts(base, manager, layer, flags, block_tokens, adapter.route_norm)
+    return MiraExperts(base, manager, layer, flags, block_tokens)
 
 
 def _put(y: torch.Tensor, rows, out: torch.Tensor, adds: bool) -> None:

@@ -136,7 +136,7 @@ class ExpertState:
             head = key[len(prefix) :].split(".", 1)[0]
             if head in specs or head == "base":
                 continue
-            if head in base_names:  # the unwrapped model's name of a member the proxy keeps on `base`
+            if head in base_names and head not in proxy._modules:  # a member the proxy keeps on `base` alone
                 state_dict[prefix + "base." + key[len(prefix) :]] = state_dict.pop(key)
             else:
                 unexpected_keys.append(key)

@@ -338,7 +338,7 @@ def neuron_splits(cfg: MiraConfig, adapter: MoEAdapter, targets: list[Target], s
     splits = {}
     for t in targets:
         flags = layout_flags(adapter, t.module)
-        own = own_tensors(t.module, t.tensors)
+        own = own_tensors(t.module, {*t.tensors, adapter.route_norm})  # a per-route norm follows the parts' sum
         if flags["has_post_expert_norm"] or own:
             raise ConfigError(
                 f"host_compute='split' adds each expert's host part to its device part, but the experts module at "

@@ -106,7 +106,9 @@ def find_targets(
             problem = f"its tensors' first dimension is not num_experts={E}: {[tuple(p.shape) for p in tensors.values()]}"
         elif not in_checkpoint and any(p.device.type == "meta" for p in tensors.values()):
             problem = "its weights are on the meta device (not loaded)"
-        elif replaces_interface_forward(module):
+        elif adapter.route_norm and not isinstance(getattr(module, adapter.route_norm, None), nn.Module):
+            problem = f"it has no per-route norm `{adapter.route_norm}` (adapter {adapter.name!r})"
+        elif replaces_interface_forward(module) and not adapter.route_norm:
             raise UnsupportedModelError(
                 f"{name} ({type(module).__name__}) cannot be served: its class's forward "
                 f"({type(module).__qualname__}.forward) replaces that of transformers' experts interface and computes "

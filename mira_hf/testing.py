@@ -131,6 +131,22 @@ RECIPES = {
             interleave_moe_layer_step=1,
         ),
     ),
+    # Ergo: a learned RMSNorm per expert on each route's output (MoEAdapter.route_norm); local and global layers
+    "ergo": (
+        "ErgoConfig",
+        dict(
+            BASE,
+            num_hidden_layers=3,
+            first_dense_intermediate_size=64,
+            num_dense_blocks=1,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            shared_intermediate_size=32,
+            sliding_window=16,
+            global_attention_every_n_layers=3,
+        ),
+    ),
 }
 
 # Further model types served by a registered adapter, checked too.
@@ -298,12 +314,24 @@ def tiny_config(name: str):
     return make_config(name) if hasattr(transformers, ALL_RECIPES[name][0]) else None
 
 
+# Per-expert parameters a family initialises to one value for every expert (norm scales), drawn at random by `build`
+# so that a test can tell one expert's from another's (a route normalised with the wrong expert's scale).
+PER_EXPERT_INIT = {"ergo": ("post_expert_norm.weight",)}
+
+
 def build(config):
     """A random model of `config`, of the class `MiraMoEModel.from_pretrained` loads its checkpoint as: the
-    causal LM, or the image-text-to-text model of a type without a causal-LM entry (Mistral 4)."""
+    causal LM, or the image-text-to-text model of a type without a causal-LM entry (Mistral 4); per-expert
+    parameters of `PER_EXPERT_INIT` drawn around 1 from torch's generator."""
     from .checkpoint import auto_model_class
 
-    return auto_model_class(config.model_type).from_config(config)
+    model = auto_model_class(config.model_type).from_config(config)
+    suffixes = PER_EXPERT_INIT.get(config.model_type, ())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(suffixes):
+                p.copy_(1 + 0.5 * torch.randn(p.shape))
+    return model
 
 
 class InterruptAt(transformers.StoppingCriteria):

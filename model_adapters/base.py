@@ -87,6 +87,10 @@ class MoEAdapter:
     # then sums the `[E·T, H]` outputs over experts itself (Llama 4). Default: the experts module gets
     # `(hidden [T, H], top_k_index, top_k_weights)` and weighs and sums the outputs (transformers 5).
     input_scaled: bool = False
+    # The experts module's forward replaces the experts interface's to normalise each (token, expert) route's output
+    # with the expert's own learned norm before the weighted sum (Ergo): the name of that norm on the module,
+    # called as `norm(rows [R, H], expert_ids [R])`. Default "": the module's forward is the interface's.
+    route_norm: str = ""
     # Where the number of experts per token is found: the first of these attributes set on the block, its
     # router, the model config or its text config (vision-language models).
     top_k_attrs: tuple[str, ...] = ("top_k", "num_experts_per_tok", "moe_top_k", "num_experts_per_token")

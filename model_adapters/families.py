@@ -27,6 +27,12 @@ GRANITE_LINEARS = ExpertKeys(
     tensors={"gate_up_proj": ("input_linear.weight",), "down_proj": ("output_linear.weight",)},
     path_renames=((".block_sparse_moe.experts", ".block_sparse_moe"),),
 )
+# Ergo: the layout its training framework exports, stacked `layers.{i}.feed_forward.up_proj [E, H, I]` and
+# `down_proj [E, I, H]` (no `model.` prefix), as transformers' conversion mapping for it reads them.
+ERGO_FEED_FORWARD = ExpertKeys(
+    tensors={"up_proj": ("up_proj",), "down_proj": ("down_proj",)},
+    path_renames=((".model.layers", ".layers"), (".mlp.experts", ".feed_forward")),
+)
 # gpt-oss checkpoints already hold the fused (transposed, biased) tensors under their in-memory names:
 # every family is also tried with that layout, so it needs no table.
 
@@ -145,5 +151,20 @@ STEP3P7 = register_adapter(
         "SwiGLU clamped per layer (the module's own `_apply_gate`); sigmoid router with a selection bias; shared "
         "expert and routed scaling on the block; a vision-language model (no causal-LM class)",
         expert_flags={"is_transposed": False, "has_gate": True, "has_bias": False},
+    )
+)
+
+ERGO = register_adapter(
+    MoEAdapter(
+        name="ergo",
+        model_types=("ergo",),
+        router_weight_attr="linear.weight",
+        router_scoring="sigmoid",
+        notes="first `num_dense_blocks` layers dense; sigmoid router (an fp32 linear) with a selection bias, weights "
+        "normalised × `moe_routed_scaling_factor`; transposed `up_proj [E, H, I]`, `down_proj [E, I, H]`, squared "
+        "ReLU, no gate; each route's output normalised by its expert's own learned RMSNorm (`post_expert_norm`, "
+        "[E, H]) before the weighted sum, which runs in fp32; shared expert on the block",
+        checkpoint_keys=(ERGO_FEED_FORWARD,),
+        route_norm="post_expert_norm",
     )
 )

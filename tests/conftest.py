@@ -8,6 +8,7 @@ import tempfile
 
 import pytest
 import torch
+import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
@@ -16,7 +17,7 @@ if "MIRA_HF_RECORD_CACHE" not in os.environ:  # records cached by the tests' loa
     atexit.register(shutil.rmtree, os.environ["MIRA_HF_RECORD_CACHE"], ignore_errors=True)  # after cache writers end
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from tiny_models import EXTRA_RECIPES, MULTIMODAL_RECIPES, RECIPES, make_config  # noqa: E402
+from tiny_models import EXTRA_RECIPES, MULTIMODAL_RECIPES, RECIPES, build, tiny_config  # noqa: E402
 
 ALL_TINY = sorted(RECIPES) + sorted(EXTRA_RECIPES)
 MULTIMODAL = sorted(MULTIMODAL_RECIPES)  # served by an adapter, built as image-text-to-text models
@@ -25,14 +26,15 @@ MULTIMODAL = sorted(MULTIMODAL_RECIPES)  # served by an adapter, built as image-
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A function: family name -> directory of a saved tiny random model (fp32), built once per session."""
-    from transformers import AutoModelForCausalLM
-
     cache = {}
 
     def get(name: str) -> str:
         if name not in cache:
+            config = tiny_config(name)
+            if config is None:
+                pytest.skip(f"transformers {transformers.__version__} has no {name}")
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(make_config(name))
+            model = build(config)
             path = tmp_path_factory.mktemp(f"tiny-{name}")
             model.save_pretrained(path)
             cache[name] = str(path)

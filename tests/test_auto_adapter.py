@@ -83,11 +83,6 @@ def test_experts_class_whose_forward_computes_more_than_the_interface_is_refused
     _refused_untouched(model, "ScaledExperts.forward\\) replaces that of transformers' experts interface")
 
 
-def test_ergo_is_refused_and_untouched():
-    """Ergo's experts apply a learned RMSNorm per expert to each route before the weighted sum (transformers 5.25)."""
-    _refused_untouched(tiny("ergo"), "ErgoExperts.forward\\) replaces that of transformers' experts interface")
-
-
 # Inkling 2 Loop's checkpoints store their experts quantized in a format transformers dequantizes as it loads
 # them (its own converter); mira-hf reads experts as stored, stacked, joined or interleaved, nothing else.
 NOT_STREAMABLE = {"inkling2_loop_text"}

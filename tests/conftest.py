@@ -8,7 +8,6 @@ import tempfile
 
 import pytest
 import torch
-import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
@@ -32,6 +31,8 @@ def tiny_checkpoint(tmp_path_factory):
         if name not in cache:
             config = tiny_config(name)
             if config is None:
+                import transformers  # imported here: huggingface_hub reads HF_HUB_OFFLINE (set above) on import
+
                 pytest.skip(f"transformers {transformers.__version__} has no {name}")
             torch.manual_seed(0)
             model = build(config)

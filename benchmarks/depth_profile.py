@@ -43,6 +43,7 @@ from host_overhead import PARTS, PartTimer  # noqa: E402
 from topic_routing import RoutingTargets, shape_routing, topic_prompts  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
+from mira_hf.heat import HeatConfig  # noqa: E402
 
 RUNTIME_CALLS = ("cudaLaunchKernel", "cudaMemcpyAsync", "cudaStreamWaitEvent", "cudaEventRecord", "cudaEventQuery")
 
@@ -198,6 +199,7 @@ def main() -> None:
     ap.add_argument("--no-resident", dest="resident", action="store_false")
     ap.add_argument("--timed-only", action="store_true", help="only the timed decode (for A/B runs of two trees)")
     ap.add_argument("--copies-ab", type=int, default=0, metavar="N", help="N alternating rounds: runtime copies against copy_")
+    ap.add_argument("--no-prompt-seed", dest="prompt_seed", action="store_false", help="HeatConfig(seed_from_prompt=False)")
     ap.add_argument("--smoke", action="store_true", help="CPU, the plan's tiny shape, a few tokens")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None)
@@ -219,7 +221,7 @@ def main() -> None:
     if args.resident:
         decode(model, ids, 4)  # warm-up
         result["resident_tok_s"] = 1.0 / decode(model, ids, args.tokens)
-    MiraMoEModel.wrap(model, MiraConfig(gpu_budget=budget, device=device))
+    MiraMoEModel.wrap(model, MiraConfig(gpu_budget=budget, device=device, heat=HeatConfig(seed_from_prompt=args.prompt_seed)))
     manager = model.mira
     result["slots"] = sum(manager.budget.n_slots.values())
     result["moe_layers"] = len(manager.layers)

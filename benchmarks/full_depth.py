@@ -73,6 +73,7 @@ from routing_stats import from_records, routing_stats  # noqa: E402
 from topic_routing import RoutingTargets, shape_routing, topic_prompts  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
+from mira_hf.heat import HeatConfig  # noqa: E402
 
 GB = 1e9
 PCIE_GBPS = 55.0  # nominal PCIe Gen5 x16 host-to-device rate the floor is also quoted at
@@ -267,7 +268,7 @@ def run_budget(
                 reference["tokens"] = greedy_tokens(model, prompts[:1], s)
             free_device_cache()
             t = time.perf_counter()
-            MiraMoEModel.wrap(model, MiraConfig(gpu_budget=budget, device=s.device))
+            MiraMoEModel.wrap(model, MiraConfig(gpu_budget=budget, device=s.device, heat=HeatConfig(seed_from_prompt=args.prompt_seed)))
             row["wrap_s"] = time.perf_counter() - t
             row["setup_s"] = row["build_s"] + row["shape_s"] + row["wrap_s"]
         else:
@@ -281,7 +282,7 @@ def run_budget(
             model = None
             free_device_cache()
             row["page_cache_dropped"] = drop_from_page_cache(path)
-            cfg = MiraConfig(gpu_budget=budget, device=s.device)
+            cfg = MiraConfig(gpu_budget=budget, device=s.device, heat=HeatConfig(seed_from_prompt=args.prompt_seed))
             peak = PeakMemory(s.device.startswith("cuda"))
             peak.start()
             for name in ("load_first_s", "load_cached_s"):
@@ -464,6 +465,7 @@ def parse_args(argv=None):
     ap.add_argument("--beams", type=int, default=4)
     ap.add_argument("--warmup-tokens", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-prompt-seed", dest="prompt_seed", action="store_false", help="HeatConfig(seed_from_prompt=False)")
     ap.add_argument("--no-resident", dest="resident", action="store_false", help="skip the all-resident measurements")
     ap.add_argument("--time-budget-s", type=float, default=510.0, help="generations stop when this is spent (from start)")
     ap.add_argument("--tmp-dir", default=os.environ.get("TMPDIR") or "/tmp", help="where checkpoints are written (removed after)")
@@ -518,7 +520,7 @@ def main(argv=None) -> int:
     s = settings(args, plan)
     deadline = Deadline(args.time_budget_s)
     env = environment()
-    name = args.model + "".join(f"-{b}" for b in args.budget or [])  # one file per invocation
+    name = args.model + "".join(f"-{b}" for b in args.budget or []) + ("" if args.prompt_seed else "-no-prompt-seed")
     stem = os.path.join(args.out, f"{env['date']}-{device_slug(env, not args.smoke)}-full-depth-{name}")
     os.makedirs(args.out, exist_ok=True)
     result = dict(

@@ -268,7 +268,9 @@ def run_budget(
                 reference["tokens"] = greedy_tokens(model, prompts[:1], s)
             free_device_cache()
             t = time.perf_counter()
-            MiraMoEModel.wrap(model, MiraConfig(gpu_budget=budget, device=s.device, heat=HeatConfig(seed_from_prompt=args.prompt_seed)))
+            MiraMoEModel.wrap(
+                model, MiraConfig(gpu_budget=budget, device=s.device, heat=HeatConfig(seed_from_prompt=args.prompt_seed))
+            )
             row["wrap_s"] = time.perf_counter() - t
             row["setup_s"] = row["build_s"] + row["shape_s"] + row["wrap_s"]
         else:

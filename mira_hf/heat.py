@@ -41,7 +41,9 @@ class HeatConfig:
     use_rate_decay: float | None = None
     # A prompt's blocks (the forward that starts a sequence) move the use rates by each expert's share of the prompt's
     # tokens (of B prompts: the chance that one of B tokens, one from each, uses it), as that many decode steps would;
-    # False: a prompt's block counts as one step using every expert it names.
+    # False: a prompt's block counts as one step using every expert it names. Trained models generating after held-out
+    # prompts load fewer experts with it; a model whose generated tokens route unlike its prompt (random weights) loads
+    # more (benchmarks/NOTES.md, "Eviction").
     seed_from_prompt: bool = True
 
     def __post_init__(self) -> None:

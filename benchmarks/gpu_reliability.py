@@ -16,6 +16,7 @@ The CPU test suite checks the same behaviours on CPU (tests/test_reliability.py,
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -37,6 +38,7 @@ from common import device_slug, environment, print_table, write_json  # noqa: E4
 from mira_hf import LoaderError, MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.config import LoaderConfig, QuantConfig  # noqa: E402
 from mira_hf.quant.lossless import SUPPORTED_DTYPES as LOSSLESS_DTYPES  # noqa: E402
+from mira_hf.checkpoint import auto_model_class  # noqa: E402
 from mira_hf.testing import AUTO_FAMILIES, EXTRA_RECIPES, RECIPES, InterruptAt, build, make_auto_config, tiny_config  # noqa: E402
 
 # The tiny models' records are far below LoaderConfig.split_min_bytes: 0 keeps the split-copy path under test.
@@ -63,8 +65,11 @@ def save_tiny(name: str, root: str) -> str:
 
 
 def reference(path: str):
-    """The unwrapped model, in the run's dtype, on the device."""
-    return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE).to(DEV).eval()
+    """The unwrapped model, in the run's dtype, on the device, of the class mira-hf loads it as (a type without a
+    causal-LM class, as Mistral 4, as its image-text-to-text model)."""
+    with open(os.path.join(path, "config.json")) as f:
+        model_type = json.load(f)["model_type"]
+    return auto_model_class(model_type).from_pretrained(path, dtype=DTYPE).to(DEV).eval()
 
 
 def wrapped(path: str, cfg: MiraConfig):
@@ -174,7 +179,8 @@ warnings.filterwarnings("ignore", message=r"mira-hf: gpu_budget=.* below the min
 def exactness(root: str) -> list[dict]:
     rows = []
     auto = [n for n in AUTO_FAMILIES if make_auto_config(n) is not None]  # those this transformers has
-    for name in sorted(RECIPES) + sorted(EXTRA_RECIPES) + auto:
+    served = [n for n in sorted(RECIPES) + sorted(EXTRA_RECIPES) if tiny_config(n) is not None]  # likewise
+    for name in served + auto:
         if ONLY and name not in ONLY:
             continue
         path = save_tiny(name, root)

@@ -36,9 +36,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 from common import device_slug, environment, print_table, write_json  # noqa: E402
 
 from mira_hf import LoaderError, MiraConfig, MiraMoEModel  # noqa: E402
+from mira_hf.checkpoint import auto_model_class  # noqa: E402
 from mira_hf.config import LoaderConfig, QuantConfig  # noqa: E402
 from mira_hf.quant.lossless import SUPPORTED_DTYPES as LOSSLESS_DTYPES  # noqa: E402
-from mira_hf.checkpoint import auto_model_class  # noqa: E402
 from mira_hf.testing import AUTO_FAMILIES, EXTRA_RECIPES, RECIPES, InterruptAt, build, make_auto_config, tiny_config  # noqa: E402
 
 # The tiny models' records are far below LoaderConfig.split_min_bytes: 0 keeps the split-copy path under test.

@@ -91,6 +91,7 @@ class Loader:
         # host→device copies through the CUDA runtime (None: torch's copy_ on the current stream)
         self.memcpy = runtime_memcpy() if self.cuda else None
         self._handle = self.stream.cuda_stream if self.cuda else None
+        self._index = self.stream.device.index if self.cuda else None
 
     # -- copies ---------------------------------------------------------------------------------
     def copy(self, dst: torch.Tensor, pieces: Pieces, src_pinned: bool, after: object = None, then=None) -> object:
@@ -120,8 +121,9 @@ class Loader:
         issued = torch.cuda.Event(enable_timing=True)
         issued.record(self._clock)
         first = None
-        # torch's copy_ and `then` work on the current stream; the runtime's copies and events name theirs
-        switch = self.memcpy is None or then is not None
+        # torch's copy_ and `then` work on the current stream; the runtime's copies and events name theirs, and need
+        # the stream's device to be the current one (the stream context makes it so)
+        switch = self.memcpy is None or then is not None or torch.cuda.current_device() != self._index
         with torch.cuda.stream(self.stream) if switch else contextlib.nullcontext():
             if after is not None and then is None:  # the bytes land in the slot
                 self.stream.wait_event(after)

@@ -40,10 +40,10 @@ class HeatConfig:
     # stays put differs between models and layers, from ~2 steps to ~50).
     use_rate_decay: float | None = None
     # A prompt's blocks (the forward that starts a sequence) move the use rates by each expert's share of the prompt's
-    # tokens (of B prompts: the chance that one of B tokens, one from each, uses it), as that many decode steps would;
-    # False: a prompt's block counts as one step using every expert it names. Trained models generating after held-out
-    # prompts load fewer experts with it; a model whose generated tokens route unlike its prompt (random weights) loads
-    # more (benchmarks/NOTES.md, "Eviction").
+    # tokens (of B prompts: the chance that one of B tokens, one from each, uses it), as that many decode steps would,
+    # up to one memory's worth (`prompt_keep`); False: a prompt's block counts as one step using every expert it
+    # names. Trained models generating after held-out prompts load fewer experts with it; a model whose generated
+    # tokens route unlike its prompt (random weights) loads more (benchmarks/NOTES.md, "Eviction").
     seed_from_prompt: bool = True
 
     def __post_init__(self) -> None:
@@ -64,8 +64,14 @@ USE_RATE_DECAYS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
 SCORE_DECAY = 0.99  # weight of the past in each candidate's running prediction loss (~100 steps)
 _TINY = 1e-9
 _P_FLOOR = 1e-3  # a probability is never taken as 0 or 1 in the loss (the valuation's floor, too)
-# A prompt of more tokens weighs as this many decode steps (0.98 ** 512: nothing of the past is left anyway).
-MAX_PROMPT_STEPS = 512
+
+
+def prompt_keep(decay, tokens: int):
+    """The weight of the past that a prompt of `tokens` tokens leaves in a use rate of memory `decay`: the prompt
+    counts as that many decode steps, at most one memory's worth (1 / (1 - decay) steps, which leaves ~1/e of the
+    past). A prompt is read, not generated, and the tokens generated after it may route otherwise (NOTES.md,
+    "Eviction"): it fills the average once, and what decoding used before keeps a share."""
+    return decay ** np.minimum(tokens, 1 / (1 - decay))
 
 
 class UseRates:
@@ -111,9 +117,10 @@ class UseRates:
 
     def seed(self, shares: np.ndarray, rows: np.ndarray, tokens: int, out: np.ndarray) -> None:
         """A prompt's routing: layer rows `rows` used each expert in `shares` [L, E] of `tokens` tokens. Each average
-        moves as `tokens` decode steps with those shares would move it in expectation (weight of the past d^tokens);
-        nothing is scored (a prompt's block is not one step's prediction). Writes the best estimates into `out`."""
-        keep = self.decays ** min(tokens, MAX_PROMPT_STEPS)  # [C, 1, 1]
+        moves as that many decode steps with those shares would move it in expectation, up to one memory's worth
+        (`prompt_keep`); nothing is scored (a prompt's block is not one step's prediction). Writes the best
+        estimates into `out`."""
+        keep = prompt_keep(self.decays, tokens)  # [C, 1, 1]
         ema = self.ema[:, rows]  # [C, n, E]
         ema *= keep
         ema += (1 - keep) * shares[rows]
@@ -215,7 +222,7 @@ class HeatTracker:
         if self._rates is not None:
             self._rates.seed(shares, rows, tokens, self._use_rate_table)
         else:
-            keep = np.float32(self.config.use_rate_decay) ** min(tokens, MAX_PROMPT_STEPS)
+            keep = np.float32(prompt_keep(np.float32(self.config.use_rate_decay), tokens))
             u = self._use_rate_table
             u[rows] = keep * u[rows] + (1 - keep) * shares[rows]
         shares[rows] = 0

@@ -353,6 +353,20 @@ def test_a_prompts_block_moves_use_rates_by_each_experts_share_of_its_tokens():
     assert h.use_rate[1].tolist() == pytest.approx([0.0, 0.0, 0.0, 0.9 * k], rel=1e-6)
 
 
+def test_a_long_prompt_fills_a_use_rate_once_and_the_earlier_rates_keep_a_share():
+    # 512 tokens at a memory of 0.9 count as 1 / (1 - 0.9) = 10 steps: 0.9^10 (~1/e) of the earlier rate is left, so
+    # what decoding used before the prompt is not forgotten at once when the text turns from read to generated.
+    h = HeatTracker({0: 2}, HeatConfig(use_rate_decay=0.9))
+    for _ in range(100):  # expert 0 used at every step: its rate ~1
+        h.activate(0, [0])
+        h.end_step()
+    before = h.use_rate[0].tolist()
+    h.activate(0, [1], shares=[1.0], tokens=512)
+    h.end_step()
+    keep = 0.9**10
+    assert h.use_rate[0].tolist() == pytest.approx([keep * before[0], (1 - keep) * 1.0], rel=1e-5)
+
+
 def test_a_prompt_moves_every_memory_by_its_own_decay_and_scores_none():
     h = HeatTracker({0: 3})  # memories chosen online
     for _ in range(5):
@@ -362,7 +376,8 @@ def test_a_prompt_moves_every_memory_by_its_own_decay_and_scores_none():
     loss, best, ema = rates.loss.copy(), rates.best.copy(), rates.ema.copy()
     h.activate(0, [1, 2], shares=[0.75, 0.25], tokens=8)
     h.end_step()
-    keep = np.asarray(heat_mod.USE_RATE_DECAYS, np.float32)[:, None] ** 8  # [C, 1]
+    decays = np.asarray(heat_mod.USE_RATE_DECAYS, np.float32)[:, None]  # [C, 1]
+    keep = decays ** np.minimum(8, 1 / (1 - decays))  # 8 steps, or one memory's worth where shorter (0.5: 2, 0.7: 3.3)
     expected = ema[:, 0] * keep + (1 - keep) * np.asarray([0.0, 0.75, 0.25], np.float32)
     expected[expected < heat_mod._TINY] = 0
     np.testing.assert_allclose(rates.ema[:, 0], expected, rtol=1e-6)
@@ -396,8 +411,9 @@ def test_a_wrapped_models_prompt_moves_the_use_rates_by_its_routing(tiny_checkpo
         rows = np.stack([np.bincount(seq.reshape(-1).numpy(), minlength=E) for seq in index.view(sequences, -1)])  # [B, E]
         if not seed_from_prompt:  # one step that used every expert the prompts named
             expected = 0.1 * (rows.sum(0) > 0)
-        else:  # as 12 decode steps of one token from each sequence: the chance that one of them uses the expert
-            expected = (1 - 0.9**tokens) * (1 - np.prod(1 - rows / tokens, axis=0))
+        else:  # as 12 decode steps of one token from each sequence (up to one memory's worth, 10 steps at 0.9): the
+            # chance that one of them uses the expert
+            expected = (1 - 0.9 ** min(tokens, 10)) * (1 - np.prod(1 - rows / tokens, axis=0))
         np.testing.assert_allclose(model.mira.heat.use_rate[layer], expected, rtol=1e-5, atol=1e-7)
 
 

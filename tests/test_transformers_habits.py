@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 from conftest import ALL_TINY, load_reference
-from tiny_models import make_config
+from tiny_models import config_or_skip
 
 from mira_hf import MiraConfig, MiraMoEModel
 from mira_hf.errors import BudgetError, UnsupportedOperationError
@@ -33,7 +33,7 @@ MASK = (PADDED != 0).long()
 
 
 def _build(name: str, cls=transformers.AutoModelForCausalLM, **overrides):
-    config = make_config(name)
+    config = config_or_skip(name)
     for key, value in overrides.items():
         setattr(config, key, value)
     torch.manual_seed(0)
@@ -151,7 +151,13 @@ def test_router_logits_and_losses_are_identical(name):
     ref, model = _pair(name)
     kw = dict(attention_mask=MASK, labels=PADDED, output_router_logits=True)
     with torch.no_grad():
-        a, b = ref(PADDED, **kw), model(PADDED, **kw)
+        try:
+            a = ref(PADDED, **kw)
+        except Exception as exc:  # transformers' own forward fails (granitemoe's aux loss in 5.17): so does the wrapped one
+            with pytest.raises(type(exc)):
+                model(PADDED, **kw)
+            return
+        b = model(PADDED, **kw)
     if "router_logits" not in {f.name for f in dataclasses.fields(a)}:
         pytest.skip(f"transformers' {type(ref).__name__} outputs no router logits ({type(a).__name__} has no router_logits)")
     assert len(a.router_logits) > 0
@@ -202,7 +208,7 @@ def test_attention_implementations_compute_the_unwrapped_logits(name, attn):
 def test_a_base_model_and_a_classification_head_are_wrapped_and_exact(name):
     """The common tests build every class of a family: the base model (hidden states) and the heads."""
     mapping = transformers.models.auto.modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
-    model_type = make_config(name).model_type
+    model_type = config_or_skip(name).model_type
     classes = [transformers.AutoModel]
     if model_type in mapping:
         classes.append(getattr(transformers, mapping[model_type]))

@@ -85,7 +85,13 @@ def test_generation_mode_on_a_padded_batch_is_token_identical(name, mode):
         pytest.skip("transformers has no static cache for linear-attention layers")
     ref, model = _pair(name)
     kw = dict(MODES[mode], input_ids=PADDED, attention_mask=MASK)
-    assert torch.equal(_generate(model, **kw), _generate(ref, **kw))
+    try:
+        expected = _generate(ref, **kw)
+    except Exception as exc:  # transformers' own generate fails (Llama 4's static cache in 5.17): so does the wrapped one
+        with pytest.raises(type(exc)):
+            _generate(model, **kw)
+        return
+    assert torch.equal(_generate(model, **kw), expected)
 
 
 @pytest.mark.parametrize("assistant", ["draft_model", "prompt_lookup"])

@@ -511,14 +511,14 @@ class MiraRouteNormExperts(MiraExperts):
     in the weights' dtype, cast to the hidden dtype. The proxy does the same around the served experts, the norm
     read from the module it replaced (`base`)."""
 
-    def serve(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        impl = implementation_of(self.base)
-        check_call(impl)
-        self.manager.observe(self.layer, hidden_states, top_k_index)  # the block's routing, [T, K]
+    def _experts(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, impl: str
+    ) -> torch.Tensor:
+        # `serve` observed the block's routing as [T, K]; the routes are computed as T*K rows of one expert each
         T, K = top_k_index.shape
         rows = hidden_states.repeat_interleave(K, dim=0) if K > 1 else hidden_states  # [T*K, H]: row t*K + k
         routes = top_k_index.reshape(-1, 1)  # [T*K, 1]
-        y = self._experts(rows, routes, rows.new_ones(routes.shape), impl)  # [T*K, H]: each route's expert
+        y = super()._experts(rows, routes, rows.new_ones(routes.shape), impl)  # [T*K, H]: each route's expert
         y = getattr(self.base, self._route_norm)(y, routes.flatten().clamp_max(self.num_experts - 1))
         return (y.view(T, K, -1) * top_k_weights.unsqueeze(-1)).sum(1).to(hidden_states.dtype)  # [T, H]
 

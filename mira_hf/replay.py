@@ -88,7 +88,7 @@ def replay(
     """
     t0 = time.perf_counter()
     _check_concurrency(trace, concurrency)
-    _check_prompts(prompt_tokens, concurrency)
+    _check_prompts(prompt_tokens)
     layers = _layer_infos(trace)
     real = _real_plan(trace, layers, budget)
     tiny = _tiny_records(real)
@@ -187,7 +187,7 @@ def belady(trace: RoutingTrace, *, budget: float, concurrency: int = 1, prompt_t
     one the current block needs). No demand cache with these slots moves fewer bytes. With `prompt_tokens`
     as `replay`'s: the prompts' blocks are requests too, and the decoding's misses are counted."""
     _check_concurrency(trace, concurrency)
-    _check_prompts(prompt_tokens, concurrency)
+    _check_prompts(prompt_tokens)
     layers = _layer_infos(trace)
     real = _real_plan(trace, layers, budget)
     blocks = [
@@ -406,7 +406,7 @@ def _check_concurrency(trace: RoutingTrace, concurrency: int) -> None:
         )
 
 
-def _check_prompts(prompt_tokens: int, concurrency: int) -> None:
+def _check_prompts(prompt_tokens: int) -> None:
     if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 0:
         raise ConfigError(f"prompt_tokens={prompt_tokens!r}: give an int ≥ 1 (0: every token decoded one by one).")
 

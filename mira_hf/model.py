@@ -63,14 +63,12 @@ class MiraMoEModel:
 
         `hf_kwargs` go to `AutoModelForCausalLM.from_pretrained` (`AutoModelForImageTextToText` for a vision-language
         checkpoint, which has no causal-LM class) (`dtype`, `revision`, `trust_remote_code`, ...),
-        except `device_map`: mira-hf places weights itself (non-experts on `mira_config.device`, experts in host memory).
+        except `device_map`: mira-hf places weights itself (non-experts on `mira_config.device`, experts in host
+        memory), so a map names that device (`device_from_map`).
         """
         cfg = config_from_arguments(mira_config, hf_kwargs, "MiraMoEModel.from_pretrained")
         if "device_map" in hf_kwargs:
-            raise ConfigError(
-                f"device_map={hf_kwargs['device_map']!r} was given, but mira-hf places weights itself: non-expert weights "
-                "on MiraConfig.device, routed experts in host memory. Drop device_map and set MiraConfig(device=...)."
-            )
+            cfg = dataclasses.replace(cfg, device=device_from_map(hf_kwargs.pop("device_map"), cfg.device))
         device = _resolve_device(cfg.device)
         trust = bool(hf_kwargs.get("trust_remote_code", False))
         config_dict = _raw_config(name_or_path, hf_kwargs)
@@ -313,6 +311,49 @@ def _check_prequantized(cfg: MiraConfig, quantization_config: dict | None, name_
             f"({native!r}), which each use decodes exactly as transformers does. Drop quantization (or pass "
             f"'auto' or {native!r})."
         )
+
+
+# device_map strategies of transformers/accelerate that spread a model over several devices; mira-hf runs on one
+_SPREADING_MAPS = ("balanced", "balanced_low_0", "sequential")
+
+
+def device_from_map(device_map, device: str | None) -> str | None:
+    """The `MiraConfig.device` a transformers `device_map` asks for, where `device` is the one the config names
+    (None: not named). mira-hf places the weights itself, on one device: "auto" leaves the choice to it (the
+    config's device, else a CUDA GPU when there is one); a device ("cuda:0", 0, torch.device, "cpu") or a map
+    that puts every module on one device (`{"": 0}`) names that device. Raises `ConfigError` for a map that
+    spreads the model over several devices or onto disk, and for one that names another device than `device`."""
+
+    def one(value) -> str:
+        if isinstance(value, bool) or not isinstance(value, (int, str, torch.device)):
+            raise TypeError(value)
+        if isinstance(value, int):
+            return f"cuda:{value}"
+        name = str(torch.device(value))
+        return "cuda:0" if name == "cuda" else name
+
+    if device_map == "auto":
+        return device
+    how = (
+        "mira-hf keeps the non-expert weights on one device and the routed experts in host memory, copying the ones in "
+        "use to that device. Pass device_map='auto', one device (device_map='cuda:0', 0, 'cpu'), or drop device_map and "
+        "set MiraConfig(device=...)."
+    )
+    if device_map in _SPREADING_MAPS:
+        raise ConfigError(f"device_map={device_map!r} spreads a model over several devices; {how}")
+    values = list(device_map.values()) if isinstance(device_map, dict) and device_map else [device_map]
+    try:
+        named = {one(v) for v in values}
+    except (TypeError, RuntimeError):
+        raise ConfigError(f"device_map={device_map!r} is not a device or a map onto one device; {how}") from None
+    if len(named) != 1:
+        raise ConfigError(f"device_map={device_map!r} puts the model on {', '.join(sorted(named))}; {how}")
+    (name,) = named
+    if device is not None and one(device) != name:
+        raise ConfigError(
+            f"device_map={device_map!r} names {name}, but MiraConfig(device={device!r}) names another device. Give one of them."
+        )
+    return name
 
 
 def _resolve_device(name: str | None) -> torch.device:

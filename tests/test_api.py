@@ -244,9 +244,42 @@ def test_cuda_without_a_gpu_is_refused(tiny_checkpoint):
         MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(device="cuda"), progress=False)
 
 
-def test_device_map_is_refused(tiny_checkpoint):
-    with pytest.raises(ConfigError, match="device_map"):
-        MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(device="cpu"), device_map="auto")
+@pytest.mark.parametrize("device_map", ["auto", "cpu", torch.device("cpu"), {"": "cpu"}, {"model": "cpu", "lm_head": "cpu"}])
+def test_a_device_map_onto_one_device_loads_there(tiny_checkpoint, device_map):
+    """transformers' habit `device_map=...` names the device mira-hf places the model on: "auto" leaves it to
+    mira-hf (here MiraConfig's), a device or a map of every module onto one device names it."""
+    path = tiny_checkpoint("mixtral")
+    ref = MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", gpu_budget=0.5), progress=False)
+    cfg = MiraConfig(device="cpu" if device_map == "auto" else None, gpu_budget=0.5)
+    model = MiraMoEModel.from_pretrained(path, cfg, device_map=device_map, progress=False)
+    assert model.device.type == "cpu" and model.mira.device.type == "cpu"
+    assert model._mira_config.device == "cpu"
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+
+
+@pytest.mark.parametrize(
+    "device_map, says",
+    [
+        ("balanced", "spreads a model over several devices"),
+        ("sequential", "spreads a model over several devices"),
+        ({"model": 0, "lm_head": "cpu"}, "puts the model on cpu, cuda:0"),
+        ({"model": "cpu", "lm_head": "disk"}, "is not a device or a map onto one device"),
+        ([0, 1], "is not a device or a map onto one device"),
+    ],
+)
+def test_a_device_map_over_several_devices_is_refused_before_loading(tmp_path, device_map, says):
+    """Refused before the checkpoint is read (the path does not even exist), saying what mira-hf does instead."""
+    with pytest.raises(ConfigError, match=says) as err:
+        MiraMoEModel.from_pretrained(tmp_path / "absent", device_map=device_map, progress=False)
+    assert "device_map='auto', one device" in str(err.value)
+
+
+def test_a_device_map_naming_another_device_than_the_config_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"names cuda:0, but MiraConfig\(device='cpu'\)"):
+        MiraMoEModel.from_pretrained(tmp_path / "absent", MiraConfig(device="cpu"), device_map=0, progress=False)
+    with pytest.raises(ConfigError, match="device='mps': supported are 'cpu', 'cuda' and 'cuda:N'"):
+        MiraMoEModel.from_pretrained(tmp_path / "absent", device_map="mps", progress=False)
 
 
 def test_remote_code_needs_trust(tiny_checkpoint, tmp_path):

@@ -69,6 +69,12 @@ class MiraMoEModel:
         cfg = config_from_arguments(mira_config, hf_kwargs, "MiraMoEModel.from_pretrained")
         if "device_map" in hf_kwargs:
             cfg = dataclasses.replace(cfg, device=device_from_map(hf_kwargs.pop("device_map"), cfg.device))
+        for name, instead in _PLACEMENT_KWARGS.items():
+            if name in hf_kwargs:  # transformers would ignore them without a device_map; the user meant a limit
+                raise ConfigError(
+                    f"{name}={hf_kwargs[name]!r} was given: it is accelerate's offloading limit, which mira-hf does not "
+                    f"use (it keeps non-expert weights on one device and the routed experts in host memory). {instead}"
+                )
         device = _resolve_device(cfg.device)
         trust = bool(hf_kwargs.get("trust_remote_code", False))
         config_dict = _raw_config(name_or_path, hf_kwargs)
@@ -312,6 +318,13 @@ def _check_prequantized(cfg: MiraConfig, quantization_config: dict | None, name_
             f"'auto' or {native!r})."
         )
 
+
+# from_pretrained keywords of accelerate's offloading and what sets the same limit in mira-hf
+_PLACEMENT_KWARGS = {
+    "max_memory": "Set gpu_budget= (device bytes for the routed experts, e.g. '12GiB'; the non-expert weights come "
+    "on top) and host_budget= (host bytes for the expert store; the rest is read from disk).",
+    "offload_folder": "Set host_budget= with offload_dir= (experts beyond the host budget are written there and read back).",
+}
 
 # device_map strategies of transformers/accelerate that spread a model over several devices; mira-hf runs on one
 _SPREADING_MAPS = ("balanced", "balanced_low_0", "sequential")

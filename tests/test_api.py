@@ -275,6 +275,15 @@ def test_a_device_map_over_several_devices_is_refused_before_loading(tmp_path, d
     assert "device_map='auto', one device" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "kwargs, says", [({"max_memory": {0: "20GiB", "cpu": "64GiB"}}, "gpu_budget="), ({"offload_folder": "off"}, "offload_dir=")]
+)
+def test_accelerate_offloading_limits_are_refused_with_what_sets_them(tmp_path, kwargs, says):
+    """transformers ignores them without a device_map; mira-hf says which of its settings is the limit meant."""
+    with pytest.raises(ConfigError, match=f"accelerate's offloading limit.*{says}"):
+        MiraMoEModel.from_pretrained(tmp_path / "absent", device_map="auto", progress=False, **kwargs)
+
+
 def test_a_device_map_naming_another_device_than_the_config_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"names cuda:0, but MiraConfig\(device='cpu'\)"):
         MiraMoEModel.from_pretrained(tmp_path / "absent", MiraConfig(device="cpu"), device_map=0, progress=False)

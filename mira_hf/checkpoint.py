@@ -34,6 +34,7 @@ from model_adapters import MoEAdapter
 from .errors import BudgetError, CheckpointError, UnsupportedModelError
 from .expert_keys import (
     NativeKeys,
+    PerExpert,
     Rearranged,
     key_candidates,
     native_codec_name,
@@ -105,6 +106,8 @@ class StreamedExperts:
         """Expert e's tensor of `templates`, its pieces concatenated along dim 0 (transformers' Concatenate(dim=1)),
         on `device` (the host where None)."""
         device = torch.device(device) if device is not None else None
+        if isinstance(templates, PerExpert):  # the converter's own operations on the expert's slices
+            return templates.convert([self._read(t, e, device).unsqueeze(0) for t in templates])[0]
         pieces = [self._read(t, e, device) for t in templates]
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         return templates.undo(out) if isinstance(templates, Rearranged) else out

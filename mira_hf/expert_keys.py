@@ -27,8 +27,8 @@ def key_candidates(
     fused in-memory names."""
     found: list[tuple[str, KeysFn]] = [(f"{adapter.name} table", k.keys) for k in adapter.checkpoint_keys]
     if not found:
-        targets = {f"{name}.{tensor}": tuple(t.shape) for name, tensors in modules.items() for tensor, t in tensors.items()}
-        derived = transformers_keys(model, index, targets)
+        metas = {f"{name}.{tensor}": t for name, tensors in modules.items() for tensor, t in tensors.items()}
+        derived = transformers_keys(model, index, {k: tuple(t.shape) for k, t in metas.items()}, metas)
         if derived is not None:
             found.append(("transformers' key renaming", derived))
     found.append(("fused in-memory names", lambda path, tensor: (f"{path}.{tensor}",)))
@@ -74,14 +74,104 @@ class Transposed(Rearranged):
         return tuple(out)
 
 
-def transformers_keys(model: torch.nn.Module, index: ShardIndex, targets: dict[str, tuple[int, ...]]) -> KeysFn | None:
+class PerExpert(tuple):
+    """Key templates of a fused tensor that transformers makes with operations this module does not know (a
+    format it dequantizes while loading, say) from sources stored stacked, one `[E, ...]` tensor per source:
+    each expert's slices of the sources, cast to the tensor's dtype as transformers' loader casts what it
+    reads, go through the converter's own operations (`convert`). That holds where the operations treat each
+    expert on its own, which `plan_keys` checks once per tensor name and load (`check_per_expert`: the whole
+    stacks of the first module converted against its experts one by one)."""
+
+    def __new__(cls, templates: tuple[str, ...], patterns: tuple[str, ...], converter, target: str, meta, config, seen):
+        out = super().__new__(cls, templates)
+        out.patterns, out.converter, out.target, out.meta, out.config, out.seen = (
+            patterns,
+            converter,
+            target,
+            meta,
+            config,
+            seen,
+        )
+        return out
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def convert(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        """The tensor the converter makes from `sources` (in template order, each `[n, ...]`: n experts' slices)."""
+        conv, tensors = self.converter, {p: [t.to(self.meta.dtype)] for p, t in zip(self.patterns, sources)}
+        for op in conv.operations:
+            tensors = op.convert(
+                tensors,
+                source_patterns=conv.source_patterns,
+                target_patterns=conv.target_patterns,
+                full_layer_name=self.target,
+                model=_ParamsOf({self.target: self.meta}),
+                config=self.config,
+                missing_keys=None,
+            )
+        (out,) = tensors.values()
+        return out
+
+
+class _ParamsOf:
+    """What a conversion operation may ask of the model: its parameter's meta tensor (dtype and shape)."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        self.params = params
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        return self.params[name]
+
+
+def check_per_expert(index: ShardIndex, templates: PerExpert, meta: torch.Tensor) -> str | None:
+    """None if converting one module's whole source stacks gives `meta`'s shape and, bit for bit, the experts
+    converted one at a time; else what differs. Checked once per tensor name and load."""
+    from safetensors import safe_open
+
+    with templates.seen[1]:
+        if templates.target.rsplit(".", 1)[-1] in templates.seen[0]:
+            return None
+    whole = []
+    for t in templates:
+        entry = index.entries[t]
+        with safe_open(entry.file, "pt") as f:
+            whole.append(f.get_tensor(t))
+    try:
+        converted = templates.convert(whole)
+        each = torch.cat([templates.convert([w[e : e + 1] for w in whole]) for e in range(meta.shape[0])])
+    except Exception as exc:  # an operation that needs more than one expert's slices
+        return f"its conversion ({_ops(templates.converter)}) fails on one expert's slices: {exc}"
+    if tuple(converted.shape) != tuple(meta.shape):
+        return f"its conversion ({_ops(templates.converter)}) makes {list(converted.shape)}, not {list(meta.shape)}"
+    if not torch.equal(converted, each):
+        return f"its conversion ({_ops(templates.converter)}) does not treat each expert on its own"
+    with templates.seen[1]:
+        templates.seen[0].add(templates.target.rsplit(".", 1)[-1])
+    return None
+
+
+def _ops(converter) -> str:
+    return ", ".join(type(op).__name__ for op in converter.operations)
+
+
+def transformers_keys(
+    model: torch.nn.Module,
+    index: ShardIndex,
+    targets: dict[str, tuple[int, ...]],
+    metas: dict[str, torch.Tensor] | None = None,
+) -> KeysFn | None:
     """Checkpoint keys of the fused expert tensors `targets`, found as transformers finds them when it loads:
     every checkpoint key renamed by its `rename_source_key` (the model's renamings, at most one converter, the
     base-model prefix), in the order it reads them. A target renamed from one key is read as stored; one
     converted from per-expert keys is read expert by expert when its converter only stacks them (and joins
     the stacks in its sources' order); one stored rearranged within each expert's tensor is read as
-    `Rearranged` (`_converted`). Any other conversion gives no keys. Computed once, at the first lookup; None
-    when this transformers has no such renaming."""
+    `Rearranged` (`_converted`); one that other operations make from sources stored stacked, as `PerExpert`
+    (given `metas`, the targets' meta tensors). Any other conversion gives no keys. Computed once, at the first
+    lookup; None when this transformers has no such renaming."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
@@ -92,6 +182,7 @@ def transformers_keys(model: torch.nn.Module, index: ShardIndex, targets: dict[s
     targets = dict(targets)
     found: dict[str, tuple[str, ...]] = {}
     collected, lock = [], threading.Lock()  # modules may be planned from several reader threads
+    seen = (set(), threading.Lock())  # the tensor names whose PerExpert conversion was checked in this load
 
     def collect() -> None:
         renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
@@ -111,9 +202,16 @@ def transformers_keys(model: torch.nn.Module, index: ShardIndex, targets: dict[s
                 found[target] = (by_source[None][0],)
                 continue
             converter = by_pattern.get(next(iter(by_source)))
-            if converter is None or set(by_source) != set(converter.source_patterns):
+            if converter is None or not set(by_source) <= set(converter.source_patterns):
                 continue
-            templates = _converted(converter, [by_source[p] for p in converter.source_patterns], index, targets[target])
+            templates = None
+            if set(by_source) == set(converter.source_patterns):
+                templates = _converted(converter, [by_source[p] for p in converter.source_patterns], index, targets[target])
+            stacked = all(len(keys) == 1 for keys in by_source.values())
+            if templates is None and stacked and metas is not None and target in metas:
+                # the sources in the order transformers collects them (checkpoint order)
+                keys = tuple(keys[0] for keys in by_source.values())
+                templates = PerExpert(keys, tuple(by_source), converter, target, metas[target], model.config, seen)
             if templates is not None:
                 found[target] = templates
 
@@ -170,6 +268,13 @@ def _template(keys: list[str]) -> str | None:
 
 def _match(index: ShardIndex, templates: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtype, E: int) -> str | None:
     """None if `templates` give every expert's tensor of per-expert `shape`, else what is wrong."""
+    if isinstance(templates, PerExpert):  # the conversion's output is checked by `check_per_expert`
+        for t in templates:
+            if t not in index.entries:
+                return f"no {t}"
+            if not index.entries[t].shape or index.entries[t].shape[0] != E:
+                return f"{t} has shape {list(index.entries[t].shape)}, expected [{E}, ...]"
+        return None
     shape = templates.stored(shape) if isinstance(templates, Rearranged) else shape
     rows = 0
     for t in templates:
@@ -215,6 +320,8 @@ def plan_keys(
                 templates = keys(name, tensor)
                 problem = f"{tensor}: no checkpoint key for it" if not templates else None
                 problem = problem or _match(index, templates, tuple(meta.shape[1:]), meta.dtype, meta.shape[0])
+                if problem is None and isinstance(templates, PerExpert):
+                    problem = check_per_expert(index, templates, meta)
                 if problem:
                     break
                 found[tensor] = templates

@@ -348,3 +348,88 @@ def test_conversions_read_expert_by_expert_and_the_ones_refused():
     assert _converted(conv(["experts.w13_weight"], Interleave(dim=0)), [["m.experts.w13_weight"]], None, ()) is None
     assert _converted(conv(["moe.gate_proj.weight", "moe.up_proj.weight"], Concatenate(dim=0)), stacked, None, ()) is None
     assert _converted(conv(["experts.w13_weight"], Chunk(dim=1)), [["m.experts.w13_weight"]], None, ()) is None
+
+
+def _quantized_like_inkling2_loop(path, generator: torch.Generator) -> None:
+    """Rewrite the experts of a saved Inkling 2 Loop checkpoint as its original checkpoints store them, which
+    transformers dequantizes while it loads: gate/up in NVFP4 (two E2M1 codes per byte, a float8 scale per 16
+    values, a per-expert amax over a denominator), down in MXFP8 (float8 values, a power-of-two scale per 32)."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    for key in [k for k in tensors if k.endswith("mlp.experts.w13_weight")]:
+        E, rows, cols = tensors[key].shape
+        tensors[key] = torch.randint(0, 256, (E, rows, cols // 2), dtype=torch.uint8, generator=generator)
+        scale = torch.rand(E, rows, cols // 16, generator=generator) + 0.5
+        tensors[key + "_scale"] = scale.to(torch.float8_e4m3fn)
+        tensors[key + "_amax"] = torch.rand(E, generator=generator) * 3 + 1  # fp32: transformers rounds it to the dtype
+        tensors[key + "_outer_scale_denominator"] = torch.full((E,), 2688.0)
+    for key in [k for k in tensors if k.endswith("mlp.experts.w2_weight")]:
+        E, rows, cols = tensors[key].shape
+        tensors[key] = (torch.randn(E, rows, cols, generator=generator) * 4).to(torch.float8_e4m3fn)
+        tensors[key + "_scale"] = torch.randint(120, 127, (E, rows, cols // 32), dtype=torch.uint8, generator=generator)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_in_a_format_transformers_dequantizes_stream_exactly(tmp_path, dtype):
+    """Experts stored in a format transformers converts with operations mira-hf does not know (Inkling 2 Loop's
+    NVFP4 and MXFP8, dequantized while loading) stream expert by expert through those very operations: the
+    model equals transformers' whole load bit for bit (`stream_experts=True` raises where it cannot stream)."""
+    from transformers import AutoModelForCausalLM
+
+    from mira_hf.testing import build
+
+    config = config_or_skip("inkling2_loop_text")
+    torch.manual_seed(0)
+    build(config).to(dtype).save_pretrained(tmp_path)
+    _quantized_like_inkling2_loop(tmp_path, torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=True))
+    with pytest.warns(UserWarning, match="has no adapter"):
+        model = MiraMoEModel.from_pretrained(tmp_path, cfg, dtype=dtype, progress=False)
+    ids = torch.tensor([[5, 9, 17, 33, 42, 7, 64, 100]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    for name, tensor in ref.state_dict().items():
+        if ".experts." in name:
+            assert torch.equal(model.state_dict()[name], tensor), name
+
+
+def test_a_conversion_that_mixes_experts_is_not_read_expert_by_expert(tmp_path):
+    """A conversion whose output for one expert depends on the others (here each expert minus the experts'
+    mean) cannot be read one expert at a time: the check of a module's whole stacks against its experts one by
+    one says so (and `plan_keys` then finds no layout: the load says why, or loads the checkpoint whole)."""
+    import threading
+
+    from transformers.core_model_loading import ConversionOps
+
+    from mira_hf.expert_keys import PerExpert, check_per_expert
+
+    class CentreExperts(ConversionOps):
+        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+            (t,) = next(iter(input_dict.values()))
+            return {target_patterns[0]: t - t.mean(dim=0, keepdim=True)}
+
+    class Scale(ConversionOps):  # each expert on its own
+        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+            (t,) = next(iter(input_dict.values()))
+            return {target_patterns[0]: t * 2}
+
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import WeightConverter
+
+    stack = torch.randn(4, 6, 3)
+    save_file({"m.experts.w": stack}, str(tmp_path / "model.safetensors"))
+    index = ShardIndex.find(str(tmp_path), {})
+    meta = torch.empty(4, 6, 3, device="meta")
+
+    def templates(op):
+        conv = WeightConverter(source_patterns=["experts.w"], target_patterns="experts.down_proj", operations=[op])
+        return PerExpert(("m.experts.w",), ("experts.w",), conv, "m.experts.down_proj", meta, None, (set(), threading.Lock()))
+
+    assert check_per_expert(index, templates(Scale()), meta) is None
+    assert torch.equal(templates(Scale()).convert([stack[1:2]])[0], stack[1] * 2)
+    problem = check_per_expert(index, templates(CentreExperts()), meta)
+    assert "does not treat each expert on its own" in problem and "CentreExperts" in problem

@@ -102,13 +102,16 @@ class DeviceArena:
         views = self._views.get(key)
         if views is None:
             record = self.slabs[g][slot.index]
-            if self.placement == "packed":
-                layout = self.store.layout(layer)
-                views = PackedWeights(
-                    self.store.codec, record[: layout.nbytes], layout, self.store.dtype(layer), self.buffers.get("scratch")
-                )
-            else:
-                views = IdentityCodec().decode(record, self.store.raw_layout(layer))
+            # normal tensors, kept: a typed view made in inference mode would be an inference tensor, which a later
+            # forward with autograd on cannot read, nor a copy outside inference mode write
+            with torch.inference_mode(False):
+                if self.placement == "packed":
+                    layout = self.store.layout(layer)
+                    views = PackedWeights(
+                        self.store.codec, record[: layout.nbytes], layout, self.store.dtype(layer), self.buffers.get("scratch")
+                    )
+                else:
+                    views = IdentityCodec().decode(record, self.store.raw_layout(layer))
             self._views[key] = views
         return views
 
@@ -121,10 +124,11 @@ class DeviceArena:
             slab = self.slabs[g]
             views = None
             if self.placement != "packed" and slab.shape[1] % 16 == 0:
-                views = {
-                    spec.name: slab[:, spec.offset : spec.offset + spec.nbytes].view(spec.dtype).view(len(slab), *spec.shape)
-                    for spec in self.store.raw_layout(layer).tensors
-                }
+                with torch.inference_mode(False):  # normal tensors, kept (`views`)
+                    views = {
+                        spec.name: slab[:, spec.offset : spec.offset + spec.nbytes].view(spec.dtype).view(len(slab), *spec.shape)
+                        for spec in self.store.raw_layout(layer).tensors
+                    }
             self._slab_views[layer] = views
         return self._slab_views[layer]
 

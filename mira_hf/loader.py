@@ -166,7 +166,8 @@ class Loader:
     def _copy_through_ring(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self._ring is None:
             chunk = max(self._ring_bytes // self._ring_chunks, 1)
-            self._ring = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(self._ring_chunks)]
+            with torch.inference_mode(False):  # normal tensors, kept: written in and out of inference mode
+                self._ring = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(self._ring_chunks)]
             self._ring_events = [torch.cuda.Event() for _ in self._ring]
             for ev in self._ring_events:
                 ev.record(self.stream)

@@ -321,6 +321,31 @@ def test_forward_with_autograd_on_works_and_backward_is_a_clear_error(tiny_check
     assert torch.equal(_logits(model), expected)  # still serves after the refused backward
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},  # grouped resident experts: typed views of the pool
+        {"quantization": "lossless", "quant": QuantConfig(placement="dequant")},  # decoded into slots by the copy
+        {"quantization": "int8", "quant": QuantConfig(placement="dequant")},
+        {"quantization": "lossless", "quant": QuantConfig(placement="mixed")},
+    ],
+    ids=["raw", "lossless-dequant", "int8-dequant", "lossless-mixed"],
+)
+def test_a_first_forward_in_inference_mode_leaves_the_model_usable_outside_it(tiny_checkpoint, settings):
+    """Serving code often runs under torch.inference_mode(); what the first forward there builds and keeps (views of
+    slots, buffers) must be normal tensors, or a later forward with autograd on cannot read them and a later copy
+    outside inference mode cannot write them. Every mode after it computes what a model never run in inference mode
+    computes."""
+    path = tiny_checkpoint("mixtral")
+    cfg = MiraConfig(gpu_budget=0.3, device="cpu", **settings)
+    expected = _logits(MiraMoEModel.from_pretrained(path, cfg, progress=False))
+    model = MiraMoEModel.from_pretrained(path, cfg, progress=False)
+    for mode in (torch.inference_mode, torch.enable_grad, torch.no_grad, torch.inference_mode):
+        with mode():
+            logits = model(IDS).logits
+        assert torch.equal(logits.detach(), expected), mode.__name__
+
+
 def test_copying_or_pickling_a_wrapped_model_is_a_clear_error(tiny_checkpoint, tmp_path):
     import copy
 

@@ -78,3 +78,21 @@ def test_a_wrapped_model_decodes_the_same_tokens_with_either_copy(tiny_checkpoin
         model.mira.loader.memcpy = None
         assert torch.equal(model.generate(ids, **kw), tokens)
     assert loads > 0
+
+
+@pytest.mark.gpu
+@cuda
+def test_the_staging_ring_made_in_inference_mode_serves_outside_it(tiny_checkpoint):
+    """A pageable store's copies cross through a page-locked ring allocated at the first copy; made during a forward
+    in inference mode, it must still take copies after it, under no_grad, with the same logits."""
+    path = tiny_checkpoint("qwen3_moe")
+    cfg = MiraConfig(gpu_budget=0.3, host_memory="pageable")
+    ids = torch.tensor([[5, 9, 17, 33, 42, 7, 64, 100, 3, 11]], device="cuda")
+    with torch.no_grad():
+        expected = MiraMoEModel.from_pretrained(path, cfg, progress=False)(ids).logits
+    model = MiraMoEModel.from_pretrained(path, cfg, progress=False)
+    with torch.inference_mode():
+        model(ids)
+    assert model.mira.loader._ring is not None
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)

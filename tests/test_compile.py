@@ -45,7 +45,11 @@ def test_compiled_forward_matches_eager(tiny_checkpoint, name, fullgraph):
         expected = ref(IDS).logits
         loads = model.mira.stats()["loads"]
         for _ in range(2):  # the second call runs the cached graph
-            assert (compiled(IDS).logits - expected).abs().max() <= 1e-5
+            got = compiled(IDS).logits
+            if name == "llama4":  # the unwrapped block sums over every expert, the proxy over the chosen ones
+                assert (got - expected).abs().max() <= 1e-5
+            else:  # aot_eager runs the eager kernels: the same bits
+                assert torch.equal(got, expected)
     assert model.mira.stats()["loads"] > loads  # the experts are still served by the manager
     assert torch.equal(compiled.generate(IDS, **GEN), ref.generate(IDS, **GEN))
 

@@ -39,6 +39,19 @@ from .targets import Target, expert_specs, find_targets, model_fingerprint, reso
 from .unload import save_pretrained, unload
 
 
+def _builds_normal_tensors(fn):
+    """`fn` run outside inference mode (and without autograd): what wrapping builds and keeps (the expert store,
+    the device arena, the proxies' state) is made of normal tensors even where the caller loads inside
+    `torch.inference_mode()`, so the copies and forwards that follow outside it can write and read them."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.inference_mode(False), torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return run
+
+
 class MiraMoEModel:
     """Entry points. Not instantiated: `from_pretrained` and `wrap` return the transformers model."""
 
@@ -46,6 +59,7 @@ class MiraMoEModel:
         raise TypeError("Use MiraMoEModel.from_pretrained(...) or MiraMoEModel.wrap(model, mira_config).")
 
     @staticmethod
+    @_builds_normal_tensors
     def from_pretrained(
         name_or_path: str | os.PathLike, mira_config: MiraConfig | None = None, *, progress: bool = True, **hf_kwargs
     ):
@@ -120,6 +134,7 @@ class MiraMoEModel:
         return MiraMoEModel._wrap(model, cfg, device, progress, streamed, report)
 
     @staticmethod
+    @_builds_normal_tensors
     def wrap(model: nn.Module, mira_config: MiraConfig | None = None, *, progress: bool = False, **config_fields):
         """Wrap a model already in CPU memory (e.g. in a notebook). Idempotent: wrapping a wrapped model
         with the same config returns it unchanged. Settings: `mira_config=MiraConfig(...)`, or MiraConfig's

@@ -231,9 +231,10 @@ class ExpertState:
         every proxy's parameters at the new records."""
         store, manager = self.store, self.manager
         manager.loader.synchronize()
-        for layer, dtype in change.cast.items():
-            store.rewrite(layer, dtype=dtype, layout=change.layouts[layer])
-        manager.relocate(manager.store, change.budget, change.device)
+        with torch.inference_mode(False), torch.no_grad():  # new records and slots: normal tensors, as at wrapping
+            for layer, dtype in change.cast.items():
+                store.rewrite(layer, dtype=dtype, layout=change.layouts[layer])
+            manager.relocate(manager.store, change.budget, change.device)
         for proxy in self.proxies.values():
             self.expose(proxy)
 

@@ -346,6 +346,26 @@ def test_a_first_forward_in_inference_mode_leaves_the_model_usable_outside_it(ti
         assert torch.equal(logits.detach(), expected), mode.__name__
 
 
+def test_a_model_loaded_and_cast_in_inference_mode_serves_outside_it(tiny_checkpoint):
+    """Loaded (then cast) inside torch.inference_mode(), as a serving script may do: the store, arena and slots are
+    normal tensors, so forwards after it copy experts into them as before. (A cast in inference mode makes the
+    model's own weights inference tensors, as it does to the unwrapped model's: autograd is then refused by torch.)"""
+    path = tiny_checkpoint("mixtral")
+    cfg = MiraConfig(gpu_budget=0.3, device="cpu")
+    reference = MiraMoEModel.from_pretrained(path, cfg, progress=False)
+    with torch.inference_mode():
+        model = MiraMoEModel.from_pretrained(path, cfg, progress=False)
+        model(IDS)
+    for mode in (torch.no_grad, torch.enable_grad, torch.inference_mode):
+        with mode():
+            assert torch.equal(model(IDS).logits.detach(), _logits(reference)), mode.__name__
+    with torch.inference_mode():
+        model.to(torch.bfloat16)  # re-encodes the store and rebuilds the slots
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            assert torch.equal(model(IDS).logits, _logits(reference.to(torch.bfloat16))), mode.__name__
+
+
 def test_copying_or_pickling_a_wrapped_model_is_a_clear_error(tiny_checkpoint, tmp_path):
     import copy
 

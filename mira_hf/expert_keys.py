@@ -84,14 +84,8 @@ class PerExpert(tuple):
 
     def __new__(cls, templates: tuple[str, ...], patterns: tuple[str, ...], converter, target: str, meta, config, seen):
         out = super().__new__(cls, templates)
-        out.patterns, out.converter, out.target, out.meta, out.config, out.seen = (
-            patterns,
-            converter,
-            target,
-            meta,
-            config,
-            seen,
-        )
+        out.patterns, out.converter, out.target = patterns, converter, target
+        out.meta, out.config, out.seen = meta, config, seen  # seen: (checked tensor names, their lock), per load
         return out
 
     def __copy__(self):

@@ -231,12 +231,13 @@ class ExpertState:
         every proxy's parameters at the new records."""
         store, manager = self.store, self.manager
         manager.loader.synchronize()
-        with torch.inference_mode(False), torch.no_grad():  # new records and slots: normal tensors, as at wrapping
+        # new records, slots and parameter views: normal tensors, as at wrapping, even when cast in inference mode
+        with torch.inference_mode(False), torch.no_grad():
             for layer, dtype in change.cast.items():
                 store.rewrite(layer, dtype=dtype, layout=change.layouts[layer])
             manager.relocate(manager.store, change.budget, change.device)
-        for proxy in self.proxies.values():
-            self.expose(proxy)
+            for proxy in self.proxies.values():
+                self.expose(proxy)
 
     def apply_from(self, module: nn.Module, fn, recurse: bool):
         """`module._apply(fn)` with the experts following: learn what `fn` does, refuse before anything changes

@@ -79,12 +79,12 @@ class MiraExperts(nn.Module):
     ) -> None:
         super().__init__()
         self._route_norm = route_norm
-        # The experts module's members that hold tensors besides the experts (Ergo's per-expert norms) under their
-        # unwrapped names, ahead of `base`, which holds them too: named_parameters() and named_modules() give the
-        # unwrapped model's names (state_dict() renames `base.x` to `x`: `state`).
+        # The experts module's members (its activation; Ergo's per-expert norms, which hold tensors besides the
+        # experts) under their unwrapped names, ahead of `base`, which holds them too: named_parameters() gives the
+        # unwrapped model's names, named_modules() and get_submodule() them too, `base` besides (state_dict() renames
+        # `base.x` to `x`: `state`).
         for name, child in base.named_children():
-            if any(True for _ in child.parameters()) or any(True for _ in child.buffers()):
-                self.add_module(name, child)
+            self.add_module(name, child)
         self.base = base
         self.layer = layer
         self.block_tokens = block_tokens  # CacheConfig.prefill_block_tokens: rows per matmul, None = all

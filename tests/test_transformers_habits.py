@@ -20,6 +20,7 @@ from tiny_models import config_or_skip
 
 from mira_hf import MiraConfig, MiraMoEModel
 from mira_hf.errors import BudgetError, UnsupportedOperationError
+from mira_hf.proxy import MiraExperts
 
 # CI runs every test on three families of distinct layouts (Mixtral's standard experts; DeepSeek-V3's MLA
 # attention, sigmoid group routing and dense first layer; gpt-oss's transposed, biased experts and sliding
@@ -391,6 +392,20 @@ def _experts_modules(model) -> dict[str, tuple]:
         if hasattr(m, "has_gate") and weights:
             found[name] = (m.has_gate, getattr(m, "has_bias", None), getattr(m, "is_transposed", None), weights)
     return found
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_named_modules_are_the_unwrapped_models_and_each_experts_base(name):
+    """Code that finds modules by name (get_submodule, hooks on an activation, target lists) finds the unwrapped
+    model's: each experts module's members keep their names; the only addition is each proxy's `base` (the original
+    experts module, kept for unload)."""
+    ref, model = _pair(name)
+    names = {n for n, _ in ref.named_modules()}
+    experts = {n for n, m in model.named_modules() if isinstance(m, MiraExperts)}
+    assert experts and {n for n, _ in model.named_modules()} == names | {f"{n}.base" for n in experts}
+    for n, module in ref.named_modules():
+        got = model.get_submodule(n)
+        assert isinstance(got, MiraExperts) if n in experts else type(got) is type(module), n
 
 
 @pytest.mark.parametrize("name", FAMILIES)

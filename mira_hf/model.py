@@ -286,6 +286,7 @@ def _install(
     # The experts as parameters (views of the store), and casts and moves that the store follows.
     replan_model = functools.partial(replan, model, user_cfg, plan.layers, targets)
     install_state(model, manager, proxies, {t.ordinal: t.requires_grad for t in targets}, replan_model)
+    steps.edited = model._mira_state.edited  # experts changed in place reach what they compute
     report.finish()
     model.mira_load_report = lambda: report
     if progress:  # the progress bars' last line: where the load's time went

@@ -51,6 +51,9 @@ class ExpertState:
         self.proxies = dict(proxies)
         self.replan = replan
         self.applying = False  # a cast or move of the whole model is under way (its proxies follow it)
+        # each layer's expert parameters and their version counts when exposed (`edited`)
+        self._watched: dict[int, list[nn.Parameter]] = {}
+        self._versions: dict[int, tuple[int, ...]] = {}
 
     @property
     def store(self):
@@ -72,10 +75,36 @@ class ExpertState:
             else:
                 grad = True if requires_grad is None else requires_grad.get(name, True)
                 proxy.register_parameter(name, nn.Parameter(data, requires_grad=grad))
+        self._watched[layer] = [proxy._parameters[name] for name in store.expert_specs(layer)]
+        self._versions[layer] = tuple(p._version for p in self._watched[layer])
+
+    def edited(self) -> None:
+        """At each forward step: expert parameters changed in place since they were exposed (a `mul_`, `copy_` or
+        item assignment under `torch.no_grad()`: torch counts these, not writes through `.data`) reach what the
+        experts compute, as they do in the unwrapped model. A raw store's parameters are its records, so the cache,
+        whose copies are stale, starts empty. An encoded store's are placeholders that no edit reaches: that raises
+        `UnsupportedOperationError`, at every step until `load_state_dict` writes those experts."""
+        changed = [layer for layer, params in self._watched.items() if tuple(p._version for p in params) != self._versions[layer]]
+        if not changed:
+            return
+        placeholders = [layer for layer in changed if any(p.is_meta for p in self._watched[layer])]
+        if placeholders:
+            raise UnsupportedOperationError(
+                f"the expert parameters of MoE layer(s) {placeholders} were changed in place, but the store holds "
+                f"those experts {self.store.codec.name}-encoded (or split with the host), and their parameters are "
+                "placeholders that no change reaches; the model would compute with the experts as stored. Write "
+                "experts with model.load_state_dict(...) (which encodes them), or load the model with "
+                "quantization=None (and host_compute other than 'split') to change them in place."
+            )
+        manager = self.manager
+        manager.relocate(manager.store, manager.budget, manager.device)
+        for layer in changed:
+            self._versions[layer] = tuple(p._version for p in self._watched[layer])
 
     def hide(self, proxy: nn.Module) -> None:
         for name in self.store.expert_specs(proxy.layer):
             proxy._parameters.pop(name, None)
+        self._watched.pop(proxy.layer, None)
 
     # -- state dict -----------------------------------------------------------------------------
     def save(self, proxy: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> bool:

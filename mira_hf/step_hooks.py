@@ -14,6 +14,7 @@ class StepHooks:
 
     def __init__(self, manager: ExpertManager) -> None:
         self.manager = manager
+        self.edited = None  # () -> None, run once the step has the model: experts changed in place (`ExpertState`)
 
     # In a compiled graph the hooks are left out (fullgraph allows no break): the manager then finds step
     # boundaries from the order of its blocks (`ExpertManager.begin`), and steps are not serialised.
@@ -28,6 +29,12 @@ class StepHooks:
     @torch.compiler.disable
     def _enter(self, args: tuple, kwargs: dict) -> None:
         self.manager.enter_forward(_starts_sequence(kwargs), _sequences(args, kwargs))
+        if self.edited is not None:
+            try:
+                self.edited()
+            except BaseException:
+                self.manager.exit_forward()  # the step ends here; the forward hook's exit then finds none to end
+                raise
 
     @torch.compiler.disable
     def _exit(self) -> None:

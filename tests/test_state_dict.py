@@ -173,3 +173,54 @@ def test_load_state_dict_into_a_quantized_model_quantizes_the_loaded_weights(tin
     model.load_state_dict(other.state_dict())
     expected = MiraMoEModel.wrap(other, MiraConfig(device="cpu", gpu_budget=0.5, quantization="int8"))
     assert torch.equal(_logits(model), _logits(expected))
+
+
+def _experts_of(model, layer: int):
+    return model.model.layers[layer].mlp.experts
+
+
+@pytest.mark.parametrize("budget", [0.3, 1.0])
+def test_experts_changed_in_place_are_what_the_model_computes(tiny_checkpoint, budget):
+    """Research code edits expert weights in place (ablate an expert, copy one over another) under no_grad, as on
+    the unwrapped model; the edits reach the experts already copied to the cache, which then starts empty. Plain
+    decoding never empties it."""
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path, gpu_budget=budget)
+    relocations = []
+    relocate = model.mira.relocate
+    model.mira.relocate = lambda *args: relocations.append(args) or relocate(*args)
+    gen = dict(max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(model.generate(IDS, **gen), ref.generate(IDS, **gen))  # every used expert copied once
+        assert not relocations
+        edits = [
+            lambda m: _experts_of(m, 0).gate_up_proj[3].mul_(0.5),  # one expert, through an indexed view
+            lambda m: _experts_of(m, 1).down_proj[:, 0].zero_(),  # one hidden row of every expert
+            lambda m: _experts_of(m, 1).down_proj.copy_(_experts_of(m, 0).down_proj),  # a whole tensor replaced
+        ]
+        for edit in edits:
+            edit(ref)
+            edit(model)
+            assert torch.equal(_logits(model), _logits(ref))
+            assert torch.equal(model.generate(IDS, **gen), ref.generate(IDS, **gen))
+    assert len(relocations) == len(edits)
+    assert torch.equal(model.state_dict()["model.layers.1.mlp.experts.down_proj"], _experts_of(ref, 1).down_proj)
+
+
+def test_experts_stored_encoded_refuse_an_in_place_change_until_loaded(tiny_checkpoint):
+    """Encoded experts (lossless) are not views the model computes from: an in-place change of their parameters
+    cannot reach them, so the next forward raises, saying what to do, and keeps raising until load_state_dict
+    writes the experts (which encodes them); then the model computes with the changed experts."""
+    from mira_hf import UnsupportedOperationError
+
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path, gpu_budget=0.3, quantization="lossless")
+    with torch.no_grad():
+        _logits(model)
+        _experts_of(model, 0).gate_up_proj.mul_(0.5)
+        for _ in range(2):
+            with pytest.raises(UnsupportedOperationError, match=r"layer\(s\) \[0\] were changed in place.*load_state_dict"):
+                _logits(model)
+        _experts_of(ref, 0).gate_up_proj.mul_(0.5)
+        model.load_state_dict(ref.state_dict())
+        assert torch.equal(_logits(model), _logits(ref))

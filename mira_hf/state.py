@@ -89,9 +89,10 @@ class ExpertState:
             return
         placeholders = [layer for layer in changed if any(p.is_meta for p in self._watched[layer])]
         if placeholders:
+            held = "split with the host" if self.manager.host.mode == "split" else f"{self.store.codec.name}-encoded"
             raise UnsupportedOperationError(
                 f"the expert parameters of MoE layer(s) {placeholders} were changed in place, but the store holds "
-                f"those experts {self.store.codec.name}-encoded (or split with the host), and their parameters are "
+                f"those experts {held}, and their parameters are "
                 "placeholders that no change reaches; the model would compute with the experts as stored. Write "
                 "experts with model.load_state_dict(...) (which encodes them), or load the model with "
                 "quantization=None (and host_compute other than 'split') to change them in place."

@@ -502,6 +502,22 @@ class MiraExperts(nn.Module):
     def _apply(self, fn, recurse=True):
         return proxy_apply(self, fn, recurse)
 
+    def apply(self, fn):
+        """`Module.apply`, as on the unwrapped model: `fn` meets this module's members, then the original experts
+        module with its expert tensors (this module's parameters: views of the store, where an in-place change such
+        as transformers' `_init_weights` reaches the experts), then this module."""
+        for child in self.children():
+            if child is not self.base:  # its members are this module's too (`__init__`)
+                child.apply(fn)
+        bound = {name: p for name, p in self._parameters.items() if self.base._parameters.get(name, False) is None}
+        self.base._parameters.update(bound)
+        try:
+            fn(self.base)
+        finally:
+            self.base._parameters.update(dict.fromkeys(bound))
+        fn(self)
+        return self
+
 
 class MiraRouteNormExperts(MiraExperts):
     """Routed experts whose module normalises each route's output with its expert's own learned norm before the

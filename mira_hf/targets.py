@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -40,11 +40,17 @@ class Target:
     ordinal: int
     tensors: dict[str, torch.Tensor]
     requires_grad: dict[str, bool]
+    # transformers' flag on a parameter it loaded or initialised (`_is_hf_initialized`): its init functions then
+    # leave the tensor as it is
+    initialized: dict[str, bool] = field(default_factory=dict)
 
     def restore(self, store: ExpertStore) -> None:
         """Give the module back its tensors, rebuilt from the store's records."""
         for n, tensor in store.fused(self.ordinal).items():
-            self.module.register_parameter(n, nn.Parameter(tensor, requires_grad=self.requires_grad[n]))
+            param = nn.Parameter(tensor, requires_grad=self.requires_grad[n])
+            if self.initialized.get(n):
+                param._is_hf_initialized = True
+            self.module.register_parameter(n, param)
 
 
 def resolve_adapter(model_type: str | None, cfg: MiraConfig) -> MoEAdapter:
@@ -133,6 +139,7 @@ def find_targets(
                 ordinal,
                 {n: p.data for n, p in tensors.items()},
                 {n: p.requires_grad for n, p in tensors.items()},
+                {n: bool(getattr(p, "_is_hf_initialized", False)) for n, p in tensors.items()},
             )
         )
     if isinstance(adapter, AutoAdapter):

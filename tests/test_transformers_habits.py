@@ -409,6 +409,25 @@ def test_named_modules_are_the_unwrapped_models_and_each_experts_base(name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_apply_with_transformers_init_does_what_it_does_to_the_unwrapped_model(name, tmp_path):
+    """`model.apply(model._init_weights)` (re-initialising, as research code and transformers' own tests do):
+    on a model built from its config it draws new experts in the same order from the same generator, which the
+    next forward then computes with; on a loaded model transformers' flags make it leave loaded tensors alone,
+    the experts included. Either way the logits equal the unwrapped model's after the same call."""
+    ref, model = _pair(name)
+    ref.save_pretrained(tmp_path)
+    loaded_ref = load_reference(str(tmp_path))  # its experts aligned as mira-hf's copies are (conftest)
+    loaded = MiraMoEModel.from_pretrained(tmp_path, WRAP, progress=False).eval()
+    for a, b in ((ref, model), (loaded_ref, loaded)):
+        with torch.no_grad():
+            b(IDS)  # experts copied to the cache first
+            for m in (a, b):
+                torch.manual_seed(3)
+                m.apply(m._init_weights)
+            assert torch.equal(b(IDS).logits, a(IDS).logits)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_experts_modules_carry_transformers_layout_flags(name):
     """transformers finds experts modules by their `has_gate` flag and reads `has_bias` / `is_transposed` (its
     tests check that parallel plans shard every expert weight so found): a wrapped model's are the same modules,

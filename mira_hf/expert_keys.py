@@ -27,8 +27,8 @@ def key_candidates(
     fused in-memory names."""
     found: list[tuple[str, KeysFn]] = [(f"{adapter.name} table", k.keys) for k in adapter.checkpoint_keys]
     if not found:
-        metas = {f"{name}.{tensor}": t for name, tensors in modules.items() for tensor, t in tensors.items()}
-        derived = transformers_keys(model, index, {k: tuple(t.shape) for k, t in metas.items()}, metas)
+        targets = {f"{name}.{tensor}": t for name, tensors in modules.items() for tensor, t in tensors.items()}
+        derived = transformers_keys(model, index, targets)
         if derived is not None:
             found.append(("transformers' key renaming", derived))
     found.append(("fused in-memory names", lambda path, tensor: (f"{path}.{tensor}",)))
@@ -85,7 +85,7 @@ class PerExpert(tuple):
     def __new__(cls, templates: tuple[str, ...], patterns: tuple[str, ...], converter, target: str, meta, config, seen):
         out = super().__new__(cls, templates)
         out.patterns, out.converter, out.target = patterns, converter, target
-        out.meta, out.config, out.seen = meta, config, seen  # seen: (checked tensor names, their lock), per load
+        out.meta, out.config, out.seen = meta, config, seen  # seen: the tensor names checked in this load
         return out
 
     def __copy__(self):
@@ -126,9 +126,9 @@ def check_per_expert(index: ShardIndex, templates: PerExpert, meta: torch.Tensor
     converted one at a time; else what differs. Checked once per tensor name and load."""
     from safetensors import safe_open
 
-    with templates.seen[1]:
-        if templates.target.rsplit(".", 1)[-1] in templates.seen[0]:
-            return None
+    name = templates.target.rsplit(".", 1)[-1]
+    if name in templates.seen:  # (two reader threads may both check it: the same answer)
+        return None
     whole = []
     for t in templates:
         entry = index.entries[t]
@@ -143,8 +143,7 @@ def check_per_expert(index: ShardIndex, templates: PerExpert, meta: torch.Tensor
         return f"its conversion ({_ops(templates.converter)}) makes {list(converted.shape)}, not {list(meta.shape)}"
     if not torch.equal(converted, each):
         return f"its conversion ({_ops(templates.converter)}) does not treat each expert on its own"
-    with templates.seen[1]:
-        templates.seen[0].add(templates.target.rsplit(".", 1)[-1])
+    templates.seen.add(name)
     return None
 
 
@@ -152,19 +151,14 @@ def _ops(converter) -> str:
     return ", ".join(type(op).__name__ for op in converter.operations)
 
 
-def transformers_keys(
-    model: torch.nn.Module,
-    index: ShardIndex,
-    targets: dict[str, tuple[int, ...]],
-    metas: dict[str, torch.Tensor] | None = None,
-) -> KeysFn | None:
-    """Checkpoint keys of the fused expert tensors `targets`, found as transformers finds them when it loads:
+def transformers_keys(model: torch.nn.Module, index: ShardIndex, targets: dict[str, torch.Tensor]) -> KeysFn | None:
+    """Checkpoint keys of the fused expert tensors `targets` (name -> its tensor, meta or not), found as transformers finds them when it loads:
     every checkpoint key renamed by its `rename_source_key` (the model's renamings, at most one converter, the
     base-model prefix), in the order it reads them. A target renamed from one key is read as stored; one
     converted from per-expert keys is read expert by expert when its converter only stacks them (and joins
     the stacks in its sources' order); one stored rearranged within each expert's tensor is read as
-    `Rearranged` (`_converted`); one that other operations make from sources stored stacked, as `PerExpert`
-    (given `metas`, the targets' meta tensors). Any other conversion gives no keys. Computed once, at the first
+    `Rearranged` (`_converted`); one that other operations make from sources stored stacked, as `PerExpert`.
+    Any other conversion gives no keys. Computed once, at the first
     lookup; None when this transformers has no such renaming."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -176,7 +170,7 @@ def transformers_keys(
     targets = dict(targets)
     found: dict[str, tuple[str, ...]] = {}
     collected, lock = [], threading.Lock()  # modules may be planned from several reader threads
-    seen = (set(), threading.Lock())  # the tensor names whose PerExpert conversion was checked in this load
+    seen: set[str] = set()  # the tensor names whose PerExpert conversion was checked in this load
 
     def collect() -> None:
         renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
@@ -200,12 +194,12 @@ def transformers_keys(
                 continue
             templates = None
             if set(by_source) == set(converter.source_patterns):
-                templates = _converted(converter, [by_source[p] for p in converter.source_patterns], index, targets[target])
-            stacked = all(len(keys) == 1 for keys in by_source.values())
-            if templates is None and stacked and metas is not None and target in metas:
+                sources = [by_source[p] for p in converter.source_patterns]
+                templates = _converted(converter, sources, index, tuple(targets[target].shape))
+            if templates is None and all(len(keys) == 1 for keys in by_source.values()):  # sources stored stacked
                 # the sources in the order transformers collects them (checkpoint order)
                 keys = tuple(keys[0] for keys in by_source.values())
-                templates = PerExpert(keys, tuple(by_source), converter, target, metas[target], model.config, seen)
+                templates = PerExpert(keys, tuple(by_source), converter, target, targets[target], model.config, seen)
             if templates is not None:
                 found[target] = templates
 

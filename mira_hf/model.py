@@ -285,8 +285,7 @@ def _install(
     model.set_experts_implementation = types.MethodType(checked_set_experts_implementation, model)
     # The experts as parameters (views of the store), and casts and moves that the store follows.
     replan_model = functools.partial(replan, model, user_cfg, plan.layers, targets)
-    grads, flags = {t.ordinal: t.requires_grad for t in targets}, {t.ordinal: t.initialized for t in targets}
-    install_state(model, manager, proxies, grads, replan_model, flags)
+    install_state(model, manager, proxies, {t.ordinal: t.parameter for t in targets}, replan_model)
     steps.edited = model._mira_state.edited  # experts changed in place reach what they compute
     report.finish()
     model.mira_load_report = lambda: report

@@ -38,6 +38,7 @@ from .manager import ExpertManager
 
 # (new record layouts by layer, uncompressed record bytes by layer, device) -> the slot plan there (raises BudgetError)
 Replan = Callable[[Mapping[int, object], Mapping[int, int], torch.device], BudgetPlan]
+MakeParameter = Callable[[str, torch.Tensor], nn.Parameter]  # (tensor name, data) -> the expert parameter
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
 
@@ -61,11 +62,10 @@ class ExpertState:
         return self.manager.whole
 
     # -- parameters -----------------------------------------------------------------------------
-    def expose(
-        self, proxy: nn.Module, requires_grad: Mapping[str, bool] | None = None, initialized: Mapping[str, bool] | None = None
-    ) -> None:
+    def expose(self, proxy: nn.Module, parameter: MakeParameter | None = None) -> None:
         """(Re)point `proxy`'s expert parameters at its layer's records: views of raw slabs, else meta
-        placeholders. A parameter that exists keeps its identity (optimizers and user references stay valid)."""
+        placeholders. A parameter that exists keeps its identity (optimizers and user references stay valid); one
+        that does not is made by `parameter(name, data)` (`Target.parameter`: the original tensor's attributes)."""
         store, layer = self.store, proxy.layer
         views = store.expert_views(layer)
         E = store.num_experts(layer)
@@ -75,11 +75,7 @@ class ExpertState:
             if param is not None:
                 param.data = data
             else:
-                grad = True if requires_grad is None else requires_grad.get(name, True)
-                param = nn.Parameter(data, requires_grad=grad)
-                if (initialized or {}).get(name):  # as transformers flagged the tensor (`Target.initialized`)
-                    param._is_hf_initialized = True
-                proxy.register_parameter(name, param)
+                proxy.register_parameter(name, parameter(name, data) if parameter is not None else nn.Parameter(data))
         self._watched[layer] = [proxy._parameters[name] for name in store.expert_specs(layer)]
         self._versions[layer] = tuple(p._version for p in self._watched[layer])
 
@@ -320,9 +316,8 @@ def install(
     model: nn.Module,
     manager: ExpertManager,
     proxies: list,
-    requires_grad: Mapping[int, Mapping[str, bool]],
+    parameters: Mapping[int, MakeParameter],
     replan: Replan,
-    initialized: Mapping[int, Mapping[str, bool]] | None = None,
 ) -> None:
     """Give each proxy its expert parameters and state-dict hook, and the model and every module above a
     proxy an `_apply` of their own (per instance), so that a cast or move from any of them is served or refused
@@ -330,7 +325,7 @@ def install(
     state = ExpertState(manager, {p.layer: p for p in proxies}, replan)
     for proxy in proxies:
         object.__setattr__(proxy, "_mira_state", state)  # shared, not a submodule
-        state.expose(proxy, requires_grad.get(proxy.layer), (initialized or {}).get(proxy.layer))
+        state.expose(proxy, parameters[proxy.layer])
         proxy._mira_hook = proxy.register_state_dict_post_hook(_unwrapped_names)
     served = {id(p) for p in proxies}
     for module in model.modules():

@@ -44,13 +44,18 @@ class Target:
     # leave the tensor as it is
     initialized: dict[str, bool] = field(default_factory=dict)
 
+    def parameter(self, name: str, data: torch.Tensor) -> nn.Parameter:
+        """A parameter over `data` standing for the module's tensor `name`: its `requires_grad`, and transformers'
+        loaded flag where the tensor had it."""
+        param = nn.Parameter(data, requires_grad=self.requires_grad[name])
+        if self.initialized.get(name):
+            param._is_hf_initialized = True
+        return param
+
     def restore(self, store: ExpertStore) -> None:
         """Give the module back its tensors, rebuilt from the store's records."""
         for n, tensor in store.fused(self.ordinal).items():
-            param = nn.Parameter(tensor, requires_grad=self.requires_grad[n])
-            if self.initialized.get(n):
-                param._is_hf_initialized = True
-            self.module.register_parameter(n, param)
+            self.module.register_parameter(n, self.parameter(n, tensor))
 
 
 def resolve_adapter(model_type: str | None, cfg: MiraConfig) -> MoEAdapter:

@@ -80,7 +80,7 @@ def test_adapter_tables_agree_with_transformers_key_renaming(tiny_checkpoint, na
         model = AutoModelForCausalLM.from_config(config_or_skip(name))
     adapter = get_adapter(model.config.model_type)
     found = adapter.find_experts(model)
-    targets = {f"{path}.{n}": tuple(t.shape) for path, module in found for n, t in module.named_parameters(recurse=False)}
+    targets = {f"{path}.{n}": t for path, module in found for n, t in module.named_parameters(recurse=False)}
     derived = transformers_keys(model, ShardIndex.find(tiny_checkpoint(name), {}), targets)
     assert derived is not None
     for path, module in found:
@@ -401,8 +401,6 @@ def test_a_conversion_that_mixes_experts_is_not_read_expert_by_expert(tmp_path):
     """A conversion whose output for one expert depends on the others (here each expert minus the experts'
     mean) cannot be read one expert at a time: the check of a module's whole stacks against its experts one by
     one says so (and `plan_keys` then finds no layout: the load says why, or loads the checkpoint whole)."""
-    import threading
-
     from transformers.core_model_loading import ConversionOps
 
     from mira_hf.expert_keys import PerExpert, check_per_expert
@@ -427,7 +425,7 @@ def test_a_conversion_that_mixes_experts_is_not_read_expert_by_expert(tmp_path):
 
     def templates(op):
         conv = WeightConverter(source_patterns=["experts.w"], target_patterns="experts.down_proj", operations=[op])
-        return PerExpert(("m.experts.w",), ("experts.w",), conv, "m.experts.down_proj", meta, None, (set(), threading.Lock()))
+        return PerExpert(("m.experts.w",), ("experts.w",), conv, "m.experts.down_proj", meta, None, set())
 
     assert check_per_expert(index, templates(Scale()), meta) is None
     assert torch.equal(templates(Scale()).convert([stack[1:2]])[0], stack[1] * 2)

@@ -36,6 +36,7 @@ from .expert_keys import (
     NativeKeys,
     PerExpert,
     Rearranged,
+    expert_key,
     key_candidates,
     native_codec_name,
     plan_keys,
@@ -108,12 +109,12 @@ class StreamedExperts:
         device = torch.device(device) if device is not None else None
         if isinstance(templates, PerExpert):  # the converter's own operations on the expert's slices
             return templates.convert([self._read(t, e, device).unsqueeze(0) for t in templates])[0]
-        pieces = [self._read(t, e, device) for t in templates]
+        pieces = [self._read(t, e, device, expert_key(t, templates, e)) for t in templates]
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         return templates.undo(out) if isinstance(templates, Rearranged) else out
 
-    def _read(self, template: str, e: int, device: torch.device | None = None) -> torch.Tensor:
-        key = template.format(e=e)
+    def _read(self, template: str, e: int, device: torch.device | None = None, key: str | None = None) -> torch.Tensor:
+        key = template.format(e=e) if key is None else key
         entry = self.index.entries[key]
         row = None if "{e}" in template else e
         try:

@@ -74,6 +74,33 @@ class Transposed(Rearranged):
         return tuple(out)
 
 
+class Offset(tuple):
+    """Key templates whose `{e}` counts from `first`: one module's experts stored after another's in one list of
+    per-expert keys (ERNIE-4.5-VL keeps its text experts, then its vision experts, as `mlp.experts.{0..2E-1}`)."""
+
+    def __new__(cls, templates: tuple[str, ...], first: int):
+        out = super().__new__(cls, templates)
+        out.first = first
+        return out
+
+    def __reduce__(self):
+        return type(self), (tuple(self), self.first)
+
+    def __eq__(self, other) -> bool:
+        return tuple.__eq__(self, other) and getattr(other, "first", 0) == self.first
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((tuple(self), self.first))
+
+
+def expert_key(template: str, templates: tuple[str, ...], e: int) -> str:
+    """The checkpoint key of expert e in `template`, one of `templates` (an `Offset` shifts its index)."""
+    return template.format(e=e + getattr(templates, "first", 0))
+
+
 class PerExpert(tuple):
     """Key templates of a fused tensor that transformers makes with operations this module does not know (a
     format it dequantizes while loading, say) from sources stored stacked, one `[E, ...]` tensor per source:
@@ -195,7 +222,14 @@ def transformers_keys(model: torch.nn.Module, index: ShardIndex, targets: dict[s
             templates = None
             if set(by_source) == set(converter.source_patterns):
                 sources = [by_source[p] for p in converter.source_patterns]
-                templates = _converted(converter, sources, index, tuple(targets[target].shape))
+                if len(converter.target_patterns) > 1:  # one list of experts shared by several modules
+                    for name, each in _split_targets(converter, target, sources).items():
+                        shape = tuple(targets[name].shape) if name in targets else None
+                        templates = _converted(each.ops, each.keys, index, shape, each.first) if shape else None
+                        if templates is not None:
+                            found[name] = Offset(templates, each.first) if each.first else templates
+                    continue
+                templates = _converted(converter.operations, sources, index, tuple(targets[target].shape))
             if templates is None and all(len(keys) == 1 for keys in by_source.values()):  # sources stored stacked
                 # the sources in the order transformers collects them (checkpoint order)
                 keys = tuple(keys[0] for keys in by_source.values())
@@ -213,12 +247,15 @@ def transformers_keys(model: torch.nn.Module, index: ShardIndex, targets: dict[s
     return keys
 
 
-def _converted(converter, keys: list[list[str]], index: ShardIndex, shape: tuple[int, ...]) -> tuple[str, ...] | None:
-    """Key templates of the tensor `converter` makes from `keys` (the checkpoint keys of each of its sources, in
-    order) for a target of `shape`, or None where its operations do more than these: stack per-expert tensors
+def _converted(
+    operations, keys: list[list[str]], index: ShardIndex, shape: tuple[int, ...], first: int = 0
+) -> tuple[str, ...] | None:
+    """Key templates of the tensor a converter's `operations` make from `keys` (the checkpoint keys of each of its
+    sources, in order) for a target of `shape`, or None where they do more than these: stack per-expert tensors
     (`MergeModulelist` on dim 0), then join the sources' stacks along each expert's rows (`Concatenate` on dim
-    1), then rearrange each expert's tensor (`Interleave`, `Transpose` of dims past the experts')."""
-    ops = list(converter.operations)
+    1), then rearrange each expert's tensor (`Interleave`, `Transpose` of dims past the experts'). `first`: the
+    index the keys of expert 0 carry."""
+    ops = list(operations)
     name = [type(op).__name__ for op in ops]
     stacks = name[:1] == ["MergeModulelist"] and ops[0].dim == 0
     ops, name = (ops[1:], name[1:]) if stacks else (ops, name)
@@ -226,7 +263,7 @@ def _converted(converter, keys: list[list[str]], index: ShardIndex, shape: tuple
     ops, name = (ops[1:], name[1:]) if joined else (ops, name)
     if len(ops) > 1 or (len(keys) > 1 and not joined):
         return None
-    templates = tuple(_template(k) if stacks else (k[0] if len(k) == 1 else None) for k in keys)
+    templates = tuple(_template(k, first) if stacks else (k[0] if len(k) == 1 else None) for k in keys)
     if None in templates:
         return None
     if not ops:
@@ -242,14 +279,57 @@ def _converted(converter, keys: list[list[str]], index: ShardIndex, shape: tuple
     return None
 
 
-def _template(keys: list[str]) -> str | None:
-    """The template `t` with `t.format(e=i) == keys[i]` for every expert i (its index one dotted field of
-    the key), or None."""
+@dataclass(frozen=True)
+class _TargetPart:
+    """One target's share of a converter's sources: its keys of each source, the index its first expert's keys
+    carry, and the operations that make it from them."""
+
+    keys: list[list[str]]
+    first: int
+    ops: tuple
+
+
+def _stack_and_join(op) -> tuple | None:
+    """What transformers' `ErnieFuseAndSplitTextVisionExperts` does to each target's chunk of every source's list:
+    stack it, then join the sources along each expert's rows (as `MergeModulelist` and `Concatenate` do)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    if op.stack_dim != 0 or op.concat_dim != 1:
+        return None
+    return (MergeModulelist(dim=0), Concatenate(dim=1))
+
+
+# Operations that deal one list of per-expert keys out to several targets in equal chunks, in target order:
+# operation class name -> the operations each target's chunk then goes through (None where it does more).
+_LIST_SPLITS = {"ErnieFuseAndSplitTextVisionExperts": _stack_and_join}
+
+
+def _split_targets(converter, target: str, sources: list[list[str]]) -> dict[str, _TargetPart]:
+    """`target`'s converter makes several targets from one list per source (transformers names the keys after
+    the first target pattern and deals the list out as it converts): each target's name and part, or nothing
+    where the operation is not one of `_LIST_SPLITS`."""
+    ops, patterns = list(converter.operations), list(converter.target_patterns)
+    split = _LIST_SPLITS.get(type(ops[0]).__name__) if len(ops) == 1 else None
+    each = split(ops[0]) if split is not None else None
+    if each is None or patterns[0] not in target or len({len(k) for k in sources}) != 1:
+        return {}
+    size = -(-len(sources[0]) // len(patterns))  # transformers' chunks: ceil(n / targets) keys each
+    return {
+        target.replace(patterns[0], pattern, 1): _TargetPart([k[j * size : (j + 1) * size] for k in sources], j * size, each)
+        for j, pattern in enumerate(patterns)
+    }
+
+
+def _template(keys: list[str], first: int = 0) -> str | None:
+    """The template `t` with `t.format(e=first + i) == keys[i]` for every expert i (its index one dotted field
+    of the key), or None."""
     fields = [k.split(".") for k in keys]
     if any("{" in k or "}" in k for k in keys) or len({len(f) for f in fields}) != 1:
         return None
     for at in reversed(range(len(fields[0]))):
-        if all(f[at] == str(i) and f[:at] + f[at + 1 :] == fields[0][:at] + fields[0][at + 1 :] for i, f in enumerate(fields)):
+        if all(
+            f[at] == str(first + i) and f[:at] + f[at + 1 :] == fields[0][:at] + fields[0][at + 1 :] for i, f in enumerate(fields)
+        ):
             return ".".join(fields[0][:at] + ["{e}"] + fields[0][at + 1 :])
     return None
 
@@ -266,7 +346,7 @@ def _match(index: ShardIndex, templates: tuple[str, ...], shape: tuple[int, ...]
     shape = templates.stored(shape) if isinstance(templates, Rearranged) else shape
     rows = 0
     for t in templates:
-        keys = [t.format(e=e) for e in range(E)] if "{e}" in t else [t]
+        keys = [expert_key(t, templates, e) for e in range(E)] if "{e}" in t else [t]
         missing = [k for k in keys if k not in index.entries]
         if missing:
             return f"no {missing[0]}"

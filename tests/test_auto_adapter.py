@@ -216,10 +216,36 @@ def _qwen3_omni_thinker(transformers):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("make", [_aria, _qwen3_omni_thinker], ids=["aria", "qwen3_omni_thinker"])
+def _ernie_vl(transformers):
+    """ERNIE-4.5-VL: each layer's checkpoint keeps one list of experts, the text experts then the vision experts
+    (`mlp.experts.{0..2E-1}`), which transformers deals out to two experts modules as it loads them."""
+    config = transformers.Ernie4_5_VLMoeConfig
+    text = {k: v for k, v in SMALL.items() if hasattr(config.sub_configs["text_config"](), k)}
+    text.update(
+        moe_intermediate_size=[32, 32],
+        head_dim=32,
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0, mrope_section=[4, 4, 8]),
+    )
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
+    return transformers.Ernie4_5_VLMoeForConditionalGeneration(config(text_config=text, vision_config=vision))  # fmt: skip
+
+
+def _glm4v_moe(transformers):
+    """GLM-4.5V: a vision-language model whose checkpoints keep each expert's projections apart."""
+    config = transformers.Glm4vMoeConfig
+    text = {k: v for k, v in SMALL.items() if hasattr(config.sub_configs["text_config"](), k)}
+    text["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1])
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    return transformers.Glm4vMoeForConditionalGeneration(config(text_config=text, vision_config=vision))
+
+
+@pytest.mark.parametrize(
+    "make", [_aria, _qwen3_omni_thinker, _ernie_vl, _glm4v_moe], ids=["aria", "qwen3_omni_thinker", "ernie_vl", "glm4v_moe"]
+)
 def test_multimodal_checkpoint_streams_through_transformers_renaming(make, tmp_path):
     """Expert keys are found by renaming the checkpoint's keys as transformers does when it loads them, so
-    checkpoints renamed by regular expressions stream too; loaded expert by expert, outputs are exact."""
+    checkpoints renamed by regular expressions, or whose one list of experts transformers deals out to several
+    experts modules, stream too; loaded expert by expert, outputs and every expert tensor are exact."""
     import transformers
 
     try:
@@ -238,6 +264,51 @@ def test_multimodal_checkpoint_streams_through_transformers_renaming(make, tmp_p
     with torch.no_grad():
         assert torch.equal(streamed(input_ids=IDS).logits, ref(input_ids=IDS).logits)
     assert streamed.mira.stats()["loads"] > 0
+    got = streamed.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items() if ".experts." in k)  # text and vision experts
+
+
+def test_experts_tied_across_two_stacks_are_served_exactly_and_never_streamed(tmp_path):
+    """Diffusion Gemma's encoder and decoder share their experts' tensors; the checkpoint stores them once, under
+    the decoder. Wrapped or loaded whole, outputs are exact; the encoder's experts have no keys of their own, so
+    streaming them is refused before anything is read when asked for, and loads whole when automatic."""
+    import transformers
+
+    if not hasattr(transformers, "DiffusionGemmaConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no diffusion_gemma")
+    from transformers import AutoModelForImageTextToText, DiffusionGemmaConfig, Gemma4VisionConfig
+
+    text = make_auto_config("diffusion_gemma_text").to_dict()
+    text.update(num_experts=8, top_k_experts=2, moe_intermediate_size=32, enable_moe_block=True)
+    vision = Gemma4VisionConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=16)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(DiffusionGemmaConfig(text_config=text, vision_config=vision)).save_pretrained(
+        tmp_path / "ckpt"
+    )
+    ref = AutoModelForImageTextToText.from_pretrained(tmp_path / "ckpt").eval()
+
+    def logits(model):  # its forward draws noise: the same draws for both
+        torch.manual_seed(1)
+        with torch.no_grad():
+            return model(input_ids=IDS).logits
+
+    expected = logits(ref)
+    offload = tmp_path / "offload"
+    streamed = MiraConfig(device="cpu", loader=LoaderConfig(stream_experts=True))
+    with pytest.warns(UserWarning, match="has no adapter"), pytest.raises(UnsupportedModelError, match="one at a time"):
+        MiraMoEModel.from_pretrained(tmp_path / "ckpt", streamed)
+    for cfg in (MiraConfig(device="cpu", gpu_budget=0.5), MiraConfig(device="cpu", host_budget="1GB", offload_dir=str(offload))):
+        with pytest.warns(UserWarning) as caught:
+            model = MiraMoEModel.from_pretrained(tmp_path / "ckpt", cfg, progress=False)
+        assert any("has no adapter" in str(w.message) for w in caught)
+        whole = [w for w in caught if "cannot be read one at a time" in str(w.message)]
+        assert len(whole) == (cfg.host_budget is not None)  # automatic streaming (a host budget) falls back
+        assert torch.equal(logits(model), expected)
+        assert model.mira.stats()["loads"] > 0
+    with pytest.warns(UserWarning, match="has no adapter"):
+        MiraMoEModel.wrap(ref, MiraConfig(device="cpu", gpu_budget=0.5))
+    assert torch.equal(logits(ref), expected)
 
 
 def test_router_reading_a_wider_state_than_its_experts_is_not_used_to_predict():

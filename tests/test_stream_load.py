@@ -328,7 +328,9 @@ def test_conversions_read_expert_by_expert_and_the_ones_refused():
     from mira_hf.expert_keys import Interleaved, _converted
 
     def conv(sources, *ops):
-        return WeightConverter(source_patterns=sources, target_patterns="mlp.experts.gate_up_proj", operations=list(ops))
+        return WeightConverter(
+            source_patterns=sources, target_patterns="mlp.experts.gate_up_proj", operations=list(ops)
+        ).operations
 
     per_expert = [[f"m.experts.{e}.w1.weight" for e in range(3)], [f"m.experts.{e}.w3.weight" for e in range(3)]]
     stacked = [["m.moe.gate_proj.weight"], ["m.moe.up_proj.weight"]]
@@ -348,6 +350,35 @@ def test_conversions_read_expert_by_expert_and_the_ones_refused():
     assert _converted(conv(["experts.w13_weight"], Interleave(dim=0)), [["m.experts.w13_weight"]], None, ()) is None
     assert _converted(conv(["moe.gate_proj.weight", "moe.up_proj.weight"], Concatenate(dim=0)), stacked, None, ()) is None
     assert _converted(conv(["experts.w13_weight"], Chunk(dim=1)), [["m.experts.w13_weight"]], None, ()) is None
+
+
+def test_one_list_of_experts_dealt_to_two_modules_is_read_from_each_ones_chunk():
+    """ERNIE-4.5-VL's checkpoints keep a layer's text experts then its vision experts in one list; transformers
+    names every key after the text module and deals the list out in equal chunks as it converts. Each module
+    reads its own chunk: the vision module's expert e is the list's expert E + e."""
+    from transformers.core_model_loading import ErnieFuseAndSplitTextVisionExperts, WeightConverter
+
+    from mira_hf.expert_keys import Offset, _converted, _split_targets, expert_key
+
+    split = WeightConverter(
+        source_patterns=["experts.*.gate_proj.weight", "experts.*.up_proj.weight"],
+        target_patterns=["text_moe.experts.gate_up_proj", "vision_moe.experts.gate_up_proj"],
+        operations=[ErnieFuseAndSplitTextVisionExperts(stack_dim=0, concat_dim=1)],
+    )
+    keys = [[f"m.experts.{e}.{p}_proj.weight" for e in range(6)] for p in ("gate", "up")]
+    parts = _split_targets(split, "m.text_moe.experts.gate_up_proj", keys)
+    assert {name: part.first for name, part in parts.items()} == {
+        "m.text_moe.experts.gate_up_proj": 0,
+        "m.vision_moe.experts.gate_up_proj": 3,
+    }
+    vision = parts["m.vision_moe.experts.gate_up_proj"]
+    templates = Offset(_converted(vision.ops, vision.keys, None, (), vision.first), vision.first)
+    assert [expert_key(t, templates, 1) for t in templates] == ["m.experts.4.gate_proj.weight", "m.experts.4.up_proj.weight"]
+    assert templates != tuple(templates)  # the same templates counting from 0 are another module's keys
+    # a chunk whose keys are not numbered from where it starts (experts missing from the list) gives no keys
+    gaps = [[k for k in ks if ".2." not in k] for ks in keys]
+    parts = _split_targets(split, "m.text_moe.experts.gate_up_proj", gaps)
+    assert parts and all(_converted(p.ops, p.keys, None, (), p.first) is None for p in parts.values())
 
 
 def _quantized_like_inkling2_loop(path, generator: torch.Generator) -> None:

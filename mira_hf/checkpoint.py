@@ -261,10 +261,11 @@ def load_model(
     stream_experts: bool | None,
     model_type: str | None = None,
     quantization_config: dict | None = None,
+    architectures: list[str] | None = None,
 ) -> tuple[torch.nn.Module, StreamedExperts | None]:
     """Load the model for wrapping: without its routed experts when they are streamed (`index`, from
     `streaming_index`; the second value says where to read them), else whole through transformers (`None`).
-    `model_type` and `quantization_config` are config.json's."""
+    `model_type`, `quantization_config` and `architectures` are config.json's."""
     if index is not None:
         try:
             return load_without_experts(name_or_path, adapter, index, hf_kwargs, bool(stream_experts))
@@ -275,7 +276,7 @@ def load_model(
         from transformers import AutoConfig
 
         hf_kwargs = dequantizing(AutoConfig.from_pretrained(name_or_path, **_config_kwargs(hf_kwargs)), hf_kwargs)
-    return auto_model_class(model_type).from_pretrained(name_or_path, **hf_kwargs), None
+    return auto_model_class(model_type, architectures).from_pretrained(name_or_path, **hf_kwargs), None
 
 
 def _is_native(quantization_config: dict) -> bool:
@@ -299,18 +300,32 @@ def dequantizing(config, hf_kwargs: dict) -> dict:
     return {**hf_kwargs, "config": config}
 
 
-def auto_model_class(model_type: str | None):
-    """The transformers auto class that builds `model_type` with its language-model head: the causal LM,
-    else the image-text-to-text model (a vision-language MoE, whose text decoder holds the experts)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+def auto_model_class(model_type: str | None, architectures: list[str] | None = None):
+    """The transformers class that builds a checkpoint of `model_type` with its head, as transformers' auto classes
+    pick it: the causal LM; else the image-text-to-text model (a vision-language MoE, whose text decoder holds
+    the experts); else, for a family with neither (a token classifier, say), the class config.json names in
+    `architectures`. A type transformers does not know (remote code) goes to the causal-LM auto class, which
+    reads its `auto_map`. Raises `UnsupportedModelError` where transformers has no class for it."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
     )
 
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type not in transformers.CONFIG_MAPPING:
+        return AutoModelForCausalLM
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return AutoModelForImageTextToText
-    return AutoModelForCausalLM
+    for name in architectures or ():
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
+            return cls
+    raise UnsupportedModelError(
+        f"model_type {model_type!r} has no causal-LM or image-text-to-text class in transformers "
+        f"{transformers.__version__}, and config.json names none it has (architectures={architectures!r}). Load it "
+        "with its transformers class and wrap it: MiraMoEModel.wrap(SomeModelClass.from_pretrained(path))."
+    )
 
 
 def load_without_experts(
@@ -466,7 +481,8 @@ def _config_kwargs(hf_kwargs: dict) -> dict:
 
 def _model_class(config):
     """The transformers class `from_pretrained` builds for `config` (its language-model head)."""
-    base = auto_model_class(config.model_type)._model_mapping.get(type(config), None)
+    cls = auto_model_class(config.model_type, getattr(config, "architectures", None))
+    base = cls._model_mapping.get(type(config), None) if hasattr(cls, "_model_mapping") else cls
     if base is None:
         raise NotStreamable(f"{type(config).__name__} has no language-model class in transformers")
     return base

@@ -22,7 +22,7 @@ from torch import nn
 
 from model_adapters import MoEAdapter
 
-from .checkpoint import StreamedExperts, build_skeleton, load_model, streaming_index
+from .checkpoint import StreamedExperts, auto_model_class, build_skeleton, load_model, streaming_index
 from .config import MiraConfig, config_from_arguments
 from .errors import CheckpointError, ConfigError, DeviceError, MiraError, UnsupportedModelError
 from .expert_keys import native_codec_name
@@ -76,7 +76,8 @@ class MiraMoEModel:
         weights plus `host_budget` (see `mira_hf.checkpoint`). The result is the same model.
 
         `hf_kwargs` go to `AutoModelForCausalLM.from_pretrained` (`AutoModelForImageTextToText` for a vision-language
-        checkpoint, which has no causal-LM class) (`dtype`, `revision`, `trust_remote_code`, ...),
+        checkpoint, which has no causal-LM class; for a family with neither, the class config.json's `architectures`
+        names, such as a token classifier) (`dtype`, `revision`, `trust_remote_code`, ...),
         except `device_map`: mira-hf places weights itself (non-experts on `mira_config.device`, experts in host
         memory), so a map names that device (`device_from_map`).
         """
@@ -98,6 +99,7 @@ class MiraMoEModel:
                 "trust it: pass trust_remote_code=True to MiraMoEModel.from_pretrained."
             )
         adapter = resolve_adapter(config_dict.get("model_type"), cfg)  # fail before loading any weight
+        auto_model_class(config_dict.get("model_type"), config_dict.get("architectures"))  # (the same)
         _check_prequantized(cfg, config_dict.get("quantization_config"), name_or_path)
         hf_kwargs.setdefault("dtype", "auto")
         report = LoadReport()
@@ -122,6 +124,7 @@ class MiraMoEModel:
             cfg.loader.stream_experts,
             config_dict.get("model_type"),
             quantization_config,
+            config_dict.get("architectures"),
         )
         if index is not None:
             model = MiraMoEModel._wrap_arriving(name_or_path, adapter, index, hf_kwargs, cfg, device, progress, report, load)

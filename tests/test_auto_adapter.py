@@ -311,6 +311,44 @@ def test_experts_tied_across_two_stacks_are_served_exactly_and_never_streamed(tm
     assert torch.equal(logits(ref), expected)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_family_without_a_language_model_head_loads_as_the_class_its_config_names(stream, tmp_path):
+    """OpenAI's privacy filter is an MoE token classifier: no causal-LM or image-text-to-text class. from_pretrained
+    builds the class config.json names in `architectures`, as transformers' pipelines do; outputs are exact."""
+    import transformers
+
+    config = config_or_skip("openai_privacy_filter")
+    torch.manual_seed(0)
+    transformers.AutoModelForTokenClassification.from_config(config).save_pretrained(tmp_path)
+    ref = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path).eval()
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=stream))
+    with pytest.warns(UserWarning, match="has no adapter"):
+        model = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False)
+    assert type(model) is type(ref)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+    assert model.mira.stats()["loads"] > 0
+
+
+def test_a_family_without_a_class_for_its_checkpoint_is_refused_before_loading(tmp_path):
+    """A model type transformers knows, with no causal-LM or image-text-to-text class and no `architectures` in
+    config.json to build instead: refused before any weight is read, naming what to do."""
+    import json
+
+    import transformers
+
+    config = config_or_skip("openai_privacy_filter")
+    torch.manual_seed(0)
+    transformers.AutoModelForTokenClassification.from_config(config).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.pop("architectures")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    with pytest.raises(UnsupportedModelError, match="no causal-LM or image-text-to-text class.*MiraMoEModel.wrap"):
+        MiraMoEModel.from_pretrained(tmp_path, MiraConfig(device="cpu"), progress=False)
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
+
+
 def test_router_reading_a_wider_state_than_its_experts_is_not_used_to_predict():
     """Muse Spark's router reads the hidden state; its experts take it projected down (moe_hidden_size). The
     predictor must not apply that router to the experts' rows: served exactly, with the default predictor."""

@@ -259,13 +259,13 @@ def load_model(
     index: ShardIndex | None,
     wanted: bool,
     stream_experts: bool | None,
-    model_type: str | None = None,
-    quantization_config: dict | None = None,
-    architectures: list[str] | None = None,
+    config_json: dict | None = None,
 ) -> tuple[torch.nn.Module, StreamedExperts | None]:
     """Load the model for wrapping: without its routed experts when they are streamed (`index`, from
     `streaming_index`; the second value says where to read them), else whole through transformers (`None`).
-    `model_type`, `quantization_config` and `architectures` are config.json's."""
+    `config_json`: the checkpoint's config.json."""
+    config_json = config_json or {}
+    quantization_config = config_json.get("quantization_config")
     if index is not None:
         try:
             return load_without_experts(name_or_path, adapter, index, hf_kwargs, bool(stream_experts))
@@ -276,7 +276,12 @@ def load_model(
         from transformers import AutoConfig
 
         hf_kwargs = dequantizing(AutoConfig.from_pretrained(name_or_path, **_config_kwargs(hf_kwargs)), hf_kwargs)
-    return auto_model_class(model_type, architectures).from_pretrained(name_or_path, **hf_kwargs), None
+    return model_class_of(config_json).from_pretrained(name_or_path, **hf_kwargs), None
+
+
+def model_class_of(config_json: dict):
+    """`auto_model_class` of a checkpoint's config.json."""
+    return auto_model_class(config_json.get("model_type"), config_json.get("architectures"), "auto_map" in config_json)
 
 
 def _is_native(quantization_config: dict) -> bool:
@@ -300,12 +305,13 @@ def dequantizing(config, hf_kwargs: dict) -> dict:
     return {**hf_kwargs, "config": config}
 
 
-def auto_model_class(model_type: str | None, architectures: list[str] | None = None):
+def auto_model_class(model_type: str | None, architectures: list[str] | None = None, remote: bool = False):
     """The transformers class that builds a checkpoint of `model_type` with its head, as transformers' auto classes
     pick it: the causal LM; else the image-text-to-text model (a vision-language MoE, whose text decoder holds
     the experts); else, for a family with neither (a token classifier, say), the class config.json names in
-    `architectures`. A type transformers does not know (remote code) goes to the causal-LM auto class, which
-    reads its `auto_map`. Raises `UnsupportedModelError` where transformers has no class for it."""
+    `architectures`. Remote code (`remote`: config.json has an `auto_map`) and a type transformers does not know
+    go to the causal-LM auto class, which reads the `auto_map`. Raises `UnsupportedModelError` where transformers
+    has no class for it."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
     from transformers.models.auto.modeling_auto import (
@@ -313,7 +319,7 @@ def auto_model_class(model_type: str | None, architectures: list[str] | None = N
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
     )
 
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type not in transformers.CONFIG_MAPPING:
+    if remote or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type not in transformers.CONFIG_MAPPING:
         return AutoModelForCausalLM
     if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return AutoModelForImageTextToText

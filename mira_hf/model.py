@@ -22,7 +22,7 @@ from torch import nn
 
 from model_adapters import MoEAdapter
 
-from .checkpoint import StreamedExperts, auto_model_class, build_skeleton, load_model, streaming_index
+from .checkpoint import StreamedExperts, build_skeleton, load_model, model_class_of, streaming_index
 from .config import MiraConfig, config_from_arguments
 from .errors import CheckpointError, ConfigError, DeviceError, MiraError, UnsupportedModelError
 from .expert_keys import native_codec_name
@@ -99,7 +99,7 @@ class MiraMoEModel:
                 "trust it: pass trust_remote_code=True to MiraMoEModel.from_pretrained."
             )
         adapter = resolve_adapter(config_dict.get("model_type"), cfg)  # fail before loading any weight
-        auto_model_class(config_dict.get("model_type"), config_dict.get("architectures"))  # (the same)
+        model_class_of(config_dict)  # (the same)
         _check_prequantized(cfg, config_dict.get("quantization_config"), name_or_path)
         hf_kwargs.setdefault("dtype", "auto")
         report = LoadReport()
@@ -122,9 +122,7 @@ class MiraMoEModel:
             index,
             wanted,
             cfg.loader.stream_experts,
-            config_dict.get("model_type"),
-            quantization_config,
-            config_dict.get("architectures"),
+            config_dict,
         )
         if index is not None:
             model = MiraMoEModel._wrap_arriving(name_or_path, adapter, index, hf_kwargs, cfg, device, progress, report, load)

@@ -77,17 +77,18 @@ def reference_kwargs(path: str, dtype=None) -> dict:
     return kw
 
 
-def load_reference(path: str, dtype=None):
+def load_reference(path: str, dtype=None, **hf_kwargs):
     """The unwrapped model of a checkpoint, loaded by transformers (in `dtype`, as mira-hf is given it), with its
     routed experts' weights at 16-byte-aligned addresses and every other weight where transformers put it, as in the
     wrapped model. A tensor that transformers maps from the file as is sits where the file put it, which safetensors
     aligns to 8 bytes only, and a CPU kernel may round a weight by its address: torch's grouped matmul (torch ≥ 2.11),
     and on some CPUs a one-row `F.linear` (an lm_head computing the last position only). The unwrapped model's last
     bits then depend on the file's layout. mira-hf's copies of the experts, like any copy (`.to`, `.clone`), are
-    aligned (docs/ARCHITECTURE.md); the rest of the model it leaves as transformers loaded it."""
+    aligned (docs/ARCHITECTURE.md); the rest of the model it leaves as transformers loaded it. `hf_kwargs` go to
+    from_pretrained as well (`trust_remote_code=True`)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, **reference_kwargs(path, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, **reference_kwargs(path, dtype), **hf_kwargs).eval()
     for name, module in model.named_modules():
         if name.endswith("experts") and isinstance(getattr(module, "num_experts", None), int):
             for p in module.parameters(recurse=False):

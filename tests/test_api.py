@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 from conftest import load_reference
+from tiny_models import build, make_config
 from transformers import AutoModelForCausalLM
 
 from mira_hf import (
@@ -302,6 +303,49 @@ def test_remote_code_needs_trust(tiny_checkpoint, tmp_path):
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="trust_remote_code=True"):
         MiraMoEModel.from_pretrained(dst, MiraConfig(device="cpu"), progress=False)
+
+
+# A model whose code ships with its checkpoint: its own config and causal-LM classes (Mixtral's underneath).
+_REMOTE_CODE = """
+from transformers import MixtralConfig, MixtralForCausalLM
+
+
+class RemoteMoeConfig(MixtralConfig):
+    model_type = "{model_type}"
+
+
+class RemoteMoeForCausalLM(MixtralForCausalLM):
+    config_class = RemoteMoeConfig
+"""
+
+
+@pytest.mark.parametrize("model_type", ["remote_moe", "step3p5"], ids=["unknown_type", "type_with_config_only"])
+def test_remote_code_loads_with_trust_and_computes_what_transformers_loads(tmp_path, model_type):
+    """With trust_remote_code=True the checkpoint's own classes are built, as AutoModelForCausalLM builds them:
+    for a model type transformers does not know, and for one it has a config for but no model class (Step 3.5)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    original = build(make_config("mixtral"))
+    dst = tmp_path / "remote"
+    dst.mkdir()
+    # its own classes map no checkpoint keys (transformers' renamings are per model type): the tensors as named in memory
+    save_file({k: v.contiguous() for k, v in original.state_dict().items()}, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "remote_moe.py").write_text(_REMOTE_CODE.format(model_type=model_type))
+    cfg = original.config.to_dict()
+    cfg.update(model_type=model_type, architectures=["RemoteMoeForCausalLM"],
+               auto_map={"AutoConfig": "remote_moe.RemoteMoeConfig", "AutoModelForCausalLM": "remote_moe.RemoteMoeForCausalLM"})  # fmt: skip
+    (dst / "config.json").write_text(json.dumps(cfg))
+    ref = load_reference(dst, trust_remote_code=True)
+    with pytest.warns(UserWarning, match="has no adapter"):
+        model = MiraMoEModel.from_pretrained(
+            dst, MiraConfig(device="cpu", gpu_budget=0.3), progress=False, trust_remote_code=True
+        )
+    assert type(model).__name__ == "RemoteMoeForCausalLM"
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+        assert torch.equal(ref(IDS).logits, original(IDS).logits)  # every weight loaded (none initialised anew)
+    assert model.mira.stats()["loads"] > 0
 
 
 def test_forward_with_autograd_on_works_and_backward_is_a_clear_error(tiny_checkpoint):

@@ -98,7 +98,7 @@ class MiraMoEModel:
                 f"{name_or_path!s} defines its own modeling code (auto_map in config.json). mira-hf runs it only if you "
                 "trust it: pass trust_remote_code=True to MiraMoEModel.from_pretrained."
             )
-        adapter = resolve_adapter(config_dict.get("model_type"), cfg)  # fail before loading any weight
+        adapter = resolve_adapter(config_dict.get("model_type"), cfg, remote="auto_map" in config_dict)  # before any weight
         model_class_of(config_dict)  # (the same)
         _check_prequantized(cfg, config_dict.get("quantization_config"), name_or_path)
         hf_kwargs.setdefault("dtype", "auto")
@@ -169,7 +169,8 @@ class MiraMoEModel:
         they are read from the checkpoint into the store instead of taken from the modules. `report`:
         the load's stage timings (`model.mira_load_report()`)."""
         report = report if report is not None else LoadReport()
-        adapter = resolve_adapter(getattr(getattr(model, "config", None), "model_type", None), cfg)
+        remote = not type(model).__module__.startswith("transformers.")  # a class of its own (remote code, a subclass)
+        adapter = resolve_adapter(getattr(getattr(model, "config", None), "model_type", None), cfg, remote)
         targets = find_targets(model, adapter, streamed.meta if streamed else None)
         check_model_implementations(model)
         fingerprint = model_fingerprint(model, targets, expert_specs(targets))

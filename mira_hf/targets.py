@@ -58,15 +58,16 @@ class Target:
             self.module.register_parameter(n, self.parameter(n, tensor))
 
 
-def resolve_adapter(model_type: str | None, cfg: MiraConfig) -> MoEAdapter:
+def resolve_adapter(model_type: str | None, cfg: MiraConfig, remote: bool = False) -> MoEAdapter:
     """The adapter of `model_type`: `expert_layer_path`'s if given, else the registered one, else `AutoAdapter`
-    where transformers builds its experts with the experts interface; refused before any weight is read otherwise."""
+    where transformers builds its experts with the experts interface; refused before any weight is read otherwise.
+    `remote`: the model's code is its own, not transformers' code for `model_type` (which then says nothing)."""
     if cfg.expert_layer_path is not None:
         return generic_adapter(cfg.expert_layer_path)
     adapter = get_adapter(model_type) if model_type else None
     if adapter is not None:
         return adapter
-    if model_type and uses_experts_interface(model_type) is False:
+    if model_type and not remote and uses_experts_interface(model_type) is False:
         raise UnsupportedModelError(
             f"model_type {model_type!r} has no mira-hf adapter, and transformers' code for it builds no experts module "
             f"(a dense model, or experts outside transformers' experts interface). Supported: "

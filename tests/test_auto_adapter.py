@@ -239,8 +239,19 @@ def _glm4v_moe(transformers):
     return transformers.Glm4vMoeForConditionalGeneration(config(text_config=text, vision_config=vision))
 
 
+def _mistral_large4(transformers):
+    """Mistral Large 4: MLA attention and a Pixtral vision encoder beside its text decoder."""
+    text = dict(make_auto_config("mistral_large4_text").to_dict(), num_key_value_heads=4)
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                              head_dim=16)  # fmt: skip
+    config = transformers.MistralLarge4Config(text_config=text, vision_config=vision)
+    return transformers.MistralLarge4ForConditionalGeneration(config)
+
+
 @pytest.mark.parametrize(
-    "make", [_aria, _qwen3_omni_thinker, _ernie_vl, _glm4v_moe], ids=["aria", "qwen3_omni_thinker", "ernie_vl", "glm4v_moe"]
+    "make",
+    [_aria, _qwen3_omni_thinker, _ernie_vl, _glm4v_moe, _mistral_large4],
+    ids=["aria", "qwen3_omni_thinker", "ernie_vl", "glm4v_moe", "mistral_large4"],
 )
 def test_multimodal_checkpoint_streams_through_transformers_renaming(make, tmp_path):
     """Expert keys are found by renaming the checkpoint's keys as transformers does when it loads them, so

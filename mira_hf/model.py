@@ -98,8 +98,9 @@ class MiraMoEModel:
                 f"{name_or_path!s} defines its own modeling code (auto_map in config.json). mira-hf runs it only if you "
                 "trust it: pass trust_remote_code=True to MiraMoEModel.from_pretrained."
             )
-        adapter = resolve_adapter(config_dict.get("model_type"), cfg, remote="auto_map" in config_dict)  # before any weight
-        model_class_of(config_dict)  # (the same)
+        # what serves its experts, and the class transformers builds for it: both checked before any weight is read
+        adapter = resolve_adapter(config_dict.get("model_type"), cfg, remote="auto_map" in config_dict)
+        model_class_of(config_dict)
         _check_prequantized(cfg, config_dict.get("quantization_config"), name_or_path)
         hf_kwargs.setdefault("dtype", "auto")
         report = LoadReport()

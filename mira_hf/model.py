@@ -35,7 +35,7 @@ from .shards import NotStreamable, ShardIndex, missing_checkpoint_error
 from .state import install as install_state
 from .step_hooks import StepHooks
 from .store_build import StorePlan, build_router_predictor, fill_store, new_manager, plan_store, record_cache
-from .targets import Target, expert_specs, find_targets, model_fingerprint, resolve_adapter
+from .targets import Target, expert_specs, find_targets, model_fingerprint, resolve_adapter, sub_model_types
 from .unload import save_pretrained, unload
 
 
@@ -99,7 +99,7 @@ class MiraMoEModel:
                 "trust it: pass trust_remote_code=True to MiraMoEModel.from_pretrained."
             )
         # what serves its experts, and the class transformers builds for it: both checked before any weight is read
-        adapter = resolve_adapter(config_dict.get("model_type"), cfg, remote="auto_map" in config_dict)
+        adapter = resolve_adapter(config_dict.get("model_type"), cfg, "auto_map" in config_dict, sub_model_types(config_dict))
         model_class_of(config_dict)
         _check_prequantized(cfg, config_dict.get("quantization_config"), name_or_path)
         hf_kwargs.setdefault("dtype", "auto")
@@ -171,7 +171,8 @@ class MiraMoEModel:
         the load's stage timings (`model.mira_load_report()`)."""
         report = report if report is not None else LoadReport()
         remote = not type(model).__module__.startswith("transformers.")  # a class of its own (remote code, a subclass)
-        adapter = resolve_adapter(getattr(getattr(model, "config", None), "model_type", None), cfg, remote)
+        config = getattr(model, "config", None)
+        adapter = resolve_adapter(getattr(config, "model_type", None), cfg, remote, sub_model_types(config or {}))
         targets = find_targets(model, adapter, streamed.meta if streamed else None)
         check_model_implementations(model)
         fingerprint = model_fingerprint(model, targets, expert_specs(targets))

@@ -58,16 +58,18 @@ class Target:
             self.module.register_parameter(n, self.parameter(n, tensor))
 
 
-def resolve_adapter(model_type: str | None, cfg: MiraConfig, remote: bool = False) -> MoEAdapter:
+def resolve_adapter(model_type: str | None, cfg: MiraConfig, remote: bool = False, parts: tuple[str, ...] = ()) -> MoEAdapter:
     """The adapter of `model_type`: `expert_layer_path`'s if given, else the registered one, else `AutoAdapter`
     where transformers builds its experts with the experts interface; refused before any weight is read otherwise.
-    `remote`: the model's code is its own, not transformers' code for `model_type` (which then says nothing)."""
+    `remote`: the model's code is its own, not transformers' code for `model_type` (which then says nothing).
+    `parts`: the model types of its sub-configs (`sub_model_types`): a composite model may build its text decoder
+    from another family's code (Kimi K2.5's is DeepSeek-V3's), whose experts count as its own."""
     if cfg.expert_layer_path is not None:
         return generic_adapter(cfg.expert_layer_path)
     adapter = get_adapter(model_type) if model_type else None
     if adapter is not None:
         return adapter
-    if model_type and not remote and uses_experts_interface(model_type) is False:
+    if model_type and not remote and all(uses_experts_interface(t) is False for t in (model_type, *parts)):
         raise UnsupportedModelError(
             f"model_type {model_type!r} has no mira-hf adapter, and transformers' code for it builds no experts module "
             f"(a dense model, or experts outside transformers' experts interface). Supported: "
@@ -75,6 +77,18 @@ def resolve_adapter(model_type: str | None, cfg: MiraConfig, remote: bool = Fals
             f"interface. {_HOW_TO_ADD}"
         )
     return auto_adapter(model_type)  # found by transformers' experts interface, or refused by find_targets
+
+
+def sub_model_types(config) -> tuple[str, ...]:
+    """The model types of a config's sub-configs, nested ones included (a config object, or config.json as a dict)."""
+    found = []
+    values = config.values() if isinstance(config, dict) else vars(config).values()
+    for value in values:
+        if isinstance(value, dict) and isinstance(value.get("model_type"), str):
+            found += [value["model_type"], *sub_model_types(value)]
+        elif not isinstance(value, dict) and isinstance(getattr(value, "model_type", None), str) and hasattr(value, "to_dict"):
+            found += [value.model_type, *sub_model_types(value)]
+    return tuple(found)
 
 
 def find_targets(

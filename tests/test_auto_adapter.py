@@ -248,10 +248,18 @@ def _mistral_large4(transformers):
     return transformers.MistralLarge4ForConditionalGeneration(config)
 
 
+def _kimi_k25(transformers):
+    """Kimi K2.5: a vision-language model whose text decoder is DeepSeek-V3's, built from another family's code (its
+    own modeling file builds no experts)."""
+    vision = dict(num_attention_heads=2, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    config = transformers.Kimi_K25Config(text_config=make_config("deepseek_v3").to_dict(), vision_config=vision)
+    return transformers.Kimi_K25ForConditionalGeneration(config)
+
+
 @pytest.mark.parametrize(
     "make",
-    [_aria, _qwen3_omni_thinker, _ernie_vl, _glm4v_moe, _mistral_large4],
-    ids=["aria", "qwen3_omni_thinker", "ernie_vl", "glm4v_moe", "mistral_large4"],
+    [_aria, _qwen3_omni_thinker, _ernie_vl, _glm4v_moe, _mistral_large4, _kimi_k25],
+    ids=["aria", "qwen3_omni_thinker", "ernie_vl", "glm4v_moe", "mistral_large4", "kimi_k25"],
 )
 def test_multimodal_checkpoint_streams_through_transformers_renaming(make, tmp_path):
     """Expert keys are found by renaming the checkpoint's keys as transformers does when it loads them, so
@@ -358,6 +366,30 @@ def test_a_family_without_a_class_for_its_checkpoint_is_refused_before_loading(t
     with pytest.raises(UnsupportedModelError, match="no causal-LM or image-text-to-text class.*MiraMoEModel.wrap"):
         MiraMoEModel.from_pretrained(tmp_path, MiraConfig(device="cpu"), progress=False)
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
+
+
+def test_a_composite_model_built_from_another_familys_decoder_is_wrapped_exactly():
+    """Kimi K2.5's own modeling code builds no experts module: its text decoder is DeepSeek-V3's. The check made
+    before any weight is read looks at the config's parts too (config.json's `text_config`), so it is served, and
+    wrapped in place it computes what it computes unwrapped."""
+    import copy
+
+    import transformers
+
+    from mira_hf.targets import sub_model_types
+
+    try:
+        torch.manual_seed(0)
+        ref = _kimi_k25(transformers).eval()
+    except AttributeError as exc:
+        pytest.skip(f"transformers {transformers.__version__} lacks it ({exc})")
+    assert "deepseek_v3" in sub_model_types(ref.config) and "deepseek_v3" in sub_model_types(ref.config.to_dict())
+    model = copy.deepcopy(ref)
+    with pytest.warns(UserWarning, match="'kimi_k25' has no adapter"):
+        MiraMoEModel.wrap(model, MiraConfig(device="cpu", gpu_budget=0.5))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=IDS).logits, ref(input_ids=IDS).logits)
+    assert model.mira.stats()["loads"] > 0
 
 
 def test_router_reading_a_wider_state_than_its_experts_is_not_used_to_predict():

@@ -199,21 +199,23 @@ def _aria(transformers):
     )  # fmt: skip
 
 
-def _qwen3_omni_thinker(transformers):
-    """Qwen3-Omni's thinker: the sparse block's own weight init reaches its experts' tensors."""
+def _qwen3_omni_thinker_config(transformers):
     config = transformers.Qwen3OmniMoeThinkerConfig
     text = {k: v for k, v in SMALL.items() if hasattr(config.sub_configs["text_config"](), k)}
     text["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
-    return transformers.Qwen3OmniMoeThinkerForConditionalGeneration(
-        config(
-            text_config=text,
-            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                               deepstack_visual_indexes=[0], num_position_embeddings=64),
-            audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
-                              output_dim=64, downsample_hidden_size=16, num_mel_bins=16),
-            image_token_id=120, video_token_id=121, audio_token_id=122,
-        )
+    return config(
+        text_config=text,
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           deepstack_visual_indexes=[0], num_position_embeddings=64),
+        audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
+                          output_dim=64, downsample_hidden_size=16, num_mel_bins=16),
+        image_token_id=120, video_token_id=121, audio_token_id=122, vision_start_token_id=123, audio_start_token_id=124,
     )  # fmt: skip
+
+
+def _qwen3_omni_thinker(transformers):
+    """Qwen3-Omni's thinker: the sparse block's own weight init reaches its experts' tensors."""
+    return transformers.Qwen3OmniMoeThinkerForConditionalGeneration(_qwen3_omni_thinker_config(transformers))
 
 
 def _ernie_vl(transformers):
@@ -389,6 +391,55 @@ def test_a_composite_model_built_from_another_familys_decoder_is_wrapped_exactly
         MiraMoEModel.wrap(model, MiraConfig(device="cpu", gpu_budget=0.5))
     with torch.no_grad():
         assert torch.equal(model(input_ids=IDS).logits, ref(input_ids=IDS).logits)
+    assert model.mira.stats()["loads"] > 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_qwen3_omni_loads_as_its_own_class_with_the_thinkers_and_the_talkers_experts(stream, tmp_path):
+    """A whole Qwen3-Omni checkpoint (thinker and talker, both MoE) has no causal-LM or image-text-to-text class:
+    it loads as the class config.json names, and the experts of both its thinker and its talker are served. Text
+    generation is token-identical to transformers'."""
+    import transformers
+
+    try:
+        thinker = _qwen3_omni_thinker_config(transformers)
+        talker_text = {k: v for k, v in SMALL.items() if hasattr(transformers.Qwen3OmniMoeTalkerTextConfig(), k)}
+    except AttributeError as exc:
+        pytest.skip(f"transformers {transformers.__version__} lacks it ({exc})")
+    talker_text.update(
+        shared_expert_intermediate_size=32, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
+    )
+    talker = dict(
+        text_config=talker_text,
+        num_code_groups=4,
+        thinker_hidden_size=64,
+        accept_hidden_layer=1,
+        spatial_merge_size=2,
+        code_predictor_config=dict(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_code_groups=4,
+        ),
+    )
+    code2wav = dict(codebook_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                    intermediate_size=64, num_quantizers=4, decoder_dim=32)  # fmt: skip
+    config = transformers.Qwen3OmniMoeConfig(thinker_config=thinker, talker_config=talker, code2wav_config=code2wav)
+    torch.manual_seed(0)
+    transformers.Qwen3OmniMoeForConditionalGeneration(config).save_pretrained(tmp_path)
+    ref = transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(tmp_path).eval()
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=stream))
+    with pytest.warns(UserWarning, match="has no adapter"):
+        model = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False)
+    assert type(model) is type(ref)
+    assert {t.name.split(".")[0] for t in model._mira_targets} == {"thinker", "talker"}
+    kw = dict(max_new_tokens=6, do_sample=False, return_audio=False)
+    with torch.no_grad():
+        assert torch.equal(model.generate(input_ids=IDS, **kw), ref.generate(input_ids=IDS, **kw))
     assert model.mira.stats()["loads"] > 0
 
 

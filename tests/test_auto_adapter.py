@@ -258,10 +258,18 @@ def _kimi_k25(transformers):
     return transformers.Kimi_K25ForConditionalGeneration(config)
 
 
+def _llava_mixtral(transformers):
+    """A LLaVA model around a Mixtral decoder: a generic vision-language class whose own code builds no experts."""
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8, projection_dim=32)  # fmt: skip
+    config = transformers.LlavaConfig(text_config=make_config("mixtral").to_dict(), vision_config=vision, image_token_id=120)
+    return transformers.LlavaForConditionalGeneration(config)
+
+
 @pytest.mark.parametrize(
     "make",
-    [_aria, _qwen3_omni_thinker, _ernie_vl, _glm4v_moe, _mistral_large4, _kimi_k25],
-    ids=["aria", "qwen3_omni_thinker", "ernie_vl", "glm4v_moe", "mistral_large4", "kimi_k25"],
+    [_aria, _qwen3_omni_thinker, _ernie_vl, _glm4v_moe, _mistral_large4, _kimi_k25, _llava_mixtral],
+    ids=["aria", "qwen3_omni_thinker", "ernie_vl", "glm4v_moe", "mistral_large4", "kimi_k25", "llava_mixtral"],
 )
 def test_multimodal_checkpoint_streams_through_transformers_renaming(make, tmp_path):
     """Expert keys are found by renaming the checkpoint's keys as transformers does when it loads them, so

@@ -271,10 +271,12 @@ def _llava_mixtral(transformers):
     [_aria, _qwen3_omni_thinker, _ernie_vl, _glm4v_moe, _mistral_large4, _kimi_k25, _llava_mixtral],
     ids=["aria", "qwen3_omni_thinker", "ernie_vl", "glm4v_moe", "mistral_large4", "kimi_k25", "llava_mixtral"],
 )
-def test_multimodal_checkpoint_streams_through_transformers_renaming(make, tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_multimodal_checkpoint_streams_through_transformers_renaming(make, dtype, tmp_path):
     """Expert keys are found by renaming the checkpoint's keys as transformers does when it loads them, so
     checkpoints renamed by regular expressions, or whose one list of experts transformers deals out to several
-    experts modules, stream too; loaded expert by expert, outputs and every expert tensor are exact."""
+    experts modules, stream too; loaded expert by expert, outputs and every expert tensor are exact, bit for bit
+    in fp32 and bf16."""
     import transformers
 
     try:
@@ -285,11 +287,11 @@ def test_multimodal_checkpoint_streams_through_transformers_renaming(make, tmp_p
     if not any(is_transformers_experts(m) for m in model.modules()):
         pytest.skip(f"transformers {transformers.__version__} builds its experts outside the experts interface")
     model.save_pretrained(tmp_path)
-    ref = type(model).from_pretrained(tmp_path).eval()
+    ref = type(model).from_pretrained(tmp_path, dtype=dtype).eval()
     cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=True))
     with pytest.warns(UserWarning, match="has no adapter"):
-        streamed = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False)
-    assert type(streamed).__name__ == type(model).__name__
+        streamed = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False, dtype=dtype)
+    assert type(streamed).__name__ == type(model).__name__ and streamed.dtype == dtype
     with torch.no_grad():
         assert torch.equal(streamed(input_ids=IDS).logits, ref(input_ids=IDS).logits)
     assert streamed.mira.stats()["loads"] > 0

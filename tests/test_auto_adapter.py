@@ -416,26 +416,12 @@ def test_qwen3_omni_loads_as_its_own_class_with_the_thinkers_and_the_talkers_exp
         talker_text = {k: v for k, v in SMALL.items() if hasattr(transformers.Qwen3OmniMoeTalkerTextConfig(), k)}
     except AttributeError as exc:
         pytest.skip(f"transformers {transformers.__version__} lacks it ({exc})")
-    talker_text.update(
-        shared_expert_intermediate_size=32, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
-    )
-    talker = dict(
-        text_config=talker_text,
-        num_code_groups=4,
-        thinker_hidden_size=64,
-        accept_hidden_layer=1,
-        spatial_merge_size=2,
-        code_predictor_config=dict(
-            vocab_size=64,
-            hidden_size=64,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            num_code_groups=4,
-        ),
-    )
+    talker_text.update(shared_expert_intermediate_size=32,
+                       rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]))  # fmt: skip
+    predictor = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, num_code_groups=4)  # fmt: skip
+    talker = dict(text_config=talker_text, code_predictor_config=predictor, num_code_groups=4, thinker_hidden_size=64,
+                  accept_hidden_layer=1, spatial_merge_size=2)  # fmt: skip
     code2wav = dict(codebook_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
                     intermediate_size=64, num_quantizers=4, decoder_dim=32)  # fmt: skip
     config = transformers.Qwen3OmniMoeConfig(thinker_config=thinker, talker_config=talker, code2wav_config=code2wav)

@@ -52,16 +52,19 @@ BEAM = dict(max_new_tokens=6, do_sample=False, num_beams=3, pad_token_id=0)
 
 
 def _transformers(path: str, device: str, dtype, dequantize: bool, experts_implementation: str | None = None):
-    from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
+    from transformers import FineGrainedFP8Config, Mxfp4Config
+
+    from mira_hf.checkpoint import model_class_of
 
     kw = {"dtype": dtype, "device_map": device}
     if experts_implementation is not None:
         kw["experts_implementation"] = experts_implementation
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
     if dequantize:
-        with open(os.path.join(path, "config.json")) as f:
-            method = json.load(f)["quantization_config"]["quant_method"]
+        method = config["quantization_config"]["quant_method"]
         kw["quantization_config"] = FineGrainedFP8Config(dequantize=True) if method == "fp8" else Mxfp4Config(dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(path, **kw).eval()
+    model = model_class_of(config).from_pretrained(path, **kw).eval()  # a vision-language model's own class
     experts = {type(m).__name__ for n, m in model.named_modules() if n.endswith(".experts")}
     return model, sorted(experts)
 

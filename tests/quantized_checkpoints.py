@@ -23,7 +23,7 @@ import os
 
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import make_auto_config, make_config
+from tiny_models import AUTO_SMALL, make_auto_config, make_config
 
 FP8_BLOCK = (128, 128)
 FP8_QUANTIZATION_CONFIG = {
@@ -40,14 +40,35 @@ MXFP4_QUANTIZATION_CONFIG = {
 # Families whose released checkpoints ship FP8 fine-grained experts. Widths are multiples of the 128 block (as in
 # every released checkpoint), and large enough that each expert weight has a 2 x 2 grid of scale blocks.
 FP8_WIDTHS = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256)
-# glm_moe_dsa has no adapter: its expert keys are found through transformers' own key renaming.
-FP8_FAMILIES = ("deepseek_v3", "qwen3_moe", "glm4_moe", "qwen3_next", "minimax_m2", "glm_moe_dsa")
-# Tensors the FP8 checkpoints leave unquantized (besides 1-D ones): embeddings, the LM head, routers, gates.
-_FP8_KEEP = ("embed_tokens", "lm_head", ".mlp.gate.weight", ".block_sparse_moe.gate.weight", "shared_expert_gate", "norm")
+# glm_moe_dsa has no adapter: its expert keys are found through transformers' own key renaming. glm4v_moe (GLM-4.5V)
+# is a vision-language model: its language model in FP8, its vision tower kept in bf16 (`modules_to_not_convert`).
+FP8_FAMILIES = ("deepseek_v3", "qwen3_moe", "glm4_moe", "qwen3_next", "minimax_m2", "glm_moe_dsa", "glm4v_moe")
+# Tensors the FP8 checkpoints leave unquantized (besides 1-D ones): embeddings, the LM head, routers, gates, and a
+# vision tower.
+_FP8_KEEP = ("embed_tokens", "lm_head", ".mlp.gate.weight", ".block_sparse_moe.gate.weight", "shared_expert_gate", "norm",
+             "model.visual.")  # fmt: skip
+
+
+def _glm4v_moe_config(**widths):
+    """GLM-4.5V's tiny config: the widths on its text decoder (rotary sections scaled to its head dim)."""
+    import transformers
+
+    config = transformers.Glm4vMoeConfig
+    text = {k: v for k, v in AUTO_SMALL.items() if hasattr(config.sub_configs["text_config"](), k)}
+    text.update(widths, head_dim=64)
+    text["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[8, 4, 4])
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"])
+    return config(text_config=text, vision_config=vision)
+
+
+# Vision-language families: their config, and the modules their FP8 checkpoints leave in the model dtype.
+_FP8_COMPOSITES = {"glm4v_moe": (_glm4v_moe_config, ["model.visual", "lm_head"])}
 _FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
 def _config(family: str, **overrides):
+    if family in _FP8_COMPOSITES:
+        return _FP8_COMPOSITES[family][0](**overrides)
     try:
         config = make_config(family)
     except KeyError:
@@ -60,10 +81,10 @@ def _config(family: str, **overrides):
 
 def _save_bf16(config, path: str, seed: int) -> dict[str, torch.Tensor]:
     """Save a seeded random bf16 model of `config` the way transformers saves it; return its tensors."""
-    from transformers import AutoModelForCausalLM
+    from mira_hf.checkpoint import auto_model_class
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = auto_model_class(config.model_type).from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():  # larger weights than the init's 0.02 std, so FP8/FP4 rounding is visible in the logits
         for name, p in model.named_parameters():
             if p.dim() >= 2 and "embed" not in name:
@@ -135,7 +156,10 @@ def write_fp8_checkpoint(family: str, path: str, seed: int = 0, shards: int = 2,
     out = {}
     for key, t in state.items():
         out.update(fp8_tensors(key, t))
-    write_shards(path, out, dict(FP8_QUANTIZATION_CONFIG), shards)
+    quantization = dict(FP8_QUANTIZATION_CONFIG)
+    if family in _FP8_COMPOSITES:
+        quantization["modules_to_not_convert"] = _FP8_COMPOSITES[family][1]
+    write_shards(path, out, quantization, shards)
     return path
 
 

@@ -7,6 +7,8 @@ on that path (`conftest.reference_kwargs`: MXFP4 asked to dequantize, as transfo
 kernels for it on a CPU otherwise)."""
 
 import glob
+import json
+import os
 
 import pytest
 import torch
@@ -51,9 +53,12 @@ def _load(path: str, **kw):
 
 
 def _reference(path: str, dtype=None):
-    from transformers import AutoModelForCausalLM
+    """transformers' own load, with the class mira-hf builds (a vision-language model's image-text-to-text model)."""
+    from mira_hf.checkpoint import model_class_of
 
-    return AutoModelForCausalLM.from_pretrained(path, **reference_kwargs(path, dtype)).eval()
+    with open(os.path.join(path, "config.json")) as f:
+        cls = model_class_of(json.load(f))
+    return cls.from_pretrained(path, **reference_kwargs(path, dtype)).eval()
 
 
 def _expert_bytes(path: str, model) -> tuple[int, int]:

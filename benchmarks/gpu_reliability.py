@@ -33,10 +33,12 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from common import device_slug, environment, print_table, write_json  # noqa: E402
+from composite_models import COMPOSITES  # noqa: E402
 
 from mira_hf import LoaderError, MiraConfig, MiraMoEModel  # noqa: E402
-from mira_hf.checkpoint import auto_model_class  # noqa: E402
+from mira_hf.checkpoint import model_class_of  # noqa: E402
 from mira_hf.config import LoaderConfig, QuantConfig  # noqa: E402
 from mira_hf.quant.lossless import SUPPORTED_DTYPES as LOSSLESS_DTYPES  # noqa: E402
 from mira_hf.testing import AUTO_FAMILIES, EXTRA_RECIPES, RECIPES, InterruptAt, build, make_auto_config, tiny_config  # noqa: E402
@@ -56,9 +58,12 @@ COMBOS = [("lru", None), ("heat", "auto"), ("priority", "markov"), ("heat", "glo
 
 
 def save_tiny(name: str, root: str) -> str:
-    """A tiny random model of an adapter family, or of a family without an adapter (`AUTO_FAMILIES`), saved."""
+    """A tiny random model of an adapter family, of a family without an adapter (`AUTO_FAMILIES`), or a composite
+    (vision-language, omni: `COMPOSITES`), saved."""
+    import transformers
+
     torch.manual_seed(0)
-    model = build(tiny_config(name))
+    model = COMPOSITES[name](transformers) if name in COMPOSITES else build(tiny_config(name))
     path = os.path.join(root, name)
     model.save_pretrained(path)
     return path
@@ -68,8 +73,8 @@ def reference(path: str):
     """The unwrapped model, in the run's dtype, on the device, of the class mira-hf loads it as (a type without a
     causal-LM class, as Mistral 4, as its image-text-to-text model)."""
     with open(os.path.join(path, "config.json")) as f:
-        model_type = json.load(f)["model_type"]
-    return auto_model_class(model_type).from_pretrained(path, dtype=DTYPE).to(DEV).eval()
+        config = json.load(f)
+    return model_class_of(config).from_pretrained(path, dtype=DTYPE).to(DEV).eval()
 
 
 def wrapped(path: str, cfg: MiraConfig):
@@ -176,10 +181,22 @@ MINIMUM = 1e-6
 warnings.filterwarnings("ignore", message=r"mira-hf: gpu_budget=.* below the minimum working set")
 
 
+def _has_composite(name: str) -> bool:
+    import transformers
+
+    try:
+        with torch.device("meta"):
+            COMPOSITES[name](transformers)
+    except AttributeError:  # this transformers lacks the family
+        return False
+    return True
+
+
 def exactness(root: str) -> list[dict]:
     rows = []
     auto = [n for n in AUTO_FAMILIES if make_auto_config(n) is not None]  # those this transformers has
     served = [n for n in sorted(RECIPES) + sorted(EXTRA_RECIPES) if tiny_config(n) is not None]  # likewise
+    auto += [n for n in sorted(COMPOSITES) if _has_composite(n)]  # vision-language and omni, without an adapter
     for name in served + auto:
         if ONLY and name not in ONLY:
             continue

@@ -1,0 +1,98 @@
+"""Tiny composite models (vision-language, omni) of families served without an adapter, for the tests and the GPU
+exactness run (`benchmarks/gpu_reliability.py`). `COMPOSITES`: name -> a function that builds a random model from the
+transformers module (the caller seeds torch first); it raises `AttributeError` where that transformers lacks the
+family."""
+
+from tiny_models import AUTO_SMALL as SMALL
+from tiny_models import make_auto_config, make_config
+
+
+def aria(transformers):
+    """Aria: its checkpoints keep the text decoder under `language_model.model.`, which transformers renames
+    with a regular expression."""
+    return transformers.AriaForConditionalGeneration(
+        transformers.AriaConfig(
+            text_config=make_auto_config("aria_text").to_dict(),
+            vision_config=dict(model_type="idefics3_vision", num_hidden_layers=1, hidden_size=32,
+                               intermediate_size=64, num_attention_heads=2),
+            image_token_index=120, projector_patch_to_query_dict={49: 8},
+        )
+    )  # fmt: skip
+
+
+def qwen3_omni_thinker_config(transformers):
+    config = transformers.Qwen3OmniMoeThinkerConfig
+    text = {k: v for k, v in SMALL.items() if hasattr(config.sub_configs["text_config"](), k)}
+    text["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
+    return config(
+        text_config=text,
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           deepstack_visual_indexes=[0], num_position_embeddings=64),
+        audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
+                          output_dim=64, downsample_hidden_size=16, num_mel_bins=16),
+        image_token_id=120, video_token_id=121, audio_token_id=122, vision_start_token_id=123, audio_start_token_id=124,
+    )  # fmt: skip
+
+
+def qwen3_omni_thinker(transformers):
+    """Qwen3-Omni's thinker: the sparse block's own weight init reaches its experts' tensors."""
+    return transformers.Qwen3OmniMoeThinkerForConditionalGeneration(qwen3_omni_thinker_config(transformers))
+
+
+def ernie_vl(transformers):
+    """ERNIE-4.5-VL: each layer's checkpoint keeps one list of experts, the text experts then the vision experts
+    (`mlp.experts.{0..2E-1}`), which transformers deals out to two experts modules as it loads them."""
+    config = transformers.Ernie4_5_VLMoeConfig
+    text = {k: v for k, v in SMALL.items() if hasattr(config.sub_configs["text_config"](), k)}
+    text.update(
+        moe_intermediate_size=[32, 32],
+        head_dim=32,
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0, mrope_section=[4, 4, 8]),
+    )
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
+    return transformers.Ernie4_5_VLMoeForConditionalGeneration(config(text_config=text, vision_config=vision))  # fmt: skip
+
+
+def glm4v_moe(transformers):
+    """GLM-4.5V: a vision-language model whose checkpoints keep each expert's projections apart."""
+    config = transformers.Glm4vMoeConfig
+    text = {k: v for k, v in SMALL.items() if hasattr(config.sub_configs["text_config"](), k)}
+    text["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1])
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    return transformers.Glm4vMoeForConditionalGeneration(config(text_config=text, vision_config=vision))
+
+
+def mistral_large4(transformers):
+    """Mistral Large 4: MLA attention and a Pixtral vision encoder beside its text decoder."""
+    text = dict(make_auto_config("mistral_large4_text").to_dict(), num_key_value_heads=4)
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                              head_dim=16)  # fmt: skip
+    config = transformers.MistralLarge4Config(text_config=text, vision_config=vision)
+    return transformers.MistralLarge4ForConditionalGeneration(config)
+
+
+def kimi_k25(transformers):
+    """Kimi K2.5: a vision-language model whose text decoder is DeepSeek-V3's, built from another family's code (its
+    own modeling file builds no experts)."""
+    vision = dict(num_attention_heads=2, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    config = transformers.Kimi_K25Config(text_config=make_config("deepseek_v3").to_dict(), vision_config=vision)
+    return transformers.Kimi_K25ForConditionalGeneration(config)
+
+
+def llava_mixtral(transformers):
+    """A LLaVA model around a Mixtral decoder: a generic vision-language class whose own code builds no experts."""
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8, projection_dim=32)  # fmt: skip
+    config = transformers.LlavaConfig(text_config=make_config("mixtral").to_dict(), vision_config=vision, image_token_id=120)
+    return transformers.LlavaForConditionalGeneration(config)
+
+
+COMPOSITES = {
+    "aria": aria,
+    "qwen3_omni_thinker": qwen3_omni_thinker,
+    "ernie_vl": ernie_vl,
+    "glm4v_moe": glm4v_moe,
+    "mistral_large4": mistral_large4,
+    "kimi_k25": kimi_k25,
+    "llava_mixtral": llava_mixtral,
+}

@@ -222,12 +222,12 @@ def transformers_keys(model: torch.nn.Module, index: ShardIndex, targets: dict[s
             templates = None
             if set(by_source) == set(converter.source_patterns):
                 sources = [by_source[p] for p in converter.source_patterns]
-                if len(converter.target_patterns) > 1:  # one list of experts shared by several modules
-                    for name, each in _split_targets(converter, target, sources).items():
-                        shape = tuple(targets[name].shape) if name in targets else None
-                        templates = _converted(each.ops, each.keys, index, shape, each.first) if shape else None
-                        if templates is not None:
-                            found[name] = Offset(templates, each.first) if each.first else templates
+                if len(converter.target_patterns) > 1:  # one list of experts dealt out to several modules
+                    for name, part in _split_targets(converter, target, sources).items():
+                        if name in targets:
+                            templates = _converted(part.ops, part.keys, index, tuple(targets[name].shape), part.first)
+                            if templates is not None:
+                                found[name] = Offset(templates, part.first)
                     continue
                 templates = _converted(converter.operations, sources, index, tuple(targets[target].shape))
             if templates is None and all(len(keys) == 1 for keys in by_source.values()):  # sources stored stacked

@@ -77,7 +77,10 @@ class ExpertState:
             else:
                 proxy.register_parameter(name, parameter(name, data) if parameter is not None else nn.Parameter(data))
         self._watched[layer] = [proxy._parameters[name] for name in store.expert_specs(layer)]
-        self._versions[layer] = tuple(p._version for p in self._watched[layer])
+        self._versions[layer] = self._versions_now(layer)
+
+    def _versions_now(self, layer: int) -> tuple[int, ...]:
+        return tuple(p._version for p in self._watched[layer])
 
     def edited(self) -> None:
         """At each forward step: expert parameters changed in place since they were exposed (a `mul_`, `copy_` or
@@ -85,7 +88,7 @@ class ExpertState:
         experts compute, as they do in the unwrapped model. A raw store's parameters are its records, so the cache,
         whose copies are stale, starts empty. An encoded store's are placeholders that no edit reaches: that raises
         `UnsupportedOperationError`, at every step until `load_state_dict` writes those experts."""
-        changed = [layer for layer, params in self._watched.items() if tuple(p._version for p in params) != self._versions[layer]]
+        changed = [layer for layer in self._watched if self._versions_now(layer) != self._versions[layer]]
         if not changed:
             return
         placeholders = [layer for layer in changed if any(p.is_meta for p in self._watched[layer])]
@@ -101,7 +104,7 @@ class ExpertState:
         manager = self.manager
         manager.relocate(manager.store, manager.budget, manager.device)
         for layer in changed:
-            self._versions[layer] = tuple(p._version for p in self._watched[layer])
+            self._versions[layer] = self._versions_now(layer)
 
     def hide(self, proxy: nn.Module) -> None:
         for name in self.store.expert_specs(proxy.layer):

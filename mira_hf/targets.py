@@ -82,12 +82,9 @@ def resolve_adapter(model_type: str | None, cfg: MiraConfig, remote: bool = Fals
 def sub_model_types(config) -> tuple[str, ...]:
     """The model types of a config's sub-configs, nested ones included (a config object, or config.json as a dict)."""
     found = []
-    values = config.values() if isinstance(config, dict) else vars(config).values()
-    for value in values:
+    for value in (config if isinstance(config, dict) else config.to_dict()).values():
         if isinstance(value, dict) and isinstance(value.get("model_type"), str):
             found += [value["model_type"], *sub_model_types(value)]
-        elif not isinstance(value, dict) and isinstance(getattr(value, "model_type", None), str) and hasattr(value, "to_dict"):
-            found += [value.model_type, *sub_model_types(value)]
     return tuple(found)
 
 

@@ -37,6 +37,7 @@ from .expert_keys import (
     PerExpert,
     Rearranged,
     expert_key,
+    expert_rows,
     key_candidates,
     native_codec_name,
     plan_keys,
@@ -94,7 +95,10 @@ class StreamedExperts:
         meta, keys, native = self.meta[module], self.keys[module], self.native.get(module, {})
 
         def expert(e: int) -> dict[str, torch.Tensor]:
-            out = {name: self._read_all(templates, e, device).to(meta[name].dtype) for name, templates in keys.items()}
+            out = {
+                name: self._read_all(templates, e, device, meta[name].shape).to(meta[name].dtype)
+                for name, templates in keys.items()
+            }
             for name, nk in native.items():
                 out[name] = self._read_all(nk.weights, e, device)
                 out[name + self.codec.scale_suffix] = self._read_all(nk.scales, e, device)
@@ -103,31 +107,40 @@ class StreamedExperts:
         expert.thread_safe = True  # pread of each piece: several readers may call it at once (`RecordEncoder`)
         return expert
 
-    def _read_all(self, templates: tuple[str, ...], e: int, device: torch.device | str | None = None) -> torch.Tensor:
+    def _read_all(
+        self, templates: tuple[str, ...], e: int, device: torch.device | str | None = None, fused: torch.Size | None = None
+    ) -> torch.Tensor:
         """Expert e's tensor of `templates`, its pieces concatenated along dim 0 (transformers' Concatenate(dim=1)),
-        on `device` (the host where None)."""
+        on `device` (the host where None). `fused`: the `[E, ...]` shape of the tensor read (`expert_rows`)."""
         device = torch.device(device) if device is not None else None
         if isinstance(templates, PerExpert):  # the converter's own operations on the expert's slices
             return templates.convert([self._read(t, e, device).unsqueeze(0) for t in templates])[0]
-        pieces = [self._read(t, e, device, expert_key(t, templates, e)) for t in templates]
+        pieces = [self._read(t, e, device, expert_key(t, templates, e), fused) for t in templates]
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         return templates.undo(out) if isinstance(templates, Rearranged) else out
 
-    def _read(self, template: str, e: int, device: torch.device | None = None, key: str | None = None) -> torch.Tensor:
+    def _read(
+        self, template: str, e: int, device: torch.device | None = None, key: str | None = None, fused: torch.Size | None = None
+    ) -> torch.Tensor:
         key = template.format(e=e) if key is None else key
         entry = self.index.entries[key]
         row = None if "{e}" in template else e
+        shape = entry.shape if row is None else expert_rows(entry.shape, fused)
         try:
             if entry.offset is None or entry.dtype is None:  # a dtype torch has no name for: safetensors reads it
                 with self._lock:  # a safetensors handle is not shared between threads
                     f = self._handles.get(entry.file) or self._open(entry.file)
                     t0 = time.perf_counter()
-                    t = f.get_tensor(key) if row is None else f.get_slice(key)[e]
+                    n = len(entry.shape) - len(shape)  # 1: row e of [E, ...]; 0: rows of expert e in [E * n, ...]
+                    t = (
+                        f.get_tensor(key)
+                        if row is None
+                        else f.get_slice(key)[e if n else slice(e * shape[0], (e + 1) * shape[0])]
+                    )
                 self.report.add("read", time.perf_counter() - t0, t.nbytes)
             elif device is not None and device.type == "cuda":
-                return self._pread_to_device(entry, row, device)
+                return self._pread_to_device(entry, row, device, shape)
             else:
-                shape = entry.shape if row is None else entry.shape[1:]
                 t = torch.empty(shape, dtype=entry.dtype)
                 with self.report.span("read", t.nbytes):
                     self._pread(entry, row, t.view(-1).view(torch.uint8))
@@ -157,12 +170,11 @@ class StreamedExperts:
                 raise OSError(f"the file ends {len(view) - got} bytes before the tensor does")
             got += n
 
-    def _pread_to_device(self, entry: ShardEntry, row: int | None, device: torch.device) -> torch.Tensor:
+    def _pread_to_device(self, entry: ShardEntry, row: int | None, device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
         """`entry`'s tensor (or row) on a CUDA device: read into a page-locked staging buffer (reused for
         the whole load, so no page is faulted in or locked again), then copied at link speed on the buffer's
         own stream. The copy is waited for before returning: the buffer goes back to the next read, and the
-        tensor is complete for whichever stream uses it next."""
-        shape = entry.shape if row is None else entry.shape[1:]
+        tensor is complete for whichever stream uses it next. `shape`: the entry's, or its row's (`expert_rows`)."""
         out = torch.empty(shape, dtype=entry.dtype, device=device)  # on the caller's stream, as any tensor
         nbytes = out.numel() * out.element_size()
         if nbytes == 0:
@@ -372,10 +384,12 @@ def load_without_experts(
     def strip_experts(model: torch.nn.Module) -> None:
         """Runs inside from_pretrained, right after the model is built on the meta device."""
         found = adapter.find_experts(model)
-        modules = {name: dict(module.named_parameters(recurse=False)) for name, module in found}
+        layout = adapter.experts_layout
+        originals = {name: layout.parameters(module) for name, module in found}
         try:
-            if not modules or not all(isinstance(getattr(m, "num_experts", None), int) for _, m in found):
+            if not originals or not all(isinstance(getattr(m, "num_experts", None), int) for _, m in found):
                 raise NotStreamable(f"no fused experts module matches {list(adapter.experts_globs)}")
+            modules = {name: _per_expert(layout, module, originals[name]) for name, module in found}
             if native is None:
                 keys, native_keys, codec = plan_keys(adapter, model, modules, index), {}, None
             else:
@@ -385,9 +399,9 @@ def load_without_experts(
             return
         for name, module in found:
             for n in modules[name]:
-                module.register_parameter(n, None)
+                layout.set(module, n, None)
             module._is_hf_initialized = True  # nothing left for transformers to initialise
-        state["stripped"] = [(module, modules[name]) for name, module in found]
+        state["stripped"] = [(module, originals[name]) for name, module in found]
         ignore_keys(model, [name + "." for name in modules])  # the checkpoint's expert tensors
         state["experts"] = StreamedExperts(index, modules, keys, native_keys, codec)
 
@@ -399,17 +413,17 @@ def load_without_experts(
     def _initialize_missing_keys(self, *args, **kwargs):
         """A parent's `_init_weights` may reach the experts' tensors (`module.experts.gate_up_proj`): during it
         they are their meta tensors again, flagged as loaded, which transformers' init functions leave alone."""
-        stripped = state.get("stripped", ())
+        stripped, layout = state.get("stripped", ()), adapter.experts_layout
         for module, tensors in stripped:
             for n, meta in tensors.items():
                 meta._is_hf_initialized = True
-                module.register_parameter(n, meta)
+                layout.set(module, n, meta)
         try:
             return base._initialize_missing_keys(self, *args, **kwargs)
         finally:
             for module, tensors in stripped:
                 for n in tensors:
-                    module.register_parameter(n, None)
+                    layout.set(module, n, None)
 
     index.wait_all()  # every shard is there before transformers looks for them: it downloads none again
     # A subclass for this one load, so no transformers class is touched; the model gets its own class back.
@@ -456,10 +470,11 @@ def build_skeleton(
     found = adapter.find_experts(model)
     if not found or not all(isinstance(getattr(m, "num_experts", None), int) for _, m in found):
         raise NotStreamable(f"no fused experts module matches {list(adapter.experts_globs)}")
-    meta = {name: dict(module.named_parameters(recurse=False)) for name, module in found}
+    layout = adapter.experts_layout
+    meta = {name: _per_expert(layout, module, layout.parameters(module)) for name, module in found}
     for name, module in found:
         for n in meta[name]:
-            module.register_parameter(n, None)
+            layout.set(module, n, None)
 
     candidates = key_candidates(adapter, model, index, meta)  # once: transformers' renaming takes a while
 
@@ -467,6 +482,11 @@ def build_skeleton(
         return plan_keys(adapter, model, {name: meta[name]}, index, candidates)[name]
 
     return model, StreamedExperts(index, meta, {}, plan=plan)
+
+
+def _per_expert(layout, module: torch.nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An experts module's (meta) expert tensors as `[E, ...]`, as the store reads them (`MoEAdapter.experts_layout`)."""
+    return {n: layout.per_expert(module, n, p) for n, p in params.items()}
 
 
 def _model_config(name_or_path, hf_kwargs: dict):

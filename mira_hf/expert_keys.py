@@ -334,6 +334,15 @@ def _template(keys: list[str], first: int = 0) -> str | None:
     return None
 
 
+def expert_rows(stored: tuple[int, ...], fused: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The shape of one expert's part of a tensor stored stacked with shape `stored`: row e of `[E, ...]`, or, where
+    the tensor has as many dims as one expert's (`fused`: the `[E, ...]` shape it is read into), expert e's block of
+    rows of `[E * n, ...]` (DBRX keeps its experts so)."""
+    if fused is not None and len(stored) == len(fused) - 1 and stored and stored[0] % fused[0] == 0:
+        return (stored[0] // fused[0], *stored[1:])
+    return tuple(stored[1:])
+
+
 def _match(index: ShardIndex, templates: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtype, E: int) -> str | None:
     """None if `templates` give every expert's tensor of per-expert `shape`, else what is wrong."""
     if isinstance(templates, PerExpert):  # the conversion's output is checked by `check_per_expert`
@@ -354,8 +363,9 @@ def _match(index: ShardIndex, templates: tuple[str, ...], shape: tuple[int, ...]
             return f"the experts' {t} tensors differ in shape"
         for k in keys:
             entry = index.entries[k]
-            piece = entry.shape if "{e}" in t else entry.shape[1:]
-            if "{e}" not in t and (not entry.shape or entry.shape[0] != E):
+            piece = entry.shape if "{e}" in t else expert_rows(entry.shape, (E, *shape))
+            blocks = len(piece) == len(entry.shape)  # [E * n, ...]
+            if "{e}" not in t and (not entry.shape or not (blocks or entry.shape[0] == E)):
                 return f"{k} has shape {list(entry.shape)}, expected [{E}, ...]"
             if entry.dtype is None or not (entry.dtype.is_floating_point and dtype.is_floating_point):
                 return f"{k} has dtype {entry.dtype}, the model computes in {dtype}"

@@ -195,8 +195,8 @@ def host_expert_math(proxy, layout) -> tuple[ExpertFn | None, int]:
     have the raw `layout`. The math is None where the experts module keeps tensors of its own (other than
     a post-expert norm or a per-route norm, applied on the device): they live on the device, so the host cannot
     compute it."""
-    down = next(t.shape for t in layout.tensors if t.name == "down_proj")
-    hidden = down[1] if proxy._transposed else down[0]  # [I, H] transposed, else [H, I]
+    down = next(t.shape for t in layout.tensors if t.name == proxy._down)
+    hidden = down[1] if proxy._down_transposed else down[0]  # [I, H] transposed, else [H, I]
     return (None if own_tensors(proxy.base, {"post_expert_norm", proxy._route_norm}) else proxy._host_expert), hidden
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -86,6 +86,9 @@ class NeuronSplit:
     transposed: bool
     intermediate: int
     host: int
+    # For experts over separate tensors (`model_adapters.SeparateGluExperts`): each tensor's neuron axis from the end,
+    # one row (or column) per neuron. Empty: transformers' fused tensors, split as `up`, `pairing` and `transposed` say.
+    neuron_axes: Mapping[str, int] = field(default_factory=dict, hash=False)
 
     @property
     def device_neurons(self) -> int:
@@ -96,6 +99,8 @@ class NeuronSplit:
         them) of tensor `name`; None where the whole tensor belongs to the device part (the down bias)."""
         d, h = self.device_neurons, self.host
         first, count = (0, d) if part == DEVICE else (d, h)
+        if name in self.neuron_axes:
+            return self.neuron_axes[name], [(first, count)]
         if name in (self.up, self.up + "_bias"):
             axis = -1 if self.transposed or name.endswith("_bias") else -2  # [.., 2I, H], [.., H, 2I] or [.., 2I]
             if self.pairing == "halves":  # gate columns, then up columns

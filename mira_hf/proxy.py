@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_adapters.base import FUSED_EXPERTS
+
 from .experts_impl import (
     batched_linear,
     check_call,
@@ -95,6 +97,8 @@ class MiraExperts(nn.Module):
         self._has_bias = flags["has_bias"]
         self._transposed = flags["is_transposed"]
         self._post_norm = flags["has_post_expert_norm"]
+        self._down, self._down_transposed = "down_proj", self._transposed
+        self._tensor_names()
         # Resolved once, off the module's own loop: the dtype eager sums the weighted rows in (experts_impl).
         self._eager_sums_in_weights = eager_sums_in_weights_dtype(base, flags)
         # Resolved once: the gate function transformers' decorator gives every experts module (None: gate
@@ -114,6 +118,17 @@ class MiraExperts(nn.Module):
         for flag in TRANSFORMERS_FLAGS:
             if hasattr(base, flag):
                 setattr(self, flag, getattr(base, flag))
+
+    # Where this module keeps its expert parameters (`model_adapters.FusedExperts`: its own, as the original
+    # module did), read by `state` and `apply`.
+    experts_layout = FUSED_EXPERTS
+
+    def _tensor_names(self) -> None:
+        """Set the names of the tensors each projection reads (a subclass's layout names its own)."""
+
+    def restore_owners(self) -> None:
+        """Give `base` back the modules this proxy stood in for while it served them (none: its experts are `base`'s
+        own tensors)."""
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, num_experts={self.num_experts}, record_bytes={self.manager.store.record_bytes(self.layer)}"
@@ -469,7 +484,7 @@ class MiraExperts(nn.Module):
 
     def _down_proj(self, h: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
         # h [n, I] -> [n, H]
-        return self._post(self._linear(h, w, "down_proj", kernel))
+        return self._post(self._linear(h, w, self._down, kernel))
 
     def _post(self, y: torch.Tensor) -> torch.Tensor:
         return self.base.post_expert_norm(y) if self._post_norm else y
@@ -484,7 +499,7 @@ class MiraExperts(nn.Module):
     def _host_expert(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """One expert on the host (`host_compute`): x [n, H] and `w` (views of its host record) -> [n, H],
         the same math as `_expert` except the post-expert norm, which the device applies to the result."""
-        return self._linear(self._up_proj(x, w), w, "down_proj", False)
+        return self._linear(self._up_proj(x, w), w, self._down, False)
 
     # -- the experts as this module's parameters (`mira_hf.state`): state dict, load, casts, moves --------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -509,12 +524,15 @@ class MiraExperts(nn.Module):
         for child in self.children():
             if child is not self.base:  # its members are this module's too (`__init__`)
                 child.apply(fn)
-        bound = {name: p for name, p in self._parameters.items() if self.base._parameters.get(name, False) is None}
-        self.base._parameters.update(bound)
+        layout = self.experts_layout
+        bound = [name for name in layout.parameters(self) if name not in layout.parameters(self.base)]
+        for name in bound:
+            layout.set(self.base, name, layout.get(self, name))
         try:
             fn(self.base)
         finally:
-            self.base._parameters.update(dict.fromkeys(bound))
+            for name in bound:
+                layout.set(self.base, name, None)
         fn(self)
         return self
 
@@ -580,10 +598,112 @@ class MiraScaledExperts(MiraExperts):
         return _guarded(out).view(hidden_states.shape)
 
 
+class MiraGluExperts(MiraExperts):
+    """Routed experts of a module outside transformers' experts interface whose experts are gated MLPs over separate
+    tensors kept on a child module (`model_adapters.SeparateGluExperts`: DBRX's `mlp.w1`, `mlp.v1`, `mlp.w2`, each
+    `[E * I, H]`). Computes as that module's loop does: the gate and the up projection one matmul each, the
+    activation of the gate times the up, the down matmul (`h @ down_e` where its rows are `[I, H]`), each expert's
+    rows weighted and added in ascending expert order (the eager sum).
+
+    While wrapped, a holder (`_ExpertsHolder`) stands in for that child, in `base` and here: it holds the expert
+    parameters under their unwrapped names and shapes, and the child's own members (its activation), so the module
+    tree and the parameter names are the unwrapped model's. `restore_owners` puts the child back (`unload`)."""
+
+    def __init__(self, base, manager, layer, flags, block_tokens, layout) -> None:
+        object.__setattr__(self, "experts_layout", layout)  # read by `_tensor_names`, during the base's __init__
+        super().__init__(base, manager, layer, flags, block_tokens)
+        paths = dict.fromkeys(name.rpartition(".")[0] for name in layout.names)
+        self._owners = {path: base.get_submodule(path) for path in paths}  # the children the holders stand in for
+        self._holders = {path: _ExpertsHolder(owner) for path, owner in self._owners.items()}
+        self._hold()
+
+    def _hold(self) -> None:
+        for path, holder in self._holders.items():
+            self.base.set_submodule(path, holder)
+            self.set_submodule(path, holder)
+
+    def restore_owners(self) -> None:
+        for path, owner in self._owners.items():
+            self.base.set_submodule(path, owner)
+
+    def _tensor_names(self) -> None:
+        layout = self.experts_layout
+        self._gate, self._up, self._down = layout.names
+        self._down_transposed = layout.down_transposed
+        object.__setattr__(self, "_act", self.base.get_submodule(layout.activation))  # `base`'s member, not this one's
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        H = hidden_states.shape[-1]
+        out = super().forward(hidden_states.reshape(-1, H), top_k_index, top_k_weights)  # [T, H]
+        return out.view(hidden_states.shape[0], -1, H) if self.experts_layout.batch_output else out
+
+    def _linear(self, x: torch.Tensor, w, name: str, kernel: bool) -> torch.Tensor:
+        transposed = self._down_transposed and name == self._down  # gate and up rows are [I, H] ([out, in])
+        if isinstance(w, PackedWeights):
+            return w.linear(x, name, transposed)
+        return plain_linear(x, w[name], transposed)  # F.linear(x, W) is x.matmul(W.t()), as the module computes
+
+    def _up_proj(self, x: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
+        # x [n, H] -> [n, I]
+        return self._act(self._linear(x, w, self._gate, kernel)) * self._linear(x, w, self._up, kernel)
+
+    def _host_part(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return self._host_expert(w, x)  # a smaller expert of the same layout (no biases)
+
+    def apply(self, fn):
+        """`Module.apply`, as on the unwrapped model: `fn` meets the original child with the expert tensors (views of
+        the store, where transformers' `_init_weights` changes them in place), then `base`, then this module."""
+        layout = self.experts_layout
+        params = {name: layout.get(self, name) for name in layout.names}
+        self.restore_owners()
+        try:
+            for name, param in params.items():
+                layout.set(self.base, name, param)
+            for child in self.children():
+                if child is not self.base and child not in self._holders.values():
+                    child.apply(fn)
+            for owner in self._owners.values():
+                owner.apply(fn)
+            fn(self.base)
+        finally:
+            for name in params:
+                layout.set(self.base, name, None)
+            self._hold()
+        fn(self)
+        return self
+
+
+class _ExpertsHolder(nn.Module):
+    """Stands in for the child of an experts module that keeps its expert tensors (`MiraGluExperts`): holds them
+    under their unwrapped names, and the child's own members. The proxy writes and reads the expert tensors in state
+    dicts and the store follows casts and moves, so the holder's own state-dict hooks do nothing and a cast or move
+    reaches only its members."""
+
+    def __init__(self, owner: nn.Module) -> None:
+        super().__init__()
+        for name, child in owner.named_children():
+            self.add_module(name, child)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        pass
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        pass
+
+    def _apply(self, fn, recurse=True):
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        return self
+
+
 def proxy_for(adapter, base: nn.Module, manager: ExpertManager, layer: int, block_tokens: int | None) -> MiraExperts:
     """The proxy of experts module `base` (MoE layer `layer`): by how its block calls it (input-scaled rows,
-    `MoEAdapter.input_scaled`) and what its module computes around the experts (`MoEAdapter.route_norm`)."""
+    `MoEAdapter.input_scaled`), what its module computes around the experts (`MoEAdapter.route_norm`) and where it
+    keeps them (`MoEAdapter.experts_layout`)."""
     flags = layout_flags(adapter, base)
+    if adapter.experts_layout.nested:
+        return MiraGluExperts(base, manager, layer, flags, block_tokens, adapter.experts_layout)
     if adapter.input_scaled:
         return MiraScaledExperts(base, manager, layer, flags, block_tokens)
     if adapter.route_norm:

@@ -66,17 +66,18 @@ class ExpertState:
         """(Re)point `proxy`'s expert parameters at its layer's records: views of raw slabs, else meta
         placeholders. A parameter that exists keeps its identity (optimizers and user references stay valid); one
         that does not is made by `parameter(name, data)` (`Target.parameter`: the original tensor's attributes)."""
-        store, layer = self.store, proxy.layer
+        store, layer, layout = self.store, proxy.layer, proxy.experts_layout
         views = store.expert_views(layer)
         E = store.num_experts(layer)
         for name, (shape, dtype) in store.expert_specs(layer).items():
             data = views[name] if views is not None else torch.empty((E, *shape), dtype=dtype, device="meta")
-            param = proxy._parameters.get(name)
+            data = layout.as_module(name, data)  # the unwrapped module's shape (a view)
+            param = layout.get(proxy, name)
             if param is not None:
                 param.data = data
             else:
-                proxy.register_parameter(name, parameter(name, data) if parameter is not None else nn.Parameter(data))
-        self._watched[layer] = [proxy._parameters[name] for name in store.expert_specs(layer)]
+                layout.set(proxy, name, parameter(name, data) if parameter is not None else nn.Parameter(data))
+        self._watched[layer] = [layout.get(proxy, name) for name in store.expert_specs(layer)]
         self._versions[layer] = self._versions_now(layer)
 
     def _versions_now(self, layer: int) -> tuple[int, ...]:
@@ -108,16 +109,22 @@ class ExpertState:
 
     def hide(self, proxy: nn.Module) -> None:
         for name in self.store.expert_specs(proxy.layer):
-            proxy._parameters.pop(name, None)
+            proxy.experts_layout.pop(proxy, name)
+        proxy.restore_owners()
         self._watched.pop(proxy.layer, None)
 
     # -- state dict -----------------------------------------------------------------------------
     def save(self, proxy: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> bool:
-        """Put decoded copies of an encoded layer's tensors in `destination`; False where the parameters
-        (views of raw records) go in as they are."""
-        store = self.store
+        """Put decoded copies of an encoded layer's tensors in `destination`, and the parameters a holder keeps
+        (`MiraGluExperts`); False where the proxy's own parameters (views of raw records) go in as they are."""
+        store, layout = self.store, proxy.experts_layout
         if not store.quantized:
-            return False
+            if not layout.nested:
+                return False
+            for name in store.expert_specs(proxy.layer):
+                param = layout.get(proxy, name)
+                destination[prefix + name] = param if keep_vars else param.detach()
+            return True
         if not store.exact:
             warnings.warn(
                 f"the experts are stored as {store.codec.name}: state_dict() gives their dequantized values, not "
@@ -125,7 +132,7 @@ class ExpertState:
                 stacklevel=4,
             )
         for name, tensor in store.fused(proxy.layer).items():
-            destination[prefix + name] = tensor
+            destination[prefix + name] = layout.as_module(name, tensor)
         return True
 
     def load(
@@ -140,7 +147,7 @@ class ExpertState:
         """`proxy`'s part of `load_state_dict`, as torch's `_load_from_state_dict` reports it: expert tensors
         are cast to the stored dtype (as `copy_` would) and written into the store; keys of the original
         experts module's other members go to `proxy.base`, whose own load reads them."""
-        store, layer = self.store, proxy.layer
+        store, layer, layout = self.store, proxy.layer, proxy.experts_layout
         E = store.num_experts(layer)
         specs = store.expert_specs(layer)
         given = {}
@@ -150,25 +157,26 @@ class ExpertState:
                 missing_keys.append(key)
                 continue
             value = state_dict[key]
+            expected = layout.as_module(name, torch.empty((E, *shape), device="meta")).shape  # the unwrapped module's
             if not isinstance(value, torch.Tensor):
                 error_msgs.append(
                     f'While copying the parameter named "{key}", expected torch.Tensor or Tensor-like object from '
                     f"checkpoint but received {type(value)}"
                 )
-            elif tuple(value.shape) != (E, *shape):
+            elif value.shape != expected:
                 error_msgs.append(
                     f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, the shape in "
-                    f"current model is {torch.Size((E, *shape))}."
+                    f"current model is {expected}."
                 )
             elif value.is_meta:
                 error_msgs.append(f"{key}: the given tensor is on the meta device (it holds no values to load).")
             else:
-                given[name] = value
+                given[name] = layout.per_expert(proxy, name, value)
         base = proxy.base
         base_names = {*base._parameters, *base._buffers, *base._modules}
         for key in [k for k in state_dict if k.startswith(prefix)]:
             head = key[len(prefix) :].split(".", 1)[0]
-            if head in specs or head == "base":
+            if key[len(prefix) :] in specs or head == "base":
                 continue
             if head in base_names and head not in proxy._modules:  # a member the proxy keeps on `base` alone
                 state_dict[prefix + "base." + key[len(prefix) :]] = state_dict.pop(key)

@@ -247,9 +247,9 @@ def fill_store(
                 if streamed is not None:  # nothing in the model to free or to give back on failure
                     continue
                 if not store.exact:
-                    keep[t.ordinal] = {n: t.module.get_parameter(n) for n in t.tensors}
+                    keep[t.ordinal] = t.layout.parameters(t.module)
                 for n in t.tensors:
-                    t.module.register_parameter(n, None)
+                    t.layout.set(t.module, n, None)
                 t.tensors = {}  # the store holds them now: drop the last reference, one layer at a time
                 stripped.append(t)
         encoder.finish()
@@ -258,7 +258,7 @@ def fill_store(
         for t in stripped:
             if t.ordinal in keep:
                 for n, p in keep[t.ordinal].items():
-                    t.module.register_parameter(n, p)
+                    t.layout.set(t.module, n, p)
             else:
                 t.restore(plan.weights)
         store.close()
@@ -337,6 +337,12 @@ def neuron_splits(cfg: MiraConfig, adapter: MoEAdapter, targets: list[Target], s
     anything changes, for experts whose output is not a sum over neurons of what the host can compute."""
     splits = {}
     for t in targets:
+        if t.layout.nested:  # separate tensors, one row or column per neuron
+            axes, down = t.layout.neuron_axes, t.layout.down
+            neurons = specs[t.ordinal][down][0][axes[down]]  # of one expert's down rows, [I, H] or [H, I]
+            host = host_neurons(neurons, cfg.host_share)
+            splits[t.ordinal] = NeuronSplit(t.layout.up, "single", False, neurons, host, neuron_axes=axes)
+            continue
         flags = layout_flags(adapter, t.module)
         own = own_tensors(t.module, {*t.tensors, adapter.route_norm})  # a per-route norm follows the parts' sum
         if flags["has_post_expert_norm"] or own:

@@ -13,7 +13,14 @@ import torch
 from torch import nn
 
 from model_adapters import MoEAdapter, generic_adapter, get_adapter, registered_model_types
-from model_adapters.base import AutoAdapter, auto_adapter, replaces_interface_forward, uses_experts_interface
+from model_adapters.base import (
+    FUSED_EXPERTS,
+    AutoAdapter,
+    FusedExperts,
+    auto_adapter,
+    replaces_interface_forward,
+    uses_experts_interface,
+)
 
 from .config import MiraConfig
 from .errors import ConfigError, UnsupportedModelError
@@ -43,6 +50,7 @@ class Target:
     # transformers' flag on a parameter it loaded or initialised (`_is_hf_initialized`): its init functions then
     # leave the tensor as it is
     initialized: dict[str, bool] = field(default_factory=dict)
+    layout: FusedExperts = FUSED_EXPERTS  # where the module keeps them (`MoEAdapter.experts_layout`)
 
     def parameter(self, name: str, data: torch.Tensor) -> nn.Parameter:
         """A parameter over `data` standing for the module's tensor `name`: its `requires_grad`, and transformers'
@@ -55,7 +63,7 @@ class Target:
     def restore(self, store: ExpertStore) -> None:
         """Give the module back its tensors, rebuilt from the store's records."""
         for n, tensor in store.fused(self.ordinal).items():
-            self.module.register_parameter(n, self.parameter(n, tensor))
+            self.layout.set(self.module, n, self.parameter(n, self.layout.as_module(n, tensor)))
 
 
 def resolve_adapter(model_type: str | None, cfg: MiraConfig, remote: bool = False, parts: tuple[str, ...] = ()) -> MoEAdapter:
@@ -112,34 +120,17 @@ def find_targets(
         if isinstance(module, MiraExperts):
             raise ConfigError(f"{name} is already a MiraExperts proxy: this model is wrapped. Call model.unload() first.")
         E = getattr(module, "num_experts", None)
-        tensors = dict(module.named_parameters(recurse=False))
+        layout = adapter.experts_layout
+        tensors = layout.parameters(module)
         in_checkpoint = streamed is not None and name in streamed
         if in_checkpoint:
             tensors = streamed[name]
-        unknown = sorted(set(tensors) - set(KNOWN_EXPERT_TENSORS))
-        up = "gate_up_proj" if adapter.flag(module, "has_gate", LAYOUT_FLAGS["has_gate"]) else "up_proj"
-        problem = None
-        if not isinstance(E, int) or not (hasattr(module, "is_transposed") or "is_transposed" in adapter.expert_flags):
-            problem = "it is not a fused experts module (transformers' @use_experts_implementation layout with `num_experts`)"
-        elif unknown:
-            problem = f"it holds tensors mira-hf does not know how to compute with: {unknown}"
-        elif up not in tensors or "down_proj" not in tensors:
-            problem = f"it lacks `{up}` or `down_proj` (has {sorted(tensors)})"
-        elif any(p.shape[0] != E for p in tensors.values()):
-            problem = f"its tensors' first dimension is not num_experts={E}: {[tuple(p.shape) for p in tensors.values()]}"
-        elif not in_checkpoint and any(p.device.type == "meta" for p in tensors.values()):
-            problem = "its weights are on the meta device (not loaded)"
-        elif adapter.route_norm and not isinstance(getattr(module, adapter.route_norm, None), nn.Module):
-            problem = f"it has no per-route norm `{adapter.route_norm}` (adapter {adapter.name!r})"
-        elif replaces_interface_forward(module) and not adapter.route_norm:
-            raise UnsupportedModelError(
-                f"{name} ({type(module).__name__}) cannot be served: its class's forward "
-                f"({type(module).__qualname__}.forward) replaces that of transformers' experts interface and computes "
-                "more than the experts' matmuls and weighted sum, which is what mira-hf computes for a served expert; "
-                "serving it would change the model's outputs. Supported: experts modules whose forward is the "
-                "interface's (every family in docs/models.md). Load this model with transformers alone "
-                "(device_map='auto' offloads to the host)."
-            )
+        problem = _layout_problem(adapter, module, tensors, E)
+        # each tensor as [E, ...] (a checkpoint's meta tensors are already)
+        data = (
+            {} if problem else {n: p.data if in_checkpoint else layout.per_expert(module, n, p.data) for n, p in tensors.items()}
+        )
+        problem = problem or _served_problem(adapter, name, module, tensors, data, in_checkpoint)
         if problem:
             raise UnsupportedModelError(
                 f"{name} ({type(module).__name__}) cannot be served: {problem}. Supported: fused 3-D experts "
@@ -154,9 +145,10 @@ def find_targets(
                 attr,
                 module,
                 ordinal,
-                {n: p.data for n, p in tensors.items()},
+                data,
                 {n: p.requires_grad for n, p in tensors.items()},
                 {n: bool(getattr(p, "_is_hf_initialized", False)) for n, p in tensors.items()},
+                layout,
             )
         )
     if isinstance(adapter, AutoAdapter):
@@ -167,6 +159,56 @@ def find_targets(
             stacklevel=4,
         )
     return targets
+
+
+def _served_problem(adapter: MoEAdapter, name: str, module: nn.Module, tensors: dict, data: dict, in_checkpoint: bool):
+    """What keeps experts module `module` (at `name`, its expert `tensors` as found and as `[E, ...]` `data`, laid out
+    as its adapter says) from being served, or None. Raises for a module whose forward computes more than the
+    experts."""
+    E = module.num_experts
+    if any(p.shape[0] != E for p in data.values()):
+        return f"its tensors' first dimension is not num_experts={E}: {[tuple(p.shape) for p in data.values()]}"
+    if not in_checkpoint and any(p.device.type == "meta" for p in tensors.values()):
+        return "its weights are on the meta device (not loaded)"
+    if adapter.route_norm and not isinstance(getattr(module, adapter.route_norm, None), nn.Module):
+        return f"it has no per-route norm `{adapter.route_norm}` (adapter {adapter.name!r})"
+    if replaces_interface_forward(module) and not adapter.route_norm:
+        raise UnsupportedModelError(
+            f"{name} ({type(module).__name__}) cannot be served: its class's forward "
+            f"({type(module).__qualname__}.forward) replaces that of transformers' experts interface and computes "
+            "more than the experts' matmuls and weighted sum, which is what mira-hf computes for a served expert; "
+            "serving it would change the model's outputs. Supported: experts modules whose forward is the "
+            "interface's (every family in docs/models.md). Load this model with transformers alone "
+            "(device_map='auto' offloads to the host)."
+        )
+    return None
+
+
+def _layout_problem(adapter: MoEAdapter, module: nn.Module, tensors: dict, E) -> str | None:
+    """What keeps `module`'s expert `tensors` (its layout's names) from being served, or None."""
+    layout = adapter.experts_layout
+    if layout.nested:
+        if not isinstance(E, int):
+            return "it has no `num_experts`"
+        missing = [n for n in layout.names if n not in tensors]
+        if missing:
+            return f"it lacks {missing} (has {sorted(tensors)})"
+        for path in dict.fromkeys(n.rpartition(".")[0] for n in layout.names):
+            owner = module.get_submodule(path)
+            others = [f"{path}.{n}" for n, _ in (*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False))]
+            others = sorted(set(others) - set(layout.names))
+            if others:
+                return f"its {path} keeps tensors besides the experts' ({others})"
+        return None
+    unknown = sorted(set(tensors) - set(KNOWN_EXPERT_TENSORS))
+    up = "gate_up_proj" if adapter.flag(module, "has_gate", LAYOUT_FLAGS["has_gate"]) else "up_proj"
+    if not isinstance(E, int) or not (hasattr(module, "is_transposed") or "is_transposed" in adapter.expert_flags):
+        return "it is not a fused experts module (transformers' @use_experts_implementation layout with `num_experts`)"
+    if unknown:
+        return f"it holds tensors mira-hf does not know how to compute with: {unknown}"
+    if up not in tensors or "down_proj" not in tensors:
+        return f"it lacks `{up}` or `down_proj` (has {sorted(tensors)})"
+    return None
 
 
 def expert_specs(targets: list[Target]) -> dict[int, dict]:
@@ -203,11 +245,11 @@ class RouterTable:
     def __init__(self, adapter: MoEAdapter, targets: list[Target]) -> None:
         self._adapter = adapter
         self._blocks = {t.ordinal: t.parent for t in targets}
-        # The width of each layer's experts' input rows (`down_proj` is [E, H, I], or [E, I, H] transposed): the
+        # The width of each layer's experts' input rows: the
         # hidden states a predictor sees there. A router may read a wider state (Muse Spark projects the hidden
         # state down before its experts), or another stack's (a vision encoder's experts beside the text's).
         self._width = {
-            t.ordinal: t.tensors["down_proj"].shape[2 if adapter.flag(t.module, "is_transposed", False) else 1] for t in targets
+            t.ordinal: t.layout.hidden_width(t.tensors, adapter.flag(t.module, "is_transposed", False)) for t in targets
         }
         self._linear: dict = {}
 

@@ -147,6 +147,22 @@ RECIPES = {
             global_attention_every_n_layers=3,
         ),
     ),
+    # DBRX: experts outside transformers' experts interface, `mlp.w1/v1/w2` as [E * I, H] (SeparateGluExperts)
+    "dbrx": (
+        "DbrxConfig",
+        dict(
+            vocab_size=128,
+            d_model=64,
+            n_heads=4,
+            n_layers=2,
+            max_seq_len=256,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+            ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2),
+        ),
+    ),
 }
 
 # Further model types served by a registered adapter, checked too.

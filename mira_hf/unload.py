@@ -50,5 +50,5 @@ def save_pretrained(model: nn.Module, save_directory, **kwargs):
         state = model.state_dict()
     for t in model._mira_targets:  # one contiguous tensor each (views of raw records share their slab)
         for n, tensor in model.mira.whole.fused(t.ordinal).items():
-            state[f"{t.name}.{n}"] = tensor
+            state[f"{t.name}.{n}"] = t.layout.as_module(n, tensor)
     return type(model).save_pretrained(model, save_directory, state_dict=state, **kwargs)

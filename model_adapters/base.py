@@ -68,6 +68,95 @@ class RouterLinear:
 
 
 @dataclass(frozen=True)
+class FusedExperts:
+    """Where transformers' experts interface keeps a module's expert tensors: its own parameters (`gate_up_proj
+    [E, 2I, H]`, `down_proj [E, H, I]`, ...), each already `[E, ...]`. Every `MoEAdapter` reads and writes a
+    module's expert tensors through its `experts_layout` (this, or `SeparateGluExperts`)."""
+
+    nested = False  # the tensors are the module's own parameters, named as the store names them
+
+    def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """The module's expert tensors by the name the store gives them (none once removed)."""
+        return dict(module.named_parameters(recurse=False))
+
+    def get(self, module: nn.Module, name: str) -> nn.Parameter | None:
+        """The module's tensor `name`, or None."""
+        owner, leaf = self._owner(module, name)
+        return owner._parameters.get(leaf)
+
+    def pop(self, module: nn.Module, name: str) -> None:
+        """Remove tensor `name` from the module, its entry included."""
+        owner, leaf = self._owner(module, name)
+        owner._parameters.pop(leaf, None)
+
+    def per_expert(self, module: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A module tensor `name` as `[E, ...]`, one row per expert (a view)."""
+        return tensor
+
+    def as_module(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`[E, ...]` experts as the module keeps tensor `name` (a view)."""
+        return tensor
+
+    def hidden_width(self, tensors: dict[str, torch.Tensor], transposed: bool) -> int:
+        """The width H of the rows the experts take, from their `[E, ...]` tensors (`transposed`: the module's flag)."""
+        return tensors["down_proj"].shape[2 if transposed else 1]  # [E, H, I], or [E, I, H] transposed
+
+    def set(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        """Put `param` where the module keeps tensor `name` (None: an empty entry, as a removed tensor leaves)."""
+        owner, leaf = self._owner(module, name)
+        owner.register_parameter(leaf, param)
+
+    @staticmethod
+    def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+        path, _, leaf = name.rpartition(".")
+        return (module.get_submodule(path) if path else module), leaf
+
+
+@dataclass(frozen=True)
+class SeparateGluExperts(FusedExperts):
+    """An experts module outside transformers' experts interface whose experts are gated MLPs over separate
+    tensors, each kept stacked along dim 0 as `[E * n, ...]` on a child module (DBRX: `mlp.w1`, `mlp.v1`,
+    `mlp.w2`, each `[E * I, H]`): expert e is `down(act(x @ gate_e.T) * (x @ up_e.T))` and the module adds its
+    experts' weighted outputs in ascending expert order (the eager loop of the experts interface). The store
+    names each tensor by its path on the module."""
+
+    gate: str  # parameter paths on the experts module
+    up: str
+    down: str
+    down_transposed: bool  # expert e's down rows are [I, H] (outputs = h @ down_e), else [H, I]
+    activation: str  # path of the activation module on the experts module
+    batch_output: bool = False  # the module returns its rows viewed as (inputs.shape[0], -1, H)
+
+    nested = True
+
+    @property
+    def names(self) -> tuple[str, str, str]:
+        return (self.gate, self.up, self.down)
+
+    def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        found = {name: self.get(module, name) for name in self.names}
+        return {name: p for name, p in found.items() if p is not None}
+
+    def per_expert(self, module: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        E = module.num_experts
+        return tensor if tensor.shape[0] % E else tensor.view(E, -1, *tensor.shape[1:])  # (refused by its shape)
+
+    def as_module(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.flatten(0, 1)
+
+    def hidden_width(self, tensors: dict[str, torch.Tensor], transposed: bool) -> int:
+        return tensors[self.down].shape[2 if self.down_transposed else 1]
+
+    @property
+    def neuron_axes(self) -> dict[str, int]:
+        """Each tensor's axis of intermediate neurons, from the end of an expert's tensor (gate and up `[I, H]`)."""
+        return {self.gate: -2, self.up: -2, self.down: -2 if self.down_transposed else -1}
+
+
+FUSED_EXPERTS = FusedExperts()
+
+
+@dataclass(frozen=True)
 class MoEAdapter:
     name: str  # family name, for messages
     model_types: tuple[str, ...]  # config.model_type values served
@@ -94,6 +183,9 @@ class MoEAdapter:
     # Where the number of experts per token is found: the first of these attributes set on the block, its
     # router, the model config or its text config (vision-language models).
     top_k_attrs: tuple[str, ...] = ("top_k", "num_experts_per_tok", "moe_top_k", "num_experts_per_token")
+    # Where the experts module keeps its expert tensors and how each expert computes: transformers' fused layout,
+    # or `SeparateGluExperts` for a module outside its experts interface (DBRX).
+    experts_layout: FusedExperts = field(default=FUSED_EXPERTS, hash=False)
 
     def top_k(self, block: nn.Module, config: object, num_experts: int) -> int:
         """Experts per token of `block`'s layer (the minimum working set of a layer; at most

@@ -6,7 +6,7 @@ tests. Families that share a layout share an entry.
 
 from __future__ import annotations
 
-from .base import ExpertKeys, MoEAdapter
+from .base import ExpertKeys, MoEAdapter, SeparateGluExperts
 from .registry import register_adapter
 
 # Checkpoint layouts of the routed experts (what transformers' WeightConverters fuse at load).
@@ -166,5 +166,22 @@ ERGO = register_adapter(
         "[E, H]) before the weighted sum, which runs in fp32; shared expert on the block",
         checkpoint_keys=(ERGO_FEED_FORWARD,),
         route_norm="post_expert_norm",
+    )
+)
+
+DBRX = register_adapter(
+    MoEAdapter(
+        name="dbrx",
+        model_types=("dbrx",),
+        experts_globs=("*.ffn.experts",),
+        router_attr="router",
+        router_weight_attr="layer.weight",
+        notes="experts outside transformers' experts interface: `ffn.experts.mlp.w1` (gate), `v1` (up) and `w2` "
+        "(down, rows times it), each `[E * I, H]` in memory and in checkpoints; the module's own loop adds the "
+        "experts in ascending order; softmax in the hidden dtype, top-k weights divided by their p-norm "
+        "(`moe_normalize_expert_weights`)",
+        experts_layout=SeparateGluExperts(
+            gate="mlp.w1", up="mlp.v1", down="mlp.w2", down_transposed=True, activation="mlp.activation_fn", batch_output=True
+        ),
     )
 )

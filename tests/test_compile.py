@@ -36,7 +36,7 @@ def test_the_experts_operator_passes_torch_library_checks(tiny_checkpoint):
         assert torch.equal(torch.ops.mira.experts(*args), proxy(hidden, index, weights))
 
 
-@pytest.mark.parametrize("name, fullgraph", [("mixtral", True), ("mixtral", False), ("llama4", True)])
+@pytest.mark.parametrize("name, fullgraph", [("mixtral", True), ("mixtral", False), ("llama4", True), ("dbrx", True)])
 def test_compiled_forward_matches_eager(tiny_checkpoint, name, fullgraph):
     path = tiny_checkpoint(name)
     ref, model = load_reference(path), _wrapped(path)

@@ -66,7 +66,7 @@ def test_expert_parameters_are_views_of_the_host_store(tiny_checkpoint):
         assert len(storages) == len(dict(proxy.named_parameters(recurse=False)))
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "dbrx"])
 def test_state_dict_round_trip_into_a_fresh_unwrapped_model(tiny_checkpoint, tmp_path, name):
     path = tiny_checkpoint(name)
     ref, model = load_reference(path), _wrapped(path)
@@ -77,7 +77,7 @@ def test_state_dict_round_trip_into_a_fresh_unwrapped_model(tiny_checkpoint, tmp
     assert torch.equal(_logits(fresh), _logits(ref))
 
 
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "llama4"])
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "llama4", "dbrx"])
 @pytest.mark.parametrize("quantization", [None, "lossless"])
 def test_load_state_dict_into_a_wrapped_model_serves_the_loaded_weights(tiny_checkpoint, name, quantization):
     """After a forward has filled the cache, loading other weights gives their outputs exactly (no stale
@@ -205,6 +205,21 @@ def test_experts_changed_in_place_are_what_the_model_computes(tiny_checkpoint, b
             assert torch.equal(model.generate(IDS, **gen), ref.generate(IDS, **gen))
     assert len(relocations) == len(edits)
     assert torch.equal(model.state_dict()["model.layers.1.mlp.experts.down_proj"], _experts_of(ref, 1).down_proj)
+
+
+def test_dbrx_experts_edited_in_place_through_their_stacked_rows(tiny_checkpoint):
+    """DBRX keeps each expert tensor stacked as `[E * I, H]` on `ffn.experts.mlp`: rows edited in place (one expert's
+    gate rows, a column of every expert's down rows) reach what the model computes, as on the unwrapped model."""
+    path = tiny_checkpoint("dbrx")
+    ref, model = load_reference(path), _wrapped(path, gpu_budget=0.3)
+    _logits(model)  # experts in the cache
+    rows = ref.config.ffn_config.ffn_hidden_size  # one expert's rows of each tensor
+    with torch.no_grad():
+        for m in (ref, model):
+            m.transformer.blocks[0].ffn.experts.mlp.w1[3 * rows : 4 * rows].mul_(0.5)
+            m.transformer.blocks[1].ffn.experts.mlp.w2[:, 0].zero_()
+    assert torch.equal(_logits(model), _logits(ref))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in ref.state_dict().items())
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ routers by MoE layer for predictors (`RouterTable`).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import warnings
 from dataclasses import dataclass, field
 
@@ -193,6 +194,9 @@ def _layout_problem(adapter: MoEAdapter, module: nn.Module, tensors: dict, E) ->
         missing = [n for n in layout.names if n not in tensors]
         if missing:
             return f"it lacks {missing} (has {sorted(tensors)})"
+        call = list(inspect.signature(type(module).forward).parameters)[1:]
+        if len(call) != 3:  # the proxy is called as the module is: (hidden_states, top_k_index, top_k_weights)
+            return f"its forward takes {call}, not the experts call (hidden_states, top_k_index, top_k_weights)"
         for path in dict.fromkeys(n.rpartition(".")[0] for n in layout.names):
             owner = module.get_submodule(path)
             others = [f"{path}.{n}" for n, _ in (*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False))]

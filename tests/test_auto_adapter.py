@@ -84,6 +84,23 @@ def test_experts_class_whose_forward_computes_more_than_the_interface_is_refused
     _refused_untouched(model, "ScaledExperts.forward\\) replaces that of transformers' experts interface")
 
 
+def test_dbrx_experts_called_otherwise_than_transformers_calls_them_are_refused_and_untouched():
+    """DBRX's original remote code (`trust_remote_code=True`) builds the same tensors as transformers' DBRX but calls its
+    experts with the router's full probabilities as well (`forward(x, weights, top_weights, top_experts)`): the proxy,
+    called as transformers calls the experts, would take the wrong arguments."""
+    from transformers.models.dbrx.modeling_dbrx import DbrxExperts
+
+    class RemoteExperts(DbrxExperts):
+        def forward(self, x, weights, top_weights, top_experts):
+            return super().forward(x, top_experts, top_weights)
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config("dbrx")).eval()
+    for block in model.transformer.blocks:
+        block.ffn.experts.__class__ = RemoteExperts
+    _refused_untouched(model, "its forward takes \\['x', 'weights', 'top_weights', 'top_experts'\\]")
+
+
 # Inkling 2 Loop's checkpoints store their experts quantized in a format transformers dequantizes as it loads
 # them (its own converter); mira-hf reads experts as stored, stacked, joined or interleaved, nothing else.
 NOT_STREAMABLE: set[str] = set()

@@ -30,6 +30,7 @@ SHAPE_KEYS = {
     "deepseek_v3": ("n_routed_experts", "num_experts_per_tok"),
     "deepseek_v2": ("n_routed_experts", "num_experts_per_tok"),
     "llama4": ("num_local_experts", "num_experts_per_tok"),
+    "dbrx": ("ffn_config.moe_num_experts", "ffn_config.moe_top_k"),  # a sub-config's
 }
 PREDICTORS_NO_TRAINING = [p for p in PREDICTORS if p != "learned"]
 _MODELS: dict = {}
@@ -42,12 +43,20 @@ def _reference(family: str, experts: int, top_k: int):
 
         cfg = make_config(family)
         e_key, k_key = SHAPE_KEYS[family]
-        setattr(cfg, e_key, experts)
+        _set(cfg, e_key, experts)
         if k_key:
-            setattr(cfg, k_key, top_k)
+            _set(cfg, k_key, top_k)
         torch.manual_seed(experts * 10 + top_k)
         _MODELS[key] = AutoModelForCausalLM.from_config(cfg).eval()
     return _MODELS[key]
+
+
+def _set(config, key: str, value: int) -> None:
+    """Set `key` of `config`, a dotted path into its sub-configs."""
+    *path, name = key.split(".")
+    for part in path:
+        config = getattr(config, part)
+    setattr(config, name, value)
 
 
 case = st.fixed_dictionaries(

@@ -33,7 +33,7 @@ import time
 import xml.etree.ElementTree as ET
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAMILIES = ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v3", "gpt_oss")
+FAMILIES = ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v3", "gpt_oss", "dbrx")
 
 # Tests left out because each takes tens of seconds to minutes on a CPU and checks nothing mira-hf changes
 # (each name is matched as a substring by pytest's -k).

@@ -29,11 +29,13 @@ from transformers import PreTrainedModel
 from mira_hf import MiraConfig, MiraMoEModel
 from mira_hf.errors import BudgetError, UnsupportedModelError
 
-MIRA_CONFIG = MiraConfig(gpu_budget=0.25, device="cpu")
+# MIRA_WRAP_QUANTIZATION=lossless: the records in that transfer format (the default: "auto", as the library's)
+_quantization = os.environ.get("MIRA_WRAP_QUANTIZATION", "auto")
+MIRA_CONFIG = MiraConfig(gpu_budget=0.25, device="cpu", quantization=_quantization)
 # MIRA_WRAP_FALLBACK_BUDGET=1.0: a model whose minimum working set is above 0.25 (a test config routing each
 # token to most of its experts) is wrapped with that budget instead of failing its test with BudgetError.
 _fallback = os.environ.get("MIRA_WRAP_FALLBACK_BUDGET")
-FALLBACK_CONFIG = MiraConfig(gpu_budget=float(_fallback), device="cpu") if _fallback else None
+FALLBACK_CONFIG = MiraConfig(gpu_budget=float(_fallback), device="cpu", quantization=_quantization) if _fallback else None
 
 _state = threading.local()
 _stats = {"wrapped": 0, "wrapped_with_fallback_budget": 0, "not_wrapped": 0, "not_wrapped_reasons": {}}

@@ -387,7 +387,7 @@ def load_without_experts(
         layout = adapter.experts_layout
         originals = {name: layout.parameters(module) for name, module in found}
         try:
-            if not originals or not all(isinstance(getattr(m, "num_experts", None), int) for _, m in found):
+            if not originals or not all(layout.num_experts(m) for _, m in found):
                 raise NotStreamable(f"no fused experts module matches {list(adapter.experts_globs)}")
             modules = {name: _per_expert(layout, module, originals[name]) for name, module in found}
             if native is None:
@@ -468,7 +468,7 @@ def build_skeleton(
     with torch.device("meta"):
         model = model_class._from_config(config, dtype=dtype)
     found = adapter.find_experts(model)
-    if not found or not all(isinstance(getattr(m, "num_experts", None), int) for _, m in found):
+    if not found or not all(adapter.experts_layout.num_experts(m) for _, m in found):
         raise NotStreamable(f"no fused experts module matches {list(adapter.experts_globs)}")
     layout = adapter.experts_layout
     meta = {name: _per_expert(layout, module, layout.parameters(module)) for name, module in found}

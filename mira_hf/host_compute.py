@@ -193,11 +193,12 @@ def own_tensors(module: torch.nn.Module, skip) -> list[str]:
 def host_expert_math(proxy, layout) -> tuple[ExpertFn | None, int]:
     """(`proxy`'s per-expert math for the host, its hidden size H) for a `MiraExperts` proxy whose records
     have the raw `layout`. The math is None where the experts module keeps tensors of its own (other than
-    a post-expert norm or a per-route norm, applied on the device): they live on the device, so the host cannot
-    compute it."""
+    a post-expert norm, a per-route norm, or what its layout applies around the experts' sum, all applied on the
+    device): they live on the device, so the host cannot compute it."""
     down = next(t.shape for t in layout.tensors if t.name == proxy._down)
     hidden = down[1] if proxy._down_transposed else down[0]  # [I, H] transposed, else [H, I]
-    return (None if own_tensors(proxy.base, {"post_expert_norm", proxy._route_norm}) else proxy._host_expert), hidden
+    around = {"post_expert_norm", proxy._route_norm, *proxy.experts_layout.outside}  # applied on the device
+    return (None if own_tensors(proxy.base, around) else proxy._host_expert), hidden
 
 
 def worker_cpus(reserved: int = 1) -> set[int] | None:

@@ -89,6 +89,7 @@ class NeuronSplit:
     # For experts over separate tensors (`model_adapters.SeparateGluExperts`): each tensor's neuron axis from the end,
     # one row (or column) per neuron. Empty: transformers' fused tensors, split as `up`, `pairing` and `transposed` say.
     neuron_axes: Mapping[str, int] = field(default_factory=dict, hash=False)
+    down: str = "down_proj"  # the down projection's name
 
     @property
     def device_neurons(self) -> int:
@@ -108,13 +109,13 @@ class NeuronSplit:
             if self.pairing == "interleaved":  # (gate, up) per neuron
                 return axis, [(2 * first, 2 * count)]
             return axis, [(first, count)]
-        if name == "down_proj":
+        if name == self.down:
             return (-2 if self.transposed else -1), [(first, count)]  # [.., I, H] or [.., H, I]
-        if name == "down_proj_bias":
+        if name == self.down + "_bias":
             return None
         raise ConfigError(
             f"host_compute='split' splits expert tensors by neuron, but this layer has a tensor {name!r} it does not "
-            f"know how to split (known: {self.up}, down_proj and their biases). Use host_compute='auto', 'on' or 'off'."
+            f"know how to split (known: {self.up}, {self.down} and their biases). Use host_compute='auto', 'on' or 'off'."
         )
 
     def split(self, tensors: Tensors) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

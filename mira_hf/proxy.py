@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_adapters.base import FUSED_EXPERTS
+from model_adapters.base import FUSED_EXPERTS, RoutedBlockExperts, SeparateGluExperts
 
 from .experts_impl import (
     batched_linear,
@@ -90,7 +90,7 @@ class MiraExperts(nn.Module):
         self.base = base
         self.layer = layer
         self.block_tokens = block_tokens  # CacheConfig.prefill_block_tokens: rows per matmul, None = all
-        self.num_experts = base.num_experts
+        self.num_experts = self.experts_layout.num_experts(base)
         object.__setattr__(self, "manager", manager)  # shared, not a submodule
         self._has_gate = flags["has_gate"]
         self._up = "gate_up_proj" if self._has_gate else "up_proj"
@@ -494,7 +494,7 @@ class MiraExperts(nn.Module):
         up projection (with their share of its bias) and gate function, and their columns of the down projection,
         whose bias the device part adds."""
         h = self._activate(self._linear(x, w, self._up, False))  # [n, I_host]
-        return plain_linear(h, w["down_proj"], self._transposed)  # [n, H]
+        return plain_linear(h, w[self._down], self._down_transposed)  # [n, H]
 
     def _host_expert(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """One expert on the host (`host_compute`): x [n, H] and `w` (views of its host record) -> [n, H],
@@ -598,33 +598,68 @@ class MiraScaledExperts(MiraExperts):
         return _guarded(out).view(hidden_states.shape)
 
 
-class MiraGluExperts(MiraExperts):
-    """Routed experts of a module outside transformers' experts interface whose experts are gated MLPs over separate
-    tensors kept on a child module (`model_adapters.SeparateGluExperts`: DBRX's `mlp.w1`, `mlp.v1`, `mlp.w2`, each
-    `[E * I, H]`). Computes as that module's loop does: the gate and the up projection one matmul each, the
-    activation of the gate times the up, the down matmul (`h @ down_e` where its rows are `[I, H]`), each expert's
-    rows weighted and added in ascending expert order (the eager sum).
-
-    While wrapped, a holder (`_ExpertsHolder`) stands in for that child, in `base` and here: it holds the expert
-    parameters under their unwrapped names and shapes, and the child's own members (its activation), so the module
-    tree and the parameter names are the unwrapped model's. `restore_owners` puts the child back (`unload`)."""
+class _HeldExperts(MiraExperts):
+    """Routed experts of a module outside transformers' experts interface that keeps them on child modules (a
+    `model_adapters` layout with `nested` set). While wrapped, the module's children are this module's alone (`base`
+    holds none, so code that walks children without skipping repeats, as transformers' output recorders do, meets
+    each once) and a holder (`_ExpertsHolder`) stands in for each child that keeps experts: it holds the expert
+    parameters under their unwrapped names and shapes, and the child's own members (an activation), so the module
+    tree and the parameter names are the unwrapped model's. The module's own parameters besides its experts (a bias)
+    stay on `base` and are this module's too. `restore_owners` gives `base` its children back (`unload`)."""
 
     def __init__(self, base, manager, layer, flags, block_tokens, layout) -> None:
         object.__setattr__(self, "experts_layout", layout)  # read by `_tensor_names`, during the base's __init__
         super().__init__(base, manager, layer, flags, block_tokens)
+        for name, param in base.named_parameters(recurse=False):
+            self.register_parameter(name, param)  # the same parameter: casts, loads and edits reach both
         paths = dict.fromkeys(name.rpartition(".")[0] for name in layout.names)
         self._owners = {path: base.get_submodule(path) for path in paths}  # the children the holders stand in for
         self._holders = {path: _ExpertsHolder(owner) for path, owner in self._owners.items()}
-        self._hold()
-
-    def _hold(self) -> None:
+        self._children = dict(base._modules)  # given back by `restore_owners`
+        base._modules.clear()
         for path, holder in self._holders.items():
-            self.base.set_submodule(path, holder)
             self.set_submodule(path, holder)
 
     def restore_owners(self) -> None:
-        for path, owner in self._owners.items():
-            self.base.set_submodule(path, owner)
+        self.base._modules.update(self._children)
+
+    def _linear(self, x: torch.Tensor, w, name: str, kernel: bool) -> torch.Tensor:
+        transposed = self._down_transposed and name == self._down  # the up projections' rows are [out, in]
+        if isinstance(w, PackedWeights):
+            return w.linear(x, name, transposed)
+        return plain_linear(x, w[name], transposed)  # F.linear(x, W) is x.matmul(W.t()), as the module computes
+
+    def apply(self, fn):
+        """`Module.apply`, as on the unwrapped model: `fn` meets the module's children in their order, each child
+        that keeps experts as itself with the expert tensors (views of the store, where transformers' `_init_weights`
+        changes them in place), then `base`, then this module."""
+        layout = self.experts_layout
+        owner_of = {id(holder): self._owners[path] for path, holder in self._holders.items()}
+        bound = {name: layout.get(self, name) for name in layout.names}
+        for name, param in bound.items():
+            self._bind(name, param)
+        try:
+            for child in self.children():
+                if child is not self.base:
+                    owner_of.get(id(child), child).apply(fn)
+            fn(self.base)
+        finally:
+            for name in bound:
+                self._bind(name, None)
+        fn(self)
+        return self
+
+    def _bind(self, name: str, param) -> None:
+        """Put expert tensor `name` (None: an empty entry) on the child that keeps it in the unwrapped model."""
+        path, _, leaf = name.rpartition(".")
+        self._owners[path].register_parameter(leaf, param)
+
+
+class MiraGluExperts(_HeldExperts):
+    """`_HeldExperts` whose experts are gated MLPs over separate tensors (`model_adapters.SeparateGluExperts`: DBRX's
+    `mlp.w1`, `mlp.v1`, `mlp.w2`, each `[E * I, H]`). Computes as that module's loop does: the gate and the up
+    projection one matmul each, the activation of the gate times the up, the down matmul (`h @ down_e` where its
+    rows are `[I, H]`), each expert's rows weighted and added in ascending expert order (the eager sum)."""
 
     def _tensor_names(self) -> None:
         layout = self.experts_layout
@@ -637,12 +672,6 @@ class MiraGluExperts(MiraExperts):
         out = super().forward(hidden_states.reshape(-1, H), top_k_index, top_k_weights)  # [T, H]
         return out.view(hidden_states.shape[0], -1, H) if self.experts_layout.batch_output else out
 
-    def _linear(self, x: torch.Tensor, w, name: str, kernel: bool) -> torch.Tensor:
-        transposed = self._down_transposed and name == self._down  # gate and up rows are [I, H] ([out, in])
-        if isinstance(w, PackedWeights):
-            return w.linear(x, name, transposed)
-        return plain_linear(x, w[name], transposed)  # F.linear(x, W) is x.matmul(W.t()), as the module computes
-
     def _up_proj(self, x: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
         # x [n, H] -> [n, I]
         return self._act(self._linear(x, w, self._gate, kernel)) * self._linear(x, w, self._up, kernel)
@@ -650,27 +679,43 @@ class MiraGluExperts(MiraExperts):
     def _host_part(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return self._host_expert(w, x)  # a smaller expert of the same layout (no biases)
 
-    def apply(self, fn):
-        """`Module.apply`, as on the unwrapped model: `fn` meets the original child with the expert tensors (views of
-        the store, where transformers' `_init_weights` changes them in place), then `base`, then this module."""
+
+class MiraRoutedExperts(_HeldExperts):
+    """`_HeldExperts` for a sparse block that routes and combines in its own forward (`model_adapters.RoutedBlockExperts`:
+    JetMoE's `mlp`). Called as the block is (`hidden [B, S, H] -> [B, S, H]`): the block's own router sorts the rows
+    by expert and weighs them; its (token, slot) picks and weights go to the served experts, which compute each
+    expert's rows in the router's sorted order (`F.linear` on the gate-and-up rows, the activation of the first half
+    times the second, `F.linear` on the down rows), weight them and add them per token in ascending expert order, as
+    the block's `index_add` does; then the block's bias."""
+
+    def _tensor_names(self) -> None:
         layout = self.experts_layout
-        params = {name: layout.get(self, name) for name in layout.names}
-        self.restore_owners()
-        try:
-            for name, param in params.items():
-                layout.set(self.base, name, param)
-            for child in self.children():
-                if child is not self.base and child not in self._holders.values():
-                    child.apply(fn)
-            for owner in self._owners.values():
-                owner.apply(fn)
-            fn(self.base)
-        finally:
-            for name in params:
-                layout.set(self.base, name, None)
-            self._hold()
-        fn(self)
-        return self
+        self._up, self._down = layout.names
+        self._down_transposed = False
+        for attr, path in (("_act", layout.activation), ("_router", layout.router)):
+            object.__setattr__(self, attr, self.base.get_submodule(path))  # `base`'s members, not this one's
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # B batch, S positions, T = B*S tokens, K experts per token, E experts, H hidden
+        B, S, H = hidden_states.shape
+        x = hidden_states.reshape(-1, H)  # [T, H]
+        order, _, gates, counts, _ = self._router(x)  # [T*K] rows sorted by expert, [T*K] their weights, [E] counts
+        T, K = x.shape[0], order.numel() // max(x.shape[0], 1)
+        sorted_experts = torch.arange(self.num_experts, device=x.device).repeat_interleave(_to(x.device, torch.tensor(counts)))
+        top_k_index = torch.empty_like(sorted_experts)
+        top_k_index[order] = sorted_experts  # [T*K] each (token, slot)'s expert, as the router picked it
+        top_k_weights = torch.empty_like(gates)
+        top_k_weights[order] = gates
+        out = super().forward(x, top_k_index.view(T, K), top_k_weights.view(T, K))  # [T, H]
+        return out.view(B, S, H) + self.base.get_parameter(self.experts_layout.bias)
+
+    @staticmethod
+    def _row_order(top_k_index: torch.Tensor, impl: str) -> torch.Tensor:
+        return torch.sort(top_k_index.reshape(-1)).indices  # the router's own sort of the same picks: its order
+
+    def _activate(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)  # [n, I] each: gate rows first
+        return self._act(gate) * up
 
 
 class _ExpertsHolder(nn.Module):
@@ -687,8 +732,11 @@ class _ExpertsHolder(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         pass
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        pass
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for key in state_dict:  # the expert tensors' keys are the proxy's to read; any other is unexpected
+            head = key[len(prefix) :].split(".", 1)[0]
+            if key.startswith(prefix) and head not in self._parameters and head not in self._modules:
+                unexpected_keys.append(key)
 
     def _apply(self, fn, recurse=True):
         if recurse:
@@ -697,13 +745,18 @@ class _ExpertsHolder(nn.Module):
         return self
 
 
+# The proxy of each layout of experts kept on child modules (`model_adapters`).
+HELD_PROXIES = {SeparateGluExperts: MiraGluExperts, RoutedBlockExperts: MiraRoutedExperts}
+
+
 def proxy_for(adapter, base: nn.Module, manager: ExpertManager, layer: int, block_tokens: int | None) -> MiraExperts:
     """The proxy of experts module `base` (MoE layer `layer`): by how its block calls it (input-scaled rows,
     `MoEAdapter.input_scaled`), what its module computes around the experts (`MoEAdapter.route_norm`) and where it
     keeps them (`MoEAdapter.experts_layout`)."""
     flags = layout_flags(adapter, base)
-    if adapter.experts_layout.nested:
-        return MiraGluExperts(base, manager, layer, flags, block_tokens, adapter.experts_layout)
+    layout = adapter.experts_layout
+    if layout.nested:
+        return HELD_PROXIES[type(layout)](base, manager, layer, flags, block_tokens, layout)
     if adapter.input_scaled:
         return MiraScaledExperts(base, manager, layer, flags, block_tokens)
     if adapter.route_norm:

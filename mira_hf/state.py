@@ -118,21 +118,23 @@ class ExpertState:
         """Put decoded copies of an encoded layer's tensors in `destination`, and the parameters a holder keeps
         (`MiraGluExperts`); False where the proxy's own parameters (views of raw records) go in as they are."""
         store, layout = self.store, proxy.experts_layout
-        if not store.quantized:
-            if not layout.nested:
-                return False
-            for name in store.expert_specs(proxy.layer):
-                param = layout.get(proxy, name)
-                destination[prefix + name] = param if keep_vars else param.detach()
-            return True
+        if not store.quantized and not layout.nested:
+            return False
         if not store.exact:
             warnings.warn(
                 f"the experts are stored as {store.codec.name}: state_dict() gives their dequantized values, not "
                 "the checkpoint's. Load the model again without quantization for the original weights.",
                 stacklevel=4,
             )
-        for name, tensor in store.fused(proxy.layer).items():
-            destination[prefix + name] = layout.as_module(name, tensor)
+        own = proxy._parameters.items() if layout.nested else ()  # a block's own (a bias), first, as it keeps them
+        for name, param in own:
+            if param is not None:
+                destination[prefix + name] = param if keep_vars else param.detach()
+        decoded = store.fused(proxy.layer) if store.quantized else None
+        for name in store.expert_specs(proxy.layer):
+            param = layout.get(proxy, name)
+            held = param if keep_vars else param.detach()
+            destination[prefix + name] = held if decoded is None else layout.as_module(name, decoded[name])
         return True
 
     def load(
@@ -176,8 +178,8 @@ class ExpertState:
         base_names = {*base._parameters, *base._buffers, *base._modules}
         for key in [k for k in state_dict if k.startswith(prefix)]:
             head = key[len(prefix) :].split(".", 1)[0]
-            if key[len(prefix) :] in specs or head == "base":
-                continue
+            if key[len(prefix) :] in specs or head == "base" or head in proxy._modules:
+                continue  # (a member's keys are read, or reported, by its own load)
             if head in base_names and head not in proxy._modules:  # a member the proxy keeps on `base` alone
                 state_dict[prefix + "base." + key[len(prefix) :]] = state_dict.pop(key)
             else:

@@ -89,10 +89,7 @@ def plan_store(
     """Resolve the format and budget, find saved records or plan layouts, and run every check (device,
     disk and host memory): raises before anything in the model changes. `model` may be a skeleton on the
     meta device (`checkpoint.build_skeleton`), its experts read from shards as they arrive."""
-    layers = [
-        LayerInfo(t.ordinal, t.name, t.module.num_experts, adapter.top_k(t.parent, model.config, t.module.num_experts))
-        for t in targets
-    ]
+    layers = [LayerInfo(t.ordinal, t.name, t.num_experts, adapter.top_k(t.parent, model.config, t.num_experts)) for t in targets]
     specs = expert_specs(targets)
     raw_bytes = {layer: IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
     loading = unloaded_bytes(model)  # a skeleton's other weights load after the store is filled
@@ -157,9 +154,9 @@ def plan_store(
                 # An expert kept on the device from here is encoded without being read again; a split one must be
                 # read again, for its host part is written beside the store as it is read (`HostParts.splitter`).
                 key = t.ordinal if parts is None else None
-                layouts[t.ordinal] = encoder.plan_layer(codec, specs[t.ordinal], t.module.num_experts, expert, key=key)
-                nbytes = t.module.num_experts * layouts[t.ordinal].nbytes
-                unplanned = sum(raw_bytes[u.ordinal] * u.module.num_experts for u in targets[i + 1 :])
+                layouts[t.ordinal] = encoder.plan_layer(codec, specs[t.ordinal], t.num_experts, expert, key=key)
+                nbytes = t.num_experts * layouts[t.ordinal].nbytes
+                unplanned = sum(raw_bytes[u.ordinal] * u.num_experts for u in targets[i + 1 :])
                 early = early and host_has_room(reserved + nbytes + unplanned + loading)
                 if early:
                     store.reserve({t.ordinal: nbytes})
@@ -227,10 +224,7 @@ def fill_store(
     # layer at a time as they are stored, and slabs locked ahead would hold the whole store beside them.
     if streamed is not None:
         store.reserve(
-            {
-                t.ordinal: t.module.num_experts * (layouts[t.ordinal].nbytes if layouts else plan.raw_bytes[t.ordinal])
-                for t in targets
-            }
+            {t.ordinal: t.num_experts * (layouts[t.ordinal].nbytes if layouts else plan.raw_bytes[t.ordinal]) for t in targets}
         )
 
     # Validation done: from here on, any failure rolls back to the untouched model.
@@ -337,6 +331,13 @@ def neuron_splits(cfg: MiraConfig, adapter: MoEAdapter, targets: list[Target], s
     anything changes, for experts whose output is not a sum over neurons of what the host can compute."""
     splits = {}
     for t in targets:
+        if t.layout.nested and t.layout.neuron_axes is None:  # fused tensors at the layout's paths (JetMoE)
+            act = t.module.get_submodule(t.layout.activation)
+            pairing = pairing_of(lambda h, a=act: a(h.chunk(2, dim=-1)[0]) * h.chunk(2, dim=-1)[1], True)
+            neurons = specs[t.ordinal][t.layout.down][0][1]  # of one expert's down rows, [H, I]
+            host = host_neurons(neurons, cfg.host_share)
+            splits[t.ordinal] = NeuronSplit(t.layout.up, pairing, False, neurons, host, down=t.layout.down)
+            continue
         if t.layout.nested:  # separate tensors, one row or column per neuron
             axes, down = t.layout.neuron_axes, t.layout.down
             neurons = specs[t.ordinal][down][0][axes[down]]  # of one expert's down rows, [I, H] or [H, I]
@@ -403,7 +404,7 @@ def saved_layouts(codec, targets: list[Target], specs: dict, saved: SavedStore) 
         if args is None and hasattr(codec, "plan_args"):
             return None
         layout = codec.plan(specs[t.ordinal], **args) if args is not None else codec.plan(specs[t.ordinal])
-        if saved.shape(t.ordinal) != (t.module.num_experts, layout.nbytes):
+        if saved.shape(t.ordinal) != (t.num_experts, layout.nbytes):
             return None
         layouts[t.ordinal] = layout
     return layouts
@@ -415,7 +416,7 @@ def _add_layer(
     """Store one target's experts: its saved records when there are some, else encoded (or copied) from
     its weights. A cache entry found damaged here is dropped and the layer encoded; returns the saved
     records still in use (None once dropped)."""
-    E = t.module.num_experts
+    E = t.num_experts
     if saved is not None:
         try:
             store.add_layer_from(t.ordinal, specs, E, _experts(t, streamed), records=saved.fill(t.ordinal), layout=layout)

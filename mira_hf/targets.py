@@ -53,6 +53,10 @@ class Target:
     initialized: dict[str, bool] = field(default_factory=dict)
     layout: FusedExperts = FUSED_EXPERTS  # where the module keeps them (`MoEAdapter.experts_layout`)
 
+    @property
+    def num_experts(self) -> int:
+        return self.layout.num_experts(self.module)
+
     def parameter(self, name: str, data: torch.Tensor) -> nn.Parameter:
         """A parameter over `data` standing for the module's tensor `name`: its `requires_grad`, and transformers'
         loaded flag where the tensor had it."""
@@ -120,8 +124,8 @@ def find_targets(
     for ordinal, (name, module) in enumerate(found):
         if isinstance(module, MiraExperts):
             raise ConfigError(f"{name} is already a MiraExperts proxy: this model is wrapped. Call model.unload() first.")
-        E = getattr(module, "num_experts", None)
         layout = adapter.experts_layout
+        E = layout.num_experts(module)
         tensors = layout.parameters(module)
         in_checkpoint = streamed is not None and name in streamed
         if in_checkpoint:
@@ -131,7 +135,7 @@ def find_targets(
         data = (
             {} if problem else {n: p.data if in_checkpoint else layout.per_expert(module, n, p.data) for n, p in tensors.items()}
         )
-        problem = problem or _served_problem(adapter, name, module, tensors, data, in_checkpoint)
+        problem = problem or _served_problem(adapter, name, module, tensors, data, E, in_checkpoint)
         if problem:
             raise UnsupportedModelError(
                 f"{name} ({type(module).__name__}) cannot be served: {problem}. Supported: fused 3-D experts "
@@ -162,11 +166,10 @@ def find_targets(
     return targets
 
 
-def _served_problem(adapter: MoEAdapter, name: str, module: nn.Module, tensors: dict, data: dict, in_checkpoint: bool):
+def _served_problem(adapter: MoEAdapter, name: str, module: nn.Module, tensors: dict, data: dict, E: int, in_checkpoint: bool):
     """What keeps experts module `module` (at `name`, its expert `tensors` as found and as `[E, ...]` `data`, laid out
     as its adapter says) from being served, or None. Raises for a module whose forward computes more than the
     experts."""
-    E = module.num_experts
     if any(p.shape[0] != E for p in data.values()):
         return f"its tensors' first dimension is not num_experts={E}: {[tuple(p.shape) for p in data.values()]}"
     if not in_checkpoint and any(p.device.type == "meta" for p in tensors.values()):
@@ -195,8 +198,8 @@ def _layout_problem(adapter: MoEAdapter, module: nn.Module, tensors: dict, E) ->
         if missing:
             return f"it lacks {missing} (has {sorted(tensors)})"
         call = list(inspect.signature(type(module).forward).parameters)[1:]
-        if len(call) != 3:  # the proxy is called as the module is: (hidden_states, top_k_index, top_k_weights)
-            return f"its forward takes {call}, not the experts call (hidden_states, top_k_index, top_k_weights)"
+        if len(call) != layout.call_args:  # the proxy is called as the module is
+            return f"its forward takes {call}, not the {layout.call_args} argument(s) of its layout ({type(layout).__name__})"
         for path in dict.fromkeys(n.rpartition(".")[0] for n in layout.names):
             owner = module.get_submodule(path)
             others = [f"{path}.{n}" for n, _ in (*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False))]
@@ -227,7 +230,7 @@ def model_fingerprint(model: nn.Module, targets: list[Target], specs: dict, rout
     shape = {
         "model_type": getattr(model.config, "model_type", None),
         "moe_layers": len(targets),
-        "num_experts": [t.module.num_experts for t in targets],
+        "num_experts": [t.num_experts for t in targets],
         "hidden_size": getattr(model.config, "hidden_size", None),
         "expert_shapes": {n: list(shape) for n, (shape, _) in specs[targets[0].ordinal].items()} if targets else {},
     }
@@ -236,7 +239,7 @@ def model_fingerprint(model: nn.Module, targets: list[Target], specs: dict, rout
     h = hashlib.sha256()
     for t in targets:
         for name, p in sorted(t.parent.named_parameters()):
-            if not name.startswith(t.attr + ".") and p.dim() == 2 and p.shape[0] == t.module.num_experts:
+            if not name.startswith(t.attr + ".") and p.dim() == 2 and p.shape[0] == t.num_experts:
                 h.update(p.detach().float().cpu().numpy().tobytes())
     return {**shape, ROUTER_HASH: h.hexdigest()}
 

@@ -163,6 +163,19 @@ RECIPES = {
             ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2),
         ),
     ),
+    # JetMoE: a sparse block that routes and combines itself (RoutedBlockExperts); attention heads as experts (MoA)
+    "jetmoe": (
+        "JetMoeConfig",
+        dict(
+            BASE,
+            num_hidden_layers=2,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            kv_channels=16,
+            num_key_value_heads=2,
+        ),
+    ),
 }
 
 # Further model types served by a registered adapter, checked too.

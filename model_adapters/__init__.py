@@ -7,7 +7,7 @@ Add your own without editing the library:
 """
 
 from . import families  # noqa: F401  (registers the built-in adapters)
-from .base import ExpertKeys, GenericAdapter, MoEAdapter, SeparateGluExperts, generic_adapter
+from .base import ExpertKeys, GenericAdapter, MoEAdapter, RoutedBlockExperts, SeparateGluExperts, generic_adapter
 from .registry import (
     AdapterRegistryError,
     get_adapter,
@@ -22,6 +22,7 @@ __all__ = [
     "ExpertKeys",
     "GenericAdapter",
     "MoEAdapter",
+    "RoutedBlockExperts",
     "SeparateGluExperts",
     "generic_adapter",
     "get_adapter",

@@ -74,10 +74,16 @@ class FusedExperts:
     module's expert tensors through its `experts_layout` (this, or `SeparateGluExperts`)."""
 
     nested = False  # the tensors are the module's own parameters, named as the store names them
+    outside = ()  # the module's members applied around its experts' sum, not per expert (none)
 
     def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
         """The module's expert tensors by the name the store gives them (none once removed)."""
         return dict(module.named_parameters(recurse=False))
+
+    def num_experts(self, module: nn.Module) -> int | None:
+        """How many experts the module holds (its `num_experts`), or None where it says not."""
+        E = getattr(module, "num_experts", None)
+        return E if isinstance(E, int) else None
 
     def get(self, module: nn.Module, name: str) -> nn.Parameter | None:
         """The module's tensor `name`, or None."""
@@ -138,7 +144,7 @@ class SeparateGluExperts(FusedExperts):
         return {name: p for name, p in found.items() if p is not None}
 
     def per_expert(self, module: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        E = module.num_experts
+        E = self.num_experts(module)
         return tensor if tensor.shape[0] % E else tensor.view(E, -1, *tensor.shape[1:])  # (refused by its shape)
 
     def as_module(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -151,6 +157,53 @@ class SeparateGluExperts(FusedExperts):
     def neuron_axes(self) -> dict[str, int]:
         """Each tensor's axis of intermediate neurons, from the end of an expert's tensor (gate and up `[I, H]`)."""
         return {self.gate: -2, self.up: -2, self.down: -2 if self.down_transposed else -1}
+
+    @property
+    def call_args(self) -> int:
+        """How many arguments the module's forward takes: the experts call (hidden_states, top_k_index, top_k_weights)."""
+        return 3
+
+
+@dataclass(frozen=True)
+class RoutedBlockExperts(FusedExperts):
+    """A sparse block outside transformers' experts interface that routes and combines inside its own forward
+    (`forward(hidden [B, S, H]) -> [B, S, H]`), keeping its experts as stacked `[E, ...]` tensors on child modules
+    (JetMoE: `input_linear.weight [E, 2I, H]`, gate rows then up rows, and `output_linear.weight [E, H, I]`). Its
+    router (a child) is called as the block calls it; each expert is `down(act(gate) * up)` on the rows the router
+    grouped by expert (`torch.sort` of the flattened top-k), the weighted rows added per token in ascending expert
+    order, then the block's `bias`."""
+
+    up: str  # parameter paths on the block: the gate-and-up rows, and the down projection
+    down: str
+    activation: str  # path of the activation module on the block
+    router: str  # path of the router module on the block, called as `router(rows [T, H])`
+    bias: str  # path of the block's output bias (added after the experts' sum)
+
+    nested = True
+
+    @property
+    def names(self) -> tuple[str, str]:
+        return (self.up, self.down)
+
+    def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        found = {name: self.get(module, name) for name in self.names}
+        return {name: p for name, p in found.items() if p is not None}
+
+    def hidden_width(self, tensors: dict[str, torch.Tensor], transposed: bool) -> int:
+        return tensors[self.down].shape[1]  # [E, H, I]
+
+    def num_experts(self, module: nn.Module) -> int | None:
+        return super().num_experts(module.get_submodule(self.up.rpartition(".")[0]))  # the child that holds them
+
+    neuron_axes = None  # gate rows then up rows in one tensor: split as transformers' fused layout (host_compute="split")
+
+    @property
+    def outside(self) -> tuple[str, ...]:
+        return (self.router, self.bias)
+
+    @property
+    def call_args(self) -> int:
+        return 1
 
 
 FUSED_EXPERTS = FusedExperts()
@@ -206,7 +259,7 @@ class MoEAdapter:
         return [(n, m) for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, g) for g in self.experts_globs)]
 
     def router(self, block: nn.Module) -> nn.Module | None:
-        return getattr(block, self.router_attr, None)
+        return _get_path(block, self.router_attr)  # (a path: JetMoE's router sits inside its sparse block)
 
     def router_linear(self, block: nn.Module) -> RouterLinear | None:
         """`block`'s router as one linear map and a scoring, or None where it has no `[E, H]` weight. Used

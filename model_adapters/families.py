@@ -6,7 +6,7 @@ tests. Families that share a layout share an entry.
 
 from __future__ import annotations
 
-from .base import ExpertKeys, MoEAdapter, SeparateGluExperts
+from .base import ExpertKeys, MoEAdapter, RoutedBlockExperts, SeparateGluExperts
 from .registry import register_adapter
 
 # Checkpoint layouts of the routed experts (what transformers' WeightConverters fuse at load).
@@ -182,6 +182,23 @@ DBRX = register_adapter(
         "(`moe_normalize_expert_weights`)",
         experts_layout=SeparateGluExperts(
             gate="mlp.w1", up="mlp.v1", down="mlp.w2", down_transposed=True, activation="mlp.activation_fn", batch_output=True
+        ),
+    )
+)
+
+JETMOE = register_adapter(
+    MoEAdapter(
+        name="jetmoe",
+        model_types=("jetmoe",),
+        experts_globs=("*.mlp",),
+        router_attr="mlp.router",
+        router_weight_attr="layer.weight",
+        notes="the sparse block (`mlp`, outside transformers' experts interface) routes and combines in its own forward: "
+        "softmax over the top-k logits, tokens sorted by expert, `input_linear.weight [E, 2I, H]` (gate rows then up "
+        "rows) and `output_linear.weight [E, H, I]`, the weighted rows added per token, then the block's bias; the "
+        "attention's mixture of heads (MoA) stays on the device",
+        experts_layout=RoutedBlockExperts(
+            up="input_linear.weight", down="output_linear.weight", activation="activation", router="router", bias="bias"
         ),
     )
 )

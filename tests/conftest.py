@@ -88,12 +88,22 @@ def load_reference(path: str, dtype=None, **hf_kwargs):
     from_pretrained as well (`trust_remote_code=True`)."""
     from transformers import AutoModelForCausalLM
 
+    from model_adapters import get_adapter
+
     model = AutoModelForCausalLM.from_pretrained(path, **reference_kwargs(path, dtype), **hf_kwargs).eval()
-    for name, module in model.named_modules():
-        if name.endswith("experts") and isinstance(getattr(module, "num_experts", None), int):
-            for p in module.parameters(recurse=False):
-                if p.data_ptr() % 16:
-                    p.data = p.data.clone()
+    adapter = get_adapter(model.config.model_type)
+    if adapter is not None:  # where its adapter says the experts are (DBRX's and JetMoE's on a child)
+        experts = [p for _, m in adapter.find_experts(model) for p in adapter.experts_layout.parameters(m).values()]
+    else:
+        experts = [
+            p
+            for name, module in model.named_modules()
+            if name.endswith("experts") and isinstance(getattr(module, "num_experts", None), int)
+            for p in module.parameters(recurse=False)
+        ]
+    for p in experts:
+        if p.data_ptr() % 16:
+            p.data = p.data.clone()
     return model
 
 

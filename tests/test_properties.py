@@ -31,6 +31,7 @@ SHAPE_KEYS = {
     "deepseek_v2": ("n_routed_experts", "num_experts_per_tok"),
     "llama4": ("num_local_experts", "num_experts_per_tok"),
     "dbrx": ("ffn_config.moe_num_experts", "ffn_config.moe_top_k"),  # a sub-config's
+    "jetmoe": ("num_local_experts", "num_experts_per_tok"),
 }
 PREDICTORS_NO_TRAINING = [p for p in PREDICTORS if p != "learned"]
 _MODELS: dict = {}

@@ -719,7 +719,7 @@ class MiraRoutedExperts(_HeldExperts):
 
 
 class _ExpertsHolder(nn.Module):
-    """Stands in for the child of an experts module that keeps its expert tensors (`MiraGluExperts`): holds them
+    """Stands in for the child of an experts module that keeps its expert tensors (`_HeldExperts`): holds them
     under their unwrapped names, and the child's own members. The proxy writes and reads the expert tensors in state
     dicts and the store follows casts and moves, so the holder's own state-dict hooks do nothing and a cast or move
     reaches only its members."""
@@ -756,7 +756,8 @@ def proxy_for(adapter, base: nn.Module, manager: ExpertManager, layer: int, bloc
     flags = layout_flags(adapter, base)
     layout = adapter.experts_layout
     if layout.nested:
-        return HELD_PROXIES[type(layout)](base, manager, layer, flags, block_tokens, layout)
+        proxy = next(proxy for kind, proxy in HELD_PROXIES.items() if isinstance(layout, kind))
+        return proxy(base, manager, layer, flags, block_tokens, layout)
     if adapter.input_scaled:
         return MiraScaledExperts(base, manager, layer, flags, block_tokens)
     if adapter.route_norm:

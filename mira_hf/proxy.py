@@ -612,8 +612,7 @@ class _HeldExperts(MiraExperts):
         super().__init__(base, manager, layer, flags, block_tokens)
         for name, param in base.named_parameters(recurse=False):
             self.register_parameter(name, param)  # the same parameter: casts, loads and edits reach both
-        paths = dict.fromkeys(name.rpartition(".")[0] for name in layout.names)
-        self._owners = {path: base.get_submodule(path) for path in paths}  # the children the holders stand in for
+        self._owners = {path: base.get_submodule(path) for path in layout.owners}  # the children the holders stand in for
         self._holders = {path: _ExpertsHolder(owner) for path, owner in self._owners.items()}
         self._children = dict(base._modules)  # given back by `restore_owners`
         base._modules.clear()

@@ -115,8 +115,8 @@ class ExpertState:
 
     # -- state dict -----------------------------------------------------------------------------
     def save(self, proxy: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> bool:
-        """Put decoded copies of an encoded layer's tensors in `destination`, and the parameters a holder keeps
-        (`MiraGluExperts`); False where the proxy's own parameters (views of raw records) go in as they are."""
+        """Put decoded copies of an encoded layer's tensors in `destination`, and the parameters holders keep
+        (`_HeldExperts`); False where the proxy's own parameters (views of raw records) go in as they are."""
         store, layout = self.store, proxy.experts_layout
         if not store.quantized and not layout.nested:
             return False
@@ -180,7 +180,7 @@ class ExpertState:
             head = key[len(prefix) :].split(".", 1)[0]
             if key[len(prefix) :] in specs or head == "base" or head in proxy._modules:
                 continue  # (a member's keys are read, or reported, by its own load)
-            if head in base_names and head not in proxy._modules:  # a member the proxy keeps on `base` alone
+            if head in base_names:  # a member the proxy keeps on `base` alone
                 state_dict[prefix + "base." + key[len(prefix) :]] = state_dict.pop(key)
             else:
                 unexpected_keys.append(key)

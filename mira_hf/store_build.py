@@ -331,35 +331,27 @@ def neuron_splits(cfg: MiraConfig, adapter: MoEAdapter, targets: list[Target], s
     anything changes, for experts whose output is not a sum over neurons of what the host can compute."""
     splits = {}
     for t in targets:
-        if t.layout.nested and t.layout.neuron_axes is None:  # fused tensors at the layout's paths (JetMoE)
-            act = t.module.get_submodule(t.layout.activation)
-            pairing = pairing_of(lambda h, a=act: a(h.chunk(2, dim=-1)[0]) * h.chunk(2, dim=-1)[1], True)
-            neurons = specs[t.ordinal][t.layout.down][0][1]  # of one expert's down rows, [H, I]
-            host = host_neurons(neurons, cfg.host_share)
-            splits[t.ordinal] = NeuronSplit(t.layout.up, pairing, False, neurons, host, down=t.layout.down)
-            continue
-        if t.layout.nested:  # separate tensors, one row or column per neuron
-            axes, down = t.layout.neuron_axes, t.layout.down
-            neurons = specs[t.ordinal][down][0][axes[down]]  # of one expert's down rows, [I, H] or [H, I]
-            host = host_neurons(neurons, cfg.host_share)
-            splits[t.ordinal] = NeuronSplit(t.layout.up, "single", False, neurons, host, neuron_axes=axes)
-            continue
-        flags = layout_flags(adapter, t.module)
-        own = own_tensors(t.module, {*t.tensors, adapter.route_norm})  # a per-route norm follows the parts' sum
-        if flags["has_post_expert_norm"] or own:
-            raise ConfigError(
-                f"host_compute='split' adds each expert's host part to its device part, but the experts module at "
-                f"{t.name} ({type(t.module).__name__}) applies its own tensors to the expert's output "
-                f"({', '.join(own) or 'a post-expert norm'}), so its output is not a sum over neurons. Use "
-                "host_compute='auto', 'on' or 'off'."
-            )
-        has_gate = flags["has_gate"]
-        apply_gate = getattr(t.module, "_apply_gate", None)
-        pairing = pairing_of(lambda h, m=t.module, g=has_gate, a=apply_gate: activate(m, g, a, h), has_gate)
-        down = specs[t.ordinal]["down_proj"][0]  # [I, H] transposed, else [H, I]
-        neurons = down[0] if flags["is_transposed"] else down[1]
-        up = "gate_up_proj" if has_gate else "up_proj"
-        splits[t.ordinal] = NeuronSplit(up, pairing, flags["is_transposed"], neurons, host_neurons(neurons, cfg.host_share))
+        layout = t.layout
+        if layout.nested:  # its layout says how its tensors hold neurons
+            up, down, pairing, axes = layout.up, layout.down, layout.pairing, layout.neuron_axes
+            transposed, down_transposed = False, layout.down_transposed
+        else:
+            flags = layout_flags(adapter, t.module)
+            own = own_tensors(t.module, {*t.tensors, adapter.route_norm})  # a per-route norm follows the parts' sum
+            if flags["has_post_expert_norm"] or own:
+                raise ConfigError(
+                    f"host_compute='split' adds each expert's host part to its device part, but the experts module at "
+                    f"{t.name} ({type(t.module).__name__}) applies its own tensors to the expert's output "
+                    f"({', '.join(own) or 'a post-expert norm'}), so its output is not a sum over neurons. Use "
+                    "host_compute='auto', 'on' or 'off'."
+                )
+            has_gate = flags["has_gate"]
+            apply_gate = getattr(t.module, "_apply_gate", None)
+            pairing = pairing_of(lambda h, m=t.module, g=has_gate, a=apply_gate: activate(m, g, a, h), has_gate)
+            up, down, axes = ("gate_up_proj" if has_gate else "up_proj"), "down_proj", {}
+            transposed = down_transposed = flags["is_transposed"]
+        neurons = specs[t.ordinal][down][0][-2 if down_transposed else -1]  # one expert's down rows: [I, H] or [H, I]
+        splits[t.ordinal] = NeuronSplit(up, pairing, transposed, neurons, host_neurons(neurons, cfg.host_share), axes, down)
     return splits
 
 

@@ -200,7 +200,7 @@ def _layout_problem(adapter: MoEAdapter, module: nn.Module, tensors: dict, E) ->
         call = list(inspect.signature(type(module).forward).parameters)[1:]
         if len(call) != layout.call_args:  # the proxy is called as the module is
             return f"its forward takes {call}, not the {layout.call_args} argument(s) of its layout ({type(layout).__name__})"
-        for path in dict.fromkeys(n.rpartition(".")[0] for n in layout.names):
+        for path in layout.owners:
             owner = module.get_submodule(path)
             others = [f"{path}.{n}" for n, _ in (*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False))]
             others = sorted(set(others) - set(layout.names))
@@ -252,9 +252,9 @@ class RouterTable:
     def __init__(self, adapter: MoEAdapter, targets: list[Target]) -> None:
         self._adapter = adapter
         self._blocks = {t.ordinal: t.parent for t in targets}
-        # The width of each layer's experts' input rows: the
-        # hidden states a predictor sees there. A router may read a wider state (Muse Spark projects the hidden
-        # state down before its experts), or another stack's (a vision encoder's experts beside the text's).
+        # The width of each layer's experts' input rows (`FusedExperts.hidden_width`): the hidden states a predictor
+        # sees there. A router may read a wider state (Muse Spark projects the hidden state down before its experts),
+        # or another stack's (a vision encoder's experts beside the text's).
         self._width = {
             t.ordinal: t.layout.hidden_width(t.tensors, adapter.flag(t.module, "is_transposed", False)) for t in targets
         }

@@ -71,7 +71,8 @@ class RouterLinear:
 class FusedExperts:
     """Where transformers' experts interface keeps a module's expert tensors: its own parameters (`gate_up_proj
     [E, 2I, H]`, `down_proj [E, H, I]`, ...), each already `[E, ...]`. Every `MoEAdapter` reads and writes a
-    module's expert tensors through its `experts_layout` (this, or `SeparateGluExperts`)."""
+    module's expert tensors through its `experts_layout` (this, or a `HeldExperts`: `SeparateGluExperts`,
+    `RoutedBlockExperts`)."""
 
     nested = False  # the tensors are the module's own parameters, named as the store names them
     outside = ()  # the module's members applied around its experts' sum, not per expert (none)
@@ -119,7 +120,28 @@ class FusedExperts:
 
 
 @dataclass(frozen=True)
-class SeparateGluExperts(FusedExperts):
+class HeldExperts(FusedExperts):
+    """A layout whose expert tensors sit on child modules of the experts module, named by their paths there (`names`);
+    the subclasses say how each expert computes."""
+
+    nested = True
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    @property
+    def owners(self) -> tuple[str, ...]:
+        """The paths of the child modules that keep the expert tensors, in the order of `names`."""
+        return tuple(dict.fromkeys(name.rpartition(".")[0] for name in self.names))
+
+    def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        found = {name: self.get(module, name) for name in self.names}
+        return {name: p for name, p in found.items() if p is not None}
+
+
+@dataclass(frozen=True)
+class SeparateGluExperts(HeldExperts):
     """An experts module outside transformers' experts interface whose experts are gated MLPs over separate
     tensors, each kept stacked along dim 0 as `[E * n, ...]` on a child module (DBRX: `mlp.w1`, `mlp.v1`,
     `mlp.w2`, each `[E * I, H]`): expert e is `down(act(x @ gate_e.T) * (x @ up_e.T))` and the module adds its
@@ -133,15 +155,11 @@ class SeparateGluExperts(FusedExperts):
     activation: str  # path of the activation module on the experts module
     batch_output: bool = False  # the module returns its rows viewed as (inputs.shape[0], -1, H)
 
-    nested = True
+    pairing = "single"  # (host_compute="split") one row of the gate and of the up tensor per neuron
 
     @property
     def names(self) -> tuple[str, str, str]:
         return (self.gate, self.up, self.down)
-
-    def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
-        found = {name: self.get(module, name) for name in self.names}
-        return {name: p for name, p in found.items() if p is not None}
 
     def per_expert(self, module: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
         E = self.num_experts(module)
@@ -165,7 +183,7 @@ class SeparateGluExperts(FusedExperts):
 
 
 @dataclass(frozen=True)
-class RoutedBlockExperts(FusedExperts):
+class RoutedBlockExperts(HeldExperts):
     """A sparse block outside transformers' experts interface that routes and combines inside its own forward
     (`forward(hidden [B, S, H]) -> [B, S, H]`), keeping its experts as stacked `[E, ...]` tensors on child modules
     (JetMoE: `input_linear.weight [E, 2I, H]`, gate rows then up rows, and `output_linear.weight [E, H, I]`). Its
@@ -179,23 +197,22 @@ class RoutedBlockExperts(FusedExperts):
     router: str  # path of the router module on the block, called as `router(rows [T, H])`
     bias: str  # path of the block's output bias (added after the experts' sum)
 
-    nested = True
+    down_transposed = False  # expert e's down rows are [H, I]
+    pairing = "halves"  # (host_compute="split") gate rows then up rows in one tensor, split as transformers' fused ones
+
+    @property
+    def neuron_axes(self) -> dict[str, int]:
+        return {}  # (split by `pairing`, as transformers' fused tensors)
 
     @property
     def names(self) -> tuple[str, str]:
         return (self.up, self.down)
 
-    def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
-        found = {name: self.get(module, name) for name in self.names}
-        return {name: p for name, p in found.items() if p is not None}
-
     def hidden_width(self, tensors: dict[str, torch.Tensor], transposed: bool) -> int:
         return tensors[self.down].shape[1]  # [E, H, I]
 
     def num_experts(self, module: nn.Module) -> int | None:
-        return super().num_experts(module.get_submodule(self.up.rpartition(".")[0]))  # the child that holds them
-
-    neuron_axes = None  # gate rows then up rows in one tensor: split as transformers' fused layout (host_compute="split")
+        return super().num_experts(module.get_submodule(self.owners[0]))  # the child that holds them
 
     @property
     def outside(self) -> tuple[str, ...]:

@@ -163,6 +163,28 @@ def grouped_linear(
     return _grouped_linear(x, weight, offs, bias=bias, is_transposed=transposed)
 
 
+# batched_mm's `bmm` rounds a row alike in calls of 4, 8 and 16 rows as in one call of 8, 16, 32 or 64 rows, at the
+# expert shapes of Mixtral, Qwen3-30B-A3B and gpt-oss in bf16 and fp32, on CUDA and the CPU; in calls of one to three
+# rows it may not (cuBLAS takes other code for so few batch elements). Measured: benchmarks/batched_mm_probe.py,
+# `2026-12-05-nvidia-h200-batched-mm-probe.json`. Blocks of other row counts are one call, as the unwrapped model's.
+BMM_CHUNK_ROWS = (16, 8, 4)
+BMM_SPLIT_ROWS = frozenset({8, 16, 32, 64})
+# A block's gathered weights above this many bytes are computed in chunks (the unwrapped model gathers every row's
+# copy at once: 16 copies of a 352 MB Mixtral expert at batch 8).
+BATCHED_CALL_BYTES = 1 << 30
+
+
+def batched_rows(rows: int, row_bytes: int) -> list[slice]:
+    """The chunks of a block's `rows` rows that batched_mm's products are computed in, each row's weights
+    `row_bytes`: one call where their copies fit in BATCHED_CALL_BYTES or the block's row count is not one whose
+    rows were measured to round alike in chunks (BMM_SPLIT_ROWS); else the largest chunk of BMM_CHUNK_ROWS rows that
+    fits (the smallest where none does)."""
+    if rows * row_bytes <= BATCHED_CALL_BYTES or rows not in BMM_SPLIT_ROWS:
+        return [slice(0, rows)]
+    step = next((c for c in BMM_CHUNK_ROWS if c < rows and c * row_bytes <= BATCHED_CALL_BYTES), BMM_CHUNK_ROWS[-1])
+    return [slice(a, a + step) for a in range(0, rows, step)]
+
+
 def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
     """Every row x [S, in] by its own weights [S, out, in] ([S, in, out] if `transposed`), as batched_mm does."""
     from transformers.integrations.moe import _batched_linear

@@ -22,6 +22,7 @@ from model_adapters.base import FUSED_EXPERTS, RoutedBlockExperts, SeparateGluEx
 
 from .experts_impl import (
     batched_linear,
+    batched_rows,
     check_call,
     combine,
     eager_sums_in_weights_dtype,
@@ -111,6 +112,7 @@ class MiraExperts(nn.Module):
         # records (in slots, or kept beside them: "mixed") that decode exactly (`decodes_exactly`).
         self._gathers = manager.placement not in ("packed", "mixed") or decodes_exactly(manager.store.codec)
         self._handle = register(self)  # how the compiled graph's operator finds this module
+        self._row_bytes = manager.store.raw_layout(layer).payload_bytes  # one expert's weights, as batched_mm copies them
         fn, hidden = host_expert_math(self, manager.store.raw_layout(layer))  # host_compute.py
         manager.host.register(layer, self._host_part if manager.host.mode == "split" else fn, hidden)
         # transformers' flags of an experts module (`@use_experts_implementation`), where `base` has them: its
@@ -278,46 +280,55 @@ class MiraExperts(nn.Module):
         return _guarded(combine(parts, top_k_index, impl, hidden_states.dtype, eager_dtype))  # [T, H]
 
     def _batched(self, hidden_states, top_k_index, needed: list[int], rows_of, written: int) -> torch.Tensor | None:
-        """The experts' output rows [T*K, H] in (token, slot) order, as batched_mm computes them: each
-        row multiplied by its own copy of its expert's weights in one `bmm` (gathered as the unwrapped
-        model's `weight[expert_ids]` is; rows of the EP sentinel get zero weights). `rows_of(e)`: expert
-        e's rows (an index, a slot or an index tensor); `written`: how many rows real experts fill."""
-        S = top_k_index.numel()
-        gathered: dict[str, torch.Tensor] = {}
+        """The experts' output rows [T*K, H] in (token, slot) order, as batched_mm computes them: each row
+        multiplied by its own copy of its expert's weights with `bmm` (rows of the EP sentinel get zero weights).
+        Where all rows' copies fit in `BATCHED_CALL_BYTES`, one call, the copies gathered as the unwrapped model's
+        `weight[expert_ids]` (from the pool's slots where every expert has one, else copied into each expert's rows);
+        else a chunk of rows at a time (`batched_rows`), gathered from the slots or from one copy of each needed
+        expert. `rows_of(e)`: expert e's rows (an index, a slot or an index tensor); `written`: how many rows real
+        experts fill."""
+        S, E, n = top_k_index.numel(), self.num_experts, len(needed)
+        one_call = len(batched_rows(S, self._row_bytes)) == 1
+        entry = {e: j for j, e in enumerate(needed)}
+        table: dict[str, torch.Tensor] = {}  # every row's weights [S, ...], or each needed expert's once [n (+1), ...]
+        y = None  # [S, H]
 
-        def put(w, names, rows) -> None:
+        def put(w, names, e: int) -> None:
             for name in names:
                 t = w.weight(name) if isinstance(w, PackedWeights) else w[name]  # decoded: copied at once
-                buf = gathered.get(name)
+                buf = table.get(name)
                 if buf is None:
-                    shape = (S, *t.shape)
-                    buf = gathered[name] = t.new_empty(shape) if written == S else t.new_zeros(shape)
-                buf[rows] = t
+                    shape = (S if one_call else n + (written < S), *t.shape)  # a last entry of zeros: the sentinel's
+                    buf = table[name] = t.new_empty(shape) if written == S else t.new_zeros(shape)
+                buf[rows_of(e) if one_call else entry[e]] = t
 
         up = (self._up, self._up + "_bias") if self._has_bias else (self._up,)
         down = ("down_proj", "down_proj_bias") if self._has_bias else ("down_proj",)
+        x = hidden_states.repeat_interleave(top_k_index.shape[1], dim=0)  # [S, H], as batched_mm repeats each token
+
+        def rows_at(index_of: dict[int, int], fill: int) -> torch.Tensor:
+            """[S] each row's entry: `index_of[e]` for its expert e, `fill` for the sentinel's."""
+            at = torch.full((E + 1,), fill, dtype=torch.long)
+            at[list(index_of)] = torch.tensor(list(index_of.values()))
+            return _to(hidden_states.device, at)[top_k_index.reshape(-1)]
 
         def compute(plan, e: int, w) -> None:
-            rows = rows_of(e)
-            put(w, up, rows)  # the up half may be copied before the rest of the record lands
+            put(w, up, e)  # the up half may be copied before the rest of the record lands
             self.manager.acquire_rest(plan, e)
-            put(w, down, rows)
+            put(w, down, e)
 
         group = together = None
         if self.manager.slot_views(self.layer) is not None:  # raw weights in the slots
 
             def together(plan, experts: list[int]) -> None:  # every row's expert, acquired in its slot
-                # each tensor is one gather from the pool, as the unwrapped model's `weight[expert_ids]` (no buffer
-                # beside it)
-                slot_of = torch.zeros(self.num_experts, dtype=torch.long)  # [E] expert -> its slot
-                slot_of[experts] = torch.tensor([plan.slots[e].index for e in experts])
-                at = _to(hidden_states.device, slot_of)[top_k_index.reshape(-1)]  # [S] each row's slot
-                gathered.update(self._from_slots(at, up + down))
+                nonlocal y  # computed from the pool while the slots are held: no copy of each expert beside it
+                at = rows_at({e: plan.slots[e].index for e in experts}, 0)
+                y = self._bmm_rows(x, self.manager.slot_views(self.layer), at, up, down)
 
             def group(plan, experts: list[int]) -> None:  # resident experts, acquired
-                if len(experts) < len(needed) or written < S:  # some rows come later: each expert into its rows
+                if len(experts) < len(needed) or written < S:  # some rows come later: each expert copied now
                     for e in experts:
-                        put(self.manager.weights(plan, e), up + down, rows_of(e))
+                        put(self.manager.weights(plan, e), up + down, e)
                     return
                 together(plan, experts)
 
@@ -328,12 +339,8 @@ class MiraExperts(nn.Module):
         )
         inputs = lambda e: hidden_states[tokens(rows_of(e))]  # noqa: E731
         host = self._serve(needed, compute, counts, inputs, group, together if written == S else None)
-        y = None  # [S, H]
-        if gathered:
-            x = hidden_states.repeat_interleave(K, dim=0)  # [S, H]
-            h = batched_linear(x, gathered[self._up], gathered.get(self._up + "_bias"), self._transposed)  # [S, I']
-            h = self._activate(h)  # [S, I]
-            y = batched_linear(h, gathered["down_proj"], gathered.get("down_proj_bias"), self._transposed)  # [S, H]
+        if table:
+            y = self._bmm_rows(x, table, None if one_call else rows_at(entry, n), up, down)
         if y is not None:
             y = self._post(y)
         for e, out, adds in host:  # [n, H] computed on the host (host_compute): its rows' bmm outputs are replaced
@@ -342,10 +349,18 @@ class MiraExperts(nn.Module):
             _put(y, r, out if isinstance(r, torch.Tensor) else out[0], adds)
         return y
 
-    def _from_slots(self, at: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """Each of `names` for rows whose experts sit in pool slots `at` [S]: [S, ...] gathered from the pool."""
-        views = self.manager.slot_views(self.layer)
-        return {name: views[name][at] for name in names}
+    def _bmm_rows(self, x: torch.Tensor, weights: dict[str, torch.Tensor], at, up, down) -> torch.Tensor:
+        """batched_mm's output rows [S, H] for inputs x [S, H]: row r with the expert weights at entry `at[r]` of
+        `weights` (each [n, ...]), gathered per chunk of rows (`batched_rows`), or (`at` None) with row r of each
+        weight ([S, ...]) in one call. `up`, `down`: the names of a projection's weight and its bias, if any."""
+        bias = lambda names, a: weights[names[1]][a] if len(names) > 1 else None  # noqa: E731
+        out = []
+        for rows in batched_rows(x.shape[0], self._row_bytes) if at is not None else [slice(None)]:
+            a = at[rows] if at is not None else rows
+            h = batched_linear(x[rows], weights[up[0]][a], bias(up, a), self._transposed)  # [n, I']
+            h = self._activate(h)  # [n, I]
+            out.append(batched_linear(h, weights[down[0]][a], bias(down, a), self._transposed))  # [n, H]
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def _serve(
         self, needed: list[int], compute, rows=None, inputs=None, group=None, together=None

@@ -11,9 +11,9 @@ import torch
 from conftest import ALL_TINY, load_reference, torch_threads
 from test_combine import needs_post_expert_norm, with_and_without_sentinel
 
-from mira_hf import MiraConfig, MiraMoEModel
+from mira_hf import MiraConfig, MiraMoEModel, experts_impl
 from mira_hf.config import QuantConfig
-from mira_hf.experts_impl import implementation_of
+from mira_hf.experts_impl import BMM_CHUNK_ROWS, BMM_SPLIT_ROWS, batched_rows, implementation_of
 from mira_hf.proxy import MiraExperts
 
 
@@ -57,6 +57,20 @@ def test_grouped_resident_experts_give_the_unwrapped_logits(tiny_checkpoint, gro
         assert any(rows > experts > 1 for experts, rows in grouped_on_cpu)  # the path ran on a block of several tokens
 
 
+def count_pool_gathers(monkeypatch) -> list[int]:
+    """The rows of each batched_mm computation whose weights were gathered from the pool's slots (a list that fills)."""
+    rows = []
+    original = MiraExperts._bmm_rows
+
+    def counted(self, x, weights, at, up, down):
+        if weights is self.manager.slot_views(self.layer):
+            rows.append(at.numel())
+        return original(self, x, weights, at, up, down)
+
+    monkeypatch.setattr(MiraExperts, "_bmm_rows", counted)
+    return rows
+
+
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_grouped_decode_steps_give_the_unwrapped_logits(tiny_checkpoint, grouped_on_cpu, name):
     path = tiny_checkpoint(name)
@@ -79,11 +93,7 @@ def test_grouped_decode_steps_give_the_unwrapped_logits(tiny_checkpoint, grouped
 def test_batched_mm_gathers_resident_experts_from_the_pool_exactly(tiny_checkpoint, monkeypatch, name):
     """batched_mm (what `generate` decodes with on a GPU) copies each row's expert weights: resident experts are
     gathered from their pool's slots in one index per tensor (when every row's expert is resident), on every device."""
-    gathers = []
-    original = MiraExperts._from_slots
-    monkeypatch.setattr(
-        MiraExperts, "_from_slots", lambda self, at, names: gathers.append(at.numel()) or original(self, at, names)
-    )
+    gathers = count_pool_gathers(monkeypatch)
     path = tiny_checkpoint(name)
     ref, model = load_reference(path), _wrapped(path, 1.0)
     for m in (ref, model):
@@ -110,11 +120,8 @@ def test_batched_mm_blocks_with_misses_gather_every_expert_once_their_copies_lan
     """A decode block whose misses all got slots at `begin` computes every expert from the pool in one gather per
     tensor once its copies land (decoded into their slots, for lossless records), instead of copying each expert into
     its rows: the same bits, with misses."""
-    gathers, steps = [], []
-    original, decode_step = MiraExperts._from_slots, MiraExperts._decode_step
-    monkeypatch.setattr(
-        MiraExperts, "_from_slots", lambda self, at, names: gathers.append(at.numel()) or original(self, at, names)
-    )
+    gathers, steps = count_pool_gathers(monkeypatch), []
+    decode_step = MiraExperts._decode_step
     monkeypatch.setattr(MiraExperts, "_decode_step", lambda self, *a: steps.append(len(a[3])) or decode_step(self, *a))
     path = tiny_checkpoint(name)
     formats = dict(raw=dict(quantization=None), lossless=dict(quantization="lossless", quant=QuantConfig(placement="dequant")))
@@ -222,9 +229,7 @@ def test_resident_experts_together_combine_as_transformers_experts_do(grouped_on
     the second time the experts they use are resident and computed together."""
     from test_combine import mismatches
 
-    gathered = []
-    original = MiraExperts._from_slots
-    monkeypatch.setattr(MiraExperts, "_from_slots", lambda self, at, names: gathered.append(1) or original(self, at, names))
+    gathered = count_pool_gathers(monkeypatch)
     assert mismatches(name, impl, sentinel) == []
     assert mismatches(name, impl, sentinel) == []
     # the path ran (batched_mm gathers all rows' weights from the slots only where no row is the sentinel's)
@@ -308,3 +313,99 @@ def test_another_thread_reading_counters_mid_step_leaves_the_blocks_bookkeeping_
     handle.remove()
     assert pending == [True] and model.mira._tail is None
     assert torch.equal(got, load_reference(path)(ids).logits)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 16, 32, 33, 64, 130])
+@pytest.mark.parametrize("row_bytes", [1, 2**20, 2**28, 2**31])
+def test_batched_mm_rows_are_chunked_only_where_chunks_round_as_one_call_and_the_copies_are_large(rows, row_bytes):
+    chunks = batched_rows(rows, row_bytes)
+    assert chunks[0].start == 0 and chunks[-1].stop == rows  # every row once, in order
+    assert all(a.stop == b.start for a, b in zip(chunks, chunks[1:]))
+    sizes = {c.stop - c.start for c in chunks}
+    if len(chunks) > 1:  # equal chunks of a measured size, within the bound where a measured size fits it
+        assert rows in BMM_SPLIT_ROWS and len(sizes) == 1
+        (size,) = sizes
+        assert size in BMM_CHUNK_ROWS and (size * row_bytes <= experts_impl.BATCHED_CALL_BYTES or size == min(BMM_CHUNK_ROWS))
+    else:  # one call where the copies fit, or where no measurement says chunks round alike
+        assert rows * row_bytes <= experts_impl.BATCHED_CALL_BYTES or rows not in BMM_SPLIT_ROWS
+
+
+def count_bmm_calls(monkeypatch) -> list[int]:
+    """The rows of each up-projection `bmm` batched_mm's path makes (a list that fills)."""
+    calls = []
+    original = experts_impl.batched_linear
+
+    def counted(x, weight, bias, transposed):
+        calls.append(x.shape[0])
+        return original(x, weight, bias, transposed)
+
+    monkeypatch.setattr("mira_hf.proxy.batched_linear", counted)
+    return calls
+
+
+@pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@with_and_without_sentinel
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_batched_mm_in_chunks_of_rows_combines_as_transformers_experts_do(monkeypatch, name, sentinel):
+    """With at most one row's weights gathered per call (so every block of 8, 16, 32 or 64 rows is split into calls of
+    4 rows), batched_mm's rows keep the bits of transformers' one `bmm` over all rows: test_combine's routings, fp32,
+    bf16 and fp16, each with and without resident experts."""
+    from test_combine import mismatches
+
+    monkeypatch.setattr(experts_impl, "BATCHED_CALL_BYTES", 1)
+    calls = count_bmm_calls(monkeypatch)
+    assert mismatches(name, "batched_mm", sentinel) == []
+    assert 4 in calls and all(n == 4 or n not in BMM_SPLIT_ROWS for n in calls)  # chunked where it may be
+
+
+def test_batched_mm_in_chunks_copies_each_missing_expert_once_not_once_per_row(tiny_checkpoint, monkeypatch):
+    """A batched_mm block computed in chunks whose experts are copied into a buffer (not all of them in slots) holds
+    one copy of each expert, not one per row: a prompt of 2 x 8 tokens routes 32 rows to at most 8 experts."""
+    monkeypatch.setattr(experts_impl, "BATCHED_CALL_BYTES", 1)
+    tables = []
+    original = MiraExperts._bmm_rows
+
+    def counted(self, x, weights, at, up, down):
+        tables.append((weights[up[0]].shape[0], at.numel(), weights is self.manager.slot_views(self.layer)))
+        return original(self, x, weights, at, up, down)
+
+    monkeypatch.setattr(MiraExperts, "_bmm_rows", counted)
+    path = tiny_checkpoint("mixtral")
+    ref = load_reference(path)
+    # the minimum budget: a prompt's misses stream through a few slots, so its block's experts cannot all be in slots
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=1e-6, device="cpu"), progress=False).eval()
+    for m in (ref, model):
+        m.set_experts_implementation("batched_mm")
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    copied = [(entries, rows) for entries, rows, pool in tables if not pool]
+    assert copied and all(entries <= ref.config.num_local_experts + 1 < rows for entries, rows in copied)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen2_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("budget", [0.5, 1.0])
+def test_batched_mm_in_chunks_of_rows_on_cuda_gives_the_unwrapped_logits(tiny_checkpoint, monkeypatch, name, dtype, budget):
+    """cuBLAS's `bmm` rounds a row alike in calls of 4 rows or more: batched_mm computed a few rows at a time (at
+    most one row's weights gathered per call) gives the unwrapped model's one-call logits and tokens on CUDA."""
+    monkeypatch.setattr(experts_impl, "BATCHED_CALL_BYTES", 1)
+    calls = count_bmm_calls(monkeypatch)
+    path = tiny_checkpoint(name)
+    ref = load_reference(path, dtype).cuda()
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=budget, device="cuda"), progress=False, dtype=dtype)
+    for m in (ref, model.eval()):
+        m.set_experts_implementation("batched_mm")
+    ids = torch.randint(3, 128, (4, 8), generator=torch.Generator().manual_seed(6)).cuda()
+    kw = dict(
+        max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
+    )
+    with torch.no_grad():
+        for _ in range(2):  # the second time with the experts the first left resident
+            assert torch.equal(model(ids).logits, ref(ids).logits)
+        out, want = model.generate(ids, **kw), ref.generate(ids, **kw)
+    assert torch.equal(out.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, want.logits, strict=True))
+    assert 4 in calls and all(n == 4 or n not in BMM_SPLIT_ROWS for n in calls)  # chunked where it may be

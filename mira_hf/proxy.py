@@ -288,7 +288,9 @@ class MiraExperts(nn.Module):
         expert. `rows_of(e)`: expert e's rows (an index, a slot or an index tensor); `written`: how many rows real
         experts fill."""
         S, E, n = top_k_index.numel(), self.num_experts, len(needed)
-        one_call = len(batched_rows(S, self._row_bytes)) == 1
+        # (transposed experts, `x @ w` per row, keep one call: chunks were measured on the `w @ x` form only)
+        chunks = [slice(0, S)] if self._transposed else batched_rows(S, self._row_bytes)
+        one_call = len(chunks) == 1
         entry = {e: j for j, e in enumerate(needed)}
         table: dict[str, torch.Tensor] = {}  # every row's weights [S, ...], or each needed expert's once [n (+1), ...]
         y = None  # [S, H]
@@ -323,7 +325,7 @@ class MiraExperts(nn.Module):
             def together(plan, experts: list[int]) -> None:  # every row's expert, acquired in its slot
                 nonlocal y  # computed from the pool while the slots are held: no copy of each expert beside it
                 at = rows_at({e: plan.slots[e].index for e in experts}, 0)
-                y = self._bmm_rows(x, self.manager.slot_views(self.layer), at, up, down)
+                y = self._bmm_rows(x, self.manager.slot_views(self.layer), at, chunks, up, down)
 
             def group(plan, experts: list[int]) -> None:  # resident experts, acquired
                 if len(experts) < len(needed) or written < S:  # some rows come later: each expert copied now
@@ -340,7 +342,7 @@ class MiraExperts(nn.Module):
         inputs = lambda e: hidden_states[tokens(rows_of(e))]  # noqa: E731
         host = self._serve(needed, compute, counts, inputs, group, together if written == S else None)
         if table:
-            y = self._bmm_rows(x, table, None if one_call else rows_at(entry, n), up, down)
+            y = self._bmm_rows(x, table, None if one_call else rows_at(entry, n), chunks, up, down)
         if y is not None:
             y = self._post(y)
         for e, out, adds in host:  # [n, H] computed on the host (host_compute): its rows' bmm outputs are replaced
@@ -349,13 +351,13 @@ class MiraExperts(nn.Module):
             _put(y, r, out if isinstance(r, torch.Tensor) else out[0], adds)
         return y
 
-    def _bmm_rows(self, x: torch.Tensor, weights: dict[str, torch.Tensor], at, up, down) -> torch.Tensor:
+    def _bmm_rows(self, x: torch.Tensor, weights: dict[str, torch.Tensor], at, chunks, up, down) -> torch.Tensor:
         """batched_mm's output rows [S, H] for inputs x [S, H]: row r with the expert weights at entry `at[r]` of
-        `weights` (each [n, ...]), gathered per chunk of rows (`batched_rows`), or (`at` None) with row r of each
-        weight ([S, ...]) in one call. `up`, `down`: the names of a projection's weight and its bias, if any."""
+        `weights` (each [n, ...]), gathered per chunk of rows (`chunks`), or (`at` None) with row r of each weight
+        ([S, ...]) in one call. `up`, `down`: the names of a projection's weight and its bias, if any."""
         bias = lambda names, a: weights[names[1]][a] if len(names) > 1 else None  # noqa: E731
         out = []
-        for rows in batched_rows(x.shape[0], self._row_bytes) if at is not None else [slice(None)]:
+        for rows in chunks if at is not None else [slice(None)]:
             a = at[rows] if at is not None else rows
             h = batched_linear(x[rows], weights[up[0]][a], bias(up, a), self._transposed)  # [n, I']
             h = self._activate(h)  # [n, I]

@@ -62,10 +62,10 @@ def count_pool_gathers(monkeypatch) -> list[int]:
     rows = []
     original = MiraExperts._bmm_rows
 
-    def counted(self, x, weights, at, up, down):
+    def counted(self, x, weights, at, chunks, up, down):
         if weights is self.manager.slot_views(self.layer):
             rows.append(at.numel())
-        return original(self, x, weights, at, up, down)
+        return original(self, x, weights, at, chunks, up, down)
 
     monkeypatch.setattr(MiraExperts, "_bmm_rows", counted)
     return rows
@@ -331,7 +331,7 @@ def test_batched_mm_rows_are_chunked_only_where_chunks_round_as_one_call_and_the
 
 
 def count_bmm_calls(monkeypatch) -> list[int]:
-    """The rows of each up-projection `bmm` batched_mm's path makes (a list that fills)."""
+    """The rows of each `bmm` batched_mm's path makes, up and down projections (a list that fills)."""
     calls = []
     original = experts_impl.batched_linear
 
@@ -345,17 +345,38 @@ def count_bmm_calls(monkeypatch) -> list[int]:
 
 @pytest.mark.filterwarnings("ignore:mira-hf. model_type")
 @with_and_without_sentinel
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3", "nemotron_h"])
 def test_batched_mm_in_chunks_of_rows_combines_as_transformers_experts_do(monkeypatch, name, sentinel):
     """With at most one row's weights gathered per call (so every block of 8, 16, 32 or 64 rows is split into calls of
-    4 rows), batched_mm's rows keep the bits of transformers' one `bmm` over all rows: test_combine's routings, fp32,
-    bf16 and fp16, each with and without resident experts."""
+    4 rows), batched_mm's rows keep the bits of transformers' one `bmm` over all rows:
+    test_combine's routings, fp32, bf16 and fp16, each with and without resident experts."""
     from test_combine import mismatches
 
     monkeypatch.setattr(experts_impl, "BATCHED_CALL_BYTES", 1)
     calls = count_bmm_calls(monkeypatch)
     assert mismatches(name, "batched_mm", sentinel) == []
     assert 4 in calls and all(n == 4 or n not in BMM_SPLIT_ROWS for n in calls)  # chunked where it may be
+
+
+@pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+def test_transposed_experts_keep_batched_mms_one_call(monkeypatch):
+    """Experts kept transposed (`x @ w` per row, gpt-oss) are not chunked: the rounding by rows per call was measured
+    on the `w @ x` form only. A block of 16 rows stays one call, equal to transformers' module."""
+    from test_combine import experts_pair
+
+    monkeypatch.setattr(experts_impl, "BATCHED_CALL_BYTES", 1)
+    calls = count_bmm_calls(monkeypatch)
+    ref, proxy = experts_pair("gpt_oss", torch.float32, False, None)
+    assert proxy._transposed
+    for m in (ref, proxy.base):
+        m.config._experts_implementation = "batched_mm"
+    E, H = proxy.num_experts, proxy.base.config.hidden_size
+    index = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:2] for t in range(8)])  # [8, 2]
+    weights = torch.rand(8, 2, generator=torch.Generator().manual_seed(9))
+    hidden = torch.randn(8, H, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert torch.equal(proxy(hidden, index, weights), ref(hidden, index, weights))
+    assert calls == [16, 16]  # the up and the down projection, one call each
 
 
 def test_batched_mm_in_chunks_copies_each_missing_expert_once_not_once_per_row(tiny_checkpoint, monkeypatch):
@@ -365,9 +386,9 @@ def test_batched_mm_in_chunks_copies_each_missing_expert_once_not_once_per_row(t
     tables = []
     original = MiraExperts._bmm_rows
 
-    def counted(self, x, weights, at, up, down):
+    def counted(self, x, weights, at, chunks, up, down):
         tables.append((weights[up[0]].shape[0], at.numel(), weights is self.manager.slot_views(self.layer)))
-        return original(self, x, weights, at, up, down)
+        return original(self, x, weights, at, chunks, up, down)
 
     monkeypatch.setattr(MiraExperts, "_bmm_rows", counted)
     path = tiny_checkpoint("mixtral")
@@ -385,7 +406,7 @@ def test_batched_mm_in_chunks_copies_each_missing_expert_once_not_once_per_row(t
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3", "qwen2_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("budget", [0.5, 1.0])
 def test_batched_mm_in_chunks_of_rows_on_cuda_gives_the_unwrapped_logits(tiny_checkpoint, monkeypatch, name, dtype, budget):

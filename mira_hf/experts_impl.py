@@ -164,10 +164,11 @@ def grouped_linear(
 
 
 # batched_mm's `bmm` rounds a row alike in calls of 4, 8 and 16 rows as in one call of 8, 16, 32 or 64 rows, at the
-# expert shapes of Mixtral, Qwen3-30B-A3B and gpt-oss in bf16 and fp32, on CUDA (the CPU: tests/test_grouped_slots.py); in calls of one to three
-# rows it may not (cuBLAS takes other code for so few batch elements). The probe's weights were [n, out, in] (`w @ x`
-# per row): experts kept transposed stay one call (MiraExperts._batched). Measured: benchmarks/batched_mm_probe.py,
-# `2026-12-05-nvidia-h200-batched-mm-probe.json`. Blocks of other row counts are one call, as the unwrapped model's.
+# expert shapes of Mixtral, Qwen3-30B-A3B and gpt-oss in bf16 and fp32 on CUDA (on the CPU: tests/test_grouped_slots.py);
+# in calls of one to three rows it may not (cuBLAS takes other code for so few batch elements). The probe's weights
+# were [n, out, in] (`w @ x` per row): experts kept transposed stay one call (MiraExperts._batched). Measured:
+# benchmarks/batched_mm_probe.py, `2026-12-05-nvidia-h200-batched-mm-probe.json`. Blocks of other row counts are one
+# call, as the unwrapped model's.
 BMM_CHUNK_ROWS = (16, 8, 4)
 BMM_SPLIT_ROWS = frozenset({8, 16, 32, 64})
 # A block's gathered weights above this many bytes are computed in chunks (the unwrapped model gathers every row's

@@ -358,6 +358,20 @@ def test_batched_mm_in_chunks_of_rows_combines_as_transformers_experts_do(monkey
     assert 4 in calls and all(n == 4 or n not in BMM_SPLIT_ROWS for n in calls)  # chunked where it may be
 
 
+@with_and_without_sentinel
+def test_batched_mm_in_chunks_with_lossless_records_decoded_at_use_combines_as_transformers_experts_do(monkeypatch, sentinel):
+    """Lossless records kept packed in the cache: each chunked block decodes every needed expert once into its table,
+    and the chunks keep the bits of transformers' one call (fp32 and bf16)."""
+    from test_combine import experts_pair, mismatches
+
+    monkeypatch.setattr(experts_impl, "BATCHED_CALL_BYTES", 1)
+    calls = count_bmm_calls(monkeypatch)
+    assert experts_pair("mixtral", torch.bfloat16, quantization="lossless")[1].manager.placement == "packed"
+    found = mismatches("mixtral", "batched_mm", sentinel, quantization="lossless", dtypes=(torch.float32, torch.bfloat16))
+    assert found == []
+    assert 4 in calls and all(n == 4 or n not in BMM_SPLIT_ROWS for n in calls)
+
+
 @pytest.mark.filterwarnings("ignore:mira-hf. model_type")
 def test_transposed_experts_keep_batched_mms_one_call(monkeypatch):
     """Experts kept transposed (`x @ w` per row, gpt-oss) are not chunked: the rounding by rows per call was measured

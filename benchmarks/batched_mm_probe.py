@@ -11,7 +11,8 @@ same products that copy less:
     mira_min   the chunks a wrapped model uses with one row's weights as its bound (`batched_rows`: 4 rows a call for
                blocks of 8, 16, 32 or 64 rows, else one call)
 
-for expert shapes of Mixtral, Qwen3-30B-A3B and gpt-oss, both projections, bf16 and fp32, and 1 to 64 rows.
+for expert shapes of Mixtral, Qwen3-30B-A3B and gpt-oss, both projections, bf16 and fp32, 1 to 128 rows, with the
+weights as most families keep them (`w @ x` per row, `[E, out, in]`) and transposed (`x @ w`, `[E, in, out]`: gpt-oss).
 
     python benchmarks/batched_mm_probe.py --out DIR     # writes DIR/<date>-<device>-batched-mm-probe.json
 """
@@ -29,7 +30,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 from common import device_slug, environment, print_table, write_json  # noqa: E402
 
-from mira_hf.experts_impl import BATCHED_CALL_BYTES, batched_rows  # noqa: E402
+from mira_hf.experts_impl import BATCHED_CALL_BYTES, batched_linear, batched_rows  # noqa: E402
 
 # (name, out features, in features) of one expert's projection, weights [E, out, in] as transformers keeps them
 SHAPES = [
@@ -41,33 +42,41 @@ SHAPES = [
 ]
 ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 16, 32, 64, 128)
 EXPERTS = 8
+FORMS = {"w_x": False, "x_w": True}  # weights [E, out, in] (w @ x per row), or transposed [E, in, out] (x @ w)
 
 
-def reference(W: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return torch.bmm(W[ids], x.unsqueeze(-1)).squeeze(-1)  # transformers' _batched_linear, not transposed
+def product(w: torch.Tensor, x: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """Each row of x [n, in] by its weights w [n, out, in] ([n, in, out] transposed), as transformers' batched_mm."""
+    return batched_linear(x, w, None, transposed)
+
+
+def reference(W: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, t: bool) -> torch.Tensor:
+    return product(W[ids], x, t)
 
 
 def chunks(k: int):
-    def run(W, x, ids):
-        return torch.cat([reference(W, x[i : i + k], ids[i : i + k]) for i in range(0, x.shape[0], k)])
+    def run(W, x, ids, t):
+        return torch.cat([reference(W, x[i : i + k], ids[i : i + k], t) for i in range(0, x.shape[0], k)])
 
     return run
 
 
-def expanded(W, x, ids):
-    out = torch.empty(x.shape[0], W.shape[1], dtype=x.dtype, device=x.device)
+def expanded(W, x, ids, t):
+    out = None
     for e in ids.unique().tolist():
         rows = (ids == e).nonzero().squeeze(1)
-        out[rows] = torch.bmm(W[e].expand(rows.numel(), *W.shape[1:]), x[rows].unsqueeze(-1)).squeeze(-1)
+        y = product(W[e].expand(rows.numel(), *W.shape[1:]), x[rows], t)
+        out = y.new_empty(x.shape[0], y.shape[1]) if out is None else out
+        out[rows] = y
     return out
 
 
-def per_row(W, x, ids):
-    return torch.cat([torch.bmm(W[e].unsqueeze(0), x[r : r + 1].unsqueeze(-1)).squeeze(-1) for r, e in enumerate(ids.tolist())])
+def per_row(W, x, ids, t):
+    return torch.cat([product(W[e].unsqueeze(0), x[r : r + 1], t) for r, e in enumerate(ids.tolist())])
 
 
-def mira_min(W, x, ids):
-    return torch.cat([reference(W, x[c], ids[c]) for c in batched_rows(x.shape[0], BATCHED_CALL_BYTES + 1)])
+def mira_min(W, x, ids, t):
+    return torch.cat([reference(W, x[c], ids[c], t) for c in batched_rows(x.shape[0], BATCHED_CALL_BYTES + 1)])
 
 
 VARIANTS = {
@@ -89,25 +98,28 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device(args.device)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    rows_out, summary = [], {v: {"cases": 0, "equal": 0} for v in VARIANTS}
-    for dtype in (torch.bfloat16, torch.float32):
-        for name, out_f, in_f in SHAPES:
-            W = (torch.randn(EXPERTS, out_f, in_f, generator=gen) * 0.02).to(dev, dtype)
-            for S in ROWS:
-                x = torch.randn(S, in_f, generator=gen).to(dev, dtype)
-                ids = torch.randint(0, EXPERTS, (S,), generator=gen).to(dev)
-                ref = reference(W, x, ids)
-                row = {"dtype": str(dtype).removeprefix("torch."), "shape": name, "rows": S}
-                for v, fn in VARIANTS.items():
-                    got = fn(W, x, ids)
-                    eq = bool(torch.equal(got, ref))
-                    row[v] = eq
-                    row[v + "_max_abs"] = float((got.float() - ref.float()).abs().max())
-                    summary[v]["cases"] += 1
-                    summary[v]["equal"] += eq
-                rows_out.append(row)
-            del W
-    print_table(rows_out, ["dtype", "shape", "rows", *VARIANTS])
+    rows_out = []
+    summary = {form: {v: {"cases": 0, "equal": 0} for v in VARIANTS} for form in FORMS}
+    for form, t in FORMS.items():
+        for dtype in (torch.bfloat16, torch.float32):
+            for name, out_f, in_f in SHAPES:
+                shape = (EXPERTS, in_f, out_f) if t else (EXPERTS, out_f, in_f)
+                W = (torch.randn(*shape, generator=gen) * 0.02).to(dev, dtype)
+                for S in ROWS:
+                    x = torch.randn(S, in_f, generator=gen).to(dev, dtype)
+                    ids = torch.randint(0, EXPERTS, (S,), generator=gen).to(dev)
+                    ref = reference(W, x, ids, t)
+                    row = {"form": form, "dtype": str(dtype).removeprefix("torch."), "shape": name, "rows": S}
+                    for v, fn in VARIANTS.items():
+                        got = fn(W, x, ids, t)
+                        eq = bool(torch.equal(got, ref))
+                        row[v] = eq
+                        row[v + "_max_abs"] = float((got.float() - ref.float()).abs().max())
+                        summary[form][v]["cases"] += 1
+                        summary[form][v]["equal"] += eq
+                    rows_out.append(row)
+                del W
+    print_table(rows_out, ["form", "dtype", "shape", "rows", *VARIANTS])
     print(summary)
     env = environment()
     path = os.path.join(args.out, f"{env['date']}-{device_slug(env, dev.type == 'cuda')}-batched-mm-probe.json")

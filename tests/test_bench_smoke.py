@@ -369,3 +369,16 @@ def test_depth_profile_smoke_splits_a_decode_step_into_its_parts(tmp_path):
     # every decode step routes each MoE layer once: the proxies' calls per step are the model's MoE layers
     assert parts["calls_per_step"]["proxy_loop"] == result["moe_layers"]
     assert result["host"] and all(row["calls"] > 0 for row in result["host"])
+
+
+def test_batched_mm_probe_smoke_finds_a_wrapped_models_chunks_exact(tmp_path, monkeypatch):
+    """benchmarks/batched_mm_probe.py on the CPU, small shapes: it writes its JSON, and the chunks `batched_rows`
+    picks (`mira_min`) give the one call's bits in both weight forms."""
+    probe = benchmark_module("batched_mm_probe")
+    monkeypatch.setattr(probe, "SHAPES", [("small_up", 96, 64), ("small_down", 64, 48)])
+    monkeypatch.setattr(probe, "ROWS", (1, 3, 8, 16))
+    monkeypatch.setattr("sys.argv", ["batched_mm_probe.py", "--device", "cpu", "--out", str(tmp_path)])
+    probe.main()
+    (out,) = tmp_path.glob("*-cpu-batched-mm-probe.json")
+    summary = json.loads(out.read_text())["summary"]
+    assert {form: s["mira_min"] for form, s in summary.items()} == {f: {"cases": 16, "equal": 16} for f in probe.FORMS}

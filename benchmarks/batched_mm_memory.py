@@ -71,8 +71,8 @@ def main() -> None:
         for name, m in (("unwrapped", ref), ("wrapped", model)):
             logits, added = peak_above(lambda m=m: m(ids).logits)
             rows.append({"model": name, "peak_added_mb": added, "logits": logits})
-    expert_mb = 3 * 4096 * 14336 * 2 / 2**20
-    S = 2 * args.tokens
+    expert_mb = 3 * cfg.hidden_size * cfg.intermediate_size * 2 / 2**20  # gate, up and down in bf16
+    S = cfg.num_experts_per_tok * args.tokens
     chunks = batched_rows(S, int(expert_mb * 2**20))
     equal = torch.equal(rows[0].pop("logits"), rows[1].pop("logits"))
     for r in rows:

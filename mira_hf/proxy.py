@@ -112,8 +112,9 @@ class MiraExperts(nn.Module):
         # records (in slots, or kept beside them: "mixed") that decode exactly (`decodes_exactly`).
         self._gathers = manager.placement not in ("packed", "mixed") or decodes_exactly(manager.store.codec)
         self._handle = register(self)  # how the compiled graph's operator finds this module
-        self._row_bytes = manager.store.raw_layout(layer).payload_bytes  # one expert's weights, as batched_mm copies them
-        fn, hidden = host_expert_math(self, manager.store.raw_layout(layer))  # host_compute.py
+        raw = manager.store.raw_layout(layer)
+        self._row_bytes = raw.payload_bytes  # one expert's weights, as batched_mm copies them
+        fn, hidden = host_expert_math(self, raw)  # host_compute.py
         manager.host.register(layer, self._host_part if manager.host.mode == "split" else fn, hidden)
         # transformers' flags of an experts module (`@use_experts_implementation`), where `base` has them: its
         # code finds experts modules, and reads their layout, by them (parallel plans, exporters, quantizers)
@@ -305,7 +306,7 @@ class MiraExperts(nn.Module):
                 buf[rows_of(e) if one_call else entry[e]] = t
 
         up = (self._up, self._up + "_bias") if self._has_bias else (self._up,)
-        down = ("down_proj", "down_proj_bias") if self._has_bias else ("down_proj",)
+        down = (self._down, self._down + "_bias") if self._has_bias else (self._down,)
         x = hidden_states.repeat_interleave(top_k_index.shape[1], dim=0)  # [S, H], as batched_mm repeats each token
 
         def rows_at(index_of: dict[int, int], fill: int) -> torch.Tensor:
@@ -320,12 +321,12 @@ class MiraExperts(nn.Module):
             put(w, down, e)
 
         group = together = None
-        if self.manager.slot_views(self.layer) is not None:  # raw weights in the slots
+        views = self.manager.slot_views(self.layer)
+        if views is not None:  # raw weights in the slots
 
             def together(plan, experts: list[int]) -> None:  # every row's expert, acquired in its slot
                 nonlocal y  # computed from the pool while the slots are held: no copy of each expert beside it
-                at = rows_at({e: plan.slots[e].index for e in experts}, 0)
-                y = self._bmm_rows(x, self.manager.slot_views(self.layer), at, chunks, up, down)
+                y = self._bmm_rows(x, views, rows_at({e: plan.slots[e].index for e in experts}, 0), chunks, up, down)
 
             def group(plan, experts: list[int]) -> None:  # resident experts, acquired
                 if len(experts) < len(needed) or written < S:  # some rows come later: each expert copied now

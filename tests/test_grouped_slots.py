@@ -57,18 +57,19 @@ def test_grouped_resident_experts_give_the_unwrapped_logits(tiny_checkpoint, gro
         assert any(rows > experts > 1 for experts, rows in grouped_on_cpu)  # the path ran on a block of several tokens
 
 
-def count_pool_gathers(monkeypatch) -> list[int]:
-    """The rows of each batched_mm computation whose weights were gathered from the pool's slots (a list that fills)."""
-    rows = []
+def bmm_rows_calls(monkeypatch, from_pool: bool) -> list[tuple[int, int]]:
+    """(weight entries, rows) of each batched_mm computation whose weights were (`from_pool`) or were not gathered from
+    the pool's slots (a list that fills)."""
+    calls = []
     original = MiraExperts._bmm_rows
 
     def counted(self, x, weights, at, chunks, up, down):
-        if weights is self.manager.slot_views(self.layer):
-            rows.append(at.numel())
+        if (weights is self.manager.slot_views(self.layer)) == from_pool:
+            calls.append((weights[up[0]].shape[0], x.shape[0]))
         return original(self, x, weights, at, chunks, up, down)
 
     monkeypatch.setattr(MiraExperts, "_bmm_rows", counted)
-    return rows
+    return calls
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"])
@@ -93,7 +94,7 @@ def test_grouped_decode_steps_give_the_unwrapped_logits(tiny_checkpoint, grouped
 def test_batched_mm_gathers_resident_experts_from_the_pool_exactly(tiny_checkpoint, monkeypatch, name):
     """batched_mm (what `generate` decodes with on a GPU) copies each row's expert weights: resident experts are
     gathered from their pool's slots in one index per tensor (when every row's expert is resident), on every device."""
-    gathers = count_pool_gathers(monkeypatch)
+    gathers = bmm_rows_calls(monkeypatch, from_pool=True)
     path = tiny_checkpoint(name)
     ref, model = load_reference(path), _wrapped(path, 1.0)
     for m in (ref, model):
@@ -110,7 +111,7 @@ def test_batched_mm_gathers_resident_experts_from_the_pool_exactly(tiny_checkpoi
     out, want = model.generate(ids[:1], **kw), ref.generate(ids[:1], **kw)
     assert torch.equal(out.sequences, want.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, want.logits, strict=True))
-    assert gathers and max(gathers) > 2  # the path ran, on several experts' rows at once
+    assert gathers and max(rows for _, rows in gathers) > 2  # the path ran, on several experts' rows at once
 
 
 @pytest.mark.parametrize(
@@ -120,7 +121,7 @@ def test_batched_mm_blocks_with_misses_gather_every_expert_once_their_copies_lan
     """A decode block whose misses all got slots at `begin` computes every expert from the pool in one gather per
     tensor once its copies land (decoded into their slots, for lossless records), instead of copying each expert into
     its rows: the same bits, with misses."""
-    gathers, steps = count_pool_gathers(monkeypatch), []
+    gathers, steps = bmm_rows_calls(monkeypatch, from_pool=True), []
     decode_step = MiraExperts._decode_step
     monkeypatch.setattr(MiraExperts, "_decode_step", lambda self, *a: steps.append(len(a[3])) or decode_step(self, *a))
     path = tiny_checkpoint(name)
@@ -139,7 +140,7 @@ def test_batched_mm_blocks_with_misses_gather_every_expert_once_their_copies_lan
     assert all(torch.equal(a, b) for a, b in zip(out.logits, want.logits, strict=True))
     assert model.mira.stats()["misses"] > 0
     (k,) = set(steps)  # each decode block: one token's k experts
-    assert gathers.count(k) == len(steps)  # every one of them one gather, misses or not
+    assert [rows for _, rows in gathers].count(k) == len(steps)  # every one of them one gather, misses or not
 
 
 @pytest.mark.gpu
@@ -229,7 +230,7 @@ def test_resident_experts_together_combine_as_transformers_experts_do(grouped_on
     the second time the experts they use are resident and computed together."""
     from test_combine import mismatches
 
-    gathered = count_pool_gathers(monkeypatch)
+    gathered = bmm_rows_calls(monkeypatch, from_pool=True)
     assert mismatches(name, impl, sentinel) == []
     assert mismatches(name, impl, sentinel) == []
     # the path ran (batched_mm gathers all rows' weights from the slots only where no row is the sentinel's)
@@ -397,14 +398,7 @@ def test_batched_mm_in_chunks_copies_each_missing_expert_once_not_once_per_row(t
     """A batched_mm block computed in chunks whose experts are copied into a buffer (not all of them in slots) holds
     one copy of each expert, not one per row: a prompt of 2 x 8 tokens routes 32 rows to at most 8 experts."""
     monkeypatch.setattr(experts_impl, "BATCHED_CALL_BYTES", 1)
-    tables = []
-    original = MiraExperts._bmm_rows
-
-    def counted(self, x, weights, at, chunks, up, down):
-        tables.append((weights[up[0]].shape[0], at.numel(), weights is self.manager.slot_views(self.layer)))
-        return original(self, x, weights, at, chunks, up, down)
-
-    monkeypatch.setattr(MiraExperts, "_bmm_rows", counted)
+    copied = bmm_rows_calls(monkeypatch, from_pool=False)
     path = tiny_checkpoint("mixtral")
     ref = load_reference(path)
     # the minimum budget: a prompt's misses stream through a few slots, so its block's experts cannot all be in slots
@@ -414,7 +408,6 @@ def test_batched_mm_in_chunks_copies_each_missing_expert_once_not_once_per_row(t
     ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
-    copied = [(entries, rows) for entries, rows, pool in tables if not pool]
     assert copied and all(entries <= ref.config.num_local_experts + 1 < rows for entries, rows in copied)
 
 

@@ -163,14 +163,16 @@ def grouped_linear(
     return _grouped_linear(x, weight, offs, bias=bias, is_transposed=transposed)
 
 
-# batched_mm's `bmm` rounds a row alike in calls of 4, 8 and 16 rows as in one call of 8, 16, 32 or 64 rows, at the
-# expert shapes of Mixtral, Qwen3-30B-A3B and gpt-oss in bf16 and fp32 on CUDA (on the CPU: tests/test_grouped_slots.py);
-# in calls of one to three rows it may not (cuBLAS takes other code for so few batch elements). The probe's weights
-# were [n, out, in] (`w @ x` per row): experts kept transposed stay one call (MiraExperts._batched). Measured:
-# benchmarks/batched_mm_probe.py, `2026-12-05-nvidia-h200-batched-mm-probe.json`. Blocks of other row counts are one
-# call, as the unwrapped model's.
+# batched_mm's `bmm` rounds a row alike in calls of 4, 8 and 16 rows as in one call of 8, 16, 32, 64 or 128 rows, at
+# the expert shapes of Mixtral, Qwen3-30B-A3B and gpt-oss in bf16 and fp32, with the same bits on an H100 and an H200
+# (on the CPU: tests/test_grouped_slots.py). Not so in calls of one to three rows (cuBLAS takes other code for so few
+# batch elements, a last chunk of one or two rows included), for experts kept transposed ([n, in, out], `x @ w` per
+# row: fp32 differed in chunks of every size; they stay one call, MiraExperts._batched), nor for tiny experts (64 x
+# 128) even in chunks of 4, which the bound below never chunks. Measured: benchmarks/batched_mm_probe.py,
+# `2026-12-05-nvidia-h200-batched-mm-probe.json`, `2026-12-05-nvidia-h100-80gb-hbm3-batched-mm-probe.json`. Blocks of
+# other row counts are one call, as the unwrapped model's.
 BMM_CHUNK_ROWS = (16, 8, 4)
-BMM_SPLIT_ROWS = frozenset({8, 16, 32, 64})
+BMM_SPLIT_ROWS = frozenset({8, 16, 32, 64, 128})
 # A block's gathered weights above this many bytes are computed in chunks (the unwrapped model gathers every row's
 # copy at once: 16 copies of a 352 MB Mixtral expert at batch 8).
 BATCHED_CALL_BYTES = 1 << 30

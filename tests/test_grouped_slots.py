@@ -6,6 +6,8 @@ The path runs on devices whose grouped kernel computes each row independently of
 CPU kernel has that property (with several, a CPU kernel may round a row by its place); `pytest -m gpu` checks it
 on CUDA, and `benchmarks/fidelity_real_dims.py --budget 1.0` at real dimensions."""
 
+import copy
+
 import pytest
 import torch
 from conftest import ALL_TINY, load_reference, torch_threads
@@ -15,6 +17,7 @@ from mira_hf import MiraConfig, MiraMoEModel, experts_impl
 from mira_hf.config import QuantConfig
 from mira_hf.experts_impl import BMM_CHUNK_ROWS, BMM_SPLIT_ROWS, batched_rows, implementation_of
 from mira_hf.proxy import MiraExperts
+from mira_hf.testing import build, make_config
 
 
 @pytest.fixture
@@ -316,7 +319,7 @@ def test_another_thread_reading_counters_mid_step_leaves_the_blocks_bookkeeping_
     assert torch.equal(got, load_reference(path)(ids).logits)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 16, 32, 33, 64, 130])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 16, 32, 33, 64, 128, 130])
 @pytest.mark.parametrize("row_bytes", [1, 2**20, 2**28, 2**31])
 def test_batched_mm_rows_are_chunked_only_where_chunks_round_as_one_call_and_the_copies_are_large(rows, row_bytes):
     chunks = batched_rows(rows, row_bytes)
@@ -348,8 +351,8 @@ def count_bmm_calls(monkeypatch) -> list[int]:
 @with_and_without_sentinel
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3", "nemotron_h"])
 def test_batched_mm_in_chunks_of_rows_combines_as_transformers_experts_do(monkeypatch, name, sentinel):
-    """With at most one row's weights gathered per call (so every block of 8, 16, 32 or 64 rows is split into calls of
-    4 rows), batched_mm's rows keep the bits of transformers' one `bmm` over all rows:
+    """With at most one row's weights gathered per call (so every block of a row count in BMM_SPLIT_ROWS is split
+    into calls of 4 rows), batched_mm's rows keep the bits of transformers' one `bmm` over all rows:
     test_combine's routings, fp32, bf16 and fp16, each with and without resident experts."""
     from test_combine import mismatches
 
@@ -411,29 +414,59 @@ def test_batched_mm_in_chunks_copies_each_missing_expert_once_not_once_per_row(t
     assert copied and all(entries <= ref.config.num_local_experts + 1 < rows for entries, rows in copied)
 
 
+# One MoE layer with the expert shapes of released models (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 with fewer
+# experts): batched_mm's chunks are the ones the 1 GiB bound picks for them, not a bound forced down on tiny experts
+# (whose small products cuBLAS may split by the call's row count even in calls of 4 rows or more).
+RELEASED_SHAPES = {
+    "mixtral": dict(num_hidden_layers=1, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, head_dim=128),
+    "qwen3_moe": dict(num_hidden_layers=1, hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8),
+    "deepseek_v3": dict(
+        num_hidden_layers=1,
+        first_k_dense_replace=0,
+        hidden_size=7168,
+        moe_intermediate_size=2048,
+        n_routed_experts=16,
+        num_experts_per_tok=8,
+        n_group=4,
+        topk_group=2,
+    ),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3", "qwen2_moe"])
+@pytest.mark.parametrize("name", RELEASED_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("budget", [0.5, 1.0])
-def test_batched_mm_in_chunks_of_rows_on_cuda_gives_the_unwrapped_logits(tiny_checkpoint, monkeypatch, name, dtype, budget):
-    """cuBLAS's `bmm` rounds a row alike in calls of 4 rows or more: batched_mm computed a few rows at a time (at
-    most one row's weights gathered per call) gives the unwrapped model's one-call logits and tokens on CUDA."""
-    monkeypatch.setattr(experts_impl, "BATCHED_CALL_BYTES", 1)
-    calls = count_bmm_calls(monkeypatch)
-    path = tiny_checkpoint(name)
-    ref = load_reference(path, dtype).cuda()
-    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=budget, device="cuda"), progress=False, dtype=dtype)
-    for m in (ref, model.eval()):
+def test_batched_mm_in_chunks_at_released_expert_shapes_gives_the_unwrapped_logits_on_cuda(monkeypatch, name, dtype):
+    """cuBLAS's `bmm` rounds a row of a released model's expert alike in calls of 4, 8 or 16 rows: batched_mm computed
+    in the chunks the 1 GiB bound picks gives the unwrapped model's one-call logits and tokens on CUDA."""
+    torch.manual_seed(0)
+    model = build(make_config(name, **RELEASED_SHAPES[name])).to(dtype).eval()
+    ref = copy.deepcopy(model).cuda()
+    model = MiraMoEModel.wrap(model, MiraConfig(gpu_budget=0.5, device="cuda"))
+    for m in (ref, model):
         m.set_experts_implementation("batched_mm")
-    ids = torch.randint(3, 128, (4, 8), generator=torch.Generator().manual_seed(6)).cuda()
-    kw = dict(
-        max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
-    )
+    proxy = next(m for m in model.modules() if isinstance(m, MiraExperts))
+    top_k = model.config.num_experts_per_tok
+    shapes = [(b, n) for b, n in ((1, 1), (2, 1), (4, 1), (8, 1), (2, 4), (8, 2), (16, 1)) if b * n * top_k in BMM_SPLIT_ROWS]
+    chunked = [len(batched_rows(b * n * top_k, proxy._row_bytes)) > 1 for b, n in shapes]
+    if not any(chunked):
+        pytest.skip(f"{name} in {dtype}: no block of these shapes passes the bound")
+    plans = []  # (rows, chunks) of each batched_mm block
+
+    def planned(rows, row_bytes):
+        plans.append((rows, len(chunks := batched_rows(rows, row_bytes))))
+        return chunks
+
+    monkeypatch.setattr("mira_hf.proxy.batched_rows", planned)
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True)
     with torch.no_grad():
-        for _ in range(2):  # the second time with the experts the first left resident
-            assert torch.equal(model(ids).logits, ref(ids).logits)
-        out, want = model.generate(ids, **kw), ref.generate(ids, **kw)
-    assert torch.equal(out.sequences, want.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(out.logits, want.logits, strict=True))
-    assert 4 in calls and all(n == 4 or n not in BMM_SPLIT_ROWS for n in calls)  # chunked where it may be
+        for b, n in shapes:
+            ids = torch.randint(3, 128, (b, n), generator=torch.Generator().manual_seed(b * n)).cuda()
+            for _ in range(2):  # the second time with the experts the first left resident
+                assert torch.equal(model(ids).logits, ref(ids).logits), (b, n)
+            out = model.generate(ids, return_dict_in_generate=True, **kw)
+            want = ref.generate(ids, return_dict_in_generate=True, **kw)
+            assert torch.equal(out.sequences, want.sequences), (b, n)
+            assert all(torch.equal(a, w) for a, w in zip(out.logits, want.logits, strict=True)), (b, n)
+    assert any(n > 1 for _, n in plans)  # blocks ran in chunks

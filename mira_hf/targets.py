@@ -19,6 +19,7 @@ from model_adapters.base import (
     AutoAdapter,
     FusedExperts,
     auto_adapter,
+    keeps_experts_as_modules,
     replaces_interface_forward,
     uses_experts_interface,
 )
@@ -83,6 +84,14 @@ def resolve_adapter(model_type: str | None, cfg: MiraConfig, remote: bool = Fals
     if adapter is not None:
         return adapter
     if model_type and not remote and all(uses_experts_interface(t) is False for t in (model_type, *parts)):
+        if any(keeps_experts_as_modules(t) for t in (model_type, *parts)):
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} keeps each expert as a module of its own (transformers builds its experts "
+                f"as an nn.ModuleDict of per-expert MLPs, as for Switch Transformers and NLLB-MoE), a layout mira-hf "
+                f"does not serve: it offloads experts kept as [E, ...] tensors. Supported: "
+                f"{', '.join(registered_model_types())}, and any model whose experts transformers builds with its "
+                f"experts interface. Run this model with transformers alone (device_map='auto' offloads to the host)."
+            )
         raise UnsupportedModelError(
             f"model_type {model_type!r} has no mira-hf adapter, and transformers' code for it builds no experts module "
             f"(a dense model, or experts outside transformers' experts interface). Supported: "

@@ -10,6 +10,7 @@ That is what an adapter records; the proxy reads the rest (flags, gate function)
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -345,6 +346,24 @@ def uses_experts_interface(model_type: str) -> bool | None:
     """Whether transformers' modeling code of `model_type` builds its experts with `@use_experts_implementation`
     (the test transformers itself uses to allow switching experts implementations); None when that code is
     not part of transformers (remote code, or an unknown type)."""
+    source = _modeling_source(model_type)
+    return None if source is None else "@use_experts_implementation" in source
+
+
+# An experts class that is a container of one module per expert (Switch Transformers' and NLLB-MoE's `nn.ModuleDict`
+# of `expert_{i}` MLPs), as transformers' modeling code declares it.
+_PER_EXPERT_MODULES = re.compile(r"^class \w*Experts\((?:nn\.)?Module(?:Dict|List)\)", re.MULTILINE)
+
+
+def keeps_experts_as_modules(model_type: str) -> bool | None:
+    """Whether transformers' modeling code of `model_type` keeps its experts as one module each in a container
+    (`nn.ModuleDict` / `nn.ModuleList`) rather than as `[E, ...]` tensors; None where that code is not transformers'."""
+    source = _modeling_source(model_type)
+    return None if source is None else bool(_PER_EXPERT_MODULES.search(source))
+
+
+def _modeling_source(model_type: str) -> str | None:
+    """The source of transformers' modeling module of `model_type`, or None (remote code, an unknown type)."""
     import importlib
     import inspect
 
@@ -352,8 +371,7 @@ def uses_experts_interface(model_type: str) -> bool | None:
         from transformers.models.auto.configuration_auto import model_type_to_module_name
 
         name = model_type_to_module_name(model_type)
-        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-        return "@use_experts_implementation" in inspect.getsource(module)
+        return inspect.getsource(importlib.import_module(f"transformers.models.{name}.modeling_{name}"))
     except (ImportError, OSError, TypeError, ValueError):
         return None
 

@@ -31,7 +31,7 @@ import torch
 
 from model_adapters import MoEAdapter
 
-from .errors import BudgetError, CheckpointError, UnsupportedModelError
+from .errors import BudgetError, CheckpointError, ConfigError, UnsupportedModelError
 from .expert_keys import (
     NativeKeys,
     PerExpert,
@@ -272,15 +272,17 @@ def load_model(
     wanted: bool,
     stream_experts: bool | None,
     config_json: dict | None = None,
+    model_class: type | None = None,
 ) -> tuple[torch.nn.Module, StreamedExperts | None]:
     """Load the model for wrapping: without its routed experts when they are streamed (`index`, from
     `streaming_index`; the second value says where to read them), else whole through transformers (`None`).
-    `config_json`: the checkpoint's config.json."""
+    `config_json`: the checkpoint's config.json; `model_class`: the class to load it as (`model_class_of`)."""
     config_json = config_json or {}
+    model_class = model_class or model_class_of(config_json)
     quantization_config = config_json.get("quantization_config")
     if index is not None:
         try:
-            return load_without_experts(name_or_path, adapter, index, hf_kwargs, bool(stream_experts))
+            return load_without_experts(name_or_path, adapter, index, hf_kwargs, bool(stream_experts), model_class)
         except NotStreamable as exc:
             if wanted or quantization_config is not None:
                 _cannot_stream(name_or_path, str(exc), None, bool(stream_experts))
@@ -288,12 +290,43 @@ def load_model(
         from transformers import AutoConfig
 
         hf_kwargs = dequantizing(AutoConfig.from_pretrained(name_or_path, **_config_kwargs(hf_kwargs)), hf_kwargs)
-    return model_class_of(config_json).from_pretrained(name_or_path, **hf_kwargs), None
+    return model_class.from_pretrained(name_or_path, **hf_kwargs), None
 
 
-def model_class_of(config_json: dict):
-    """`auto_model_class` of a checkpoint's config.json."""
-    return auto_model_class(config_json.get("model_type"), config_json.get("architectures"), "auto_map" in config_json)
+def model_class_of(config_json: dict, given: type | None = None):
+    """The transformers class a checkpoint loads as: `given` (a model class, or an auto class such as
+    `AutoModelForImageTextToText`), checked against config.json's model type, else `auto_model_class` of config.json.
+    Raises `ConfigError` before anything is read where `given` cannot build that model type."""
+    model_type = config_json.get("model_type")
+    if given is None:
+        return auto_model_class(model_type, config_json.get("architectures"), "auto_map" in config_json)
+    from transformers import CONFIG_MAPPING, PreTrainedModel
+
+    auto = isinstance(given, type) and hasattr(given, "_model_mapping")
+    if not auto and not (isinstance(given, type) and issubclass(given, PreTrainedModel)):
+        raise ConfigError(
+            f"model_class={given!r} is neither a transformers model class nor an auto class. Pass one "
+            "(AutoModelForImageTextToText, Qwen3VLMoeForConditionalGeneration, ...), or leave model_class out for the "
+            "class AutoModelForCausalLM picks."
+        )
+    if model_type not in CONFIG_MAPPING:  # remote code, or a type this transformers does not know: not checkable
+        return given
+    config_class = CONFIG_MAPPING[model_type]
+    if auto:
+        if config_class not in given._model_mapping:
+            raise ConfigError(
+                f"model_class={given.__name__} has no class for model_type {model_type!r} ({config_class.__name__}) "
+                "in this transformers. Pass an auto class that maps it, the model class itself, or leave model_class "
+                "out for the class AutoModelForCausalLM picks."
+            )
+        return given
+    builds = (config_class, *getattr(config_class, "sub_configs", {}).values())  # a text-only class of a composite
+    if given.config_class not in builds:
+        raise ConfigError(
+            f"model_class={given.__name__} builds {given.config_class.__name__} models; this checkpoint is model_type "
+            f"{model_type!r} ({config_class.__name__}). Pass a class of that type, or leave model_class out."
+        )
+    return given
 
 
 def _is_native(quantization_config: dict) -> bool:
@@ -347,9 +380,10 @@ def auto_model_class(model_type: str | None, architectures: list[str] | None = N
 
 
 def load_without_experts(
-    name_or_path, adapter: MoEAdapter, index: ShardIndex, hf_kwargs: dict, explicit: bool
+    name_or_path, adapter: MoEAdapter, index: ShardIndex, hf_kwargs: dict, explicit: bool, model_class: type | None = None
 ) -> tuple[torch.nn.Module, StreamedExperts | None]:
-    """`from_pretrained` without the routed experts; returns the model and where its experts are.
+    """`from_pretrained` without the routed experts, as `model_class` (None: `auto_model_class`) loads it; returns
+    the model and where its experts are.
 
     Raises `NotStreamable` before loading anything when the model class cannot be built this way. If
     the experts modules do not match the checkpoint, the model is loaded whole (see `_cannot_stream`).
@@ -358,7 +392,7 @@ def load_without_experts(
     quantization = getattr(config, "quantization_config", None)
     native = native_codec_name(quantization)
     hf_kwargs = dequantizing(config, hf_kwargs)  # the experts are read here; the other weights as transformers loads them
-    base = _model_class(config)
+    base = _model_class(config, model_class)
     state: dict[str, object] = {}
     block = block_size(quantization_dict(quantization)) if native is not None else None
     partial = []  # FP8 weights transformers cannot dequantize (see fp8_partial_blocks): set after the load
@@ -442,9 +476,10 @@ _SKELETON_KWARGS = ("dtype", "revision", "cache_dir", "local_files_only", "token
 
 
 def build_skeleton(
-    name_or_path, adapter: MoEAdapter, index: ShardIndex, hf_kwargs: dict
+    name_or_path, adapter: MoEAdapter, index: ShardIndex, hf_kwargs: dict, model_class: type | None = None
 ) -> tuple[torch.nn.Module, StreamedExperts]:
-    """The model on the meta device, built from config.json as `from_pretrained` builds it, without its routed
+    """The model on the meta device, built from config.json as `model_class.from_pretrained` builds it (None:
+    `auto_model_class`), without its routed
     experts, and where to read them: the experts are read into the store while later shards still arrive,
     before transformers loads the other weights. Each module's key templates are planned when its experts
     are first read (waiting only for their shards). Raises `NotStreamable` where the skeleton could differ
@@ -461,7 +496,7 @@ def build_skeleton(
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise NotStreamable(f"the model's dtype is not given by its config ({dtype!r})")
-    model_class = _model_class(config)
+    model_class = _model_class(config, model_class)
     text_config = getattr(config, "sub_configs", {}).get("text_config")
     if text_config is not None and getattr(model_class, "config_class", None) is text_config:
         config = config.get_text_config()  # the text-only model of a composite checkpoint, as the auto class builds it
@@ -505,9 +540,9 @@ def _config_kwargs(hf_kwargs: dict) -> dict:
     return {k: hf_kwargs[k] for k in names if k in hf_kwargs}
 
 
-def _model_class(config):
-    """The transformers class `from_pretrained` builds for `config` (its language-model head)."""
-    cls = auto_model_class(config.model_type, getattr(config, "architectures", None))
+def _model_class(config, cls: type | None = None):
+    """The transformers class `cls.from_pretrained` builds for `config` (None: `auto_model_class`'s)."""
+    cls = cls or auto_model_class(config.model_type, getattr(config, "architectures", None))
     base = cls._model_mapping.get(type(config), None) if hasattr(cls, "_model_mapping") else cls
     if base is None:
         raise NotStreamable(f"{type(config).__name__} has no language-model class in transformers")

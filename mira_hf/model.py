@@ -61,7 +61,12 @@ class MiraMoEModel:
     @staticmethod
     @_builds_normal_tensors
     def from_pretrained(
-        name_or_path: str | os.PathLike, mira_config: MiraConfig | None = None, *, progress: bool = True, **hf_kwargs
+        name_or_path: str | os.PathLike,
+        mira_config: MiraConfig | None = None,
+        *,
+        progress: bool = True,
+        model_class: type | None = None,
+        **hf_kwargs,
     ):
         """Load a causal-LM MoE checkpoint: a local directory, or a hub id (downloaded into the Hugging Face
         cache as transformers does, honouring `revision`, `token`, `cache_dir`, `local_files_only` and
@@ -77,7 +82,10 @@ class MiraMoEModel:
 
         `hf_kwargs` go to `AutoModelForCausalLM.from_pretrained` (`AutoModelForImageTextToText` for a vision-language
         checkpoint, which has no causal-LM class; for a family with neither, the class config.json's `architectures`
-        names, such as a token classifier) (`dtype`, `revision`, `trust_remote_code`, ...),
+        names, such as a token classifier) (`dtype`, `revision`, `trust_remote_code`, ...), or to `model_class`'s
+        where given: a transformers model class or auto class to load the checkpoint as, as its own `from_pretrained`
+        would (`AutoModelForImageTextToText` for the whole vision-language model of a checkpoint whose causal-LM
+        class is its text decoder alone),
         except `device_map`: mira-hf places weights itself (non-experts on `mira_config.device`, experts in host
         memory), so a map names that device (`device_from_map`).
         """
@@ -100,7 +108,7 @@ class MiraMoEModel:
             )
         # what serves its experts, and the class transformers builds for it: both checked before any weight is read
         adapter = resolve_adapter(config_dict.get("model_type"), cfg, "auto_map" in config_dict, sub_model_types(config_dict))
-        model_class_of(config_dict)
+        model_class = model_class_of(config_dict, model_class)
         _check_prequantized(cfg, config_dict.get("quantization_config"), name_or_path)
         hf_kwargs.setdefault("dtype", "auto")
         report = LoadReport()
@@ -124,9 +132,12 @@ class MiraMoEModel:
             wanted,
             cfg.loader.stream_experts,
             config_dict,
+            model_class,
         )
         if index is not None:
-            model = MiraMoEModel._wrap_arriving(name_or_path, adapter, index, hf_kwargs, cfg, device, progress, report, load)
+            model = MiraMoEModel._wrap_arriving(
+                name_or_path, adapter, index, hf_kwargs, cfg, device, progress, report, load, model_class
+            )
             if model is not None:
                 return model
         with report.span("model"), _checkpoint_errors(name_or_path):
@@ -199,6 +210,7 @@ class MiraMoEModel:
         progress: bool,
         report: LoadReport,
         load: Callable[[], tuple[nn.Module, StreamedExperts | None]],
+        model_class: type,
     ):
         """`from_pretrained` with streamed experts, in the order that lets them be read while a hub id's later
         shards still download: the model's skeleton from config.json, each layer's experts stored as its shards
@@ -206,11 +218,11 @@ class MiraMoEModel:
         fingerprint, predictor and record cache. A local checkpoint is the same load with every shard there
         from the start. None where a skeleton cannot stand in for the model (the caller loads it first); if the
         model transformers builds differs from the skeleton, its experts are stored again the ordinary way.
-        `load()`: the model without its experts, through transformers (`load_model`)."""
+        `load()`: the model without its experts, through transformers (`load_model`); `model_class`: the class it loads as."""
         if cfg.store_path is not None:  # a saved store is checked against the routers' weights: loaded first
             return None
         try:
-            skeleton, early = build_skeleton(name_or_path, adapter, index, hf_kwargs)
+            skeleton, early = build_skeleton(name_or_path, adapter, index, hf_kwargs, model_class)
         except NotStreamable:
             return None
         targets = find_targets(skeleton, adapter, early.meta)

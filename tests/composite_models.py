@@ -87,6 +87,28 @@ def llava_mixtral(transformers):
     return transformers.LlavaForConditionalGeneration(config)
 
 
+def gemma4(transformers):
+    """Gemma 4: a vision-language model whose decoder layers run a dense MLP beside the routed experts."""
+    vision = transformers.Gemma4VisionConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                             num_key_value_heads=2, head_dim=16)  # fmt: skip
+    config = transformers.Gemma4Config(text_config=make_auto_config("gemma4_text").to_dict(), vision_config=vision,
+                                       audio_config=None)  # fmt: skip
+    return transformers.Gemma4ForConditionalGeneration(config)
+
+
+def qwen3_5_moe(transformers):
+    """Qwen3.5-MoE: a vision-language checkpoint whose causal-LM class is its text decoder alone (what
+    AutoModelForCausalLM loads); its hybrid attention as Qwen3-Next's."""
+    config = transformers.Qwen3_5MoeConfig
+    text = {k: v for k, v in SMALL.items() if hasattr(config.sub_configs["text_config"](), k)}
+    text.update(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4, linear_num_key_heads=2,
+                linear_key_head_dim=16, linear_value_head_dim=16,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                     mrope_section=[1, 1, 0]))  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    return transformers.Qwen3_5MoeForConditionalGeneration(config(text_config=text, vision_config=vision))
+
+
 COMPOSITES = {
     "aria": aria,
     "qwen3_omni_thinker": qwen3_omni_thinker,
@@ -95,4 +117,5 @@ COMPOSITES = {
     "mistral_large4": mistral_large4,
     "kimi_k25": kimi_k25,
     "llava_mixtral": llava_mixtral,
+    "gemma4": gemma4,
 }

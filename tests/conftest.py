@@ -88,9 +88,15 @@ def load_reference(path: str, dtype=None, **hf_kwargs):
     from_pretrained as well (`trust_remote_code=True`)."""
     from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(path, **reference_kwargs(path, dtype), **hf_kwargs).eval()
+    return align_experts(model)
+
+
+def align_experts(model):
+    """`model` with its routed experts' weights moved to 16-byte-aligned addresses where transformers left them
+    where the checkpoint file put them (`load_reference`)."""
     from model_adapters import get_adapter
 
-    model = AutoModelForCausalLM.from_pretrained(path, **reference_kwargs(path, dtype), **hf_kwargs).eval()
     adapter = get_adapter(model.config.model_type)
     if adapter is not None:  # where its adapter says the experts are (DBRX's and JetMoE's on a child)
         experts = [p for _, m in adapter.find_experts(model) for p in adapter.experts_layout.parameters(m).values()]

@@ -7,15 +7,19 @@ what the unwrapped model computes. Tiny configs are made by shrinking the family
 that the installed transformers lacks is skipped (they arrive over 5.17 to 5.25).
 """
 
+import warnings
+
+import composite_models as composites
 import pytest
 import torch
 from composite_models import COMPOSITES, qwen3_omni_thinker_config
+from conftest import align_experts
 from tiny_models import AUTO_FAMILIES as FAMILIES
 from tiny_models import AUTO_SMALL as SMALL
 from tiny_models import build, config_or_skip, make_auto_config, make_config
 from transformers import AutoModelForCausalLM
 
-from mira_hf import MiraConfig, MiraMoEModel, UnsupportedModelError
+from mira_hf import ConfigError, MiraConfig, MiraMoEModel, UnsupportedModelError
 from mira_hf.checkpoint import auto_model_class
 from mira_hf.config import LoaderConfig
 from model_adapters import registered_model_types
@@ -221,7 +225,7 @@ def test_multimodal_checkpoint_streams_through_transformers_renaming(name, dtype
     if not any(is_transformers_experts(m) for m in model.modules()):
         pytest.skip(f"transformers {transformers.__version__} builds its experts outside the experts interface")
     model.save_pretrained(tmp_path)
-    ref = type(model).from_pretrained(tmp_path, dtype=dtype).eval()
+    ref = align_experts(type(model).from_pretrained(tmp_path, dtype=dtype).eval())
     cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=True))
     with pytest.warns(UserWarning, match="has no adapter"):
         streamed = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False, dtype=dtype)
@@ -231,6 +235,58 @@ def test_multimodal_checkpoint_streams_through_transformers_renaming(name, dtype
     assert streamed.mira.stats()["loads"] > 0
     got = streamed.state_dict()
     assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items() if ".experts." in k)  # text and vision experts
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_model_class_loads_the_whole_vision_language_model_of_a_checkpoint(stream, dtype, tmp_path):
+    """A Qwen3.5-MoE checkpoint loads as its text decoder alone by default, as AutoModelForCausalLM loads it; with
+    `model_class` (an auto class or the model class) it loads as that class does, the vision tower included, whole
+    or expert by expert, with transformers' outputs and state dict, bit for bit."""
+    import transformers
+
+    if not hasattr(transformers, "Qwen3_5MoeForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no qwen3_5_moe")
+    torch.manual_seed(0)
+    composites.qwen3_5_moe(transformers).save_pretrained(tmp_path)
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=stream))
+    with warnings.catch_warnings():  # (its text decoder has an adapter where the whole model has none)
+        warnings.simplefilter("ignore")
+        text_only = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False, dtype=dtype)
+    assert type(text_only) is type(AutoModelForCausalLM.from_pretrained(tmp_path))
+    for cls in (transformers.AutoModelForImageTextToText, transformers.Qwen3_5MoeForConditionalGeneration):
+        ref = align_experts(cls.from_pretrained(tmp_path, dtype=dtype).eval())
+        with pytest.warns(UserWarning, match="has no adapter"):
+            model = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False, dtype=dtype, model_class=cls)
+        assert type(model) is transformers.Qwen3_5MoeForConditionalGeneration and model.dtype == dtype
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=IDS).logits, ref(input_ids=IDS).logits)
+        got, want = model.state_dict(), ref.state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+        assert model.mira.stats()["loads"] > 0
+
+
+@pytest.mark.parametrize(
+    "model_class, match",
+    [
+        ("AutoModelForSeq2SeqLM", "AutoModelForSeq2SeqLM has no class for model_type 'qwen3_5_moe'"),
+        ("MixtralForCausalLM", "MixtralForCausalLM builds MixtralConfig models; this checkpoint is model_type 'qwen3_5_moe'"),
+        ("MixtralConfig", "is neither a transformers model class nor an auto class"),
+    ],
+)
+def test_a_model_class_that_cannot_build_the_checkpoint_is_refused_before_loading(model_class, match, tmp_path):
+    import transformers
+
+    if not hasattr(transformers, "Qwen3_5MoeForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no qwen3_5_moe")
+    torch.manual_seed(0)
+    composites.qwen3_5_moe(transformers).save_pretrained(tmp_path)
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ConfigError, match=match):
+        MiraMoEModel.from_pretrained(
+            tmp_path, MiraConfig(device="cpu"), progress=False, model_class=getattr(transformers, model_class)
+        )
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
 
 
 def test_experts_tied_across_two_stacks_are_served_exactly_and_never_streamed(tmp_path):

@@ -3,8 +3,8 @@ exactness run (`benchmarks/gpu_reliability.py`). `COMPOSITES`: name -> a functio
 transformers module (the caller seeds torch first); it raises `AttributeError` where that transformers lacks the
 family."""
 
+from tiny_models import AUTO_OVERRIDES, make_auto_config, make_config
 from tiny_models import AUTO_SMALL as SMALL
-from tiny_models import make_auto_config, make_config
 
 
 def aria(transformers):
@@ -109,6 +109,40 @@ def qwen3_5_moe(transformers):
     return transformers.Qwen3_5MoeForConditionalGeneration(config(text_config=text, vision_config=vision))
 
 
+# A composite of another family: its text decoder from its own defaults shrunk (`AUTO_SMALL`, its text family's
+# `AUTO_OVERRIDES`, then `text`), every other sub-model shrunk to one small layer (`VISION_SMALL`, the keys its config
+# has), then `fix` on the arguments.
+VISION_SMALL = dict(depth=1, num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_heads=2, num_attention_heads=2,
+                    num_key_value_heads=2, head_dim=16, out_hidden_size=64, embed_dim=32)  # fmt: skip
+
+
+def shrunk(model_type: str, text: dict | None = None, fix=None):
+    """A builder of a tiny random model of composite `model_type`, as `auto_model_class` loads its checkpoints."""
+
+    def build_it(transformers):
+        from mira_hf.checkpoint import auto_model_class
+
+        if model_type not in transformers.CONFIG_MAPPING:
+            raise AttributeError(f"no {model_type}")
+        cls = transformers.CONFIG_MAPPING[model_type]
+        kwargs = {}
+        for name, sub in cls.sub_configs.items():
+            defaults = sub()
+            small = {k: v for k, v in (SMALL if name == "text_config" else VISION_SMALL).items() if hasattr(defaults, k)}
+            if name == "text_config":  # the text family's own tiny overrides (`AUTO_OVERRIDES`), then `text`
+                small = {**small, **AUTO_OVERRIDES.get(defaults.model_type, {}), **(text or {})}
+            kwargs[name] = sub(**small).to_dict()
+        if fix is not None:
+            fix(kwargs)
+        return auto_model_class(model_type).from_config(cls(**kwargs))
+
+    return build_it
+
+
+def _text_width_for_vision(kwargs):
+    kwargs["vision_config"]["text_hidden_size"] = kwargs["text_config"]["hidden_size"]
+
+
 COMPOSITES = {
     "aria": aria,
     "qwen3_omni_thinker": qwen3_omni_thinker,
@@ -118,4 +152,16 @@ COMPOSITES = {
     "kimi_k25": kimi_k25,
     "llava_mixtral": llava_mixtral,
     "gemma4": gemma4,
-}
+    "qwen3_vl_moe": shrunk("qwen3_vl_moe"),
+    "minimax_m3_vl": shrunk("minimax_m3_vl"),
+    "qwen4_exp": shrunk("qwen4_exp"),
+    "inkling2": shrunk("inkling2", fix=_text_width_for_vision),
+    "hy_v4_vl": shrunk("hy_v4_vl", text=dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]))),
+    # GLM-5-Next: linear attention and indexed (DSA, no rotary part) attention layers
+    "glm5_next": shrunk("glm5_next", text=dict(
+        num_key_value_heads=4, qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=16, head_dim=0, qk_head_dim=16,
+        layer_types=["linear_attention", "indexed_attention"], mlp_layer_types=["dense", "sparse"],
+        indexer_types=["full", "full"], index_topk=8, index_head_dim=16, index_n_heads=2, index_kpool=4,
+        linear_head_dim=16,
+    )),
+}  # fmt: skip

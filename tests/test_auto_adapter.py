@@ -253,7 +253,10 @@ def test_model_class_loads_the_whole_vision_language_model_of_a_checkpoint(strea
     with warnings.catch_warnings():  # (its text decoder has an adapter where the whole model has none)
         warnings.simplefilter("ignore")
         text_only = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False, dtype=dtype)
-    assert type(text_only) is type(AutoModelForCausalLM.from_pretrained(tmp_path))
+    text_ref = align_experts(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval())
+    assert type(text_only) is type(text_ref)
+    with torch.no_grad():
+        assert torch.equal(text_only(input_ids=IDS).logits, text_ref(input_ids=IDS).logits)
     for cls in (transformers.AutoModelForImageTextToText, transformers.Qwen3_5MoeForConditionalGeneration):
         ref = align_experts(cls.from_pretrained(tmp_path, dtype=dtype).eval())
         with pytest.warns(UserWarning, match="has no adapter"):

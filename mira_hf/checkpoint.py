@@ -271,14 +271,12 @@ def load_model(
     index: ShardIndex | None,
     wanted: bool,
     stream_experts: bool | None,
-    config_json: dict | None = None,
-    model_class: type | None = None,
+    config_json: dict,
+    model_class: type,
 ) -> tuple[torch.nn.Module, StreamedExperts | None]:
     """Load the model for wrapping: without its routed experts when they are streamed (`index`, from
     `streaming_index`; the second value says where to read them), else whole through transformers (`None`).
     `config_json`: the checkpoint's config.json; `model_class`: the class to load it as (`model_class_of`)."""
-    config_json = config_json or {}
-    model_class = model_class or model_class_of(config_json)
     quantization_config = config_json.get("quantization_config")
     if index is not None:
         try:
@@ -380,9 +378,9 @@ def auto_model_class(model_type: str | None, architectures: list[str] | None = N
 
 
 def load_without_experts(
-    name_or_path, adapter: MoEAdapter, index: ShardIndex, hf_kwargs: dict, explicit: bool, model_class: type | None = None
+    name_or_path, adapter: MoEAdapter, index: ShardIndex, hf_kwargs: dict, explicit: bool, model_class: type
 ) -> tuple[torch.nn.Module, StreamedExperts | None]:
-    """`from_pretrained` without the routed experts, as `model_class` (None: `auto_model_class`) loads it; returns
+    """`from_pretrained` without the routed experts, as `model_class` (`model_class_of`) loads it; returns
     the model and where its experts are.
 
     Raises `NotStreamable` before loading anything when the model class cannot be built this way. If
@@ -476,10 +474,10 @@ _SKELETON_KWARGS = ("dtype", "revision", "cache_dir", "local_files_only", "token
 
 
 def build_skeleton(
-    name_or_path, adapter: MoEAdapter, index: ShardIndex, hf_kwargs: dict, model_class: type | None = None
+    name_or_path, adapter: MoEAdapter, index: ShardIndex, hf_kwargs: dict, model_class: type
 ) -> tuple[torch.nn.Module, StreamedExperts]:
-    """The model on the meta device, built from config.json as `model_class.from_pretrained` builds it (None:
-    `auto_model_class`), without its routed
+    """The model on the meta device, built from config.json as `model_class.from_pretrained` builds it
+    (`model_class_of`), without its routed
     experts, and where to read them: the experts are read into the store while later shards still arrive,
     before transformers loads the other weights. Each module's key templates are planned when its experts
     are first read (waiting only for their shards). Raises `NotStreamable` where the skeleton could differ
@@ -540,9 +538,8 @@ def _config_kwargs(hf_kwargs: dict) -> dict:
     return {k: hf_kwargs[k] for k in names if k in hf_kwargs}
 
 
-def _model_class(config, cls: type | None = None):
-    """The transformers class `cls.from_pretrained` builds for `config` (None: `auto_model_class`'s)."""
-    cls = cls or auto_model_class(config.model_type, getattr(config, "architectures", None))
+def _model_class(config, cls: type):
+    """The transformers class `cls.from_pretrained` builds for `config` (`cls` itself, or an auto class's mapping)."""
     base = cls._model_mapping.get(type(config), None) if hasattr(cls, "_model_mapping") else cls
     if base is None:
         raise NotStreamable(f"{type(config).__name__} has no language-model class in transformers")

@@ -312,9 +312,9 @@ def _has(config, key: str) -> bool:
         return True
 
 
-def make_auto_config(model_type: str):
-    """A tiny config of a family without an adapter: its own defaults shrunk (None if transformers lacks it, or
-    builds its experts outside its experts interface, as LongCat-Flash's before transformers 5.25)."""
+def make_auto_config(model_type: str, **overrides):
+    """A tiny config of a family without an adapter: its own defaults shrunk, then `overrides` (None if transformers
+    lacks it, or builds its experts outside its experts interface, as LongCat-Flash's before transformers 5.25)."""
     from model_adapters.base import uses_experts_interface
 
     if model_type not in transformers.CONFIG_MAPPING or uses_experts_interface(model_type) is False:
@@ -322,7 +322,7 @@ def make_auto_config(model_type: str):
     cls = transformers.CONFIG_MAPPING[model_type]
     defaults = cls()
     small = {k: v for k, v in AUTO_SMALL.items() if _has(defaults, k)}
-    return cls(**{**small, **AUTO_OVERRIDES.get(model_type, {})})
+    return cls(**{**small, **AUTO_OVERRIDES.get(model_type, {}), **overrides})
 
 
 # Every family with an adapter: name -> (config class name, kwargs).

@@ -3,8 +3,10 @@ exactness run (`benchmarks/gpu_reliability.py`). `COMPOSITES`: name -> a functio
 transformers module (the caller seeds torch first); it raises `AttributeError` where that transformers lacks the
 family."""
 
-from tiny_models import AUTO_OVERRIDES, make_auto_config, make_config
 from tiny_models import AUTO_SMALL as SMALL
+from tiny_models import make_auto_config, make_config
+
+from mira_hf.testing import _has
 
 
 def aria(transformers):
@@ -87,15 +89,6 @@ def llava_mixtral(transformers):
     return transformers.LlavaForConditionalGeneration(config)
 
 
-def gemma4(transformers):
-    """Gemma 4: a vision-language model whose decoder layers run a dense MLP beside the routed experts."""
-    vision = transformers.Gemma4VisionConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                                             num_key_value_heads=2, head_dim=16)  # fmt: skip
-    config = transformers.Gemma4Config(text_config=make_auto_config("gemma4_text").to_dict(), vision_config=vision,
-                                       audio_config=None)  # fmt: skip
-    return transformers.Gemma4ForConditionalGeneration(config)
-
-
 def qwen3_5_moe(transformers):
     """Qwen3.5-MoE: a vision-language checkpoint whose causal-LM class is its text decoder alone (what
     AutoModelForCausalLM loads); its hybrid attention as Qwen3-Next's."""
@@ -109,9 +102,8 @@ def qwen3_5_moe(transformers):
     return transformers.Qwen3_5MoeForConditionalGeneration(config(text_config=text, vision_config=vision))
 
 
-# A composite of another family: its text decoder from its own defaults shrunk (`AUTO_SMALL`, its text family's
-# `AUTO_OVERRIDES`, then `text`), every other sub-model shrunk to one small layer (`VISION_SMALL`, the keys its config
-# has), then `fix` on the arguments.
+# A composite of another family: its text decoder as `make_auto_config` shrinks it, then `text`; every other sub-model
+# shrunk to one small layer (`VISION_SMALL`, the keys its config has); then `fix` on the arguments.
 VISION_SMALL = dict(depth=1, num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_heads=2, num_attention_heads=2,
                     num_key_value_heads=2, head_dim=16, out_hidden_size=64, embed_dim=32)  # fmt: skip
 
@@ -127,11 +119,11 @@ def shrunk(model_type: str, text: dict | None = None, fix=None):
         cls = transformers.CONFIG_MAPPING[model_type]
         kwargs = {}
         for name, sub in cls.sub_configs.items():
-            defaults = sub()
-            small = {k: v for k, v in (SMALL if name == "text_config" else VISION_SMALL).items() if hasattr(defaults, k)}
-            if name == "text_config":  # the text family's own tiny overrides (`AUTO_OVERRIDES`), then `text`
-                small = {**small, **AUTO_OVERRIDES.get(defaults.model_type, {}), **(text or {})}
-            kwargs[name] = sub(**small).to_dict()
+            if name == "text_config":
+                kwargs[name] = make_auto_config(sub.model_type, **(text or {})).to_dict()
+            else:
+                defaults = sub()
+                kwargs[name] = sub(**{k: v for k, v in VISION_SMALL.items() if _has(defaults, k)}).to_dict()
         if fix is not None:
             fix(kwargs)
         return auto_model_class(model_type).from_config(cls(**kwargs))
@@ -143,6 +135,10 @@ def _text_width_for_vision(kwargs):
     kwargs["vision_config"]["text_hidden_size"] = kwargs["text_config"]["hidden_size"]
 
 
+def _no_audio(kwargs):
+    kwargs["audio_config"] = None
+
+
 COMPOSITES = {
     "aria": aria,
     "qwen3_omni_thinker": qwen3_omni_thinker,
@@ -151,7 +147,7 @@ COMPOSITES = {
     "mistral_large4": mistral_large4,
     "kimi_k25": kimi_k25,
     "llava_mixtral": llava_mixtral,
-    "gemma4": gemma4,
+    "gemma4": shrunk("gemma4", fix=_no_audio),  # a dense MLP beside the routed experts in every layer
     "qwen3_vl_moe": shrunk("qwen3_vl_moe"),
     "minimax_m3_vl": shrunk("minimax_m3_vl"),
     "qwen4_exp": shrunk("qwen4_exp"),

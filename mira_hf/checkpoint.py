@@ -351,21 +351,24 @@ def dequantizing(config, hf_kwargs: dict) -> dict:
 def auto_model_class(model_type: str | None, architectures: list[str] | None = None, remote: bool = False):
     """The transformers class that builds a checkpoint of `model_type` with its head, as transformers' auto classes
     pick it: the causal LM; else the image-text-to-text model (a vision-language MoE, whose text decoder holds
-    the experts); else, for a family with neither (a token classifier, say), the class config.json names in
-    `architectures`. Remote code (`remote`: config.json has an `auto_map`) and a type transformers does not know
+    the experts); else the sequence-to-sequence model (an encoder-decoder: Switch Transformers); else, for a family
+    with none of these (a token classifier, say), the class config.json names in `architectures`. Remote code (`remote`: config.json has an `auto_map`) and a type transformers does not know
     go to the causal-LM auto class, which reads the `auto_map`. Raises `UnsupportedModelError` where transformers
     has no class for it."""
     import transformers
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM, PreTrainedModel
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
     )
 
     if remote or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type not in transformers.CONFIG_MAPPING:
         return AutoModelForCausalLM
     if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return AutoModelForImageTextToText
+    if model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForSeq2SeqLM
     for name in architectures or ():
         cls = getattr(transformers, name, None)
         if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
@@ -431,7 +434,7 @@ def load_without_experts(
             return
         for name, module in found:
             for n in modules[name]:
-                layout.set(module, n, None)
+                layout.put(module, n, None)
             module._is_hf_initialized = True  # nothing left for transformers to initialise
         state["stripped"] = [(module, originals[name]) for name, module in found]
         ignore_keys(model, [name + "." for name in modules])  # the checkpoint's expert tensors
@@ -449,13 +452,13 @@ def load_without_experts(
         for module, tensors in stripped:
             for n, meta in tensors.items():
                 meta._is_hf_initialized = True
-                layout.set(module, n, meta)
+                layout.put(module, n, meta)
         try:
             return base._initialize_missing_keys(self, *args, **kwargs)
         finally:
             for module, tensors in stripped:
                 for n in tensors:
-                    layout.set(module, n, None)
+                    layout.put(module, n, None)
 
     index.wait_all()  # every shard is there before transformers looks for them: it downloads none again
     # A subclass for this one load, so no transformers class is touched; the model gets its own class back.
@@ -507,7 +510,7 @@ def build_skeleton(
     meta = {name: _per_expert(layout, module, layout.parameters(module)) for name, module in found}
     for name, module in found:
         for n in meta[name]:
-            layout.set(module, n, None)
+            layout.put(module, n, None)
 
     candidates = key_candidates(adapter, model, index, meta)  # once: transformers' renaming takes a while
 

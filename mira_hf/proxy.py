@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_adapters.base import FUSED_EXPERTS, RoutedBlockExperts, SeparateGluExperts
+from model_adapters.base import FUSED_EXPERTS, ExpertModules, RoutedBlockExperts, SeparateGluExperts
 
+from .errors import UnsupportedOperationError
 from .experts_impl import (
     batched_linear,
     batched_rows,
@@ -89,6 +90,7 @@ class MiraExperts(nn.Module):
         for name, child in base.named_children():
             self.add_module(name, child)
         self.base = base
+        self.training = base.training  # the mode of the module it replaces (train() and eval() reach both)
         self.layer = layer
         self.block_tokens = block_tokens  # CacheConfig.prefill_block_tokens: rows per matmul, None = all
         self.num_experts = self.experts_layout.num_experts(base)
@@ -630,7 +632,8 @@ class _HeldExperts(MiraExperts):
         super().__init__(base, manager, layer, flags, block_tokens)
         for name, param in base.named_parameters(recurse=False):
             self.register_parameter(name, param)  # the same parameter: casts, loads and edits reach both
-        self._owners = {path: base.get_submodule(path) for path in layout.owners}  # the children the holders stand in for
+        # the descendants the holders stand in for: children of `base`, or their children (`ExpertModules`)
+        self._owners = {path: base.get_submodule(path) for path in layout.owners(self.num_experts)}
         self._holders = {path: _ExpertsHolder(owner) for path, owner in self._owners.items()}
         self._children = dict(base._modules)  # given back by `restore_owners`
         base._modules.clear()
@@ -639,6 +642,10 @@ class _HeldExperts(MiraExperts):
 
     def restore_owners(self) -> None:
         self.base._modules.update(self._children)
+        for path, owner in self._owners.items():
+            parent, _, leaf = path.rpartition(".")
+            if parent:  # a holder inside one of the children given back
+                self.base.get_submodule(parent).set_submodule(leaf, owner)
 
     def _linear(self, x: torch.Tensor, w, name: str, kernel: bool) -> torch.Tensor:
         transposed = self._down_transposed and name == self._down  # the up projections' rows are [out, in]
@@ -652,7 +659,7 @@ class _HeldExperts(MiraExperts):
         changes them in place), then `base`, then this module."""
         layout = self.experts_layout
         owner_of = {id(holder): self._owners[path] for path, holder in self._holders.items()}
-        bound = {name: layout.get(self, name) for name in layout.names}
+        bound = {path: layout.get(self, path) for name in layout.names for path in layout.paths(name, self.num_experts)}
         for name, param in bound.items():
             self._bind(name, param)
         try:
@@ -666,10 +673,10 @@ class _HeldExperts(MiraExperts):
         fn(self)
         return self
 
-    def _bind(self, name: str, param) -> None:
-        """Put expert tensor `name` (None: an empty entry) on the child that keeps it in the unwrapped model."""
-        path, _, leaf = name.rpartition(".")
-        self._owners[path].register_parameter(leaf, param)
+    def _bind(self, path: str, param) -> None:
+        """Put the expert tensor at `path` (None: an empty entry) on the module that keeps it in the unwrapped model."""
+        owner, _, leaf = path.rpartition(".")
+        self._owners[owner].register_parameter(leaf, param)
 
 
 class MiraGluExperts(_HeldExperts):
@@ -735,6 +742,67 @@ class MiraRoutedExperts(_HeldExperts):
         return self._act(gate) * up
 
 
+class MiraModuleExperts(_HeldExperts):
+    """`_HeldExperts` whose experts are one module each (`model_adapters.ExpertModules`: Switch Transformers'
+    `expert_{e}`). Called as that experts module is, with a one-hot dispatch mask: each route's expert is the one its
+    row marks, or none (the expert-parallel sentinel E, whose rows stay zero) where the router dropped the token over
+    an expert's capacity. Each expert computes as its module does (`F.linear` up, the activation, its dropout, the
+    hidden rows cast to the down weight's dtype where they differ, `F.linear` down) and the weighted rows are added
+    per token in ascending expert order, as the module's loop does.
+
+    The dropout does nothing in eval mode. In training mode it draws a mask per expert from torch's generator; the
+    unwrapped module draws them in ascending expert order, one per expert over all its rows, so the proxy draws the
+    same masks in the same order before it computes (in whatever order its cache serves the experts) and applies each
+    to its expert's rows: the same random numbers, and on the CPU the same bits (there the dropout of `h` is `h` times
+    the dropout of ones)."""
+
+    def _tensor_names(self) -> None:
+        layout = self.experts_layout
+        self._up, self._down = layout.names
+        self._down_transposed = False
+        expert = self.base.get_submodule(layout.child.format(0))
+        object.__setattr__(self, "_act", expert.get_submodule(layout.activation))  # `base`'s member, not this one's
+        object.__setattr__(self, "_dropout", expert.get_submodule(layout.dropout) if layout.dropout else None)
+        self._masks: dict[int, list] | None = None  # training mode: expert -> [its dropout mask [n, I], rows used]
+
+    def forward(self, hidden_states: torch.Tensor, dispatch: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # hidden [T, H], dispatch [T, K, E] one-hot (or zero), weights [T, K]
+        top_k_index = torch.where(dispatch.ne(0).any(dim=-1), dispatch.argmax(dim=-1), self.num_experts)  # [T, K]
+        dropout = self._dropout
+        if dropout is None or not dropout.training or dropout.p == 0:
+            return super().forward(hidden_states, top_k_index, weights)
+        if self.manager.host.active:
+            raise UnsupportedOperationError(
+                f"a training-mode forward of {type(self.base).__name__} with host_compute={self.manager.host.mode!r}: "
+                f"its experts apply dropout (p={dropout.p}), whose masks mira-hf draws for the device's computations "
+                "only. Call model.eval() (inference is what mira-hf serves), or wrap without host_compute."
+            )
+        rows = dispatch.ne(0).sum(dim=(0, 1)).tolist()  # [E] each expert's rows, as its module gets them
+        width = self.manager.store.expert_specs(self.layer)[self._up][0][0]  # I: the up projection's rows
+        ones = lambda n: hidden_states.new_ones((n, width))  # noqa: E731
+        self._masks = {e: [dropout(ones(n)), 0] for e, n in enumerate(rows) if n}  # ascending, as the module's loop
+        try:
+            return super().forward(hidden_states, top_k_index, weights)
+        finally:
+            self._masks = None
+
+    def _activate(self, h: torch.Tensor) -> torch.Tensor:
+        return self._act(h)
+
+    def _expert(self, plan, e: int, w, x: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+        h = self._up_proj(x, w, kernel)  # [n, I]
+        if self._masks is not None:  # training mode: the next rows of the mask drawn for expert e
+            mask = self._masks[e]
+            h = h * mask[0][mask[1] : mask[1] + len(h)]
+            mask[1] += len(h)
+        self.manager.acquire_rest(plan, e)
+        return self._down_proj(h, w, kernel)
+
+    def _down_proj(self, h: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
+        dtype = self.manager.store.dtype(self.layer)  # the down weight's, as the store holds every expert tensor
+        return super()._down_proj(h if h.dtype == dtype else h.to(dtype), w, kernel)
+
+
 class _ExpertsHolder(nn.Module):
     """Stands in for the child of an experts module that keeps its expert tensors (`_HeldExperts`): holds them
     under their unwrapped names, and the child's own members. The proxy writes and reads the expert tensors in state
@@ -763,7 +831,7 @@ class _ExpertsHolder(nn.Module):
 
 
 # The proxy of each layout of experts kept on child modules (`model_adapters`).
-HELD_PROXIES = {SeparateGluExperts: MiraGluExperts, RoutedBlockExperts: MiraRoutedExperts}
+HELD_PROXIES = {SeparateGluExperts: MiraGluExperts, RoutedBlockExperts: MiraRoutedExperts, ExpertModules: MiraModuleExperts}
 
 
 def proxy_for(adapter, base: nn.Module, manager: ExpertManager, layer: int, block_tokens: int | None) -> MiraExperts:

@@ -35,6 +35,7 @@ from .budget import BudgetPlan
 from .errors import ConfigError, DeviceError, UnsupportedOperationError
 from .layout import IdentityCodec
 from .manager import ExpertManager
+from .store import own_storage
 
 # (new record layouts by layer, uncompressed record bytes by layer, device) -> the slot plan there (raises BudgetError)
 Replan = Callable[[Mapping[int, object], Mapping[int, int], torch.device], BudgetPlan]
@@ -71,13 +72,13 @@ class ExpertState:
         E = store.num_experts(layer)
         for name, (shape, dtype) in store.expert_specs(layer).items():
             data = views[name] if views is not None else torch.empty((E, *shape), dtype=dtype, device="meta")
-            data = layout.as_module(name, data)  # the unwrapped module's shape (a view)
-            param = layout.get(proxy, name)
-            if param is not None:
-                param.data = data
-            else:
-                layout.set(proxy, name, parameter(name, data) if parameter is not None else nn.Parameter(data))
-        self._watched[layer] = [layout.get(proxy, name) for name in store.expert_specs(layer)]
+            for path, part in zip(layout.paths(name, E), _separate(layout.parts(name, data))):  # the module's shapes
+                param = layout.get(proxy, path)
+                if param is not None:
+                    param.data = part
+                else:
+                    layout.set(proxy, path, parameter(name, part) if parameter is not None else nn.Parameter(part))
+        self._watched[layer] = [layout.get(proxy, path) for path in _paths(layout, store, layer)]
         self._versions[layer] = self._versions_now(layer)
 
     def _versions_now(self, layer: int) -> tuple[int, ...]:
@@ -108,8 +109,8 @@ class ExpertState:
             self._versions[layer] = self._versions_now(layer)
 
     def hide(self, proxy: nn.Module) -> None:
-        for name in self.store.expert_specs(proxy.layer):
-            proxy.experts_layout.pop(proxy, name)
+        for path in _paths(proxy.experts_layout, self.store, proxy.layer):
+            proxy.experts_layout.pop(proxy, path)
         proxy.restore_owners()
         self._watched.pop(proxy.layer, None)
 
@@ -131,10 +132,13 @@ class ExpertState:
             if param is not None:
                 destination[prefix + name] = param if keep_vars else param.detach()
         decoded = store.fused(proxy.layer) if store.quantized else None
-        for name in store.expert_specs(proxy.layer):
-            param = layout.get(proxy, name)
-            held = param if keep_vars else param.detach()
-            destination[prefix + name] = held if decoded is None else layout.as_module(name, decoded[name])
+        parts = {name: _separate(layout.parts(name, t)) for name, t in decoded.items()} if decoded is not None else None
+        for name, i, path in _entries(layout, store, proxy.layer):
+            if parts is not None:
+                destination[prefix + path] = parts[name][i]
+            else:
+                param = layout.get(proxy, path)
+                destination[prefix + path] = param if keep_vars else param.detach()
         return True
 
     def load(
@@ -154,26 +158,18 @@ class ExpertState:
         specs = store.expert_specs(layer)
         given = {}
         for name, (shape, _) in specs.items():
-            key = prefix + name
-            if key not in state_dict:
-                missing_keys.append(key)
-                continue
-            value = state_dict[key]
-            expected = layout.as_module(name, torch.empty((E, *shape), device="meta")).shape  # the unwrapped module's
-            if not isinstance(value, torch.Tensor):
-                error_msgs.append(
-                    f'While copying the parameter named "{key}", expected torch.Tensor or Tensor-like object from '
-                    f"checkpoint but received {type(value)}"
-                )
-            elif value.shape != expected:
-                error_msgs.append(
-                    f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, the shape in "
-                    f"current model is {expected}."
-                )
-            elif value.is_meta:
-                error_msgs.append(f"{key}: the given tensor is on the meta device (it holds no values to load).")
-            else:
-                given[name] = layout.per_expert(proxy, name, value)
+            paths = layout.paths(name, E)
+            expected = [t.shape for t in layout.parts(name, torch.empty((E, *shape), device="meta"))]  # the module's
+            values = {}
+            for i, (path, shape_i) in enumerate(zip(paths, expected)):
+                value = _loadable(state_dict, prefix + path, shape_i, missing_keys, error_msgs)
+                if value is not None:
+                    values[i] = value
+            if values and len(values) < len(paths):  # some of a tensor's experts (one module each): the others stay
+                current = layout.parts(name, store.fused(layer)[name])
+                values = {i: values.get(i, current[i]) for i in range(len(paths))}
+            if values:
+                given[name] = layout.joined(proxy, name, [values[i] for i in range(len(paths))])
         base = proxy.base
         base_names = {*base._parameters, *base._buffers, *base._modules}
         for key in [k for k in state_dict if k.startswith(prefix)]:
@@ -367,6 +363,48 @@ def _ancestor_apply(module: nn.Module, fn, recurse: bool = True):
     if state.applying:  # reached from a cast or move of a module above, which the experts follow already
         return type(module)._apply(module, fn, recurse)
     return state.apply_from(module, fn, recurse)
+
+
+def _entries(layout, store, layer: int) -> list[tuple[str, int, str]]:
+    """(tensor name, index in its `FusedExperts.paths`, path) of each of `layer`'s expert parameters on a proxy, in
+    the unwrapped module's order: tensor by tensor, or expert by expert where each expert is a module."""
+    E = store.num_experts(layer)
+    per_name = [[(name, i, path) for i, path in enumerate(layout.paths(name, E))] for name in store.expert_specs(layer)]
+    return [entry for group in zip(*per_name) for entry in group]
+
+
+def _separate(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A tensor's parts at its several paths (`ExpertModules`: views of one `[E, ...]` tensor), each on a storage of its
+    own, as the unwrapped model's separate parameters are (`store.own_storage`)."""
+    return parts if len(parts) == 1 else tuple(own_storage(p) for p in parts)
+
+
+def _paths(layout, store, layer: int) -> list[str]:
+    return [path for _, _, path in _entries(layout, store, layer)]
+
+
+def _loadable(state_dict: Mapping, key: str, expected: torch.Size, missing_keys: list, error_msgs: list):
+    """`state_dict[key]` where it can be loaded into a parameter of shape `expected`, else None, the reason
+    reported as torch's `_load_from_state_dict` reports it."""
+    if key not in state_dict:
+        missing_keys.append(key)
+        return None
+    value = state_dict[key]
+    if not isinstance(value, torch.Tensor):
+        error_msgs.append(
+            f'While copying the parameter named "{key}", expected torch.Tensor or Tensor-like object from '
+            f"checkpoint but received {type(value)}"
+        )
+    elif value.shape != expected:
+        error_msgs.append(
+            f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, the shape in "
+            f"current model is {expected}."
+        )
+    elif value.is_meta:
+        error_msgs.append(f"{key}: the given tensor is on the meta device (it holds no values to load).")
+    else:
+        return value
+    return None
 
 
 def proxy_apply(proxy: nn.Module, fn, recurse: bool = True):

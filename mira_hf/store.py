@@ -425,6 +425,15 @@ class ExpertStore:
             self._pin_pool = None
 
 
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t` (a contiguous CPU tensor) as a tensor over the same bytes on a storage of its own, starting at its first
+    byte (no copy): views of one slab then look like the separate tensors they stand for to storage-identity checks
+    (transformers' tied-weight detection, safetensors). Other tensors are returned as they are."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+        return t
+    return torch.from_numpy(t.reshape(-1).view(torch.uint8).numpy()).view(t.dtype).view(t.shape)
+
+
 def _raw_expert(data: torch.Tensor, layout: RawLayout, e: int) -> dict[str, torch.Tensor]:
     """Typed views of expert `e`'s tensors in an uncompressed slab `data` (uint8 [E, R], tensor by tensor)."""
     E, flat = data.shape[0], data.view(-1)

@@ -243,7 +243,7 @@ def fill_store(
                 if not store.exact:
                     keep[t.ordinal] = t.layout.parameters(t.module)
                 for n in t.tensors:
-                    t.layout.set(t.module, n, None)
+                    t.layout.put(t.module, n, None)
                 t.tensors = {}  # the store holds them now: drop the last reference, one layer at a time
                 stripped.append(t)
         encoder.finish()
@@ -252,7 +252,7 @@ def fill_store(
         for t in stripped:
             if t.ordinal in keep:
                 for n, p in keep[t.ordinal].items():
-                    t.layout.set(t.module, n, p)
+                    t.layout.put(t.module, n, p)
             else:
                 t.restore(plan.weights)
         store.close()

@@ -69,7 +69,7 @@ class Target:
     def restore(self, store: ExpertStore) -> None:
         """Give the module back its tensors, rebuilt from the store's records."""
         for n, tensor in store.fused(self.ordinal).items():
-            self.layout.set(self.module, n, self.parameter(n, self.layout.as_module(n, tensor)))
+            self.layout.put(self.module, n, self.parameter(n, self.layout.as_module(n, tensor)))
 
 
 def resolve_adapter(model_type: str | None, cfg: MiraConfig, remote: bool = False, parts: tuple[str, ...] = ()) -> MoEAdapter:
@@ -87,8 +87,9 @@ def resolve_adapter(model_type: str | None, cfg: MiraConfig, remote: bool = Fals
         if any(keeps_experts_as_modules(t) for t in (model_type, *parts)):
             raise UnsupportedModelError(
                 f"model_type {model_type!r} keeps each expert as a module of its own (transformers builds its experts "
-                f"as an nn.ModuleDict of per-expert MLPs, as for Switch Transformers and NLLB-MoE), a layout mira-hf "
-                f"does not serve: it offloads experts kept as [E, ...] tensors. Supported: "
+                f"as an nn.ModuleDict of per-expert MLPs, as for NLLB-MoE) and has no mira-hf adapter saying how its "
+                f"experts module is called and computes. Such experts are served where an adapter's "
+                f"experts_layout=ExpertModules(...) describes them (Switch Transformers'). Supported: "
                 f"{', '.join(registered_model_types())}, and any model whose experts transformers builds with its "
                 f"experts interface. Run this model with transformers alone (device_map='auto' offloads to the host)."
             )
@@ -209,10 +210,11 @@ def _layout_problem(adapter: MoEAdapter, module: nn.Module, tensors: dict, E) ->
         call = list(inspect.signature(type(module).forward).parameters)[1:]
         if len(call) != layout.call_args:  # the proxy is called as the module is
             return f"its forward takes {call}, not the {layout.call_args} argument(s) of its layout ({type(layout).__name__})"
-        for path in layout.owners:
+        held = {path for name in layout.names for path in layout.paths(name, E)}
+        for path in layout.owners(E):
             owner = module.get_submodule(path)
             others = [f"{path}.{n}" for n, _ in (*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False))]
-            others = sorted(set(others) - set(layout.names))
+            others = sorted(set(others) - held)
             if others:
                 return f"its {path} keeps tensors besides the experts' ({others})"
         return None

@@ -235,6 +235,20 @@ MULTIMODAL_RECIPES = {
     ),
 }  # fmt: skip
 
+# Encoder-decoder families served by a registered adapter (their sequence-to-sequence model is built, which the
+# causal-LM tests over RECIPES cannot): checked by tests/test_seq2seq_families.py. Sparse layers in the encoder and
+# the decoder; an expert capacity of 3 tokens, so that a prompt's tokens over it skip the experts.
+SEQ2SEQ_RECIPES = {
+    "switch_transformers": (
+        "SwitchTransformersConfig",
+        dict(
+            vocab_size=128, d_model=64, d_kv=16, d_ff=64, num_heads=4, num_layers=4, num_decoder_layers=4,
+            num_experts=8, expert_capacity=3, encoder_sparse_step=2, decoder_sparse_step=2, pad_token_id=0,
+            eos_token_id=2, decoder_start_token_id=0,
+        ),
+    ),
+}  # fmt: skip
+
 # Families without an adapter (as of this file) whose shrunken defaults build MoE layers on the CPU; each one's
 # causal-LM model type (a multimodal family's text decoder).
 AUTO_FAMILIES = [
@@ -326,7 +340,7 @@ def make_auto_config(model_type: str, **overrides):
 
 
 # Every family with an adapter: name -> (config class name, kwargs).
-ALL_RECIPES = {**RECIPES, **EXTRA_RECIPES, **MULTIMODAL_RECIPES}
+ALL_RECIPES = {**RECIPES, **EXTRA_RECIPES, **MULTIMODAL_RECIPES, **SEQ2SEQ_RECIPES}
 
 
 def make_config(name: str, **overrides):
@@ -350,7 +364,8 @@ PER_EXPERT_INIT = {"ergo": ("post_expert_norm.weight",)}
 
 def build(config):
     """A random model of `config`, of the class `MiraMoEModel.from_pretrained` loads its checkpoint as: the
-    causal LM, or the image-text-to-text model of a type without a causal-LM entry (Mistral 4); per-expert
+    causal LM, or the image-text-to-text model of a type without a causal-LM entry (Mistral 4), or the
+    sequence-to-sequence model of an encoder-decoder (Switch Transformers); per-expert
     parameters of `PER_EXPERT_INIT` drawn around 1 from torch's generator."""
     from .checkpoint import auto_model_class
 

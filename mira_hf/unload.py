@@ -48,7 +48,9 @@ def save_pretrained(model: nn.Module, save_directory, **kwargs):
     with warnings.catch_warnings():  # state_dict() would say it again for every layer
         warnings.simplefilter("ignore")
         state = model.state_dict()
-    for t in model._mira_targets:  # one contiguous tensor each (views of raw records share their slab)
+    for t in model._mira_targets:  # one tensor of its own each (views of raw records share their slab)
+        E = model.mira.store.num_experts(t.ordinal)
         for n, tensor in model.mira.whole.fused(t.ordinal).items():
-            state[f"{t.name}.{n}"] = t.layout.as_module(n, tensor)
+            paths, parts = t.layout.paths(n, E), t.layout.parts(n, tensor)
+            state.update((f"{t.name}.{path}", part if len(parts) == 1 else part.clone()) for path, part in zip(paths, parts))
     return type(model).save_pretrained(model, save_directory, state_dict=state, **kwargs)

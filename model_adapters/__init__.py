@@ -7,7 +7,7 @@ Add your own without editing the library:
 """
 
 from . import families  # noqa: F401  (registers the built-in adapters)
-from .base import ExpertKeys, GenericAdapter, MoEAdapter, RoutedBlockExperts, SeparateGluExperts, generic_adapter
+from .base import ExpertKeys, ExpertModules, GenericAdapter, MoEAdapter, RoutedBlockExperts, SeparateGluExperts, generic_adapter
 from .registry import (
     AdapterRegistryError,
     get_adapter,
@@ -20,6 +20,7 @@ from .registry import (
 __all__ = [
     "AdapterRegistryError",
     "ExpertKeys",
+    "ExpertModules",
     "GenericAdapter",
     "MoEAdapter",
     "RoutedBlockExperts",

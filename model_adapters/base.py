@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -105,6 +106,23 @@ class FusedExperts:
         """`[E, ...]` experts as the module keeps tensor `name` (a view)."""
         return tensor
 
+    def paths(self, name: str, E: int) -> tuple[str, ...]:
+        """The paths on the module of the parameters that keep tensor `name` (`[E, ...]` in the store): one that
+        holds every expert (as `as_module` lays them out), or one per expert (`ExpertModules`)."""
+        return (name,)
+
+    def parts(self, name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`[E, ...]` experts as the parameters at `paths` keep them (views), in the same order."""
+        return (self.as_module(name, tensor),)
+
+    def joined(self, module: nn.Module, name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Tensor `name` as `[E, ...]` from the tensors at its `paths` (the inverse of `parts`)."""
+        return self.per_expert(module, name, parts[0])
+
+    def put(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        """Put tensor `name` on the module as `parameters` gives it (None: remove it, entries included)."""
+        self.set(module, name, param)
+
     def hidden_width(self, tensors: dict[str, torch.Tensor], transposed: bool) -> int:
         """The width H of the rows the experts take, from their `[E, ...]` tensors (`transposed`: the module's flag)."""
         return tensors["down_proj"].shape[2 if transposed else 1]  # [E, H, I], or [E, I, H] transposed
@@ -131,10 +149,10 @@ class HeldExperts(FusedExperts):
     def names(self) -> tuple[str, ...]:
         raise NotImplementedError
 
-    @property
-    def owners(self) -> tuple[str, ...]:
-        """The paths of the child modules that keep the expert tensors, in the order of `names`."""
-        return tuple(dict.fromkeys(name.rpartition(".")[0] for name in self.names))
+    def owners(self, E: int) -> tuple[str, ...]:
+        """The paths of the descendant modules that keep the expert tensors of a module of `E` experts, in the order
+        of `names`."""
+        return tuple(dict.fromkeys(path.rpartition(".")[0] for name in self.names for path in self.paths(name, E)))
 
     def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
         found = {name: self.get(module, name) for name in self.names}
@@ -213,7 +231,7 @@ class RoutedBlockExperts(HeldExperts):
         return tensors[self.down].shape[1]  # [E, H, I]
 
     def num_experts(self, module: nn.Module) -> int | None:
-        return super().num_experts(module.get_submodule(self.owners[0]))  # the child that holds them
+        return super().num_experts(module.get_submodule(self.up.rpartition(".")[0]))  # the child that holds them
 
     @property
     def outside(self) -> tuple[str, ...]:
@@ -222,6 +240,80 @@ class RoutedBlockExperts(HeldExperts):
     @property
     def call_args(self) -> int:
         return 1
+
+
+@dataclass(frozen=True)
+class ExpertModules(HeldExperts):
+    """Experts kept as one module each, the children of the experts module named `child.format(e)` (Switch
+    Transformers' `nn.ModuleDict` of `expert_{e}` MLPs). Expert e is `down(dropout(act(up(x))))` over the tensors at
+    `up` and `down` on its module (`wi.weight [I, H]`, `wo.weight [H, I]`, no biases; `F.linear` each), its hidden
+    rows cast to the down weight's dtype where they differ, as the expert's own forward does. The experts module is
+    called as `(hidden [T, H], dispatch [T, K, E], weights [T, K])`: route k of token t goes to the expert its one-hot
+    row of `dispatch` marks (to none where the row is zero: a token over an expert's capacity), weighted by
+    `weights[t, k]`, and the weighted rows are added per token in ascending expert order (the module's loop, the
+    experts interface's eager sum). The store keeps each tensor as `[E, ...]`; the model keeps expert e's at
+    `child.format(e) + "." + name`."""
+
+    up: str  # parameter paths on one expert's module
+    down: str
+    activation: str  # path of the activation module on one expert's module
+    dropout: str = ""  # path of the dropout module between the activation and `down` ("": none)
+    child: str = "expert_{}"  # the name of expert e's module on the experts module
+
+    down_transposed = False  # the down projection's rows are [H, I]
+    pairing = "single"  # (host_compute="split") one row of the up tensor per neuron
+
+    @property
+    def names(self) -> tuple[str, str]:
+        return (self.up, self.down)
+
+    @property
+    def neuron_axes(self) -> dict[str, int]:
+        return {self.up: -2, self.down: -1}  # up [I, H], down [H, I]
+
+    def paths(self, name: str, E: int) -> tuple[str, ...]:
+        return tuple(f"{self.child.format(e)}.{name}" for e in range(E))
+
+    def parts(self, name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(tensor.unbind(0))
+
+    def joined(self, module: nn.Module, name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([p.detach() for p in parts])
+
+    def num_experts(self, module: nn.Module) -> int | None:
+        E = super().num_experts(module)
+        return E if E is not None or not isinstance(module, (nn.ModuleDict, nn.ModuleList)) else len(module)
+
+    def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """Each tensor's experts stacked as one `[E, ...]` parameter (a copy: the model keeps one per expert)."""
+        E, found = self.num_experts(module), {}
+        for name in self.names:
+            params = [self.get(module, path) for path in self.paths(name, E or 0)]
+            if params and all(p is not None for p in params):
+                found[name] = _like(params[0], self.joined(module, name, params), all_flagged=params)
+        return found
+
+    def put(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        paths = self.paths(name, self.num_experts(module))
+        parts = self.parts(name, param) if param is not None else (None,) * len(paths)
+        for path, part in zip(paths, parts):
+            self.set(module, path, None if part is None else _like(param, part))
+
+    def hidden_width(self, tensors: dict[str, torch.Tensor], transposed: bool) -> int:
+        return tensors[self.down].shape[1]  # [E, H, I]
+
+    @property
+    def call_args(self) -> int:
+        return 3
+
+
+def _like(template: torch.Tensor, data: torch.Tensor, all_flagged: Sequence[torch.Tensor] = ()) -> nn.Parameter:
+    """A parameter over `data` with `template`'s `requires_grad`, and transformers' loaded flag where `template` has it
+    (and each of `all_flagged`, where given)."""
+    param = nn.Parameter(data, requires_grad=template.requires_grad)
+    if all(getattr(t, "_is_hf_initialized", False) for t in (*all_flagged, template)):
+        param._is_hf_initialized = True
+    return param
 
 
 FUSED_EXPERTS = FusedExperts()

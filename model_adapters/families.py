@@ -6,7 +6,7 @@ tests. Families that share a layout share an entry.
 
 from __future__ import annotations
 
-from .base import ExpertKeys, MoEAdapter, RoutedBlockExperts, SeparateGluExperts
+from .base import ExpertKeys, ExpertModules, MoEAdapter, RoutedBlockExperts, SeparateGluExperts
 from .registry import register_adapter
 
 # Checkpoint layouts of the routed experts (what transformers' WeightConverters fuse at load).
@@ -200,5 +200,22 @@ JETMOE = register_adapter(
         experts_layout=RoutedBlockExperts(
             up="input_linear.weight", down="output_linear.weight", activation="activation", router="router", bias="bias"
         ),
+    )
+)
+
+SWITCH_TRANSFORMERS = register_adapter(
+    MoEAdapter(
+        name="switch_transformers",
+        model_types=("switch_transformers",),
+        experts_globs=("*.mlp.experts",),  # the encoder's and the decoder's sparse layers
+        router_attr="router",
+        router_weight_attr="classifier.weight",
+        notes="an encoder-decoder (T5) whose sparse feed-forward layers keep each expert as a module of its own "
+        "(`mlp.experts.expert_{e}.wi/wo`, an `nn.ModuleDict`, in memory and in checkpoints); top-1 routing with a "
+        "softmax in the router's own dtype (float32) and a capacity per expert (tokens over it skip the experts); "
+        "the module's own loop adds the experts in ascending order",
+        checkpoint_keys=(ExpertKeys(tensors={"wi.weight": ("expert_{e}.wi.weight",), "wo.weight": ("expert_{e}.wo.weight",)}),),
+        expert_flags={"has_gate": False, "has_bias": False, "is_transposed": False},
+        experts_layout=ExpertModules(up="wi.weight", down="wo.weight", activation="act", dropout="dropout"),
     )
 )

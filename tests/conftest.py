@@ -1,4 +1,5 @@
 import atexit
+import collections
 import contextlib
 import importlib.util
 import os
@@ -90,6 +91,16 @@ def load_reference(path: str, dtype=None, **hf_kwargs):
 
     model = AutoModelForCausalLM.from_pretrained(path, **reference_kwargs(path, dtype), **hf_kwargs).eval()
     return align_experts(model)
+
+
+def shared_storages(model) -> list[list[str]]:
+    """Names of state-dict tensors that share a storage, as transformers groups them to find tied weights."""
+    from transformers.pytorch_utils import id_tensor_storage
+
+    groups = collections.defaultdict(list)
+    for key, tensor in model.state_dict().items():
+        groups[id_tensor_storage(tensor)].append(key)
+    return sorted(sorted(names) for names in groups.values() if len(names) > 1)
 
 
 def align_experts(model):

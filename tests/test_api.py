@@ -123,28 +123,21 @@ def test_unknown_architecture_is_refused_before_loading(tmp_path):
         MiraMoEModel.from_pretrained(tmp_path, MiraConfig(device="cpu"), progress=False)
 
 
-SEQ2SEQ_MOE = {
-    "SwitchTransformersConfig": dict(d_model=32, d_kv=8, d_ff=32, num_heads=2, expert_capacity=8),
-    "NllbMoeConfig": dict(d_model=32, encoder_ffn_dim=32, decoder_ffn_dim=32, encoder_attention_heads=2),
-}
-
-
-@pytest.mark.parametrize("config_class", SEQ2SEQ_MOE)
-def test_experts_kept_as_one_module_each_are_refused_with_what_to_do(tmp_path, config_class):
-    """Switch Transformers and NLLB-MoE build each expert as a module of its own (an nn.ModuleDict): a load from a
-    checkpoint and a wrap are refused before anything changes, with the layout named and transformers' offloading
-    offered instead."""
+def test_experts_kept_as_one_module_each_without_an_adapter_are_refused_with_what_to_do(tmp_path):
+    """NLLB-MoE builds each expert as a module of its own (an nn.ModuleDict), called in a way no adapter describes:
+    a load from a checkpoint and a wrap are refused before anything changes, with the layout named, the adapter
+    layout that serves such experts, and transformers' offloading offered instead."""
     import transformers
 
-    cfg = getattr(transformers, config_class)(
-        vocab_size=64, num_layers=2, num_decoder_layers=2, encoder_layers=2, decoder_layers=2, num_experts=4,
-        **SEQ2SEQ_MOE[config_class],
+    cfg = transformers.NllbMoeConfig(
+        vocab_size=64, encoder_layers=2, decoder_layers=2, num_experts=4, d_model=32, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, encoder_attention_heads=2,
     )  # fmt: skip
     model = transformers.AutoModelForSeq2SeqLM.from_config(cfg)
     model.save_pretrained(tmp_path)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    match = f"'{cfg.model_type}' keeps each expert as a module of its own.*nn.ModuleDict.*device_map='auto'"
+    match = "'nllb-moe' keeps each expert as a module of its own.*nn.ModuleDict.*ExpertModules.*device_map='auto'"
     with pytest.raises(UnsupportedModelError, match=match):
         MiraMoEModel.from_pretrained(tmp_path, MiraConfig(device="cpu"), progress=False)
     with pytest.raises(UnsupportedModelError, match=match):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import ALL_TINY, load_reference
-from tiny_models import MULTIMODAL_RECIPES, RECIPES
+from tiny_models import MULTIMODAL_RECIPES, RECIPES, SEQ2SEQ_RECIPES
 
 from mira_hf import MiraConfig, MiraMoEModel
 from mira_hf.config import LoaderConfig
@@ -33,7 +33,7 @@ def _wrapped(path: str, which: str, **kw):
 
 
 def test_every_registered_adapter_has_a_tiny_model():
-    assert {a.name for a in registered_adapters()} <= set(RECIPES) | set(MULTIMODAL_RECIPES)
+    assert {a.name for a in registered_adapters()} <= set(RECIPES) | set(MULTIMODAL_RECIPES) | set(SEQ2SEQ_RECIPES)
 
 
 @pytest.mark.parametrize("name", ALL_TINY)

@@ -8,7 +8,6 @@ asserted here against the unwrapped model, built from the same weights, on every
 promises exactness (fp32 on the CPU: logits, scores, router logits, losses) the comparison is `torch.equal`.
 """
 
-import collections
 import copy
 import dataclasses
 import re
@@ -16,7 +15,7 @@ import re
 import pytest
 import torch
 import transformers
-from conftest import ALL_TINY, load_reference
+from conftest import ALL_TINY, load_reference, shared_storages
 from tiny_models import config_or_skip
 
 from mira_hf import MiraConfig, MiraMoEModel
@@ -448,23 +447,13 @@ def test_experts_modules_carry_transformers_layout_flags(name):
     assert _experts_modules(model) == _experts_modules(ref)
 
 
-def _shared_storages(model) -> list[list[str]]:
-    """Names of state-dict tensors that share a storage, as transformers groups them to find tied weights."""
-    from transformers.pytorch_utils import id_tensor_storage
-
-    groups = collections.defaultdict(list)
-    for key, tensor in model.state_dict().items():
-        groups[id_tensor_storage(tensor)].append(key)
-    return sorted(sorted(names) for names in groups.values() if len(names) > 1)
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_state_dict_tensors_share_storage_only_where_the_unwrapped_models_do(name):
     """transformers takes tensors on one storage for tied weights: save_pretrained keeps one name of each group,
     and its tests check that every group is declared in `_tied_weights_keys`. A wrapped model's expert tensors
     (views of one record slab per layer) must not form such groups; tied embeddings still do."""
     ref, model = _pair(name, tie_word_embeddings=True)
-    assert _shared_storages(model) == _shared_storages(ref)
+    assert shared_storages(model) == shared_storages(ref)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

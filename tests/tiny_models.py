@@ -11,6 +11,7 @@ from mira_hf.testing import (  # noqa: F401
     EXTRA_RECIPES,
     MULTIMODAL_RECIPES,
     RECIPES,
+    SEQ2SEQ_RECIPES,
     InterruptAt,
     build,
     make_auto_config,

@@ -1,0 +1,187 @@
+"""Encoder-decoder families served by a registered adapter (`SEQ2SEQ_RECIPES`: Switch Transformers, whose experts are
+one module each, `model_adapters.ExpertModules`): wrapped or loaded, the model is the unwrapped one in every habit
+(logits, router logits, generation, parameters, state dicts, casts, unload, save and reload), bit for bit on the CPU.
+"""
+
+import pytest
+import torch
+import transformers
+from conftest import shared_storages
+from tiny_models import SEQ2SEQ_RECIPES, build, config_or_skip
+
+from mira_hf import MiraConfig, MiraMoEModel
+from mira_hf.config import LoaderConfig
+from mira_hf.errors import UnsupportedOperationError
+
+NAMES = sorted(SEQ2SEQ_RECIPES)
+WRAP = MiraConfig(gpu_budget=0.25, device="cpu")
+# 14 prompt tokens over 8 experts of capacity 3: some tokens exceed an expert's capacity and skip the experts
+PROMPT = torch.tensor([[5, 9, 14, 33, 60, 71, 80, 5, 9, 14, 33, 60, 71, 80], [7, 21, 4, 8, 11, 3, 99, 7, 21, 4, 8, 11, 3, 0]])
+MASK = (PROMPT != 0).long()
+DECODER = torch.tensor([[0, 12, 40, 7], [0, 3, 3, 90]])
+
+
+def _pair(name: str, dtype=torch.float32, **overrides):
+    """(unwrapped, wrapped): two models with the same weights, the second wrapped right after construction."""
+    config = config_or_skip(name)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    ref = build(config).to(dtype).eval()
+    model = build(config).to(dtype).eval()
+    model.load_state_dict(ref.state_dict())
+    return ref, MiraMoEModel.wrap(model, WRAP)
+
+
+def _forward(model, **kw):
+    return model(input_ids=PROMPT, attention_mask=MASK, decoder_input_ids=DECODER, output_router_logits=True, **kw)
+
+
+def _dropped(model) -> int:
+    """Tokens of `PROMPT` that some sparse layer's router sent to no expert (over capacity), in `model`'s forward."""
+    dropped = []
+
+    def count(module, args, out):
+        dropped.append(int((out[0].sum(dim=-1) == 0).sum()))  # dispatch rows without an expert
+
+    hooks = [m.register_forward_hook(count) for n, m in model.named_modules() if n.endswith("mlp.router")]
+    try:
+        with torch.no_grad():
+            _forward(model)
+    finally:
+        for h in hooks:
+            h.remove()
+    return sum(dropped)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_router_logits_and_generation_are_the_unwrapped_models(name, dtype):
+    ref, model = _pair(name, dtype)
+    assert _dropped(ref) > 0  # the prompt exercises tokens over an expert's capacity
+    with torch.no_grad():
+        expected, got = _forward(ref), _forward(model)
+    assert torch.equal(got.logits, expected.logits)
+    assert torch.equal(got.encoder_last_hidden_state, expected.encoder_last_hidden_state)
+    for a, b in zip(
+        expected.encoder_router_logits + expected.decoder_router_logits, got.encoder_router_logits + got.decoder_router_logits
+    ):
+        assert torch.equal(a, b)
+    for kw in (dict(do_sample=False), dict(do_sample=False, num_beams=3, num_return_sequences=2)):
+        kw = dict(kw, max_new_tokens=6, min_new_tokens=6)
+        assert torch.equal(model.generate(PROMPT, attention_mask=MASK, **kw), ref.generate(PROMPT, attention_mask=MASK, **kw))
+    stats = model.mira.telemetry.summary()
+    assert stats["misses"] + stats["hot_hits"] + stats["stage_hits"] > 0  # the experts were served
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_parameters_and_state_dict_are_the_unwrapped_models(name):
+    ref, model = _pair(name)
+    assert [(n, p.shape) for n, p in model.named_parameters()] == [(n, p.shape) for n, p in ref.named_parameters()]
+    expected, got = ref.state_dict(), model.state_dict()
+    assert list(got) == list(expected)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert model.num_parameters() == ref.num_parameters()
+    assert shared_storages(model) == shared_storages(ref)  # each expert's tensors on storages of their own
+    layer = next(k for k in expected if k.endswith("experts.expert_0.wi.weight")).split("expert_0")[0]
+    with torch.no_grad():  # in-place edits of experts' parameters reach what the model computes
+        before = _forward(ref).logits
+        for key in [k for k in expected if k.startswith(layer) and k.endswith("wi.weight")]:  # the first layer's experts
+            ref.get_parameter(key).mul_(-3)
+            model.get_parameter(key).mul_(-3)
+        after = _forward(model).logits
+        assert torch.equal(after, _forward(ref).logits) and not torch.equal(after, before)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_load_state_dict_writes_the_experts_whole_or_expert_by_expert(name):
+    """A state dict of other weights loads into the experts (strict), and one that lacks an expert's tensor loads
+    the rest (strict=False), reporting the same missing key as the unwrapped model does."""
+    ref, model = _pair(name)
+    torch.manual_seed(1)
+    other = build(ref.config).eval().state_dict()
+    ref.load_state_dict(other)
+    model.load_state_dict(other)
+    with torch.no_grad():
+        assert torch.equal(_forward(model).logits, _forward(ref).logits)
+    key = next(k for k in other if k.endswith("experts.expert_1.wo.weight"))
+    partial = {k: v * 2 if "experts" in k else v for k, v in other.items() if k != key}
+    assert ref.load_state_dict(partial, strict=False).missing_keys == [key]
+    assert model.load_state_dict(partial, strict=False).missing_keys == [key]
+    with torch.no_grad():
+        assert torch.equal(_forward(model).logits, _forward(ref).logits)
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_from_pretrained_loads_the_checkpoint_as_transformers_does(tmp_path, name, stream):
+    torch.manual_seed(0)
+    build(config_or_skip(name)).save_pretrained(tmp_path)
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    ref = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    cfg = MiraConfig(gpu_budget=0.25, device="cpu", loader=LoaderConfig(stream_experts=stream))  # True: raises if it cannot
+    model = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False)
+    assert type(model) is type(ref)
+    with torch.no_grad():
+        assert torch.equal(_forward(model.eval()).logits, _forward(ref).logits)
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+    kw = dict(do_sample=False, max_new_tokens=5)
+    assert torch.equal(model.generate(PROMPT, attention_mask=MASK, **kw), ref.generate(PROMPT, attention_mask=MASK, **kw))
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_save_pretrained_and_unload_give_back_the_unwrapped_model(tmp_path, name):
+    ref, model = _pair(name)
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in reloaded.state_dict().items())
+    plain = model.unload()
+    experts = next(m for n, m in plain.named_modules() if n.endswith("mlp.experts"))
+    assert type(experts) is type(next(m for n, m in ref.named_modules() if n.endswith("mlp.experts")))
+    assert all(type(m.wi) is torch.nn.Linear for m in experts.values())
+    assert list(plain.state_dict()) == list(ref.state_dict())
+    with torch.no_grad():
+        assert torch.equal(_forward(plain).logits, _forward(ref).logits)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_cast_wrapped_model_computes_what_the_cast_unwrapped_model_computes(name):
+    ref, model = _pair(name)
+    ref.to(torch.bfloat16)
+    model.to(torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(_forward(model).logits, _forward(ref).logits)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_training_mode_forward_draws_the_unwrapped_models_dropout_masks(name, dtype):
+    """In training mode each expert applies dropout with a mask drawn from torch's generator, expert by expert in
+    ascending order: the wrapped model draws the same masks in the same order (and the router's jitter noise and
+    every other dropout in between), so from the same seed its outputs are the unwrapped model's."""
+    ref, model = _pair(name, dtype, dropout_rate=0.3, router_jitter_noise=0.1)
+    ref.train()
+    model.train()
+    outputs = []
+    for m in (ref, model):
+        torch.manual_seed(5)
+        with torch.no_grad():
+            outputs.append([_forward(m).logits for _ in range(2)])
+    assert not torch.equal(outputs[0][0], outputs[0][1])  # the masks are random
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert torch.equal(_forward(model).logits, _forward(ref).logits)  # eval mode: dropout does nothing
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_training_mode_forward_with_host_compute_is_refused(name):
+    ref, model = _pair(name, dropout_rate=0.3)
+    model = MiraMoEModel.wrap(model.unload(), MiraConfig(gpu_budget=0.25, device="cpu", host_compute="on"))
+    model.train()
+    with pytest.raises(UnsupportedOperationError, match=r"training-mode forward.*host_compute='on'.*dropout.*model.eval\(\)"):
+        _forward(model)

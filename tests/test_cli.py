@@ -101,6 +101,27 @@ def test_generate_splits_experts_between_host_and_device_when_asked(tmp_path):
     assert record["stats"]["host_part_bytes"] > 0
 
 
+def test_generate_counts_an_encoder_decoders_new_tokens(tmp_path):
+    """An encoder-decoder's output holds its decoder's tokens only (a start token, then the new ones), not the prompt."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from mira_hf.testing import build, make_config
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_model_path())
+    config = make_config("switch_transformers", vocab_size=len(tokenizer), eos_token_id=len(tokenizer) + 1)  # no eos
+    torch.manual_seed(0)
+    build(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    stats_file = tmp_path / "run.json"
+    argv = ["generate", str(tmp_path / "model"), "--prompt", "def add(a, b):", "--max-new-tokens", "5", "--device", "cpu"]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert cli.main([*argv, "--stats-out", str(stats_file)]) == 0
+    record = json.loads(stats_file.read_text())
+    assert record["generation"]["new_tokens"] == 5
+    assert record["stats"]["hits"] + record["stats"]["misses"] > 0
+
+
 def test_stats_summarises_a_saved_stats_file(generated, capsys):
     rc, out, _ = run(["stats", str(generated[2])], capsys)
     assert rc == 0 and "hit rate" in out and "tokens/s" in out and "layer  hit rate" in out

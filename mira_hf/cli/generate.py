@@ -62,7 +62,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(tokenizer.decode(out[0], skip_special_tokens=True), flush=True)
 
     prompt_tokens = inputs["input_ids"].shape[-1]
-    new_tokens = out.shape[-1] - prompt_tokens
+    # a decoder-only model's output continues its prompt; an encoder-decoder's starts at its decoder's start token
+    new_tokens = out.shape[-1] - (1 if model.config.is_encoder_decoder else prompt_tokens)
     arrivals = streamer.arrivals if streamer is not None else []
     generation = dict(
         prompt_tokens=prompt_tokens,

@@ -127,6 +127,28 @@ def test_unregistered_family_streams_its_experts_from_the_checkpoint(model_type,
         assert (model(IDS, use_cache=False).logits - ref(IDS, use_cache=False).logits).abs().max() <= 1e-5
 
 
+# Model types with a config of their own and no modeling code: transformers builds another family's model for them
+# (Param2MoE's and Sarvam-MoE's are GLM-4.5's classes, Sarvam-MLA's DeepSeek-V3's).
+REUSING = ["param2moe", "sarvam_mla", "sarvam_moe"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("model_type", REUSING)
+def test_a_type_that_builds_another_familys_model_is_served_exactly(model_type, stream, tmp_path):
+    model = tiny(model_type)
+    assert type(model).__name__.lower().replace("forcausallm", "") not in model_type.replace("_", "")
+    model.save_pretrained(tmp_path)
+    ref = auto_model_class(model_type).from_pretrained(tmp_path).eval()
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=stream))
+    with pytest.warns(UserWarning, match=f"model_type '{model_type}' has no adapter"):
+        model = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+        assert torch.equal(model.generate(IDS, **kw), ref.generate(IDS, **kw))
+    assert model.mira.stats()["loads"] > 0
+
+
 def test_vision_language_model_experts_are_served_by_wrap():
     """A VLM (not an AutoModelForCausalLM: the user builds it with its own class) wrapped in place: the
     experts of its text decoder are found through transformers' experts interface and outputs stay exact."""

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ConfigError
+from .errors import ConfigError, require_decoder_only
 from .learned import LayerNet, LearnedPredictor, choose_sizes, model_parameters
 
 FORWARD_TOKENS = 8192  # tokens per calibration forward (padded batch): bounds activation memory
@@ -137,6 +137,7 @@ def _record(
     entering the block `[N, H]` (model dtype, CPU) and the experts it chose `[N, K]`, for the same N tokens
     in the same order (each sequence's tokens consecutive); and `has_next [N]`: whether token i+1 is the
     next token of token i's sequence. The manager's recorder and predictor are restored afterwards."""
+    require_decoder_only(model, "calibrate")
     manager = model.mira
     hidden: dict[int, list[torch.Tensor]] = {}
     experts: dict[int, list[torch.Tensor]] = {}

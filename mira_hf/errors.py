@@ -50,3 +50,15 @@ class ConcurrencyError(MiraError, RuntimeError):
 class UnsupportedOperationError(MiraError, RuntimeError):
     """An operation a wrapped model does not support: backward through its offloaded experts, or
     copying / pickling it (its experts live in one host store and GPU arena)."""
+
+
+def require_decoder_only(model, what: str) -> None:
+    """Raise `UnsupportedOperationError` before anything runs where `model` is an encoder-decoder: `what` routes a
+    sequence's tokens through every MoE layer in turn, and an encoder-decoder's encoder and decoder route different
+    tokens."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise UnsupportedOperationError(
+            f"{what} follows each token through a decoder-only model's MoE layers, and {type(model).__name__} is an "
+            "encoder-decoder, whose encoder and decoder route different tokens. Its experts are served as any "
+            "model's: generate with it and read model.mira.stats(), or its router logits (output_router_logits=True)."
+        )

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ConfigError, IncompatibleFileError, UnsupportedModelError
+from .errors import ConfigError, IncompatibleFileError, UnsupportedModelError, require_decoder_only
 
 TRACE_FORMAT = "mira-routing-trace/1"
 
@@ -159,6 +159,7 @@ def record_trace(model, input_ids: torch.Tensor, progress: bool = True) -> Routi
     manager = getattr(model, "mira", None)
     if manager is None:
         raise ConfigError("record_trace needs a wrapped model (MiraMoEModel.from_pretrained or MiraMoEModel.wrap).")
+    require_decoder_only(model, "record_trace")
     if input_ids.dim() != 2:
         raise ConfigError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}.")
     B, S = input_ids.shape
@@ -220,6 +221,7 @@ def record_topk(model, chunks: Sequence[torch.Tensor], progress: bool = True) ->
     manager = getattr(model, "mira", None)
     if manager is None:
         raise ConfigError("record_topk needs a wrapped model (MiraMoEModel.from_pretrained or MiraMoEModel.wrap).")
+    require_decoder_only(model, "record_topk")
     parts: dict[int, list[torch.Tensor]] = {}
 
     def recorder(layer: int, h: torch.Tensor, top_k_index: torch.Tensor) -> None:

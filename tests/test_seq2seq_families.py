@@ -185,3 +185,35 @@ def test_a_training_mode_forward_with_host_compute_is_refused(name):
     model.train()
     with pytest.raises(UnsupportedOperationError, match=r"training-mode forward.*host_compute='on'.*dropout.*model.eval\(\)"):
         _forward(model)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_what_follows_each_token_through_every_layer_refuses_an_encoder_decoder(name):
+    """Calibration and routing traces follow each token through a decoder-only model's MoE layers; an
+    encoder-decoder's encoder and decoder route different tokens, so they refuse it with what to do instead."""
+    from mira_hf.calibrate import calibrate
+    from mira_hf.trace import record_topk, record_trace
+
+    _, model = _pair(name)
+    calls = {
+        "calibrate": lambda: calibrate(model, PROMPT, progress=False),
+        "record_topk": lambda: record_topk(model, [PROMPT[0]], progress=False),
+        "record_trace": lambda: record_trace(model, PROMPT, progress=False),
+    }
+    for what, call in calls.items():
+        with pytest.raises(UnsupportedOperationError, match=f"{what} follows each token.*encoder-decoder.*mira.stats"):
+            call()
+    assert model.mira.stats()["loads"] == 0  # refused before any token was routed
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_server_refuses_an_encoder_decoder_before_it_starts(name):
+    from mira_hf.serve import is_serve_available
+
+    if not is_serve_available():
+        pytest.skip("needs the serve extra")
+    from mira_hf.serve import build_app
+
+    _, model = _pair(name)
+    with pytest.raises(UnsupportedOperationError, match="the server .* encoder-decoder"):
+        build_app(model, tokenizer=None)

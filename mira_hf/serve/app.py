@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa:
 from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
 
 from ..batching import enable as enable_batch_aware  # noqa: E402
-from ..errors import ConfigError  # noqa: E402
+from ..errors import ConfigError, require_decoder_only  # noqa: E402
 from . import checks, memory, planning  # noqa: E402
 from .metrics import build_registry  # noqa: E402
 from .stack import ServingStack, resolve  # noqa: E402
@@ -63,6 +63,7 @@ def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None
     the expert cache resized to its part before the app is returned. From then on a wrapped model's cache ranks
     experts by batch-aware use estimates (`mira_hf.batching`; the same as before at one token per step).
     """
+    require_decoder_only(model, "the server (continuous batching)")
     config = config or ServeConfig()
     name = config.model_name
     runtime = _Runtime()

@@ -291,13 +291,23 @@ def load_model(
     return model_class.from_pretrained(name_or_path, **hf_kwargs), None
 
 
-def model_class_of(config_json: dict, given: type | None = None):
+def runs_own_code(config_json: dict, trust_remote_code: bool) -> bool:
+    """Whether transformers builds a checkpoint of config.json with the checkpoint's own code (`auto_map`), as its auto
+    classes decide: where trusted, or where transformers has no classes for the model type (it then asks for trust).
+    A known model type without trust is built by transformers' own classes, its `auto_map` unused."""
+    from transformers import CONFIG_MAPPING
+
+    return "auto_map" in config_json and (trust_remote_code or config_json.get("model_type") not in CONFIG_MAPPING)
+
+
+def model_class_of(config_json: dict, given: type | None = None, remote: bool = False):
     """The transformers class a checkpoint loads as: `given` (a model class, or an auto class such as
-    `AutoModelForImageTextToText`), checked against config.json's model type, else `auto_model_class` of config.json.
-    Raises `ConfigError` before anything is read where `given` cannot build that model type."""
+    `AutoModelForImageTextToText`), checked against config.json's model type, else `auto_model_class` of config.json
+    (`remote`: built from the checkpoint's own code, `runs_own_code`). Raises `ConfigError` before anything is read
+    where `given` cannot build that model type."""
     model_type = config_json.get("model_type")
     if given is None:
-        return auto_model_class(model_type, config_json.get("architectures"), "auto_map" in config_json)
+        return auto_model_class(model_type, config_json.get("architectures"), remote)
     from transformers import CONFIG_MAPPING, PreTrainedModel
 
     auto = isinstance(given, type) and hasattr(given, "_model_mapping")
@@ -526,11 +536,12 @@ def _per_expert(layout, module: torch.nn.Module, params: dict[str, torch.Tensor]
 
 
 def _model_config(name_or_path, hf_kwargs: dict):
-    """config.json as transformers reads it for from_pretrained; `NotStreamable` for a model with its own code."""
+    """config.json as transformers reads it for from_pretrained; `NotStreamable` for a model built from its own code
+    (`runs_own_code`: a checkpoint's `auto_map` of a model type transformers knows is unused without trust)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(name_or_path, **_config_kwargs(hf_kwargs))
-    if getattr(config, "auto_map", None):
+    if runs_own_code(config.to_dict(), bool(hf_kwargs.get("trust_remote_code"))):
         raise NotStreamable("it defines its own modeling code (auto_map)")
     return config
 

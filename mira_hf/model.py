@@ -22,7 +22,7 @@ from torch import nn
 
 from model_adapters import MoEAdapter
 
-from .checkpoint import StreamedExperts, build_skeleton, load_model, model_class_of, streaming_index
+from .checkpoint import StreamedExperts, build_skeleton, load_model, model_class_of, runs_own_code, streaming_index
 from .config import MiraConfig, config_from_arguments
 from .errors import CheckpointError, ConfigError, DeviceError, MiraError, UnsupportedModelError
 from .expert_keys import native_codec_name
@@ -35,7 +35,15 @@ from .shards import NotStreamable, ShardIndex, missing_checkpoint_error
 from .state import install as install_state
 from .step_hooks import StepHooks
 from .store_build import StorePlan, build_router_predictor, fill_store, new_manager, plan_store, record_cache
-from .targets import Target, expert_specs, find_targets, model_fingerprint, resolve_adapter, sub_model_types
+from .targets import (
+    Target,
+    expert_specs,
+    find_targets,
+    model_fingerprint,
+    own_classes_hint,
+    resolve_adapter,
+    sub_model_types,
+)
 from .unload import save_pretrained, unload
 
 
@@ -101,14 +109,16 @@ class MiraMoEModel:
         device = _resolve_device(cfg.device)
         trust = bool(hf_kwargs.get("trust_remote_code", False))
         config_dict = _raw_config(name_or_path, hf_kwargs)
-        if "auto_map" in config_dict and not trust:
+        remote = runs_own_code(config_dict, trust)
+        if remote and not trust:
             raise UnsupportedModelError(
-                f"{name_or_path!s} defines its own modeling code (auto_map in config.json). mira-hf runs it only if you "
-                "trust it: pass trust_remote_code=True to MiraMoEModel.from_pretrained."
+                f"{name_or_path!s} defines its own modeling code (auto_map in config.json) for model_type "
+                f"{config_dict.get('model_type')!r}, which transformers has no classes of its own for. mira-hf runs it "
+                "only if you trust it: pass trust_remote_code=True to MiraMoEModel.from_pretrained."
             )
         # what serves its experts, and the class transformers builds for it: both checked before any weight is read
-        adapter = resolve_adapter(config_dict.get("model_type"), cfg, "auto_map" in config_dict, sub_model_types(config_dict))
-        model_class = model_class_of(config_dict, model_class)
+        adapter = resolve_adapter(config_dict.get("model_type"), cfg, remote, sub_model_types(config_dict))
+        model_class = model_class_of(config_dict, model_class, remote)
         _check_prequantized(cfg, config_dict.get("quantization_config"), name_or_path)
         hf_kwargs.setdefault("dtype", "auto")
         report = LoadReport()
@@ -184,7 +194,13 @@ class MiraMoEModel:
         remote = not type(model).__module__.startswith("transformers.")  # a class of its own (remote code, a subclass)
         config = getattr(model, "config", None)
         adapter = resolve_adapter(getattr(config, "model_type", None), cfg, remote, sub_model_types(config or {}))
-        targets = find_targets(model, adapter, streamed.meta if streamed else None)
+        try:
+            targets = find_targets(model, adapter, streamed.meta if streamed else None)
+        except UnsupportedModelError as exc:
+            hint = own_classes_hint(type(model), getattr(config, "model_type", None)) if remote else ""
+            if not hint:
+                raise
+            raise UnsupportedModelError(f"{exc} {hint}") from exc
         check_model_implementations(model)
         fingerprint = model_fingerprint(model, targets, expert_specs(targets))
         plan = plan_store(model, cfg, device, adapter, targets, streamed, progress, report, fingerprint)  # every check

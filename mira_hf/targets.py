@@ -102,6 +102,22 @@ def resolve_adapter(model_type: str | None, cfg: MiraConfig, remote: bool = Fals
     return auto_adapter(model_type)  # found by transformers' experts interface, or refused by find_targets
 
 
+def own_classes_hint(model_class: type, model_type: str | None) -> str:
+    """What to say where a model built by its checkpoint's own code (`model_class`) cannot be served but transformers'
+    own classes for its `model_type` can be (registered, or built with the experts interface); "" otherwise."""
+    import transformers
+
+    if model_type not in transformers.CONFIG_MAPPING:
+        return ""
+    if get_adapter(model_type) is None and not uses_experts_interface(model_type):
+        return ""
+    return (
+        f"{model_class.__name__} is the checkpoint's own code (trust_remote_code=True); transformers "
+        f"{transformers.__version__} has classes of its own for model_type {model_type!r}, whose experts mira-hf serves: "
+        "load it without trust_remote_code (transformers then builds its own classes, as AutoModelForCausalLM does)."
+    )
+
+
 def sub_model_types(config) -> tuple[str, ...]:
     """The model types of a config's sub-configs, nested ones included (a config object, or config.json as a dict)."""
     found = []

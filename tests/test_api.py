@@ -315,17 +315,63 @@ def test_a_device_map_naming_another_device_than_the_config_is_refused(tmp_path)
         MiraMoEModel.from_pretrained(tmp_path / "absent", device_map="mps", progress=False)
 
 
-def test_remote_code_needs_trust(tiny_checkpoint, tmp_path):
+def test_remote_code_of_a_type_transformers_does_not_know_needs_trust(tiny_checkpoint, tmp_path):
     import shutil
 
     src = tiny_checkpoint("mixtral")
     dst = tmp_path / "remote"
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
-    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    cfg.update(model_type="remote_moe", auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"})
     (dst / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="trust_remote_code=True"):
+    with pytest.raises(UnsupportedModelError, match="'remote_moe', which transformers has no classes.*trust_remote_code=True"):
         MiraMoEModel.from_pretrained(dst, MiraConfig(device="cpu"), progress=False)
+
+
+# A checkpoint's own code for a model type transformers has classes for (as DeepSeek-V3's and MiniMax's hub checkpoints
+# ship theirs): its experts one module each, which no adapter serves.
+_OWN_CODE_OF_A_KNOWN_TYPE = """
+from torch import nn
+from transformers import MixtralConfig, MixtralForCausalLM
+
+
+class OwnConfig(MixtralConfig):
+    pass
+
+
+class OwnForCausalLM(MixtralForCausalLM):
+    config_class = OwnConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        for layer in self.model.layers:
+            layer.mlp.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(config.num_local_experts))
+"""
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_known_types_checkpoint_with_its_own_code_loads_as_transformers_loads_it(tiny_checkpoint, tmp_path, stream):
+    """Without trust_remote_code, transformers builds its own classes for a model type it knows and leaves the
+    checkpoint's `auto_map` unused; mira-hf loads it the same way, whole or streamed, exact. With trust, the
+    checkpoint's code is built, as transformers builds it; where its experts cannot be served, the error says to load
+    without trust."""
+    import shutil
+
+    dst = tmp_path / "own_code"
+    shutil.copytree(tiny_checkpoint("mixtral"), dst)
+    (dst / "own_code.py").write_text(_OWN_CODE_OF_A_KNOWN_TYPE)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "own_code.OwnConfig", "AutoModelForCausalLM": "own_code.OwnForCausalLM"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    ref = load_reference(dst)
+    assert type(ref).__name__ == "MixtralForCausalLM"
+    model = MiraMoEModel.from_pretrained(
+        dst, MiraConfig(device="cpu", gpu_budget=0.3, loader=LoaderConfig(stream_experts=stream)), progress=False
+    )
+    assert type(model) is type(ref)
+    assert torch.equal(_logits(model), _logits(ref))
+    with pytest.raises(UnsupportedModelError, match="OwnForCausalLM is the checkpoint's own code.*without trust_remote_code"):
+        MiraMoEModel.from_pretrained(dst, MiraConfig(device="cpu"), progress=False, trust_remote_code=True)
 
 
 # A model whose code ships with its checkpoint: its own config and causal-LM classes (Mixtral's underneath).

@@ -362,9 +362,9 @@ def auto_model_class(model_type: str | None, architectures: list[str] | None = N
     """The transformers class that builds a checkpoint of `model_type` with its head, as transformers' auto classes
     pick it: the causal LM; else the image-text-to-text model (a vision-language MoE, whose text decoder holds
     the experts); else the sequence-to-sequence model (an encoder-decoder: Switch Transformers); else, for a family
-    with none of these (a token classifier, say), the class config.json names in `architectures`. Remote code (`remote`: config.json has an `auto_map`) and a type transformers does not know
-    go to the causal-LM auto class, which reads the `auto_map`. Raises `UnsupportedModelError` where transformers
-    has no class for it."""
+    with none of these (a token classifier, say), the class config.json names in `architectures`. A checkpoint built
+    from its own code (`remote`: `runs_own_code`) and a type transformers does not know go to the causal-LM auto
+    class, which reads the `auto_map`. Raises `UnsupportedModelError` where transformers has no class for it."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM, PreTrainedModel
     from transformers.models.auto.modeling_auto import (

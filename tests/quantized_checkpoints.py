@@ -13,7 +13,8 @@
   `quantization_config = {"modules_to_not_convert": [...], "quant_method": "mxfp4"}`.
 
 `write_fp8_checkpoint(family, path)` and `write_mxfp4_checkpoint(path)` build a seeded tiny bf16 model of that family,
-save it the way transformers saves it (per-expert keys where the hub has them) and quantize its tensors in place.
+save it the way transformers saves it (per-expert keys where the hub has them) and quantize its tensors in place;
+config.json names the modeling code the hub's checkpoints ship (`auto_map`) where they ship some.
 """
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ def _glm4v_moe_config(**widths):
 
 # Vision-language families: their config, and the modules their FP8 checkpoints leave in the model dtype.
 _FP8_COMPOSITES = {"glm4v_moe": (_glm4v_moe_config, ["model.visual", "lm_head"])}
+# The modeling code some of these checkpoints ship on the hub (config.json's `auto_map`; the files themselves are not
+# written): without trust_remote_code, transformers builds its own classes for them and never reads that code.
+HUB_AUTO_MAPS = {
+    "deepseek_v3": {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModel": "modeling_deepseek.DeepseekV3Model",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+    },
+    "minimax_m2": {
+        "AutoConfig": "configuration_minimax_m2.MiniMaxM2Config",
+        "AutoModelForCausalLM": "modeling_minimax_m2.MiniMaxM2ForCausalLM",
+    },
+}
 _FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
@@ -101,9 +115,9 @@ def _save_bf16(config, path: str, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def write_shards(path: str, state: dict[str, torch.Tensor], quantization_config: dict, shards: int) -> None:
-    """Write `state` (CPU tensors) as `shards` safetensors shards with an index, and add `quantization_config`
-    to the config.json already in `path`."""
+def write_shards(path: str, state: dict[str, torch.Tensor], quantization_config: dict, shards: int, auto_map=None) -> None:
+    """Write `state` (CPU tensors) as `shards` safetensors shards with an index, and add `quantization_config` (and
+    the hub's `auto_map`, where given) to the config.json already in `path`."""
     keys = sorted(state)
     if shards == 1:
         save_file({k: state[k].contiguous() for k in keys}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
@@ -120,6 +134,8 @@ def write_shards(path: str, state: dict[str, torch.Tensor], quantization_config:
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     config["quantization_config"] = quantization_config
+    if auto_map:
+        config["auto_map"] = auto_map
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
 
@@ -159,7 +175,7 @@ def write_fp8_checkpoint(family: str, path: str, seed: int = 0, shards: int = 2,
     quantization = dict(FP8_QUANTIZATION_CONFIG)
     if family in _FP8_COMPOSITES:
         quantization["modules_to_not_convert"] = _FP8_COMPOSITES[family][1]
-    write_shards(path, out, quantization, shards)
+    write_shards(path, out, quantization, shards, HUB_AUTO_MAPS.get(family))
     return path
 
 

@@ -21,6 +21,26 @@ def test_bundled_model_greedy_output_equals_the_unwrapped_model():
     assert model.mira.stats()["hits"] > 0  # real routing has reuse for the cache to find
 
 
+def test_a_text_generation_pipeline_over_the_wrapped_model_writes_the_unwrapped_models_text():
+    """transformers' `pipeline("text-generation", model=...)` takes a wrapped model as it takes the original: the same
+    texts, one prompt at a time and in padded batches."""
+    from transformers import pipeline
+
+    path = bundled_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", gpu_budget=0.25), dtype=torch.float32, progress=False)
+    prompts = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, item):"]
+    texts = []
+    for m in (ref, model):
+        for batch_size in (1, 2):
+            generate = pipeline("text-generation", model=m, tokenizer=tok, batch_size=batch_size)
+            out = generate(prompts, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+            texts.append([o[0]["generated_text"] for o in out])
+    assert texts[2:] == texts[:2]
+    assert all(len(t) > len(p) for t, p in zip(texts[3], prompts))
+
+
 def test_bundled_model_ships_heldout_tokens_and_a_training_report_that_match_its_files():
     path = bundled_model_path()
     ids = load_file(f"{path}/heldout_tokens.safetensors")["input_ids"]

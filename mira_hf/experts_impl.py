@@ -25,6 +25,8 @@ refused when the model is wrapped, when the implementation is set, and at the ca
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -157,10 +159,23 @@ def grouped_linear(
     rows of group g through `weight[g]` ([G, out, in]) and `bias` [n, out] added per row. Returns [n, out]."""
     from transformers.integrations.moe import _grouped_linear
 
-    if offs is None:
-        offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)  # a fill: no host copy, no sync
+    if offs is None:  # one group of every row (a tensor subclass, as a tracer's fake one, gets its own fill)
+        offs = _one_group(x.shape[0], x.device) if type(x) is torch.Tensor else _fill(x.shape[0], x.device)
         weight = weight.unsqueeze(0)
     return _grouped_linear(x, weight, offs, bias=bias, is_transposed=transposed)
+
+
+@functools.lru_cache(maxsize=256)
+def _one_group(rows: int, device: torch.device) -> torch.Tensor:
+    """The offsets [1] of one group of `rows` rows on `device`, made once and only ever read: each expert's two
+    projections would otherwise launch a fill each (decode uses a handful of row counts). A normal tensor, also when
+    first made under `torch.inference_mode()`, so a forward outside it may read it too."""
+    with torch.inference_mode(False):
+        return _fill(rows, device)
+
+
+def _fill(rows: int, device: torch.device) -> torch.Tensor:
+    return torch.full((1,), rows, dtype=torch.int32, device=device)  # a fill: no host copy, no sync
 
 
 # batched_mm's `bmm` rounds a row alike in calls of 4, 8 and 16 rows as in one call of 8, 16, 32, 64 or 128 rows, at

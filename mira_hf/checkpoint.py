@@ -546,6 +546,21 @@ def _model_config(name_or_path, hf_kwargs: dict):
     return config
 
 
+def own_code_skeleton(name_or_path, model_class: type, hf_kwargs: dict) -> torch.nn.Module | None:
+    """The model a trusted checkpoint's own code (`runs_own_code`) builds, on the meta device, from config.json alone
+    (no weight read), as `model_class.from_pretrained` would build it; None where its code cannot build it there."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, **_config_kwargs(hf_kwargs))
+        with torch.device("meta"):
+            if hasattr(model_class, "_model_mapping"):  # an auto class: it reads config.json's auto_map
+                return model_class.from_config(config, trust_remote_code=True)
+            return model_class._from_config(config)
+    except Exception:  # code that does not build on the meta device: checked once loaded instead
+        return None
+
+
 def _config_kwargs(hf_kwargs: dict) -> dict:
     """The keywords of `hf_kwargs` that AutoConfig.from_pretrained takes too (where the config is read from)."""
     names = ("revision", "cache_dir", "local_files_only", "token", "subfolder", "trust_remote_code")

@@ -22,7 +22,15 @@ from torch import nn
 
 from model_adapters import MoEAdapter
 
-from .checkpoint import StreamedExperts, build_skeleton, load_model, model_class_of, runs_own_code, streaming_index
+from .checkpoint import (
+    StreamedExperts,
+    build_skeleton,
+    load_model,
+    model_class_of,
+    own_code_skeleton,
+    runs_own_code,
+    streaming_index,
+)
 from .config import MiraConfig, config_from_arguments
 from .errors import CheckpointError, ConfigError, DeviceError, MiraError, UnsupportedModelError
 from .expert_keys import native_codec_name
@@ -119,6 +127,12 @@ class MiraMoEModel:
         # what serves its experts, and the class transformers builds for it: both checked before any weight is read
         adapter = resolve_adapter(config_dict.get("model_type"), cfg, remote, sub_model_types(config_dict))
         model_class = model_class_of(config_dict, model_class, remote)
+        if remote:  # the checkpoint's own code: where its experts cannot be served, say so before loading its weights
+            skeleton = own_code_skeleton(name_or_path, model_class, hf_kwargs)
+            if skeleton is not None:
+                _find_targets(
+                    skeleton, adapter, {n: adapter.experts_layout.parameters(m) for n, m in adapter.find_experts(skeleton)}
+                )
         _check_prequantized(cfg, config_dict.get("quantization_config"), name_or_path)
         hf_kwargs.setdefault("dtype", "auto")
         report = LoadReport()
@@ -194,13 +208,7 @@ class MiraMoEModel:
         remote = not type(model).__module__.startswith("transformers.")  # a class of its own (remote code, a subclass)
         config = getattr(model, "config", None)
         adapter = resolve_adapter(getattr(config, "model_type", None), cfg, remote, sub_model_types(config or {}))
-        try:
-            targets = find_targets(model, adapter, streamed.meta if streamed else None)
-        except UnsupportedModelError as exc:
-            hint = own_classes_hint(type(model), getattr(config, "model_type", None)) if remote else ""
-            if not hint:
-                raise
-            raise UnsupportedModelError(f"{exc} {hint}") from exc
+        targets = _find_targets(model, adapter, streamed.meta if streamed else None)
         check_model_implementations(model)
         fingerprint = model_fingerprint(model, targets, expert_specs(targets))
         plan = plan_store(model, cfg, device, adapter, targets, streamed, progress, report, fingerprint)  # every check
@@ -436,6 +444,19 @@ def _resolve_device(name: str | None) -> torch.device:
 
 def _config_kwargs(hf_kwargs: dict) -> dict:
     return {k: hf_kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token", "subfolder") if k in hf_kwargs}
+
+
+def _find_targets(model: nn.Module, adapter: MoEAdapter, streamed: dict | None) -> list:
+    """`find_targets`; where a model built by its checkpoint's own code cannot be served but transformers' own classes
+    for its type can be, the error says so (`own_classes_hint`)."""
+    try:
+        return find_targets(model, adapter, streamed)
+    except UnsupportedModelError as exc:
+        remote = not type(model).__module__.startswith("transformers.")  # a class of its own (remote code, a subclass)
+        hint = own_classes_hint(type(model), getattr(getattr(model, "config", None), "model_type", None)) if remote else ""
+        if not hint:
+            raise
+        raise UnsupportedModelError(f"{exc} {hint}") from exc
 
 
 def _raw_config(name_or_path, hf_kwargs: dict) -> dict:

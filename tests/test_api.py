@@ -336,7 +336,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 
 class OwnConfig(MixtralConfig):
-    pass
+    model_type = "{model_type}"
 
 
 class OwnForCausalLM(MixtralForCausalLM):
@@ -354,12 +354,12 @@ def test_a_known_types_checkpoint_with_its_own_code_loads_as_transformers_loads_
     """Without trust_remote_code, transformers builds its own classes for a model type it knows and leaves the
     checkpoint's `auto_map` unused; mira-hf loads it the same way, whole or streamed, exact. With trust, the
     checkpoint's code is built, as transformers builds it; where its experts cannot be served, the error says to load
-    without trust."""
+    without trust, before any weight is read."""
     import shutil
 
     dst = tmp_path / "own_code"
     shutil.copytree(tiny_checkpoint("mixtral"), dst)
-    (dst / "own_code.py").write_text(_OWN_CODE_OF_A_KNOWN_TYPE)
+    (dst / "own_code.py").write_text(_OWN_CODE_OF_A_KNOWN_TYPE.format(model_type="mixtral"))
     cfg = json.loads((dst / "config.json").read_text())
     cfg["auto_map"] = {"AutoConfig": "own_code.OwnConfig", "AutoModelForCausalLM": "own_code.OwnForCausalLM"}
     (dst / "config.json").write_text(json.dumps(cfg))
@@ -370,7 +370,29 @@ def test_a_known_types_checkpoint_with_its_own_code_loads_as_transformers_loads_
     )
     assert type(model) is type(ref)
     assert torch.equal(_logits(model), _logits(ref))
+    # trusted, its code is built first on the meta device: refused before any weight is read (these are not readable)
+    assert [p.name for p in dst.glob("*.safetensors*")] == ["model.safetensors"]
+    (dst / "model.safetensors").write_bytes(b"not read")
     with pytest.raises(UnsupportedModelError, match="OwnForCausalLM is the checkpoint's own code.*without trust_remote_code"):
+        MiraMoEModel.from_pretrained(dst, MiraConfig(device="cpu"), progress=False, trust_remote_code=True)
+
+
+def test_trusted_code_of_an_unknown_type_whose_experts_cannot_be_served_is_refused_before_loading(tiny_checkpoint, tmp_path):
+    """A checkpoint's own code for a type transformers does not know, keeping its experts one module each in a list
+    its block calls (as DeepSeek-MoE's first release does): built on the meta device first, refused before any weight
+    is read."""
+    import shutil
+
+    dst = tmp_path / "own_code"
+    shutil.copytree(tiny_checkpoint("mixtral"), dst)
+    (dst / "own_code.py").write_text(_OWN_CODE_OF_A_KNOWN_TYPE.format(model_type="own_moe"))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(
+        model_type="own_moe", auto_map={"AutoConfig": "own_code.OwnConfig", "AutoModelForCausalLM": "own_code.OwnForCausalLM"}
+    )
+    (dst / "config.json").write_text(json.dumps(cfg))
+    (dst / "model.safetensors").write_bytes(b"not read")
+    with pytest.raises(UnsupportedModelError, match="OwnForCausalLM .model_type 'own_moe'. has no mira-hf adapter"):
         MiraMoEModel.from_pretrained(dst, MiraConfig(device="cpu"), progress=False, trust_remote_code=True)
 
 

@@ -130,9 +130,10 @@ class MiraMoEModel:
         if remote:  # the checkpoint's own code: where its experts cannot be served, say so before loading its weights
             skeleton = own_code_skeleton(name_or_path, model_class, hf_kwargs)
             if skeleton is not None:
-                _find_targets(
-                    skeleton, adapter, {n: adapter.experts_layout.parameters(m) for n, m in adapter.find_experts(skeleton)}
-                )
+                with warnings.catch_warnings():  # what serving it warns of is said once, when it is served
+                    warnings.simplefilter("ignore")
+                    meta = {n: adapter.experts_layout.parameters(m) for n, m in adapter.find_experts(skeleton)}
+                    _find_targets(skeleton, adapter, meta)
         _check_prequantized(cfg, config_dict.get("quantization_config"), name_or_path)
         hf_kwargs.setdefault("dtype", "auto")
         report = LoadReport()

@@ -217,3 +217,28 @@ def test_the_server_refuses_an_encoder_decoder_before_it_starts(name):
     _, model = _pair(name)
     with pytest.raises(UnsupportedOperationError, match="the server .* encoder-decoder"):
         build_app(model, tokenizer=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_the_served_experts_compute_the_unwrapped_models_bits(name, dtype):
+    """Wrapped for CUDA (experts copied into the device cache as tokens need them), the model computes what the
+    unwrapped model computes on the GPU: logits, router logits and generation."""
+    config = config_or_skip(name)
+    torch.manual_seed(0)
+    ref = build(config).to(dtype).eval()
+    model = build(config).to(dtype).eval()
+    model.load_state_dict(ref.state_dict())
+    ref.to("cuda")
+    model = MiraMoEModel.wrap(model, MiraConfig(gpu_budget=0.25, device="cuda"))
+    ids, mask, dec = PROMPT.cuda(), MASK.cuda(), DECODER.cuda()
+    with torch.no_grad():
+        kw = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, output_router_logits=True)
+        expected, got = ref(**kw), model(**kw)
+    assert torch.equal(got.logits, expected.logits)
+    assert all(torch.equal(a, b) for a, b in zip(expected.encoder_router_logits, got.encoder_router_logits))
+    gen = dict(do_sample=False, max_new_tokens=6, min_new_tokens=6)
+    assert torch.equal(model.generate(ids, attention_mask=mask, **gen), ref.generate(ids, attention_mask=mask, **gen))
+    assert model.mira.stats()["loads"] > 0

@@ -285,9 +285,7 @@ def load_model(
             if wanted or quantization_config is not None:
                 _cannot_stream(name_or_path, str(exc), None, bool(stream_experts))
     if quantization_config is not None and _is_native(quantization_config):
-        from transformers import AutoConfig
-
-        hf_kwargs = dequantizing(AutoConfig.from_pretrained(name_or_path, **_config_kwargs(hf_kwargs)), hf_kwargs)
+        hf_kwargs = dequantizing(read_config(name_or_path, hf_kwargs, model_class), hf_kwargs)
     return model_class.from_pretrained(name_or_path, **hf_kwargs), None
 
 
@@ -399,7 +397,7 @@ def load_without_experts(
     Raises `NotStreamable` before loading anything when the model class cannot be built this way. If
     the experts modules do not match the checkpoint, the model is loaded whole (see `_cannot_stream`).
     """
-    config = _model_config(name_or_path, hf_kwargs)
+    config = _model_config(name_or_path, hf_kwargs, model_class)
     quantization = getattr(config, "quantization_config", None)
     native = native_codec_name(quantization)
     hf_kwargs = dequantizing(config, hf_kwargs)  # the experts are read here; the other weights as transformers loads them
@@ -499,7 +497,7 @@ def build_skeleton(
     extra = sorted(set(hf_kwargs) - set(_SKELETON_KWARGS))
     if extra:
         raise NotStreamable(f"from_pretrained was given {extra}")
-    config = _model_config(name_or_path, hf_kwargs)
+    config = _model_config(name_or_path, hf_kwargs, model_class)
     if getattr(config, "quantization_config", None):
         raise NotStreamable("it is pre-quantized")
     dtype = hf_kwargs.get("dtype", "auto")
@@ -535,15 +533,31 @@ def _per_expert(layout, module: torch.nn.Module, params: dict[str, torch.Tensor]
     return {n: layout.per_expert(module, n, p) for n, p in params.items()}
 
 
-def _model_config(name_or_path, hf_kwargs: dict):
-    """config.json as transformers reads it for from_pretrained; `NotStreamable` for a model built from its own code
+def _model_config(name_or_path, hf_kwargs: dict, model_class: type):
+    """config.json as `model_class.from_pretrained` reads it; `NotStreamable` for a model built from its own code
     (`runs_own_code`: a checkpoint's `auto_map` of a model type transformers knows is unused without trust)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(name_or_path, **_config_kwargs(hf_kwargs))
-    if runs_own_code(config.to_dict(), bool(hf_kwargs.get("trust_remote_code"))):
+    config = read_config(name_or_path, hf_kwargs, model_class)
+    if not is_model_class(model_class) and runs_own_code(config.to_dict(), bool(hf_kwargs.get("trust_remote_code"))):
         raise NotStreamable("it defines its own modeling code (auto_map)")
     return config
+
+
+def is_model_class(cls) -> bool:
+    """Whether `cls` is a model class (its `from_pretrained` builds it, config.json's `auto_map` unused), not an auto
+    class (which picks one by config.json's model type or `auto_map`)."""
+    return isinstance(cls, type) and not hasattr(cls, "_model_mapping")
+
+
+def read_config(name_or_path, hf_kwargs: dict, model_class: type):
+    """config.json as `model_class.from_pretrained` reads it: with the model class's own config class (whatever model
+    type the file names), or, for an auto class, as `AutoConfig` reads it."""
+    kwargs = _config_kwargs(hf_kwargs)
+    if is_model_class(model_class):
+        kwargs.pop("trust_remote_code", None)  # (a config class would keep it as an attribute)
+        return model_class.config_class.from_pretrained(name_or_path, **kwargs)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(name_or_path, **kwargs)
 
 
 def own_code_skeleton(name_or_path, model_class: type, hf_kwargs: dict) -> torch.nn.Module | None:

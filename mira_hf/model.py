@@ -25,6 +25,7 @@ from model_adapters import MoEAdapter
 from .checkpoint import (
     StreamedExperts,
     build_skeleton,
+    is_model_class,
     load_model,
     model_class_of,
     own_code_skeleton,
@@ -117,7 +118,8 @@ class MiraMoEModel:
         device = _resolve_device(cfg.device)
         trust = bool(hf_kwargs.get("trust_remote_code", False))
         config_dict = _raw_config(name_or_path, hf_kwargs)
-        remote = runs_own_code(config_dict, trust)
+        # a model class given builds itself, config.json's `auto_map` unused (as its own from_pretrained does)
+        remote = not is_model_class(model_class) and runs_own_code(config_dict, trust)
         if remote and not trust:
             raise UnsupportedModelError(
                 f"{name_or_path!s} defines its own modeling code (auto_map in config.json) for model_type "

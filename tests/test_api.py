@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import load_reference
+from conftest import align_experts, load_reference
 from tiny_models import build, make_config
 from transformers import AutoModelForCausalLM
 
@@ -394,6 +394,38 @@ def test_trusted_code_of_an_unknown_type_whose_experts_cannot_be_served_is_refus
     (dst / "model.safetensors").write_bytes(b"not read")
     with pytest.raises(UnsupportedModelError, match="OwnForCausalLM .model_type 'own_moe'. has no mira-hf adapter"):
         MiraMoEModel.from_pretrained(dst, MiraConfig(device="cpu"), progress=False, trust_remote_code=True)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_model_class_given_loads_a_checkpoint_of_a_type_transformers_does_not_know_without_its_code(tmp_path, stream):
+    """A model class builds itself whatever config.json names (`SomeModelClass.from_pretrained` reads it with its own
+    config class and leaves the `auto_map` unused): with `model_class=` given, a checkpoint of another model type that
+    ships its own code loads with that class and no trust, whole or streamed, as that class's from_pretrained loads it
+    (as a DeepSeek-V3-shaped checkpoint under a model type of its own loads with DeepseekV3ForCausalLM)."""
+    from safetensors.torch import save_file
+    from transformers import MixtralForCausalLM
+
+    torch.manual_seed(0)
+    original = build(make_config("mixtral"))
+    dst = tmp_path / "renamed"
+    dst.mkdir()
+    # transformers renames checkpoint keys by model type, and this type has no renamings: the tensors as named in memory
+    save_file({k: v.contiguous() for k, v in original.state_dict().items()}, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = original.config.to_dict()
+    cfg.update(
+        model_type="own_moe", auto_map={"AutoConfig": "own_code.OwnConfig", "AutoModelForCausalLM": "own_code.OwnForCausalLM"}
+    )
+    (dst / "config.json").write_text(json.dumps(cfg))  # the code it names is not there: it is never read
+    ref = align_experts(MixtralForCausalLM.from_pretrained(dst).eval())  # (aligned as mira-hf's copies are: conftest)
+    assert torch.equal(_logits(ref), _logits(original.eval()))  # every weight loaded
+    loader = LoaderConfig(stream_experts=stream)
+    with pytest.warns(UserWarning, match="model_type 'own_moe' has no adapter"):  # its experts found by the interface
+        model = MiraMoEModel.from_pretrained(
+            dst, MiraConfig(device="cpu", gpu_budget=0.3, loader=loader), model_class=MixtralForCausalLM, progress=False
+        )
+    assert type(model) is MixtralForCausalLM
+    assert torch.equal(_logits(model), _logits(ref))
+    assert model.mira.stats()["loads"] > 0
 
 
 # A model whose code ships with its checkpoint: its own config and causal-LM classes (Mixtral's underneath).

@@ -563,12 +563,10 @@ def read_config(name_or_path, hf_kwargs: dict, model_class: type):
 def own_code_skeleton(name_or_path, model_class: type, hf_kwargs: dict) -> torch.nn.Module | None:
     """The model a trusted checkpoint's own code (`runs_own_code`) builds, on the meta device, from config.json alone
     (no weight read), as `model_class.from_pretrained` would build it; None where its code cannot build it there."""
-    from transformers import AutoConfig
-
     try:
-        config = AutoConfig.from_pretrained(name_or_path, **_config_kwargs(hf_kwargs))
+        config = read_config(name_or_path, hf_kwargs, model_class)
         with torch.device("meta"):
-            if hasattr(model_class, "_model_mapping"):  # an auto class: it reads config.json's auto_map
+            if not is_model_class(model_class):  # an auto class: it reads config.json's auto_map
                 return model_class.from_config(config, trust_remote_code=True)
             return model_class._from_config(config)
     except Exception:  # code that does not build on the meta device: checked once loaded instead

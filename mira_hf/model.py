@@ -135,7 +135,7 @@ class MiraMoEModel:
                 with warnings.catch_warnings():  # what serving it warns of is said once, when it is served
                     warnings.simplefilter("ignore")
                     meta = {n: adapter.experts_layout.parameters(m) for n, m in adapter.find_experts(skeleton)}
-                    _find_targets(skeleton, adapter, meta)
+                    _find_targets(skeleton, adapter, meta, remote=True)
         _check_prequantized(cfg, config_dict.get("quantization_config"), name_or_path)
         hf_kwargs.setdefault("dtype", "auto")
         report = LoadReport()
@@ -211,7 +211,7 @@ class MiraMoEModel:
         remote = not type(model).__module__.startswith("transformers.")  # a class of its own (remote code, a subclass)
         config = getattr(model, "config", None)
         adapter = resolve_adapter(getattr(config, "model_type", None), cfg, remote, sub_model_types(config or {}))
-        targets = _find_targets(model, adapter, streamed.meta if streamed else None)
+        targets = _find_targets(model, adapter, streamed.meta if streamed else None, remote)
         check_model_implementations(model)
         fingerprint = model_fingerprint(model, targets, expert_specs(targets))
         plan = plan_store(model, cfg, device, adapter, targets, streamed, progress, report, fingerprint)  # every check
@@ -449,13 +449,12 @@ def _config_kwargs(hf_kwargs: dict) -> dict:
     return {k: hf_kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token", "subfolder") if k in hf_kwargs}
 
 
-def _find_targets(model: nn.Module, adapter: MoEAdapter, streamed: dict | None) -> list:
-    """`find_targets`; where a model built by its checkpoint's own code cannot be served but transformers' own classes
-    for its type can be, the error says so (`own_classes_hint`)."""
+def _find_targets(model: nn.Module, adapter: MoEAdapter, streamed: dict | None, remote: bool) -> list:
+    """`find_targets`; where a model built by its checkpoint's own code (`remote`) cannot be served but transformers'
+    own classes for its type can be, the error says so (`own_classes_hint`)."""
     try:
         return find_targets(model, adapter, streamed)
     except UnsupportedModelError as exc:
-        remote = not type(model).__module__.startswith("transformers.")  # a class of its own (remote code, a subclass)
         hint = own_classes_hint(type(model), getattr(getattr(model, "config", None), "model_type", None)) if remote else ""
         if not hint:
             raise

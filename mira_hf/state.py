@@ -72,7 +72,7 @@ class ExpertState:
         E = store.num_experts(layer)
         for name, (shape, dtype) in store.expert_specs(layer).items():
             data = views[name] if views is not None else torch.empty((E, *shape), dtype=dtype, device="meta")
-            for path, part in zip(layout.paths(name, E), _separate(layout.parts(name, data))):  # the module's shapes
+            for path, part in zip(layout.paths(name, E), separate(layout.parts(name, data))):  # the module's shapes
                 param = layout.get(proxy, path)
                 if param is not None:
                     param.data = part
@@ -132,7 +132,7 @@ class ExpertState:
             if param is not None:
                 destination[prefix + name] = param if keep_vars else param.detach()
         decoded = store.fused(proxy.layer) if store.quantized else None
-        parts = {name: _separate(layout.parts(name, t)) for name, t in decoded.items()} if decoded is not None else None
+        parts = {name: separate(layout.parts(name, t)) for name, t in decoded.items()} if decoded is not None else None
         for name, i, path in _entries(layout, store, proxy.layer):
             if parts is not None:
                 destination[prefix + path] = parts[name][i]
@@ -373,7 +373,7 @@ def _entries(layout, store, layer: int) -> list[tuple[str, int, str]]:
     return [entry for group in zip(*per_name) for entry in group]
 
 
-def _separate(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def separate(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """A tensor's parts at its several paths (`ExpertModules`: views of one `[E, ...]` tensor), each on a storage of its
     own, as the unwrapped model's separate parameters are (`store.own_storage`)."""
     return parts if len(parts) == 1 else tuple(own_storage(p) for p in parts)

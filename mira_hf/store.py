@@ -308,12 +308,12 @@ class ExpertStore:
             return None
         slab = self._slabs[layer]
         E = slab.data.shape[0]
-        flat = slab.data.view(-1).numpy()  # [E·R] bytes, the slab's memory (no copy; keeps the slab alive)
-        # Each view on its own storage, starting at its first byte: storage-identity checks (transformers'
-        # tied-weight detection in save_pretrained, safetensors) would otherwise take the tensors of one layer
-        # for one tensor shared under several names.
+        flat = slab.data.view(-1)  # [E·R] bytes, the slab's memory (no copy)
+        # Each view on its own storage (`own_storage`): storage-identity checks (transformers' tied-weight detection in
+        # save_pretrained, safetensors) would otherwise take the tensors of one layer for one tensor shared under
+        # several names.
         return {
-            t.name: torch.from_numpy(flat[E * t.offset : E * (t.offset + t.nbytes)]).view(t.dtype).view(E, *t.shape)
+            t.name: own_storage(flat[E * t.offset : E * (t.offset + t.nbytes)].view(t.dtype).view(E, *t.shape))
             for t in slab.layout.tensors
         }
 

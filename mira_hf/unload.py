@@ -9,6 +9,7 @@ from torch import nn
 
 from .errors import ConfigError
 from .manager import ExpertManager
+from .state import separate
 from .state import uninstall as uninstall_state
 
 
@@ -51,6 +52,6 @@ def save_pretrained(model: nn.Module, save_directory, **kwargs):
     for t in model._mira_targets:  # one tensor of its own each (views of raw records share their slab)
         E = model.mira.store.num_experts(t.ordinal)
         for n, tensor in model.mira.whole.fused(t.ordinal).items():
-            paths, parts = t.layout.paths(n, E), t.layout.parts(n, tensor)
-            state.update((f"{t.name}.{path}", part if len(parts) == 1 else part.clone()) for path, part in zip(paths, parts))
+            paths, parts = t.layout.paths(n, E), separate(t.layout.parts(n, tensor))
+            state.update((f"{t.name}.{path}", part) for path, part in zip(paths, parts))
     return type(model).save_pretrained(model, save_directory, state_dict=state, **kwargs)

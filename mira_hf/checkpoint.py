@@ -515,7 +515,7 @@ def build_skeleton(
     if not found or not all(adapter.experts_layout.num_experts(m) for _, m in found):
         raise NotStreamable(f"no fused experts module matches {list(adapter.experts_globs)}")
     layout = adapter.experts_layout
-    meta = {name: _per_expert(layout, module, layout.parameters(module)) for name, module in found}
+    meta = expert_tensors(layout, found)
     for name, module in found:
         for n in meta[name]:
             layout.put(module, n, None)
@@ -526,6 +526,11 @@ def build_skeleton(
         return plan_keys(adapter, model, {name: meta[name]}, index, candidates)[name]
 
     return model, StreamedExperts(index, meta, {}, plan=plan)
+
+
+def expert_tensors(layout, found) -> dict[str, dict[str, torch.Tensor]]:
+    """Each found experts module's (path, module) expert tensors as `[E, ...]`, as the store reads them."""
+    return {name: _per_expert(layout, module, layout.parameters(module)) for name, module in found}
 
 
 def _per_expert(layout, module: torch.nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

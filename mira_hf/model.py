@@ -25,6 +25,7 @@ from model_adapters import MoEAdapter
 from .checkpoint import (
     StreamedExperts,
     build_skeleton,
+    expert_tensors,
     is_model_class,
     load_model,
     model_class_of,
@@ -134,7 +135,7 @@ class MiraMoEModel:
             if skeleton is not None:
                 with warnings.catch_warnings():  # what serving it warns of is said once, when it is served
                     warnings.simplefilter("ignore")
-                    meta = {n: adapter.experts_layout.parameters(m) for n, m in adapter.find_experts(skeleton)}
+                    meta = expert_tensors(adapter.experts_layout, adapter.find_experts(skeleton))
                     _find_targets(skeleton, adapter, meta, remote=True)
         _check_prequantized(cfg, config_dict.get("quantization_config"), name_or_path)
         hf_kwargs.setdefault("dtype", "auto")

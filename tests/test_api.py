@@ -377,6 +377,41 @@ def test_a_known_types_checkpoint_with_its_own_code_loads_as_transformers_loads_
         MiraMoEModel.from_pretrained(dst, MiraConfig(device="cpu"), progress=False, trust_remote_code=True)
 
 
+_OWN_SUBCLASSES = """
+import transformers
+
+
+class OwnConfig(transformers.{config}):
+    model_type = "{model_type}"
+
+
+class OwnForCausalLM(transformers.{model}):
+    config_class = OwnConfig
+"""
+
+
+@pytest.mark.parametrize("family", ["dbrx", "jetmoe", "gpt_oss"])
+def test_trusted_code_subclassing_a_known_family_is_served_as_transformers_builds_it(tmp_path, family):
+    """A checkpoint whose own code subclasses a family transformers knows, loaded with trust_remote_code=True: its
+    own classes are built, and their experts, in the family's layout (DBRX's separate tensors, JetMoE's routing
+    block, gpt-oss's transposed experts), are served as the family's, exact."""
+    torch.manual_seed(0)
+    original = build(make_config(family)).eval()
+    dst = tmp_path / "own"
+    original.save_pretrained(dst)
+    config = type(original.config).__name__
+    (dst / "own_code.py").write_text(_OWN_SUBCLASSES.format(config=config, model_type=family, model=type(original).__name__))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "own_code.OwnConfig", "AutoModelForCausalLM": "own_code.OwnForCausalLM"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    ref = load_reference(dst, trust_remote_code=True)
+    model = MiraMoEModel.from_pretrained(dst, MiraConfig(device="cpu", gpu_budget=0.3), progress=False, trust_remote_code=True)
+    assert type(model).__name__ == type(ref).__name__ == "OwnForCausalLM"
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+    assert model.mira.stats()["loads"] > 0
+
+
 def test_trusted_code_of_an_unknown_type_whose_experts_cannot_be_served_is_refused_before_loading(tiny_checkpoint, tmp_path):
     """A checkpoint's own code for a type transformers does not know, keeping its experts one module each in a list
     its block calls (as DeepSeek-MoE's first release does): built on the meta device first, refused before any weight

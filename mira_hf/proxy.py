@@ -658,18 +658,21 @@ class _HeldExperts(MiraExperts):
         that keeps experts as itself with the expert tensors (views of the store, where transformers' `_init_weights`
         changes them in place), then `base`, then this module."""
         layout = self.experts_layout
-        owner_of = {id(holder): self._owners[path] for path, holder in self._holders.items()}
         bound = {path: layout.get(self, path) for name in layout.names for path in layout.paths(name, self.num_experts)}
+        for path, owner in self._owners.items():  # the unwrapped modules where holders stand, nested ones too
+            self.set_submodule(path, owner)
         for name, param in bound.items():
             self._bind(name, param)
         try:
             for child in self.children():
                 if child is not self.base:
-                    owner_of.get(id(child), child).apply(fn)
+                    child.apply(fn)
             fn(self.base)
         finally:
             for name in bound:
                 self._bind(name, None)
+            for path, holder in self._holders.items():
+                self.set_submodule(path, holder)
         fn(self)
         return self
 
@@ -785,6 +788,38 @@ class MiraModuleExperts(_HeldExperts):
             return super().forward(hidden_states, top_k_index, weights)
         finally:
             self._masks = None
+
+    # The container the proxy replaces (an `nn.ModuleDict` keyed `expert_{e}`, or an `nn.ModuleList`) is indexed by
+    # code around it, as transformers' `_init_weights` does: its entries are the proxy's children of those names.
+    def _entry_names(self) -> list[str]:
+        return [self.experts_layout.child.format(e) for e in range(self.num_experts)]
+
+    def __getitem__(self, key):
+        names = self._entry_names()
+        if isinstance(self.base, nn.ModuleDict):
+            if key not in names:
+                raise KeyError(key)
+            return self._modules[key]
+        return self._modules[names[key]]  # a list's index (negative ones too)
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    def __iter__(self):
+        names = self._entry_names()
+        return iter(names if isinstance(self.base, nn.ModuleDict) else [self._modules[n] for n in names])
+
+    def __contains__(self, key) -> bool:
+        return key in list(self)
+
+    def keys(self) -> list[str]:
+        return self._entry_names()
+
+    def values(self) -> list[nn.Module]:
+        return [self._modules[n] for n in self._entry_names()]
+
+    def items(self) -> list[tuple[str, nn.Module]]:
+        return [(n, self._modules[n]) for n in self._entry_names()]
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         return self._act(h)

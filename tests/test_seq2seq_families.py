@@ -147,6 +147,24 @@ def test_save_pretrained_and_unload_give_back_the_unwrapped_model(tmp_path, name
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_the_experts_module_is_indexed_and_reinitialised_as_the_unwrapped_one(name):
+    """Code around the experts module indexes it as the container it replaces (transformers' `_init_weights` reads
+    `experts[f"expert_{e}"]`); `model.apply(model._init_weights)` draws the same weights, the experts included, in
+    the same order, and the next forward computes with them."""
+    ref, model = _pair(name)
+    a, b = (next(m for n, m in x.named_modules() if n.endswith("mlp.experts")) for x in (ref, model))
+    assert list(b.keys()) == list(a.keys()) and list(b) == list(a) and len(b) == len(a) and "expert_1" in b
+    assert [n for n, _ in b["expert_1"].named_parameters()] == [n for n, _ in a["expert_1"].named_parameters()]
+    with torch.no_grad():
+        _forward(model)  # experts copied to the cache first
+        for m in (ref, model):
+            torch.manual_seed(3)
+            m.apply(m._init_weights)
+        assert torch.equal(_forward(model).logits, _forward(ref).logits)
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_a_cast_wrapped_model_computes_what_the_cast_unwrapped_model_computes(name):
     ref, model = _pair(name)
     ref.to(torch.bfloat16)

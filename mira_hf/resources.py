@@ -44,7 +44,7 @@ def bytes_to_move(model: nn.Module, targets: list[Target], device: torch.device)
     """Bytes of non-expert weights and buffers that `model.to(device)` will still copy there (the experts,
     before wrapping the modules' tensors, after it the proxies' parameters, stay in the store). Weights on
     the meta device (a skeleton's, not loaded yet) all count: they will be loaded, then moved."""
-    experts = {t.tensors[n].data_ptr() for t in targets for n in t.tensors if not t.tensors[n].is_meta}
+    experts = {p.data_ptr() for t in targets for n in t.tensors for p in t.layout.held(t.module, n) if not p.is_meta}
     served = {id(p) for m in model.modules() if isinstance(m, MiraExperts) for p in m.parameters(recurse=False)}
     tensors = [x for x in [*model.parameters(), *model.buffers()] if id(x) not in served]
     return sum(x.numel() * x.element_size() for x in tensors if x.device != device and (x.is_meta or x.data_ptr() not in experts))
@@ -117,7 +117,7 @@ def check_host_memory(
         return
     available -= loading_bytes
     host, _ = _host_and_disk_bytes(layer_bytes, cfg.host_budget_bytes)
-    in_host = not streamed and all(p.device.type == "cpu" for t in targets for p in t.tensors.values())
+    in_host = not streamed and all(p.device.type == "cpu" for t in targets for n in t.tensors for p in t.layout.held(t.module, n))
     need = max(layer_bytes, default=0) if in_host and exact else host
     if need > available:
         besides = f" besides the {loading_bytes:,} bytes of the model's other weights" if loading_bytes else ""

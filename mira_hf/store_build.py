@@ -319,7 +319,7 @@ def _experts(t: Target, streamed: StreamedExperts | None, device: torch.device |
     if streamed is not None:
         whole = streamed.expert_fn(t.name, device)
     else:
-        whole = lambda e: {n: x[e] for n, x in t.tensors.items()}  # noqa: E731
+        whole = lambda e: {n: t.layout.expert(t.module, n, x, e) for n, x in t.tensors.items()}  # noqa: E731
     if parts is None:
         return whole
     split = parts.splits[t.ordinal]

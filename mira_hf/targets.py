@@ -167,6 +167,8 @@ def find_targets(
                 f"{name} ({type(module).__name__}) cannot be served: {problem}. Supported: fused 3-D experts "
                 f"({', '.join(KNOWN_EXPERT_TENSORS)}). {_HOW_TO_ADD}"
             )
+        if layout.stacks_copies and not in_checkpoint:  # kept as shapes: the store reads each expert's own tensors
+            data = {n: torch.empty(x.shape, dtype=x.dtype, device="meta") for n, x in data.items()}
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         targets.append(

@@ -77,6 +77,7 @@ class FusedExperts:
     `RoutedBlockExperts`)."""
 
     nested = False  # the tensors are the module's own parameters, named as the store names them
+    stacks_copies = False  # `parameters` gives the module's tensors themselves (or views), not copies
     outside = ()  # the module's members applied around its experts' sum, not per expert (none)
 
     def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
@@ -114,6 +115,16 @@ class FusedExperts:
     def parts(self, name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`[E, ...]` experts as the parameters at `paths` keep them (views), in the same order."""
         return (self.as_module(name, tensor),)
+
+    def held(self, module: nn.Module, name: str) -> list[torch.Tensor]:
+        """The module's parameters that keep tensor `name` (those at `paths`), where present."""
+        E = self.num_experts(module) or 0
+        return [p for p in (self.get(module, path) for path in self.paths(name, E)) if p is not None]
+
+    def expert(self, module: nn.Module, name: str, stacked: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e's tensor `name` of the module, `stacked` being what `parameters` gave as `[E, ...]` (a view of the
+        module's tensor, or of the expert's own where the layout keeps one per expert)."""
+        return stacked[e]
 
     def joined(self, module: nn.Module, name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Tensor `name` as `[E, ...]` from the tensors at its `paths` (the inverse of `parts`)."""
@@ -262,6 +273,7 @@ class ExpertModules(HeldExperts):
 
     down_transposed = False  # the down projection's rows are [H, I]
     pairing = "single"  # (host_compute="split") one row of the up tensor per neuron
+    stacks_copies = True  # `parameters` stacks the experts' own tensors into new ones
 
     @property
     def names(self) -> tuple[str, str]:
@@ -292,6 +304,9 @@ class ExpertModules(HeldExperts):
             if params and all(p is not None for p in params):
                 found[name] = _like(params[0], self.joined(module, name, params), all_flagged=params)
         return found
+
+    def expert(self, module: nn.Module, name: str, stacked: torch.Tensor, e: int) -> torch.Tensor:
+        return self.get(module, self.paths(name, self.num_experts(module))[e]).detach()  # `stacked` is a copy (or meta)
 
     def put(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         paths = self.paths(name, self.num_experts(module))

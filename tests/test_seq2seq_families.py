@@ -10,6 +10,7 @@ from conftest import shared_storages
 from tiny_models import SEQ2SEQ_RECIPES, build, config_or_skip
 
 from mira_hf import MiraConfig, MiraMoEModel
+from mira_hf.adapters import get_adapter
 from mira_hf.config import LoaderConfig
 from mira_hf.errors import UnsupportedOperationError
 
@@ -162,6 +163,25 @@ def test_the_experts_module_is_indexed_and_reinitialised_as_the_unwrapped_one(na
             m.apply(m._init_weights)
         assert torch.equal(_forward(model).logits, _forward(ref).logits)
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_experts_are_read_from_their_own_tensors_not_copies(name):
+    """Each expert's tensors are stored from its own module's tensors (no stacked copy of every layer at once, which
+    would double the host memory of a model wrapped in memory), and the weights a move to a GPU would still copy,
+    which the default budget leaves room for, are the non-expert ones alone."""
+    from mira_hf.resources import bytes_to_move
+    from mira_hf.targets import find_targets
+
+    config = config_or_skip(name)
+    torch.manual_seed(0)
+    model = build(config).eval()
+    adapter = get_adapter(config.model_type)
+    targets = find_targets(model, adapter)
+    assert targets and all(x.is_meta for t in targets for x in t.tensors.values())
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    every_byte = sum(x.numel() * x.element_size() for x in (*model.parameters(), *model.buffers()))
+    assert 0 < bytes_to_move(model, targets, torch.device("cuda")) == every_byte - expert_bytes
 
 
 @pytest.mark.parametrize("name", NAMES)

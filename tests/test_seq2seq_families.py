@@ -60,7 +60,8 @@ def _dropped(model) -> int:
     dropped = []
 
     def count(module, args, out):
-        dropped.append(int((out[0].sum(dim=-1) == 0).sum()))  # dispatch rows without an expert
+        dispatch = next(o for o in out if not o.is_floating_point())  # the one-hot mask (its place varies by version)
+        dropped.append(int((dispatch.sum(dim=-1) == 0).sum()))  # dispatch rows without an expert
 
     hooks = [m.register_forward_hook(count) for n, m in model.named_modules() if n.endswith("mlp.router")]
     try:

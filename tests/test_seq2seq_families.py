@@ -38,6 +38,16 @@ def _forward(model, **kw):
     return model(input_ids=PROMPT, attention_mask=MASK, decoder_input_ids=DECODER, **kw)
 
 
+def _capacity_binds(model) -> bool:
+    """Whether the model's routers drop tokens over an expert's capacity (transformers 5.17's count each token's
+    place per expert along a dimension of one, so they never do)."""
+    router = next(m for n, m in model.named_modules() if n.endswith("mlp.router"))
+    rows = torch.zeros(1, router.expert_capacity + 1, router.classifier.in_features)  # all for one expert
+    with torch.no_grad():
+        dispatch = next(o for o in router(rows) if not o.is_floating_point())
+    return bool((dispatch.sum(dim=-1) == 0).any())
+
+
 def _with_router_logits(ref, model, call):
     """(call(ref, output_router_logits=True), the same of `model`); where transformers' own model cannot return its
     router logits (5.17's Switch Transformers concatenates an empty list), the wrapped one fails the same way, and
@@ -76,8 +86,8 @@ def _dropped(model) -> int:
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_logits_router_logits_and_generation_are_the_unwrapped_models(name, dtype):
-    ref, model = _pair(name, dtype)
-    assert _dropped(ref) > 0  # the prompt exercises tokens over an expert's capacity
+    ref, model = _pair(name, dtype, expert_capacity=1)  # 14 tokens a sequence for 8 experts: some are dropped
+    assert _dropped(ref) > 0 or not _capacity_binds(ref)  # the prompt exercises tokens over an expert's capacity
     with torch.no_grad():
         expected, got = _with_router_logits(ref, model, _forward)
     assert torch.equal(got.logits, expected.logits)

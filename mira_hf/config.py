@@ -459,6 +459,13 @@ def config_from_arguments(mira_config: MiraConfig | None, keywords: dict, where:
     """The `MiraConfig` of a call given either `mira_config=` or MiraConfig's fields as keywords (the
     transformers habit: `from_pretrained(path, gpu_budget=0.25)`). The fields are taken out of `keywords`;
     what is left is not MiraConfig's. Both at once is a `ConfigError`, before anything loads."""
+    misplaced = [k for k, v in keywords.items() if isinstance(v, MiraConfig)]
+    if misplaced:  # `config=` is transformers' model config: the settings would be lost without a word
+        raise ConfigError(
+            f"{where} got a MiraConfig as {misplaced[0]}=, which is not where mira-hf reads its settings (config= is "
+            f"transformers' model config). Pass it as mira_config= (or second, after the path): "
+            f"{where}(path, mira_config=cfg)."
+        )
     names = {f.name for f in dataclasses.fields(MiraConfig)}
     given = {k: keywords.pop(k) for k in list(keywords) if k in names}
     if mira_config is None:

@@ -188,6 +188,11 @@ class ExpertManager(NotebookViews):
         """A forward step of the model starts (`new_sequence`: the first of `sequences` sequences, whose blocks are
         their prompts'). Steps are serialised: a second thread calling the same model waits for the first step to
         finish (steps of two generate calls interleave safely: the expert cache holds no per-sequence state)."""
+        if self._forward_owner == threading.get_ident():
+            # This thread's last step never ended: torch runs a forward hook marked `always_call` when the forward
+            # raises an Exception, not a KeyboardInterrupt (Ctrl-C in a notebook). A model's forward does not run
+            # inside itself, so that step is over: end it now rather than wait for it.
+            self.exit_forward()
         if not self._forward_lock.acquire(timeout=600):
             raise ConcurrencyError(
                 "this model has been busy in another thread for 10 minutes; mira-hf runs one forward step at a "

@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .budget import expert_keys
 from .errors import IncompatibleFileError, MissingDependencyError
 
 NOTEBOOK_EXTRA = "notebook"
@@ -71,7 +72,8 @@ class NotebookViews:
         """ "hot" (on the device and used since its copy), "stage" (on the device or in flight, copied ahead of
         its use and not used yet) or None (not on the device). The same labels as `stats()`' `hot_hits` and
         `stage_hits`; the cache's eviction groups (`ExpertCache`) are its own business. An expert kept packed beside
-        the cache (placement "mixed") is always "hot"."""
+        the cache (placement "mixed") is always "hot". An expert the model does not have is a `ConfigError`."""
+        expert_keys(self.layers, {layer: [expert]}, "tier_of")
         slot = self.cache.lookup((layer, expert))
         if slot is None:
             return "hot" if (layer, expert) in self.kept else None

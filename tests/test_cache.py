@@ -559,6 +559,9 @@ def test_host_only_experts_are_computed_but_never_keep_a_slot():
     with pytest.raises(ConfigError, match="do not exist"):
         m.set_host_only({0: [4]})  # layer 0 has experts 0..3
     assert m.host_only == frozenset()  # refused before anything changed
+    for layer, expert in ((2, 0), (0, 4)):
+        with pytest.raises(ConfigError, match="tier_of: layer .* do not exist"):
+            m.tier_of(layer, expert)
     run_block(m, 0, [3])
     m.set_host_only({0: [3]})
     assert m.cache.lookup((0, 3)) is None  # resident and unpinned: given back at once

@@ -4,6 +4,7 @@ nothing is ever unpickled."""
 import os
 import pathlib
 import re
+import signal
 import threading
 
 import pytest
@@ -56,6 +57,39 @@ def test_keyboard_interrupt_mid_generate_leaves_cache_consistent(tiny_checkpoint
         model.generate(PROMPT, stopping_criteria=[InterruptAt(4)], **GEN)
     assert _no_pins(model) and not model.mira._forward_lock.locked()
     assert torch.equal(model.generate(PROMPT, **GEN), expected)
+
+
+def test_keyboard_interrupt_inside_a_forward_leaves_the_model_usable_at_once(tiny_checkpoint):
+    """Ctrl-C while a layer computes (torch skips the forward hooks that end a step on a KeyboardInterrupt): the
+    next call of the same thread runs at once and is exact, nothing stays pinned, and the step lock is free after."""
+    path = tiny_checkpoint("mixtral")
+    expected = load_reference(path).generate(PROMPT, **GEN)
+    model = _wrapped(path, policy="heat", predictor="markov")
+    calls = {"n": 0}
+
+    def interrupt(module, args):
+        calls["n"] += 1
+        if calls["n"] == 7:  # a decode step's second MoE layer, after the first has been served
+            raise KeyboardInterrupt
+
+    experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    hook = experts[1].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(PROMPT, **GEN)
+    hook.remove()
+    assert _no_pins(model)
+
+    def hung(signum, frame):
+        raise TimeoutError("the next call waited for the interrupted step")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)  # the next call in the same thread, as a notebook's next cell: a wait fails instead of hanging
+    try:
+        assert torch.equal(model.generate(PROMPT, **GEN), expected)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert _no_pins(model) and not model.mira._forward_lock.locked()
 
 
 def test_concurrent_generate_from_two_threads_is_serialised_and_exact(tiny_checkpoint):

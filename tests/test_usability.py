@@ -33,6 +33,14 @@ def test_mira_config_and_its_fields_together_are_refused_before_loading(tmp_path
         MiraMoEModel.from_pretrained(missing, MiraConfig(device="cpu"), gpu_budget=0.5)
 
 
+def test_a_mira_config_given_as_transformers_config_is_refused_before_loading(tmp_path):
+    """`config=` is transformers' model config: a MiraConfig there would be dropped and the model loaded with the
+    default settings; it is refused, naming where it goes."""
+    missing = tmp_path / "never-read"
+    with pytest.raises(ConfigError, match=r"MiraConfig as config=.*mira_config="):
+        MiraMoEModel.from_pretrained(missing, config=MiraConfig(device="cpu", gpu_budget=0.25))
+
+
 def test_wrap_takes_mira_config_fields_as_keywords(tiny_checkpoint):
     from transformers import AutoModelForCausalLM
 

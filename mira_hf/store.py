@@ -18,6 +18,7 @@ Three host tiers, fastest first:
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -136,8 +137,9 @@ class ExpertStore:
         path = None
         if tier == "disk":
             os.makedirs(self.offload_dir, exist_ok=True)
-            path = os.path.join(self.offload_dir, f"mira_experts_layer{layer:04d}.bin")
-            with open(path, "wb") as f:
+            # a name no other store has (another model, or another process, may offload to the same directory)
+            fd, path = tempfile.mkstemp(prefix=f"mira_experts_layer{layer:04d}_", suffix=".bin", dir=self.offload_dir)
+            with os.fdopen(fd, "wb") as f:
                 f.truncate(nbytes)
                 if callable(records):  # straight into the file, through a shared mapping of it
                     records(torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes))
@@ -351,7 +353,7 @@ class ExpertStore:
             return
         specs = {n: (shape, dtype) for n, (shape, _) in self.expert_specs(layer).items()}
         parked = None
-        if old.path is not None:  # the new records take the file's name; the old mapping keeps its (renamed) file
+        if old.path is not None:  # the old mapping keeps its (renamed) file until the new records are written
             parked = old.path + ".old"
             os.replace(old.path, parked)
         else:

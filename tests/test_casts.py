@@ -216,7 +216,7 @@ def test_a_cast_re_encodes_experts_on_the_disk_tier(tiny_checkpoint, tmp_path):
     files = sorted(os.listdir(tmp_path))
     model.bfloat16()
     ref = load_reference(path).bfloat16()
-    assert model.mira.store.tier(0) == "disk" and sorted(os.listdir(tmp_path)) == files  # rewritten in place of the old
+    assert model.mira.store.tier(0) == "disk" and len(os.listdir(tmp_path)) == len(files)  # new files, the old removed
     assert torch.equal(_logits(model), _logits(ref)) and _same(model.state_dict(), ref.state_dict())
     model.unload()
     assert os.listdir(tmp_path) == []

@@ -50,8 +50,13 @@ def test_experts_beyond_host_budget_are_served_from_disk(tiny_checkpoint, tmp_pa
         assert (model(IDS).logits - ref(IDS).logits).abs().max() <= 1e-5
     kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(IDS, **kw), ref.generate(IDS, **kw))
+    other = MiraMoEModel.from_pretrained(path, cfg, progress=False)  # a second model offloading to the same directory
+    assert len(os.listdir(offload)) == 2
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, other(IDS).logits)  # neither overwrote the other's experts
+    other.unload()
     model.unload()
-    assert os.listdir(offload) == []  # the store removes the files it wrote
+    assert os.listdir(offload) == []  # each store removes the files it wrote
 
 
 def test_peak_host_memory_while_loading_is_bounded(tmp_path):

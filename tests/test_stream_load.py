@@ -465,3 +465,20 @@ def test_a_conversion_that_mixes_experts_is_not_read_expert_by_expert(tmp_path):
     assert torch.equal(templates(Scale()).convert([stack[1:2]])[0], stack[1] * 2)
     problem = check_per_expert(index, templates(CentreExperts()), meta)
     assert "does not treat each expert on its own" in problem and "CentreExperts" in problem
+
+
+def test_a_directory_with_both_one_file_and_an_index_streams_the_file_transformers_reads(tmp_path):
+    """`save_pretrained` sharded into a directory that already held `model.safetensors` leaves both: transformers
+    reads the single file, and so does a streamed load (the experts too, not the index's shards)."""
+    from mira_hf.testing import build
+
+    torch.manual_seed(0)
+    build(make_config("mixtral")).save_pretrained(tmp_path, max_shard_size="100KB")
+    torch.manual_seed(1)
+    other = tmp_path / "other"
+    build(make_config("mixtral")).save_pretrained(other)
+    shutil.copy(other / "model.safetensors", tmp_path / "model.safetensors")
+    ref = load_reference(str(tmp_path))
+    for loader in (LoaderConfig(stream_experts=True), LoaderConfig(stream_experts=False)):
+        model = _load(tmp_path, loader)
+        assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())

@@ -52,12 +52,15 @@ def default_root() -> str:
 
 
 def checkpoint_identity(files: list[str]) -> list[list]:
-    """Each weight file as [real path, size, mtime_ns]: a rewritten or replaced file gives another identity."""
+    """Each weight file as [real path, size, mtime_ns, inode, ctime_ns]: a rewritten or replaced file gives another
+    identity, even where its modification time was put back (`cp -p`, `rsync -a`, an archive): no one sets the
+    inode's change time, which any write or replacement moves. (A metadata change, such as a chmod, moves it too:
+    the entry is then encoded again.)"""
     out = []
     for path in files:
         real = os.path.realpath(path)
         st = os.stat(real)
-        out.append([real, st.st_size, st.st_mtime_ns])
+        out.append([real, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
     return out
 
 

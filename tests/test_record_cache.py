@@ -84,6 +84,22 @@ def test_a_changed_checkpoint_or_format_is_not_served_from_the_cache(ckpt, tmp_p
     assert len(os.listdir(cache)) == 3
 
 
+def test_a_checkpoint_replaced_with_its_modification_time_put_back_is_not_served_from_the_cache(ckpt, tmp_path):
+    """Other weights of the same shapes copied over the checkpoint with the old modification times restored (as
+    `cp -p`, `rsync -a` or an archive can): same sizes, same mtimes, and still not the cached records."""
+    cache = tmp_path / "records"
+    _load(ckpt, cache)
+    times = {f: os.stat(os.path.join(ckpt, f)) for f in os.listdir(ckpt)}
+    other = _checkpoint(tmp_path / "other", seed=1)
+    for f in os.listdir(other):
+        shutil.copyfile(os.path.join(other, f), os.path.join(ckpt, f))
+        os.utime(os.path.join(ckpt, f), ns=(times[f].st_atime_ns, times[f].st_mtime_ns))
+    assert all(os.stat(os.path.join(ckpt, f)).st_size == times[f].st_size for f in times)
+    changed = _load(ckpt, cache)
+    assert _encoded(changed) > 0
+    assert torch.equal(_logits(changed), _logits(_load(ckpt, None)))
+
+
 def test_a_new_record_format_version_is_not_served_old_entries(ckpt, tmp_path, monkeypatch):
     cache = tmp_path / "records"
     _load(ckpt, cache)

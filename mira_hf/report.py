@@ -338,7 +338,11 @@ def summarize_file(path: str | os.PathLike) -> str:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise IncompatibleFileError(f"{path} is not JSON ({exc}); expected {expected}.") from None
     if isinstance(data, dict):
-        if data.get("format") == STATS_FORMAT or isinstance(data.get("stats"), dict):
+        if data.get("format") == STATS_FORMAT and not isinstance(data.get("stats"), dict):
+            raise IncompatibleFileError(
+                f'{path} says format "{STATS_FORMAT}" but holds no "stats" object: it is cut short or edited; write it again with `mira generate --stats-out`.'
+            )
+        if isinstance(data.get("stats"), dict):
             return format_run(data)
         if "hit_rate" in data and "per_layer" in data:
             return stats_table(data)

@@ -140,8 +140,10 @@ class RoutingTrace:
 
 def _paths(path: str | os.PathLike) -> tuple[str, str]:
     base = os.fspath(path)
-    if base.endswith(".safetensors"):
-        base = base[: -len(".safetensors")]
+    for suffix in (".safetensors", ".json"):  # either of the two files names the trace
+        if base.endswith(suffix):
+            base = base[: -len(suffix)]
+            break
     return base + ".safetensors", base + ".json"
 
 

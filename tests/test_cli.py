@@ -147,6 +147,21 @@ def test_user_mistakes_are_one_line_and_exit_2(argv, fragments, capsys):
     assert_one_line_error(*run(argv, capsys), *fragments)
 
 
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [  # output paths that cannot be written, refused as the arguments are read: before the model loads, not after
+        (["generate", "--prompt", "x", "--stats-out", "/tmp"], ["--stats-out", "is a directory"]),
+        (["generate", "--prompt", "x", "--stats-out", __file__ + "/run.json"], ["--stats-out", "is a file"]),
+        (["calibrate", "mira-tiny", "--data", __file__, "--out", __file__], ["--out", "not a directory"]),
+        (["serve", "--port", "70000"], ["--port", "0-65535"]),
+    ],
+)
+def test_unusable_outputs_and_ports_are_argument_errors(argv, fragments, capsys):
+    rc, out, err = run(argv, capsys)
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert all(fragment in err for fragment in fragments), err
+
+
 def test_argparse_mistakes_exit_2(capsys):
     rc, _, err = run(["generate"], capsys)  # --prompt is required
     assert rc == 2 and "--prompt" in err and "Traceback" not in err
@@ -156,6 +171,8 @@ def test_stats_rejects_an_unknown_format(tmp_path, capsys):
     path = tmp_path / "other.json"
     path.write_text(json.dumps({"hello": 1}))
     assert_one_line_error(*run(["stats", str(path)], capsys), "expected")
+    path.write_text(json.dumps({"format": "mira-stats"}))  # cut short: no "stats" object
+    assert_one_line_error(*run(["stats", str(path)], capsys), 'no "stats" object')
 
 
 # -- calibrate --------------------------------------------------------------------------------------

@@ -134,6 +134,7 @@ def test_trace_round_trips_and_refuses_another_model(tmp_path):
     assert torch.equal(back.hidden, trace.hidden)
     assert (back.sequence_starts, back.num_experts, back.record_bytes) == ([0, 1], [4, 4], [1000, 1000])
     assert RoutingTrace.load(tmp_path / "t").fingerprint == trace.fingerprint  # no check asked
+    assert torch.equal(RoutingTrace.load(tmp_path / "t.json").experts, trace.experts)  # either file names it
     other = {"model_type": "mixtral", "router_sha256": "bbb"}
     with pytest.raises(IncompatibleFileError, match="aaa") as info:
         RoutingTrace.load(tmp_path / "t", fingerprint=other)

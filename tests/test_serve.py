@@ -180,6 +180,7 @@ BAD_REQUESTS = [
     ),
     ("completions", {"prompt": "def f():", "max_tokens": 100_000}, False, 400, "max_tokens", "context_length_exceeded"),
     ("chat/completions", b'{"messages": [', True, 400, None, None),
+    ("completions", b"[" * 100_000, True, 400, None, None),  # nested deeper than the JSON parser recurses
     ("chat/completions", {"model": "mira-tiny"}, False, 400, "messages", None),
     ("chat/completions", {"messages": [{"content": "no role"}]}, False, 400, "messages[0]", None),
     ("chat/completions", [1, 2], False, 400, None, None),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..bundled import BUNDLED_NAME
 from ..errors import MiraError
-from .options import add_model_options, doc, load, mira_config, model_source, write_json
+from .options import add_model_options, doc, load, mira_config, model_source, output_dir, write_json
 
 # Teacher-forced router top-k per token; not `mira_hf.trace.RoutingTrace` (decode-like, with hidden states).
 TOPK_FORMAT = "mira-router-topk/1"
@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     c.add_argument("model", metavar="MODEL", help=f'model directory or "{BUNDLED_NAME}"')
     c.add_argument("--data", required=True, metavar="FILE", help='UTF-8 text file, or a .safetensors file with "input_ids"')
-    c.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
+    c.add_argument("--out", type=output_dir, required=True, metavar="DIR", help="output directory (created if missing)")
     c.add_argument("--max-tokens", type=int, default=16384, metavar="N", help="tokens to route at most (default 16384)")
     c.add_argument("--chunk-tokens", type=int, default=512, metavar="N", help="tokens per forward pass (default 512)")
     add_model_options(c, budget_default=None, predictors=False)

@@ -7,7 +7,7 @@ import time
 
 from .. import report
 from ..bundled import BUNDLED_NAME
-from .options import MODEL_HELP, add_model_options, doc, load, mira_config, model_source, write_json
+from .options import MODEL_HELP, add_model_options, doc, load, mira_config, model_source, output_file, write_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=float, default=None, metavar="T", help="sampling temperature (with --do-sample)")
     g.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
-    g.add_argument("--stats-out", metavar="FILE", help="also write the run's settings, timing and counters as JSON")
+    g.add_argument(
+        "--stats-out", type=output_file, metavar="FILE", help="also write the run's settings, timing and counters as JSON"
+    )
     g.set_defaults(run=cmd_generate)
 
 

@@ -77,6 +77,46 @@ def add_host_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     )
 
 
+def output_file(text: str) -> str:
+    """An argparse type: a file the command will write once its work is done, checked before any of it runs."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name, e.g. {path / 'run.json'}")
+    _writable_parent(text, path.parent)
+    return text
+
+
+def output_dir(text: str) -> str:
+    """An argparse type: a directory the command creates if missing and writes into, checked before any work."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a directory; give a directory (created if missing)")
+    _writable_parent(text, path if path.exists() else path.parent)
+    return text
+
+
+def _writable_parent(text: str, parent: Path) -> None:
+    """Refuse `text` when the directory it goes in cannot be made or written (the first part of it that exists)."""
+    existing = parent if str(parent) else Path(".")
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {existing} is a file, so nothing can be written under it")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: {existing} is not writable")
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0-65535 (0: any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number: 0-65535 (0: any free port)")
+    return port
+
+
 def doc(fn) -> str:
     """A command's description: its function's docstring."""
     return (fn.__doc__ or "").strip()

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 
 from ..bundled import BUNDLED_NAME
-from .options import MODEL_HELP, add_model_options, doc, load, mira_config, model_source, parse_budget
+from .options import MODEL_HELP, add_model_options, doc, load, mira_config, model_source, parse_budget, port_number
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching", description=doc(cmd_serve))
     v.add_argument("model", nargs="?", default=BUNDLED_NAME, metavar="MODEL", help=MODEL_HELP)
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
-    v.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    v.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
     v.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default: MODEL as given)")
     v.add_argument("--max-tokens", type=int, default=256, metavar="N", help="completion tokens when a request gives none (256)")
     v.add_argument(

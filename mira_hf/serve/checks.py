@@ -60,6 +60,8 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(400, f"the request body is not valid JSON ({exc}). Send a JSON object.") from None
+    except RecursionError:  # nested deeper than the JSON parser recurses
+        raise RequestError(400, "the request body nests too deeply to parse. Send a JSON object.") from None
     if not isinstance(body, dict):
         raise RequestError(400, f"the request body is a JSON {type(body).__name__}; send a JSON object.")
     return body

@@ -261,9 +261,11 @@ def missing_checkpoint_error(name_or_path, hf_kwargs: dict, exc: Exception) -> C
     if hf_kwargs.get("local_files_only") or offline():
         off = "local_files_only=True" if hf_kwargs.get("local_files_only") else "HF_HUB_OFFLINE=1"
         cache = hf_kwargs.get("cache_dir") or "the Hugging Face cache"
+        revision = hf_kwargs.get("revision")
+        what, flag = (f"revision {revision!r}", f" --revision {revision}") if revision else ("it", "")
         return CheckpointError(
-            f"{where}, and as a hub id it is not in {cache} while downloads are off ({off}): download it first "
-            f"(hf download {name}), drop {off}, or give a local directory."
+            f"{where}, and as a hub id {what} is not in {cache} while downloads are off ({off}): download it first "
+            f"(hf download {name}{flag}), drop {off}, or give a local directory."
         )
     return CheckpointError(
         f"{where}, and the hub did not give it as a model id ({why}): check the id, the revision and the token "

@@ -242,6 +242,14 @@ def test_a_missing_hub_id_offline_is_one_line_saying_what_to_do(tmp_path):
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
 
+def test_a_revision_missing_from_the_cache_offline_is_named_with_how_to_get_it(ckpt, tmp_path):
+    hub = tmp_path / "hub"
+    _hub_cache(hub, ckpt)  # main is cached, v2 is not
+    with pytest.raises(CheckpointError) as info:
+        _load("org/tiny-moe", None, cache_dir=str(hub), revision="v2")
+    assert "revision 'v2'" in str(info.value) and "hf download org/tiny-moe --revision v2" in str(info.value)
+
+
 def test_hub_ids_resolve_under_hf_home(ckpt, tmp_path):
     """In a fresh process with HF_HOME and HF_HUB_OFFLINE=1 (as a user sets them): the cached id loads,
     a missing one fails with one line on stderr and no retry noise."""

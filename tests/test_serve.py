@@ -162,7 +162,8 @@ def test_concurrent_requests_give_the_tokens_of_generate(served):
 
 def test_non_streamed_chat_gives_the_tokens_of_generate(served):
     url, tokenizer, _, references, _ = served
-    status, body = post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}]})
+    neutral = {"n": 1, "logprobs": False, "response_format": {"type": "text"}}  # what the defaults ask: accepted
+    status, body = post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}], **neutral})
     assert status == 200, body
     assert body["object"] == "chat.completion" and body["model"] == "mira-tiny"
     assert body["choices"][0]["message"]["content"] == tokenizer.decode(references["chat", PROMPTS[0]], skip_special_tokens=True)
@@ -186,6 +187,15 @@ BAD_REQUESTS = [
     ("chat/completions", [1, 2], False, 400, None, None),
     ("completions", {"prompt": "x", "temperature": 0.7}, False, 400, "temperature", "unsupported_parameter"),
     ("completions", {"prompt": "x", "n": 3}, False, 400, "n", "unsupported_parameter"),
+    ("completions", {"prompt": "x", "logprobs": 0}, False, 400, "logprobs", "unsupported_parameter"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        False,
+        400,
+        "response_format",
+        "unsupported_parameter",
+    ),  # fmt: skip
     ("completions", {"prompt": "x", "max_tokens": 0}, False, 400, "max_tokens", None),
     ("completions", {"prompt": ""}, False, 400, "prompt", None),
     ("completions", {"prompt": "x", "no_such_field": 1}, False, 400, None, None),

@@ -25,7 +25,14 @@ _ONLY_DEFAULTS = {
     "echo": (None, False),
     "suffix": (None, ""),
     "generation_config": (None,),
+    "response_format": (None, {"type": "text"}),  # JSON mode and schemas would need constrained decoding
 }
+
+
+def _neutral(value, allowed: tuple) -> bool:
+    """Whether `value` is one of `allowed`, of the same type (`logprobs: 0` asks for the chosen tokens' logprobs:
+    not `False`)."""
+    return any(value == a and type(value) is type(a) for a in allowed)
 
 
 class RequestError(Exception):
@@ -78,7 +85,7 @@ def check_common(body: dict, limits: Limits) -> None:
             code="model_not_found",
         )
     for name, allowed in _ONLY_DEFAULTS.items():
-        if name in body and body[name] not in allowed:
+        if name in body and not _neutral(body[name], allowed):
             raise RequestError(
                 400,
                 f"{name}={body[name]!r} is not supported: continuous batching decodes every request with one shared "

@@ -103,9 +103,12 @@ class ShardIndex:
         return all(self.arrivals.done(name) for name in self.shards)
 
     def wait_all(self) -> list[str]:
-        """Local paths of every shard, once all have arrived (each header read)."""
+        """Local paths of every shard, once all have arrived (each header read). A tensor of a shard that the index's
+        weight map leaves out is added to it: transformers loads every tensor of the files the index lists."""
         for name in self.shards:
-            self.shard(name)
+            for key in self.shard(name):
+                if self._weight_map is not None:
+                    self._weight_map.setdefault(key, name)
         return [self._paths[name] for name in self.shards]
 
     @property

@@ -482,3 +482,19 @@ def test_a_directory_with_both_one_file_and_an_index_streams_the_file_transforme
     for loader in (LoaderConfig(stream_experts=True), LoaderConfig(stream_experts=False)):
         model = _load(tmp_path, loader)
         assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_a_tensor_the_index_leaves_out_is_read_from_its_shard_as_transformers_does(tmp_path):
+    """transformers loads every tensor of the files an index lists, even one its weight map leaves out: a streamed
+    load reads it from its shard too."""
+    from mira_hf.testing import build
+
+    torch.manual_seed(0)
+    build(make_config("mixtral")).save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    left_out = next(k for k in index["weight_map"] if ".experts." in k)
+    del index["weight_map"][left_out]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    ref = load_reference(str(tmp_path))
+    model = _load(tmp_path, LoaderConfig(stream_experts=True))
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())

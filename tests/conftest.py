@@ -93,6 +93,17 @@ def load_reference(path: str, dtype=None, **hf_kwargs):
     return align_experts(model)
 
 
+def reinitialised(ref, model, forward) -> tuple:
+    """(forward(model), forward(ref)) after `m.apply(m._init_weights)` on both from the same seed, the wrapped
+    `model`'s experts copied to its cache first (by a forward): what re-initialising as transformers does gives."""
+    with torch.no_grad():
+        forward(model)
+        for m in (ref, model):
+            torch.manual_seed(3)
+            m.apply(m._init_weights)
+        return forward(model), forward(ref)
+
+
 def shared_storages(model) -> list[list[str]]:
     """Names of state-dict tensors that share a storage, as transformers groups them to find tied weights."""
     from transformers.pytorch_utils import id_tensor_storage

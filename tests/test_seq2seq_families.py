@@ -6,7 +6,7 @@ one module each, `model_adapters.ExpertModules`): wrapped or loaded, the model i
 import pytest
 import torch
 import transformers
-from conftest import shared_storages
+from conftest import reinitialised, shared_storages
 from tiny_models import SEQ2SEQ_RECIPES, build, config_or_skip
 
 from mira_hf import MiraConfig, MiraMoEModel
@@ -182,12 +182,8 @@ def test_the_experts_module_is_indexed_and_reinitialised_as_the_unwrapped_one(na
     a, b = (next(m for n, m in x.named_modules() if n.endswith("mlp.experts")) for x in (ref, model))
     assert list(b.keys()) == list(a.keys()) and list(b) == list(a) and len(b) == len(a) and "expert_1" in b
     assert [n for n, _ in b["expert_1"].named_parameters()] == [n for n, _ in a["expert_1"].named_parameters()]
-    with torch.no_grad():
-        _forward(model)  # experts copied to the cache first
-        for m in (ref, model):
-            torch.manual_seed(3)
-            m.apply(m._init_weights)
-        assert torch.equal(_forward(model).logits, _forward(ref).logits)
+    got, expected = reinitialised(ref, model, _forward)
+    assert torch.equal(got.logits, expected.logits)
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
 
 

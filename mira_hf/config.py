@@ -304,7 +304,8 @@ class MiraConfig:
         `"markov"`, `"global"`, `"position"`, `"hybrid"`, `"learned"`.
     predictor_path: directory written by `model.mira.save_predictor()` (a calibrated `"learned"` predictor).
     store_path: directory written by `model.mira.save_store()`: encoded expert records reused as they are
-        (encode once); refused if made from other weights or in another format.
+        (encode once); refused if made in another format, or from a model of another shape or with other routers
+        (the experts themselves are not compared: save it again after changing them).
     quantization: expert transfer format. `"auto"` (default): `"lossless"` on a CUDA device when the
         budget cannot hold every expert and the experts are bf16/fp32 records of ≥ 128 MiB, else `None`
         (both exact; `model.mira.quantization` says which). `"none"` (or `None`): the checkpoint's dtype, bit-exact.

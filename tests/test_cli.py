@@ -141,6 +141,7 @@ def test_stats_summarises_a_saved_stats_file(generated, capsys):
         (["calibrate", "mira-tiny", "--data", "/nonexistent.txt", "--out", "/tmp/x"], ["--data"]),
         (["env", "--model", "/nonexistent/model"], ["/nonexistent/model"]),
         (["bench", "no-such-benchmark"], ["no-such-benchmark"]),
+        (["serve", "--concurrency", "8"], ["--concurrency", "--device-memory"]),  # it would change nothing
     ],
 )
 def test_user_mistakes_are_one_line_and_exit_2(argv, fragments, capsys):

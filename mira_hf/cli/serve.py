@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..bundled import BUNDLED_NAME
+from ..errors import ConfigError
 from .options import MODEL_HELP, add_model_options, doc, load, mira_config, model_source, parse_budget, port_number
 
 
@@ -28,10 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="device bytes to use in all, e.g. 24GiB: the split between expert cache and KV cache is planned (--budget "
         "or --kv-cache-memory fix a part)",
     )
-    v.add_argument(
-        "--concurrency", type=int, default=32, metavar="N", help="with --device-memory: sequences at once at most (32)"
-    )
-    v.add_argument("--prompt-tokens", type=int, default=512, metavar="N", help="with --device-memory: tokens per prompt (512)")
+    v.add_argument("--concurrency", type=int, metavar="N", help="with --device-memory: sequences at once at most (32)")
+    v.add_argument("--prompt-tokens", type=int, metavar="N", help="with --device-memory: tokens per prompt (512)")
     v.add_argument(
         "--routing-trace",
         metavar="FILE",
@@ -50,6 +49,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     memory is split between weights, expert cache and KV cache. Needs pip install "mira-hf[serve]"."""
     from ..serve.options import ServeConfig, require_serve, serving_mira_config
 
+    mix = {"concurrency": args.concurrency, "prompt_tokens": args.prompt_tokens}  # the plan's request mix
+    unplanned = ["--" + k.replace("_", "-") for k, v in mix.items() if v is not None]
+    if unplanned and args.device_memory is None:
+        raise ConfigError(
+            f"{' and '.join(unplanned)} describe the requests a --device-memory plan is made for; without "
+            "--device-memory they change nothing. Give --device-memory (e.g. 24GiB), or leave them out."
+        )
     fixed_experts = args.budget is not None and args.device_memory is not None
     if args.budget is None:  # with a plan, load with a small cache: the plan resizes it before serving
         args.budget = PROVISIONAL_SERVE_BUDGET if args.device_memory else "0.25"
@@ -59,8 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_cache_memory=parse_budget(args.kv_cache_memory),
         device_memory=parse_budget(args.device_memory),
         expert_cache_memory=parse_budget(args.budget) if fixed_experts else None,
-        concurrency=args.concurrency,
-        prompt_tokens=args.prompt_tokens,
+        **{k: v for k, v in mix.items() if v is not None},
         routing_trace=args.routing_trace,
     )
     require_serve()

@@ -135,59 +135,64 @@ class ExpertStore:
         dtype = next(iter(specs.values()))[1]
         extra = {"calib": calib} if calib is not None else {}
         path = None
-        if tier == "disk":
-            os.makedirs(self.offload_dir, exist_ok=True)
-            # a name no other store has (another model, or another process, may offload to the same directory)
-            fd, path = tempfile.mkstemp(prefix=f"mira_experts_layer{layer:04d}_", suffix=".bin", dir=self.offload_dir)
-            with os.fdopen(fd, "wb") as f:
-                f.truncate(nbytes)
-                if callable(records):  # straight into the file, through a shared mapping of it
-                    records(torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes))
+        try:
+            if tier == "disk":
+                os.makedirs(self.offload_dir, exist_ok=True)
+                # a name no other store has (another model, or another process, may offload to the same directory)
+                fd, path = tempfile.mkstemp(prefix=f"mira_experts_layer{layer:04d}_", suffix=".bin", dir=self.offload_dir)
+                with os.fdopen(fd, "wb") as f:
+                    f.truncate(nbytes)
+                    if callable(records):  # straight into the file, through a shared mapping of it
+                        records(torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes))
+                    elif records is not None:
+                        for e in range(E):
+                            os.pwrite(f.fileno(), records[e].numpy().data, e * layout.nbytes)
+                    elif not self.quantized:  # the checkpoint's bytes, expert by expert, through a shared mapping
+                        mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes)
+                        for e in range(E):
+                            _write_raw(mapped, layout, e, expert(e))
+                        del mapped
+                    else:  # record by record: one expert of working memory (per encoding thread)
+                        sink = lambda e, record: os.pwrite(f.fileno(), record.cpu().numpy().data, e * layout.nbytes)  # noqa: E731
+                        self.encoder.encode_layer(self.codec, layout, E, expert, sink, extra, key=layer)
+                slab = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes)
+            else:
+                report = self.encoder.report
+                reserved = self._reserved.pop(layer, None)
+                if not self._reserved and self._pin_pool is not None:
+                    self._pin_pool.shutdown(wait=False)  # its thread ends after the last slab
+                    self._pin_pool = None
+                if tier == "pinned" and reserved is not None and reserved[0] == nbytes:
+                    with report.span("pin_wait"):
+                        slab = reserved[1].result().view(E, layout.nbytes)
+                elif tier == "pinned":
+                    slab = self._pinned(nbytes).view(E, layout.nbytes)
+                else:
+                    slab = torch.empty((E, layout.nbytes), dtype=torch.uint8)
+                if callable(records):
+                    with report.span("cache_read", nbytes):
+                        records(slab)
                 elif records is not None:
-                    for e in range(E):
-                        os.pwrite(f.fileno(), records[e].numpy().data, e * layout.nbytes)
-                elif not self.quantized:  # the checkpoint's bytes, expert by expert, through a shared mapping
-                    mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes)
-                    for e in range(E):
-                        _write_raw(mapped, layout, e, expert(e))
-                    del mapped
-                else:  # record by record: one expert of working memory (per encoding thread)
-                    sink = lambda e, record: os.pwrite(f.fileno(), record.cpu().numpy().data, e * layout.nbytes)  # noqa: E731
-                    self.encoder.encode_layer(self.codec, layout, E, expert, sink, extra, key=layer)
-            slab = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes)
-        else:
-            report = self.encoder.report
-            reserved = self._reserved.pop(layer, None)
-            if not self._reserved and self._pin_pool is not None:
-                self._pin_pool.shutdown(wait=False)  # its thread ends after the last slab
-                self._pin_pool = None
-            if tier == "pinned" and reserved is not None and reserved[0] == nbytes:
-                with report.span("pin_wait"):
-                    slab = reserved[1].result().view(E, layout.nbytes)
-            elif tier == "pinned":
-                slab = self._pinned(nbytes).view(E, layout.nbytes)
-            else:
-                slab = torch.empty((E, layout.nbytes), dtype=torch.uint8)
-            if callable(records):
-                with report.span("cache_read", nbytes):
-                    records(slab)
-            elif records is not None:
-                slab.copy_(records)
-            elif not self.quantized:  # the checkpoint's bytes: copies, nothing to compute
-                readers = self.encoder.readers if getattr(expert, "thread_safe", False) else 1
-                ahead = read_ahead(E, expert, readers)
-                try:
-                    for e, tensors in enumerate(ahead):
-                        with report.span("copy", layout.nbytes):
-                            _write_raw(slab, layout, e, tensors)
-                finally:
-                    ahead.close()
-            else:
-                self.encoder.encode_into(self.codec, layout, E, expert, slab, extra, key=layer)
-            self._host_bytes += nbytes
-        validate = getattr(self.codec, "validate", None)  # codecs whose records carry a header
-        for e in range(E if validate is not None else 0):  # once, here: a decode on the device never reads it (a sync)
-            validate(slab[e], layout)
+                    slab.copy_(records)
+                elif not self.quantized:  # the checkpoint's bytes: copies, nothing to compute
+                    readers = self.encoder.readers if getattr(expert, "thread_safe", False) else 1
+                    ahead = read_ahead(E, expert, readers)
+                    try:
+                        for e, tensors in enumerate(ahead):
+                            with report.span("copy", layout.nbytes):
+                                _write_raw(slab, layout, e, tensors)
+                    finally:
+                        ahead.close()
+                else:
+                    self.encoder.encode_into(self.codec, layout, E, expert, slab, extra, key=layer)
+                self._host_bytes += nbytes
+            validate = getattr(self.codec, "validate", None)  # codecs whose records carry a header
+            for e in range(E if validate is not None else 0):  # once, here: a decode on the device never reads it (a sync)
+                validate(slab[e], layout)
+        except BaseException:
+            if path is not None:  # a layer that failed leaves no file behind (another attempt makes its own)
+                os.remove(path)
+            raise
         self._slabs[layer] = _Slab(slab, layout, tier, dtype, raw_layout, path)
 
     def reserve(self, layer_bytes: Mapping[int, int]) -> None:
@@ -352,23 +357,17 @@ class ExpertStore:
                 )
             return
         specs = {n: (shape, dtype) for n, (shape, _) in self.expert_specs(layer).items()}
-        parked = None
-        if old.path is not None:  # the old mapping keeps its (renamed) file until the new records are written
-            parked = old.path + ".old"
-            os.replace(old.path, parked)
-        else:
+        if old.path is None:
             self._host_bytes -= old.data.numel()
         try:
-            self.add_layer_from(layer, specs, E, expert, layout=layout)
+            self.add_layer_from(layer, specs, E, expert, layout=layout)  # on disk: a file of its own
         except BaseException:
             self._slabs[layer] = old
-            if parked is not None:
-                os.replace(parked, old.path)
-            else:
+            if old.path is None:
                 self._host_bytes += old.data.numel()
             raise
-        if parked is not None:
-            os.remove(parked)
+        if old.path is not None:
+            os.remove(old.path)  # the old mapping keeps its pages until it is dropped
 
     def _rewritten(self, layer: int, fused: Mapping[str, torch.Tensor] | None, dtype: torch.dtype):
         """`e -> {name: tensor}`: expert e of `layer` as stored, with `fused` replacing tensors, cast to `dtype`."""

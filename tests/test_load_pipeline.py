@@ -111,6 +111,30 @@ def test_reserved_pinned_slabs_are_used_in_order_and_budget_layers_go_to_disk(mo
     store.close()
 
 
+def test_a_layer_that_fails_on_the_disk_tier_leaves_no_file_and_a_rewrite_replaces_its_file(tmp_path):
+    """Each disk slab has a file of its own: one whose layer fails while written is removed, and a rewrite into
+    another dtype gives the layer a new file and removes the old one."""
+    fused = _fused(E=4, seed=0)
+    specs = {n: (tuple(t.shape[1:]), t.dtype) for n, t in fused.items()}
+    store = ExpertStore(pinned=False, host_budget_bytes=0, offload_dir=str(tmp_path))
+
+    def failing(e):
+        if e == 2:
+            raise RuntimeError("injected: a read failed")
+        return {n: t[e] for n, t in fused.items()}
+
+    with pytest.raises(RuntimeError, match="injected"):
+        store.add_layer_from(0, specs, 4, failing)
+    assert os.listdir(tmp_path) == []
+    store.add_layer_from(0, specs, 4, lambda e: {n: t[e] for n, t in fused.items()})
+    (first,) = os.listdir(tmp_path)
+    store.rewrite(0, dtype=torch.float32)  # records of another size: a new slab
+    (second,) = os.listdir(tmp_path)
+    assert second != first and all(torch.equal(store.fused(0)[n], fused[n].float()) for n in specs)
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
 def _hub_cache(tmp_path, source: str) -> str:
     """`source` as the hub's cache holds model mira/tiny-sharded at one commit; returns the cache dir."""
     import shutil

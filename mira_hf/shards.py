@@ -106,8 +106,9 @@ class ShardIndex:
         """Local paths of every shard, once all have arrived (each header read). A tensor of a shard that the index's
         weight map leaves out is added to it: transformers loads every tensor of the files the index lists."""
         for name in self.shards:
-            for key in self.shard(name):
-                if self._weight_map is not None:
+            entries = self.shard(name)
+            if self._weight_map is not None:
+                for key in entries:  # in the shard's order
                     self._weight_map.setdefault(key, name)
         return [self._paths[name] for name in self.shards]
 

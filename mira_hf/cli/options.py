@@ -97,7 +97,7 @@ def output_dir(text: str) -> str:
 
 def _writable_parent(text: str, parent: Path) -> None:
     """Refuse `text` when the directory it goes in cannot be made or written (the first part of it that exists)."""
-    existing = parent if str(parent) else Path(".")
+    existing = parent  # a bare file name's parent is "."
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():

@@ -806,8 +806,7 @@ class MiraModuleExperts(_HeldExperts):
         return self.num_experts
 
     def __iter__(self):
-        names = self._entry_names()
-        return iter(names if isinstance(self.base, nn.ModuleDict) else [self._modules[n] for n in names])
+        return iter(self.keys() if isinstance(self.base, nn.ModuleDict) else self.values())
 
     def __contains__(self, key) -> bool:
         return key in list(self)

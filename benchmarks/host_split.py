@@ -62,6 +62,7 @@ from host_compute import WORKLOADS, _fmt, budget_of, build, spread_routers  # no
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.config import QuantConfig  # noqa: E402
 
+TITLE = "Experts split by neuron between the host and the GPU"
 COLUMNS = [
     "model",
     "budget",
@@ -79,12 +80,12 @@ COLUMNS = [
 ]
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None, doc: str = __doc__, systems: str = "lru,without,lossless,split,split-lossless"):
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="mixtral", help="workloads: " + ",".join(WORKLOADS))
     ap.add_argument("--budgets", default="consumer,0.25", help="fractions of the expert bytes and/or 'consumer'")
     ap.add_argument("--shares", default="0.25", help="host_share values of the split systems")
-    ap.add_argument("--systems", default="lru,without,lossless,split,split-lossless")
+    ap.add_argument("--systems", default=systems)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
@@ -114,8 +115,9 @@ def parse_args(argv=None):
     return args
 
 
-def configs(args, gpu_budget, device: str) -> list[tuple[str, MiraConfig]]:
-    """(system, its config) in the order measured: lru first (its routing gives the floor)."""
+def configs(args, gpu_budget, device: str, facts: dict | None = None) -> list[tuple[str, MiraConfig]]:
+    """(system, its config) in the order measured: lru first (its routing gives the floor). `facts`: the
+    workload's `model_facts`."""
     base = dict(gpu_budget=gpu_budget, device=device)
     out = []
     for system in args.systems:
@@ -141,8 +143,10 @@ def configs(args, gpu_budget, device: str) -> list[tuple[str, MiraConfig]]:
     return out
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, configs_of=configs, slug: str = "host-split", title: str = TITLE, args=None, extra=None) -> int:
+    """Runs the workloads of `args` (parsed from `argv` if None), each system `configs_of(args, gpu_budget, device,
+    facts)` names, and writes OUT/<date>-<device>-<slug>.json and .md (headed `title`; `extra`: more result fields)."""
+    args = args if args is not None else parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA GPU visible: run on a GPU machine, or pass --smoke for the CPU check.", flush=True)
         return 2
@@ -154,26 +158,29 @@ def main(argv=None) -> int:
         torch.backends.cuda.enable_cudnn_sdp(False)  # it builds a graph per new sequence length (NOTES.md, "Measuring")
     deadline = Deadline(args.time_budget_s)
     env = environment()
-    stem = os.path.join(args.out, f"{env['date']}-{device_slug(env, on_gpu=not args.smoke)}-host-split")
+    stem = os.path.join(args.out, f"{env['date']}-{device_slug(env, on_gpu=not args.smoke)}-{slug}")
     os.makedirs(args.out, exist_ok=True)
-    result = dict(env=env, args=vars(args), command=" ".join(["benchmarks/host_split.py", *sys.argv[1:]]), rows=[])
+    result = dict(
+        env=env, args=vars(args), command=" ".join([os.path.relpath(os.path.abspath(sys.argv[0]), REPO), *sys.argv[1:]]), rows=[]
+    )
     result["bandwidth"] = measure_bandwidth(args.smoke)
+    result.update(extra or {})
     try:
         for key in args.models:
             label, shape, smoke_shape, consumer, full_layers = WORKLOADS[key]
             for budget in args.budgets:
                 wl = Workload(key, label, smoke_shape if args.smoke else shape, args.seed)
-                run_workload(args, result, key, wl, budget, consumer, full_layers, device, deadline)
+                run_workload(args, result, key, wl, budget, consumer, full_layers, device, deadline, configs_of)
                 write_json(stem + ".json", result)
     finally:
         write_json(stem + ".json", result)
         with open(stem + ".md", "w") as f:
-            f.write(render(result))
+            f.write(render(result, title))
         log(f"wrote {stem}.json and .md")
     return 0
 
 
-def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers, device, deadline) -> None:
+def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers, device, deadline, configs_of=configs) -> None:
     model = build(wl, device, args.smoke)
     wl.facts = model_facts(model)
     if not args.smoke:
@@ -188,7 +195,7 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
         return generate_timed(model, x, n, beams, pad, deadline, probe)
 
     base = model  # each system wraps a copy (unloading a lossless store decodes every expert on the CPU: minutes)
-    for system, cfg in configs(args, gpu_budget, device):
+    for system, cfg in configs_of(args, gpu_budget, device, wl.facts):
         if deadline.remaining() <= 0:
             rows.append(dict(model=key, budget=budget_label, system=system, notes="skipped: time budget"))
             continue
@@ -198,6 +205,7 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
         row = dict(model=key, budget=budget_label, system=system, wrap_s=time.perf_counter() - t0)
         row["record_bytes"] = m.store.record_bytes(m.first_ordinal)
         row["expert_slots"] = sum(m.budget.n_slots.values())
+        row["store_tiers"] = m.store.tier_bytes()  # bytes of records per tier: pinned, pageable, disk
         try:
             decode_phase(gen, ids[:1], args.warmup_tokens + 2, args.warmup_tokens, m)  # warm-up
             speeds = []
@@ -211,7 +219,8 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
                         h2d_gb_per_token=(d.get("h2d_bytes_per_step") or 0) / GB,
                         stall_share=d.get("stall_share"),
                     )
-            row["b1_tok_s_rounds"], row["b1_tok_s"] = speeds, statistics.median(s for s in speeds if s)
+            timed = [s for s in speeds if s]  # None: a decode no longer than its first token (a few tokens on a busy CPU)
+            row["b1_tok_s_rounds"], row["b1_tok_s"] = speeds, statistics.median(timed) if timed else None
             if m.host.active:
                 row["host_costs"] = host_costs(m)
             if system == "lru" and trace:
@@ -224,7 +233,9 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
                 reference = logits
             elif reference is not None and system != "lru":
                 row["logit_rel_diff"] = ((logits - reference).abs().max() / reference.abs().max()).item()
-            log(f"{key} / {budget_label} / {system}: batch 1 {row['b1_tok_s']:.2f} tok/s, hit rate {row['hit_rate']:.2f}")
+            log(
+                f"{key} / {budget_label} / {system}: batch 1 {row['b1_tok_s'] or 0:.2f} tok/s, hit rate {row['hit_rate'] or 0:.2f}"
+            )
             if system != "lru" and deadline.remaining() > 0:
                 gen(ids, args.warmup_tokens)
                 before = m.stats()
@@ -291,9 +302,9 @@ def copied_share(before: dict, after: dict) -> float | None:
     return (after["parts_copied"] - before["parts_copied"]) / uses if uses else None
 
 
-def render(result: dict) -> str:
+def render(result: dict, title: str = TITLE) -> str:
     lines = [
-        "# Experts split by neuron between the host and the GPU",
+        f"# {title}",
         "",
         f"`{result['command']}` on {result['env'].get('device')} ({result['env'].get('cpu_count')} host cores), "
         f"torch {result['env']['torch']}, transformers {result['env']['transformers']}, {result['env']['date']}.",

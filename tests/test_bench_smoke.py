@@ -382,3 +382,22 @@ def test_batched_mm_probe_smoke_finds_a_wrapped_models_chunks_exact(tmp_path, mo
     (out,) = tmp_path.glob("*-cpu-batched-mm-probe.json")
     summary = json.loads(out.read_text())["summary"]
     assert {form: s["mira_min"] for form, s in summary.items()} == {f: {"cases": 16, "equal": 16} for f in probe.FORMS}
+
+
+def test_store_tiers_smoke_serves_each_tier_exactly(tmp_path):
+    """benchmarks/store_tiers.py: the pageable store and a store half on disk each hold their records where named,
+    decode every phase and give the pinned default's logits (the benchmark's exactness column is 0)."""
+    script = ROOT / "benchmarks" / "store_tiers.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (path,) = tmp_path.glob("*-store-tiers.json")
+    result = json.loads(path.read_text())
+    rows = {r["system"]: r for r in result["rows"]}
+    assert list(rows) == ["lru", "default", "pageable", "disk-0.5"] and not any("notes" in r for r in rows.values())
+    tiers = {name: {k for k, v in r["store_tiers"].items() if v} for name, r in rows.items()}
+    assert tiers["pageable"] == {"pageable"} and "disk" in tiers["disk-0.5"] and "disk" not in tiers["default"]
+    assert rows["pageable"]["logit_rel_diff"] == rows["disk-0.5"]["logit_rel_diff"] == 0.0
+    assert all(rows[n]["hit_rate"] is not None and rows[n]["beam_tok_s"] > 0 for n in ("default", "pageable", "disk-0.5"))
+    assert result["disk_read_gbps"] is None or result["disk_read_gbps"] > 0

@@ -472,9 +472,10 @@ class HostCompute:
 
         def bench() -> dict[int, float]:
             table, calls = {}, 0
+            rng = torch.Generator().manual_seed(0)  # its own: the process's generator is the user's (seeded sampling)
             with torch.no_grad():
                 for n in (r for r in BENCH_ROWS if r <= self.costs.max_rows):
-                    x = torch.randn(n, hidden, dtype=dtype)
+                    x = torch.randn(n, hidden, dtype=dtype, generator=rng)
                     times = []
                     for _ in range(BENCH_REPEATS + 1):  # the first call warms up
                         t0 = time.perf_counter()

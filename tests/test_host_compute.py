@@ -149,6 +149,21 @@ def test_auto_is_off_where_it_cannot_pay_and_outputs_stay_bit_identical():
     assert model.mira.stats()["host_computed"] == 0
 
 
+def test_host_compute_leaves_the_users_random_numbers_alone():
+    """The host times measured at a layer's first block use random rows of their own: seeded sampling after a
+    forward draws what it draws with the unwrapped model."""
+    ref = _tiny()
+    model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.3, host_compute="on"))
+    drawn = []
+    with torch.no_grad():
+        for m in (ref, model):
+            torch.manual_seed(0)
+            m(IDS)
+            drawn.append(torch.rand(4))
+    assert model.mira.host.costs.host_s  # the host times were measured in that forward
+    assert torch.equal(*drawn)
+
+
 # -- the host path in a model ------------------------------------------------------------------------
 def test_the_manager_splits_a_blocks_misses_as_the_costs_say():
     model = MiraMoEModel.wrap(_tiny(), MiraConfig(device="cpu", gpu_budget=1.0, predictor=None, host_compute="on"))

@@ -315,10 +315,16 @@ def _install(
     model.to(device)
     # Per-instance hooks mark forward steps (the heat clock, serialised threads); always_call
     # releases the step even when the forward raises, so an interrupted generate leaves no lock.
-    steps = StepHooks(manager)
-    hooks = (
-        model.register_forward_pre_hook(steps.before, with_kwargs=True),
-        model.register_forward_hook(steps.after, always_call=True),
+    base = getattr(model, "base_model", model)  # the model a causal LM's forward calls (`model.model`)
+    hooked = [model] if base is model or not isinstance(base, nn.Module) else [model, base]
+    steps = StepHooks(manager, frozenset(id(m) for m in hooked[1:]))
+    hooks = tuple(
+        hook
+        for m in hooked
+        for hook in (
+            m.register_forward_pre_hook(steps.before, with_kwargs=True),
+            m.register_forward_hook(steps.after, always_call=True),
+        )
     )
     model.mira = manager
     model._mira_config = user_cfg  # as given: wrapping again with it is a no-op

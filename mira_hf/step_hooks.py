@@ -1,6 +1,12 @@
-"""The wrapped model's forward hooks: each forward is a step of the manager (its heat clock, serialised threads)."""
+"""The wrapped model's forward hooks: each forward is a step of the manager (its heat clock, serialised threads).
+
+They sit on the model and on its base model (`model.model`, what `get_decoder()` and a direct `model.forward(...)`
+call): a call of either is a step. A call of the base model from inside the model's own forward is part of the
+model's step (a depth count per thread), so one forward is one step whichever module it was called through."""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -12,19 +18,34 @@ class StepHooks:
     object rather than lambdas, so that copying or pickling a wrapped model reaches the manager's clear
     refusal instead of failing on a lambda."""
 
-    def __init__(self, manager: ExpertManager) -> None:
+    def __init__(self, manager: ExpertManager, inner: frozenset[int] = frozenset()) -> None:
         self.manager = manager
         self.edited = None  # () -> None, run once the step has the model: experts changed in place (`ExpertState`)
+        self._inner = inner  # ids of the hooked modules that the outermost one calls (its base model)
+        self._local = threading.local()  # this thread's step: (outermost module entered, depth)
 
     # In a compiled graph the hooks are left out (fullgraph allows no break): the manager then finds step
     # boundaries from the order of its blocks (`ExpertManager.begin`), and steps are not serialised.
     def before(self, module, args, kwargs) -> None:
         if not torch.compiler.is_compiling():
+            outer, depth = getattr(self._local, "step", (None, 0))
+            if depth and outer is not module and id(module) in self._inner:  # the base model, called by the model
+                self._local.step = (outer, depth + 1)
+                return
+            # a new step; or the same thread's step left open by an interrupt (KeyboardInterrupt skips the forward
+            # hooks), which `enter_forward` ends
+            self._local.step = (module, 0)
             self._enter(args, kwargs)
+            self._local.step = (module, 1)
 
     def after(self, module, args, output) -> None:
         if not torch.compiler.is_compiling():
-            self._exit()
+            outer, depth = getattr(self._local, "step", (None, 0))
+            if depth > 1:
+                self._local.step = (outer, depth - 1)
+            elif depth == 1:
+                self._local.step = (None, 0)
+                self._exit()
 
     @torch.compiler.disable
     def _enter(self, args: tuple, kwargs: dict) -> None:

@@ -116,6 +116,43 @@ def test_concurrent_generate_from_two_threads_is_serialised_and_exact(tiny_check
     assert all(torch.equal(r, e) for r, e in zip(results, expected))
 
 
+def test_the_base_model_called_from_threads_is_serialised_and_exact(tiny_checkpoint):
+    """Embedding code calls the base model (`model.model(...)`, `get_decoder()`) or `model.forward(...)` directly:
+    each call is a step of its own, serialised across threads as the model's own calls are, and one call of the model
+    (which calls its base model) is one step."""
+    path = tiny_checkpoint("mixtral")
+    ref = load_reference(path)
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=1e-6, device="cpu"), progress=False)  # every step copies
+    inputs = [
+        torch.randint(3, 100, (b, s), generator=torch.Generator().manual_seed(i))
+        for i, (b, s) in enumerate([(2, 8), (1, 5), (3, 17)])
+    ]
+    with torch.no_grad():
+        expected = [ref.model(x).last_hidden_state for x in inputs]
+        steps = model.mira.stats()["steps"]
+        model(inputs[0])
+        assert model.mira.stats()["steps"] == steps + 1
+    errors, wrong = [], []
+
+    def run(i):
+        try:
+            with torch.no_grad():
+                for k in range(6):
+                    call = (model.model, model.get_decoder(), lambda x: model.forward(x, output_hidden_states=True))[k % 3]
+                    out = call(inputs[i])
+                    hidden = out.hidden_states[-1] if k % 3 == 2 else out.last_hidden_state
+                    wrong.extend([i] if not torch.equal(hidden, expected[i]) else [])
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and not wrong
+
+
 def test_truncated_checkpoint_gives_a_clear_error(tiny_checkpoint, tmp_path):
     import shutil
 

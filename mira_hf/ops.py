@@ -76,5 +76,19 @@ def _(grad: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(grad)
 
 
+class RefuseBackward(torch.autograd.Function):
+    """`result` unchanged, made to require gradients through `anchor` (an expert parameter that asks for them): a
+    backward that reaches it raises the refusal, where the experts' gradients would otherwise stay silently None
+    (the experts compute from cache slots, which autograd does not see)."""
+
+    @staticmethod
+    def forward(ctx, result: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return result.view_as(result)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return torch.ops.mira.refuse_backward(grad), None
+
+
 experts.register_autograd(lambda ctx, grad: (None, torch.ops.mira.refuse_backward(grad), None, None))
 scaled_experts.register_autograd(lambda ctx, grad: (None, torch.ops.mira.refuse_backward(grad)))

@@ -33,7 +33,7 @@ from .experts_impl import (
 from .host_compute import host_expert_math
 from .layout import PackedWeights, decodes_exactly
 from .manager import ExpertManager
-from .ops import no_backward, register
+from .ops import RefuseBackward, no_backward, register
 from .state import proxy_apply
 
 
@@ -140,8 +140,19 @@ class MiraExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque operator in the graph (mira_hf.ops): the manager is stateful
-            return torch.ops.mira.experts(self._handle, hidden_states, top_k_index, top_k_weights)
-        return self.serve(hidden_states, top_k_index, top_k_weights)
+            return self._refusing(torch.ops.mira.experts(self._handle, hidden_states, top_k_index, top_k_weights))
+        return self._refusing(self.serve(hidden_states, top_k_index, top_k_weights))
+
+    def _refusing(self, result: torch.Tensor) -> torch.Tensor:
+        """`result`, made to require gradients where autograd is on and an expert parameter asks for them (the
+        experts compute from cache slots, unseen by autograd): a backward then raises mira-hf's refusal instead of
+        leaving the experts' gradients silently None."""
+        if torch.is_grad_enabled() and not result.requires_grad:
+            state = getattr(self, "_mira_state", None)
+            anchor = state.asking_for_grad(self.layer) if state is not None else None
+            if anchor is not None:
+                return RefuseBackward.apply(result, anchor)
+        return result
 
     def serve(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         impl = implementation_of(self.base)  # read at each call, as transformers does (generate swaps it)
@@ -532,7 +543,7 @@ class MiraExperts(nn.Module):
         if state is None:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         else:
-            state.load(self, state_dict, prefix, missing_keys, unexpected_keys, error_msgs)
+            state.load(self, state_dict, prefix, missing_keys, unexpected_keys, error_msgs, local_metadata)
 
     def _apply(self, fn, recurse=True):
         return proxy_apply(self, fn, recurse)
@@ -586,8 +597,8 @@ class MiraScaledExperts(MiraExperts):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # as MiraExperts.forward
-            return torch.ops.mira.scaled_experts(self._handle, hidden_states)
-        return self.serve(hidden_states)
+            return self._refusing(torch.ops.mira.scaled_experts(self._handle, hidden_states))
+        return self._refusing(self.serve(hidden_states))
 
     def _linear(self, x: torch.Tensor, w, name: str, kernel: bool) -> torch.Tensor:
         # Llama4TextExperts multiplies every expert in one `bmm`. On a CPU, torch's batched kernel rounds a batch
@@ -608,13 +619,18 @@ class MiraScaledExperts(MiraExperts):
         hidden = x.sum(dim=0)  # [T, H]: each token's hidden state times the sum of its weights (> 0)
         self.manager.observe(self.layer, hidden, top_k_index)  # the predictor's copy is finished by the sync below
         needed = [e for e, n in enumerate(chosen.sum(dim=1).tolist()) if n]  # one host sync per block
-        out = torch.zeros_like(x)  # [E, T, H]
+        out = None  # [E, T, H], in the experts' output dtype (under autocast, the module's `bmm` gives autocast's)
 
         def compute(plan, e: int, w) -> None:
-            out[e] = self._expert(plan, e, w, x[e])  # [T, H]
+            nonlocal out
+            y = self._expert(plan, e, w, x[e])  # [T, H]
+            out = x.new_zeros(x.shape, dtype=y.dtype) if out is None else out
+            out[e] = y
 
         for e, y, adds in self._serve(needed, compute, [x.shape[1]] * len(needed), x.__getitem__):  # host_compute
+            out = x.new_zeros(x.shape, dtype=y.dtype) if out is None else out
             _put(out, e, y, adds)
+        out = torch.zeros_like(x) if out is None else out  # no token chose an expert
         return _guarded(out).view(hidden_states.shape)
 
 

@@ -54,8 +54,11 @@ class ExpertState:
         self.replan = replan
         self.applying = False  # a cast or move of the whole model is under way (its proxies follow it)
         # each layer's expert parameters and their version counts when exposed (`edited`)
+        self._paths: dict[int, list[str]] = {}  # where each watched parameter is on its proxy
+        self._entries: dict[int, list[tuple[dict, str]]] = {}  # and the parameter table entry that holds it
         self._watched: dict[int, list[nn.Parameter]] = {}
-        self._versions: dict[int, tuple[int, ...]] = {}
+        # (version count, data pointer) of each: in-place changes count, a `.data` assignment moves the data
+        self._seen: dict[int, list[tuple[int, int]]] = {}
 
     @property
     def store(self):
@@ -78,19 +81,52 @@ class ExpertState:
                     param.data = part
                 else:
                     layout.set(proxy, path, parameter(name, part) if parameter is not None else nn.Parameter(part))
-        self._watched[layer] = [layout.get(proxy, path) for path in _paths(layout, store, layer)]
-        self._versions[layer] = self._versions_now(layer)
+        self._paths[layer] = _paths(layout, store, layer)
+        self._watched[layer] = [layout.get(proxy, path) for path in self._paths[layer]]
+        # where each parameter is kept ((its owner's parameter table, its name there)): checked at every step
+        self._entries[layer] = [_entry(proxy, path) for path in self._paths[layer]]
+        self._seen[layer] = self._seen_now(layer)
 
-    def _versions_now(self, layer: int) -> tuple[int, ...]:
-        return tuple(p._version for p in self._watched[layer])
+    def asking_for_grad(self, layer: int) -> nn.Parameter | None:
+        """One of `layer`'s expert parameters that requires grad, or None."""
+        return next((p for p in self._watched.get(layer, ()) if p.requires_grad), None)
+
+    def _seen_now(self, layer: int) -> list[tuple[int, int]]:
+        return [(p._version, p.data_ptr()) for p in self._watched[layer]]  # data_ptr 0: a placeholder on meta
 
     def edited(self) -> None:
-        """At each forward step: expert parameters changed in place since they were exposed (a `mul_`, `copy_` or
-        item assignment under `torch.no_grad()`: torch counts these, not writes through `.data`) reach what the
-        experts compute, as they do in the unwrapped model. A raw store's parameters are its records, so the cache,
-        whose copies are stale, starts empty. An encoded store's are placeholders that no edit reaches: that raises
-        `UnsupportedOperationError`, at every step until `load_state_dict` writes those experts."""
-        changed = [layer for layer in self._watched if self._versions_now(layer) != self._versions[layer]]
+        """At each forward step: expert parameters changed since they were exposed reach what the experts compute,
+        as they do in the unwrapped model.
+        - Changed in place (a `mul_`, `copy_` or item assignment under `torch.no_grad()`, which torch counts): a raw
+          store's parameters are its records, so the cache, whose copies are stale, starts empty. An encoded store's
+          are placeholders that no edit reaches: that raises `UnsupportedOperationError`, at every step until
+          `load_state_dict` writes those experts.
+        - Given other data (`p.data = t`, as `torch.nn.utils.vector_to_parameters` does): the values are written into
+          the store as `load_state_dict` writes them, and the parameter views the store again.
+        - Replaced by another tensor on the module (an assignment, a parametrization, `torch.func.functional_call`):
+          `UnsupportedOperationError`, nothing computed. The store holds the experts the model computes with; what
+          stands in for a parameter for one call cannot be told from a lasting change."""
+        changed, moved = [], []
+        for layer, params in self._watched.items():
+            now = [
+                (p._version, p.data_ptr()) if table.get(name) is p else None
+                for (table, name), p in zip(self._entries[layer], params)
+            ]
+            if now == self._seen[layer]:
+                continue
+            if None in now:
+                replaced = [path for path, seen in zip(self._paths[layer], now) if seen is None]
+                raise UnsupportedOperationError(
+                    f"the expert parameter(s) {', '.join(replaced)} of MoE layer {layer} were replaced by other tensors "
+                    "(an assignment, a parametrization, or torch.func.functional_call). mira-hf computes with its store "
+                    "of the experts, which changes in place (with torch.no_grad(): p.copy_(new)) and "
+                    "model.load_state_dict(...) reach; nothing was computed. Put the original parameters back and write "
+                    "new values one of those ways, or call model.unload() and use the unwrapped model."
+                )
+            was = self._seen[layer]
+            (moved if any(a[1] != b[1] for a, b in zip(now, was)) else changed).append(layer)
+        for layer in moved:
+            self._adopt(layer)
         if not changed:
             return
         placeholders = [layer for layer in changed if any(p.is_meta for p in self._watched[layer])]
@@ -106,13 +142,36 @@ class ExpertState:
         manager = self.manager
         manager.relocate(manager.store, manager.budget, manager.device)
         for layer in changed:
-            self._versions[layer] = self._versions_now(layer)
+            self._seen[layer] = self._seen_now(layer)
+
+    def _adopt(self, layer: int) -> None:
+        """Write the data `layer`'s expert parameters were given (`p.data = t`) into the store, as `load_state_dict`
+        writes experts; a parameter still a placeholder keeps the stored values."""
+        store, proxy = self.store, self.proxies[layer]
+        layout, E = proxy.experts_layout, store.num_experts(layer)
+        fused = {}
+        for name, (shape, dtype) in store.expert_specs(layer).items():
+            parts = [layout.get(proxy, path).detach() for path in layout.paths(name, E)]
+            if any(p.is_meta for p in parts):
+                current = layout.parts(name, store.fused(layer)[name])
+                parts = [c if p.is_meta else p for p, c in zip(parts, current)]
+            given = layout.joined(proxy, name, parts)
+            if given.dtype != dtype or tuple(given.shape) != (E, *shape):
+                raise UnsupportedOperationError(
+                    f"the expert parameter {name} of MoE layer {layer} was given data of {given.dtype} "
+                    f"{tuple(given.shape)} (p.data = ...), where the experts are {dtype} {(E, *shape)}. Give it data of "
+                    "the same shape and dtype, or cast the whole model (model.to(dtype))."
+                )
+            fused[name] = given.to("cpu").contiguous()
+        with torch.no_grad():
+            self.write(layer, fused)
 
     def hide(self, proxy: nn.Module) -> None:
         for path in _paths(proxy.experts_layout, self.store, proxy.layer):
             proxy.experts_layout.pop(proxy, path)
         proxy.restore_owners()
-        self._watched.pop(proxy.layer, None)
+        for table in (self._watched, self._paths, self._entries, self._seen):
+            table.pop(proxy.layer, None)
 
     # -- state dict -----------------------------------------------------------------------------
     def save(self, proxy: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> bool:
@@ -149,10 +208,12 @@ class ExpertState:
         missing_keys: list,
         unexpected_keys: list,
         error_msgs: list,
+        local_metadata: Mapping | None = None,
     ) -> None:
         """`proxy`'s part of `load_state_dict`, as torch's `_load_from_state_dict` reports it: expert tensors
-        are cast to the stored dtype (as `copy_` would) and written into the store; keys of the original
-        experts module's other members go to `proxy.base`, whose own load reads them."""
+        are cast to the stored dtype (as `copy_` would) and written into the store; with `assign=True`, the layer's
+        experts take the given tensors' dtype first (as assigned parameters would). Keys of the original experts
+        module's other members go to `proxy.base`, whose own load reads them."""
         store, layer, layout = self.store, proxy.layer, proxy.experts_layout
         E = store.num_experts(layer)
         specs = store.expert_specs(layer)
@@ -174,6 +235,9 @@ class ExpertState:
         base_names = {*base._parameters, *base._buffers, *base._modules}
         for key in [k for k in state_dict if k.startswith(prefix)]:
             head = key[len(prefix) :].split(".", 1)[0]
+            if head in proxy._modules and base._modules.get(head) is proxy._modules[head] and head != "base":
+                # a member both hold (Ergo's per-expert norms): its load runs under both names, so both get the value
+                state_dict.setdefault(prefix + "base." + key[len(prefix) :], state_dict[key])
             if key[len(prefix) :] in specs or head == "base" or head in proxy._modules:
                 continue  # (a member's keys are read, or reported, by its own load)
             if head in base_names:  # a member the proxy keeps on `base` alone
@@ -183,11 +247,30 @@ class ExpertState:
         if not given:
             return
         dtype = store.dtype(layer)
-        fused = {n: t.detach().to("cpu", dtype).contiguous() for n, t in given.items()}
         try:
+            if (local_metadata or {}).get("assign_to_params_buffers", False):
+                dtype = self._assigned_dtype(layer, given, dtype)
+            fused = {n: t.detach().to("cpu", dtype).contiguous() for n, t in given.items()}
             self.write(layer, fused)
-        except (ConfigError, ValueError) as exc:  # a budget the new records do not fit: the layer is unchanged
+        except (ValueError, UnsupportedOperationError) as exc:  # a budget or format they do not fit: the layer unchanged
             error_msgs.append(f"{prefix}*: {exc}")
+
+    def _assigned_dtype(self, layer: int, given: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.dtype:
+        """`load_state_dict(..., assign=True)`: the dtype of the tensors given for `layer`'s experts, to which the
+        layer is cast first (the unwrapped model's parameters become the given tensors). One dtype for all of them."""
+        dtypes = {t.dtype for t in given.values()}
+        if dtypes == {dtype}:
+            return dtype
+        if len(dtypes) > 1 or len(given) < len(self.store.expert_specs(layer)):
+            raise ConfigError(
+                f"load_state_dict(assign=True) gave MoE layer {layer}'s expert tensors {sorted(map(str, dtypes))} for "
+                f"{sorted(given)}, where its experts are {dtype}: mira-hf keeps one dtype per layer's experts. Give all "
+                "of them in one dtype, or load without assign=True (the values are cast to the model's dtype)."
+            )
+        change = self.plan_change({dtype: dtypes.pop()}, self.manager.device, [layer])
+        if change is not None:
+            self.apply_change(change)
+        return self.store.dtype(layer)
 
     def write(self, layer: int, fused: Mapping[str, torch.Tensor]) -> None:
         """Encode `fused` (some or all of `layer`'s tensors, `[E, ...]`, the stored dtype) into the store and
@@ -230,11 +313,13 @@ class ExpertState:
             device = torch.device("cuda", torch.cuda.current_device())
         return dtypes, device
 
-    def plan_change(self, dtypes: Mapping[torch.dtype, torch.dtype], device: torch.device):
-        """Check that the store can follow a cast (`dtypes`: stored -> new) and/or move (`device`), and
-        return what applies it (new layouts and slot plan), or None where nothing changes for the experts."""
+    def plan_change(self, dtypes: Mapping[torch.dtype, torch.dtype], device: torch.device, layers=None):
+        """Check that the store can follow a cast (`dtypes`: stored -> new) of `layers` (None: all) and/or move
+        (`device`), and return what applies it (new layouts and slot plan), or None where nothing changes for the
+        experts."""
         store, manager = self.store, self.manager
-        cast = {layer: dtypes[store.dtype(layer)] for layer in store.layers if dtypes[store.dtype(layer)] != store.dtype(layer)}
+        layers = store.layers if layers is None else layers
+        cast = {layer: dtypes[store.dtype(layer)] for layer in layers if dtypes[store.dtype(layer)] != store.dtype(layer)}
         if not cast and device == manager.device:
             return None
         for layer, dtype in cast.items():
@@ -281,19 +366,22 @@ class ExpertState:
 
     def apply_from(self, module: nn.Module, fn, recurse: bool):
         """`module._apply(fn)` with the experts following: learn what `fn` does, refuse before anything changes
-        what the store cannot follow (or a cast or move of a part of the model that holds only some of the
-        experts: the layers share one store and cache), re-encode and relocate, then let `fn` reach the rest."""
+        what the store cannot follow (or a move of a part of the model that holds only some of the experts: the
+        layers share one device cache), re-encode and relocate, then let `fn` reach the rest. A cast of a part casts
+        the experts it holds, as casting that part of the unwrapped model casts its tensors (`model.apply(lambda m:
+        m.to(dtype))` reaches every module so, one after another)."""
         dtypes, device = self.target(fn)
+        layers = None
         if device != self.manager.device or any(a != b for a, b in dtypes.items()):
             inside = {id(m) for m in module.modules()}
-            if not all(id(p) in inside for p in self.proxies.values()):
+            layers = [layer for layer, proxy in self.proxies.items() if id(proxy) in inside]
+            if len(layers) < len(self.proxies) and device != self.manager.device:
                 raise UnsupportedOperationError(
-                    f"a part of a mira-hf model ({type(module).__name__}) was cast or moved: its experts share one host "
-                    "store and device cache with the other layers, so they follow only a cast or move of a module that "
-                    "holds them all. Nothing was changed. Call model.to(...), model.half(), model.float() or "
-                    "model.cuda() on the model itself."
+                    f"a part of a mira-hf model ({type(module).__name__}) was moved to {device}: its experts share one "
+                    f"device cache with the other layers, so they follow only a move of a module that holds them all. "
+                    "Nothing was changed. Call model.to(...) or model.cuda() on the model itself."
                 )
-        change = self.plan_change(dtypes, device)
+        change = self.plan_change(dtypes, device, layers)
         if change is not None:
             self.apply_change(change)
         self.applying = True
@@ -377,6 +465,12 @@ def separate(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """A tensor's parts at its several paths (`ExpertModules`: views of one `[E, ...]` tensor), each on a storage of its
     own, as the unwrapped model's separate parameters are (`store.own_storage`)."""
     return parts if len(parts) == 1 else tuple(own_storage(p) for p in parts)
+
+
+def _entry(module: nn.Module, path: str) -> tuple[dict, str]:
+    """(the parameter table, name) that keeps the parameter at `path` of `module`."""
+    owner, _, name = path.rpartition(".")
+    return (module.get_submodule(owner) if owner else module)._parameters, name
 
 
 def _paths(layout, store, layer: int) -> list[str]:

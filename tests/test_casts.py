@@ -150,11 +150,42 @@ def test_moves_to_the_same_device_change_nothing_and_others_are_refused_before_a
 
 
 @pytest.mark.parametrize("part", ["model.layers.0", "model.layers.1.mlp", "model.layers.0.mlp.experts"])
-def test_a_cast_of_a_part_holding_some_experts_is_refused_before_anything_changes(tiny_checkpoint, part):
+def test_a_cast_of_a_part_holding_some_experts_casts_those_as_the_unwrapped_model_does(tiny_checkpoint, part):
+    """As in the unwrapped model, a part cast on its own casts its tensors, its experts included, and no others."""
+    path = tiny_checkpoint("mixtral")
+    model, ref = _wrapped(path), load_reference(path)
+    _logits(model)  # the cache holds fp32 experts
+    assert model.get_submodule(part).half() is model.get_submodule(part)
+    ref.get_submodule(part).half()
+    held = 0 if part.startswith("model.layers.0") else 1
+    assert [model.mira.store.dtype(layer) for layer in (0, 1)] == [
+        torch.float16 if layer == held else torch.float32 for layer in (0, 1)
+    ]
+    assert _same(model.state_dict(), ref.state_dict())
+    model.half()  # the rest follows: the whole model in one dtype, computing what the unwrapped one does
+    ref.half()
+    assert torch.equal(_logits(model), _logits(ref)) and _same(model.state_dict(), ref.state_dict())
+
+
+def test_apply_of_a_cast_to_every_module_casts_the_model_as_the_unwrapped_one(tiny_checkpoint):
+    """`model.apply(lambda m: m.to(dtype))` reaches each module in turn, experts modules among them: each cast
+    follows, and the model ends in one dtype with the unwrapped model's logits."""
+    path = tiny_checkpoint("mixtral")
+    model, ref = _wrapped(path), load_reference(path)
+    _logits(model)
+    model.apply(lambda m: m.to(torch.bfloat16))
+    ref.apply(lambda m: m.to(torch.bfloat16))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} == {model.mira.store.dtype(i) for i in (0, 1)}
+    assert torch.equal(_logits(model), _logits(ref)) and _same(model.state_dict(), ref.state_dict())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_move_of_a_part_holding_some_experts_is_refused_before_anything_changes(tiny_checkpoint):
     model = _wrapped(tiny_checkpoint("mixtral"))
     expected, before = _logits(model), _snapshot(model)
-    with pytest.raises(UnsupportedOperationError, match="Nothing was changed.*model.half\\(\\)"):
-        model.get_submodule(part).half()
+    with pytest.raises(UnsupportedOperationError, match="Nothing was changed.*on the model itself"):
+        model.model.layers[0].cuda()
     assert _same(model.state_dict(), before) and torch.equal(_logits(model), expected)
 
 

@@ -189,3 +189,13 @@ def test_unload_gives_back_transformers_own_set_experts_implementation():
     assert "set_experts_implementation" not in model.__dict__
     model.set_experts_implementation("batched_mm")
     assert model.config._experts_implementation == "batched_mm"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_llama4_under_autocast_equals_the_unwrapped_model(dtype):
+    """Llama 4's experts multiply with `bmm`, which autocast runs in its dtype: the experts' outputs come out in that
+    dtype, and the block sums them there, as the unwrapped model does."""
+    ref, model = pair("llama4", torch.float32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        expected, got = ref(IDS, use_cache=False).logits, model(IDS, use_cache=False).logits
+    assert got.dtype == expected.dtype and torch.equal(got, expected)

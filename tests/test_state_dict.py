@@ -268,3 +268,67 @@ def test_keys_beside_experts_kept_on_a_child_are_reported_as_the_unwrapped_model
     assert got.unexpected_keys == expected.unexpected_keys == [key]
     assert got.missing_keys == expected.missing_keys == []
     assert all(torch.equal(model.state_dict()[k], v) for k, v in given.items() if k != key)
+
+
+def test_expert_parameters_given_new_data_are_what_the_model_computes(tiny_checkpoint, tmp_path):
+    """`p.data = t` (as `torch.nn.utils.vector_to_parameters` does) moves no version count: the next forward finds
+    the parameter on other data and writes it into the store, so the forward, `state_dict()` and `save_pretrained`
+    agree, as on the unwrapped model."""
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path, gpu_budget=1.0)
+    _logits(model)  # every expert in the cache
+    for m in (ref, model):
+        p = _experts_of(m, 1).down_proj
+        p.data = torch.zeros_like(p) + 0.01
+        vector = torch.nn.utils.parameters_to_vector(m.model.layers[0].mlp.experts.parameters())
+        torch.nn.utils.vector_to_parameters(vector * 2, m.model.layers[0].mlp.experts.parameters())
+    assert torch.equal(_logits(model), _logits(ref))
+    assert torch.equal(model.state_dict()["model.layers.1.mlp.experts.down_proj"], _experts_of(ref, 1).down_proj)
+    model.save_pretrained(tmp_path / "saved")
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()), _logits(ref))
+
+
+@pytest.mark.parametrize("settings", [{}, {"quantization": "lossless"}], ids=["raw", "lossless"])
+def test_expert_parameters_replaced_on_their_module_are_refused_before_anything_is_computed(tiny_checkpoint, settings):
+    """An expert parameter replaced by another tensor on its module (an assignment; torch.func.functional_call, which
+    puts other tensors there for one call) cannot be told from a lasting change: the forward raises, saying what
+    does reach the experts, and once the parameter is back the model computes as before."""
+    from mira_hf import UnsupportedOperationError
+
+    path = tiny_checkpoint("mixtral")
+    model = _wrapped(path, gpu_budget=0.3, **settings)
+    expected = _logits(model)
+    experts = _experts_of(model, 1)
+    original = experts.down_proj
+    experts.down_proj = torch.nn.Parameter(torch.zeros(original.shape))
+    with pytest.raises(UnsupportedOperationError, match=r"down_proj of MoE layer 1 were replaced.*load_state_dict"):
+        _logits(model)
+    experts.down_proj = original
+    assert torch.equal(_logits(model), expected)
+    others = {k: torch.zeros_like(v) for k, v in model.state_dict().items() if ".experts." in k}
+    with pytest.raises(UnsupportedOperationError, match="replaced by other tensors"), torch.no_grad():
+        torch.func.functional_call(model, others, (IDS,))
+    assert torch.equal(_logits(model), expected)
+
+
+def test_ergo_loads_its_own_state_dict_strictly(tiny_checkpoint):
+    """Ergo's per-expert norms sit on its experts module beside the experts: the proxy and the original module it
+    keeps both hold them, and a strict load of the model's own state dict finds every key, as unwrapped."""
+    path = tiny_checkpoint("ergo")
+    ref, model = load_reference(path), _wrapped(path, gpu_budget=0.5)
+    result = model.load_state_dict(ref.state_dict(), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(_logits(model), _logits(ref))
+
+
+def test_load_state_dict_with_assign_gives_the_experts_the_given_dtype(tiny_checkpoint):
+    """`assign=True` makes the given tensors the parameters, in their dtype: a bf16 state dict loaded so into an
+    fp32 model leaves it bf16, experts included, as the unwrapped model is left."""
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path, gpu_budget=0.5)
+    _logits(model)
+    given = {k: v.to(torch.bfloat16) for k, v in _other_weights("mixtral").state_dict().items()}
+    ref.load_state_dict(given, assign=True)
+    model.load_state_dict(given, assign=True)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model.mira.store.dtype(0) == torch.bfloat16
+    assert torch.equal(_logits(model), _logits(ref))

@@ -124,7 +124,8 @@ def field_docs(cls: type) -> dict[str, str]:
         nested = f.default_factory if f.default_factory is not dataclasses.MISSING else None
         if nested is not None and dataclasses.is_dataclass(nested):
             summary = inspect.cleandoc(nested.__doc__ or "").split("\n\n")[0].replace("\n", " ")
-            docs[f.name] = f"[`{nested.__name__}`](#{nested.__name__.lower()}): {summary}"
+            anchor = f"{nested.__name__}-miraconfig{f.name}".lower()  # GitHub's anchor of its section's heading
+            docs[f.name] = f"[`{nested.__name__}`](#{anchor}): {summary}"
     missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
     if missing:
         where = f"MiraConfig.{parent[cls]}" if cls in parent else cls.__name__

@@ -406,7 +406,12 @@ class MiraConfig:
                 f"expert_layer_path={self.expert_layer_path!r}: expected a module glob such as 'model.layers.*.mlp.experts'."
             )
         nested = dict(
-            cache=CacheConfig, loader=LoaderConfig, heat=HeatConfig, priority=PriorityConfig, prediction=PredictorConfig
+            cache=CacheConfig,
+            loader=LoaderConfig,
+            heat=HeatConfig,
+            priority=PriorityConfig,
+            prediction=PredictorConfig,
+            quant=QuantConfig,
         )
         for name, cls in nested.items():
             if not isinstance(getattr(self, name), cls):

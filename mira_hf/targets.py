@@ -201,7 +201,11 @@ def _served_problem(adapter: MoEAdapter, name: str, module: nn.Module, tensors: 
     if any(p.shape[0] != E for p in data.values()):
         return f"its tensors' first dimension is not num_experts={E}: {[tuple(p.shape) for p in data.values()]}"
     if not in_checkpoint and any(p.device.type == "meta" for p in tensors.values()):
-        return "its weights are on the meta device (not loaded)"
+        raise UnsupportedModelError(
+            f"{name} ({type(module).__name__}) cannot be served: its weights are on the meta device (a model built "
+            "without them), and mira-hf stores the experts' values. Load the weights into the model first "
+            "(load_state_dict(..., assign=True)), or let MiraMoEModel.from_pretrained(path) read them from the checkpoint."
+        )
     if adapter.route_norm and not isinstance(getattr(module, adapter.route_norm, None), nn.Module):
         return f"it has no per-route norm `{adapter.route_norm}` (adapter {adapter.name!r})"
     if replaces_interface_forward(module) and not adapter.route_norm:

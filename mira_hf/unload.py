@@ -24,7 +24,12 @@ def warn_if_lossy(manager: ExpertManager, what: str) -> None:
 
 def unload(model: nn.Module) -> nn.Module:
     """Give back an ordinary transformers model, on the CPU, with every expert in place."""
-    manager: ExpertManager = model.mira
+    manager = getattr(model, "mira", None)
+    if not isinstance(manager, ExpertManager):
+        raise ConfigError(
+            f"unload() was given a {type(model).__name__} that mira-hf has not wrapped: there is nothing to unload. "
+            "Pass the model MiraMoEModel.from_pretrained or MiraMoEModel.wrap returned."
+        )
     warn_if_lossy(manager, "unload() gives back")
     uninstall_state(model)
     for hook in model._mira_hooks:

@@ -242,6 +242,8 @@ def test_store_larger_than_host_memory_is_refused_and_model_untouched(tiny_check
         (dict(quantization="int3"), "quantization='int3' is not supported"),
         (dict(host_budget="1GiB"), "offload_dir"),
         (dict(expert_layer_path="experts"), "module glob"),
+        (dict(quant={"placement": "packed"}), "quant must be a QuantConfig instance, got dict"),
+        (dict(cache={"stage_fraction": 0.5}), "cache must be a CacheConfig instance, got dict"),
     ],
 )
 def test_bad_config_values_are_refused(kwargs, match):
@@ -524,6 +526,24 @@ def test_forward_with_autograd_on_works_and_backward_is_a_clear_error(tiny_check
     assert torch.equal(_logits(model), expected)  # still serves after the refused backward
 
 
+@pytest.mark.parametrize("trainable", ["experts", "experts and lm_head"])
+def test_expert_parameters_asking_for_gradients_make_backward_a_clear_error(tiny_checkpoint, trainable):
+    """Expert parameters that ask for gradients (the rest frozen, or only a head beside them) get none from the
+    experts' cache slots: the backward raises the same refusal instead of leaving their gradients None (or torch
+    finding nothing that requires grad)."""
+    path = tiny_checkpoint("mixtral")
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device="cpu"), progress=False)
+    expected = _logits(model)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".experts." in name or (name.startswith("lm_head") and "lm_head" in trainable))
+    out = model(IDS, labels=IDS)
+    assert out.loss.requires_grad and torch.equal(out.logits.detach(), expected)
+    with pytest.raises(UnsupportedOperationError, match="backward through mira-hf's offloaded experts"):
+        out.loss.backward()
+    model.requires_grad_(False)
+    assert not model(IDS, labels=IDS).loss.requires_grad  # nothing asks for gradients: no graph to refuse
+
+
 @pytest.mark.parametrize(
     "settings",
     [
@@ -669,3 +689,16 @@ def test_the_predictor_sees_each_block_once_before_its_host_sync(tiny_checkpoint
     layers = len(model.mira.layers)
     assert calls == [(kind, layer) for _ in range(4) for layer in range(layers) for kind in ("observe", "predict")]
     assert model.mira.stats()["predictor_recall"] is not None
+
+
+def test_unloading_a_model_mira_hf_has_not_wrapped_says_so():
+    model = build(make_config("mixtral")).eval()
+    with pytest.raises(ConfigError, match="MixtralForCausalLM that mira-hf has not wrapped: there is nothing to unload"):
+        MiraMoEModel.unload(model)
+
+
+def test_a_model_built_on_the_meta_device_is_refused_saying_how_to_give_it_weights():
+    with torch.device("meta"):
+        model = build(make_config("mixtral"))
+    with pytest.raises(UnsupportedModelError, match="weights are on the meta device.*assign=True.*from_pretrained"):
+        MiraMoEModel.wrap(model, MiraConfig(device="cpu"))

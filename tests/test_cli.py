@@ -95,10 +95,14 @@ def test_generate_splits_experts_between_host_and_device_when_asked(tmp_path):
     stats_file = tmp_path / "run.json"
     argv = ["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "4", "--device", "cpu"]
     argv += ["--host-compute", "split", "--host-share", "0.3", "--stats-out", str(stats_file)]
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         assert cli.main(argv) == 0
     record = json.loads(stats_file.read_text())
     assert record["stats"]["host_part_bytes"] > 0
+    # an inexact mode is named in the settings printed and saved
+    assert record["config"]["host_compute"] == "split" and record["config"]["host_share"] == 0.3
+    assert "host_compute=split, host_share=0.3" in out.getvalue()
 
 
 def test_generate_counts_an_encoder_decoders_new_tokens(tmp_path):

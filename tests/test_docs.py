@@ -73,3 +73,31 @@ def test_the_readme_test_command_is_what_ci_runs():
 
 def test_the_readme_stays_short():
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 250
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation other than '-' and '_' dropped, spaces as '-'."""
+    import re
+
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    import re
+
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks hold no headings
+    return {_anchor(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+def test_every_link_to_a_section_of_the_docs_finds_it():
+    """Links of the README and docs to a page's section (`#anchor`, `page.md#anchor`) name a heading there."""
+    import re
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)\s#]*\.md)?#([^)\s]+)\)", page.read_text()):
+            linked = (page.parent / target).resolve() if target else page
+            if linked.exists() and anchor not in _anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
+    assert not broken

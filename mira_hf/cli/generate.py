@@ -88,6 +88,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         predictor=cfg.predictor,
         quantization=model.mira.quantization or "none",  # "auto" resolved
         predictor_path=getattr(cfg, "predictor_path", None),
+        # inexact modes are named where chosen (None: left out of the settings line)
+        host_compute=cfg.host_compute if cfg.host_compute != "off" else None,
+        host_share=cfg.host_share if cfg.host_compute == "split" else None,
     )
     record = report.run_record(args.model, settings, generation, model.mira)
     print()

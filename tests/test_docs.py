@@ -101,3 +101,24 @@ def test_every_link_to_a_section_of_the_docs_finds_it():
             if linked.exists() and anchor not in _anchors(linked):
                 broken.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
     assert not broken
+
+
+def test_the_readmes_sample_run_is_what_mira_generate_prints():
+    """The README's `mira generate` output, but for its timings (tokens, tokens/s, stall), is what the command
+    prints on the CPU: the bundled model's greedy tokens, and so its routing and the cache's counts, are fixed."""
+    import contextlib
+    import io
+    import re
+
+    from mira_hf import cli
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    prompt = re.search(r'mira generate --prompt "([^"]+)"', readme).group(1)
+    sample = readme[readme.index("```\nmodel            mira-tiny") :].split("\n[... then one row per MoE layer ...]")[0]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert cli.main(["generate", "--prompt", prompt, "--device", "cpu"]) == 0
+    printed = out.getvalue()
+    timed = ("tokens ", "tokens/s ", "stall ")
+    lines = [line for line in sample.splitlines()[1:] if not line.startswith(timed)]
+    assert lines and all(f"\n{line}\n" in printed for line in lines), [line for line in lines if f"\n{line}\n" not in printed]

@@ -253,6 +253,12 @@ class Loader:
         self._resolve()
         return dict(self._stall_by_layer)
 
+    def carry(self, other: Loader) -> None:
+        """Take over `other`'s stall seconds and copy latencies so far (a loader that replaces it: `relocate`)."""
+        for layer, seconds in other.stalls().items():
+            self.add_stall(layer, seconds)
+        self._latencies.extend(other.latencies())
+
     def reset_stalls(self) -> None:
         self._resolve()
         self._stall_by_layer.clear()

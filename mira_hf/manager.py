@@ -131,7 +131,9 @@ class ExpertManager(NotebookViews):
         self.placement = budget.placement  # how a slot holds an expert (BudgetPlan.placement)
         # Demand copies a block keeps in flight (see CacheConfig.demand_inflight_bytes): ≥ 2 per layer.
         self._depth = {layer: max(2, -(-s.demand_inflight_bytes // store.record_bytes(layer))) for layer in self.layers}
-        self.loader = Loader(device, s.ring_bytes, timeout_s=s.copy_timeout_s)
+        old, self.loader = getattr(self, "loader", None), Loader(device, s.ring_bytes, timeout_s=s.copy_timeout_s)
+        if old is not None:  # relocate: the stalls and copy latencies so far are counters, which only reset_stats() resets
+            self.loader.carry(old)
         self.staging.place(device, budget.slot_placement)
         self._staged: dict[int, list[Slot]] = {}  # layer -> slots given to its prefetches since its last block
         self._cost = budget.reload_costs(store, self.layers)  # the eviction policies' `cost` of each layer

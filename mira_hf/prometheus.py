@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 from .report import optional_import
 
@@ -32,8 +33,7 @@ class MiraCollector:
     def __init__(self, manager, model_name: str | None = None) -> None:
         self._core = optional_import("prometheus_client.core", PROMETHEUS_EXTRA, "MiraCollector")
         self.manager = manager
-        self._label_names = ["model"] if model_name else []
-        self._label_values = [model_name] if model_name else []
+        self.model_name = model_name
         self._lock = threading.Lock()  # record_tokens (serving thread) and collect (HTTP thread) meet here
         self._tokens = 0
         self._seconds = 0.0
@@ -50,68 +50,139 @@ class MiraCollector:
                 self._last_tokens_per_s = n / seconds
 
     def track_generate(self, model, *args, **kwargs):
-        """`model.generate(*args, **kwargs)`, timed; its new tokens (all sequences) are recorded. Returns its output."""
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        """`model.generate(*args, **kwargs)`, timed; its new tokens (all sequences) are recorded. Returns its output.
+        An encoder-decoder's output holds the decoder's tokens only: a start token, then the new ones."""
         start = time.perf_counter()
         out = model.generate(*args, **kwargs)
         seconds = time.perf_counter() - start
         sequences = getattr(out, "sequences", out)
-        prompt_len = input_ids.shape[-1] if input_ids is not None else 0
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            prompt_len = 1
+        else:
+            prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+            prompt_len = prompt.shape[-1] if prompt is not None and hasattr(prompt, "shape") else 0
         self.record_tokens(sequences.shape[0] * max(sequences.shape[-1] - prompt_len, 0), seconds)
         return out
 
-    def collect(self):
-        """Called by the registry on every scrape."""
-        core = self._core
+    def samples(self) -> list[tuple[str, str, str, list[str], list[tuple[list[str], float]]]]:
+        """This model's metrics: (name, "gauge" or "counter", help, label names besides `model`, [(their values,
+        value)])."""
         stats = self.manager.stats()
         with self._lock:
             tokens, seconds, last_rate = self._tokens, self._seconds, self._last_tokens_per_s
-        names, values = self._label_names, self._label_values
+        per_layer = [([str(layer)], s["hit_rate"]) for layer, s in sorted(stats["per_layer"].items())]
+        return [
+            (
+                "mira_hit_rate",
+                "gauge",
+                "Expert cache hits / expert uses since load or reset_stats().",
+                [],
+                [([], stats["hit_rate"])],
+            ),
+            (
+                "mira_expert_hits",
+                "counter",
+                "Expert uses served from the device cache.",
+                ["tier"],
+                [(["hot"], stats["hot_hits"]), (["stage"], stats["stage_hits"])],
+            ),
+            ("mira_expert_misses", "counter", "Expert uses that needed a demand copy.", [], [([], stats["misses"])]),
+            (
+                "mira_expert_copies",
+                "counter",
+                "Expert copies issued to the device (demand and prefetch).",
+                [],
+                [([], stats["loads"])],
+            ),
+            ("mira_expert_evictions", "counter", "Experts evicted from the device cache.", [], [([], stats["evictions"])]),
+            ("mira_h2d_bytes", "counter", "Bytes copied host to device for experts.", [], [([], stats["bytes_h2d"])]),
+            ("mira_stall_seconds", "counter", "Seconds the compute waited for expert copies.", [], [([], stats["stall_s"])]),
+            ("mira_forward_steps", "counter", "Forward steps (prefill or one decode step) seen.", [], [([], stats["steps"])]),
+            ("mira_cache_capacity_bytes", "gauge", "Device bytes of the expert cache.", [], [([], stats["capacity_bytes"])]),
+            (
+                "mira_cache_resident_bytes",
+                "gauge",
+                "Device bytes of the expert cache holding an expert.",
+                [],
+                [([], stats["resident_bytes"])],
+            ),
+            (
+                "mira_experts_kept_packed",
+                "gauge",
+                'Experts kept packed on the device beside the cache, decoded at each use (placement "mixed").',
+                [],
+                [([], stats["kept_packed_experts"])],
+            ),
+            ("mira_layer_hit_rate", "gauge", "Expert cache hit rate of one MoE layer.", ["layer"], per_layer),
+            (
+                "mira_tokens_generated",
+                "counter",
+                "Tokens generated, as reported by record_tokens/track_generate.",
+                [],
+                [([], tokens)],
+            ),
+            ("mira_generation_seconds", "counter", "Wall seconds of the generations reported.", [], [([], seconds)]),
+            ("mira_tokens_per_second", "gauge", "Tokens per second of the latest reported generation.", [], [([], last_rate)]),
+        ]
 
-        def gauge(name: str, doc: str, value: float, extra: dict[str, str] | None = None):
-            family = core.GaugeMetricFamily(name, doc, labels=names + list(extra or {}))
-            family.add_metric(values + list((extra or {}).values()), value)
-            return family
+    def collect(self):
+        """Called by the registry on every scrape (where this collector is registered on its own)."""
+        return _families(self._core, [self])
 
-        def counter(name: str, doc: str, value: float):
-            family = core.CounterMetricFamily(name, doc, labels=names)
-            family.add_metric(values, value)
-            return family
 
-        yield gauge("mira_hit_rate", "Expert cache hits / expert uses since load or reset_stats().", stats["hit_rate"])
-        hits = core.CounterMetricFamily("mira_expert_hits", "Expert uses served from the device cache.", labels=names + ["tier"])
-        hits.add_metric(values + ["hot"], stats["hot_hits"])
-        hits.add_metric(values + ["stage"], stats["stage_hits"])
-        yield hits
-        yield counter("mira_expert_misses", "Expert uses that needed a demand copy.", stats["misses"])
-        yield counter("mira_expert_copies", "Expert copies issued to the device (demand and prefetch).", stats["loads"])
-        yield counter("mira_expert_evictions", "Experts evicted from the device cache.", stats["evictions"])
-        yield counter("mira_h2d_bytes", "Bytes copied host to device for experts.", stats["bytes_h2d"])
-        yield counter("mira_stall_seconds", "Seconds the compute waited for expert copies.", stats["stall_s"])
-        yield counter("mira_forward_steps", "Forward steps (prefill or one decode step) seen.", stats["steps"])
-        yield gauge("mira_cache_capacity_bytes", "Device bytes of the expert cache.", stats["capacity_bytes"])
-        yield gauge("mira_cache_resident_bytes", "Device bytes of the expert cache holding an expert.", stats["resident_bytes"])
-        yield gauge(
-            "mira_experts_kept_packed",
-            'Experts kept packed on the device beside the cache, decoded at each use (placement "mixed").',
-            stats["kept_packed_experts"],
-        )
-        layer_rate = core.GaugeMetricFamily(
-            "mira_layer_hit_rate", "Expert cache hit rate of one MoE layer.", labels=names + ["layer"]
-        )
-        for layer, s in sorted(stats["per_layer"].items()):
-            layer_rate.add_metric(values + [str(layer)], s["hit_rate"])
-        yield layer_rate
-        yield counter("mira_tokens_generated", "Tokens generated, as reported by record_tokens/track_generate.", tokens)
-        yield counter("mira_generation_seconds", "Wall seconds of the generations reported.", seconds)
-        yield gauge("mira_tokens_per_second", "Tokens per second of the latest reported generation.", last_rate)
+def _families(core, collectors: list[MiraCollector]):
+    """One metric family per name over `collectors`, each model's samples labelled with its `model_name` (no
+    `model` label where there is one model without a name), as the text format wants: one TYPE line per name."""
+    named = any(c.model_name for c in collectors)
+    merged: dict[str, object] = {}
+    for c in collectors:
+        for name, kind, doc, labels, values in c.samples():
+            family = merged.get(name)
+            if family is None:
+                make = core.GaugeMetricFamily if kind == "gauge" else core.CounterMetricFamily
+                family = merged[name] = make(name, doc, labels=(["model"] if named else []) + labels)
+            for label_values, value in values:
+                family.add_metric(([c.model_name] if named else []) + label_values, value)
+    yield from merged.values()
+
+
+class _Models:
+    """What `register` puts on a registry: the collectors of every model registered there, scraped as one."""
+
+    def __init__(self) -> None:
+        self._core = optional_import("prometheus_client.core", PROMETHEUS_EXTRA, "register()")
+        self.collectors: list[MiraCollector] = []
+
+    def add(self, collector: MiraCollector) -> None:
+        names = [c.model_name for c in self.collectors]
+        if names and (not collector.model_name or None in names or collector.model_name in names):
+            raise ValueError(
+                f"register(..., model_name={collector.model_name!r}): this registry already has the metrics of "
+                f"model(s) named {names}. Give each model on one registry a distinct model_name (the `model` label of "
+                "its samples), or give this one a registry of its own."
+            )
+        self.collectors.append(collector)
+
+    def collect(self):
+        return _families(self._core, list(self.collectors))
+
+
+_REGISTERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # registry -> its _Models
 
 
 def register(manager, registry=None, model_name: str | None = None) -> MiraCollector:
-    """Build a `MiraCollector` for `manager` (`model.mira`) and register it (default: prometheus_client's REGISTRY).
-    Give each model a distinct `model_name` when several share one registry."""
+    """Build a `MiraCollector` for `manager` (`model.mira`) and add its metrics to `registry` (default:
+    prometheus_client's REGISTRY). Several models may share one registry, each with a distinct `model_name`: their
+    samples then come in one family per metric, told apart by the `model` label."""
     collector = MiraCollector(manager, model_name=model_name)
     if registry is None:
         registry = optional_import("prometheus_client", PROMETHEUS_EXTRA, "register()").REGISTRY
-    registry.register(collector)
+    models = _REGISTERED.get(registry)
+    if models is None:
+        models = _Models()
+        models.add(collector)
+        registry.register(models)
+        _REGISTERED[registry] = models
+    else:
+        models.add(collector)
     return collector

@@ -118,6 +118,55 @@ def test_prometheus_collector_exports_the_counters(manager):
     assert b"mira_stall_seconds_total" in prometheus_client.generate_latest(registry)
 
 
+def test_several_models_share_a_registry_one_family_per_metric(manager, tiny_checkpoint):
+    """Two models on one registry: one family (one HELP and TYPE line) per metric, each model's samples told apart by
+    its `model` label, as the text format wants; a second model without a distinct name is refused, saying so."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mira_hf.prometheus import register
+
+    other = MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(gpu_budget=1.0, device="cpu"), progress=False)
+    registry = prometheus_client.CollectorRegistry()
+    register(manager, registry=registry, model_name="a")
+    register(other.mira, registry=registry, model_name="b").record_tokens(6, 2.0)
+    for name in ("a", None):
+        with pytest.raises(ValueError, match="distinct model_name"):
+            register(other.mira, registry=registry, model_name=name)
+    text = prometheus_client.generate_latest(registry).decode()
+    assert text.count("# TYPE mira_expert_misses_total counter") == 1
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    misses = {s.labels["model"]: s.value for s in families["mira_expert_misses"].samples}
+    assert misses == {"a": manager.stats()["misses"], "b": other.mira.stats()["misses"]}
+    assert registry.get_sample_value("mira_tokens_generated_total", {"model": "b"}) == 6
+
+
+def test_track_generate_counts_new_tokens_of_an_encoder_decoder_and_of_inputs(manager):
+    """`track_generate` records the tokens generate added: after the prompt given as `input_ids`, positionally or as
+    `inputs`; an encoder-decoder's output is its decoder's start token and the new tokens."""
+    pytest.importorskip("prometheus_client")
+    from mira_hf.prometheus import MiraCollector
+
+    class Generator:
+        def __init__(self, encoder_decoder: bool) -> None:
+            self.config = type("Config", (), {"is_encoder_decoder": encoder_decoder})()
+
+        def generate(self, *args, **kwargs):
+            prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+            start = prompt[:, :1] if self.config.is_encoder_decoder else prompt
+            return torch.cat([start, torch.zeros(prompt.shape[0], 5, dtype=torch.long)], dim=1)
+
+    prompt = torch.ones(2, 7, dtype=torch.long)
+    for model, call in [
+        (Generator(False), dict(inputs=prompt)),
+        (Generator(False), dict(input_ids=prompt)),
+        (Generator(True), {}),
+    ]:
+        collector = MiraCollector(manager)
+        collector.track_generate(model, **call) if call else collector.track_generate(model, prompt)
+        assert collector._tokens == 2 * 5
+
+
 def test_prometheus_missing_names_the_pip_command(manager, monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client.core", None)
     from mira_hf.prometheus import MiraCollector
@@ -131,3 +180,19 @@ def test_stats_table_says_when_the_payoff_gate_paused_prediction(manager):
     assert "paused" not in report.stats_table(dict(stats, prediction_paused_steps=0))
     text = report.stats_table(dict(stats, prediction_paused_steps=40, prediction_active=False))
     assert "precision 80.0%, recall 70.0%; paused 40 steps" in text and "paused now" in text
+
+
+def test_counters_survive_a_rebuild_of_the_cache(tiny_checkpoint):
+    """A cast, a load_state_dict or an in-place expert edit rebuilds the cache (a new loader among it): the stall
+    seconds and copy latencies so far stay, as every other counter does (Prometheus reads a drop as a reset)."""
+    model = MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(gpu_budget=0.3, device="cpu"), progress=False)
+    ids = torch.tensor([[5, 9, 14, 33, 60]])
+    with torch.no_grad():
+        model(ids)
+        before = model.mira.stats()
+        model.model.layers[0].mlp.experts.down_proj.mul_(1.0)  # an edit: the next forward rebuilds the cache
+        model(ids[:, :1])
+    after = model.mira.stats()
+    assert before["stall_s"] > 0 and after["stall_s"] >= before["stall_s"] and after["loads"] > before["loads"]
+    assert all(after["per_layer"][k]["stall_s"] >= v["stall_s"] for k, v in before["per_layer"].items())
+    assert after["load_latency_p50_s"] is not None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -120,6 +120,7 @@ class ExpertManager(NotebookViews):
         # the store's device parts joined to them.
         self.whole = store if host_parts is None else SplitWeights(store, host_parts)
         self._place(store, budget, device)
+        self.step_check: Callable[[], None] | None = None  # run at a step's start (`ExpertState.edited`, set by the model)
         self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
         self._forward_owner: int | None = None
 
@@ -268,6 +269,10 @@ class ExpertManager(NotebookViews):
         staged by `end`, after this block's own copies). `rows`: each expert's rows (host compute: `plan.host`)."""
         with self._lock:
             self._settle()
+            if self._forward_owner is None and (layer <= self._last_layer or self._last_layer < 0) and self.step_check:
+                # a step no forward hook entered (a compiled graph leaves them out; a block called on its own): the
+                # expert parameters are checked at its first block instead (`ExpertState.edited`)
+                self.step_check()
             ahead = self.staging.take_ahead(layer)  # before a step boundary would clear it
             if layer <= self._last_layer:
                 self._end_step()

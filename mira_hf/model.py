@@ -295,6 +295,23 @@ class MiraMoEModel:
         return unload(model)
 
 
+def _called_in_its_place(model: nn.Module, proxies: list) -> list[nn.Module]:
+    """The model, and the modules holding experts that code calls in its place: its base model (`model.model`, what
+    a direct `model.forward(...)` calls), `get_decoder()`'s and `get_encoder()`'s (a vision-language model's text
+    model, an encoder-decoder's stacks)."""
+    found = [model]
+    served = {id(p) for p in proxies}
+    for get in (lambda: model.base_model, lambda: model.get_decoder(), lambda: model.get_encoder()):
+        try:
+            module = get()
+        except (AttributeError, NotImplementedError, TypeError):
+            continue
+        if isinstance(module, nn.Module) and all(module is not m for m in found):
+            if any(id(m) in served for m in module.modules()):
+                found.append(module)
+    return found
+
+
 def _install(
     model: nn.Module,
     user_cfg: MiraConfig,
@@ -315,12 +332,10 @@ def _install(
     model.to(device)
     # Per-instance hooks mark forward steps (the heat clock, serialised threads); always_call
     # releases the step even when the forward raises, so an interrupted generate leaves no lock.
-    base = getattr(model, "base_model", model)  # the model a causal LM's forward calls (`model.model`)
-    hooked = [model] if base is model or not isinstance(base, nn.Module) else [model, base]
-    steps = StepHooks(manager, frozenset(id(m) for m in hooked[1:]))
+    steps = StepHooks(manager)
     hooks = tuple(
         hook
-        for m in hooked
+        for m in _called_in_its_place(model, proxies)
         for hook in (
             m.register_forward_pre_hook(steps.before, with_kwargs=True),
             m.register_forward_hook(steps.after, always_call=True),
@@ -336,7 +351,7 @@ def _install(
     # The experts as parameters (views of the store), and casts and moves that the store follows.
     replan_model = functools.partial(replan, model, user_cfg, plan.layers, targets)
     install_state(model, manager, proxies, {t.ordinal: t.parameter for t in targets}, replan_model)
-    steps.edited = model._mira_state.edited  # experts changed in place reach what they compute
+    steps.edited = manager.step_check = model._mira_state.edited  # experts changed in place reach what they compute
     report.finish()
     model.mira_load_report = lambda: report
     if progress:  # the progress bars' last line: where the load's time went

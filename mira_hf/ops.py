@@ -44,14 +44,19 @@ def _(handle: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
 
 
 @torch.library.custom_op("mira::scaled_experts", mutates_args=(), tags=_TAGS)
-def scaled_experts(handle: int, hidden_states: torch.Tensor) -> torch.Tensor:
-    """`MiraScaledExperts.serve`: input-scaled rows [E*T, H] -> [E*T, H]."""
-    return _proxies[handle].serve(hidden_states)
+def scaled_experts(handle: int, hidden_states: torch.Tensor, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`MiraScaledExperts.serve`: input-scaled rows [E*T, H] -> [E*T, H]. `autocast_dtype`: the autocast the caller
+    ran under (a compiled graph calls the operator outside it), whose dtype the experts' matmuls give, as the module's
+    `bmm` does under autocast."""
+    if autocast_dtype is None:
+        return _proxies[handle].serve(hidden_states)
+    with torch.autocast(hidden_states.device.type, dtype=autocast_dtype):
+        return _proxies[handle].serve(hidden_states)
 
 
 @scaled_experts.register_fake
-def _(handle: int, hidden_states: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(hidden_states)
+def _(handle: int, hidden_states: torch.Tensor, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty_like(hidden_states, dtype=autocast_dtype or hidden_states.dtype)
 
 
 def no_backward(grad: torch.Tensor) -> torch.Tensor:
@@ -76,6 +81,18 @@ def _(grad: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(grad)
 
 
+@torch.library.custom_op("mira::refuse_backward_like", mutates_args=())
+def refuse_backward_like(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The refusal, as the gradient of an expert parameter `like` (`RefuseBackward`): a gradient a compiled backward
+    must compute, so it keeps the operator where it would drop one whose result nothing reads."""
+    return no_backward(grad)
+
+
+@refuse_backward_like.register_fake
+def _(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(like)
+
+
 class RefuseBackward(torch.autograd.Function):
     """`result` unchanged, made to require gradients through `anchor` (an expert parameter that asks for them): a
     backward that reaches it raises the refusal, where the experts' gradients would otherwise stay silently None
@@ -83,12 +100,14 @@ class RefuseBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, result: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(anchor)
         return result.view_as(result)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return torch.ops.mira.refuse_backward(grad), None
+        (anchor,) = ctx.saved_tensors
+        return torch.ops.mira.refuse_backward(grad), torch.ops.mira.refuse_backward_like(grad, anchor)
 
 
 experts.register_autograd(lambda ctx, grad: (None, torch.ops.mira.refuse_backward(grad), None, None))
-scaled_experts.register_autograd(lambda ctx, grad: (None, torch.ops.mira.refuse_backward(grad)))
+scaled_experts.register_autograd(lambda ctx, grad: (None, torch.ops.mira.refuse_backward(grad), None))

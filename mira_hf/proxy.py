@@ -597,7 +597,9 @@ class MiraScaledExperts(MiraExperts):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # as MiraExperts.forward
-            return self._refusing(torch.ops.mira.scaled_experts(self._handle, hidden_states))
+            device = hidden_states.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+            return self._refusing(torch.ops.mira.scaled_experts(self._handle, hidden_states, dtype))
         return self._refusing(self.serve(hidden_states))
 
     def _linear(self, x: torch.Tensor, w, name: str, kernel: bool) -> torch.Tensor:

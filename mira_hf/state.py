@@ -23,6 +23,7 @@ and lets `fn` reach the other weights. A proxy never applies `fn` to its expert 
 
 from __future__ import annotations
 
+import sys
 import types
 import warnings
 from collections.abc import Callable, Mapping
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from .budget import BudgetPlan
-from .errors import ConfigError, DeviceError, UnsupportedOperationError
+from .errors import ConfigError, DeviceError, MiraError, UnsupportedOperationError
 from .layout import IdentityCodec
 from .manager import ExpertManager
 from .store import own_storage
@@ -56,6 +57,7 @@ class ExpertState:
         # each layer's expert parameters and their version counts when exposed (`edited`)
         self._paths: dict[int, list[str]] = {}  # where each watched parameter is on its proxy
         self._entries: dict[int, list[tuple[dict, str]]] = {}  # and the parameter table entry that holds it
+        self._module_links: dict[int, list[tuple[dict, str, nn.Module, str]]] = {}  # (a parent's _modules, name, child, path)
         self._watched: dict[int, list[nn.Parameter]] = {}
         # (version count, data pointer) of each: in-place changes count, a `.data` assignment moves the data
         self._seen: dict[int, list[tuple[int, int]]] = {}
@@ -85,6 +87,9 @@ class ExpertState:
         self._watched[layer] = [layout.get(proxy, path) for path in self._paths[layer]]
         # where each parameter is kept ((its owner's parameter table, its name there)): checked at every step
         self._entries[layer] = [_entry(proxy, path) for path in self._paths[layer]]
+        # the modules between the proxy and each owner of a parameter (experts kept on child modules), which an
+        # assignment may replace with other modules
+        self._module_links[layer] = list({link[3]: link for path in self._paths[layer] for link in _links(proxy, path)}.values())
         self._seen[layer] = self._seen_now(layer)
 
     def asking_for_grad(self, layer: int) -> nn.Parameter | None:
@@ -112,13 +117,14 @@ class ExpertState:
                 (p._version, p.data_ptr()) if table.get(name) is p else None
                 for (table, name), p in zip(self._entries[layer], params)
             ]
-            if now == self._seen[layer]:
+            moved_modules = [path for d, name, m, path in self._module_links[layer] if d.get(name) is not m]
+            if now == self._seen[layer] and not moved_modules:
                 continue
-            if None in now:
-                replaced = [path for path, seen in zip(self._paths[layer], now) if seen is None]
+            if None in now or moved_modules:
+                replaced = moved_modules or [path for path, seen in zip(self._paths[layer], now) if seen is None]
                 raise UnsupportedOperationError(
-                    f"the expert parameter(s) {', '.join(replaced)} of MoE layer {layer} were replaced by other tensors "
-                    "(an assignment, a parametrization, or torch.func.functional_call). mira-hf computes with its store "
+                    f"the expert parameter(s) or their modules {', '.join(replaced)} of MoE layer {layer} were replaced by "
+                    "other tensors or modules (an assignment, a parametrization, or torch.func.functional_call). mira-hf computes with its store "
                     "of the experts, which changes in place (with torch.no_grad(): p.copy_(new)) and "
                     "model.load_state_dict(...) reach; nothing was computed. Put the original parameters back and write "
                     "new values one of those ways, or call model.unload() and use the unwrapped model."
@@ -170,7 +176,7 @@ class ExpertState:
         for path in _paths(proxy.experts_layout, self.store, proxy.layer):
             proxy.experts_layout.pop(proxy, path)
         proxy.restore_owners()
-        for table in (self._watched, self._paths, self._entries, self._seen):
+        for table in (self._watched, self._paths, self._entries, self._module_links, self._seen):
             table.pop(proxy.layer, None)
 
     # -- state dict -----------------------------------------------------------------------------
@@ -270,6 +276,7 @@ class ExpertState:
         change = self.plan_change({dtype: dtypes.pop()}, self.manager.device, [layer])
         if change is not None:
             self.apply_change(change)
+            self.forget_routers()
         return self.store.dtype(layer)
 
     def write(self, layer: int, fused: Mapping[str, torch.Tensor]) -> None:
@@ -370,6 +377,28 @@ class ExpertState:
         layers share one device cache), re-encode and relocate, then let `fn` reach the rest. A cast of a part casts
         the experts it holds, as casting that part of the unwrapped model casts its tensors (`model.apply(lambda m:
         m.to(dtype))` reaches every module so, one after another)."""
+        try:
+            change = self._planned(module, fn)
+        except MiraError as exc:
+            if not _applying_to_each_module():
+                raise
+            raise type(exc)(
+                f"{exc} This cast or move came through model.apply(...), which had already applied it to the modules it "
+                "visited before this one: those stay changed. Apply it to the model itself instead (model.to(...), "
+                "model.half(), ...), or load the model again."
+            ) from exc
+        if change is not None:
+            self.apply_change(change)
+        self.applying = True
+        try:
+            return type(module)._apply(module, fn, recurse)
+        finally:
+            self.applying = False
+            if change is not None:
+                self.forget_routers()
+
+    def _planned(self, module: nn.Module, fn):
+        """`apply_from`'s checks, before anything changes: the change `fn` makes to the experts `module` holds."""
         dtypes, device = self.target(fn)
         layers = None
         if device != self.manager.device or any(a != b for a, b in dtypes.items()):
@@ -381,16 +410,7 @@ class ExpertState:
                     f"device cache with the other layers, so they follow only a move of a module that holds them all. "
                     "Nothing was changed. Call model.to(...) or model.cuda() on the model itself."
                 )
-        change = self.plan_change(dtypes, device, layers)
-        if change is not None:
-            self.apply_change(change)
-        self.applying = True
-        try:
-            return type(module)._apply(module, fn, recurse)
-        finally:
-            self.applying = False
-            if change is not None:
-                self.forget_routers()
+        return self.plan_change(dtypes, device, layers)
 
     def forget_routers(self) -> None:
         """After a cast or move: predictors take the routers again (their buffers are new tensors)."""
@@ -424,6 +444,7 @@ def install(
         object.__setattr__(proxy, "_mira_state", state)  # shared, not a submodule
         state.expose(proxy, parameters[proxy.layer])
         proxy._mira_hook = proxy.register_state_dict_post_hook(_unwrapped_names)
+        proxy._mira_load_hook = proxy.register_load_state_dict_post_hook(_missing_once)
     served = {id(p) for p in proxies}
     for module in model.modules():
         if id(module) not in served and any(id(m) in served for m in module.modules()):
@@ -441,7 +462,9 @@ def uninstall(model: nn.Module) -> None:
     for proxy in state.proxies.values():
         state.hide(proxy)
         proxy._mira_hook.remove()
+        proxy._mira_load_hook.remove()
         proxy.__dict__.pop("_mira_hook", None)
+        proxy.__dict__.pop("_mira_load_hook", None)
         proxy.__dict__.pop("_mira_state", None)
 
 
@@ -465,6 +488,27 @@ def separate(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """A tensor's parts at its several paths (`ExpertModules`: views of one `[E, ...]` tensor), each on a storage of its
     own, as the unwrapped model's separate parameters are (`store.own_storage`)."""
     return parts if len(parts) == 1 else tuple(own_storage(p) for p in parts)
+
+
+def _applying_to_each_module() -> bool:
+    """Whether `nn.Module.apply` is on this thread's stack (a cast or move reached a module through it)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is nn.Module.apply.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _links(module: nn.Module, path: str) -> list[tuple[dict, str, nn.Module, str]]:
+    """(parent's `_modules`, name, child, the child's path) for each module between `module` and the owner of the
+    parameter at `path`."""
+    out, parent, names = [], module, path.split(".")[:-1]
+    for i, name in enumerate(names):
+        child = parent._modules[name]
+        out.append((parent._modules, name, child, ".".join(names[: i + 1])))
+        parent = child
+    return out
 
 
 def _entry(module: nn.Module, path: str) -> tuple[dict, str]:
@@ -511,6 +555,15 @@ def proxy_apply(proxy: nn.Module, fn, recurse: bool = True):
         for child in proxy.children():
             child._apply(fn)
     return proxy
+
+
+def _missing_once(module: nn.Module, incompatible_keys) -> None:
+    """Load-state-dict post-hook of a proxy: a member both the proxy and `base` hold (Ergo's per-expert norms) is
+    loaded under both names; a key missing for it is reported once, under its unwrapped name."""
+    missing = incompatible_keys.missing_keys
+    for key in [k for k in missing if ".base." in k]:
+        if key.replace(".base.", ".", 1) in missing:
+            missing.remove(key)
 
 
 def _unwrapped_names(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:

@@ -1,16 +1,32 @@
 """The wrapped model's forward hooks: each forward is a step of the manager (its heat clock, serialised threads).
 
-They sit on the model and on its base model (`model.model`, what `get_decoder()` and a direct `model.forward(...)`
-call): a call of either is a step. A call of the base model from inside the model's own forward is part of the
-model's step (a depth count per thread), so one forward is one step whichever module it was called through."""
+They sit on the model and on the modules code calls in its place: its base model (`model.model`, which a direct
+`model.forward(...)` calls too), `get_decoder()`'s and `get_encoder()`'s. A call of any of them is a step; a call of
+one from inside another's forward is part of that step (a depth count per thread), so one forward is one step
+whichever module it was called through."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
+from torch import nn
 
 from .manager import ExpertManager
+
+# the frames of a module's call (`module(...)`): a module whose call is on the stack is running its forward
+_CALL_CODES = frozenset(f.__code__ for f in (nn.Module._call_impl, nn.Module._wrapped_call_impl))
+
+
+def running(module: nn.Module) -> bool:
+    """Whether a call of `module` is on this thread's stack (its forward runs, around the caller)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _CALL_CODES and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class StepHooks:
@@ -18,10 +34,9 @@ class StepHooks:
     object rather than lambdas, so that copying or pickling a wrapped model reaches the manager's clear
     refusal instead of failing on a lambda."""
 
-    def __init__(self, manager: ExpertManager, inner: frozenset[int] = frozenset()) -> None:
+    def __init__(self, manager: ExpertManager) -> None:
         self.manager = manager
         self.edited = None  # () -> None, run once the step has the model: experts changed in place (`ExpertState`)
-        self._inner = inner  # ids of the hooked modules that the outermost one calls (its base model)
         self._local = threading.local()  # this thread's step: (outermost module entered, depth)
 
     # In a compiled graph the hooks are left out (fullgraph allows no break): the manager then finds step
@@ -29,11 +44,11 @@ class StepHooks:
     def before(self, module, args, kwargs) -> None:
         if not torch.compiler.is_compiling():
             outer, depth = getattr(self._local, "step", (None, 0))
-            if depth and outer is not module and id(module) in self._inner:  # the base model, called by the model
+            if depth and outer is not module and running(outer):  # called from the forward of the step's module
                 self._local.step = (outer, depth + 1)
                 return
             # a new step; or the same thread's step left open by an interrupt (KeyboardInterrupt skips the forward
-            # hooks), which `enter_forward` ends
+            # hooks; its module's call is no longer on the stack), which `enter_forward` ends
             self._local.step = (module, 0)
             self._enter(args, kwargs)
             self._local.step = (module, 1)

@@ -291,3 +291,14 @@ def test_a_cast_of_a_mixed_placement_plans_its_kept_experts_again_and_serves_exa
     assert model.mira.device_bytes <= model.mira.stats()["budget_bytes"]
     assert torch.equal(_logits(model), _logits(ref.bfloat16()))
     assert _same(model.state_dict(), ref.state_dict())
+
+
+def test_a_cast_refused_through_apply_says_the_modules_before_stay_cast(tiny_checkpoint):
+    """`model.apply(fn)` casts each module as it reaches it: where the experts refuse the cast (lossless records
+    hold no float16), the error says the modules it reached before are cast, and what to do."""
+    model = _wrapped(tiny_checkpoint("mixtral"), quantization="lossless")
+    with pytest.raises(ConfigError, match=r"came through model\.apply.*those stay changed"):
+        model.apply(lambda m: m.to(torch.float16))
+    with pytest.raises(ConfigError, match="Nothing was changed") as refused:
+        model.half()
+    assert "model.apply" not in str(refused.value)

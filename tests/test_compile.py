@@ -75,9 +75,51 @@ def test_compiled_generation_with_a_static_cache_is_token_identical(tiny_checkpo
     assert hasattr(model, "_compiled_call")  # generate did compile the forward
 
 
-def test_compiled_model_refuses_backward_like_the_eager_one(tiny_checkpoint):
-    """A compiled forward with autograd on: the backward says why it cannot work, as the eager proxy's does."""
+@pytest.mark.parametrize("only_experts", [False, True], ids=["all", "only-experts-ask-for-gradients"])
+def test_compiled_model_refuses_backward_like_the_eager_one(tiny_checkpoint, only_experts):
+    """A compiled forward with autograd on: the backward says why it cannot work, as the eager proxy's does, also
+    where only expert parameters ask for gradients (nothing else in the graph needs the refusal's result)."""
     model = _wrapped(tiny_checkpoint("mixtral"))
+    if only_experts:
+        for name, p in model.named_parameters():
+            p.requires_grad_(".experts." in name)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     with pytest.raises(UnsupportedOperationError, match="backward through mira-hf's offloaded experts"):
         compiled(IDS).logits.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_llama4_under_autocast_equals_the_compiled_unwrapped_model(tiny_checkpoint, dtype):
+    """A compiled graph calls Llama 4's experts operator outside the caller's autocast: the operator is given its dtype
+    and runs the experts under it, so they give autocast's dtype as the module's `bmm` does."""
+    path = tiny_checkpoint("llama4")
+    model, ref = _wrapped(path), load_reference(path)
+    compiled, compiled_ref = (torch.compile(m, fullgraph=True, backend="aot_eager") for m in (model, ref))
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        assert torch.equal(compiled(IDS).logits, compiled_ref(IDS).logits)
+    proxy = next(m for m in model.modules() if isinstance(m, MiraExperts))
+    rows = torch.zeros(proxy.num_experts * 2, model.config.hidden_size)
+    rows[0] = 1.0  # token 0 routed to expert 0
+    torch.library.opcheck(
+        torch.ops.mira.scaled_experts.default, (proxy._handle, rows, dtype), test_utils=("test_schema", "test_faketensor")
+    )
+
+
+def test_expert_edits_between_compiled_calls_reach_the_experts(tiny_checkpoint):
+    """A compiled graph leaves the forward hooks out: the manager checks the expert parameters at the first block of
+    each step instead, so an in-place edit reaches the experts and a replaced parameter is refused, as eagerly."""
+    path = tiny_checkpoint("mixtral")
+    model, ref = _wrapped(path), load_reference(path)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        compiled(IDS)
+        for m in (model, ref):
+            m.model.layers[1].mlp.experts.down_proj[2].mul_(0.5)
+        assert torch.equal(compiled(IDS).logits, ref(IDS).logits)
+        experts = model.model.layers[1].mlp.experts
+        original = experts.down_proj
+        experts.down_proj = torch.nn.Parameter(torch.zeros_like(original))
+        with pytest.raises(UnsupportedOperationError, match="were replaced"):
+            compiled(IDS)
+        experts.down_proj = original
+        assert torch.equal(compiled(IDS).logits, ref(IDS).logits)

@@ -319,6 +319,9 @@ def test_ergo_loads_its_own_state_dict_strictly(tiny_checkpoint):
     result = model.load_state_dict(ref.state_dict(), strict=True)
     assert not result.missing_keys and not result.unexpected_keys
     assert torch.equal(_logits(model), _logits(ref))
+    partial = {k: v for k, v in ref.state_dict().items() if "post_expert_norm" not in k}
+    expected = ref.load_state_dict(partial, strict=False).missing_keys
+    assert expected and model.load_state_dict(partial, strict=False).missing_keys == expected  # each once
 
 
 def test_load_state_dict_with_assign_gives_the_experts_the_given_dtype(tiny_checkpoint):
@@ -332,3 +335,28 @@ def test_load_state_dict_with_assign_gives_the_experts_the_given_dtype(tiny_chec
     model.load_state_dict(given, assign=True)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model.mira.store.dtype(0) == torch.bfloat16
     assert torch.equal(_logits(model), _logits(ref))
+
+
+def test_expert_modules_replaced_on_a_layout_of_one_module_per_expert_are_refused():
+    """Switch Transformers keeps each expert's weights on modules of its own: a module replaced there (a new
+    `nn.Linear`, as an adapter library would put in) is refused as a replaced parameter is, naming it."""
+    import copy
+
+    from mira_hf import MiraConfig, MiraMoEModel, UnsupportedOperationError
+    from mira_hf.testing import build, tiny_config
+
+    torch.manual_seed(0)
+    model = MiraMoEModel.wrap(
+        copy.deepcopy(build(tiny_config("switch_transformers")).eval()), MiraConfig(device="cpu", gpu_budget=0.5)
+    )
+    start = torch.zeros(2, 1, dtype=torch.long)
+    with torch.no_grad():
+        expected = model(IDS, decoder_input_ids=start).logits
+        experts = model.encoder.block[1].layer[1].mlp.experts
+        original = experts.expert_3.wi
+        out_features, in_features = original.weight.shape
+        experts.expert_3.wi = torch.nn.Linear(in_features, out_features, bias=False)
+        with pytest.raises(UnsupportedOperationError, match=r"expert_3\.wi of MoE layer 0 were replaced"):
+            model(IDS, decoder_input_ids=start)
+        experts.expert_3.wi = original
+        assert torch.equal(model(IDS, decoder_input_ids=start).logits, expected)

@@ -8,6 +8,7 @@ move, `relocate`); the manager and its arena only read the plan.
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -73,17 +74,37 @@ def expert_keys(layers: Mapping[int, LayerInfo], experts: Mapping[int, Sequence[
     """The `(layer, expert)` keys of `{layer: [expert, ...]}`, each checked against `layers` (ordinal ->
     `LayerInfo`); a ConfigError naming `caller` and the model's layers otherwise."""
     keys = set()
-    for layer, es in experts.items():
+    have = {L: info.num_experts for L, info in layers.items()}
+    for given, values in experts.items():
+        layer, es = _index(given), _indices(values)  # numpy and torch integers too (a heat table's rows give those)
         li = layers.get(layer)
-        bad = [e for e in es if li is None or not (isinstance(e, int) and 0 <= e < li.num_experts)]
+        bad = es is None or any(e is None or li is None or not 0 <= e < li.num_experts for e in es)
         if li is None or bad:
-            have = {L: info.num_experts for L, info in layers.items()}
             raise ConfigError(
-                f"{caller}: layer {layer!r} experts {list(es)!r} do not exist in this model "
+                f"{caller}: layer {given!r} experts {values!r} do not exist in this model "
                 f"(MoE layer ordinal -> experts: {have}). Give {{layer: [expert indices]}}."
             )
         keys.update((layer, e) for e in es)
     return keys
+
+
+def _index(value):
+    """`value` as an int where it is an integer of any kind (int, numpy, a torch scalar), else as it is."""
+    try:
+        return operator.index(value) if not isinstance(value, bool) else value
+    except TypeError:
+        return value
+
+
+def _indices(values) -> list | None:
+    """The integers of an iterable (a list, a tensor, an array), each None where it is not one; None where `values`
+    is no iterable of them (a bare number)."""
+    try:
+        items = values.tolist() if hasattr(values, "tolist") else list(values)
+    except TypeError:
+        return None
+    items = items if isinstance(items, list) else [items]
+    return [v if isinstance(v, int) and not isinstance(v, bool) else None for v in map(_index, items)]
 
 
 def device_buffers(placement: str, codec, layouts: Mapping[int, object]) -> dict[str, int]:

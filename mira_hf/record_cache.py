@@ -7,7 +7,7 @@ records depend on: the checkpoint's files (path, size, modification time), the m
 (no router weights: the files pin them, and the key is then known before the non-expert weights load), the codec
 and its settings, and `RECORD_FORMAT_VERSION`. Changing any
 of them gives another key, so a stale entry is never found; the header repeats the identity and is
-checked too. A truncated or damaged entry fails its size or CRC checks while it is read: it is
+checked too. A truncated or damaged entry fails its size or checksum checks while it is read: it is
 dropped and the records are encoded again (and written again).
 
 Writing is atomic: the entry is written into a temporary directory beside it, then renamed into

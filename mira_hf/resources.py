@@ -14,7 +14,7 @@ from torch import nn
 
 from .budget import LayerInfo, plan_records, resolve_budget_bytes
 from .config import MiraConfig
-from .errors import BudgetError
+from .errors import BudgetError, ConfigError
 from .proxy import MiraExperts
 from .store import over_host_budget
 
@@ -74,6 +74,11 @@ def check_offload_space(cfg: MiraConfig, layer_bytes: list[int]) -> None:
     path = os.path.abspath(cfg.offload_dir)
     while not os.path.exists(path):
         path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise ConfigError(
+            f"offload_dir={cfg.offload_dir!r}: {path} is a file, not a directory. Give offload_dir a directory (it is "
+            "created if missing) where the experts beyond host_budget are written."
+        )
     free = shutil.disk_usage(path).free
     if disk > free:
         raise BudgetError(

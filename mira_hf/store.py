@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -74,6 +75,10 @@ class ExpertStore:
         self._reserved: dict[int, tuple[int, Future]] = {}  # layer -> (bytes, its pinned slab being allocated)
         self._pin_pool: ThreadPoolExecutor | None = None
         self._reserved_host_bytes = 0
+        # the disk files this store wrote: removed by `close`, or when the store is dropped (the model let go of
+        # without `unload()`) or the process exits, so they never pile up in `offload_dir`
+        self._files: list[str] = []
+        weakref.finalize(self, _remove_files, self._files)
 
     # -- building -------------------------------------------------------------------------------
     def add_layer(
@@ -140,6 +145,7 @@ class ExpertStore:
                 os.makedirs(self.offload_dir, exist_ok=True)
                 # a name no other store has (another model, or another process, may offload to the same directory)
                 fd, path = tempfile.mkstemp(prefix=f"mira_experts_layer{layer:04d}_", suffix=".bin", dir=self.offload_dir)
+                self._files.append(path)
                 with os.fdopen(fd, "wb") as f:
                     f.truncate(nbytes)
                     if callable(records):  # straight into the file, through a shared mapping of it
@@ -191,7 +197,8 @@ class ExpertStore:
                 validate(slab[e], layout)
         except BaseException:
             if path is not None:  # a layer that failed leaves no file behind (another attempt makes its own)
-                os.remove(path)
+                _remove_files([path])
+                self._files.remove(path)
             raise
         self._slabs[layer] = _Slab(slab, layout, tier, dtype, raw_layout, path)
 
@@ -367,7 +374,8 @@ class ExpertStore:
                 self._host_bytes += old.data.numel()
             raise
         if old.path is not None:
-            os.remove(old.path)  # the old mapping keeps its pages until it is dropped
+            _remove_files([old.path])  # the old mapping keeps its pages until it is dropped
+            self._files.remove(old.path)
 
     def _rewritten(self, layer: int, fused: Mapping[str, torch.Tensor] | None, dtype: torch.dtype):
         """`e -> {name: tensor}`: expert e of `layer` as stored, with `fused` replacing tensors, cast to `dtype`."""
@@ -413,9 +421,8 @@ class ExpertStore:
 
     def close(self) -> None:
         """Drop every record and remove the disk files this store wrote."""
-        for s in self._slabs.values():
-            if s.path is not None and os.path.exists(s.path):
-                os.remove(s.path)
+        _remove_files(self._files)
+        self._files.clear()
         self._slabs.clear()
         self._host_bytes = 0
         for _, slab in self._reserved.values():
@@ -424,6 +431,14 @@ class ExpertStore:
         if self._pin_pool is not None:
             self._pin_pool.shutdown(wait=False)
             self._pin_pool = None
+
+
+def _remove_files(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
 
 
 def own_storage(t: torch.Tensor) -> torch.Tensor:

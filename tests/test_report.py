@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from mira_hf import IncompatibleFileError, MiraConfig, MiraMoEModel, MissingDependencyError, report
+from mira_hf import ConfigError, IncompatibleFileError, MiraConfig, MiraMoEModel, MissingDependencyError, report
 
 STEPS = 6
 
@@ -196,3 +196,17 @@ def test_counters_survive_a_rebuild_of_the_cache(tiny_checkpoint):
     assert before["stall_s"] > 0 and after["stall_s"] >= before["stall_s"] and after["loads"] > before["loads"]
     assert all(after["per_layer"][k]["stall_s"] >= v["stall_s"] for k, v in before["per_layer"].items())
     assert after["load_latency_p50_s"] is not None
+
+
+def test_experts_are_named_by_any_kind_of_integer(manager):
+    """A heat table's rows give numpy integers, a router's picks torch ones: `tier_of` and `set_host_only` take them
+    as they take ints; a bare number where a list is expected is the usual ConfigError."""
+    import numpy as np
+
+    assert manager.tier_of(np.int64(0), np.int64(1)) == manager.tier_of(0, 1)
+    assert manager.tier_of(torch.tensor(0), torch.tensor(1)) == manager.tier_of(0, 1)
+    manager.set_host_only({np.int64(0): torch.tensor([1, 2])})
+    assert manager.host_only == {(0, 1), (0, 2)} and all(type(e) is int for key in manager.host_only for e in key)
+    manager.set_host_only({})
+    with pytest.raises(ConfigError, match="set_host_only: layer 0 experts 3 do not exist"):
+        manager.set_host_only({0: 3})

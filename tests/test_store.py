@@ -1,16 +1,18 @@
 """The host side: experts stored tensor by tensor, the disk tier beyond host_budget, and peak host memory
 while loading."""
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from conftest import PEAK_ANON_SOURCE, load_reference
 
-from mira_hf import MiraConfig, MiraMoEModel
+from mira_hf import ConfigError, MiraConfig, MiraMoEModel
 
 IDS = torch.tensor([[4, 8, 15, 16, 23, 42, 7, 9]])
 
@@ -57,6 +59,15 @@ def test_experts_beyond_host_budget_are_served_from_disk(tiny_checkpoint, tmp_pa
     other.unload()
     model.unload()
     assert os.listdir(offload) == []  # each store removes the files it wrote
+    dropped = MiraMoEModel.from_pretrained(path, cfg, progress=False)
+    assert len(os.listdir(offload)) == 1
+    del dropped  # let go of without unload(): its store's files go with it, not left to pile up
+    gc.collect()
+    assert os.listdir(offload) == []
+    with open(offload / "a-file", "w"):
+        pass
+    with pytest.raises(ConfigError, match="offload_dir=.*a-file.*is a file"):  # before anything is read
+        MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", host_budget=one_layer, offload_dir=str(offload / "a-file")))
 
 
 def test_peak_host_memory_while_loading_is_bounded(tmp_path):

@@ -18,6 +18,15 @@ IDS = torch.tensor([[5, 9, 17, 33, 42, 7, 64, 100, 3, 11], [8, 1, 4, 90, 2, 6, 7
 GEN = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles models of its own: dynamo's caches of earlier tests' graphs (up to its recompile limit per
+    code object, which a worker running many tests reaches) start empty."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _wrapped(path):
     return MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.5, device="cpu"), progress=False).eval()
 

@@ -108,9 +108,31 @@ class ExpertState:
           `load_state_dict` writes those experts.
         - Given other data (`p.data = t`, as `torch.nn.utils.vector_to_parameters` does): the values are written into
           the store as `load_state_dict` writes them, and the parameter views the store again.
-        - Replaced by another tensor on the module (an assignment, a parametrization, `torch.func.functional_call`):
-          `UnsupportedOperationError`, nothing computed. The store holds the experts the model computes with; what
+        - Replaced by another tensor on the module, or a module holding them replaced (an assignment, a
+          parametrization, `torch.func.functional_call`): `UnsupportedOperationError`, nothing computed. The store holds the experts the model computes with; what
           stands in for a parameter for one call cannot be told from a lasting change."""
+        changed = self._adopt_given_data()
+        if not changed:
+            return
+        placeholders = [layer for layer in changed if any(p.is_meta for p in self._watched[layer])]
+        if placeholders:
+            held = "split with the host" if self.manager.host.mode == "split" else f"{self.store.codec.name}-encoded"
+            raise UnsupportedOperationError(
+                f"the expert parameters of MoE layer(s) {placeholders} were changed in place, but the store holds "
+                f"those experts {held}, and their parameters are "
+                "placeholders that no change reaches; the model would compute with the experts as stored. Write "
+                "experts with model.load_state_dict(...) (which encodes them), or load the model with "
+                "quantization=None (and host_compute other than 'split') to change them in place."
+            )
+        manager = self.manager
+        manager.relocate(manager.store, manager.budget, manager.device)
+        for layer in changed:
+            self._seen[layer] = self._seen_now(layer)
+
+    def _adopt_given_data(self) -> list[int]:
+        """`edited`'s first part: refuse replaced parameters, write data given to parameters (`p.data = t`) into the
+        store; returns the layers whose parameters changed in place. What `load_state_dict` runs first (it is how
+        in-place changes of encoded experts are written, so it must not refuse them)."""
         changed, moved = [], []
         for layer, params in self._watched.items():
             now = [
@@ -133,22 +155,7 @@ class ExpertState:
             (moved if any(a[1] != b[1] for a, b in zip(now, was)) else changed).append(layer)
         for layer in moved:
             self._adopt(layer)
-        if not changed:
-            return
-        placeholders = [layer for layer in changed if any(p.is_meta for p in self._watched[layer])]
-        if placeholders:
-            held = "split with the host" if self.manager.host.mode == "split" else f"{self.store.codec.name}-encoded"
-            raise UnsupportedOperationError(
-                f"the expert parameters of MoE layer(s) {placeholders} were changed in place, but the store holds "
-                f"those experts {held}, and their parameters are "
-                "placeholders that no change reaches; the model would compute with the experts as stored. Write "
-                "experts with model.load_state_dict(...) (which encodes them), or load the model with "
-                "quantization=None (and host_compute other than 'split') to change them in place."
-            )
-        manager = self.manager
-        manager.relocate(manager.store, manager.budget, manager.device)
-        for layer in changed:
-            self._seen[layer] = self._seen_now(layer)
+        return changed
 
     def _adopt(self, layer: int) -> None:
         """Write the data `layer`'s expert parameters were given (`p.data = t`) into the store, as `load_state_dict`
@@ -220,6 +227,7 @@ class ExpertState:
         are cast to the stored dtype (as `copy_` would) and written into the store; with `assign=True`, the layer's
         experts take the given tensors' dtype first (as assigned parameters would). Keys of the original experts
         module's other members go to `proxy.base`, whose own load reads them."""
+        self._adopt_given_data()  # data given to expert parameters since the last step stays where this load gives none
         store, layer, layout = self.store, proxy.layer, proxy.experts_layout
         E = store.num_experts(layer)
         specs = store.expert_specs(layer)
@@ -378,6 +386,7 @@ class ExpertState:
         the experts it holds, as casting that part of the unwrapped model casts its tensors (`model.apply(lambda m:
         m.to(dtype))` reaches every module so, one after another)."""
         try:
+            self.edited()  # data given to expert parameters since the last step (`p.data = t`) is cast with the rest
             change = self._planned(module, fn)
         except MiraError as exc:
             if not _applying_to_each_module():

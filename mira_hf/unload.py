@@ -31,6 +31,7 @@ def unload(model: nn.Module) -> nn.Module:
             "Pass the model MiraMoEModel.from_pretrained or MiraMoEModel.wrap returned."
         )
     warn_if_lossy(manager, "unload() gives back")
+    model._mira_state.edited()  # data given to expert parameters since the last step (`p.data = t`) is in the store
     uninstall_state(model)
     for hook in model._mira_hooks:
         hook.remove()
@@ -48,8 +49,9 @@ def unload(model: nn.Module) -> nn.Module:
 
 def save_pretrained(model: nn.Module, save_directory, **kwargs):
     """Write an ordinary transformers checkpoint (experts included), as the unwrapped model would."""
-    if "state_dict" in kwargs:
+    if kwargs.pop("state_dict", None) is not None:  # None: transformers' default, which Trainer passes
         raise ConfigError("save_pretrained of a mira-hf model builds the state dict itself; do not pass state_dict.")
+    model._mira_state.edited()  # data given to expert parameters since the last step (`p.data = t`) is in the store
     warn_if_lossy(model.mira, "save_pretrained() writes")
     with warnings.catch_warnings():  # state_dict() would say it again for every layer
         warnings.simplefilter("ignore")

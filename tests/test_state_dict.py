@@ -360,3 +360,26 @@ def test_expert_modules_replaced_on_a_layout_of_one_module_per_expert_are_refuse
             model(IDS, decoder_input_ids=start)
         experts.expert_3.wi = original
         assert torch.equal(model(IDS, decoder_input_ids=start).logits, expected)
+
+
+@pytest.mark.parametrize("then", ["save_pretrained", "unload", "cast", "partial load"])
+def test_data_given_to_expert_parameters_is_kept_by_what_reads_the_store_before_any_forward(tiny_checkpoint, tmp_path, then):
+    """`p.data = t` reaches the store at the next step's start, and before it whatever reads the store: saving,
+    unloading, a cast, a load that does not give that tensor."""
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path, gpu_budget=0.5)
+    _logits(model)
+    for m in (ref, model):
+        p = _experts_of(m, 1).down_proj
+        p.data = p.data * -2 + 1
+    if then == "save_pretrained":
+        model.save_pretrained(tmp_path / "saved")
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    elif then == "unload":
+        model = model.unload()
+    elif then == "cast":
+        model, ref = model.to(torch.bfloat16), ref.to(torch.bfloat16)
+    else:
+        partial = {k: v for k, v in ref.state_dict().items() if k != "model.layers.1.mlp.experts.down_proj"}
+        model.load_state_dict(partial, strict=False)
+    assert torch.equal(_logits(model), _logits(ref))

@@ -57,6 +57,7 @@ def layout_flags(adapter, module: nn.Module) -> dict[str, bool]:
 
 
 MAX_GROUPS = 1023  # groups torch's grouped matmul takes in one call (fewer than 1024)
+CPU_ALIGNMENT = 64  # bytes: where torch's CPU allocator starts a tensor
 
 
 class MiraExperts(nn.Module):
@@ -190,6 +191,9 @@ class MiraExperts(nn.Module):
         x = hidden_states[order // K]  # [routed, H]: each row's token, grouped by expert (one gather, not one per expert)
         y = None  # [routed, H], the experts' outputs in the same order
         kernel = impl == "grouped_mm"
+        # transformers' eager loop gathers each expert's rows into a tensor of its own, and a CPU matmul can round by
+        # where its input starts (MKL: 64-byte alignment): an expert's rows that do not start so are copied first
+        realign = impl == "eager" and x.device.type == "cpu"
 
         def compute(plan, e: int, w) -> None:
             nonlocal y
@@ -197,7 +201,9 @@ class MiraExperts(nn.Module):
             step = self.block_tokens or counts[e]  # token blocks share w
             for a in range(start, end, step):
                 b = min(end, a + step)
-                part = self._expert(plan, e, w, x[a:b], kernel)  # [n, H]
+                rows = x[a:b]
+                rows = rows.clone() if realign and rows.data_ptr() % CPU_ALIGNMENT else rows
+                part = self._expert(plan, e, w, rows, kernel)  # [n, H]
                 if y is None:
                     y = part.new_empty((routed, H))
                 y[a:b] = part
@@ -761,6 +767,20 @@ class MiraRoutedExperts(_HeldExperts):
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = h.chunk(2, dim=-1)  # [n, I] each: gate rows first
         return self._act(gate) * up
+
+    def _combine(self, y, order, hidden_states, top_k_index, top_k_weights, impl: str, sentinel) -> torch.Tensor:
+        """As the block: the rows in the router's sorted order, each times its weight, added per token by one
+        `index_add` (on a CPU it sums a token's rows in fp32 for bf16 and rounds once, unlike adds one at a time).
+        `y`: [routed, H] in that order (`order`), or [T*K, H] in (token, slot) order (None: a decode step)."""
+        T, H = hidden_states.shape
+        if y is None:
+            return hidden_states.new_zeros((T, H))
+        if order is None:
+            order = self._row_order(top_k_index, impl)
+            y = y[order]
+        K = top_k_index.shape[1]
+        rows = y * top_k_weights.reshape(-1)[order].unsqueeze(-1)  # [routed, H], as `expert_outputs * batch_gates`
+        return _guarded(rows.new_zeros((T, H)).index_add(0, order // K, rows))
 
 
 class MiraModuleExperts(_HeldExperts):

@@ -199,3 +199,22 @@ def test_llama4_under_autocast_equals_the_unwrapped_model(dtype):
     with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
         expected, got = ref(IDS, use_cache=False).logits, model(IDS, use_cache=False).logits
     assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_jetmoe_with_more_than_two_experts_per_token_equals_the_unwrapped_model(dtype):
+    """JetMoE's block adds every token's weighted rows with one `index_add` (on a CPU, a bf16 one sums a token's rows
+    in fp32 and rounds once): the proxy does the same, not one add per expert."""
+    ref, model = pair("jetmoe", dtype, num_experts_per_tok=3)
+    assert differences(ref, model) == []
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_eager_experts_with_a_hidden_size_not_a_multiple_of_four_equal_the_unwrapped_model(name):
+    """transformers' eager loop gathers each expert's rows into a tensor of their own, and a CPU matmul can round by
+    where its input starts: with rows of 38 fp32 values an expert's rows inside one gather of all start unaligned."""
+    ref = skewed(name, hidden_size=38, head_dim=16, num_attention_heads=2, num_key_value_heads=1)
+    ref.set_experts_implementation("eager")  # grouped_mm refuses rows of 38 fp32 values (strides of 16 bytes)
+    model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.5))
+    model.set_experts_implementation("eager")
+    assert differences(ref, model) == []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 
 from .report import optional_import
 
@@ -167,9 +166,6 @@ class _Models:
         return _families(self._core, list(self.collectors))
 
 
-_REGISTERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # registry -> its _Models
-
-
 def register(manager, registry=None, model_name: str | None = None) -> MiraCollector:
     """Build a `MiraCollector` for `manager` (`model.mira`) and add its metrics to `registry` (default:
     prometheus_client's REGISTRY). Several models may share one registry, each with a distinct `model_name`: their
@@ -177,12 +173,14 @@ def register(manager, registry=None, model_name: str | None = None) -> MiraColle
     collector = MiraCollector(manager, model_name=model_name)
     if registry is None:
         registry = optional_import("prometheus_client", PROMETHEUS_EXTRA, "register()").REGISTRY
-    models = _REGISTERED.get(registry)
+    # kept on the registry itself, not in a table of this module's: a dropped registry takes its models' managers
+    # (and their models) along in the same collection
+    models = getattr(registry, "_mira_models", None)
     if models is None:
         models = _Models()
         models.add(collector)
         registry.register(models)
-        _REGISTERED[registry] = models
+        registry._mira_models = models
     else:
         models.add(collector)
     return collector

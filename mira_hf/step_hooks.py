@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -19,8 +20,10 @@ from .manager import ExpertManager
 _CALL_CODES = frozenset(f.__code__ for f in (nn.Module._call_impl, nn.Module._wrapped_call_impl))
 
 
-def running(module: nn.Module) -> bool:
+def running(module: nn.Module | None) -> bool:
     """Whether a call of `module` is on this thread's stack (its forward runs, around the caller)."""
+    if module is None:
+        return False
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code in _CALL_CODES and frame.f_locals.get("self") is module:
@@ -37,21 +40,22 @@ class StepHooks:
     def __init__(self, manager: ExpertManager) -> None:
         self.manager = manager
         self.edited = None  # () -> None, run once the step has the model: experts changed in place (`ExpertState`)
-        self._local = threading.local()  # this thread's step: (outermost module entered, depth)
+        self._local = threading.local()  # this thread's step: (a weak reference to its outermost module, depth)
 
     # In a compiled graph the hooks are left out (fullgraph allows no break): the manager then finds step
     # boundaries from the order of its blocks (`ExpertManager.begin`), and steps are not serialised.
     def before(self, module, args, kwargs) -> None:
         if not torch.compiler.is_compiling():
             outer, depth = getattr(self._local, "step", (None, 0))
-            if depth and outer is not module and running(outer):  # called from the forward of the step's module
+            if depth and outer() is not module and running(outer()):  # called from the forward of the step's module
                 self._local.step = (outer, depth + 1)
                 return
             # a new step; or the same thread's step left open by an interrupt (KeyboardInterrupt skips the forward
             # hooks; its module's call is no longer on the stack), which `enter_forward` ends
-            self._local.step = (module, 0)
+            self._local.step = (None, 0)
             self._enter(args, kwargs)
-            self._local.step = (module, 1)
+            # weakly: a step left open by an interrupt does not keep a model its user dropped
+            self._local.step = (weakref.ref(module), 1)
 
     def after(self, module, args, output) -> None:
         if not torch.compiler.is_compiling():

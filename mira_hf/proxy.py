@@ -570,6 +570,8 @@ class MiraExperts(nn.Module):
         finally:
             for name in bound:
                 layout.set(self.base, name, None)
+            if getattr(self, "_mira_state", None) is not None:
+                self._mira_state.store_views_again(self.layer)
         fn(self)
         return self
 
@@ -697,6 +699,8 @@ class _HeldExperts(MiraExperts):
                 self._bind(name, None)
             for path, holder in self._holders.items():
                 self.set_submodule(path, holder)
+            if getattr(self, "_mira_state", None) is not None:
+                self._mira_state.store_views_again(self.layer)
         fn(self)
         return self
 

@@ -92,6 +92,14 @@ class ExpertState:
         self._module_links[layer] = list({link[3]: link for path in self._paths[layer] for link in _links(proxy, path)}.values())
         self._seen[layer] = self._seen_now(layer)
 
+    def store_views_again(self, layer: int) -> None:
+        """After `Module.apply`'s `fn` met the original experts module with `layer`'s parameters on it: a cast there
+        (torch's `_apply`, which sets their data) is undone, for the store follows a cast through the proxy, which `fn`
+        meets next; in-place changes stay (they are the store's)."""
+        dtype = self.store.dtype(layer)
+        if any(p.dtype != dtype for p in self._watched.get(layer, ())):
+            self.expose(self.proxies[layer])
+
     def asking_for_grad(self, layer: int) -> nn.Parameter | None:
         """One of `layer`'s expert parameters that requires grad, or None."""
         return next((p for p in self._watched.get(layer, ()) if p.requires_grad), None)

@@ -120,7 +120,9 @@ class ExpertManager(NotebookViews):
         # the store's device parts joined to them.
         self.whole = store if host_parts is None else SplitWeights(store, host_parts)
         self._place(store, budget, device)
-        self.step_check: Callable[[], None] | None = None  # run at a step's start (`ExpertState.edited`, set by the model)
+        # (layers) -> None: the expert parameters' check (`ExpertState.edited`, set by the model), run by blocks that
+        # no step hook entered
+        self.step_check: Callable[[list[int]], None] | None = None
         self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
         self._forward_owner: int | None = None
 
@@ -269,10 +271,10 @@ class ExpertManager(NotebookViews):
         staged by `end`, after this block's own copies). `rows`: each expert's rows (host compute: `plan.host`)."""
         with self._lock:
             self._settle()
-            if self._forward_owner is None and (layer <= self._last_layer or self._last_layer < 0) and self.step_check:
-                # a step no forward hook entered (a compiled graph leaves them out; a block called on its own): the
-                # expert parameters are checked at its first block instead (`ExpertState.edited`)
-                self.step_check()
+            if self._forward_owner is None and self.step_check is not None:
+                # a step no forward hook entered (a compiled graph leaves them out; a block called on its own): each
+                # block checks its own layer's expert parameters before it computes (`ExpertState.edited`)
+                self.step_check([layer])
             ahead = self.staging.take_ahead(layer)  # before a step boundary would clear it
             if layer <= self._last_layer:
                 self._end_step()

@@ -107,9 +107,9 @@ class ExpertState:
     def _seen_now(self, layer: int) -> list[tuple[int, int]]:
         return [(p._version, p.data_ptr()) for p in self._watched[layer]]  # data_ptr 0: a placeholder on meta
 
-    def edited(self) -> None:
-        """At each forward step: expert parameters changed since they were exposed reach what the experts compute,
-        as they do in the unwrapped model.
+    def edited(self, layers=None) -> None:
+        """At each forward step (of `layers`' parameters: None, every layer's): expert parameters changed since they
+        were exposed reach what the experts compute, as they do in the unwrapped model.
         - Changed in place (a `mul_`, `copy_` or item assignment under `torch.no_grad()`, which torch counts): a raw
           store's parameters are its records, so the cache, whose copies are stale, starts empty. An encoded store's
           are placeholders that no edit reaches: that raises `UnsupportedOperationError`, at every step until
@@ -119,7 +119,7 @@ class ExpertState:
         - Replaced by another tensor on the module, or a module holding them replaced (an assignment, a
           parametrization, `torch.func.functional_call`): `UnsupportedOperationError`, nothing computed. The store holds the experts the model computes with; what
           stands in for a parameter for one call cannot be told from a lasting change."""
-        changed = self._adopt_given_data()
+        changed = self._adopt_given_data(layers)
         if not changed:
             return
         placeholders = [layer for layer in changed if any(p.is_meta for p in self._watched[layer])]
@@ -137,12 +137,13 @@ class ExpertState:
         for layer in changed:
             self._seen[layer] = self._seen_now(layer)
 
-    def _adopt_given_data(self) -> list[int]:
+    def _adopt_given_data(self, layers=None) -> list[int]:
         """`edited`'s first part: refuse replaced parameters, write data given to parameters (`p.data = t`) into the
         store; returns the layers whose parameters changed in place. What `load_state_dict` runs first (it is how
         in-place changes of encoded experts are written, so it must not refuse them)."""
         changed, moved = [], []
-        for layer, params in self._watched.items():
+        for layer in self._watched if layers is None else layers:
+            params = self._watched[layer]
             now = [
                 (p._version, p.data_ptr()) if table.get(name) is p else None
                 for (table, name), p in zip(self._entries[layer], params)

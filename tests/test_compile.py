@@ -115,8 +115,8 @@ def test_compiled_llama4_under_autocast_equals_the_compiled_unwrapped_model(tiny
 
 
 def test_expert_edits_between_compiled_calls_reach_the_experts(tiny_checkpoint):
-    """A compiled graph leaves the forward hooks out: the manager checks the expert parameters at the first block of
-    each step instead, so an in-place edit reaches the experts and a replaced parameter is refused, as eagerly."""
+    """A compiled graph leaves the forward hooks out: each block checks its layer's expert parameters instead, so an
+    in-place edit reaches the experts and a replaced parameter is refused, as eagerly."""
     path = tiny_checkpoint("mixtral")
     model, ref = _wrapped(path), load_reference(path)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")

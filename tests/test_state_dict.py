@@ -383,3 +383,18 @@ def test_data_given_to_expert_parameters_is_kept_by_what_reads_the_store_before_
         partial = {k: v for k, v in ref.state_dict().items() if k != "model.layers.1.mlp.experts.down_proj"}
         model.load_state_dict(partial, strict=False)
     assert torch.equal(_logits(model), _logits(ref))
+
+
+def test_an_moe_block_called_on_its_own_computes_with_its_experts_as_edited(tiny_checkpoint):
+    """A notebook calls MoE blocks one by one (no forward hook of the model runs): each block checks its own layer's
+    expert parameters before computing, so an edit between two block calls reaches the next one."""
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path, gpu_budget=1.0)
+    x = torch.randn(1, 5, ref.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _logits(model)  # every expert cached
+        for layer in (0, 1):
+            if layer == 1:
+                for m in (ref, model):
+                    _experts_of(m, 1).gate_up_proj.mul_(-2)
+            assert torch.equal(model.model.layers[layer].mlp(x)[0], ref.model.layers[layer].mlp(x)[0])

@@ -128,6 +128,9 @@ class MiraExperts(nn.Module):
     # Where this module keeps its expert parameters (`model_adapters.FusedExperts`: its own, as the original
     # module did), read by `state` and `apply`.
     experts_layout = FUSED_EXPERTS
+    # Whether the module's eager loop gives each expert its rows in a tensor of their own (transformers' loop gathers
+    # them per expert), rather than slices of one gather of all rows (JetMoE's block splits one)
+    _fresh_gather = True
 
     def _tensor_names(self) -> None:
         """Set the names of the tensors each projection reads (a subclass's layout names its own)."""
@@ -193,7 +196,7 @@ class MiraExperts(nn.Module):
         kernel = impl == "grouped_mm"
         # transformers' eager loop gathers each expert's rows into a tensor of its own, and a CPU matmul can round by
         # where its input starts (MKL: 64-byte alignment): an expert's rows that do not start so are copied first
-        realign = impl == "eager" and x.device.type == "cpu"
+        realign = impl == "eager" and x.device.type == "cpu" and self._fresh_gather
 
         def compute(plan, e: int, w) -> None:
             nonlocal y
@@ -767,6 +770,8 @@ class MiraRoutedExperts(_HeldExperts):
     @staticmethod
     def _row_order(top_k_index: torch.Tensor, impl: str) -> torch.Tensor:
         return torch.sort(top_k_index.reshape(-1)).indices  # the router's own sort of the same picks: its order
+
+    _fresh_gather = False  # the block's linear layers take each expert's rows as slices of one gather
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = h.chunk(2, dim=-1)  # [n, I] each: gate rows first

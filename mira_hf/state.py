@@ -157,8 +157,8 @@ class ExpertState:
                     f"the expert parameter(s) or their modules {', '.join(replaced)} of MoE layer {layer} were replaced by "
                     "other tensors or modules (an assignment, a parametrization, or torch.func.functional_call). mira-hf computes with its store "
                     "of the experts, which changes in place (with torch.no_grad(): p.copy_(new)) and "
-                    "model.load_state_dict(...) reach; nothing was computed. Put the original parameters back and write "
-                    "new values one of those ways, or call model.unload() and use the unwrapped model."
+                    "model.load_state_dict(...) reach; nothing was done. Put the original parameters back and write "
+                    "new values one of those ways (or put them back, model.unload(), and change the unwrapped model)."
                 )
             was = self._seen[layer]
             (moved if any(a[1] != b[1] for a, b in zip(now, was)) else changed).append(layer)

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from conftest import ALL_TINY, MULTIMODAL
+from conftest import ALL_TINY, MULTIMODAL, torch_threads
 from tiny_models import AUTO_FAMILIES, build, config_or_skip
 
 from mira_hf import ConfigError, MiraConfig, MiraMoEModel
@@ -218,3 +218,12 @@ def test_eager_experts_with_a_hidden_size_not_a_multiple_of_four_equal_the_unwra
     model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.5))
     model.set_experts_implementation("eager")
     assert differences(ref, model) == []
+
+
+def test_jetmoe_rows_at_a_hidden_size_not_a_multiple_of_four_equal_the_unwrapped_model():
+    """JetMoE's block multiplies slices of one gather of every expert's rows, not a gather per expert: its rows are
+    taken where they lie, as its block takes them (a CPU matmul rounds by its input's alignment)."""
+    with torch_threads(1):
+        ref, model = pair("jetmoe", torch.float32, hidden_size=42, intermediate_size=18)
+        ids = torch.randint(3, 100, (1, 23), generator=torch.Generator().manual_seed(0))
+        assert differences(ref, model, ids) == []

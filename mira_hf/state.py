@@ -23,7 +23,6 @@ and lets `fn` reach the other weights. A proxy never applies `fn` to its expert 
 
 from __future__ import annotations
 
-import sys
 import types
 import warnings
 from collections.abc import Callable, Mapping
@@ -36,6 +35,7 @@ from .budget import BudgetPlan
 from .errors import ConfigError, DeviceError, MiraError, UnsupportedOperationError
 from .layout import IdentityCodec
 from .manager import ExpertManager
+from .step_hooks import on_stack
 from .store import own_storage
 
 # (new record layouts by layer, uncompressed record bytes by layer, device) -> the slot plan there (raises BudgetError)
@@ -43,6 +43,7 @@ Replan = Callable[[Mapping[int, object], Mapping[int, int], torch.device], Budge
 MakeParameter = Callable[[str, torch.Tensor], nn.Parameter]  # (tensor name, data) -> the expert parameter
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
+_APPLY_CODES = frozenset({nn.Module.apply.__code__})  # a cast or move that came through `model.apply(fn)`
 
 
 class ExpertState:
@@ -85,11 +86,14 @@ class ExpertState:
                     layout.set(proxy, path, parameter(name, part) if parameter is not None else nn.Parameter(part))
         self._paths[layer] = _paths(layout, store, layer)
         self._watched[layer] = [layout.get(proxy, path) for path in self._paths[layer]]
-        # where each parameter is kept ((its owner's parameter table, its name there)): checked at every step
-        self._entries[layer] = [_entry(proxy, path) for path in self._paths[layer]]
         # the modules between the proxy and each owner of a parameter (experts kept on child modules), which an
-        # assignment may replace with other modules
-        self._module_links[layer] = list({link[3]: link for path in self._paths[layer] for link in _links(proxy, path)}.values())
+        # assignment may replace with other modules; and where each parameter is kept (its owner's parameter table,
+        # its name there): both checked at every step
+        links = {path: _links(proxy, path) for path in self._paths[layer]}
+        self._module_links[layer] = list({link[3]: link for chain in links.values() for link in chain}.values())
+        self._entries[layer] = [
+            ((chain[-1][2] if chain else proxy)._parameters, path.rpartition(".")[2]) for path, chain in links.items()
+        ]
         self._seen[layer] = self._seen_now(layer)
 
     def store_views_again(self, layer: int) -> None:
@@ -189,7 +193,7 @@ class ExpertState:
             self.write(layer, fused)
 
     def hide(self, proxy: nn.Module) -> None:
-        for path in _paths(proxy.experts_layout, self.store, proxy.layer):
+        for path in self._paths[proxy.layer]:
             proxy.experts_layout.pop(proxy, path)
         proxy.restore_owners()
         for table in (self._watched, self._paths, self._entries, self._module_links, self._seen):
@@ -398,7 +402,7 @@ class ExpertState:
             self.edited()  # data given to expert parameters since the last step (`p.data = t`) is cast with the rest
             change = self._planned(module, fn)
         except MiraError as exc:
-            if not _applying_to_each_module():
+            if not on_stack(_APPLY_CODES):  # not reached through `Module.apply`
                 raise
             raise type(exc)(
                 f"{exc} This cast or move came through model.apply(...), which had already applied it to the modules it "
@@ -508,16 +512,6 @@ def separate(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     return parts if len(parts) == 1 else tuple(own_storage(p) for p in parts)
 
 
-def _applying_to_each_module() -> bool:
-    """Whether `nn.Module.apply` is on this thread's stack (a cast or move reached a module through it)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is nn.Module.apply.__code__:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _links(module: nn.Module, path: str) -> list[tuple[dict, str, nn.Module, str]]:
     """(parent's `_modules`, name, child, the child's path) for each module between `module` and the owner of the
     parameter at `path`."""
@@ -527,12 +521,6 @@ def _links(module: nn.Module, path: str) -> list[tuple[dict, str, nn.Module, str
         out.append((parent._modules, name, child, ".".join(names[: i + 1])))
         parent = child
     return out
-
-
-def _entry(module: nn.Module, path: str) -> tuple[dict, str]:
-    """(the parameter table, name) that keeps the parameter at `path` of `module`."""
-    owner, _, name = path.rpartition(".")
-    return (module.get_submodule(owner) if owner else module)._parameters, name
 
 
 def _paths(layout, store, layer: int) -> list[str]:

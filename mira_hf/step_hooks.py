@@ -20,16 +20,20 @@ from .manager import ExpertManager
 _CALL_CODES = frozenset(f.__code__ for f in (nn.Module._call_impl, nn.Module._wrapped_call_impl))
 
 
-def running(module: nn.Module | None) -> bool:
-    """Whether a call of `module` is on this thread's stack (its forward runs, around the caller)."""
-    if module is None:
-        return False
+def on_stack(codes: frozenset, module: nn.Module | None = None) -> bool:
+    """Whether a frame of one of `codes` (code objects) is on this thread's stack; with `module`, one whose `self`
+    is that module."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code in _CALL_CODES and frame.f_locals.get("self") is module:
+        if frame.f_code in codes and (module is None or frame.f_locals.get("self") is module):
             return True
         frame = frame.f_back
     return False
+
+
+def running(module: nn.Module | None) -> bool:
+    """Whether a call of `module` is on this thread's stack (its forward runs, around the caller)."""
+    return module is not None and on_stack(_CALL_CODES, module)
 
 
 class StepHooks:

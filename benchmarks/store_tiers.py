@@ -34,6 +34,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import argparse  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -48,25 +49,23 @@ SYSTEMS = "lru,default,pageable,disk-0.5"
 
 
 def configs_of(offload_dir: str):
-    """`host_split.configs` for these systems, the disk tier's files in `offload_dir`."""
+    """`host_split.configs` with two more systems, the disk tier's files in `offload_dir`: "pageable" and
+    "disk-<share>"; every other name is `host_split`'s (lru, default, ...)."""
 
     def configs(args, gpu_budget, device: str, facts: dict) -> list[tuple[str, MiraConfig]]:
         base = dict(gpu_budget=gpu_budget, device=device)
         out = []
         for system in args.systems:
-            if system == "lru":
-                out.append((system, MiraConfig(**base, quantization=None, policy="lru", predictor=None)))
-            elif system == "default":
-                out.append((system, MiraConfig(**base)))
-            elif system == "pageable":
+            if system == "pageable":
                 out.append((system, MiraConfig(**base, host_memory="pageable")))
             elif system.startswith("disk-"):
                 host_budget = int(float(system[len("disk-") :]) * facts["expert_bytes"])
                 out.append((system, MiraConfig(**base, host_budget=host_budget, offload_dir=offload_dir)))
             else:
-                raise SystemExit(
-                    f"--systems: unknown {system!r}; choose from lru, default, pageable, disk-<share of the experts' bytes in host memory>"
-                )
+                try:
+                    out += host_split.configs(argparse.Namespace(**{**vars(args), "systems": [system]}), gpu_budget, device)
+                except SystemExit as exc:
+                    raise SystemExit(f"{exc} (or pageable, disk-<share of the experts' bytes in host memory>)") from None
         return out
 
     return configs
@@ -100,8 +99,6 @@ def disk_read_gbps(directory: str, nbytes: int) -> float | None:
 
 
 def main(argv=None) -> int:
-    import argparse
-
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--disk-probe-gb", type=float, default=4.0, help="size of the disk read probe's file (0: skip)")
     pre.add_argument("--offload-dir", default=None, help="where the disk tier's files go (default: a temporary directory)")

@@ -162,6 +162,23 @@ class ExpertManager(NotebookViews):
             self.staging.forget_ahead()
             self._place(store, budget, device)
 
+    def experts_changed(self) -> None:
+        """The expert weights changed in a way torch does not count (writes through `p.data`, as in
+        `p.data.mul_(0.5)`, or into the store's memory): the cache, whose copies are stale, starts empty, so the next
+        forward computes with the changed experts. Changes torch counts (`p.mul_(0.5)` under `no_grad`,
+        `load_state_dict`) need no call: the next forward finds them. Where the store holds the experts encoded or
+        split with the host, their parameters are placeholders on the meta device that no write reaches: that raises
+        `UnsupportedOperationError`, and `load_state_dict` is the way to change them."""
+        if self.store.quantized or self.host.parts is not None:
+            held = "split with the host" if self.host.parts is not None else f"{self.store.codec.name}-encoded"
+            raise UnsupportedOperationError(
+                f"experts_changed(): the store holds the experts {held}, and their parameters are placeholders on the "
+                "meta device that no write reaches, so there is nothing new to copy. Write experts with "
+                "model.load_state_dict(...) (which encodes them), or load the model with quantization=None (and "
+                "host_compute other than 'split') to change them in place."
+            )
+        self.relocate(self.store, self.budget, self.device)
+
     @property
     def kept(self) -> Mapping[Key, object]:
         """The experts kept packed beside the cache (placement "mixed"; `BudgetPlan.kept`), each to its

@@ -92,6 +92,11 @@ class MiraExperts(nn.Module):
             self.add_module(name, child)
         self.base = base
         self.training = base.training  # the mode of the module it replaces (train() and eval() reach both)
+        # Hooks on the experts module run around the proxy, which is called in its place: the same tables, so a hook
+        # registered on either before or after wrapping runs, its handle removes it, and unload() gives it back.
+        for name in CALL_HOOK_TABLES:
+            object.__setattr__(self, name, getattr(base, name))
+        self._is_full_backward_hook = base._is_full_backward_hook  # how `_backward_hooks` run (unload() gives it back)
         self.layer = layer
         self.block_tokens = block_tokens  # CacheConfig.prefill_block_tokens: rows per matmul, None = all
         self.num_experts = self.experts_layout.num_experts(base)
@@ -913,6 +918,18 @@ class _ExpertsHolder(nn.Module):
 
 # The proxy of each layout of experts kept on child modules (`model_adapters`).
 HELD_PROXIES = {SeparateGluExperts: MiraGluExperts, RoutedBlockExperts: MiraRoutedExperts, ExpertModules: MiraModuleExperts}
+
+
+# nn.Module's tables of the hooks that run around a call (forward and backward), shared by a proxy and its `base`
+CALL_HOOK_TABLES = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
 
 
 def proxy_for(adapter, base: nn.Module, manager: ExpertManager, layer: int, block_tokens: int | None) -> MiraExperts:

@@ -39,6 +39,8 @@ def unload(model: nn.Module) -> nn.Module:
     model.to("cpu")
     for t in model._mira_targets:
         t.restore(manager.whole)
+        # the hook tables are the proxy's too (proxy.CALL_HOOK_TABLES): hooks registered meanwhile stay
+        t.module._is_full_backward_hook = getattr(t.parent, t.attr)._is_full_backward_hook
         setattr(t.parent, t.attr, t.module)
     manager.store.close()
     bound = ("unload", "save_pretrained", "set_experts_implementation", "mira_load_report")  # per-instance, from `_wrap`

@@ -276,3 +276,19 @@ def test_env_suggests_the_budget_that_gpu_budget_none_gives(monkeypatch):
         assert text.startswith(f'"{report.format_bytes(want).replace(" ", "")}" (') and share in text
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (other, 2 * other))
     assert "do not fit in 90%" in dict(env._budget_suggestion("mira-tiny"))["gpu_budget"]
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--host-share", "0.3"], "--host-share 0.3 applies to --host-compute split only"),
+        (["--host-compute", "auto", "--host-share", "0.3"], "--host-share 0.3 applies to --host-compute split only"),
+        (["--do-sample", "--temperature", "0"], "--temperature 0.0: must be > 0"),
+    ],
+)
+def test_generate_refuses_options_that_would_change_nothing_or_fail_late(argv, says):
+    """Refused before the model loads, with a one-line error (exit status 2)."""
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        assert cli.main(["generate", "--prompt", "hi", *argv]) == 2
+    assert says in err.getvalue()

@@ -211,6 +211,26 @@ def test_experts_changed_in_place_are_what_the_model_computes(tiny_checkpoint, b
     assert torch.equal(model.state_dict()["model.layers.1.mlp.experts.down_proj"], _experts_of(ref, 1).down_proj)
 
 
+def test_experts_written_through_data_are_computed_once_the_manager_is_told(tiny_checkpoint):
+    """A write through `p.data` (old-style init code, EMA updates) changes the store's bytes without torch counting
+    it: `model.mira.experts_changed()` empties the cache, and the model then computes what the unwrapped model edited
+    alike computes. An encoded store, which no such write reaches, refuses the call, saying why."""
+    from mira_hf import UnsupportedOperationError
+
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path, gpu_budget=1.0)
+    with torch.no_grad():
+        _logits(model)  # every expert cached
+        for m in (ref, model):
+            _experts_of(m, 0).gate_up_proj.data[3].mul_(0.5)
+            _experts_of(m, 1).down_proj.data.normal_(generator=torch.Generator().manual_seed(1))
+        model.mira.experts_changed()
+        assert torch.equal(_logits(model), _logits(ref))
+    encoded = _wrapped(path, gpu_budget=0.3, quantization="lossless")
+    with pytest.raises(UnsupportedOperationError, match=r"experts_changed\(\).*lossless-encoded.*load_state_dict"):
+        encoded.mira.experts_changed()
+
+
 def test_dbrx_experts_edited_in_place_through_their_stacked_rows(tiny_checkpoint):
     """DBRX keeps each expert tensor stacked as `[E * I, H]` on `ffn.experts.mlp`: rows edited in place (one expert's
     gate rows, a column of every expert's down rows) reach what the model computes, as on the unwrapped model."""

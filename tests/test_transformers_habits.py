@@ -345,6 +345,39 @@ def test_unload_gives_back_the_unwrapped_models_parameters(name):
     assert [type(m) for _, m in model.named_modules()] == [type(m) for _, m in ref.named_modules()]
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_hooks_on_an_experts_module_run_wrapped_and_after_unload(name):
+    """A forward hook that scales an experts module's output and a pre-hook that reads its input, registered before
+    wrapping, run on the proxy called in its place; their handles remove them; one registered on the proxy is the
+    original module's after unload(). Logits equal the unwrapped model's with the same hooks each time."""
+    ref, model = _build(name), _build(name)
+    model.load_state_dict(ref.state_dict())
+    path = [p for p, m in _pair(name)[1].named_modules() if isinstance(m, MiraExperts)][-1]  # the last MoE layer's
+    seen = {"ref": 0, "model": 0}
+
+    def experts_of(m):
+        return m.get_submodule(path)
+
+    def hooks(m, key):
+        scale = experts_of(m).register_forward_hook(lambda mod, args, out: out * 0.5)
+        count = experts_of(m).register_forward_pre_hook(lambda mod, args: seen.__setitem__(key, seen[key] + 1))
+        return scale, count
+
+    ref_handles, handles = hooks(ref, "ref"), hooks(model, "model")
+    model = MiraMoEModel.wrap(model, WRAP)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+        assert seen["model"] == seen["ref"] > 0
+        for handle in (*ref_handles, *handles):
+            handle.remove()
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+        assert seen["model"] == seen["ref"]  # removed from the proxy too
+        hooks(ref, "ref"), hooks(model, "model")  # on the proxy, then given back
+        model.unload()
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+        assert seen["model"] == seen["ref"]
+
+
 # -- budget ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_fraction_below_the_minimum_working_set_serves_at_that_minimum(name):

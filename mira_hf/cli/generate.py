@@ -35,6 +35,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--max-new-tokens and --num-beams must be ≥ 1.")
     if args.temperature is not None and not args.do_sample:
         raise ValueError("--temperature applies to sampling: add --do-sample.")
+    if args.temperature is not None and not args.temperature > 0:
+        raise ValueError(f"--temperature {args.temperature}: must be > 0 (for greedy decoding, leave out --do-sample).")
     cfg = mira_config(args)
     source = model_source(args.model)
     import torch  # after the arguments are checked: a mistake is reported without waiting for it

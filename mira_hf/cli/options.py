@@ -16,7 +16,7 @@ from ..bundled import BUNDLED_NAME, resolve_model_name
 from ..config import HOST_COMPUTE_MODES, POLICIES, PREDICTORS, QUANTIZATIONS, MiraConfig, choices_text, spelling
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-MODEL_HELP = f'model directory or hub id already in the local cache (default: "{BUNDLED_NAME}", the bundled model)'
+MODEL_HELP = f'model directory or hub id (downloaded as transformers downloads it; default: "{BUNDLED_NAME}", the bundled model)'
 
 
 def add_model_options(p: argparse.ArgumentParser, budget_default: str | None, predictors: bool = True, host: bool = True) -> None:
@@ -71,7 +71,7 @@ def add_host_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     p.add_argument(
         "--host-share",
         type=float,
-        default=defaults["host_share"],
+        default=None,
         metavar="S",
         help=f"with --host-compute split: the share of each expert's neurons the host computes (default {defaults['host_share']})",
     )
@@ -143,9 +143,11 @@ def mira_config(args: argparse.Namespace) -> MiraConfig:
         policy=args.policy,
         predictor=getattr(args, "predictor", None),  # spelled as typed: MiraConfig reads "none", "Gate", ...
         quantization=args.quantization,
-        **{name: getattr(args, name) for name in ("host_compute", "host_share") if hasattr(args, name)},
+        **{name: getattr(args, name) for name in ("host_compute", "host_share") if getattr(args, name, None) is not None},
         **({"predictor_path": predictor_path} if predictor_path else {}),
     )
+    if getattr(args, "host_share", None) is not None and cfg.host_compute != "split":
+        raise ValueError(f"--host-share {args.host_share} applies to --host-compute split only: add it, or drop --host-share.")
     if cfg.device is None:
         import torch
 
@@ -170,7 +172,7 @@ def model_source(name: str | None) -> str:
         return path
     looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") != 1 or os.path.exists(path)
     if looks_local:
-        raise FileNotFoundError(f"model {path!r}: no such directory (give a model directory, a cached hub id or {BUNDLED_NAME}).")
+        raise FileNotFoundError(f"model {path!r}: no such directory (give a model directory, a hub id or {BUNDLED_NAME}).")
     return path
 
 

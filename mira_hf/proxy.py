@@ -211,7 +211,7 @@ class MiraExperts(nn.Module):
                 b = min(end, a + step)
                 rows = x[a:b]
                 rows = rows.clone() if realign and rows.data_ptr() % CPU_ALIGNMENT else rows
-                part = self._expert(plan, e, w, rows, kernel)  # [n, H]
+                part = self._expert(plan, e, w, rows, kernel, at=a)  # [n, H]
                 if y is None:
                     y = part.new_empty((routed, H))
                 y[a:b] = part
@@ -499,10 +499,11 @@ class MiraExperts(nn.Module):
         h = self._activate(grouped_linear(x, w[self._up], self._transposed, offs, up_bias))  # [n, I]
         return self._post(grouped_linear(h, w["down_proj"], self._transposed, offs, down_bias))  # [n, H]
 
-    def _expert(self, plan, e: int, w, x: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+    def _expert(self, plan, e: int, w, x: torch.Tensor, kernel: bool = False, at: int = 0) -> torch.Tensor:
         """Expert `e` (acquired with `first_part=True`) on rows x [n, H] -> [n, H]: the up half may start
         before the rest of its record has landed; the down half waits for it. `kernel`: multiply with
-        transformers' grouped matmul (grouped_mm off the CPU) instead of `F.linear`."""
+        transformers' grouped matmul (grouped_mm off the CPU) instead of `F.linear`. `at`: the rows' first index in
+        the block's rows sorted by expert."""
         h = self._up_proj(x, w, kernel)  # [n, I]
         self.manager.acquire_rest(plan, e)
         return self._down_proj(h, w, kernel)
@@ -778,6 +779,16 @@ class MiraRoutedExperts(_HeldExperts):
 
     _fresh_gather = False  # the block's linear layers take each expert's rows as slices of one gather
 
+    def _expert(self, plan, e: int, w, x: torch.Tensor, kernel: bool = False, at: int = 0) -> torch.Tensor:
+        h = self._up_proj(x, w, kernel)  # [n, I]
+        if h.device.type == "cpu":
+            # The block activates every routed row into one [routed, I] tensor and its down layer takes each expert's
+            # rows as a slice of it; a CPU matmul can round by where its input starts, so these rows start as far
+            # past an allocation's alignment as that slice does (I not a multiple of the alignment's elements).
+            h = _placed(h, at * h.shape[1])
+        self.manager.acquire_rest(plan, e)
+        return self._down_proj(h, w, kernel)
+
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = h.chunk(2, dim=-1)  # [n, I] each: gate rows first
         return self._act(gate) * up
@@ -875,7 +886,7 @@ class MiraModuleExperts(_HeldExperts):
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         return self._act(h)
 
-    def _expert(self, plan, e: int, w, x: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+    def _expert(self, plan, e: int, w, x: torch.Tensor, kernel: bool = False, at: int = 0) -> torch.Tensor:
         h = self._up_proj(x, w, kernel)  # [n, I]
         if self._masks is not None:  # training mode: the next rows of the mask drawn for expert e
             mask = self._masks[e]
@@ -946,6 +957,15 @@ def proxy_for(adapter, base: nn.Module, manager: ExpertManager, layer: int, bloc
     if adapter.route_norm:
         return MiraRouteNormExperts(base, manager, layer, flags, block_tokens, adapter.route_norm)
     return MiraExperts(base, manager, layer, flags, block_tokens)
+
+
+def _placed(t: torch.Tensor, elements: int) -> torch.Tensor:
+    """A copy of contiguous `t` that starts as far past CPU_ALIGNMENT as `elements` of its dtype past a fresh
+    tensor's start (no copy where that is the alignment itself)."""
+    pad = elements * t.element_size() % CPU_ALIGNMENT // t.element_size()
+    if not pad and t.data_ptr() % CPU_ALIGNMENT == 0:
+        return t
+    return t.new_empty(pad + t.numel())[pad:].view_as(t).copy_(t)
 
 
 def _put(y: torch.Tensor, rows, out: torch.Tensor, adds: bool) -> None:

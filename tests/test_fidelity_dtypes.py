@@ -220,10 +220,13 @@ def test_eager_experts_with_a_hidden_size_not_a_multiple_of_four_equal_the_unwra
     assert differences(ref, model) == []
 
 
-def test_jetmoe_rows_at_a_hidden_size_not_a_multiple_of_four_equal_the_unwrapped_model():
-    """JetMoE's block multiplies slices of one gather of every expert's rows, not a gather per expert: its rows are
-    taken where they lie, as its block takes them (a CPU matmul rounds by its input's alignment)."""
+@pytest.mark.parametrize("hidden, intermediate", [(42, 18), (64, 37)])
+def test_jetmoe_rows_at_sizes_not_a_multiple_of_four_equal_the_unwrapped_model(hidden, intermediate):
+    """JetMoE's block multiplies slices of one gather of every expert's rows, and of one tensor of every routed row's
+    activations, not a tensor per expert: a CPU matmul rounds by where its input starts, so the proxy's rows start
+    where the block's slices start, whatever the experts' row counts (prompt lengths)."""
     with torch_threads(1):
-        ref, model = pair("jetmoe", torch.float32, hidden_size=42, intermediate_size=18)
-        ids = torch.randint(3, 100, (1, 23), generator=torch.Generator().manual_seed(0))
-        assert differences(ref, model, ids) == []
+        ref, model = pair("jetmoe", torch.float32, hidden_size=hidden, intermediate_size=intermediate)
+        for n in (5, 8, 11, 23):
+            ids = torch.randint(3, 100, (1, n), generator=torch.Generator().manual_seed(0))
+            assert differences(ref, model, ids) == [], n

@@ -137,8 +137,9 @@ class ShardIndex:
         given = sorted(k for k in _NOT_SAFETENSORS_KWARGS if hf_kwargs.get(k) is not None)
         if given or hf_kwargs.get("use_safetensors") is False:
             raise NotStreamable(f"from_pretrained was given {given or ['use_safetensors=False']}")
-        # transformers reads model.safetensors where there is one, its index only otherwise (a directory can hold both)
-        single = _resolve(name_or_path, "model.safetensors", hf_kwargs) if os.path.isdir(name_or_path) else None
+        # transformers reads model.safetensors where there is one, its index only otherwise (a directory or a
+        # repository can hold both)
+        single = _resolve(name_or_path, "model.safetensors", hf_kwargs)
         index_file = None if single is not None else _resolve(name_or_path, "model.safetensors.index.json", hf_kwargs)
         weight_map = total_size = None
         if index_file is not None:

@@ -131,3 +131,28 @@ def test_local_files_only_with_a_shard_not_in_the_cache_says_it_is_missing(hub, 
     with pytest.raises(CheckpointError, match=rf"shard {shard} listed in model.safetensors.index.json is missing"):
         _load(tmp_path, local_files_only=True)
     assert len(hub.requests) == asked
+
+
+def test_a_repository_holding_one_file_and_an_index_streams_the_file_transformers_reads(sharded, tmp_path, monkeypatch):
+    """A repository that holds `model.safetensors` beside a sharded index (other weights in each): transformers reads
+    the single file, and so does a streamed load of its hub id, experts included; the index is never asked for."""
+    import shutil
+
+    from huggingface_hub import constants
+    from transformers import AutoModelForCausalLM
+
+    repo = tmp_path / "repo"
+    shutil.copytree(sharded[0], repo)
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(make_config("mixtral")).save_pretrained(tmp_path / "other")
+    shutil.copy(tmp_path / "other" / "model.safetensors", repo / "model.safetensors")
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "other").eval()(IDS).logits
+    with FakeHub(REPO, str(repo)) as hub:
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        model = _load(tmp_path / "cache")
+        with torch.no_grad():
+            assert torch.equal(model(IDS).logits, expected)
+        assert not any("index" in path for _, path in hub.requests)

@@ -434,7 +434,8 @@ def load_without_experts(
                 raise NotStreamable(f"no fused experts module matches {list(adapter.experts_globs)}")
             modules = {name: _per_expert(layout, module, originals[name]) for name, module in found}
             if native is None:
-                keys, native_keys, codec = plan_keys(adapter, model, modules, index), {}, None
+                keys = plan_keys(adapter, model, modules, index, key_mapping=hf_kwargs.get("key_mapping"))
+                native_keys, codec = {}, None
             else:
                 keys, native_keys, codec = plan_native_keys(native, quantization, adapter, model, modules, index)
         except NotStreamable as exc:

@@ -20,17 +20,22 @@ KeysFn = Callable[[str, str], "tuple[str, ...] | None"]  # (module path, fused t
 
 
 def key_candidates(
-    adapter: MoEAdapter, model: torch.nn.Module, index: ShardIndex, modules: dict[str, dict[str, torch.Tensor]]
+    adapter: MoEAdapter,
+    model: torch.nn.Module,
+    index: ShardIndex,
+    modules: dict[str, dict[str, torch.Tensor]],
+    key_mapping: dict[str, str] | None = None,
 ) -> list[tuple[str, KeysFn]]:
     """Checkpoint layouts to try, in order: the adapter's tables (or, without any, the keys transformers' own
     renaming gives the fused expert tensors of `modules`, `name -> {tensor: meta tensor [E, ...]}`), then the
-    fused in-memory names."""
+    fused in-memory names. With from_pretrained's `key_mapping` (regex -> replacement, applied to the checkpoint's
+    keys), the keys transformers' renaming gives with it come first: the tables name keys as the family stores them."""
     found: list[tuple[str, KeysFn]] = [(f"{adapter.name} table", k.keys) for k in adapter.checkpoint_keys]
-    if not found:
+    if not found or key_mapping:
         targets = {f"{name}.{tensor}": t for name, tensors in modules.items() for tensor, t in tensors.items()}
-        derived = transformers_keys(model, index, targets)
+        derived = transformers_keys(model, index, targets, key_mapping)
         if derived is not None:
-            found.append(("transformers' key renaming", derived))
+            found.insert(0, ("transformers' key renaming" + (" with key_mapping" if key_mapping else ""), derived))
     found.append(("fused in-memory names", lambda path, tensor: (f"{path}.{tensor}",)))
     return found
 
@@ -178,20 +183,22 @@ def _ops(converter) -> str:
     return ", ".join(type(op).__name__ for op in converter.operations)
 
 
-def transformers_keys(model: torch.nn.Module, index: ShardIndex, targets: dict[str, torch.Tensor]) -> KeysFn | None:
+def transformers_keys(
+    model: torch.nn.Module, index: ShardIndex, targets: dict[str, torch.Tensor], key_mapping: dict[str, str] | None = None
+) -> KeysFn | None:
     """Checkpoint keys of the fused expert tensors `targets` (name -> its tensor, meta or not), found as transformers finds them when it loads:
     every checkpoint key renamed by its `rename_source_key` (the model's renamings, at most one converter, the
     base-model prefix), in the order it reads them. A target renamed from one key is read as stored; one
     converted from per-expert keys is read expert by expert when its converter only stacks them (and joins
     the stacks in its sources' order); one stored rearranged within each expert's tensor is read as
     `Rearranged` (`_converted`); one that other operations make from sources stored stacked, as `PerExpert`.
-    Any other conversion gives no keys. Computed once, at the first
-    lookup; None when this transformers has no such renaming."""
+    Any other conversion gives no keys. `key_mapping`: from_pretrained's, renaming checkpoint keys first, as
+    transformers applies it. Computed once, at the first lookup; None when this transformers has no such renaming."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
-        conversions = get_model_conversion_mapping(model)
+        conversions = get_model_conversion_mapping(model, key_mapping)
     except Exception:  # not in this transformers version, or a model it cannot map
         return None
     targets = dict(targets)
@@ -383,12 +390,13 @@ def plan_keys(
     modules: dict[str, dict[str, torch.Tensor]],
     index: ShardIndex,
     candidates: list[tuple[str, KeysFn]] | None = None,
+    key_mapping: dict[str, str] | None = None,
 ) -> dict[str, dict[str, tuple[str, ...]]]:
     """For every experts module (`name -> {tensor: meta tensor [E, ...]}`), the checkpoint key templates
     of each tensor. Raises `NotStreamable` naming what was looked for when no layout fits. `candidates`:
-    the layouts to try (`key_candidates`), for a caller that plans one module at a time."""
+    the layouts to try (`key_candidates`, given `key_mapping`), for a caller that plans one module at a time."""
     if candidates is None:
-        candidates = key_candidates(adapter, model, index, modules)
+        candidates = key_candidates(adapter, model, index, modules, key_mapping)
     plan = {}
     for name, tensors in modules.items():
         problems = []

@@ -498,3 +498,30 @@ def test_a_tensor_the_index_leaves_out_is_read_from_its_shard_as_transformers_do
     ref = load_reference(str(tmp_path))
     model = _load(tmp_path, LoaderConfig(stream_experts=True))
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_a_key_mapping_given_to_from_pretrained_renames_the_expert_keys_too(tmp_path):
+    """A checkpoint stored under other names, loaded with transformers' `key_mapping` (regex -> replacement on the
+    checkpoint's keys): the experts are streamed under the names the mapping gives, as transformers reads the rest,
+    and the model equals transformers' load with the same mapping."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from mira_hf.testing import build
+
+    torch.manual_seed(0)
+    build(make_config("mixtral")).save_pretrained(tmp_path / "orig", max_shard_size="100KB")
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    shutil.copy(tmp_path / "orig" / "config.json", renamed)
+    index = json.loads((tmp_path / "orig" / "model.safetensors.index.json").read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(tmp_path / "orig" / shard)
+        save_file({k.replace("model.", "backbone.", 1): v for k, v in tensors.items()}, renamed / shard, {"format": "pt"})
+    index["weight_map"] = {k.replace("model.", "backbone.", 1): v for k, v in index["weight_map"].items()}
+    (renamed / "model.safetensors.index.json").write_text(json.dumps(index))
+    mapping = {r"^backbone\.": "model."}
+    ref = AutoModelForCausalLM.from_pretrained(renamed, key_mapping=mapping).eval()
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=True))
+    model = MiraMoEModel.from_pretrained(renamed, cfg, progress=False, key_mapping=mapping).eval()  # streamed, or raises
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())

@@ -260,7 +260,7 @@ def streaming_index(
             return index, wanted
     except NotStreamable as exc:
         if wanted or quantization_config is not None:
-            _cannot_stream(name_or_path, str(exc), None, bool(stream_experts))
+            _cannot_stream(name_or_path, exc, None, bool(stream_experts))
     return None, wanted
 
 
@@ -283,7 +283,7 @@ def load_model(
             return load_without_experts(name_or_path, adapter, index, hf_kwargs, bool(stream_experts), model_class)
         except NotStreamable as exc:
             if wanted or quantization_config is not None:
-                _cannot_stream(name_or_path, str(exc), None, bool(stream_experts))
+                _cannot_stream(name_or_path, exc, None, bool(stream_experts))
     if quantization_config is not None and _is_native(quantization_config):
         hf_kwargs = dequantizing(read_config(name_or_path, hf_kwargs, model_class), hf_kwargs)
     return model_class.from_pretrained(name_or_path, **hf_kwargs), None
@@ -439,7 +439,7 @@ def load_without_experts(
             else:
                 keys, native_keys, codec = plan_native_keys(native, quantization, adapter, model, modules, index)
         except NotStreamable as exc:
-            _cannot_stream(name_or_path, str(exc), index.nbytes, explicit)
+            _cannot_stream(name_or_path, exc, index.nbytes, explicit)
             return
         for name, module in found:
             for n in modules[name]:
@@ -544,7 +544,9 @@ def _model_config(name_or_path, hf_kwargs: dict, model_class: type):
     (`runs_own_code`: a checkpoint's `auto_map` of a model type transformers knows is unused without trust)."""
     config = read_config(name_or_path, hf_kwargs, model_class)
     if not is_model_class(model_class) and runs_own_code(config.to_dict(), bool(hf_kwargs.get("trust_remote_code"))):
-        raise NotStreamable("it defines its own modeling code (auto_map)")
+        raise NotStreamable(
+            "it defines its own modeling code (auto_map)", "pass trust_remote_code=False to build transformers' own class"
+        )
     return config
 
 
@@ -593,20 +595,22 @@ def _model_class(config, cls: type):
     return base
 
 
-def _cannot_stream(name_or_path, reason: str, nbytes: int | None, explicit: bool) -> None:
+def _cannot_stream(name_or_path, why: NotStreamable, nbytes: int | None, explicit: bool) -> None:
     """The experts cannot be streamed: raise if that cannot work or was asked for, else warn."""
+    reason = str(why)
+    if not why.whole_helps:  # nothing to load, one way or the other
+        raise CheckpointError(f"could not read the checkpoint at {name_or_path!s}: {reason}. To load it, {why.remedy}.")
     if explicit:
         raise UnsupportedModelError(
             f"LoaderConfig(stream_experts=True) was given, but the experts of {name_or_path!s} cannot be read one "
-            f"at a time: {reason}. Drop stream_experts to load the whole checkpoint first, or register an adapter "
-            "with checkpoint_keys=(ExpertKeys(...),) for this layout."
+            f"at a time: {reason}. Drop stream_experts to load the whole checkpoint first, or {why.remedy}."
         )
     available = available_host_bytes()
     if nbytes is not None and available is not None and nbytes > available:
         raise BudgetError(
             f"the experts of {name_or_path!s} cannot be read one at a time ({reason}), and loading the whole "
             f"checkpoint ({nbytes:,} bytes) needs more host memory than is available ({available:,} bytes). "
-            "Free host memory, or register an adapter with checkpoint_keys=(ExpertKeys(...),) for this layout."
+            f"Free host memory, or {why.remedy}."
         )
     warnings.warn(
         f"mira-hf: the experts of {name_or_path!s} cannot be read one at a time ({reason}); loading the whole "

@@ -487,6 +487,8 @@ def _raw_config(name_or_path, hf_kwargs: dict) -> dict:
     """config.json as a dict, without running any model code."""
     from transformers import PretrainedConfig
 
+    if os.path.isfile(name_or_path):  # transformers would read a config file given as such, then fail on the weights
+        raise missing_checkpoint_error(name_or_path, hf_kwargs, FileNotFoundError(name_or_path))
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(name_or_path, **_config_kwargs(hf_kwargs))
     except OSError as exc:

@@ -36,7 +36,14 @@ _NOT_SAFETENSORS_KWARGS = ("gguf_file", "variant", "state_dict", "quantization_c
 
 
 class NotStreamable(Exception):
-    """Why a checkpoint's experts cannot be read one at a time (the reason is shown to the user)."""
+    """Why a checkpoint's experts cannot be read one at a time (the reason is shown to the user), and `remedy`, what
+    the user can do about it besides loading the whole checkpoint (`whole_helps`: whether that loads it at all)."""
+
+    DEFAULT_REMEDY = "register an adapter with checkpoint_keys=(ExpertKeys(...),) for this layout"
+
+    def __init__(self, reason: str, remedy: str = DEFAULT_REMEDY, whole_helps: bool = True) -> None:
+        super().__init__(reason)
+        self.remedy, self.whole_helps = remedy, whole_helps
 
 
 @dataclass(frozen=True)
@@ -136,7 +143,9 @@ class ShardIndex:
         safetensors shards."""
         given = sorted(k for k in _NOT_SAFETENSORS_KWARGS if hf_kwargs.get(k) is not None)
         if given or hf_kwargs.get("use_safetensors") is False:
-            raise NotStreamable(f"from_pretrained was given {given or ['use_safetensors=False']}")
+            raise NotStreamable(
+                f"from_pretrained was given {given or ['use_safetensors=False']}", "load it without those arguments"
+            )
         # transformers reads model.safetensors where there is one, its index only otherwise (a directory or a
         # repository can hold both)
         single = _resolve(name_or_path, "model.safetensors", hf_kwargs)
@@ -160,7 +169,16 @@ class ShardIndex:
         else:
             arrivals = ArrivedFiles({name: _resolve(name_or_path, name, hf_kwargs) for name in names})
         if weight_map is None and arrivals.wait(names[0]) is None:
-            raise NotStreamable("it has no safetensors weights (model.safetensors or its index)")
+            if any(_resolve(name_or_path, f, hf_kwargs) for f in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+                raise NotStreamable(
+                    "it has no safetensors weights (model.safetensors or its index), only pytorch_model.bin",
+                    "save it once as safetensors (load it with transformers, then save_pretrained)",
+                )
+            raise NotStreamable(
+                "it has no weight files (model.safetensors, its index or pytorch_model.bin)",
+                "give the directory save_pretrained wrote, with its weights",
+                whole_helps=False,
+            )
         index = ShardIndex(str(name_or_path), arrivals, weight_map, total_size if isinstance(total_size, int) else None)
         if not downloads:
             index.wait_all()  # every shard is on disk: read every header now
@@ -257,6 +275,11 @@ def missing_checkpoint_error(name_or_path, hf_kwargs: dict, exc: Exception) -> C
     name = str(name_or_path)
     why = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(". ")
     if os.path.isdir(name):
+        subfolder = hf_kwargs.get("subfolder") or ""
+        if os.path.isfile(os.path.join(name, subfolder, "config.json")):
+            return CheckpointError(
+                f"{os.path.join(name, subfolder, 'config.json')} could not be read ({why}): copy or download it again."
+            )
         return CheckpointError(f"{name} holds no config.json ({why}): give the directory save_pretrained wrote.")
     if os.path.exists(name):
         return CheckpointError(f"{name} is a file; a model is a directory holding config.json and the weights.")

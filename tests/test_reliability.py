@@ -12,7 +12,7 @@ import torch
 from conftest import load_reference
 from tiny_models import InterruptAt
 
-from mira_hf import CheckpointError, LoaderError, MiraConfig, MiraMoEModel
+from mira_hf import CheckpointError, LoaderError, MiraConfig, MiraMoEModel, UnsupportedModelError
 
 PROMPT = torch.tensor([[5, 9, 14, 33, 7]])
 GEN = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -201,6 +201,43 @@ def test_truncated_checkpoint_gives_a_clear_error(tiny_checkpoint, tmp_path):
 def test_missing_model_directory_gives_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist: no such directory"):
         MiraMoEModel.from_pretrained(tmp_path / "nope", MiraConfig(device="cpu"), progress=False)
+
+
+@pytest.mark.parametrize(
+    "broken, error, says",
+    [
+        ("config.json given as the model", CheckpointError, r"config.json is a file; a model is a directory"),
+        ("config.json not JSON", CheckpointError, r"config.json could not be read .*copy or download it again"),
+        ("no weight files", CheckpointError, r"no weight files .*give the directory save_pretrained wrote"),
+        ("only pytorch_model.bin", UnsupportedModelError, r"only pytorch_model.bin. .*save it once as safetensors"),
+    ],
+)
+def test_a_checkpoint_that_cannot_load_says_what_is_wrong_with_it(tiny_checkpoint, tmp_path, broken, error, says):
+    """Each is refused before anything is built, saying what the files lack and what to do (the streamed load is
+    asked for: a .bin checkpoint loads whole otherwise); the files are left as they were."""
+    import shutil
+
+    from mira_hf.config import LoaderConfig
+
+    dst = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint("mixtral"), dst)
+    target = dst
+    if broken == "config.json given as the model":
+        target = dst / "config.json"
+    elif broken == "config.json not JSON":
+        (dst / "config.json").write_text("{ not json")
+    elif broken == "no weight files":
+        (dst / "model.safetensors").unlink()
+    else:
+        from safetensors.torch import load_file
+
+        torch.save(load_file(dst / "model.safetensors"), dst / "pytorch_model.bin")  # as older checkpoints ship
+        (dst / "model.safetensors").unlink()
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    cfg = MiraConfig(device="cpu", loader=LoaderConfig(stream_experts=True))
+    with pytest.raises(error, match=says):
+        MiraMoEModel.from_pretrained(target, cfg, progress=False)
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
 
 
 def test_telemetry_and_predictor_state_stay_bounded(tiny_checkpoint):

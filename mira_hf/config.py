@@ -136,7 +136,7 @@ class LoaderConfig:
     split_min_bytes: int = 4 * 2**20
     # Where encoded expert records are cached (`mira_hf.record_cache`), so a second load of a checkpoint
     # reads them instead of encoding again: "auto" ($MIRA_HF_RECORD_CACHE, else $HF_HOME/mira-hf/records),
-    # a directory, or None (off).
+    # a directory, or None (off). Writing an entry removes those whose checkpoint files are gone or changed.
     record_cache: str | None = "auto"
 
     def __post_init__(self) -> None:

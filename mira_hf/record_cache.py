@@ -14,6 +14,11 @@ Writing is atomic: the entry is written into a temporary directory beside it, th
 place. A load that is interrupted leaves no entry (only its temporary directory, removed by a later
 write once its process is gone); two loads of the same checkpoint at once both encode, the first
 rename wins and the other drops its copy. Entries are never modified in place.
+
+An entry that no load can find again is removed when the next entry is written: one whose checkpoint files are
+gone, or were rewritten or replaced since (their identity differs from its header's). So a checkpoint saved again
+in place, or a hub model updated to a new revision whose old snapshot is deleted, leaves one entry, not one per
+version. Entries of checkpoints still on disk stay; the directory can be deleted at any time.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import warnings
 import torch
 
 from .load_report import LoadReport
-from .saved_store import STORE_FORMAT, CorruptStoreError, SavedStore, write_store
+from .saved_store import STORE_FORMAT, STORE_HEADER, CorruptStoreError, SavedStore, write_store
 
 # Bump when the bytes a codec writes for the same weights change (any codec): older entries are not found.
 RECORD_FORMAT_VERSION = 1
@@ -133,10 +138,35 @@ class RecordCache:
                 os.rename(tmp, self.directory)  # atomic; fails if another load has put its entry there first
             except OSError:
                 pass
+            _remove_stale(self.root, keep=self.key)
         except Exception as exc:  # a full or read-only disk costs the next load an encode, nothing more
             warnings.warn(f"mira-hf: could not write the record cache in {self.root} ({exc}).", stacklevel=2)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_stale(root: str, keep: str) -> None:
+    """Entries whose checkpoint files are gone or changed (`checkpoint_identity` differs from the header's): no load
+    can find them again. Entries whose header cannot be read are left to the load that opens them (it drops them)."""
+    for name in os.listdir(root):
+        if name.startswith(_TMP) or name == keep:
+            continue
+        directory = os.path.join(root, name)
+        try:
+            with open(os.path.join(directory, STORE_HEADER)) as f:
+                files = json.load(f)["fingerprint"]["checkpoint"]
+            stale = any(checkpoint_identity([path]) != [[path, *rest]] for path, *rest in files)
+        except FileNotFoundError:
+            stale = True  # a file of the checkpoint is gone (its header was read: the entry is whole)
+        except Exception:
+            continue
+        if stale:
+            trash = os.path.join(root, f"{_TMP}{name}-{uuid.uuid4().hex[:8]}-stale")
+            try:
+                os.rename(directory, trash)  # renamed first, so no load opens it half removed
+            except OSError:
+                continue
+            shutil.rmtree(trash, ignore_errors=True)
 
 
 def _remove_orphans(root: str) -> None:

@@ -74,14 +74,20 @@ def test_second_load_reads_the_cached_records_without_encoding(ckpt, tmp_path):
 
 
 def test_a_changed_checkpoint_or_format_is_not_served_from_the_cache(ckpt, tmp_path):
+    """A checkpoint saved again in place is encoded again, and the entries of its old files, which no load can find
+    any more, are removed; another checkpoint's entry stays."""
     cache = tmp_path / "records"
+    other = _checkpoint(tmp_path / "other", seed=2)
+    _load(other, cache)
     _load(ckpt, cache)
     assert _encoded(_load(ckpt, cache, code="nibble")) > 0  # another format: another entry
+    assert len(os.listdir(cache)) == 3
     _checkpoint(ckpt, seed=1)  # the checkpoint rewritten with other weights
     changed = _load(ckpt, cache)
     assert _encoded(changed) > 0
     assert torch.equal(_logits(changed), _logits(_load(ckpt, None)))
-    assert len(os.listdir(cache)) == 3
+    assert len(os.listdir(cache)) == 2  # the rewritten checkpoint's entry and the other checkpoint's
+    assert _encoded(_load(other, cache)) == 0
 
 
 def test_a_checkpoint_replaced_with_its_modification_time_put_back_is_not_served_from_the_cache(ckpt, tmp_path):

@@ -580,3 +580,14 @@ def test_a_calls_backend_overrides_the_codecs():
         expected = PackedCodec(codec.spec).decode(record, layout, torch.float32) if hasattr(codec, "spec") else tensors
         got = codec.decode(record, layout, torch.float32, backend="torch")
         assert all(same(got[k], expected[k]) for k in tensors), codec
+
+
+def test_fp8_weights_whose_blocks_are_not_all_one_size_are_refused_saying_what_fits():
+    """An expert width the scale grid does not divide (5 rows in blocks over 2 scale rows): transformers refuses it
+    too; the error names the shapes and what checkpoint would load."""
+    from mira_hf.quant import CodecInputError
+
+    codec = Fp8BlockCodec(pieces={"down_proj": 1}, block_size=[4, 8])
+    weight = torch.zeros(5, 8).to(torch.float8_e4m3fn)
+    with pytest.raises(CodecInputError, match=r"\[5, 8\]\) is not divisible by its scale grid \[2, 1\].*weight_block_size"):
+        codec.record_specs("down_proj", (5, 8), weight, torch.ones(2, 1), 1)

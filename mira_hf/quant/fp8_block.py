@@ -59,7 +59,10 @@ class Fp8BlockCodec(NativeCodec):
         s_rows = scales.shape[0] // pieces
         if shape[0] % pieces or scales.shape[0] % pieces or rows % s_rows or cols % scales.shape[1]:
             raise CodecInputError(  # transformers refuses these too (Fp8Dequantize)
-                f"fp8_block: {name} ({pieces} x [{rows}, {cols}]) is not divisible by its scale grid {list(scales.shape)}."
+                f"fp8_block: {name} ({pieces} x [{rows}, {cols}]) is not divisible by its scale grid {list(scales.shape)}: "
+                "each block of weights must be the same size, as transformers dequantizes them (it refuses this "
+                "checkpoint too). Use a checkpoint whose expert widths are multiples of its weight_block_size, or its "
+                "bf16 release."
             )
         return {name: (shape, fp8), name + SCALE_SUFFIX: (tuple(scales.shape), torch.float32)}
 

@@ -15,8 +15,6 @@ wrapped once per system, one after the other in the same process:
     disk-X     the same, with host_budget = X of the expert bytes: the later layers' experts on disk
                (files in a temporary directory; the operating system's page cache may hold them, as it would
                for any model whose files fit in free host memory)
-    ...-inline pageable or disk-X with the ring's copies on the thread that drives the device
-               (LoaderConfig(copy_worker=False)) instead of the copy worker
 
 Metrics as `host_split.py`'s: decode tokens/s at batch 1 (median of `--rounds`), batch 8 and beam search, time per
 token over the PCIe floor, bytes per token, hit rate, and the largest logit difference against `default` (all
@@ -45,34 +43,29 @@ import host_split  # noqa: E402  (sets up the path, the clock and the offline en
 from bench.clock import log  # noqa: E402
 
 from mira_hf import MiraConfig  # noqa: E402
-from mira_hf.config import LoaderConfig  # noqa: E402
 
 TITLE = "Decode from a pinned store, a pageable store and the disk tier"
-SYSTEMS = "lru,default,pageable,pageable-inline,disk-0.5,disk-0.5-inline"
+SYSTEMS = "lru,default,pageable,disk-0.5"
 
 
 def configs_of(offload_dir: str):
-    """`host_split.configs` with more systems, the disk tier's files in `offload_dir`: "pageable" and
-    "disk-<share>", each also with "-inline"; every other name is `host_split`'s (lru, default, ...)."""
+    """`host_split.configs` with two more systems, the disk tier's files in `offload_dir`: "pageable" and
+    "disk-<share>"; every other name is `host_split`'s (lru, default, ...)."""
 
     def configs(args, gpu_budget, device: str, facts: dict) -> list[tuple[str, MiraConfig]]:
         base = dict(gpu_budget=gpu_budget, device=device)
         out = []
         for system in args.systems:
-            name = system.removesuffix("-inline")
-            loader = LoaderConfig(copy_worker=False) if name != system else LoaderConfig()
-            if name == "pageable":
-                out.append((system, MiraConfig(**base, host_memory="pageable", loader=loader)))
-            elif name.startswith("disk-"):
-                host_budget = int(float(name[len("disk-") :]) * facts["expert_bytes"])
-                out.append((system, MiraConfig(**base, host_budget=host_budget, offload_dir=offload_dir, loader=loader)))
+            if system == "pageable":
+                out.append((system, MiraConfig(**base, host_memory="pageable")))
+            elif system.startswith("disk-"):
+                host_budget = int(float(system[len("disk-") :]) * facts["expert_bytes"])
+                out.append((system, MiraConfig(**base, host_budget=host_budget, offload_dir=offload_dir)))
             else:
                 try:
                     out += host_split.configs(argparse.Namespace(**{**vars(args), "systems": [system]}), gpu_budget, device)
                 except SystemExit as exc:
-                    raise SystemExit(
-                        f"{exc} (or pageable, disk-<share of the experts' bytes in host memory>, either with -inline)"
-                    ) from None
+                    raise SystemExit(f"{exc} (or pageable, disk-<share of the experts' bytes in host memory>)") from None
         return out
 
     return configs
@@ -109,19 +102,14 @@ def main(argv=None) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--disk-probe-gb", type=float, default=4.0, help="size of the disk read probe's file (0: skip)")
     pre.add_argument("--offload-dir", default=None, help="where the disk tier's files go (default: a temporary directory)")
-    pre.add_argument(
-        "--switch-interval-ms", type=float, default=None, help="the interpreter's thread switch interval (default: its own)"
-    )
     extra, rest = pre.parse_known_args(argv)
-    if extra.switch_interval_ms is not None:  # how long a thread waiting for the GIL may wait for the one holding it
-        sys.setswitchinterval(extra.switch_interval_ms / 1e3)
     args = host_split.parse_args(rest, doc=__doc__, systems=SYSTEMS)
     offload_dir = tempfile.mkdtemp(prefix="mira_store_tiers_", dir=extra.offload_dir)
     try:
         probe = disk_read_gbps(offload_dir, int((0.05 if args.smoke else extra.disk_probe_gb) * 1e9))
         log(f"disk read speed (page cache dropped): {probe} GB/s")
         return host_split.main(
-            configs_of=configs_of(offload_dir), slug="store-tiers", title=TITLE, args=args, extra={"disk_read_gbps": probe, "switch_interval_s": sys.getswitchinterval()}
+            configs_of=configs_of(offload_dir), slug="store-tiers", title=TITLE, args=args, extra={"disk_read_gbps": probe}
         )
     finally:
         shutil.rmtree(offload_dir, ignore_errors=True)

@@ -116,11 +116,6 @@ class LoaderConfig:
     staging_ring_bytes: int = 128 * 2**20
     # Seconds a caller waits for a background copy before it raises instead of hanging.
     copy_timeout_s: float = 60.0
-    # Copy records that are not page-locked (a pageable store, the disk tier) through the staging ring on a
-    # worker thread, so the thread that drives the device goes on launching compute meanwhile instead of
-    # filling ring buffers. None (auto): on a CUDA device; True: also on a CPU device, where every copy into
-    # the cache then overlaps the compute; False: on the calling thread.
-    copy_worker: bool | None = None
     # Read the routed experts from the safetensors shards one expert at a time, straight into the
     # store, instead of loading the whole checkpoint into host memory first. None (auto): when
     # `host_budget` is set or the checkpoint is larger than the available host memory; True: always
@@ -152,8 +147,6 @@ class LoaderConfig:
             raise ConfigError(f"staging_ring_bytes={self.staging_ring_bytes!r}: must be an int ≥ 1 MiB.")
         if not self.copy_timeout_s > 0:
             raise ConfigError(f"copy_timeout_s={self.copy_timeout_s!r}: must be > 0.")
-        if self.copy_worker not in (None, True, False):
-            raise ConfigError(f"copy_worker={self.copy_worker!r}: must be None (auto: on CUDA), True or False.")
         if self.stream_experts not in (None, True, False):
             raise ConfigError(f"stream_experts={self.stream_experts!r}: must be None (auto), True or False.")
 

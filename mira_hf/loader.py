@@ -6,12 +6,6 @@ Sources that are not page-locked (a pageable or disk-backed store) go through a 
 ring: the CPU copies a piece into a ring chunk, the copy engine moves the chunk. On CPU the same calls
 run synchronously and the "device" arena is host memory.
 
-Those ring copies take the host's time, so they run on a worker thread (`background`, on by default on CUDA):
-the thread that drives the device hands a copy over and goes on launching compute, and gets back a `Queued` that
-stands for the copy's event until the worker has issued it. Copies from page-locked memory are issued at once,
-unless the worker still holds copies: then they queue behind them, so every copy reaches the copy stream in the
-order it was asked for (two copies into one slot land in that order).
-
 A fine-grained model issues a few hundred copies per decode step, so the host time to issue one counts:
 torch's `copy_` holds the issuing thread ~29 µs per host→device copy, the CUDA runtime's `cudaMemcpyAsync`
 ~5.7 µs (benchmarks/NOTES.md, "Host overhead"). Where the runtime torch loaded can be found, copies are issued
@@ -21,13 +15,10 @@ the bytes, the stream and the ordering are those of `copy_(non_blocking=True)`.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import ctypes
 import functools
-import os
 import time
-import weakref
 from collections import deque
 from collections.abc import Sequence
 
@@ -77,70 +68,13 @@ def cut(pieces: Pieces, at: int) -> tuple[list[tuple[int, torch.Tensor]], list[t
     return head, tail
 
 
-class Queued:
-    """One event of a copy handed to the copy worker: stands for it (`query`, `wait`, `synchronize`, as a
-    torch.cuda.Event's) until the worker has issued the copy. `event()` blocks until then and gives the real event
-    (None on a CPU device, where the copy is then done), or raises the error the copy raised. `query` never raises:
-    a copy that failed is not done, and its error surfaces where it is waited for."""
-
-    __slots__ = ("_future", "_index", "_timeout_s")
-
-    def __init__(self, future: concurrent.futures.Future, index: int, timeout_s: float) -> None:
-        self._future, self._index, self._timeout_s = future, index, timeout_s
-
-    def issued(self) -> bool:
-        """Whether the worker has issued the copy (or failed at it)."""
-        return self._future.done()
-
-    def event(self):
-        try:
-            return self._future.result(self._timeout_s)[self._index]
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(
-                f"a host→device copy was not issued within {self._timeout_s:.0f} s (LoaderConfig.copy_timeout_s)"
-            ) from None
-
-    def query(self) -> bool:
-        if not self._future.done() or self._future.exception() is not None:
-            return False
-        ev = self._future.result()[self._index]
-        return ev is None or ev.query()
-
-    def wait(self, stream=None) -> None:  # what `Stream.wait_event` calls
-        ev = self.event()
-        if ev is not None:
-            ev.wait(stream)
-
-    def synchronize(self) -> None:
-        ev = self.event()
-        if ev is not None:
-            ev.synchronize()
-
-
-def _settled(future: concurrent.futures.Future | None) -> None:
-    """Wait for `future` without raising what it raised (that surfaces where its copy is waited for)."""
-    if future is not None:
-        concurrent.futures.wait([future])
-
-
 class Loader:
     def __init__(
-        self,
-        device: torch.device,
-        ring_bytes: int = 128 * 2**20,
-        ring_chunks: int = 4,
-        timeout_s: float = 60.0,
-        background: bool | None = None,
+        self, device: torch.device, ring_bytes: int = 128 * 2**20, ring_chunks: int = 4, timeout_s: float = 60.0
     ) -> None:
         self.device = device
         self.timeout_s = timeout_s  # the longest the host waits for a copy before raising
         self.cuda = device.type == "cuda"
-        # Copies from memory that is not page-locked run on a worker thread (module docstring); None: on CUDA. On a
-        # CPU device every source counts as such, so with True each copy into the arena overlaps the compute.
-        self.background = self.cuda if background is None else background
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pool_pid: int | None = None
-        self._last: concurrent.futures.Future | None = None  # the worker's latest copy: all before it are issued
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._ring_bytes = ring_bytes
         self._ring_chunks = ring_chunks
@@ -174,51 +108,7 @@ class Loader:
         self, dst: torch.Tensor, pieces: Pieces, src_pinned: bool, split: int, after: object = None, then=None
     ) -> tuple[object, object]:
         """As `copy`, in two parts: returns (first, done), `first` the event that marks the bytes before
-        offset `split` of dst landed (None if `split` is 0), so their reader can start while the rest crosses.
-        With `background`, a copy from memory that is not page-locked (and any copy while the worker holds some)
-        returns `Queued` events at once and runs on the worker."""
-        if self.background and (not src_pinned or not self.cuda or (self._last is not None and not self._last.done())):
-            issued = self._issued()
-            future = self._worker().submit(self._copy_in_worker, dst, pieces, src_pinned, split, after, then, issued)
-            self._last = future
-            first, done = Queued(future, 0, self.timeout_s), Queued(future, 1, self.timeout_s)
-            if issued is not None:
-                self._note_latency(issued, done)
-            return (first if split else None), done
-        issued = self._issued()
-        first, done = self._copy_now(dst, pieces, src_pinned, split, after, then, issued)
-        if issued is not None:
-            self._note_latency(issued, done)
-        return first, done
-
-    def _issued(self):
-        """An event marking when a copy was asked for (CUDA: on an otherwise idle stream; CPU: None)."""
-        if not self.cuda:
-            return None
-        issued = torch.cuda.Event(enable_timing=True)
-        issued.record(self._clock)
-        return issued
-
-    def _note_latency(self, issued, done) -> None:
-        self._pending_latency.append((issued, done))
-        if len(self._pending_latency) > 512:  # bounded; old copies are long done
-            self._resolve_latency(len(self._pending_latency) - 256)
-
-    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The copy worker (one thread: copies are issued in the order asked for), started at the first copy it
-        takes and in a forked child again; stopped when the loader is dropped (it holds no reference to it)."""
-        if self._pool is None or self._pool_pid != os.getpid():
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mira-copies")
-            self._pool_pid, self._last = os.getpid(), None
-            weakref.finalize(self, self._pool.shutdown, wait=False)
-        return self._pool
-
-    def _copy_in_worker(self, *args) -> tuple[object, object]:
-        with torch.no_grad():  # autograd's mode is the thread's: `then` writes slots, and records nothing
-            return self._copy_now(*args)
-
-    def _copy_now(self, dst, pieces: Pieces, src_pinned: bool, split: int, after, then, issued) -> tuple[object, object]:
-        """`copy_split`'s copy, issued on this thread (the caller's, or the worker's)."""
+        offset `split` of dst landed (None if `split` is 0), so their reader can start while the rest crosses."""
         head, tail = cut(pieces, split) if split else ((), pieces)
         if not self.cuda:
             t0 = time.perf_counter()
@@ -228,6 +118,8 @@ class Loader:
                 then()
             self._latencies.append(time.perf_counter() - t0)
             return None, None
+        issued = torch.cuda.Event(enable_timing=True)
+        issued.record(self._clock)
         first = None
         # torch's copy_ and `then` work on the current stream; the runtime's copies and events name theirs, and need
         # the stream's device to be the current one (the stream context makes it so)
@@ -248,6 +140,9 @@ class Loader:
                 then()
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
+        self._pending_latency.append((issued, done))
+        if len(self._pending_latency) > 512:  # bounded; old copies are long done
+            self._resolve_latency(len(self._pending_latency) - 256)
         return first, done
 
     def _copy_bytes(self, dst: torch.Tensor, offset: int, src: torch.Tensor, src_pinned: bool) -> None:
@@ -298,19 +193,12 @@ class Loader:
 
     # -- waiting --------------------------------------------------------------------------------
     def wait(self, ready: object, layer: int) -> None:
-        """Make the compute stream wait for a copy; time the wait if it is not done yet. A copy still with the
-        worker (`Queued`) is waited for on the host until the worker has issued it (on a CPU device: done it); its
-        error, if it failed, is raised here."""
+        """Make the compute stream wait for a copy; time the wait if it is not done yet."""
         if ready is None or ready.query():
-            return
-        if not self.cuda:  # a `Queued` copy on a CPU device: the host waits for the copy itself
-            t0 = time.perf_counter()
-            ready.event()
-            self.add_stall(layer, time.perf_counter() - t0)
             return
         compute = torch.cuda.current_stream(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(compute)  # before the host waits for the worker: the device may idle meanwhile
+        start.record(compute)
         compute.wait_event(ready)
         end.record(compute)
         self._stalls.append((layer, start, end))
@@ -340,11 +228,6 @@ class Loader:
     def _resolve_latency(self, n: int | None = None) -> None:
         n = len(self._pending_latency) if n is None else n
         for issued, done in self._pending_latency[:n]:
-            if isinstance(done, Queued):
-                try:
-                    done = done.event()
-                except Exception:  # the copy failed (its error is raised where it is waited for): no latency
-                    continue
             done.synchronize()
             self._latencies.append(max(issued.elapsed_time(done), 0.0) / 1e3)
         del self._pending_latency[:n]
@@ -383,7 +266,5 @@ class Loader:
         self._latencies.clear()
 
     def synchronize(self) -> None:
-        """Wait for every copy asked for so far (those the worker holds too; a failed one's error is not raised)."""
-        _settled(self._last)
         if self.cuda:
             self.stream.synchronize()

@@ -134,8 +134,7 @@ class ExpertManager(NotebookViews):
         self.placement = budget.placement  # how a slot holds an expert (BudgetPlan.placement)
         # Demand copies a block keeps in flight (see CacheConfig.demand_inflight_bytes): ≥ 2 per layer.
         self._depth = {layer: max(2, -(-s.demand_inflight_bytes // store.record_bytes(layer))) for layer in self.layers}
-        old = getattr(self, "loader", None)
-        self.loader = Loader(device, s.ring_bytes, timeout_s=s.copy_timeout_s, background=s.copy_worker)
+        old, self.loader = getattr(self, "loader", None), Loader(device, s.ring_bytes, timeout_s=s.copy_timeout_s)
         if old is not None:  # relocate: the stalls and copy latencies so far are counters, which only reset_stats() resets
             self.loader.carry(old)
         self.staging.place(device, budget.slot_placement)
@@ -366,10 +365,10 @@ class ExpertManager(NotebookViews):
                 self._issue(plan, at_least_one=True)  # misses are acquired in issue order: this is the next one
                 slot = plan.slots[expert]
             if first_part and slot.first_ready is not None:
-                self._wait(plan, expert, slot.first_ready)
+                self.loader.wait(slot.first_ready, plan.layer)
             else:
                 slot.first_ready = None
-                self._wait(plan, expert, slot.ready)
+                self.loader.wait(slot.ready, plan.layer)
             self._first_use_of_prefetch(plan.layer, expert, slot)
             self.cache.use(slot)
             return self.arena.views(plan.layer, slot)
@@ -406,22 +405,7 @@ class ExpertManager(NotebookViews):
         if slot is not None and slot.first_ready is not None:
             with self._lock:
                 slot.first_ready = None
-                self._wait(plan, expert, slot.ready)
-
-    def _wait(self, plan: BlockPlan, expert: int, ready: object) -> None:
-        """The compute stream waits for `expert`'s copy (`Loader.wait`). A copy that failed on the copy worker
-        (`LoaderConfig.copy_worker`) raises here: the expert is forgotten, so the next use loads it again."""
-        try:
-            self.loader.wait(ready, plan.layer)
-        except Exception as exc:
-            slot = plan.slots.pop(expert, None)
-            plan.loading.discard(expert)
-            if slot is not None and slot.key is not None:
-                self.cache.remove(slot.key)
-            raise LoaderError(
-                f"loading expert {expert} of MoE layer {plan.layer} to {self.device} failed: {exc}. "
-                "The cache was left consistent; the next call loads it again."
-            ) from exc
+                self.loader.wait(slot.ready, plan.layer)
 
     def release(self, plan: BlockPlan, expert: int) -> None:
         """The block has enqueued its last read of `expert`: its slot may be reused after that."""
@@ -627,7 +611,7 @@ class ExpertManager(NotebookViews):
                 f"loading expert {key[1]} of MoE layer {key[0]} to {self.device} failed: {exc}. "
                 "The cache was left consistent; the next call loads it again."
             ) from exc
-        if not self.loader.cuda and not self.loader.background and not staged:  # a copy worker's: timed at `wait`
+        if not self.loader.cuda and not staged:
             self.loader.add_stall(layer, time.perf_counter() - t0)
         stats.loads += 1
         stats.bytes_h2d += n

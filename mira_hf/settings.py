@@ -24,7 +24,6 @@ class ManagerSettings:
     demand_inflight_bytes: int = 64 * 2**20  # CacheConfig.demand_inflight_bytes
     ring_bytes: int = 128 * 2**20  # LoaderConfig.staging_ring_bytes
     copy_timeout_s: float = 60.0  # LoaderConfig.copy_timeout_s
-    copy_worker: bool | None = None  # LoaderConfig.copy_worker
     split_copies: bool = True  # LoaderConfig.split_copies
     split_min_bytes: int = 0  # LoaderConfig.split_min_bytes
     heat: HeatConfig = field(default_factory=HeatConfig)
@@ -56,7 +55,6 @@ class ManagerSettings:
             demand_inflight_bytes=cfg.cache.demand_inflight_bytes,
             ring_bytes=cfg.loader.staging_ring_bytes,
             copy_timeout_s=cfg.loader.copy_timeout_s,
-            copy_worker=cfg.loader.copy_worker,
             split_copies=cfg.loader.split_copies,
             split_min_bytes=cfg.loader.split_min_bytes,
             heat=cfg.heat,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mira_hf import MiraConfig, MiraMoEModel
-from mira_hf.loader import Loader, Queued, runtime_memcpy
+from mira_hf.loader import Loader, runtime_memcpy
 from mira_hf.pinned import pinned_empty
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -96,63 +96,3 @@ def test_the_staging_ring_made_in_inference_mode_serves_outside_it(tiny_checkpoi
     assert model.mira.loader._ring is not None
     with torch.no_grad():
         assert torch.equal(model(ids).logits, expected)
-
-
-def test_the_copy_worker_issues_copies_in_the_order_asked_for_and_waits_report_its_errors():
-    """Copies handed to the worker come back as `Queued` events at once; two copies into one buffer land in the
-    order asked for; `synchronize` waits for all; a copy that failed raises where it is waited for, not before."""
-    loader = Loader(torch.device("cpu"), background=True)
-    first, second = (torch.randint(0, 256, (4096,), dtype=torch.uint8) for _ in range(2))
-    dst = torch.zeros(4096, dtype=torch.uint8)
-    for record in (first, second, first, second):
-        _, done = loader.copy_split(dst, _pieces(record, [1000]), False, 0)
-        assert isinstance(done, Queued)
-    loader.synchronize()
-    assert done.query() and torch.equal(dst, second)
-    broken = loader.copy(dst, [(0, torch.zeros(8192, dtype=torch.uint8))], False)  # longer than dst: copy_ raises
-    loader.synchronize()  # does not raise
-    assert not broken.query()
-    with pytest.raises(RuntimeError):
-        loader.wait(broken, layer=0)
-
-
-def test_a_dropped_loader_stops_its_copy_worker():
-    import gc
-    import threading
-
-    loader = Loader(torch.device("cpu"), background=True)
-    loader.copy(torch.zeros(16, dtype=torch.uint8), [(0, torch.ones(16, dtype=torch.uint8))], False)
-    loader.synchronize()
-    worker = next(t for t in threading.enumerate() if t.name.startswith("mira-copies"))
-    del loader
-    gc.collect()
-    worker.join(timeout=5)
-    assert not worker.is_alive()
-
-
-@pytest.mark.parametrize("store", ["pageable", "disk"])
-def test_copies_on_the_worker_give_the_same_tokens(tiny_checkpoint, store, tmp_path):
-    """A CPU device with `copy_worker=True`: every copy into the cache (demand loads, prefetches) runs on the worker
-    while the forward thread computes; the tokens and logits are the unwrapped model's, and the copies' waits are
-    counted as stall."""
-    from conftest import load_reference
-
-    from mira_hf.config import LoaderConfig, PredictorConfig
-
-    path = tiny_checkpoint("mixtral")
-    ids = torch.tensor([[5, 9, 17, 33, 42, 7, 64, 100, 3, 11]])
-    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
-    ref = load_reference(path)
-    tier = dict(host_budget="1KB", offload_dir=str(tmp_path)) if store == "disk" else {}
-    staging = PredictorConfig(stage_probability=0.3, min_precision=0.0)  # stage every guess: prefetches cross too
-    cfg = MiraConfig(
-        gpu_budget=0.3, device="cpu", predictor="gate", prediction=staging, loader=LoaderConfig(copy_worker=True), **tier
-    )
-    model = MiraMoEModel.from_pretrained(path, cfg, progress=False)
-    assert model.mira.loader.background
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, ref(ids).logits)
-        assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
-    stats = model.mira.stats()
-    assert stats["loads"] > 0 and stats["prefetches"] > 0
-    assert model.mira.loader.stall_total() > 0

@@ -49,35 +49,6 @@ def test_copy_failure_raises_and_model_stays_usable(tiny_checkpoint, at):
     assert torch.equal(model.generate(PROMPT, **GEN), expected)  # next call works and is exact
 
 
-@pytest.mark.parametrize("at", [1, 3, 8])
-def test_a_copy_that_fails_on_the_copy_worker_raises_where_it_is_waited_for_and_the_model_stays_usable(tiny_checkpoint, at):
-    """`LoaderConfig(copy_worker=True)`: the n-th copy fails on the worker thread, after its caller went on; the block
-    that needs it raises LoaderError, the expert is forgotten, nothing stays pinned, and the next call is exact."""
-    from mira_hf.config import LoaderConfig
-
-    path = tiny_checkpoint("mixtral")
-    expected = load_reference(path).generate(PROMPT, **GEN)
-    model = _wrapped(path, loader=LoaderConfig(copy_worker=True))
-    loader = model.mira.loader
-    real_copy = loader._copy_now  # what the worker runs for each copy
-    calls = {"n": 0}
-
-    def failing_copy(*args):
-        calls["n"] += 1
-        if calls["n"] == at:
-            raise RuntimeError("injected: bad page in host memory")
-        return real_copy(*args)
-
-    loader._copy_now = failing_copy
-    with pytest.raises(LoaderError, match="injected"):
-        model.generate(PROMPT, **GEN)
-    loader.synchronize()
-    assert _no_pins(model) and not model.mira._forward_lock.locked()
-    assert model.mira.cache.resident_bytes <= model.mira.budget.budget_bytes
-    loader._copy_now = real_copy
-    assert torch.equal(model.generate(PROMPT, **GEN), expected)
-
-
 def test_keyboard_interrupt_mid_generate_leaves_cache_consistent(tiny_checkpoint):
     path = tiny_checkpoint("qwen3_moe")
     expected = load_reference(path).generate(PROMPT, **GEN)

@@ -25,8 +25,8 @@ from model_adapters.base import (
 )
 
 from .config import MiraConfig
-from .errors import ConfigError, UnsupportedModelError
-from .proxy import KNOWN_EXPERT_TENSORS, LAYOUT_FLAGS, MiraExperts
+from .errors import ConfigError, UnsupportedModelError, UnsupportedOperationError
+from .proxy import CALL_HOOK_TABLES, KNOWN_EXPERT_TENSORS, LAYOUT_FLAGS, MiraExperts
 from .store import ExpertStore
 
 _HOW_TO_ADD = (
@@ -127,6 +127,10 @@ def sub_model_types(config) -> tuple[str, ...]:
     return tuple(found)
 
 
+def _has_call_hooks(module: nn.Module) -> bool:
+    return any(getattr(module, table) for table in CALL_HOOK_TABLES)
+
+
 def find_targets(
     model: nn.Module, adapter: MoEAdapter, streamed: dict[str, dict[str, torch.Tensor]] | None = None
 ) -> list[Target]:
@@ -166,6 +170,17 @@ def find_targets(
             raise UnsupportedModelError(
                 f"{name} ({type(module).__name__}) cannot be served: {problem}. Supported: fused 3-D experts "
                 f"({', '.join(KNOWN_EXPERT_TENSORS)}). {_HOW_TO_ADD}"
+            )
+        # the modules from the experts module down to each that keeps expert tensors: none is called once wrapped
+        owners = layout.owners(E) if layout.nested else ()
+        chain = {".".join(path.split(".")[: i + 1]) for path in owners for i in range(path.count(".") + 1)}
+        hooked = [path for path in sorted(chain) if _has_call_hooks(module.get_submodule(path))]
+        if hooked:
+            raise UnsupportedOperationError(
+                f"{name} ({type(module).__name__}) keeps its experts on {[f'{name}.{p}' for p in hooked]}, which have "
+                "forward or backward hooks: wrapped, the experts are computed by the proxy of the experts module, and "
+                "those modules are no longer called, so their hooks would not run. Register the hooks on "
+                f"{name} instead (they run around its proxy), or remove them before wrapping."
             )
         if layout.stacks_copies and not in_checkpoint:  # kept as shapes: the store reads each expert's own tensors
             data = {n: torch.empty(x.shape, dtype=x.dtype, device="meta") for n, x in data.items()}

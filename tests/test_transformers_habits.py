@@ -558,3 +558,18 @@ def test_deep_copy_is_refused_with_a_clear_error():
     _, model = _pair("mixtral")
     with pytest.raises(UnsupportedOperationError, match="deep-copied"):
         copy.deepcopy(model)
+
+
+@pytest.mark.parametrize("name, child", [("dbrx", "mlp"), ("jetmoe", "output_linear")])
+def test_hooks_on_a_module_inside_the_experts_that_the_proxy_replaces_are_refused_before_wrapping(name, child):
+    """DBRX and JetMoE keep their expert tensors on a child of the experts module, which the wrapped model no longer
+    calls: a hook there would silently stop running, so wrapping is refused, saying where to register it instead, and
+    the model is left as it was."""
+    model = _build(name)
+    path = [p for p, m in _pair(name)[1].named_modules() if isinstance(m, MiraExperts)][0]
+    model.get_submodule(f"{path}.{child}").register_forward_hook(lambda mod, args, out: None)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedOperationError, match=rf"{re.escape(path)}\.{child}'\], which have forward.*on {re.escape(path)} instead"):
+        MiraMoEModel.wrap(model, WRAP)
+    assert not hasattr(model, "mira") and not any(isinstance(m, MiraExperts) for m in model.modules())
+    assert _same(dict(model.state_dict()), before)

@@ -569,7 +569,9 @@ def test_hooks_on_a_module_inside_the_experts_that_the_proxy_replaces_are_refuse
     path = [p for p, m in _pair(name)[1].named_modules() if isinstance(m, MiraExperts)][0]
     model.get_submodule(f"{path}.{child}").register_forward_hook(lambda mod, args, out: None)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(UnsupportedOperationError, match=rf"{re.escape(path)}\.{child}'\], which have forward.*on {re.escape(path)} instead"):
+    with pytest.raises(
+        UnsupportedOperationError, match=rf"{re.escape(path)}\.{child}'\], which have forward.*on {re.escape(path)} instead"
+    ):
         MiraMoEModel.wrap(model, WRAP)
     assert not hasattr(model, "mira") and not any(isinstance(m, MiraExperts) for m in model.modules())
     assert _same(dict(model.state_dict()), before)

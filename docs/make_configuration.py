@@ -43,6 +43,9 @@ cfg = MiraConfig(gpu_budget=0.25).replace(predictor="none")  # a changed copy, v
 Choices are read in any case and listed as they are typed: `predictor="none"` (or `None`) turns prediction off,
 `quantization="none"` (or `None`) moves experts in the checkpoint's dtype. On the command line the five main
 fields are flags: `--budget`, `--device`, `--policy`, `--predictor`, `--quantization` (`mira generate --help`).
+Two defaults differ there: `mira generate` and `mira serve` take `--budget 0.25` (a quarter of the expert bytes,
+where `gpu_budget` defaults to what fits; `mira calibrate` takes the latter), and `--dtype` is float32 on a CPU (where
+`from_pretrained` keeps the checkpoint's dtype, as transformers does).
 A bad value raises `ConfigError` naming the value, the choices and what to do, before anything loads.
 
 Each mechanism's tuning parameters sit in its own small dataclass, a field of `MiraConfig`:

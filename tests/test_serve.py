@@ -566,3 +566,15 @@ def test_concurrency_benchmark_smoke_serves_the_planned_sequences(tmp_path):
         plan["weights_bytes"] + plan["activation_bytes"] + plan["expert_cache_bytes"] + plan["kv_cache_bytes"]
         <= plan["total_bytes"]
     )
+
+
+def test_a_model_is_served_under_what_it_was_loaded_from_unless_named(tiny_checkpoint):
+    """ServeConfig(model_name=None), the default: a model is served as the path or hub id from_pretrained was given
+    (the bundled model as "mira-tiny"), as `mira serve MODEL` serves it; a name given wins."""
+    from mira_hf.serve.options import served_name
+
+    path = tiny_checkpoint("mixtral")
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.5, device="cpu"), progress=False)
+    assert served_name(model) == path
+    assert served_name(bundled(0.25, "cpu")[1]) == "mira-tiny"
+    assert ServeConfig().model_name is None and ServeConfig(model_name="mixtral").model_name == "mixtral"

@@ -94,7 +94,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             print("learned predictor: skipped (mira_hf.calibrate is not available in this installation)")
         return 0
     learn(model, chunks, out_dir=str(out_dir), max_tokens=total)
-    print(f"learned predictor written to {out_dir}: mira generate {args.model} --predictor learned --predictor-path {out_dir}")
+    print(
+        f"learned predictor written to {out_dir}: mira generate {args.model} --predictor learned --predictor-path {out_dir} --prompt '...'"
+    )
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import logging
 import threading
@@ -18,7 +19,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
-from .options import PLAIN_CHAT_TEMPLATE, ServeConfig, require_serve
+from .options import PLAIN_CHAT_TEMPLATE, ServeConfig, require_serve, served_name
 
 require_serve("mira_hf.serve")
 
@@ -65,6 +66,8 @@ def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None
     """
     require_decoder_only(model, "the server (continuous batching)")
     config = config or ServeConfig()
+    if config.model_name is None:
+        config = dataclasses.replace(config, model_name=served_name(model))
     name = config.model_name
     runtime = _Runtime()
     manager = getattr(model, "mira", None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from dataclasses import dataclass
 
 from ..config import MiraConfig, parse_bytes
@@ -52,7 +53,8 @@ def serving_mira_config(config: MiraConfig) -> MiraConfig:
 class ServeConfig:
     """Settings of the OpenAI-compatible server.
 
-    model_name: the id clients send as "model" and /v1/models lists.
+    model_name: the id clients send as "model" and /v1/models lists; None: what the model was loaded from
+        (`model.name_or_path`: the path or hub id given to from_pretrained; "mira-tiny" for the bundled model).
     default_max_tokens: completion tokens when a request gives no max_tokens (capped by the room left).
     kv_cache_memory: bytes (int or "2GiB") of the paged KV cache; None: transformers sizes it from the device
         memory left after the weights and the expert cache (on a CPU, 64 MiB).
@@ -70,7 +72,7 @@ class ServeConfig:
         directory `mira calibrate` wrote; None: hit rates estimated for evenly spread routing.
     """
 
-    model_name: str = "mira-tiny"
+    model_name: str | None = None
     default_max_tokens: int = 256
     kv_cache_memory: int | str | None = None
     max_batch_tokens: int | None = None
@@ -82,8 +84,11 @@ class ServeConfig:
     routing_trace: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model_name, str) or not self.model_name:
-            raise ConfigError(f"ServeConfig.model_name={self.model_name!r}: give the non-empty name clients will send.")
+        if self.model_name is not None and (not isinstance(self.model_name, str) or not self.model_name):
+            raise ConfigError(
+                f"ServeConfig.model_name={self.model_name!r}: give the non-empty name clients will send, or None for "
+                "what the model was loaded from."
+            )
         for name in ("default_max_tokens", "max_batch_tokens", "concurrency", "prompt_tokens"):
             value = getattr(self, name)
             if value is None and name == "max_batch_tokens":
@@ -104,3 +109,14 @@ class ServeConfig:
             raise ConfigError(f"ServeConfig.expert_cache_memory={e}: a float is a share of all expert bytes, in (0, 1].")
         if e is not None and not isinstance(e, float):
             parse_bytes(e, "expert_cache_memory")
+
+
+def served_name(model) -> str:
+    """The id `model` is served under when ServeConfig names none: what from_pretrained was given (its
+    `name_or_path`; the bundled model's own name for its directory), else its class name."""
+    from ..bundled import BUNDLED_NAME, bundled_model_path
+
+    name = str(getattr(model, "name_or_path", "") or "")
+    if name and os.path.realpath(name) == os.path.realpath(bundled_model_path()):
+        return BUNDLED_NAME
+    return name or type(model).__name__

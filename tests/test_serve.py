@@ -438,16 +438,23 @@ def test_cli_serve_reports_the_experts_kept_packed(monkeypatch, capsys):
     assert f"all 48 experts ({kept} kept packed, decoded at each use)" in out
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_decoding(served):
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_client_that_disconnects_mid_answer_frees_its_decoding(served, streamed):
+    """Streamed or answered whole, a request whose client leaves stops decoding within a few steps."""
+    import socket
+    from urllib.parse import urlparse
+
     url, tokenizer, model, references, _ = served
     steps_before = model.mira.stats()["steps"]
-    request = urllib.request.Request(
-        url + "/v1/completions",
-        data=json.dumps({"prompt": PROMPTS[0], "max_tokens": 600, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-        assert response.readline().startswith(b"data: ")  # decoding has started; then the client goes away
+    data = json.dumps({"prompt": PROMPTS[0], "max_tokens": 600, "stream": streamed}).encode()
+    where = urlparse(url)
+    with socket.create_connection((where.hostname, where.port), timeout=TIMEOUT_S) as client:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {where.netloc}\r\nContent-Type: application/json\r\n"
+        client.sendall(f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        deadline = time.monotonic() + TIMEOUT_S
+        while model.mira.stats()["steps"] < steps_before + 3:  # decoding has started; then the client goes away
+            assert time.monotonic() < deadline, "the request never started decoding"
+            time.sleep(0.01)
     deadline = time.monotonic() + TIMEOUT_S
     while True:  # the batch empties once the request is cancelled
         values = metric_values(get(url + "/metrics")[1])
@@ -578,3 +585,26 @@ def test_a_model_is_served_under_what_it_was_loaded_from_unless_named(tiny_check
     assert served_name(model) == path
     assert served_name(bundled(0.25, "cpu")[1]) == "mira-tiny"
     assert ServeConfig().model_name is None and ServeConfig(model_name="mixtral").model_name == "mixtral"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_chat_rendered_with_the_servers_template_answers_only_the_generated_text(family, tmp_path):
+    """A tokenizer without a chat template gets the server's plain one; the answer is the text `generate` gives, for
+    every family: transformers would parse a Qwen-family answer with a ChatML response template picked by model type,
+    whose anchor the plain rendering lacks, and answer with the prompt in front."""
+    from transformers import AutoTokenizer
+
+    from mira_hf.serve import BackgroundServer, build_app
+    from mira_hf.testing import build, make_config
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(bundled_model_path())
+    assert not getattr(tokenizer, "chat_template", None)
+    build(make_config(family, vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=0)).save_pretrained(tmp_path)
+    model = MiraMoEModel.from_pretrained(tmp_path, MiraConfig(gpu_budget=0.5, device="cpu"), progress=False, dtype=torch.float32)
+    model.eval()
+    expected = tokenizer.decode(new_tokens(model, prompt_ids(tokenizer, "chat", PROMPTS[0])), skip_special_tokens=True)
+    with BackgroundServer(build_app(model, tokenizer, ServeConfig(default_max_tokens=NEW_TOKENS))) as server:
+        status, body = post(server.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}]})
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == expected

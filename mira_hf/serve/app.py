@@ -209,7 +209,10 @@ class _Service:
             body = checks.parse_body(await request.body())
             check(body)
             self.stack.prepare_request(body)
-            response = await handler.handle_request(body, f"{id_prefix}-{uuid.uuid4().hex}")
+            response = await _unless_disconnected(request, handler.handle_request(body, f"{id_prefix}-{uuid.uuid4().hex}"))
+            if response is None:  # the client left before its answer: its decoding was stopped
+                outcome["status"] = CLIENT_CLOSED
+                return _error(CLIENT_CLOSED, "the client closed the connection before the answer was ready")
             outcome["status"] = response.status_code
             if isinstance(response, StreamingResponse):
                 outcome["streaming"] = True
@@ -292,6 +295,29 @@ def _start_batching(model, config: ServeConfig, stack: ServingStack, runtime: _R
     if runtime.plan is not None:
         runtime.split["plan"] = {k: v for k, v in runtime.plan.as_dict().items() if k != "candidates"}
     runtime.cb = cb
+
+
+CLIENT_CLOSED = 499  # the status nginx and others log for a request whose client left first
+DISCONNECT_POLL_S = 0.1
+
+
+async def _unless_disconnected(request: Request, answer):
+    """The result of awaiting `answer`, or None once the client has disconnected: `answer` is then cancelled (which
+    cancels its decoding). Starlette does not cancel an endpoint whose client leaves; a stream stops when its
+    response can no longer be sent, an answer given whole would decode to its end for nobody."""
+    task = asyncio.ensure_future(answer)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return None
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
 
 
 async def _observed_stream(chunks, finish):

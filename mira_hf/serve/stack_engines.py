@@ -10,6 +10,7 @@ as transformers' in-process managers did before 5.25.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
@@ -35,9 +36,16 @@ class LoadedEngine:
     use_cb = True  # prompts are tokenised as lists, for continuous batching
     modality = Modality.LLM
 
-    def __init__(self, model, tokenizer, name: str, generation_config) -> None:
+    def __init__(self, model, tokenizer, name: str, generation_config, own_template: bool = False) -> None:
         self.model_id, self.processor = name, tokenizer
         self.model_config, self.generation_config = model.config, generation_config
+        if own_template:
+            # The server renders chats with a template of its own (the tokenizer has none): the answer is the
+            # generated text. transformers would parse it with a response template it picks by model type for
+            # tokenizers without one (ChatML for the Qwen families), whose anchor that rendering never has, and
+            # would keep the prompt in the answer; a config of no known type gives it none.
+            self.model_config = copy.copy(model.config)
+            self.model_config.model_type = ""
         self._model = model
         self._request_numbers = itertools.count()
         self.cb = None  # the ContinuousBatchingManager, once started
@@ -143,9 +151,9 @@ class LoadedModelManager:
     """What transformers' handlers (5.25 on) ask for a model (`get_engine`): the one loaded model's `LoadedEngine`,
     for a request that names it or no model. The model stays the caller's: `shutdown()` stops its batching only."""
 
-    def __init__(self, model, tokenizer, name: str, generation_config) -> None:
+    def __init__(self, model, tokenizer, name: str, generation_config, own_template: bool = False) -> None:
         self.force_model = name
-        self.engine = LoadedEngine(model, tokenizer, name, generation_config)
+        self.engine = LoadedEngine(model, tokenizer, name, generation_config, own_template)
 
     def get_engine(self, model: str | None) -> LoadedEngine:
         if model is not None and model != self.force_model:
@@ -161,7 +169,7 @@ class Stack(ServingStack):
     worker_dead_error = EngineDeadError
 
     def __init__(self, model, tokenizer, name: str, generation_config, cb_config, chat_template_kwargs: dict) -> None:
-        self._models = LoadedModelManager(model, tokenizer, name, generation_config)
+        self._models = LoadedModelManager(model, tokenizer, name, generation_config, bool(chat_template_kwargs))
         self._cb_config = cb_config
         state = GenerationState(continuous_batching=True, cb_config=cb_config)
         self.chat_handler = ChatCompletionHandler(

@@ -608,3 +608,56 @@ def test_a_chat_rendered_with_the_servers_template_answers_only_the_generated_te
         status, body = post(server.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}]})
     assert status == 200, body
     assert body["choices"][0]["message"]["content"] == expected
+
+
+def test_a_stream_ends_with_done_and_counts_its_tokens_whether_or_not_it_asks_for_usage(served):
+    """OpenAI streams end with `data: [DONE]`; a usage chunk comes where the request does not decline it
+    (`stream_options.include_usage` false leaves it out), and /metrics counts the tokens either way."""
+    url, tokenizer, _, references, _ = served
+    expected = len(references["completion", PROMPTS[0]])
+
+    def streamed(options) -> tuple[list[str], float]:
+        before = metric_values(get(url + "/metrics")[1])['mira_tokens_generated_total{model="mira-tiny"}']
+        body = {"prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "stream": True, **options}
+        request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            lines = [line.decode().strip() for line in response if line.strip()]
+        return lines, metric_values(get(url + "/metrics")[1])['mira_tokens_generated_total{model="mira-tiny"}'] - before
+
+    for options, usage in (
+        ({}, True),
+        ({"stream_options": {"include_usage": True}}, True),
+        ({"stream_options": {"include_usage": False}}, False),
+    ):
+        lines, counted = streamed(options)
+        assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1, options
+        events = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+        assert any("usage" in e and e["usage"] for e in events) == usage, options
+        assert counted == expected, options
+
+
+def test_a_request_being_checked_does_not_hold_up_other_clients(served, monkeypatch):
+    """A request's checks (which tokenise its prompt: long for a long prompt) run off the event loop: while one is
+    still being checked, the server answers others."""
+    import threading
+
+    url, _, _, _, app = served
+    service = app.state.mira_service
+    release, entered = threading.Event(), threading.Event()
+    check = service.check_completion
+
+    def slow_check(body):
+        entered.set()
+        release.wait(TIMEOUT_S)
+        check(body)
+
+    monkeypatch.setattr(service, "check_completion", slow_check)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(post, url + "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2})
+        assert entered.wait(TIMEOUT_S)
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=10) as response:  # answered while the check waits
+                assert response.status == 200
+        finally:
+            release.set()
+        assert pending.result()[0] == 200

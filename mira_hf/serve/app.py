@@ -10,6 +10,7 @@ load, list or unload other models, and its errors are not OpenAI-shaped. This ap
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import dataclasses
 import json
@@ -139,6 +140,7 @@ async def _lifespan(app: FastAPI):
     try:
         yield
     finally:
+        service.checking.shutdown(wait=False)
         await asyncio.to_thread(service.stack.stop)
 
 
@@ -154,6 +156,9 @@ class _Service:
         self.model, self.tokenizer, self.config, self.runtime, self.on_ready = model, tokenizer, config, runtime, on_ready
         self.name = config.model_name
         self.created = int(time.time())
+        # A request's checks tokenise its prompt: on a thread of their own, so a long prompt does not hold up the
+        # event loop, which serves every other client's stream
+        self.checking = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mira-serve-checks")
         self.template_kwargs = (
             {} if getattr(tokenizer, "chat_template", None) else {"chat_template": config.chat_template or PLAIN_CHAT_TEMPLATE}
         )
@@ -207,7 +212,9 @@ class _Service:
 
         try:
             body = checks.parse_body(await request.body())
-            check(body)
+            await asyncio.get_running_loop().run_in_executor(self.checking, check, body)
+            options = body.get("stream_options")
+            hide_usage = bool(body.get("stream")) and isinstance(options, dict) and not options.get("include_usage")
             self.stack.prepare_request(body)
             response = await _unless_disconnected(request, handler.handle_request(body, f"{id_prefix}-{uuid.uuid4().hex}"))
             if response is None:  # the client left before its answer: its decoding was stopped
@@ -219,7 +226,7 @@ class _Service:
                 # Starlette's own streaming response: it stops the stream when the client disconnects, whatever
                 # response class the handler chose
                 return StreamingResponse(
-                    _observed_stream(response.body_iterator, finish),
+                    _observed_stream(response.body_iterator, finish, hide_usage),
                     status_code=response.status_code,
                     headers=dict(response.headers),
                 )
@@ -320,20 +327,37 @@ async def _unless_disconnected(request: Request, answer):
         raise
 
 
-async def _observed_stream(chunks, finish):
-    """Pass the SSE chunks through; at the end, report the completion tokens of the final `usage` chunk."""
-    tokens = None
+async def _observed_stream(chunks, finish, hide_usage: bool = False):
+    """Pass the SSE chunks through; at the end, report the completion tokens of the final `usage` chunk, which is
+    left out where the request asked for none (`hide_usage`: the server asks for it to count the tokens), and end
+    the stream with `data: [DONE]`, as OpenAI's streams end."""
+    tokens, done = None, False
     try:
         async for chunk in chunks:
             text = chunk if isinstance(chunk, str) else chunk.decode()
             if '"usage"' in text:
-                tokens = _completion_tokens(text.rsplit("data: ", 1)[-1].encode()) or tokens
+                last = text.rsplit("data: ", 1)[-1].encode()
+                tokens = _completion_tokens(last) or tokens
+                if hide_usage and _usage_only(last):
+                    continue
+            done = done or "data: [DONE]" in text
             yield chunk
+        if not done:
+            yield "data: [DONE]\n\n"
     finally:
         close = getattr(chunks, "aclose", None)
         if close is not None:  # on a client disconnect: transformers' generator then cancels the request's decoding
             await close()
         finish(tokens)
+
+
+def _usage_only(body: bytes) -> bool:
+    """Whether an SSE event's JSON is a usage chunk with no choices (what `stream_options.include_usage` adds)."""
+    try:
+        event = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(event, dict) and not event.get("choices") and "usage" in event
 
 
 def _completion_tokens(body: bytes) -> int | None:

@@ -185,7 +185,8 @@ class Stack(ServingStack):
 
     def prepare_request(self, body: dict) -> None:
         # These handlers end a stream with its usage only when asked (OpenAI's stream_options.include_usage); before
-        # 5.25 every stream ended with it. A stream whose request does not say still gets it, and /metrics counts
-        # its tokens from it.
-        if body.get("stream") and body.get("stream_options") is None:
-            body["stream_options"] = {"include_usage": True}
+        # 5.25 every stream ended with it. Every stream asks here, as /metrics counts its tokens from it; a stream
+        # whose request does not say gets it, and the app leaves it out of one whose request declined it.
+        if body.get("stream"):
+            options = body.get("stream_options")
+            body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}

@@ -104,7 +104,8 @@ class ExpertManager(NotebookViews):
         self.host_only: frozenset[Key] = frozenset()  # experts that never keep a slot (set_host_only)
         self.recorder = None  # optional callable(layer, hidden [T,H], top_k_index [T,K]): traces, calibration
         self.router_probs = router_probs  # (layer, hidden) -> [T, E] router probabilities of the wrapped model
-        self.fingerprint: dict = fingerprint or {}  # identifies the wrapped model (files made for another are refused)
+        self._fingerprint: dict = fingerprint or {}  # as wrapped; `fingerprint` hashes the routers as they are now
+        self.router_fields: Callable[[], dict] | None = None  # the routers' hash now (set by the model: targets.router_fields)
         self.quantization = settings.quantization
         self.record_cache = record_cache  # the RecordCache the records were read from or written to (None: off)
         self.batch = None  # mira_hf.batching.BatchUsage once enabled (serving): batch-aware use rates
@@ -177,6 +178,13 @@ class ExpertManager(NotebookViews):
                 "host_compute other than 'split') to change them in place."
             )
         self.relocate(self.store, self.budget, self.device)
+
+    @property
+    def fingerprint(self) -> dict:
+        """What identifies the wrapped model for the files made from it (predictors, stores; others' are refused):
+        its shape, and a hash of its routers' weights as they are now (a `load_state_dict`, an edit or a cast since
+        wrapping makes it another model's)."""
+        return self._fingerprint if self.router_fields is None else {**self._fingerprint, **self.router_fields()}
 
     @property
     def kept(self) -> Mapping[Key, object]:

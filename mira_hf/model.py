@@ -52,6 +52,7 @@ from .targets import (
     model_fingerprint,
     own_classes_hint,
     resolve_adapter,
+    router_fields,
     sub_model_types,
 )
 from .unload import save_pretrained, unload
@@ -352,6 +353,7 @@ def _install(
     replan_model = functools.partial(replan, model, user_cfg, plan.layers, targets)
     install_state(model, manager, proxies, {t.ordinal: t.parameter for t in targets}, replan_model)
     steps.edited = manager.step_check = model._mira_state.edited  # experts changed in place reach what they compute
+    manager.router_fields = functools.partial(router_fields, targets)  # files saved later name the routers as they are then
     report.finish()
     model.mira_load_report = lambda: report
     if progress:  # the progress bars' last line: where the load's time went

@@ -284,12 +284,18 @@ def model_fingerprint(model: nn.Module, targets: list[Target], specs: dict, rout
     }
     if not routers:
         return shape
+    return {**shape, **router_fields(targets)}
+
+
+def router_fields(targets: list[Target]) -> dict[str, str]:
+    """The fingerprint's hash of the routers' weights as they are now (each MoE block's [E, ...] matrices beside its
+    experts): {ROUTER_HASH: sha256}."""
     h = hashlib.sha256()
     for t in targets:
         for name, p in sorted(t.parent.named_parameters()):
             if not name.startswith(t.attr + ".") and p.dim() == 2 and p.shape[0] == t.num_experts:
                 h.update(p.detach().float().cpu().numpy().tobytes())
-    return {**shape, ROUTER_HASH: h.hexdigest()}
+    return {ROUTER_HASH: h.hexdigest()}
 
 
 class RouterTable:

@@ -234,3 +234,20 @@ def test_calibrate_counts_experts_and_can_mark_unused_ones_host_only(tiny_checkp
     gen = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, **gen), ref.generate(ids, **gen))  # host-only changes no output
     assert model.mira.stats()["host_only_experts"] == len(unused)
+
+
+def test_a_file_saved_after_the_routers_changed_names_them_as_they_are_then(calibrated, tmp_path):
+    """Routers changed after wrapping (load_state_dict of fine-tuned weights, an in-place edit): a predictor saved
+    then is for the model as it is, so it loads with that model's checkpoint and is refused by the original's."""
+    model, predictor, _ = calibrated
+    edited = mira("gate")
+    with torch.no_grad():
+        edited.model.layers[3].mlp.gate.weight.mul_(1.01)
+    edited.mira.predictor = predictor  # as calibrate sets it
+    edited.mira.save_predictor(tmp_path / "predictor")
+    edited.save_pretrained(tmp_path / "model")
+    cfg = MiraConfig(device="cpu", gpu_budget=0.25, predictor="learned", predictor_path=str(tmp_path / "predictor"))
+    again = MiraMoEModel.from_pretrained(tmp_path / "model", cfg, progress=False, dtype=torch.float32)
+    assert again.mira.predictor is not None
+    with pytest.raises(IncompatibleFileError, match="router_sha256"):
+        MiraMoEModel.from_pretrained(BUNDLED, cfg, progress=False, dtype=torch.float32)

@@ -177,8 +177,13 @@ class QuantConfig:
     def __post_init__(self) -> None:
         for name, allowed in (("lossless_code", LOSSLESS_CODES), ("placement", PLACEMENTS)):
             object.__setattr__(self, name, normalize_choice(f"QuantConfig.{name}", getattr(self, name), allowed))
-        if not isinstance(self.group_size, int) or self.group_size < 16 or self.group_size & (self.group_size - 1):
-            raise ConfigError(f"QuantConfig.group_size={self.group_size!r}: must be a power of two ≥ 16 (default 64).")
+        from .quant.record import GROUP_SIZES  # the sizes the record layouts (and their Triton tiles) take
+
+        if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:
+            raise ConfigError(
+                f"QuantConfig.group_size={self.group_size!r}: must be one of {', '.join(map(str, GROUP_SIZES))} "
+                "(weights per scale; default 64; nf4 takes 32 and up)."
+            )
 
 
 @dataclass(frozen=True)
@@ -269,22 +274,29 @@ def quantizations() -> tuple[str | None, ...]:
     return ("auto", None, *(e.name for e in entries))
 
 
+def chosen_quantizations() -> tuple[str | None, ...]:
+    """The formats a user chooses (`quantizations()` without pre-quantized checkpoints' own, which a load of such a
+    checkpoint picks by itself)."""
+    return tuple(q for q in quantizations() if q in ("auto", None) or find_codec_entry(q).role != "native")
+
+
 def __getattr__(name: str) -> object:
     if name == "QUANTIZATIONS":  # read from the codec registry each time: formats registered later count
         return quantizations()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def normalize_choice(name: str, value: object, allowed: tuple, hint: str = "") -> object:
+def normalize_choice(name: str, value: object, allowed: tuple, hint: str = "", shown: tuple | None = None) -> object:
     """The stored form of a choice typed in any case ("LRU", "None", None -> "lru", None), or `ConfigError`
-    naming what was given and the choices as they are typed."""
+    naming what was given and the choices as they are typed (`shown`, where only some of `allowed` are the user's)."""
     if isinstance(value, str):
         for a in allowed:
             if value.strip().lower() == spelling(a):
                 return a
     elif value is None and None in allowed:
         return None
-    raise ConfigError(f"{name}={value!r} is not supported. Supported: {choices_text(allowed)} (any case). {hint}".rstrip())
+    listed = choices_text(allowed if shown is None else shown)
+    raise ConfigError(f"{name}={value!r} is not supported. Supported: {listed} (any case). {hint}".rstrip())
 
 
 @dataclass(frozen=True)
@@ -381,7 +393,8 @@ class MiraConfig:
             ("host_compute", HOST_COMPUTE_MODES),
         )
         for name, allowed in choices:  # frozen: the normalized spelling is stored in place
-            object.__setattr__(self, name, normalize_choice(name, getattr(self, name), allowed))
+            shown = chosen_quantizations() if name == "quantization" else None
+            object.__setattr__(self, name, normalize_choice(name, getattr(self, name), allowed, shown=shown))
         if isinstance(self.device, str):
             object.__setattr__(self, "device", self.device.strip().lower())
         if self.device is not None:

@@ -97,8 +97,17 @@ def test_bad_quant_settings_are_refused():
 
     with pytest.raises(ConfigError, match="placement"):
         QuantConfig(placement="cpu")
-    with pytest.raises(ConfigError, match="power of two"):
-        QuantConfig(group_size=48)
+    for size in (48, 2048):  # each size the record layouts take is accepted here, and no other
+        with pytest.raises(ConfigError, match=rf"group_size={size}: must be one of 16, 32, .*1024"):
+            QuantConfig(group_size=size)
+    from mira_hf.quant.nf4 import Nf4Codec
+
+    with pytest.raises(ConfigError, match="nf4 takes blocks of 32 weights and up"):  # before bitsandbytes is needed
+        Nf4Codec(16)
+    from mira_hf import MiraConfig
+
+    with pytest.raises(ConfigError, match=r"Supported: auto, none, lossless, int8, int4, nf4 \(any case\)"):
+        MiraConfig(quantization="int3")  # pre-quantized checkpoints' formats are not offered
 
 
 def test_unload_of_a_quantized_model_warns_that_experts_are_dequantized():

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from ..bundled import BUNDLED_NAME, resolve_model_name
-from ..config import HOST_COMPUTE_MODES, POLICIES, PREDICTORS, QUANTIZATIONS, MiraConfig, choices_text, spelling
+from ..config import HOST_COMPUTE_MODES, POLICIES, PREDICTORS, MiraConfig, choices_text, chosen_quantizations, spelling
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODEL_HELP = f'model directory or hub id (downloaded as transformers downloads it; default: "{BUNDLED_NAME}", the bundled model)'
@@ -43,7 +43,7 @@ def add_model_options(p: argparse.ArgumentParser, budget_default: str | None, pr
             metavar="P",
             help=f"expert predictor for prefetching: {choices_text(PREDICTORS)} (default {spelling(defaults['predictor'])})",
         )
-    formats = choices_text(QUANTIZATIONS)
+    formats = choices_text(chosen_quantizations())
     p.add_argument(
         "--quantization",
         default=defaults["quantization"],

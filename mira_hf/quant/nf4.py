@@ -37,6 +37,7 @@ from .record import (
 
 # bitsandbytes quantises the block absmax values in blocks of 256 when compress_statistics=True.
 _NESTED_BLOCK = 256
+NF4_MIN_GROUP = 32  # bitsandbytes refuses smaller 4-bit blocks
 
 
 def _bnb():
@@ -68,6 +69,11 @@ class Nf4Codec(RecordCodec):
 
     def __init__(self, group_size: int = 64) -> None:
         check_group_size(group_size, "Nf4Codec")
+        if group_size < NF4_MIN_GROUP:
+            raise ConfigError(
+                f"quantization='nf4' with QuantConfig.group_size={group_size}: bitsandbytes' nf4 takes blocks of "
+                f"{NF4_MIN_GROUP} weights and up. Use group_size={NF4_MIN_GROUP} or more (64 is the default), or int4."
+            )
         super().__init__("torch")  # bitsandbytes' own kernels compute; no Triton here
         self._bnbf = _bnb()
         self.group_size = group_size

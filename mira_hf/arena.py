@@ -137,6 +137,11 @@ class DeviceArena:
         return sum(b.numel() for b in self.buffers.values())
 
     @property
+    def kept_bytes(self) -> int:
+        """Bytes of the records kept packed beside the slots (placement "mixed")."""
+        return sum(slab.numel() for key, slab in self.slabs.items() if isinstance(key, tuple) and key[0] == "kept")
+
+    @property
     def device_bytes(self) -> int:
         """Bytes held on the device: the slabs and the codec buffers (≤ the plan's budget_bytes)."""
         return sum(a.numel() for a in self.slabs.values()) + self.buffer_bytes

@@ -55,13 +55,14 @@ class NotebookViews:
                 budget_bytes=self.budget.budget_bytes,
                 capacity_bytes=self.cache.capacity_bytes,
                 buffer_bytes=self.arena.buffer_bytes,
-                resident_bytes=self.cache.resident_bytes,
+                resident_bytes=self.cache.resident_bytes + self.arena.kept_bytes,  # in slots, and kept packed beside them
                 slots=sum(self.budget.n_slots.values()),
                 device=str(self.device),
                 quantization=self.quantization,
                 placement=self.placement,
                 host_only_experts=len(self.host_only),
                 kept_packed_experts=len(self.kept),  # placement "mixed": held packed beside the slots, decoded at each use
+                kept_packed_bytes=self.arena.kept_bytes,
                 host_part_bytes=self.host.parts.nbytes() if self.host.parts is not None else 0,  # host_compute="split"
                 prediction_active=self.staging.predicting,  # the predictor runs now (False without one, or paused by the payoff gate)
                 prediction_paused_steps=self.staging.gate.paused_steps,

@@ -405,6 +405,9 @@ def test_mixed_placement_keeps_a_few_experts_packed_copies_nothing_more_and_comp
     assert sum(mira.expert_counts()[layer][e] for layer, es in kept.items() for e in es) > 0  # kept ones were used
     s = mira.stats()
     assert s["loads"] == loads and s["evictions"] == 0 and s["kept_packed_experts"] == n_kept
+    kept_bytes = sum(len(es) * mira.store.record_bytes(layer) for layer, es in kept.items())
+    assert s["kept_packed_bytes"] == kept_bytes  # on the device beside the slots, and counted as resident
+    assert s["resident_bytes"] == mira.cache.resident_bytes + kept_bytes <= s["budget_bytes"]
     layer, (expert, *_) = next(iter(kept.items()))
     assert mira.tier_of(layer, expert) == "hot" and not mira.wants((layer, expert))
     assert not any(w for e, w in enumerate(mira.wanted(layer)) if e in kept[layer])

@@ -70,9 +70,11 @@ class BudgetPlan:
         return {layer: min(1.0, store.record_bytes(layer) / largest * TIER_COST[store.tier(layer)] / 4.0) for layer in layers}
 
 
-def expert_keys(layers: Mapping[int, LayerInfo], experts: Mapping[int, Sequence[int]], caller: str) -> set[tuple[int, int]]:
+def expert_keys(
+    layers: Mapping[int, LayerInfo], experts: Mapping[int, Sequence[int]], caller: str, takes: str = "{layer: [expert indices]}"
+) -> set[tuple[int, int]]:
     """The `(layer, expert)` keys of `{layer: [expert, ...]}`, each checked against `layers` (ordinal ->
-    `LayerInfo`); a ConfigError naming `caller` and the model's layers otherwise."""
+    `LayerInfo`); a ConfigError naming `caller`, the model's layers and what `caller` takes (`takes`) otherwise."""
     keys = set()
     have = {L: info.num_experts for L, info in layers.items()}
     for given, values in experts.items():
@@ -82,7 +84,7 @@ def expert_keys(layers: Mapping[int, LayerInfo], experts: Mapping[int, Sequence[
         if li is None or bad:
             raise ConfigError(
                 f"{caller}: layer {given!r} experts {values!r} do not exist in this model "
-                f"(MoE layer ordinal -> experts: {have}). Give {{layer: [expert indices]}}."
+                f"(MoE layer ordinal -> experts: {have}). Give {takes}."
             )
         keys.update((layer, e) for e in es)
     return keys

@@ -74,7 +74,7 @@ class NotebookViews:
         its use and not used yet) or None (not on the device). The same labels as `stats()`' `hot_hits` and
         `stage_hits`; the cache's eviction groups (`ExpertCache`) are its own business. An expert kept packed beside
         the cache (placement "mixed") is always "hot". An expert the model does not have is a `ConfigError`."""
-        ((layer, expert),) = expert_keys(self.layers, {layer: [expert]}, "tier_of")  # as ints
+        ((layer, expert),) = expert_keys(self.layers, {layer: [expert]}, "tier_of", "a layer ordinal and an expert index")
         slot = self.cache.lookup((layer, expert))
         if slot is None:
             return "hot" if (layer, expert) in self.kept else None

@@ -563,7 +563,7 @@ def test_host_only_experts_are_computed_but_never_keep_a_slot():
         m.set_host_only({0: [4]})  # layer 0 has experts 0..3
     assert m.host_only == frozenset()  # refused before anything changed
     for layer, expert in ((2, 0), (0, 4)):
-        with pytest.raises(ConfigError, match="tier_of: layer .* do not exist"):
+        with pytest.raises(ConfigError, match="tier_of: layer .* do not exist.*Give a layer ordinal and an expert index"):
             m.tier_of(layer, expert)
     run_block(m, 0, [3])
     m.set_host_only({0: [3]})

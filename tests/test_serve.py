@@ -661,3 +661,18 @@ def test_a_request_being_checked_does_not_hold_up_other_clients(served, monkeypa
         finally:
             release.set()
         assert pending.result()[0] == 200
+
+
+def test_cli_serve_refuses_a_port_in_use_before_loading(monkeypatch, capsys):
+    """`mira serve --port P` with P taken: a one-line argument error, before the model loads (it can take minutes)."""
+    import socket
+
+    import mira_hf.cli.serve as cli_serve
+
+    monkeypatch.setattr(cli_serve, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["serve", "--device", "cpu", "--port", str(port)]) == 2
+    assert f"--port {port}: cannot listen there" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 
 from ..bundled import BUNDLED_NAME
 from ..errors import ConfigError
@@ -70,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     require_serve()
     cfg = serving_mira_config(mira_config(args))
+    sock = None if args.memory_report else listening_socket(args.host, args.port)  # before the load, which takes a while
     model, tokenizer = load(model_source(args.model), cfg, args.dtype)
 
     import logging
@@ -87,5 +89,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(format_split(split))
         print(f"serving {serve_config.model_name!r} on http://{args.host}:{args.port} (Ctrl-C stops)", flush=True)
 
-    serve(model, tokenizer, serve_config, host=args.host, port=args.port, on_ready=ready)
+    serve(model, tokenizer, serve_config, host=args.host, port=args.port, on_ready=ready, sock=sock)
     return 0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), for the server to listen on; a ConfigError if it cannot be."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a port in TIME_WAIT is free
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc}). Another server may hold the "
+            "port: give another --port, or stop that server."
+        ) from None
+    return sock

@@ -367,11 +367,18 @@ def _completion_tokens(body: bytes) -> int | None:
         return None
 
 
-def serve(model, tokenizer, config: ServeConfig | None = None, host: str = "127.0.0.1", port: int = 8000, on_ready=None) -> None:
-    """Serve until interrupted (Ctrl-C). `host="0.0.0.0"` listens on every interface."""
+def serve(
+    model, tokenizer, config: ServeConfig | None = None, host: str = "127.0.0.1", port: int = 8000, on_ready=None, sock=None
+) -> None:
+    """Serve until interrupted (Ctrl-C). `host="0.0.0.0"` listens on every interface; `sock`: a socket already bound
+    (to host and port), listened on instead."""
     import uvicorn
 
-    uvicorn.run(build_app(model, tokenizer, config, on_ready=on_ready), host=host, port=port, log_level="warning")
+    app = build_app(model, tokenizer, config, on_ready=on_ready)
+    if sock is None:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    else:
+        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run(sockets=[sock])
 
 
 class BackgroundServer:

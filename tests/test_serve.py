@@ -676,3 +676,22 @@ def test_cli_serve_refuses_a_port_in_use_before_loading(monkeypatch, capsys):
         port = taken.getsockname()[1]
         assert main(["serve", "--device", "cpu", "--port", str(port)]) == 2
     assert f"--port {port}: cannot listen there" in capsys.readouterr().err
+
+
+def test_kv_cache_memory_is_what_a_multi_head_latent_attention_model_gets(tmp_path):
+    """DeepSeek-V3's attention caches two latents per token, not K and V per head: kv_cache_memory is converted to
+    blocks at that size, so the paged cache holds about the bytes asked for (transformers adds a block or two)."""
+    from transformers import AutoTokenizer
+
+    from mira_hf.serve import BackgroundServer, build_app
+    from mira_hf.testing import build, make_config
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_model_path())
+    torch.manual_seed(0)
+    build(make_config("deepseek_v3", vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=0)).save_pretrained(tmp_path)
+    model = MiraMoEModel.from_pretrained(tmp_path, MiraConfig(gpu_budget=0.5, device="cpu"), progress=False, dtype=torch.float32)
+    split: dict = {}
+    asked = 2 * 2**20
+    with BackgroundServer(build_app(model.eval(), tokenizer, ServeConfig(kv_cache_memory=asked), on_ready=split.update)):
+        pass
+    assert 0.9 * asked <= split["kv_cache_bytes"] <= 1.15 * asked, split

@@ -9,6 +9,7 @@ once the cache exists. Imports torch and transformers only inside functions (the
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 from ..config import parse_bytes
 from ..errors import ConfigError
@@ -22,9 +23,16 @@ CPU_DEFAULT_BATCH_TOKENS = 1024
 DEFAULT_PAGE_TOKENS = 256  # transformers' default page (block) size, tokens per whole-model block
 
 
+MLA_LATENTS = "transformers.generation.continuous_batching.cache_allocators.compressed_latents"
+
+
 def kv_bytes_per_token(model) -> int:
-    """Bytes of K and V for one token across all layers, at the model's dtype (what one cached token costs)."""
+    """Bytes of K and V for one token across all layers, at the model's dtype (what one cached token costs). Where
+    transformers' paged cache keeps multi-head latent attention's two latents per token instead (DeepSeek-V2/V3,
+    Kimi: its compressed-latents allocator), their bytes."""
     text = model.config.get_text_config()
+    if getattr(text, "kv_lora_rank", None) is not None and importlib.util.find_spec(MLA_LATENTS) is not None:
+        return text.num_hidden_layers * (text.kv_lora_rank + text.qk_rope_head_dim) * model.dtype.itemsize
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads

@@ -15,7 +15,7 @@ from typing import Union
 from .errors import ConfigError, MissingDependencyError
 from .heat import HeatConfig
 from .policies import PriorityConfig
-from .quant import LOSSLESS_CODES, codec_names, find_codec_entry
+from .quant import GROUP_SIZES, LOSSLESS_CODES, codec_names, find_codec_entry
 from .registry import POLICIES as POLICY_REGISTRY
 from .registry import PREDICTORS as PREDICTOR_REGISTRY
 
@@ -177,8 +177,6 @@ class QuantConfig:
     def __post_init__(self) -> None:
         for name, allowed in (("lossless_code", LOSSLESS_CODES), ("placement", PLACEMENTS)):
             object.__setattr__(self, name, normalize_choice(f"QuantConfig.{name}", getattr(self, name), allowed))
-        from .quant.record import GROUP_SIZES  # the sizes the record layouts (and their Triton tiles) take
-
         if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:
             raise ConfigError(
                 f"QuantConfig.group_size={self.group_size!r}: must be one of {', '.join(map(str, GROUP_SIZES))} "

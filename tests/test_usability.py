@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mira_hf import CheckpointError, ConfigError, MiraConfig, MiraMoEModel, bundled_model_path, cli
-from mira_hf.config import HOST_MEMORY_KINDS, POLICIES, PREDICTORS, QUANTIZATIONS
+from mira_hf.config import HOST_MEMORY_KINDS, POLICIES, PREDICTORS, chosen_quantizations
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,7 +78,9 @@ def test_choices_are_read_in_any_case_with_none_spelled_none(field, typed, store
     assert getattr(MiraConfig(**{field: typed}), field) == stored
 
 
-@pytest.mark.parametrize("field, allowed", [("policy", POLICIES), ("predictor", PREDICTORS), ("quantization", QUANTIZATIONS)])
+@pytest.mark.parametrize(
+    "field, allowed", [("policy", POLICIES), ("predictor", PREDICTORS), ("quantization", chosen_quantizations())]
+)
 def test_a_wrong_choice_lists_the_choices_as_typed(field, allowed):
     with pytest.raises(ConfigError) as info:
         MiraConfig(**{field: "nonsense"})

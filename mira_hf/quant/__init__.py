@@ -23,7 +23,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from .formats import LOSSLESS_CODES
+from .formats import GROUP_SIZES, LOSSLESS_CODES
 from .registry import (
     CodecEntry,
     CodecRegistryError,
@@ -54,6 +54,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "GROUP_SIZES",
     "LOSSLESS_CODES",
     "CodecEntry",
     "CodecRegistryError",

@@ -10,6 +10,7 @@ from .registry import CodecEntry, Lazy, register_codec
 
 # The lossless format's exponent codes (`mira_hf.quant.lossless`; QuantConfig.lossless_code).
 LOSSLESS_CODES = ("nibble", "classes")
+GROUP_SIZES = (16, 32, 64, 128, 256, 512, 1024)  # weights per scale of the record formats: powers of two, as Triton tiles need
 NF4_INSTALL_HINT = "pip install \"mira-hf[quant]\", or use quantization='int4' (mira-hf's own format, no dependency)"
 
 _Q = "mira_hf.quant."

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, IncompatibleFileError, MiraError
+from .formats import GROUP_SIZES
 from .registry import format_codes
 
 MAGIC = b"MIRQ"
@@ -41,7 +42,6 @@ FLAG_SYMMETRIC = 1
 FLAG_DOUBLE_QUANT = 2
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-GROUP_SIZES = (16, 32, 64, 128, 256, 512, 1024)  # powers of two: Triton tiles need them
 
 
 class CodecInputError(MiraError, ValueError):

@@ -177,7 +177,7 @@ class QuantConfig:
     def __post_init__(self) -> None:
         for name, allowed in (("lossless_code", LOSSLESS_CODES), ("placement", PLACEMENTS)):
             object.__setattr__(self, name, normalize_choice(f"QuantConfig.{name}", getattr(self, name), allowed))
-        if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:
+        if type(self.group_size) is not int or self.group_size not in GROUP_SIZES:
             raise ConfigError(
                 f"QuantConfig.group_size={self.group_size!r}: must be one of {', '.join(map(str, GROUP_SIZES))} "
                 "(weights per scale; default 64; nf4 takes 32 and up)."

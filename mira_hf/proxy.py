@@ -92,11 +92,14 @@ class MiraExperts(nn.Module):
             self.add_module(name, child)
         self.base = base
         self.training = base.training  # the mode of the module it replaces (train() and eval() reach both)
-        # Hooks on the experts module run around the proxy, which is called in its place: the same tables, so a hook
-        # registered on either before or after wrapping runs, its handle removes it, and unload() gives it back.
+        # Hooks on the experts module run around the proxy, which is called in its place: the proxy takes its hook
+        # tables (so a handle registered before wrapping still removes its hook) and `base`, listed by
+        # named_modules() but never called, gets empty ones; unload() gives the tables back (`give_back_hooks`).
         for name in CALL_HOOK_TABLES:
-            object.__setattr__(self, name, getattr(base, name))
-        self._is_full_backward_hook = base._is_full_backward_hook  # how `_backward_hooks` run (unload() gives it back)
+            table = getattr(base, name)
+            object.__setattr__(self, name, table)
+            object.__setattr__(base, name, type(table)())
+        self._is_full_backward_hook, base._is_full_backward_hook = base._is_full_backward_hook, None
         self.layer = layer
         self.block_tokens = block_tokens  # CacheConfig.prefill_block_tokens: rows per matmul, None = all
         self.num_experts = self.experts_layout.num_experts(base)
@@ -941,6 +944,13 @@ CALL_HOOK_TABLES = (
     "_backward_pre_hooks",
     "_backward_hooks",
 )
+
+
+def give_back_hooks(proxy: nn.Module, module: nn.Module) -> None:
+    """The hook tables the proxy took from `module` at wrapping, with the hooks registered on the proxy since."""
+    for name in CALL_HOOK_TABLES:
+        object.__setattr__(module, name, getattr(proxy, name))
+    module._is_full_backward_hook = proxy._is_full_backward_hook
 
 
 def proxy_for(adapter, base: nn.Module, manager: ExpertManager, layer: int, block_tokens: int | None) -> MiraExperts:

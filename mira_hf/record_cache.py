@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -146,27 +147,37 @@ class RecordCache:
 
 
 def _remove_stale(root: str, keep: str) -> None:
-    """Entries whose checkpoint files are gone or changed (`checkpoint_identity` differs from the header's): no load
-    can find them again. Entries whose header cannot be read are left to the load that opens them (it drops them)."""
+    """Entries whose checkpoint files were changed, or are gone from a directory that is still there
+    (`checkpoint_identity` differs from the header's): no load can find them again. Only directories named as
+    entries are (hex keys) and whose header reads are looked at; a checkpoint whose directory is gone with it (a
+    disk not mounted now) keeps its entry."""
     for name in os.listdir(root):
-        if name.startswith(_TMP) or name == keep:
+        if name == keep or not re.fullmatch(r"[0-9a-f]{40}", name):
             continue
         directory = os.path.join(root, name)
         try:
             with open(os.path.join(directory, STORE_HEADER)) as f:
                 files = json.load(f)["fingerprint"]["checkpoint"]
-            stale = any(checkpoint_identity([path]) != [[path, *rest]] for path, *rest in files)
-        except FileNotFoundError:
-            stale = True  # a file of the checkpoint is gone (its header was read: the entry is whole)
-        except Exception:
+        except Exception:  # not an entry, or one the load that opens it will drop
             continue
-        if stale:
-            trash = os.path.join(root, f"{_TMP}{name}-{uuid.uuid4().hex[:8]}-stale")
-            try:
-                os.rename(directory, trash)  # renamed first, so no load opens it half removed
-            except OSError:
-                continue
-            shutil.rmtree(trash, ignore_errors=True)
+        if not any(_changed(*file) for file in files):
+            continue
+        trash = os.path.join(root, f"{_TMP}{name}-{uuid.uuid4().hex[:8]}-stale")
+        try:
+            os.rename(directory, trash)  # renamed first, so no load opens it half removed
+        except OSError:
+            continue
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _changed(path, *identity) -> bool:
+    """Whether a checkpoint file an entry names (its real path and identity) is not that file any more."""
+    try:
+        return checkpoint_identity([path]) != [[path, *identity]]
+    except FileNotFoundError:
+        return os.path.isdir(os.path.dirname(path))  # removed; a directory gone too may be a disk not mounted now
+    except (OSError, TypeError, ValueError):
+        return False
 
 
 def _remove_orphans(root: str) -> None:

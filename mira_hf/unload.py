@@ -9,6 +9,7 @@ from torch import nn
 
 from .errors import ConfigError
 from .manager import ExpertManager
+from .proxy import give_back_hooks
 from .state import separate
 from .state import uninstall as uninstall_state
 
@@ -39,8 +40,7 @@ def unload(model: nn.Module) -> nn.Module:
     model.to("cpu")
     for t in model._mira_targets:
         t.restore(manager.whole)
-        # the hook tables are the proxy's too (proxy.CALL_HOOK_TABLES): hooks registered meanwhile stay
-        t.module._is_full_backward_hook = getattr(t.parent, t.attr)._is_full_backward_hook
+        give_back_hooks(getattr(t.parent, t.attr), t.module)  # with the hooks registered on the proxy meanwhile
         setattr(t.parent, t.attr, t.module)
     manager.store.close()
     bound = ("unload", "save_pretrained", "set_experts_implementation", "mira_load_report")  # per-instance, from `_wrap`

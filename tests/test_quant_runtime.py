@@ -97,7 +97,7 @@ def test_bad_quant_settings_are_refused():
 
     with pytest.raises(ConfigError, match="placement"):
         QuantConfig(placement="cpu")
-    for size in (48, 2048):  # each size the record layouts take is accepted here, and no other
+    for size in (48, 2048, 64.0):  # each size the record layouts take is accepted here, and no other
         with pytest.raises(ConfigError, match=rf"group_size={size}: must be one of 16, 32, .*1024"):
             QuantConfig(group_size=size)
     from mira_hf.quant.nf4 import Nf4Codec

@@ -90,6 +90,21 @@ def test_a_changed_checkpoint_or_format_is_not_served_from_the_cache(ckpt, tmp_p
     assert _encoded(_load(other, cache)) == 0
 
 
+def test_writing_an_entry_removes_nothing_but_entries_no_load_can_find(ckpt, tmp_path):
+    """The cache's directory may hold other things (a directory given by hand): they stay, and so does the entry of a
+    checkpoint whose whole directory is gone for now (a disk not mounted)."""
+    cache = tmp_path / "records"
+    (cache / "my-notes").mkdir(parents=True)
+    (cache / "my-notes" / "todo.txt").write_text("keep me")
+    (cache / ("a" * 40)).mkdir()  # named as an entry, without a header
+    away = _checkpoint(tmp_path / "mounted" / "ckpt", seed=3)
+    _load(away, cache)
+    shutil.move(str(tmp_path / "mounted"), str(tmp_path / "unmounted"))
+    _load(ckpt, cache)
+    assert (cache / "my-notes" / "todo.txt").read_text() == "keep me" and (cache / ("a" * 40)).is_dir()
+    assert len([n for n in os.listdir(cache) if len(n) == 40 and n != "a" * 40]) == 2  # both checkpoints' entries
+
+
 def test_a_checkpoint_replaced_with_its_modification_time_put_back_is_not_served_from_the_cache(ckpt, tmp_path):
     """Other weights of the same shapes copied over the checkpoint with the old modification times restored (as
     `cp -p`, `rsync -a` or an archive can): same sizes, same mtimes, and still not the cached records."""

@@ -695,3 +695,45 @@ def test_kv_cache_memory_is_what_a_multi_head_latent_attention_model_gets(tmp_pa
     with BackgroundServer(build_app(model.eval(), tokenizer, ServeConfig(kv_cache_memory=asked), on_ready=split.update)):
         pass
     assert 0.9 * asked <= split["kv_cache_bytes"] <= 1.15 * asked, split
+
+
+def test_an_app_serves_again_after_it_was_stopped():
+    """One app, started, stopped and started again (a notebook's second `BackgroundServer`): it answers both times."""
+    from mira_hf.serve import BackgroundServer, build_app
+
+    tokenizer, model = bundled(0.25, "cpu")
+    app = build_app(model, tokenizer, ServeConfig(default_max_tokens=2))
+    for _ in range(2):
+        with BackgroundServer(app) as server:
+            status, body = post(server.url + "/v1/completions", {"prompt": PROMPTS[0]})
+            assert status == 200, body
+
+
+def test_the_port_is_held_from_the_check_on(monkeypatch):
+    """`mira serve` binds and listens before loading: a second server cannot take the port meanwhile."""
+    import socket
+
+    from mira_hf.cli.serve import listening_socket
+
+    with listening_socket("127.0.0.1", 0) as held:
+        port = held.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--port {port}: cannot listen there"):
+            listening_socket("127.0.0.1", port)
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # a client is queued until the server accepts
+            pass
+
+
+def test_kv_bytes_fall_back_to_k_and_v_where_transformers_has_no_latent_cache(monkeypatch, tmp_path):
+    """An older transformers (no compressed-latents allocator): a DeepSeek-V3's cached token is counted as K and V."""
+    import mira_hf.serve.memory as memory
+    from mira_hf.testing import build, make_config
+
+    model = build(make_config("deepseek_v3"))
+    latents = memory.kv_bytes_per_token(model)
+    monkeypatch.setattr(memory, "MLA_LATENTS", "transformers_of_another_release.continuous_batching.latents")
+    text = model.config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    k_and_v = 2 * text.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
+    assert latents == text.num_hidden_layers * (text.kv_lora_rank + text.qk_rope_head_dim) * model.dtype.itemsize
+    assert memory.kv_bytes_per_token(model) == k_and_v != latents

@@ -87,7 +87,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def ready(split: dict) -> None:
         print(format_split(split))
-        print(f"serving {serve_config.model_name!r} on http://{args.host}:{args.port} (Ctrl-C stops)", flush=True)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        port = sock.getsockname()[1]  # the one given, or the one the system chose for --port 0
+        print(f"serving {serve_config.model_name!r} on http://{host}:{port} (Ctrl-C stops)", flush=True)
 
     serve(model, tokenizer, serve_config, host=args.host, port=args.port, on_ready=ready, sock=sock)
     return 0
@@ -99,6 +101,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a port in TIME_WAIT is free
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # held from now: another server cannot bind it meanwhile (uvicorn's own backlog)
     except OSError as exc:
         sock.close()
         raise ConfigError(

@@ -134,6 +134,7 @@ def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     service = app.state.mira_service
+    service.checking = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mira-serve-checks")
     await asyncio.to_thread(_start_batching, service.model, service.config, service.stack, service.runtime)
     if service.on_ready is not None:
         service.on_ready(service.runtime.split)
@@ -156,9 +157,9 @@ class _Service:
         self.model, self.tokenizer, self.config, self.runtime, self.on_ready = model, tokenizer, config, runtime, on_ready
         self.name = config.model_name
         self.created = int(time.time())
-        # A request's checks tokenise its prompt: on a thread of their own, so a long prompt does not hold up the
-        # event loop, which serves every other client's stream
-        self.checking = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mira-serve-checks")
+        # A request's checks tokenise its prompt: on a thread of their own (one per start of the app), so a long
+        # prompt does not hold up the event loop, which serves every other client's stream
+        self.checking: concurrent.futures.ThreadPoolExecutor | None = None
         self.template_kwargs = (
             {} if getattr(tokenizer, "chat_template", None) else {"chat_template": config.chat_template or PLAIN_CHAT_TEMPLATE}
         )
@@ -340,7 +341,7 @@ async def _observed_stream(chunks, finish, hide_usage: bool = False):
                 tokens = _completion_tokens(last) or tokens
                 if hide_usage and _usage_only(last):
                     continue
-            done = done or "data: [DONE]" in text
+            done = done or any(line.strip() == "data: [DONE]" for line in text.splitlines())
             yield chunk
         if not done:
             yield "data: [DONE]\n\n"

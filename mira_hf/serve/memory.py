@@ -26,12 +26,19 @@ DEFAULT_PAGE_TOKENS = 256  # transformers' default page (block) size, tokens per
 MLA_LATENTS = "transformers.generation.continuous_batching.cache_allocators.compressed_latents"
 
 
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package missing (an older transformers)
+        return False
+
+
 def kv_bytes_per_token(model) -> int:
     """Bytes of K and V for one token across all layers, at the model's dtype (what one cached token costs). Where
     transformers' paged cache keeps multi-head latent attention's two latents per token instead (DeepSeek-V2/V3,
     Kimi: its compressed-latents allocator), their bytes."""
     text = model.config.get_text_config()
-    if getattr(text, "kv_lora_rank", None) is not None and importlib.util.find_spec(MLA_LATENTS) is not None:
+    if getattr(text, "kv_lora_rank", None) is not None and _has_module(MLA_LATENTS):
         return text.num_hidden_layers * (text.kv_lora_rank + text.qk_rope_head_dim) * model.dtype.itemsize
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads

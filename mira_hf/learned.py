@@ -263,8 +263,9 @@ def _fingerprint_of(model: nn.Module | None, layers: Sequence | None) -> dict | 
     if model is None:
         return None
     manager = getattr(model, "mira", None)
-    if manager is not None and getattr(manager, "fingerprint", None):
-        return manager.fingerprint
+    fingerprint = getattr(manager, "fingerprint", None) if manager is not None else None  # hashes the routers: once
+    if fingerprint:
+        return fingerprint
     config = getattr(model, "config", None)
     partial = {"model_type": getattr(config, "model_type", None), "hidden_size": getattr(config, "hidden_size", None)}
     if layers is not None:

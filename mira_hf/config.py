@@ -258,6 +258,10 @@ def spelling(value: object) -> str:
     return "none" if value is None else str(value)
 
 
+# The built-in predictors that read no file (a predictor registered by a user may read `predictor_path`).
+PATHLESS_PREDICTORS = (None, "gate", "markov", "global", "position", "hybrid")
+
+
 def choices_text(allowed: tuple) -> str:
     """Choices as the user types them: `none, auto, gate`."""
     return ", ".join(spelling(a) for a in allowed)
@@ -449,6 +453,12 @@ class MiraConfig:
             raise ConfigError(
                 f"host_share={share!r}: the share of each expert's neurons computed on the host with "
                 "host_compute='split', a number strictly between 0 and 1 (e.g. 0.25)."
+            )
+        if self.predictor_path is not None and self.predictor in PATHLESS_PREDICTORS:
+            raise ConfigError(
+                f"predictor_path={self.predictor_path!r} is a calibrated 'learned' predictor's, and "
+                f"predictor={spelling(self.predictor)!r} reads no file: it would change nothing. Give predictor='learned' "
+                "(or 'auto', which picks it), or leave predictor_path out."
             )
         if self.predictor == "learned" and self.predictor_path is None:
             raise ConfigError(

@@ -206,3 +206,13 @@ def test_adapters_have_an_unambiguous_import_name():
 def test_the_sdist_leaves_the_tests_out():
     lines = (ROOT / "MANIFEST.in").read_text().splitlines()
     assert "prune tests" in lines
+
+
+@pytest.mark.parametrize("predictor", ["gate", "markov", None])
+def test_a_predictor_file_for_a_predictor_that_reads_none_is_refused(predictor):
+    """predictor_path is the learned predictor's: with a predictor that reads no file it would change nothing."""
+    with pytest.raises(
+        ConfigError, match=r"predictor_path='some/dir' is a calibrated 'learned' predictor's.*would change nothing"
+    ):
+        MiraConfig(predictor=predictor, predictor_path="some/dir")
+    assert MiraConfig(predictor="auto", predictor_path="some/dir").predictor_path == "some/dir"

@@ -59,6 +59,13 @@ class BlockPlan:
     kept: int = 0  # how many experts after those are kept packed beside the cache (placement "mixed")
 
 
+# What to do where expert parameters are placeholders that no change reaches (`ExpertManager.held_as_placeholders`).
+PLACEHOLDERS_REMEDY = (
+    "Write experts with model.load_state_dict(...) (which encodes them), or load the model with quantization=None (and "
+    "host_compute other than 'split') to change them in place."
+)
+
+
 class ExpertManager(NotebookViews):
     """Shared by every proxy of one model (`model.mira`).
 
@@ -169,15 +176,21 @@ class ExpertManager(NotebookViews):
         `load_state_dict`) need no call: the next forward finds them. Where the store holds the experts encoded or
         split with the host, their parameters are placeholders on the meta device that no write reaches: that raises
         `UnsupportedOperationError`, and `load_state_dict` is the way to change them."""
-        if self.store.quantized or self.host.parts is not None:
-            held = "split with the host" if self.host.parts is not None else f"{self.store.codec.name}-encoded"
+        held = self.held_as_placeholders
+        if held is not None:
             raise UnsupportedOperationError(
                 f"experts_changed(): the store holds the experts {held}, and their parameters are placeholders on the "
-                "meta device that no write reaches, so there is nothing new to copy. Write experts with "
-                "model.load_state_dict(...) (which encodes them), or load the model with quantization=None (and "
-                "host_compute other than 'split') to change them in place."
+                f"meta device that no write reaches, so there is nothing new to copy. {PLACEHOLDERS_REMEDY}"
             )
         self.relocate(self.store, self.budget, self.device)
+
+    @property
+    def held_as_placeholders(self) -> str | None:
+        """How the store holds experts whose parameters are placeholders on the meta device ("lossless-encoded",
+        "split with the host", ...), or None where they are its records (uncompressed)."""
+        if self.host.parts is not None:
+            return "split with the host"
+        return f"{self.store.codec.name}-encoded" if self.store.quantized else None
 
     @property
     def fingerprint(self) -> dict:

@@ -34,7 +34,7 @@ from torch import nn
 from .budget import BudgetPlan
 from .errors import ConfigError, DeviceError, MiraError, UnsupportedOperationError
 from .layout import IdentityCodec
-from .manager import ExpertManager
+from .manager import PLACEHOLDERS_REMEDY, ExpertManager
 from .step_hooks import on_stack
 from .store import own_storage
 
@@ -128,13 +128,10 @@ class ExpertState:
             return
         placeholders = [layer for layer in changed if any(p.is_meta for p in self._watched[layer])]
         if placeholders:
-            held = "split with the host" if self.manager.host.mode == "split" else f"{self.store.codec.name}-encoded"
             raise UnsupportedOperationError(
                 f"the expert parameters of MoE layer(s) {placeholders} were changed in place, but the store holds "
-                f"those experts {held}, and their parameters are "
-                "placeholders that no change reaches; the model would compute with the experts as stored. Write "
-                "experts with model.load_state_dict(...) (which encodes them), or load the model with "
-                "quantization=None (and host_compute other than 'split') to change them in place."
+                f"those experts {self.manager.held_as_placeholders}, and their parameters are "
+                f"placeholders that no change reaches; the model would compute with the experts as stored. {PLACEHOLDERS_REMEDY}"
             )
         manager = self.manager
         manager.relocate(manager.store, manager.budget, manager.device)

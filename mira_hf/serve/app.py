@@ -232,7 +232,7 @@ class _Service:
                     headers=dict(response.headers),
                 )
             else:
-                finish(_completion_tokens(response.body))
+                finish(_completion_tokens(_json(response.body)))
             return response
         except checks.RequestError as exc:
             outcome["status"] = exc.status
@@ -337,9 +337,9 @@ async def _observed_stream(chunks, finish, hide_usage: bool = False):
         async for chunk in chunks:
             text = chunk if isinstance(chunk, str) else chunk.decode()
             if '"usage"' in text:
-                last = text.rsplit("data: ", 1)[-1].encode()
-                tokens = _completion_tokens(last) or tokens
-                if hide_usage and _usage_only(last):
+                event = _json(text.rsplit("data: ", 1)[-1])
+                tokens = _completion_tokens(event) or tokens
+                if hide_usage and _usage_only(event):
                     continue
             done = done or any(line.strip() == "data: [DONE]" for line in text.splitlines())
             yield chunk
@@ -352,19 +352,23 @@ async def _observed_stream(chunks, finish, hide_usage: bool = False):
         finish(tokens)
 
 
-def _usage_only(body: bytes) -> bool:
-    """Whether an SSE event's JSON is a usage chunk with no choices (what `stream_options.include_usage` adds)."""
+def _json(body: bytes | str) -> object:
+    """A body's JSON, or None where it is none."""
     try:
-        event = json.loads(body)
+        return json.loads(body)
     except ValueError:
-        return False
+        return None
+
+
+def _usage_only(event: object) -> bool:
+    """Whether an SSE event is a usage chunk with no choices (what `stream_options.include_usage` adds)."""
     return isinstance(event, dict) and not event.get("choices") and "usage" in event
 
 
-def _completion_tokens(body: bytes) -> int | None:
+def _completion_tokens(event: object) -> int | None:
     try:
-        return json.loads(body)["usage"]["completion_tokens"]
-    except (ValueError, KeyError, TypeError):
+        return event["usage"]["completion_tokens"]
+    except (KeyError, TypeError):
         return None
 
 

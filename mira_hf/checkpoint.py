@@ -19,6 +19,7 @@ ordinary way.
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import threading
@@ -353,7 +354,8 @@ def dequantizing(config, hf_kwargs: dict) -> dict:
     if native_codec_name(quantization) is None:
         return hf_kwargs
     config.quantization_config = {**quantization_dict(quantization), "dequantize": True}
-    return {**hf_kwargs, "config": config}
+    overrides = config_overrides(config, hf_kwargs)  # set on `config` already (`read_config`): not the model's
+    return {**{k: v for k, v in hf_kwargs.items() if k not in overrides}, "config": config}
 
 
 def auto_model_class(model_type: str | None, architectures: list[str] | None = None, remote: bool = False):
@@ -557,15 +559,43 @@ def is_model_class(cls) -> bool:
 
 
 def read_config(name_or_path, hf_kwargs: dict, model_class: type):
-    """config.json as `model_class.from_pretrained` reads it: with the model class's own config class (whatever model
-    type the file names), or, for an auto class, as `AutoConfig` reads it."""
+    """The config `model_class.from_pretrained(name_or_path, **hf_kwargs)` builds its model with: a copy of the
+    config object given as `config`, else the config read from `config` (a path) or from the checkpoint, with the
+    model class's own config class (whatever model type the file names) or, for an auto class, as `AutoConfig`
+    reads it, and the keywords that name its attributes set on it (`config_overrides`)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    given = hf_kwargs.get("config")
+    if isinstance(given, PretrainedConfig):
+        return copy.deepcopy(given)
+    where = name_or_path if given is None else given
     kwargs = _config_kwargs(hf_kwargs)
     if is_model_class(model_class):
         kwargs.pop("trust_remote_code", None)  # (a config class would keep it as an attribute)
-        return model_class.config_class.from_pretrained(name_or_path, **kwargs)
-    from transformers import AutoConfig
+        config = model_class.config_class.from_pretrained(where, **kwargs)
+    else:
+        config = AutoConfig.from_pretrained(where, **kwargs)
+    for name, value in config_overrides(config, hf_kwargs).items():
+        setattr(config, name, value)
+    return config
 
-    return AutoConfig.from_pretrained(name_or_path, **kwargs)
+
+# from_pretrained keywords that a config may have an attribute of the same name for, but which are no override of it
+_LOADING_KWARGS = frozenset(
+    {"config", "dtype", "torch_dtype", "quantization_config", "attn_implementation", "experts_implementation"}
+)
+
+
+def config_overrides(config, hf_kwargs: dict) -> dict:
+    """The keywords of `hf_kwargs` that `from_pretrained` sets on the config it reads (`num_experts_per_tok=1`,
+    `output_router_logits=True`): those naming attributes of `config`. None where a config object is given, as
+    transformers then passes every keyword to the model."""
+    from transformers import PretrainedConfig
+
+    if isinstance(hf_kwargs.get("config"), PretrainedConfig):
+        return {}
+    skip = _LOADING_KWARGS | set(_config_kwargs(hf_kwargs))
+    return {k: v for k, v in hf_kwargs.items() if k not in skip and hasattr(config, k)}
 
 
 def own_code_skeleton(name_or_path, model_class: type, hf_kwargs: dict) -> torch.nn.Module | None:

@@ -139,6 +139,10 @@ class MiraMoEModel:
                     meta = expert_tensors(adapter.experts_layout, adapter.find_experts(skeleton))
                     _find_targets(skeleton, adapter, meta, remote=True)
         _check_prequantized(cfg, config_dict.get("quantization_config"), name_or_path)
+        if "torch_dtype" in hf_kwargs:  # transformers' older name, which it still takes (`dtype` wins where both are)
+            torch_dtype = hf_kwargs.pop("torch_dtype")
+            if hf_kwargs.get("dtype") is None:
+                hf_kwargs["dtype"] = torch_dtype
         hf_kwargs.setdefault("dtype", "auto")
         report = LoadReport()
         quantization_config = config_dict.get("quantization_config")

@@ -201,12 +201,15 @@ class _Entries(Mapping):
             return index.shard(index.shards[0])[key]
         name = index._weight_map[key]
         entries = index.shard(name)
-        if key not in entries:
-            raise CheckpointError(
-                f"{index.where}: model.safetensors.index.json puts {key} in {name}, whose header lacks it. Copy or "
-                "download the checkpoint again."
-            )
-        return entries[key]
+        if key in entries:
+            return entries[key]
+        for other in index.shards:  # a stale index: transformers reads every listed file, wherever the key is
+            if other != name and key in index.shard(other):
+                return index.shard(other)[key]
+        raise CheckpointError(
+            f"{index.where}: model.safetensors.index.json puts {key} in {name}, and no file of the checkpoint holds "
+            "it. Copy or download the checkpoint again."
+        )
 
     def __contains__(self, key: object) -> bool:
         return key in self._keys()

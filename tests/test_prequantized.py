@@ -298,3 +298,24 @@ def test_fp8_weights_whose_shape_is_not_a_multiple_of_the_block_use_the_checkpoi
             assert torch.equal(weights[key], dequantized[key])
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, ref(IDS).logits)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_a_config_given_and_config_keywords_apply_as_in_transformers(quantized_checkpoint, family):
+    """`config=` (an edited config object) and keywords naming config attributes (`num_experts_per_tok=1`) build
+    the model transformers builds from the same arguments, for a checkpoint transformers dequantizes; the config
+    object given is left as it was; `torch_dtype`, transformers' older name for `dtype`, sets the dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = quantized_checkpoint(family)
+    config = AutoConfig.from_pretrained(path)
+    config.num_experts_per_tok = 1
+    before = config.to_dict()
+    cases = [dict(config=config), dict(num_experts_per_tok=1, output_router_logits=True), dict(torch_dtype=torch.float32)]
+    for kw in cases:
+        ref = AutoModelForCausalLM.from_pretrained(path, **reference_kwargs(path), **kw).eval()
+        model = MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", gpu_budget=0.5), progress=False, **kw).eval()
+        assert (model.dtype, model.config.num_experts_per_tok) == (ref.dtype, ref.config.num_experts_per_tok)
+        with torch.no_grad():
+            assert torch.equal(model(IDS).logits, ref(IDS).logits)
+    assert config.to_dict() == before

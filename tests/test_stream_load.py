@@ -525,3 +525,48 @@ def test_a_key_mapping_given_to_from_pretrained_renames_the_expert_keys_too(tmp_
     cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=True))
     model = MiraMoEModel.from_pretrained(renamed, cfg, progress=False, key_mapping=mapping).eval()  # streamed, or raises
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def _stale_entries(path, *keys: str) -> None:
+    """An index whose weight map puts `keys` in shards that do not hold them (each in another listed shard)."""
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    for key in keys:
+        index["weight_map"][key] = next(s for s in shards if s != index["weight_map"][key])
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_a_stale_index_entry_is_read_from_the_shard_that_holds_it(tmp_path):
+    """transformers reads every tensor of every listed file, wherever the weight map puts it: an index that names
+    the wrong shard for an expert tensor and for an attention weight loads (streamed and whole) as transformers
+    loads it."""
+    from mira_hf.testing import build
+
+    torch.manual_seed(0)
+    build(make_config("mixtral")).save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    expert = next(k for k in index["weight_map"] if ".experts." in k)
+    _stale_entries(tmp_path, expert, "model.layers.0.self_attn.q_proj.weight")
+    ref = load_reference(str(tmp_path))
+    for loader in (STREAM, WHOLE):
+        model = _load(tmp_path, loader)
+        assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_torch_dtype_is_taken_as_dtype(tiny_checkpoint, tmp_path):
+    """transformers still takes `torch_dtype`, its older name for `dtype`: streamed loads, loads through a model
+    class and loads with a host budget are in that dtype too, equal to transformers' load."""
+    from transformers import MixtralForCausalLM
+
+    path = tiny_checkpoint("mixtral")
+    ref = load_reference(path, torch.bfloat16)
+    loads = [
+        dict(mira_config=MiraConfig(device="cpu", gpu_budget=0.5, loader=STREAM)),
+        dict(mira_config=MiraConfig(device="cpu", gpu_budget=0.5, host_budget="100KB", offload_dir=str(tmp_path))),
+        dict(mira_config=MiraConfig(device="cpu", gpu_budget=0.5), model_class=MixtralForCausalLM),
+    ]
+    for kw in loads:
+        model = MiraMoEModel.from_pretrained(path, progress=False, torch_dtype=torch.bfloat16, **kw).eval()
+        assert model.dtype == torch.bfloat16
+        with torch.no_grad():
+            assert torch.equal(model(IDS).logits, ref(IDS).logits)

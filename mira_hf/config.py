@@ -350,7 +350,8 @@ class MiraConfig:
         rest, so each miss moves fewer bytes and the budget holds more experts.
         Not bit-exact: the host's matmuls round differently from the device's (bounds in docs/usage.md).
     host_share: with host_compute="split", the share of each expert's intermediate neurons the host computes,
-        in (0, 1). The host's time per layer grows with it and the link's shrinks (docs/usage.md).
+        in (0, 1), rounded so that both parts are whole multiples of 16 neurons (fewer for small experts) and the
+        device's rows stay aligned. The host's time per layer grows with it and the link's shrinks (docs/usage.md).
     """
 
     gpu_budget: Budget = None

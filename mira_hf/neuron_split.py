@@ -67,12 +67,19 @@ def _up_columns(pairing: str, intermediate: int, neurons) -> list[int]:
 
 
 def host_neurons(intermediate: int, share: float) -> int:
-    """How many of an expert's `intermediate` neurons the host computes for `share` (at least one, at most all but
-    one; a multiple of NEURON_MULTIPLE where that leaves both parts some)."""
-    n = round(intermediate * share)
-    if intermediate >= 4 * NEURON_MULTIPLE:
-        n = round(n / NEURON_MULTIPLE) * NEURON_MULTIPLE
-    return min(max(n, 1), intermediate - 1)
+    """How many of an expert's `intermediate` neurons the host computes for `share`. Both parts are whole multiples
+    of a step (NEURON_MULTIPLE neurons where the expert has four times that, else the largest of 8, 4, 2 that divides
+    it), so the device part's rows are 16-byte aligned wherever the whole expert's are, as torch's grouped matmul
+    needs. `ConfigError` where an expert has too few neurons for two such parts."""
+    step = NEURON_MULTIPLE if intermediate >= 4 * NEURON_MULTIPLE else math.gcd(intermediate, 8)
+    if intermediate < 2 * step:
+        raise ConfigError(
+            f"host_compute='split' splits each expert's intermediate neurons between the host and the device in "
+            f"multiples of {step} (so the device's rows stay aligned); these experts have {intermediate}, too few for "
+            "two parts. Use host_compute='auto', 'on' or 'off'."
+        )
+    n = round(intermediate * share / step) * step
+    return min(max(n, step), intermediate - step)
 
 
 @dataclass(frozen=True)

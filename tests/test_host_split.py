@@ -105,11 +105,25 @@ def test_the_two_parts_join_back_into_the_whole_tensors_and_their_outputs_add_up
         assert torch.allclose(total, expert(one(whole), x), rtol=1e-12, atol=1e-12)
 
 
-def test_the_host_share_is_rounded_to_whole_neurons_and_leaves_both_parts_some():
+def test_the_host_share_is_rounded_to_aligned_neurons_and_leaves_both_parts_some():
     assert host_neurons(14336, 0.25) == 3584
     assert host_neurons(14336, 0.3) % 16 == 0
-    assert host_neurons(8, 0.25) == 2
-    assert host_neurons(8, 0.01) == 1 and host_neurons(8, 0.99) == 7
+    assert host_neurons(14336, 0.0001) == 16 and host_neurons(14336, 0.9999) == 14336 - 16
+    assert host_neurons(64, 0.01) == 16 and host_neurons(64, 0.99) == 48
+    assert host_neurons(32, 0.25) == 8 and host_neurons(32, 0.01) == 8 and host_neurons(32, 0.99) == 24
+    assert host_neurons(12, 0.5) == 8 and host_neurons(6, 0.3) == 2
+    with pytest.raises(ConfigError, match="these experts have 8, too few"):
+        host_neurons(8, 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("share", [0.001, 0.999])
+def test_a_share_at_either_edge_leaves_the_device_part_aligned_and_computes(share, dtype):
+    """A share that rounds to a few neurons on one side still leaves the device part's rows aligned, so torch's
+    grouped matmul takes them, and the logits stay within the bound."""
+    ref = _tiny("mixtral", dtype)
+    model = _split(copy.deepcopy(ref), share=share)
+    assert len(list(logits_within_bound(ref, model, "mixtral", dtype, (IDS, IDS[:, :1])))) == 3  # each implementation
 
 
 # -- in a model ---------------------------------------------------------------------------------------

@@ -86,6 +86,11 @@ def calibrate(
         nets = {L: LayerNet(H, rank, width, out_sizes[L]) for L in targets}
         N = next(iter(experts.values())).shape[0]
         train_idx, val_idx = _split(N, validation_fraction)
+        if len(train_idx) < 2:
+            raise ConfigError(
+                f"calibrate: the data gave {N} token(s), {len(train_idx)} to train on (validation_fraction="
+                f"{validation_fraction}); training needs at least 2. Give more data."
+            )
         # the next token's experts; a sequence's last token (no next token) is labelled with its own
         following = torch.where(has_next, torch.arange(N) + 1, torch.arange(N))
         labels = {
@@ -206,7 +211,8 @@ def _sequences(model: nn.Module, data, tokenizer) -> Iterator[torch.Tensor]:
         if t is None or t.is_floating_point() or t.is_complex() or t.dim() not in (1, 2):
             shown = f"a {tuple(t.shape)} {t.dtype} tensor" if t is not None else type(item).__name__
             raise ConfigError(f"calibrate: got {shown} in data. " + _DATA_HELP)
-        yield from t.long().reshape(-1, t.shape[-1]).cpu()
+        if t.numel():  # an empty tensor holds no sequence
+            yield from t.long().reshape(-1, t.shape[-1]).cpu()
 
 
 _DATA_HELP = "Pass token ids (a LongTensor [batch, seq] or [seq], or an iterable of them) or a list of strings."

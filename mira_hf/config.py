@@ -92,8 +92,7 @@ class CacheConfig:
     prefill_block_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.stage_fraction < 1.0:
-            raise ConfigError(f"stage_fraction={self.stage_fraction}: must be in [0, 1).")
+        check_fraction("CacheConfig.stage_fraction", self.stage_fraction, "[0, 1)")
         b = self.prefill_block_tokens
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ConfigError(
@@ -225,25 +224,31 @@ class PredictorConfig:
     speculate_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.lookahead < 1 or self.stage_lookahead < 1 or self.batch_stage_lookahead < 1:
-            raise ConfigError(
-                f"PredictorConfig.lookahead={self.lookahead}, stage_lookahead={self.stage_lookahead}, "
-                f"batch_stage_lookahead={self.batch_stage_lookahead}: must be ≥ 1 (layers)."
-            )
+        for name, least, unit in (
+            ("lookahead", 1, "layers"),
+            ("stage_lookahead", 1, "layers"),
+            ("batch_stage_lookahead", 1, "blocks"),
+            ("markov_warmup_tokens", 0, "tokens"),
+            ("markov_recheck_tokens", 1, "tokens"),
+            ("position_window_tokens", 1, "tokens"),
+            ("hybrid_switch_tokens", 0, "tokens"),
+            ("payoff_window_steps", 1, "forward steps"),
+        ):
+            check_count(f"PredictorConfig.{name}", getattr(self, name), least, unit)
+        if self.max_staged_per_layer is not None:
+            check_count("PredictorConfig.max_staged_per_layer", self.max_staged_per_layer, 0, "copies; None: 2 × top-k")
         if self.pause_unprofitable not in (None, True, False):
             raise ConfigError(
                 f"PredictorConfig.pause_unprofitable={self.pause_unprofitable!r}: must be None (on CUDA), True or False."
             )
-        if (
-            isinstance(self.payoff_window_steps, bool)
-            or not isinstance(self.payoff_window_steps, int)
-            or self.payoff_window_steps < 1
+        for name, interval in (
+            ("confidence", "[0, 1]"),
+            ("stage_probability", "[0, 1]"),
+            ("markov_cumulative", "(0, 1]"),
+            ("min_precision", "[0, 1]"),
+            ("precision_decay", "[0, 1)"),
         ):
-            raise ConfigError(
-                f"PredictorConfig.payoff_window_steps={self.payoff_window_steps!r}: must be an int ≥ 1 (forward steps)."
-            )
-        if not 0 <= self.confidence <= 1 or not 0 < self.markov_cumulative <= 1 or not 0 <= self.stage_probability <= 1:
-            raise ConfigError("PredictorConfig.confidence, stage_probability and markov_cumulative must be in [0, 1].")
+            check_fraction(f"PredictorConfig.{name}", getattr(self, name), interval)
         if self.speculate_bytes is not None and (
             isinstance(self.speculate_bytes, bool) or not isinstance(self.speculate_bytes, int) or self.speculate_bytes < 0
         ):
@@ -251,6 +256,20 @@ class PredictorConfig:
                 f"PredictorConfig.speculate_bytes={self.speculate_bytes!r}: give a number of bytes ≥ 0 (0 turns "
                 "speculation off) or None for the default (48 MiB on CUDA, off on CPU)."
             )
+
+
+def check_count(name: str, value: object, least: int, unit: str) -> None:
+    """`ConfigError` unless `value` is an int ≥ `least` (a count of `unit`)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{name}={value!r}: must be an int ≥ {least} ({unit}).")
+
+
+def check_fraction(name: str, value: object, interval: str) -> None:
+    """`ConfigError` unless `value` is a number in `interval` ("[0, 1]", "(0, 1]" or "[0, 1)")."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number and 0 <= value <= 1 and not (interval[0] == "(" and value == 0) and not (interval[-1] == ")" and value == 1):
+        return
+    raise ConfigError(f"{name}={value!r}: must be a number in {interval}.")
 
 
 def spelling(value: object) -> str:

@@ -182,7 +182,7 @@ class Staging:
         """Prefetch `layer`'s guesses (`order`: most likely first) with probability ≥ `stage_probability` that are
         neither resident nor in flight, at most `max_staged_per_layer` (default 2 · top-k) of them."""
         cfg = self.config
-        cap = cfg.max_staged_per_layer or 2 * self.manager.layers[layer].top_k
+        cap = 2 * self.manager.layers[layer].top_k if cfg.max_staged_per_layer is None else cfg.max_staged_per_layer
         # the cap counts copies: at a large batch every expert is likely and the resident ones, the most used, rank first
         wanted = self.manager.wanted(layer)
         likely = (e for e in order if values[e] >= cfg.stage_probability and wanted[e])

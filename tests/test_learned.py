@@ -205,6 +205,17 @@ def test_strings_without_a_tokenizer_are_a_clear_error(tiny_checkpoint):
         calibrate(model, torch.randn(2, 8), progress=False)
 
 
+def test_too_little_data_is_refused_before_a_predictor_is_installed(tiny_checkpoint, tmp_path):
+    """An empty tensor is data without tokens; one token cannot train (its scale would be NaN): both refused,
+    nothing installed or written."""
+    model = MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(device="cpu"), progress=False)
+    with pytest.raises(ConfigError, match="held no tokens"):
+        calibrate(model, torch.zeros(0, dtype=torch.long), progress=False)
+    with pytest.raises(ConfigError, match=r"gave 1 token\(s\), 1 to train on .*at least 2"):
+        calibrate(model, torch.tensor([5]), out_dir=tmp_path / "p", progress=False)
+    assert not isinstance(model.mira.predictor, LearnedPredictor) and not (tmp_path / "p").exists()
+
+
 def test_calibrate_needs_a_wrapped_model(tiny_checkpoint):
     with pytest.raises(ConfigError, match="wrapped by mira-hf"):
         calibrate(load_reference(tiny_checkpoint("mixtral")), HELDOUT[:1, :8] % 128, progress=False)

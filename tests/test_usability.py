@@ -3,6 +3,7 @@ spelling per choice in Python and on the command line, a missing path said plain
 labels that mean one thing, and an unambiguous import name for the adapters."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from mira_hf import CheckpointError, ConfigError, MiraConfig, MiraMoEModel, bundled_model_path, cli
-from mira_hf.config import HOST_MEMORY_KINDS, POLICIES, PREDICTORS, chosen_quantizations
+from mira_hf.config import HOST_MEMORY_KINDS, POLICIES, PREDICTORS, CacheConfig, PredictorConfig, chosen_quantizations
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -216,3 +217,55 @@ def test_a_predictor_file_for_a_predictor_that_reads_none_is_refused(predictor):
     ):
         MiraConfig(predictor=predictor, predictor_path="some/dir")
     assert MiraConfig(predictor="auto", predictor_path="some/dir").predictor_path == "some/dir"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(max_staged_per_layer=-1),
+        dict(max_staged_per_layer=1.5),
+        dict(position_window_tokens=0),
+        dict(lookahead=1.5),
+        dict(lookahead="2"),
+        dict(stage_lookahead=0),
+        dict(markov_recheck_tokens=0),
+        dict(markov_warmup_tokens=-1),
+        dict(hybrid_switch_tokens=-5),
+        dict(min_precision=5),
+        dict(precision_decay=1.0),
+        dict(markov_cumulative=0),
+        dict(confidence=float("nan")),
+        dict(stage_probability="0.9"),
+    ],
+)
+def test_predictor_settings_out_of_range_are_refused_when_built(fields):
+    """Each would have loaded and then failed in every generate (or been ignored): refused when the config is built,
+    naming the field and what it takes."""
+    ((name, value),) = fields.items()
+    with pytest.raises(ConfigError, match=rf"PredictorConfig\.{name}={re.escape(repr(value))}: must be"):
+        PredictorConfig(**fields)
+
+
+def test_a_stage_fraction_that_is_no_number_in_range_is_refused_when_built():
+    for value in ("0.5", 1.0, -0.1, float("nan"), True):
+        with pytest.raises(ConfigError, match=r"CacheConfig\.stage_fraction=.*must be a number in \[0, 1\)"):
+            CacheConfig(stage_fraction=value)
+
+
+def test_no_copies_ahead_are_staged_with_max_staged_per_layer_zero(tiny_checkpoint):
+    """max_staged_per_layer=0 stages nothing ahead of the router (it had meant the default, 2 × top-k); outputs
+    unchanged."""
+    from conftest import load_reference
+
+    path = tiny_checkpoint("mixtral")
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    outs = {}
+    for cap in (None, 0):
+        prediction = PredictorConfig(max_staged_per_layer=cap, pause_unprofitable=False, stage_probability=0, min_precision=0)
+        cfg = MiraConfig(device="cpu", gpu_budget=0.3, predictor="gate", prediction=prediction)
+        model = MiraMoEModel.from_pretrained(path, cfg, progress=False).eval()
+        outs[cap] = (model.generate(ids, **kw), model.mira.stats()["prefetches"])
+    assert outs[None][1] > 0 and outs[0][1] == 0
+    assert torch.equal(outs[0][0], outs[None][0])
+    assert torch.equal(outs[0][0], load_reference(path).generate(ids, **kw))

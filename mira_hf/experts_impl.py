@@ -11,7 +11,8 @@ The maths is the same; the arithmetic is not, and in bf16/fp16 the bits differ:
 * eager adds each expert's weighted rows, cast to the accumulator's dtype, into a zero accumulator, one
   expert after the other in ascending expert order (one rounding per add). The accumulator has the hidden
   states' dtype, except in the loops that allocate it in the routing weights' dtype (NemotronH's before
-  transformers 5.25): `eager_sums_in_weights_dtype` reads which, off the module's own forward;
+  transformers 5.25): `eager_arithmetic` reads which, off the module's own forward, and whether the loop computes
+  in fp32 throughout (OpenAI Privacy Filter's);
 * grouped_mm multiplies each expert's rows by its weight with a grouped matmul (on the CPU, and on the GPU
   for dtypes without a grouped kernel, one `mm` per expert, which is what `F.linear` computes); batched_mm
   multiplies every row by its own copy of its expert's weights with one `bmm` (whose bits may differ from
@@ -79,55 +80,76 @@ def check_call(name: str) -> None:
         raise UnsupportedOperationError(_refusal(name, "is set in the model's config"))
 
 
-# The probe of `eager_sums_in_weights_dtype`: one bf16 token, both of its rows exactly 1, weighted 1 and
-# 2^-8 + 2^-20 in fp32. Summed in fp32 and rounded once to bf16: 1 + 2^-7. Summed in bf16, the second row
-# rounds to 2^-8 first and 1 + 2^-8 ties to even: 1.
+# The probes of `eager_arithmetic`, each one bf16 token through two experts of width one (hidden size 1):
+# - the sum's dtype: both rows exactly 1, weighted 1 and 2^-8 + 2^-20 in fp32. Summed in fp32 and rounded once to
+#   bf16: 1 + 2^-7. Summed in bf16, the second row rounds to 2^-8 first and 1 + 2^-8 ties to even: 1.
+# - the matmuls' dtype: expert 0 computes (1 + 2^-7) * (1 + 2^-7) = 1 + 2^-6 + 2^-14 in its down projection, expert
+#   1 gives -(1 + 2^-6); both weighted 1. In fp32 throughout they sum to 2^-14; a bf16 down projection rounds
+#   expert 0's row to 1 + 2^-6 first, and the sum is 0.
 _PROBE_WEIGHTS = (1.0, 2.0**-8 + 2.0**-20)
 _PROBE_SUM_IN_WEIGHTS_DTYPE = 1.0 + 2.0**-7
+_PROBE_MATMULS = ((1.0 + 2.0**-7, 1.0 + 2.0**-7), (1.0 + 2.0**-6, -1.0))  # per expert: (gate weight, down weight)
+_PROBE_MATMULS_IN_FP32 = 2.0**-14
 
 
-def eager_sums_in_weights_dtype(base: nn.Module, flags: dict[str, bool]) -> bool:
-    """Whether the eager forward of `base` (an original experts module built by transformers' decorator) adds
-    the experts' weighted rows into an accumulator of the routing weights' dtype, cast to the hidden dtype at
-    the end (`zeros_like(hidden_states, dtype=top_k_weights.dtype)`: NemotronH before transformers 5.25),
-    rather than one of the hidden states' dtype (every other family, and NemotronH from 5.25).
+def eager_arithmetic(base: nn.Module, flags: dict[str, bool]) -> str:
+    """How the eager forward of `base` (an original experts module built by transformers' decorator) computes in
+    bf16 and fp16: "hidden" (matmuls in the weights' dtype, the weighted rows added into an accumulator of the hidden
+    states' dtype: transformers' template, every family but those below); "weights" (the same matmuls, added into an
+    accumulator of the routing weights' dtype, cast to the hidden dtype at the end: NemotronH before transformers
+    5.25); "fp32" (every matmul, the gate and the sum in fp32, cast to the hidden dtype at the end: OpenAI Privacy
+    Filter).
 
-    Read off the module's own loop once, when it is wrapped, not from a list of classes or versions: the loop
-    of `type(base)` runs on a stand-in with `base`'s attributes and two experts of width one whose rows are
-    exactly 1 (`_PROBE_WEIGHTS`). `flags`: `base`'s resolved layout flags (`proxy.LAYOUT_FLAGS`). A module
-    not built by the decorator, or whose loop gives another result on the stand-in, sums as the decorator's
-    template does: in the hidden dtype."""
+    Read off the module's own loop once, when it is wrapped, not from a list of classes or versions: the loop of
+    `type(base)` runs on a stand-in with `base`'s attributes and two experts of width one whose weights are chosen so
+    that each arithmetic gives another result (`_PROBE_WEIGHTS`, `_PROBE_MATMULS`). `flags`: `base`'s resolved
+    layout flags (`proxy.LAYOUT_FLAGS`). A module not built by the decorator, or whose loop gives another result on
+    the stand-in, computes as the decorator's template does: "hidden"."""
     cls = type(base)
     if not hasattr(base, "is_concatenated") or not hasattr(cls.forward, "__wrapped__"):
-        return False
+        return "hidden"
+    if _probe(base, flags, _PROBE_MATMULS, (1.0, 1.0)) == _PROBE_MATMULS_IN_FP32:
+        return "fp32"  # (first: a loop in fp32 sums in fp32 too, which the second probe reads as "weights")
+    if _probe(base, flags, ((1.0, 1.0), (1.0, 1.0)), _PROBE_WEIGHTS) == _PROBE_SUM_IN_WEIGHTS_DTYPE:
+        return "weights"
+    return "hidden"
+
+
+def _probe(base: nn.Module, flags: dict[str, bool], experts: tuple, weights: tuple) -> float | None:
+    """The loop of `type(base)` on one bf16 token of hidden size 1 (exactly 1) routed to two experts of width one,
+    expert e with gate weight `experts[e][0]`, up weight 1 and down weight `experts[e][1]`, gate function gate * up,
+    routing weights `weights` in fp32: its output, or None where the loop does not run on the stand-in."""
+    cls = type(base)
     loop = cls.forward.__wrapped__  # the class's own forward, behind the decorator's dispatch on the config
     probe = cls.__new__(cls)  # a throwaway instance: `base` and its class are left as they are
     nn.Module.__init__(probe)
     probe.__dict__.update({k: v for k, v in vars(base).items() if not k.startswith("_") and not isinstance(v, nn.Module)})
     probe.num_experts, probe.has_post_expert_norm, probe.act_fn = 2, False, nn.Identity()
 
-    def gate_times_up(h: torch.Tensor) -> torch.Tensor:  # 1 * 1, whatever the family's own gate
+    def gate_times_up(h: torch.Tensor) -> torch.Tensor:  # whatever the family's own gate
         gate, up = h.chunk(2, dim=-1)
         return gate * up
 
     probe._apply_gate = gate_times_up
-    up, width = ("gate_up_proj", 2) if flags["has_gate"] else ("up_proj", 1)
     bf16 = dict(dtype=torch.bfloat16)
-    w_up = torch.ones(2, width, 1, **bf16)  # [E, 2I or I, H] with I = H = 1
+    if flags["has_gate"]:
+        up, w_up = "gate_up_proj", torch.tensor([[[g], [1.0]] for g, _ in experts], **bf16)  # [E, 2I, H], I = H = 1
+    else:  # no gate: the activation (identity here) of the up projection, which takes the gate weight
+        up, w_up = "up_proj", torch.tensor([[[g]] for g, _ in experts], **bf16)  # [E, I, H]
     setattr(probe, up, w_up.transpose(1, 2) if flags["is_transposed"] else w_up)
-    probe.down_proj = torch.ones(2, 1, 1, **bf16)  # [E, H, I]
+    probe.down_proj = torch.tensor([[[d]] for _, d in experts], **bf16)  # [E, H, I]
     if flags["has_bias"]:
-        setattr(probe, up + "_bias", torch.zeros(2, width, **bf16))
+        setattr(probe, up + "_bias", torch.zeros(2, w_up.shape[1], **bf16))
         probe.down_proj_bias = torch.zeros(2, 1, **bf16)
     hidden = torch.ones(1, 1, **bf16)  # [T, H]
     top_k_index = torch.tensor([[0, 1]])  # [T, K]
-    top_k_weights = torch.tensor([_PROBE_WEIGHTS], dtype=torch.float32)  # [T, K]
+    top_k_weights = torch.tensor([weights], dtype=torch.float32)  # [T, K]
     try:
         with torch.no_grad():
             out = loop(probe, hidden, top_k_index, top_k_weights)  # [T, H]
-    except Exception:  # a loop that needs more than the stand-in has is not the one looked for: the template's sum
-        return False  # (every transformers family runs on the stand-in; a raise here would stop a wrap halfway)
-    return isinstance(out, torch.Tensor) and out.numel() == 1 and out.item() == _PROBE_SUM_IN_WEIGHTS_DTYPE
+    except Exception:  # a loop that needs more than the stand-in has is not one looked for: the template's arithmetic
+        return None  # (every transformers family runs on the stand-in; a raise here would stop a wrap halfway)
+    return out.item() if isinstance(out, torch.Tensor) and out.numel() == 1 else None
 
 
 def combine(

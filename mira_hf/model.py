@@ -108,6 +108,12 @@ class MiraMoEModel:
         except `device_map`: mira-hf places weights itself (non-experts on `mira_config.device`, experts in host
         memory), so a map names that device (`device_from_map`).
         """
+        if not isinstance(name_or_path, (str, os.PathLike)):
+            wrap = " To serve a model already built, call MiraMoEModel.wrap(model, gpu_budget=...)."
+            raise ConfigError(
+                f"MiraMoEModel.from_pretrained takes a checkpoint: a directory or a hub id (a str or a path); it was "
+                f"given {type(name_or_path).__name__}.{wrap if isinstance(name_or_path, nn.Module) else ''}"
+            )
         cfg = config_from_arguments(mira_config, hf_kwargs, "MiraMoEModel.from_pretrained")
         if "device_map" in hf_kwargs:
             cfg = dataclasses.replace(cfg, device=device_from_map(hf_kwargs.pop("device_map"), cfg.device))

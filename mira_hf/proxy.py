@@ -26,7 +26,7 @@ from .experts_impl import (
     batched_rows,
     check_call,
     combine,
-    eager_sums_in_weights_dtype,
+    eager_arithmetic,
     grouped_linear,
     implementation_of,
 )
@@ -111,8 +111,8 @@ class MiraExperts(nn.Module):
         self._post_norm = flags["has_post_expert_norm"]
         self._down, self._down_transposed = "down_proj", self._transposed
         self._tensor_names()
-        # Resolved once, off the module's own loop: the dtype eager sums the weighted rows in (experts_impl).
-        self._eager_sums_in_weights = eager_sums_in_weights_dtype(base, flags)
+        # Resolved once, off the module's own loop: the dtypes eager computes and sums the weighted rows in (experts_impl).
+        self._eager_arithmetic = eager_arithmetic(base, flags)
         # Resolved once: the gate function transformers' decorator gives every experts module (None: gate
         # columns first, then up, as Llama 4's experts), and whether slots hold packed records.
         self._apply_gate = getattr(base, "_apply_gate", None)
@@ -132,6 +132,18 @@ class MiraExperts(nn.Module):
         for flag in TRANSFORMERS_FLAGS:
             if hasattr(base, flag):
                 setattr(self, flag, getattr(base, flag))
+
+    def __getattr__(self, name: str):
+        """nn.Module's lookup (parameters, buffers, submodules), then the public attributes of the experts module
+        this proxy stands in for (`intermediate_dim`, `config`, a gate's `alpha` and `limit`, transformers' layout
+        flags), as code reading them off the unwrapped model's experts module finds them there."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            base = self.__dict__.get("_modules", {}).get("base")
+            if base is None or name.startswith("_") or name not in vars(base):  # (its tensors and modules: not there)
+                raise
+            return vars(base)[name]
 
     # Where this module keeps its expert parameters (`model_adapters.FusedExperts`: its own, as the original
     # module did), read by `state` and `apply`.
@@ -170,6 +182,9 @@ class MiraExperts(nn.Module):
         impl = implementation_of(self.base)  # read at each call, as transformers does (generate swaps it)
         check_call(impl)
         self.manager.observe(self.layer, hidden_states, top_k_index)  # the predictor's copy is finished by the block's sync
+        if impl == "eager" and self._eager_arithmetic == "fp32" and hidden_states.dtype != torch.float32:
+            # a loop in fp32 throughout: rows, weights (`_linear`), gate and sum, cast back once
+            return self._experts(hidden_states.float(), top_k_index, top_k_weights, impl).to(hidden_states.dtype)
         return self._experts(hidden_states, top_k_index, top_k_weights, impl)
 
     def _experts(
@@ -307,7 +322,7 @@ class MiraExperts(nn.Module):
             shape, dtype = (len(w), H), torch.promote_types(y.dtype, w.dtype)
             parts = y.new_zeros(shape, dtype=dtype) if len(order) < len(w) else y.new_empty(shape, dtype=dtype)
             parts[order] = y * w[order]  # one weighting and scatter for all rows
-        eager_dtype = top_k_weights.dtype if self._eager_sums_in_weights else hidden_states.dtype
+        eager_dtype = top_k_weights.dtype if self._eager_arithmetic == "weights" else hidden_states.dtype
         return _guarded(combine(parts, top_k_index, impl, hidden_states.dtype, eager_dtype))  # [T, H]
 
     def _batched(self, hidden_states, top_k_index, needed: list[int], rows_of, written: int) -> torch.Tensor | None:
@@ -518,10 +533,15 @@ class MiraExperts(nn.Module):
         if isinstance(w, PackedWeights):
             if kernel and w.exact:  # the unwrapped model's grouped kernel on the decoded weight: its bits
                 y = grouped_linear(x, w.weight(name), self._transposed)
+            elif x.dtype != w.dtype:  # rows in fp32 (a loop in fp32, `serve`): the decoded weight, widened
+                y = plain_linear(x, w.decoded(name).to(x.dtype), self._transposed)
             else:
                 y = w.linear(x, name, self._transposed)
             return y + w.raw(name + "_bias") if self._has_bias else y
-        y = grouped_linear(x, w[name], self._transposed) if kernel else plain_linear(x, w[name], self._transposed)
+        weight = w[name]
+        if weight.dtype != x.dtype:  # rows in fp32 (a loop in fp32, `serve`): the weight widened, as the loop does
+            weight = weight.to(x.dtype)
+        y = grouped_linear(x, weight, self._transposed) if kernel else plain_linear(x, weight, self._transposed)
         return y + w[name + "_bias"] if self._has_bias else y
 
     def _up_proj(self, x: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
@@ -543,7 +563,7 @@ class MiraExperts(nn.Module):
         up projection (with their share of its bias) and gate function, and their columns of the down projection,
         whose bias the device part adds."""
         h = self._activate(self._linear(x, w, self._up, False))  # [n, I_host]
-        return plain_linear(h, w[self._down], self._down_transposed)  # [n, H]
+        return plain_linear(h, w[self._down].to(h.dtype), self._down_transposed)  # [n, H]
 
     def _host_expert(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """One expert on the host (`host_compute`): x [n, H] and `w` (views of its host record) -> [n, H],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 from torch import nn
 
 from .errors import ConfigError
@@ -50,17 +51,31 @@ def unload(model: nn.Module) -> nn.Module:
 
 
 def save_pretrained(model: nn.Module, save_directory, **kwargs):
-    """Write an ordinary transformers checkpoint (experts included), as the unwrapped model would."""
-    if kwargs.pop("state_dict", None) is not None:  # None: transformers' default, which Trainer passes
-        raise ConfigError("save_pretrained of a mira-hf model builds the state dict itself; do not pass state_dict.")
+    """Write an ordinary transformers checkpoint (experts included), as the unwrapped model would. A `state_dict`
+    given is written as given, as transformers writes one (a subset, edited tensors), its expert tensors that are
+    the model's own (from `model.state_dict()`) each written from a tensor of its own."""
+    given = kwargs.pop("state_dict", None)  # None: transformers' default, which Trainer passes
     model._mira_state.edited()  # data given to expert parameters since the last step (`p.data = t`) is in the store
     warn_if_lossy(model.mira, "save_pretrained() writes")
     with warnings.catch_warnings():  # state_dict() would say it again for every layer
         warnings.simplefilter("ignore")
-        state = model.state_dict()
+        views = model.state_dict()
+    state = dict(views)
     for t in model._mira_targets:  # one tensor of its own each (views of raw records share their slab)
         E = model.mira.store.num_experts(t.ordinal)
         for n, tensor in model.mira.whole.fused(t.ordinal).items():
             paths, parts = t.layout.paths(n, E), separate(t.layout.parts(n, tensor))
             state.update((f"{t.name}.{path}", part) for path, part in zip(paths, parts))
+    if given is not None:
+        state = {k: state[k] if k in views and _same_view(v, views[k]) else v for k, v in given.items()}
     return type(model).save_pretrained(model, save_directory, state_dict=state, **kwargs)
+
+
+def _same_view(a: object, b: torch.Tensor) -> bool:
+    """Whether `a` is the tensor `b` (the same memory, shape, strides and dtype: `state_dict()` makes new views)."""
+    return isinstance(a, torch.Tensor) and (a.data_ptr(), a.shape, a.stride(), a.dtype) == (
+        b.data_ptr(),
+        b.shape,
+        b.stride(),
+        b.dtype,
+    )

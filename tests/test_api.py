@@ -70,6 +70,30 @@ def test_save_pretrained_writes_an_ordinary_checkpoint(tiny_checkpoint, tmp_path
     assert not any(isinstance(m, MiraExperts) for m in reloaded.modules())
 
 
+@pytest.mark.parametrize("name", ["mixtral", "jetmoe"])
+def test_save_pretrained_writes_a_state_dict_given_as_given(name, tiny_checkpoint, tmp_path):
+    """`save_pretrained(d, state_dict=...)`, as accelerate and custom saves call it: the model's own state dict
+    writes the checkpoint transformers writes from the unwrapped model's; an edited expert tensor is written as
+    edited and a key left out is left out, as transformers writes a given state dict."""
+    from safetensors.torch import load_file
+
+    path = tiny_checkpoint(name)
+    ref = load_reference(path)
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device="cpu"), progress=False)
+    model.save_pretrained(tmp_path / "own", state_dict=model.state_dict())
+    ref.save_pretrained(tmp_path / "ref")
+    own, expected = load_file(tmp_path / "own" / "model.safetensors"), load_file(tmp_path / "ref" / "model.safetensors")
+    assert own.keys() == expected.keys() and all(torch.equal(own[k], expected[k]) for k in expected)
+    state = model.state_dict()
+    expert = next(k for k in state if ".experts." in k and state[k].dim() == 3)  # a fused experts tensor
+    state[expert] = state[expert] * 2
+    dropped = next(k for k in state if k.endswith("norm.weight"))
+    del state[dropped]
+    model.save_pretrained(tmp_path / "edited", state_dict=state)
+    edited, info = AutoModelForCausalLM.from_pretrained(tmp_path / "edited", output_loading_info=True)
+    assert torch.equal(edited.state_dict()[expert], state[expert]) and set(info["missing_keys"]) == {dropped}
+
+
 def test_from_pretrained_honours_dtype(tiny_checkpoint):
     model = MiraMoEModel.from_pretrained(tiny_checkpoint("olmoe"), MiraConfig(device="cpu"), dtype=torch.bfloat16, progress=False)
     assert model.dtype == torch.bfloat16 and model.mira.store.dtype(0) == torch.bfloat16

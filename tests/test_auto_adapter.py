@@ -357,20 +357,22 @@ def test_experts_tied_across_two_stacks_are_served_exactly_and_never_streamed(tm
     assert torch.equal(logits(ref), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_family_without_a_language_model_head_loads_as_the_class_its_config_names(stream, tmp_path):
+def test_a_family_without_a_language_model_head_loads_as_the_class_its_config_names(stream, dtype, tmp_path):
     """OpenAI's privacy filter is an MoE token classifier: no causal-LM or image-text-to-text class. from_pretrained
-    builds the class config.json names in `architectures`, as transformers' pipelines do; outputs are exact."""
+    builds the class config.json names in `architectures`, as transformers' pipelines do; outputs are exact in
+    every dtype (its own experts loop, which transformers runs it with, computes in fp32 throughout)."""
     import transformers
 
     config = config_or_skip("openai_privacy_filter")
     torch.manual_seed(0)
     transformers.AutoModelForTokenClassification.from_config(config).save_pretrained(tmp_path)
-    ref = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path).eval()
+    ref = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path, dtype=dtype).eval()
     cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=stream))
     with pytest.warns(UserWarning, match="has no adapter"):
-        model = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False)
-    assert type(model) is type(ref)
+        model = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False, dtype=dtype)
+    assert type(model) is type(ref) and model.dtype == dtype
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, ref(IDS).logits)
     assert model.mira.stats()["loads"] > 0

@@ -29,7 +29,7 @@ from mira_hf.experts_impl import (
     check_call,
     check_model_implementations,
     combine,
-    eager_sums_in_weights_dtype,
+    eager_arithmetic,
     implementation_of,
 )
 from mira_hf.proxy import LAYOUT_FLAGS, MiraExperts
@@ -388,7 +388,10 @@ def test_implementation_is_read_from_the_config_of_decorated_modules_only():
     ref.config._experts_implementation = "grouped_mm"
 
 
-def test_eager_sums_in_the_weights_dtype_only_where_transformers_does():
+def test_the_eager_loops_arithmetic_is_read_off_each_familys_own_loop():
+    """ "weights" (the sum in the routing weights' dtype) only where transformers' loop does so, "fp32" only for a loop
+    computing in fp32 throughout (OpenAI Privacy Filter's), "hidden" (the template) elsewhere; the probe leaves the
+    module as it was."""
     nemotron, _ = experts_pair("nemotron_h", torch.bfloat16)
     mixtral, _ = experts_pair("mixtral", torch.bfloat16)
 
@@ -397,16 +400,22 @@ def test_eager_sums_in_the_weights_dtype_only_where_transformers_does():
 
     # NemotronH's loop allocated its accumulator with the weights' dtype before transformers 5.25
     loop = inspect.getsource(type(nemotron).forward.__wrapped__)
-    assert eager_sums_in_weights_dtype(nemotron, flags(nemotron)) == ("dtype=top_k_weights.dtype" in loop)
-    assert not eager_sums_in_weights_dtype(mixtral, flags(mixtral))
+    assert eager_arithmetic(nemotron, flags(nemotron)) == ("weights" if "dtype=top_k_weights.dtype" in loop else "hidden")
+    assert eager_arithmetic(mixtral, flags(mixtral)) == "hidden"
     before = {n: p for n, p in nemotron.named_parameters()}
-    eager_sums_in_weights_dtype(nemotron, flags(nemotron))  # the probe runs on a stand-in: the module is untouched
+    eager_arithmetic(nemotron, flags(nemotron))  # the probe runs on a stand-in: the module is untouched
     assert {n: p for n, p in nemotron.named_parameters()} == before and nemotron.num_experts == 8
+    config = config_or_skip("openai_privacy_filter")
+    from transformers import AutoModelForTokenClassification
 
-    class Plain(torch.nn.Module):  # not built by transformers' decorator: sums as the template does
+    classifier = AutoModelForTokenClassification.from_config(config)
+    privacy = next(m for n, m in classifier.named_modules() if n.endswith("experts"))
+    assert eager_arithmetic(privacy, flags(privacy)) == "fp32"
+
+    class Plain(torch.nn.Module):  # not built by transformers' decorator: computes as the template does
         pass
 
-    assert not eager_sums_in_weights_dtype(Plain(), flags(Plain()))
+    assert eager_arithmetic(Plain(), flags(Plain())) == "hidden"
 
 
 def test_implementations_mira_cannot_compute_are_refused_by_name():

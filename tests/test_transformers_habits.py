@@ -587,3 +587,18 @@ def test_hooks_on_a_module_inside_the_experts_that_the_proxy_replaces_are_refuse
         MiraMoEModel.wrap(model, WRAP)
     assert not hasattr(model, "mira") and not any(isinstance(m, MiraExperts) for m in model.modules())
     assert _same(dict(model.state_dict()), before)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_an_experts_modules_attributes_read_as_on_the_unwrapped_model(name):
+    """Code that reads an experts module's own attributes (its sizes, its config, a gate's `alpha` and `limit`,
+    transformers' layout flags, as exporters do) reads them off the proxy standing in its place."""
+    ref, model = _pair(name)
+    modules = dict(ref.named_modules())
+    proxies = {n: m for n, m in model.named_modules() if isinstance(m, MiraExperts)}
+    for path, proxy in proxies.items():
+        original = modules[path]
+        public = {k: v for k, v in vars(original).items() if not k.startswith("_") and k != "training"}
+        assert public and all(getattr(proxy, k) == v for k, v in public.items()), path
+    with pytest.raises(AttributeError, match="no attribute 'not_an_attribute'"):
+        next(iter(proxies.values())).not_an_attribute  # noqa: B018

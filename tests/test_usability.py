@@ -118,6 +118,19 @@ def test_a_missing_local_path_says_it_does_not_exist(given, monkeypatch, tmp_pat
     assert "Repo id must be" not in message and ".." not in message.replace("../", "")
 
 
+def test_a_model_given_to_from_pretrained_points_to_wrap(tiny_checkpoint):
+    """from_pretrained reads a checkpoint; a model object (or anything but a path) is refused, naming what it got and,
+    for a model, `wrap`, which serves a model already built."""
+    from conftest import load_reference
+
+    model = load_reference(tiny_checkpoint("mixtral"))
+    with pytest.raises(ConfigError, match=r"given MixtralForCausalLM\. To serve a model already built, call MiraMoEModel\.wrap"):
+        MiraMoEModel.from_pretrained(model, gpu_budget=0.25, device="cpu")
+    with pytest.raises(ConfigError, match="a str or a path.*given int"):
+        MiraMoEModel.from_pretrained(3, device="cpu")
+    assert not hasattr(model, "mira")
+
+
 # -- `mira --help` does not import torch or transformers ------------------------------------------------
 def _modules_after(code: str) -> set[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -145,7 +145,7 @@ LLAMA4 = register_adapter(
 STEP3P7 = register_adapter(
     MoEAdapter(
         name="step3p7",
-        model_types=("step3p7", "step3p7_text"),
+        model_types=("step3p7", "step3p5"),  # step3p5: its text decoder's config (Step3p7TextConfig)
         router_scoring="sigmoid",
         notes="experts built outside transformers' experts interface, in its layout (`gate_up_proj [E, 2I, H]`), "
         "SwiGLU clamped per layer (the module's own `_apply_gate`); sigmoid router with a selection bias; shared "

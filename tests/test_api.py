@@ -503,10 +503,10 @@ class RemoteMoeForCausalLM(MixtralForCausalLM):
 """
 
 
-@pytest.mark.parametrize("model_type", ["remote_moe", "step3p5"], ids=["unknown_type", "type_with_config_only"])
+@pytest.mark.parametrize("model_type", ["remote_moe", "blip_text_model"], ids=["unknown_type", "type_with_config_only"])
 def test_remote_code_loads_with_trust_and_computes_what_transformers_loads(tmp_path, model_type):
     """With trust_remote_code=True the checkpoint's own classes are built, as AutoModelForCausalLM builds them:
-    for a model type transformers does not know, and for one it has a config for but no model class (Step 3.5)."""
+    for a model type transformers does not know, and for one it has a config for but no causal-LM class."""
     from safetensors.torch import save_file
 
     torch.manual_seed(0)

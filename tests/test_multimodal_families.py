@@ -45,3 +45,25 @@ def test_checkpoint_loads_exactly(name, stream, tmp_path):
     with torch.no_grad():
         assert torch.equal(model(input_ids=IDS).logits, ref(input_ids=IDS).logits)
     assert model.mira.stats()["loads"] > 0
+
+
+def test_step_3_7s_text_decoder_alone_is_served_by_its_adapter():
+    """Step 3.7's text decoder has a config type of its own (`step3p5`, `Step3p7TextConfig`): built and wrapped
+    alone, it is served by the Step 3.7 adapter (its sigmoid router's scoring for predictions), not the automatic
+    one, and computes what it computes unwrapped."""
+    import warnings
+
+    import transformers
+
+    config = config_or_skip("step3p7").text_config
+    torch.manual_seed(0)
+    ref = transformers.Step3p7TextModel(config).eval()
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "has no adapter" would be a warning
+        MiraMoEModel.wrap(model, MiraConfig(device="cpu", gpu_budget=0.5))
+    from model_adapters import get_adapter
+
+    assert config.model_type == "step3p5" and get_adapter("step3p5").name == "step3p7"
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=IDS).last_hidden_state, ref(input_ids=IDS).last_hidden_state)

@@ -15,6 +15,7 @@ registry), the copies (`loader`) and prediction-driven staging (`staging.Staging
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -63,6 +64,12 @@ class BlockPlan:
 PLACEHOLDERS_REMEDY = (
     "Write experts with model.load_state_dict(...) (which encodes them), or load the model with quantization=None (and "
     "host_compute other than 'split') to change them in place."
+)
+
+
+_BUSY = (
+    "this model has been busy in another thread for 10 minutes; mira-hf runs one forward step at a time per model. "
+    "Load one model per thread, or serialise your calls."
 )
 
 
@@ -133,6 +140,7 @@ class ExpertManager(NotebookViews):
         self.step_check: Callable[[list[int]], None] | None = None
         self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
         self._forward_owner: int | None = None
+        self._step_running: Callable[[int], bool] | None = None  # (thread) -> whether the open step still runs
 
     def _place(self, store: ExpertStore, budget: BudgetPlan, device: torch.device) -> None:
         """Build everything that depends on the records, the slot plan and the device: the loader, the
@@ -227,21 +235,19 @@ class ExpertManager(NotebookViews):
             "and GPU arena. Save it with model.save_pretrained(dir) (a full transformers checkpoint, experts included)."
         )
 
-    def enter_forward(self, new_sequence: bool = False, sequences: int = 1) -> None:
+    def enter_forward(self, new_sequence: bool = False, sequences: int = 1, running: Callable[[int], bool] | None = None) -> None:
         """A forward step of the model starts (`new_sequence`: the first of `sequences` sequences, whose blocks are
         their prompts'). Steps are serialised: a second thread calling the same model waits for the first step to
-        finish (steps of two generate calls interleave safely: the expert cache holds no per-sequence state)."""
+        finish (steps of two generate calls interleave safely: the expert cache holds no per-sequence state).
+        `running`: (thread) -> whether this step still runs in that thread (`step_hooks.running_in`), read by
+        threads waiting for their turn (`_take_turn`)."""
         if self._forward_owner == threading.get_ident():
             # This thread's last step never ended: torch runs a forward hook marked `always_call` when the forward
             # raises an Exception, not a KeyboardInterrupt (Ctrl-C in a notebook). A model's forward does not run
             # inside itself, so that step is over: end it now rather than wait for it.
             self.exit_forward()
-        if not self._forward_lock.acquire(timeout=600):
-            raise ConcurrencyError(
-                "this model has been busy in another thread for 10 minutes; mira-hf runs one forward step at a "
-                "time per model. Load one model per thread, or serialise your calls."
-            )
-        self._forward_owner = threading.get_ident()
+        self._take_turn()
+        self._forward_owner, self._step_running = threading.get_ident(), running
         with self._lock:
             self._settle()
             if self._last_layer >= 0:
@@ -251,20 +257,52 @@ class ExpertManager(NotebookViews):
             if new_sequence:
                 self.staging.new_sequence()
 
+    @contextlib.contextmanager
+    def block_outside_step(self):
+        """Around a block called outside a forward step this thread entered (a compiled graph leaves the step hooks
+        out; `mira_hf.ops`): the block holds the model's forward lock while it runs, so that another thread's step or
+        block waits for it rather than interleave with it in the expert cache."""
+        if self._forward_owner == threading.get_ident():
+            yield
+            return
+        self._take_turn()
+        try:
+            yield
+        finally:
+            self._forward_lock.release()
+
+    def _take_turn(self) -> None:
+        """Take the model's forward lock, waiting up to 10 minutes (`ConcurrencyError`). A step left open by a thread
+        whose forward no longer runs (a KeyboardInterrupt skips the hooks that end a step; or the thread ended) is
+        ended by the waiting thread, which then takes its turn, rather than wait for that thread's next call."""
+        deadline = time.monotonic() + 600
+        while not self._forward_lock.acquire(timeout=0.5):
+            with self._lock:
+                owner, running = self._forward_owner, self._step_running
+                if owner is not None and owner != threading.get_ident() and running is not None and not running(owner):
+                    self._end_step_of_owner()
+            if time.monotonic() > deadline:
+                raise ConcurrencyError(_BUSY)
+
     def exit_forward(self) -> None:
         """The forward step ended (normally or by an exception, KeyboardInterrupt included)."""
         if self._forward_owner != threading.get_ident():
             return  # this thread never entered (its enter_forward raised)
+        with self._lock:
+            if self._forward_owner == threading.get_ident():  # (not ended meanwhile by a waiting thread: `_take_turn`)
+                self._end_step_of_owner()
+
+    def _end_step_of_owner(self) -> None:
+        """End the open step (with `_lock` held) and give the forward lock back."""
         try:
-            with self._lock:
-                try:
-                    self._settle()  # its copies may fail: the step still ends and the next may start
-                finally:
-                    if self._last_layer >= 0:
-                        self._end_step()
-                    self._last_layer = -1
+            try:
+                self._settle()  # its copies may fail: the step still ends and the next may start
+            finally:
+                if self._last_layer >= 0:
+                    self._end_step()
+                self._last_layer = -1
         finally:
-            self._forward_owner = None
+            self._forward_owner = self._step_running = None
             self._forward_lock.release()
 
     def _prompt_shares(self, layer: int, experts: Sequence[int], index: torch.Tensor) -> tuple[list[float], int]:

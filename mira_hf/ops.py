@@ -35,7 +35,9 @@ def register(proxy: nn.Module) -> int:
 @torch.library.custom_op("mira::experts", mutates_args=(), tags=_TAGS)
 def experts(handle: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """`MiraExperts.serve`: hidden [T, H], top-k index and weights [T, K] -> [T, H]."""
-    return _proxies[handle].serve(hidden_states, top_k_index, top_k_weights)
+    proxy = _proxies[handle]
+    with proxy.manager.block_outside_step():  # a graph runs without the step hooks: threads take turns per block
+        return proxy.serve(hidden_states, top_k_index, top_k_weights)
 
 
 @experts.register_fake
@@ -48,10 +50,12 @@ def scaled_experts(handle: int, hidden_states: torch.Tensor, autocast_dtype: tor
     """`MiraScaledExperts.serve`: input-scaled rows [E*T, H] -> [E*T, H]. `autocast_dtype`: the autocast the caller
     ran under (a compiled graph calls the operator outside it), whose dtype the experts' matmuls give, as the module's
     `bmm` does under autocast."""
-    if autocast_dtype is None:
-        return _proxies[handle].serve(hidden_states)
-    with torch.autocast(hidden_states.device.type, dtype=autocast_dtype):
-        return _proxies[handle].serve(hidden_states)
+    proxy = _proxies[handle]
+    with proxy.manager.block_outside_step():  # as `experts`
+        if autocast_dtype is None:
+            return proxy.serve(hidden_states)
+        with torch.autocast(hidden_states.device.type, dtype=autocast_dtype):
+            return proxy.serve(hidden_states)
 
 
 @scaled_experts.register_fake

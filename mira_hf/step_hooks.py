@@ -7,6 +7,7 @@ whichever module it was called through."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import weakref
@@ -36,6 +37,17 @@ def running(module: nn.Module | None) -> bool:
     return module is not None and on_stack(_CALL_CODES, module)
 
 
+def running_in(module: weakref.ref, thread: int) -> bool:
+    """Whether a call of `module` is on thread `thread`'s stack (False where the thread has ended or the module is
+    gone): whether that thread's step is still running."""
+    frame, target = sys._current_frames().get(thread), module()
+    while frame is not None and target is not None:
+        if frame.f_code in _CALL_CODES and frame.f_locals.get("self") is target:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class StepHooks:
     """The model's forward hooks: a forward step starts and ends for the manager. Bound methods of an
     object rather than lambdas, so that copying or pickling a wrapped model reaches the manager's clear
@@ -47,7 +59,8 @@ class StepHooks:
         self._local = threading.local()  # this thread's step: (a weak reference to its outermost module, depth)
 
     # In a compiled graph the hooks are left out (fullgraph allows no break): the manager then finds step
-    # boundaries from the order of its blocks (`ExpertManager.begin`), and steps are not serialised.
+    # boundaries from the order of its blocks (`ExpertManager.begin`), and threads take turns per block
+    # (`ExpertManager.block_outside_step`).
     def before(self, module, args, kwargs) -> None:
         if not torch.compiler.is_compiling():
             outer, depth = getattr(self._local, "step", (None, 0))
@@ -57,7 +70,7 @@ class StepHooks:
             # a new step; or the same thread's step left open by an interrupt (KeyboardInterrupt skips the forward
             # hooks; its module's call is no longer on the stack), which `enter_forward` ends
             self._local.step = (None, 0)
-            self._enter(args, kwargs)
+            self._enter(module, args, kwargs)
             # weakly: a step left open by an interrupt does not keep a model its user dropped
             self._local.step = (weakref.ref(module), 1)
 
@@ -71,8 +84,9 @@ class StepHooks:
                 self._exit()
 
     @torch.compiler.disable
-    def _enter(self, args: tuple, kwargs: dict) -> None:
-        self.manager.enter_forward(_starts_sequence(kwargs), _sequences(args, kwargs))
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        running = functools.partial(running_in, weakref.ref(module))
+        self.manager.enter_forward(_starts_sequence(kwargs), _sequences(args, kwargs), running)
         if self.edited is not None:
             try:
                 self.edited()

@@ -132,3 +132,39 @@ def test_expert_edits_between_compiled_calls_reach_the_experts(tiny_checkpoint):
             compiled(IDS)
         experts.down_proj = original
         assert torch.equal(compiled(IDS).logits, ref(IDS).logits)
+
+
+def test_a_compiled_model_called_from_several_threads_gives_each_its_outputs(tiny_checkpoint):
+    """A compiled graph runs without the step hooks that make threads take turns per forward step: each experts
+    block takes the model's turn instead, so four threads calling one compiled model (as a web demo does) get the
+    unwrapped model's logits, where their blocks had interleaved in the expert cache and raised."""
+    import threading
+
+    path = tiny_checkpoint("mixtral")
+    ref = load_reference(path)
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.25, device="cpu"), progress=False).eval()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randint(3, 128, (2, 10), generator=g) for _ in range(4)]
+    with torch.no_grad():
+        expected = [ref(x).logits for x in inputs]
+        assert all(torch.equal(compiled(x).logits, e) for x, e in zip(inputs, expected))  # compiled once, here
+    failures = []
+
+    def worker(i: int) -> None:
+        try:
+            with torch.no_grad():
+                for r in range(10):
+                    j = (i + r) % 4
+                    if not torch.equal(compiled(inputs[j]).logits, expected[j]):
+                        failures.append(f"thread {i}: wrong logits")
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            failures.append(f"thread {i}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads) and failures == []
+    assert not model.mira._forward_lock.locked()

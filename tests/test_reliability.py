@@ -97,6 +97,30 @@ def test_keyboard_interrupt_inside_a_forward_leaves_the_model_usable_at_once(tin
     assert _no_pins(model) and not model.mira._forward_lock.locked()
 
 
+def test_a_step_interrupted_in_one_thread_does_not_hold_up_another(tiny_checkpoint):
+    """Ctrl-C in a notebook's thread leaves its step open (torch skips the hooks that end it); a call from another
+    thread (a web demo's worker) ends that step, whose forward no longer runs, and runs at once, exact, while the
+    interrupted thread never calls again."""
+    import threading
+
+    path = tiny_checkpoint("mixtral")
+    expected = load_reference(path).generate(PROMPT, **GEN)
+    model = _wrapped(path, policy="heat", predictor="markov")
+    experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    hook = experts[1].register_forward_pre_hook(lambda module, args: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(PROMPT, **GEN)
+    hook.remove()
+    assert model.mira._forward_lock.locked()  # the interrupted step, still open
+    out = {}
+    worker = threading.Thread(target=lambda: out.setdefault("tokens", model.generate(PROMPT, **GEN)), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and torch.equal(out["tokens"], expected)
+    assert _no_pins(model) and not model.mira._forward_lock.locked()
+    assert torch.equal(model.generate(PROMPT, **GEN), expected)  # and the interrupted thread's next call too
+
+
 def test_concurrent_generate_from_two_threads_is_serialised_and_exact(tiny_checkpoint):
     path = tiny_checkpoint("mixtral")
     ref = load_reference(path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Union
@@ -354,7 +355,8 @@ class MiraConfig:
     host_budget: host bytes for the expert store; experts beyond it are read from disk
         (`offload_dir`) through the staging ring. `None`: no limit. When set, `from_pretrained` reads
         the experts from the checkpoint one at a time (`LoaderConfig.stream_experts`), so a model
-        larger than host memory loads.
+        larger than host memory loads. With host_compute="split" it bounds the device parts; the host parts
+        (`host_share` of every expert) stay in host memory beside it.
     offload_dir: where experts beyond `host_budget` are written, memory-mapped and read back.
     expert_layer_path: for models without an adapter, a glob of the routed-experts modules,
         e.g. `"model.layers.*.mlp.experts"` (fused 3-D expert tensors, as transformers 5 builds them).
@@ -434,6 +436,11 @@ class MiraConfig:
                     "host_budget is set but offload_dir is not: experts beyond the host budget are written "
                     "to disk. Pass MiraConfig(host_budget=..., offload_dir='/path/with/space')."
                 )
+        if self.offload_dir is not None and (not isinstance(self.offload_dir, (str, os.PathLike)) or not str(self.offload_dir)):
+            raise ConfigError(
+                f"offload_dir={self.offload_dir!r}: give a directory (a str or a path; it is created if missing) where "
+                "the experts beyond host_budget are written."
+            )
         if self.expert_layer_path is not None and (
             not isinstance(self.expert_layer_path, str) or "." not in self.expert_layer_path
         ):

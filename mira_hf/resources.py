@@ -79,6 +79,11 @@ def check_offload_space(cfg: MiraConfig, layer_bytes: list[int]) -> None:
             f"offload_dir={cfg.offload_dir!r}: {path} is a file, not a directory. Give offload_dir a directory (it is "
             "created if missing) where the experts beyond host_budget are written."
         )
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"offload_dir={cfg.offload_dir!r}: {path} cannot be written (a read-only disk, or no permission), and the "
+            "experts beyond host_budget are written there. Give offload_dir a directory you can write to."
+        )
     free = shutil.disk_usage(path).free
     if disk > free:
         raise BudgetError(

@@ -72,6 +72,8 @@ class ExpertStore:
         self.offload_dir = offload_dir
         self._slabs: dict[int, _Slab] = {}
         self._host_bytes = 0
+        # Waits for readers of the slabs that run beside the model (a record cache's background write: `read_by`)
+        self._readers: list[Callable[[], None]] = []
         self._reserved: dict[int, tuple[int, Future]] = {}  # layer -> (bytes, its pinned slab being allocated)
         self._pin_pool: ThreadPoolExecutor | None = None
         self._reserved_host_bytes = 0
@@ -343,6 +345,11 @@ class ExpertStore:
         new_specs = {n: (shape, dtype) for n, (shape, _) in specs.items()}
         return self.encoder.plan_layer(self.codec, new_specs, self.num_experts(layer), self._rewritten(layer, fused, dtype))
 
+    def read_by(self, wait: Callable[[], None]) -> None:
+        """A reader of the slabs runs beside the model (a record cache's background write); `wait` returns once it
+        has finished. A rewrite of records waits for it first."""
+        self._readers.append(wait)
+
     def rewrite(self, layer: int, fused: Mapping[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None, layout=None):
         """Encode `layer` again: with the tensors in `fused` (`name -> [E, ...]`, some or all of them) in place of
         the stored ones, and/or every tensor cast to `dtype`, exactly as casting the original tensors would.
@@ -351,6 +358,8 @@ class ExpertStore:
         old = self._slabs[layer]
         dtype = dtype or old.dtype
         layout = layout if layout is not None else self.plan_rewrite(layer, fused, dtype)
+        while self._readers:  # they read the records as loaded: not records written over meanwhile
+            self._readers.pop()()
         expert = self._rewritten(layer, fused, dtype)
         E = self.num_experts(layer)
         if dtype == old.dtype and layout == old.layout:

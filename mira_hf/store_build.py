@@ -265,6 +265,7 @@ def fill_store(
     cache = plan.cache  # `finish` opens it where the checkpoint was still arriving when planned
     if cache is not None and saved is None:  # encoded here (or the entry was dropped): cache the records
         cache.write(store.slabs(), store.plans())
+        store.read_by(cache.wait)
     return manager
 
 

@@ -169,6 +169,36 @@ def test_an_interrupted_write_leaves_no_entry(ckpt, tmp_path, monkeypatch):
     assert os.listdir(cache) == []
 
 
+def test_experts_loaded_over_the_records_while_their_entry_is_written_do_not_reach_it(ckpt, tmp_path, monkeypatch):
+    """The entry is written in the background from the store's records; a `load_state_dict` of other experts right
+    after loading (a fine-tune of the same shapes) rewrites those records only once the entry holds the checkpoint's:
+    the next load of the unchanged checkpoint is the checkpoint, not the fine-tune."""
+    import threading
+    import time
+
+    from mira_hf import saved_store
+
+    cache = tmp_path / "records"
+    expected = _logits(_load(ckpt, None))
+    writing, slow = threading.Event(), saved_store._write_chunk
+
+    def slow_chunk(*args):  # a slow disk: the load returns while the entry is still being written
+        writing.set()
+        time.sleep(0.2)
+        return slow(*args)
+
+    monkeypatch.setattr(saved_store, "_write_chunk", slow_chunk)
+    loader = LoaderConfig(record_cache=str(cache))
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, quantization="lossless", loader=loader)
+    model = MiraMoEModel.from_pretrained(ckpt, cfg, progress=False).eval()
+    assert writing.wait(10) and model.mira.record_cache.writer.is_alive()
+    model.load_state_dict({k: (-v if ".experts." in k else v) for k, v in model.state_dict().items()})
+    model.mira.record_cache.wait()
+    monkeypatch.setattr(saved_store, "_write_chunk", slow)
+    again = _load(ckpt, cache)
+    assert _encoded(again) == 0 and torch.equal(_logits(again), expected)
+
+
 def test_concurrent_writers_leave_one_whole_entry(ckpt, tmp_path):
     """Two loads that both missed write the same entry: the first rename wins, the other drops its copy."""
     cache = tmp_path / "records"

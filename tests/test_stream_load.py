@@ -13,7 +13,7 @@ import torch
 from conftest import ALL_TINY, PEAK_ANON_SOURCE, load_reference
 from tiny_models import config_or_skip, make_config
 
-from mira_hf import BudgetError, CheckpointError, MiraConfig, MiraMoEModel, UnsupportedModelError
+from mira_hf import BudgetError, CheckpointError, ConfigError, MiraConfig, MiraMoEModel, UnsupportedModelError
 from mira_hf.config import LoaderConfig
 from mira_hf.expert_keys import transformers_keys
 from mira_hf.shards import ShardIndex
@@ -146,6 +146,27 @@ def test_offload_dir_without_space_is_refused_before_loading(tiny_checkpoint, tm
     with pytest.raises(BudgetError, match="only 10 bytes are free"):
         _load(tiny_checkpoint("mixtral"), LoaderConfig(), host_budget=1000, offload_dir=str(tmp_path / "off"))
     assert not (tmp_path / "off").exists()
+
+
+def test_an_offload_dir_that_cannot_be_written_is_refused_before_loading(tiny_checkpoint, tmp_path, monkeypatch):
+    """A read-only disk (or a directory without write permission) is refused before any expert is read, as a full
+    one is; an empty offload_dir is refused when the config is built."""
+    import os
+
+    import mira_hf.resources
+
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    real = os.access
+    monkeypatch.setattr(mira_hf.resources.os, "access", lambda p, mode: False if str(p) == str(readonly) else real(p, mode))
+    from mira_hf.store import ExpertStore
+
+    monkeypatch.setattr(ExpertStore, "add_layer_from", lambda *a, **k: pytest.fail("experts were read into the store"))
+    with pytest.raises(ConfigError, match=r"cannot be written \(a read-only disk, or no permission\)"):
+        _load(tiny_checkpoint("mixtral"), LoaderConfig(), host_budget=1000, offload_dir=str(readonly / "experts"))
+    assert list(readonly.iterdir()) == []
+    with pytest.raises(ConfigError, match="offload_dir='': give a directory"):
+        MiraConfig(host_budget=1000, offload_dir="")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "corrupted header", "missing shard"])

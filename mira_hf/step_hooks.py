@@ -21,10 +21,10 @@ from .manager import ExpertManager
 _CALL_CODES = frozenset(f.__code__ for f in (nn.Module._call_impl, nn.Module._wrapped_call_impl))
 
 
-def on_stack(codes: frozenset, module: nn.Module | None = None) -> bool:
-    """Whether a frame of one of `codes` (code objects) is on this thread's stack; with `module`, one whose `self`
-    is that module."""
-    frame = sys._getframe(1)
+def on_stack(codes: frozenset, module: nn.Module | None = None, frame=None) -> bool:
+    """Whether a frame of one of `codes` (code objects) is on this thread's stack (or from `frame` down another's);
+    with `module`, one whose `self` is that module."""
+    frame = sys._getframe(1) if frame is None else frame
     while frame is not None:
         if frame.f_code in codes and (module is None or frame.f_locals.get("self") is module):
             return True
@@ -41,11 +41,7 @@ def running_in(module: weakref.ref, thread: int) -> bool:
     """Whether a call of `module` is on thread `thread`'s stack (False where the thread has ended or the module is
     gone): whether that thread's step is still running."""
     frame, target = sys._current_frames().get(thread), module()
-    while frame is not None and target is not None:
-        if frame.f_code in _CALL_CODES and frame.f_locals.get("self") is target:
-            return True
-        frame = frame.f_back
-    return False
+    return frame is not None and target is not None and on_stack(_CALL_CODES, target, frame)
 
 
 class StepHooks:

@@ -506,6 +506,11 @@ class ExpertManager(NotebookViews):
                 return
             self._end(plan, grouped)
             self.telemetry.blocks.stop()  # the block's host time against its uses and misses (host_time.py)
+            if self._forward_owner is None and plan.layer == self.last_ordinal:
+                # a step no forward hook entered (a compiled graph leaves them out): its last MoE layer ends it,
+                # as the hooks end theirs, rather than the next step's first block
+                self._end_step()
+                self._last_layer = -1
 
     def _end(self, plan: BlockPlan, grouped: Sequence[int]) -> None:
         if grouped:
@@ -687,11 +692,16 @@ class ExpertManager(NotebookViews):
         return self.arena.device_bytes
 
     def reset_stats(self) -> None:
-        """Zero the counters (not the cache contents, heat scores or predictor state)."""
+        """Zero the counters (not the cache contents, heat scores or predictor state). Experts copied ahead of need
+        and not yet used count as prefetches of the new window, whose first use or eviction it counts."""
         with self._lock:
             self._settle()
             self.loader.reset_stalls()
             self.telemetry.reset()
+            for key in self.cache.resident():
+                slot = self.cache.lookup(key)
+                if slot.prefetched and not slot.used_since_load:
+                    self.telemetry.layer(key[0]).prefetches += 1
             self.staging.gate.reset_stats()
             if self.batch is not None:
                 self.batch.reset_check()

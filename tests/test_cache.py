@@ -245,8 +245,9 @@ def test_prefetched_expert_counts_as_stage_hit_and_waste_is_counted():
     assert (s["prefetch_wasted"], s["evictions"], s["prefetches"], s["loads"]) == (1, 1, 2, 5)
     assert (s["stage_hits"], s["hot_hits"], s["hits"], s["misses"], s["hit_rate"]) == (1, 0, 1, 3, 0.25)
     assert s["bytes_h2d"] == 5 * record and s["per_layer"][0]["prefetch_wasted"] == 1
-    # heat: (0, 2) +0.1 (used) +0.03 (a used prefetch), then one idle step ×0.95; (0, 3) −0.05 (wasted), kept at 0
-    assert m.heat.score(0, 2) == pytest.approx(0.13 * 0.95) and m.heat.score(0, 3) == 0.0
+    # heat: (0, 2) +0.1 (used) +0.03 (a used prefetch), then two idle steps ×0.95 (a one-layer model's block is a
+    # step, which its last layer's block ends); (0, 3) −0.05 (wasted), kept at 0
+    assert m.heat.score(0, 2) == pytest.approx(0.13 * 0.95**2) and m.heat.score(0, 3) == 0.0
     run_block(m, 0, [5])  # the next victim, (0, 2), was a prefetch but was used: not wasted
     assert m.stats()["prefetch_wasted"] == 1 and m.stats()["evictions"] == 2
 

@@ -100,12 +100,7 @@ class CacheConfig:
                 f"prefill_block_tokens={b!r}: give a number of tokens ≥ 1 (16-64 work well), or None to compute "
                 "each expert's rows at once (bit-identical outputs, the default)."
             )
-        if (
-            isinstance(self.demand_inflight_bytes, bool)
-            or not isinstance(self.demand_inflight_bytes, int)
-            or self.demand_inflight_bytes < 1
-        ):
-            raise ConfigError(f"demand_inflight_bytes={self.demand_inflight_bytes!r}: must be a positive int (bytes).")
+        check_count("demand_inflight_bytes", self.demand_inflight_bytes, 1, "bytes")
 
 
 @dataclass(frozen=True)
@@ -141,8 +136,7 @@ class LoaderConfig:
             )
         if self.split_copies not in (True, False):
             raise ConfigError(f"split_copies={self.split_copies!r}: must be True or False.")
-        if isinstance(self.split_min_bytes, bool) or not isinstance(self.split_min_bytes, int) or self.split_min_bytes < 0:
-            raise ConfigError(f"split_min_bytes={self.split_min_bytes!r}: must be an int ≥ 0 (bytes; 0 splits every record).")
+        check_count("split_min_bytes", self.split_min_bytes, 0, "bytes; 0 splits every record")
         if not isinstance(self.staging_ring_bytes, int) or self.staging_ring_bytes < 2**20:
             raise ConfigError(f"staging_ring_bytes={self.staging_ring_bytes!r}: must be an int ≥ 1 MiB.")
         if not self.copy_timeout_s > 0:

@@ -250,9 +250,7 @@ class ExpertManager(NotebookViews):
         self._forward_owner, self._step_running = threading.get_ident(), running
         with self._lock:
             self._settle()
-            if self._last_layer >= 0:
-                self._end_step()
-            self._last_layer = -1
+            self._close_step()
             self._prompt, self._prompt_sequences = new_sequence, sequences
             if new_sequence:
                 self.staging.new_sequence()
@@ -298,9 +296,7 @@ class ExpertManager(NotebookViews):
             try:
                 self._settle()  # its copies may fail: the step still ends and the next may start
             finally:
-                if self._last_layer >= 0:
-                    self._end_step()
-                self._last_layer = -1
+                self._close_step()
         finally:
             self._forward_owner = self._step_running = None
             self._forward_lock.release()
@@ -316,6 +312,12 @@ class ExpertManager(NotebookViews):
         counts = torch.bincount(seq * E + index.reshape(-1), minlength=B * E).view(B, E)[:, list(experts)].cpu()
         shares = counts[0].double() / P if B == 1 else 1 - (1 - counts.double() / P).prod(0)
         return shares.tolist(), P
+
+    def _close_step(self) -> None:
+        """End the open step, if a block ran in it."""
+        if self._last_layer >= 0:
+            self._end_step()
+        self._last_layer = -1
 
     def _end_step(self) -> None:
         self._prompt = False
@@ -509,8 +511,7 @@ class ExpertManager(NotebookViews):
             if self._forward_owner is None and plan.layer == self.last_ordinal:
                 # a step no forward hook entered (a compiled graph leaves them out): its last MoE layer ends it,
                 # as the hooks end theirs, rather than the next step's first block
-                self._end_step()
-                self._last_layer = -1
+                self._close_step()
 
     def _end(self, plan: BlockPlan, grouped: Sequence[int]) -> None:
         if grouped:

@@ -595,8 +595,11 @@ def test_a_chat_rendered_with_the_servers_template_answers_only_the_generated_te
     from transformers import AutoTokenizer
 
     from mira_hf.serve import BackgroundServer, build_app
+    from mira_hf.serve.stack import resolve
     from mira_hf.testing import build, make_config
 
+    if family.startswith("qwen") and resolve().__module__.endswith("stack_in_process"):
+        pytest.skip("transformers before 5.25 parse a Qwen-family chat answer with ChatML (docs/serving.md, not supported)")
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(bundled_model_path())
     assert not getattr(tokenizer, "chat_template", None)
@@ -729,6 +732,7 @@ def test_kv_bytes_fall_back_to_k_and_v_where_transformers_has_no_latent_cache(mo
     from mira_hf.testing import build, make_config
 
     model = build(make_config("deepseek_v3"))
+    monkeypatch.setattr(memory, "MLA_LATENTS", "json")  # a transformers with the allocator (a module that exists)
     latents = memory.kv_bytes_per_token(model)
     monkeypatch.setattr(memory, "MLA_LATENTS", "transformers_of_another_release.continuous_batching.latents")
     text = model.config.get_text_config()

@@ -217,8 +217,10 @@ class _Service:
             options = body.get("stream_options")
             hide_usage = bool(body.get("stream")) and isinstance(options, dict) and not options.get("include_usage")
             self.stack.prepare_request(body)
-            response = await _unless_disconnected(request, handler.handle_request(body, f"{id_prefix}-{uuid.uuid4().hex}"))
-            if response is None:  # the client left before its answer: its decoding was stopped
+            request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+            response = await _unless_disconnected(request, handler.handle_request(body, request_id))
+            if response is None:  # the client left before its answer: its decoding stops
+                self.stack.cancel(request_id)
                 outcome["status"] = CLIENT_CLOSED
                 return _error(CLIENT_CLOSED, "the client closed the connection before the answer was ready")
             outcome["status"] = response.status_code
@@ -310,8 +312,8 @@ DISCONNECT_POLL_S = 0.1
 
 
 async def _unless_disconnected(request: Request, answer):
-    """The result of awaiting `answer`, or None once the client has disconnected: `answer` is then cancelled (which
-    cancels its decoding). Starlette does not cancel an endpoint whose client leaves; a stream stops when its
+    """The result of awaiting `answer`, or None once the client has disconnected: `answer` is then cancelled (the caller
+    stops its decoding: `ServingStack.cancel`). Starlette does not cancel an endpoint whose client leaves; a stream stops when its
     response can no longer be sent, an answer given whole would decode to its end for nobody."""
     task = asyncio.ensure_future(answer)
     try:
@@ -337,10 +339,14 @@ async def _observed_stream(chunks, finish, hide_usage: bool = False):
         async for chunk in chunks:
             text = chunk if isinstance(chunk, str) else chunk.decode()
             if '"usage"' in text:
-                event = _json(text.rsplit("data: ", 1)[-1])
+                before, _, last = text.rpartition("data: ")
+                event = _json(last)
                 tokens = _completion_tokens(event) or tokens
                 if hide_usage and _usage_only(event):
                     continue
+                if hide_usage and isinstance(event, dict) and event.get("usage"):
+                    # older transformers put the usage in the last choice chunk: sent without it
+                    chunk = f"{before}data: {json.dumps({**event, 'usage': None})}\n\n"
             done = done or any(line.strip() == "data: [DONE]" for line in text.splitlines())
             yield chunk
         if not done:

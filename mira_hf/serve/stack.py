@@ -47,6 +47,10 @@ class ServingStack:
         """Stop continuous batching. The model stays the caller's, in place."""
         raise NotImplementedError
 
+    def cancel(self, request_id: str) -> None:
+        """Stop decoding the request the app handed a handler as `request_id`, whose client left before its answer
+        (the handler's task was cancelled). Nothing by default: a design whose handlers stop it themselves."""
+
     def prepare_request(self, body: dict) -> None:
         """Fill in, in place, what this design's handlers need said to answer a checked request `body` as the server
         promises (docs/serving.md). Nothing by default."""

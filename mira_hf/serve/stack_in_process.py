@@ -41,6 +41,7 @@ class Stack(ServingStack):
 
     def __init__(self, model, tokenizer, name: str, generation_config, cb_config, chat_template_kwargs: dict) -> None:
         self._model, self._name, self._generation_config = model, name, generation_config
+        self._cb = None  # the ContinuousBatchingManager, once started
         self._state = GenerationState(continuous_batching=True, cb_config=cb_config)
         models = LoadedModelManager(model, tokenizer, name)
         self.chat_handler = ChatCompletionHandler(
@@ -51,7 +52,13 @@ class Stack(ServingStack):
     def start(self):
         manager = self._state.get_manager(self._name, use_cb=True)
         manager.init_cb(self._model, self._generation_config)
-        return manager._cb  # the ContinuousBatchingManager init_cb started (transformers keeps it on this attribute)
+        self._cb = manager._cb  # the ContinuousBatchingManager init_cb started (transformers keeps it on this attribute)
+        return self._cb
+
+    def cancel(self, request_id: str) -> None:
+        # These handlers leave a cancelled request decoding: its batching request has the handler's id.
+        if self._cb is not None:
+            self._cb.cancel_request(request_id)
 
     def stop(self) -> None:
         self._state.shutdown()

@@ -108,6 +108,12 @@ VISION_SMALL = dict(depth=1, num_hidden_layers=1, hidden_size=32, intermediate_s
                     num_key_value_heads=2, head_dim=16, out_hidden_size=64, embed_dim=32)  # fmt: skip
 
 
+try:  # what a config's validators raise (huggingface_hub's strict dataclasses)
+    from huggingface_hub.errors import StrictDataclassError as _ConfigRefused
+except ImportError:
+    _ConfigRefused = ValueError
+
+
 def shrunk(model_type: str, text: dict | None = None, fix=None):
     """A builder of a tiny random model of composite `model_type`, as `auto_model_class` loads its checkpoints."""
 
@@ -117,16 +123,20 @@ def shrunk(model_type: str, text: dict | None = None, fix=None):
         if model_type not in transformers.CONFIG_MAPPING:
             raise AttributeError(f"no {model_type}")
         cls = transformers.CONFIG_MAPPING[model_type]
-        kwargs = {}
-        for name, sub in cls.sub_configs.items():
-            if name == "text_config":
-                kwargs[name] = make_auto_config(sub.model_type, **(text or {})).to_dict()
-            else:
-                defaults = sub()
-                kwargs[name] = sub(**{k: v for k, v in VISION_SMALL.items() if _has(defaults, k)}).to_dict()
-        if fix is not None:
-            fix(kwargs)
-        return auto_model_class(model_type).from_config(cls(**kwargs))
+        try:
+            kwargs = {}
+            for name, sub in cls.sub_configs.items():
+                if name == "text_config":
+                    kwargs[name] = make_auto_config(sub.model_type, **(text or {})).to_dict()
+                else:
+                    defaults = sub()
+                    kwargs[name] = sub(**{k: v for k, v in VISION_SMALL.items() if _has(defaults, k)}).to_dict()
+            if fix is not None:
+                fix(kwargs)
+            config = cls(**kwargs)
+        except (ValueError, _ConfigRefused) as exc:  # an older release of the family, whose config takes other options
+            raise AttributeError(f"{model_type} with other options ({exc})") from exc
+        return auto_model_class(model_type).from_config(config)
 
     return build_it
 

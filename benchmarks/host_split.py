@@ -15,6 +15,9 @@ wrapped once per system, one after the other in the same process:
     split-X-lossless  the same with the device parts in the lossless format
     split-X-auto    the same with quantization="auto" (the format `default` picks)
 
+`--speculate-mib N,...` measures every system but lru once more per N with `PredictorConfig(speculate_bytes=N MiB)`
+(named `<system>-specN`): how much of the next layer's likeliest guess is copied while the link would idle.
+
 Metrics: decode tokens/s at batch 1 (median of `--rounds`), batch 8 and beam search (4 beams); x_limit: time per
 token over the PCIe floor (Belady's bytes per token of whole uncompressed experts over LRU's routing, at the
 measured H2D speed); x_limit_lossless: over the same floor in the lossless format's bytes (Belady's count of copies
@@ -38,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -60,7 +64,7 @@ from common import device_slug, environment, print_table, sync, write_json  # no
 from host_compute import WORKLOADS, _fmt, budget_of, build, spread_routers  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
-from mira_hf.config import QuantConfig  # noqa: E402
+from mira_hf.config import PredictorConfig, QuantConfig  # noqa: E402
 
 TITLE = "Experts split by neuron between the host and the GPU"
 COLUMNS = [
@@ -99,6 +103,11 @@ def parse_args(argv=None, doc: str = __doc__, systems: str = "lru,without,lossle
     ap.add_argument(
         "--floor-from", help="an earlier result file of the same workloads, budgets and seed: its lru rows give the floor"
     )
+    ap.add_argument(
+        "--speculate-mib",
+        default="",
+        help="PredictorConfig.speculate_bytes values (MiB): each system but lru once more with each, named -specN",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, a few tokens: checks the script")
     args = ap.parse_args(argv)
@@ -109,6 +118,7 @@ def parse_args(argv=None, doc: str = __doc__, systems: str = "lru,without,lossle
     args.budgets = [b.strip() if b.strip() == "consumer" else float(b) for b in args.budgets.split(",") if b.strip()]
     args.shares = [float(s) for s in args.shares.split(",") if s.strip()]
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    args.speculate_mib = [int(v) for v in args.speculate_mib.split(",") if v.strip()]
     if args.smoke:
         args.prompt_len, args.new_tokens, args.batch_tokens, args.beam_tokens, args.warmup_tokens = 8, 4, 2, 2, 1
         args.batch, args.budgets, args.rounds = min(args.batch, 4), args.budgets[:1], 1
@@ -140,6 +150,11 @@ def configs(args, gpu_budget, device: str, facts: dict | None = None) -> list[tu
             raise SystemExit(
                 f"--systems: unknown {system!r}; choose from lru, without, lossless, lossless-dequant, default, split, split-lossless, split-auto"
             )
+    for mib in args.speculate_mib:  # the same systems with another speculation size (the split's idle link)
+        speculating = PredictorConfig(speculate_bytes=mib * 2**20)
+        out += [
+            (f"{n}-spec{mib}", dataclasses.replace(c, prediction=speculating)) for n, c in out if n != "lru" and "-spec" not in n
+        ]
     return out
 
 

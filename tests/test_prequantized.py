@@ -98,10 +98,8 @@ def test_fp32_logits_and_tokens_equal_transformers(quantized_checkpoint, family,
     """Loaded in fp32, logits torch.equal to transformers' own load, greedy and beam tokens identical."""
     path = quantized_checkpoint(family)
     skip_unless_float32_runs(path)
-    ref, model = _reference(path, torch.float32), _load(path, dtype=torch.float32, gpu_budget=0.5)
-    experts_dtype = {p.dtype for n, p in ref.named_parameters() if ".experts." in n and n.endswith("proj")}
-    if experts_dtype != {torch.float32}:  # transformers 5.17 dequantizes MXFP4 experts to bf16 whatever the dtype
-        pytest.skip(f"this transformers dequantizes the {codec} experts to {experts_dtype} in an fp32 model")
+    ref = experts_in_model_dtype(_reference(path, torch.float32))
+    model = _load(path, dtype=torch.float32, gpu_budget=0.5)
     assert model.mira.store.codec.name == codec
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, ref(IDS).logits)
@@ -314,6 +312,9 @@ def experts_in_model_dtype(model):
     return model
 
 
+_RUNS_IN_FLOAT32: dict[str, bool] = {}  # checkpoint path -> `transformers_runs_it_in_float32`
+
+
 def transformers_runs_it_in_float32(path: str) -> bool:
     """Whether transformers' own load of the pre-quantized checkpoint at `path`, asked for float32, gives a model whose
     weights outside the experts are float32. transformers 5.22 leaves an FP8 checkpoint's unquantized weights (norms,
@@ -323,9 +324,6 @@ def transformers_runs_it_in_float32(path: str) -> bool:
         ref = _reference(path, torch.float32)
         _RUNS_IN_FLOAT32[path] = all(p.dtype == torch.float32 for n, p in ref.named_parameters() if ".experts." not in n)
     return _RUNS_IN_FLOAT32[path]
-
-
-_RUNS_IN_FLOAT32: dict[str, bool] = {}
 
 
 def skip_unless_float32_runs(path: str) -> None:

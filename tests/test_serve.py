@@ -4,6 +4,7 @@ shows the expert cache, KV blocks and queue. The server runs in-process on 127.0
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import time
@@ -611,6 +612,34 @@ def test_a_chat_rendered_with_the_servers_template_answers_only_the_generated_te
         status, body = post(server.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}]})
     assert status == 200, body
     assert body["choices"][0]["message"]["content"] == expected
+
+
+@pytest.mark.parametrize("hide", [True, False])
+def test_a_declined_usage_is_left_out_whether_it_comes_alone_or_in_the_last_choice_chunk(hide):
+    """The app's pass over a stream: a usage chunk of its own is dropped where the request declined usage, and a usage
+    inside the last choice chunk (transformers before 5.25) is blanked, that chunk kept; the tokens are counted from
+    it either way and the stream ends with [DONE]."""
+    from mira_hf.serve.app import _observed_stream
+
+    text = 'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n'
+    alone = 'data: {"choices": [], "usage": {"completion_tokens": 3}}\n\n'
+    inside = 'data: {"choices": [{"text": "", "finish_reason": "stop"}], "usage": {"completion_tokens": 4}}\n\n'
+
+    async def chunks():
+        for chunk in (text, alone, inside):
+            yield chunk
+
+    async def read():
+        return [chunk async for chunk in _observed_stream(chunks(), counted.append, hide_usage=hide)]
+
+    counted = []
+    out = asyncio.run(read())
+    events = [json.loads(c[len("data: ") :]) for c in out[:-1]]
+    assert out[-1] == "data: [DONE]\n\n" and counted == [4]
+    if hide:
+        assert events == [json.loads(text[6:]), {**json.loads(inside[6:]), "usage": None}]
+    else:
+        assert out[:-1] == [text, alone, inside]
 
 
 def test_a_stream_ends_with_done_and_counts_its_tokens_whether_or_not_it_asks_for_usage(served):

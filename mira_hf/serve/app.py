@@ -312,9 +312,9 @@ DISCONNECT_POLL_S = 0.1
 
 
 async def _unless_disconnected(request: Request, answer):
-    """The result of awaiting `answer`, or None once the client has disconnected: `answer` is then cancelled (the caller
-    stops its decoding: `ServingStack.cancel`). Starlette does not cancel an endpoint whose client leaves; a stream stops when its
-    response can no longer be sent, an answer given whole would decode to its end for nobody."""
+    """The result of awaiting `answer`, or None once the client has disconnected: `answer` is then cancelled (the
+    caller stops its decoding: `ServingStack.cancel`). Starlette does not cancel an endpoint whose client leaves; a
+    stream stops when its response can no longer be sent, an answer given whole would decode to its end for nobody."""
     task = asyncio.ensure_future(answer)
     try:
         while True:

@@ -16,7 +16,7 @@ and on the host worker's thread: `called` (the job starts there), `landed` (its 
 `done` (its outputs are in pinned memory). Each phase's median over the decode's blocks is reported in ms, and
 the block's whole time (enter to the next block's enter).
 
-    python benchmarks/host_split_timeline.py --out benchmarks/results/      # H200: ~4 minutes
+    python benchmarks/host_split_timeline.py --out benchmarks/results/      # GPU: ~1 minute
     python benchmarks/host_split_timeline.py --smoke --out /tmp             # CPU, tiny shapes: checks the script
 
 `--switch-interval S` adds the split once more with Python's thread switch interval set to S seconds (default

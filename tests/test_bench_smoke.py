@@ -401,3 +401,22 @@ def test_store_tiers_smoke_serves_each_tier_exactly(tmp_path):
     assert rows["pageable"]["logit_rel_diff"] == rows["disk-0.5"]["logit_rel_diff"] == 0.0
     assert all(rows[n]["hit_rate"] is not None and rows[n]["beam_tok_s"] > 0 for n in ("default", "pageable", "disk-0.5"))
     assert result["disk_read_gbps"] is None or result["disk_read_gbps"] > 0
+
+
+def test_host_split_timeline_smoke_times_every_phase_of_a_split_block(tmp_path):
+    """benchmarks/host_split_timeline.py: the split's blocks record every phase, in order on each thread (the host
+    job starts after it is submitted and ends before its outputs are collected), and the default's blocks no host
+    phase."""
+    script = ROOT / "benchmarks" / "host_split_timeline.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (path,) = tmp_path.glob("*-host-split-timeline.json")
+    rows = {r["system"]: r for r in json.loads(path.read_text())["rows"]}
+    assert list(rows) == ["default", "split-0.2"]
+    assert "host_parts" not in rows["default"]["phases"] and rows["default"]["phases"]["layer"]["n"] > 0
+    phases = rows["split-0.2"]["phases"]
+    host = ("to_submit", "device_parts", "handoff", "rows_d2h", "host_parts", "wait_host", "after_done", "combine")
+    assert all(phases[p]["n"] > 0 and phases[p]["median_ms"] >= 0 for p in host)
+    assert phases["block"]["median_ms"] >= phases["host_parts"]["median_ms"]

@@ -103,11 +103,18 @@ def test_generation_mode_on_a_padded_batch_is_token_identical(name, mode):
     assert outs is None or torch.equal(*outs)
 
 
+CB_BLOCKS = 16  # KV blocks of each continuous batching manager (each holds a block of tokens of every layer)
+CB_BATCH_TOKENS = 64  # tokens per step: the three prompts' 12 at once, then one per request
+
+
 def _continuous_batch(model, prompts, config) -> dict:
     """Each prompt's generated tokens under transformers' continuous batching (the scheduler `generate_batch` runs),
     every request queued before the scheduling loop starts: `generate_batch` starts the loop first, so which requests
     share its first steps, and the batch shapes whose floats the unwrapped model computes, depend on thread timing."""
-    manager = model.init_continuous_batching(generation_config=config)
+    # A paged cache of a few blocks and small step buffers, the same for both models: older releases (5.17) size the
+    # per-step buffers (attention masks over the whole cache among them) by the host's memory, ~20 GB on a CPU.
+    bounded = transformers.ContinuousBatchingConfig(num_blocks=CB_BLOCKS, max_batch_tokens=CB_BATCH_TOKENS)
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=bounded)
     ids = manager.add_requests(inputs=prompts, max_new_tokens=config.max_new_tokens)
     manager.start()
     results = {}

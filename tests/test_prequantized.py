@@ -97,8 +97,9 @@ def test_experts_are_stored_as_the_checkpoint_stores_them(quantized_checkpoint, 
 def test_fp32_logits_and_tokens_equal_transformers(quantized_checkpoint, family, codec):
     """Loaded in fp32, logits torch.equal to transformers' own load, greedy and beam tokens identical."""
     path = quantized_checkpoint(family)
-    skip_unless_float32_runs(path)
-    ref = experts_in_model_dtype(_reference(path, torch.float32))
+    ref = _reference(path, torch.float32)
+    skip_unless_float32_runs(ref)
+    ref = experts_in_model_dtype(ref)
     model = _load(path, dtype=torch.float32, gpu_budget=0.5)
     assert model.mira.store.codec.name == codec
     with torch.no_grad():
@@ -223,7 +224,7 @@ def test_packed_fp8_records_compute_through_transformers_fp8_linear(quantized_ch
     monkeypatch.setattr(finegrained_fp8, "fp8_linear", kernel_stand_in)
     monkeypatch.setattr(Fp8BlockCodec, "computes_natively", lambda self, device: True)
     path = quantized_checkpoint("qwen3_moe")
-    skip_unless_float32_runs(path)
+    skip_unless_float32_runs(_reference(path, torch.float32))
     kw = dict(dtype=torch.float32, gpu_budget=0.25, loader=LoaderConfig(split_min_bytes=0))
     packed = _load(path, quant=QuantConfig(placement="packed"), **kw)
     decoded = _load(path, **kw)
@@ -267,7 +268,9 @@ def test_fp8_weights_whose_shape_is_not_a_multiple_of_the_block_use_the_checkpoi
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    skip_unless_float32_runs(write_fp8_checkpoint("deepseek_v3", str(tmp_path / "divisible"), shards=1))
+    skip_unless_float32_runs(
+        _reference(write_fp8_checkpoint("deepseek_v3", str(tmp_path / "divisible"), shards=1), torch.float32)
+    )
     path = write_fp8_checkpoint("deepseek_v3", str(tmp_path / "fp8"), shards=1, kv_lora_rank=312)
     stored = load_file(os.path.join(path, "model.safetensors"))
     kv_a = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
@@ -312,22 +315,16 @@ def experts_in_model_dtype(model):
     return model
 
 
-_RUNS_IN_FLOAT32: dict[str, bool] = {}  # checkpoint path -> `transformers_runs_it_in_float32`
+def float32_runs(ref) -> bool:
+    """Whether transformers' own float32 load of a pre-quantized checkpoint (`ref`) has its weights outside the experts
+    in float32. transformers 5.22 leaves an FP8 checkpoint's unquantized weights (norms, embeddings, routers) in bf16
+    beside float32 linears, and its model then fails in its first matmul; mira-hf loads those weights as transformers
+    does, so there is nothing to compare."""
+    return all(p.dtype == torch.float32 for n, p in ref.named_parameters() if ".experts." not in n)
 
 
-def transformers_runs_it_in_float32(path: str) -> bool:
-    """Whether transformers' own load of the pre-quantized checkpoint at `path`, asked for float32, gives a model whose
-    weights outside the experts are float32. transformers 5.22 leaves an FP8 checkpoint's unquantized weights (norms,
-    embeddings, routers) in bf16 beside float32 linears, and its model then fails in its first matmul; mira-hf loads
-    those weights as transformers does, so there is nothing to compare."""
-    if path not in _RUNS_IN_FLOAT32:
-        ref = _reference(path, torch.float32)
-        _RUNS_IN_FLOAT32[path] = all(p.dtype == torch.float32 for n, p in ref.named_parameters() if ".experts." not in n)
-    return _RUNS_IN_FLOAT32[path]
-
-
-def skip_unless_float32_runs(path: str) -> None:
-    if not transformers_runs_it_in_float32(path):
+def skip_unless_float32_runs(ref) -> None:
+    if not float32_runs(ref):
         import transformers
 
         pytest.skip(f"transformers {transformers.__version__} loads this checkpoint in float32 with bf16 weights beside it")
@@ -345,10 +342,11 @@ def test_a_config_given_and_config_keywords_apply_as_in_transformers(quantized_c
     config.num_experts_per_tok = 1
     before = config.to_dict()
     cases = [dict(config=config), dict(num_experts_per_tok=1, output_router_logits=True), dict(torch_dtype=torch.float32)]
-    if not transformers_runs_it_in_float32(path):
-        cases.pop()  # its float32 load cannot run in transformers itself: `transformers_runs_it_in_float32`
     for kw in cases:
-        ref = experts_in_model_dtype(AutoModelForCausalLM.from_pretrained(path, **reference_kwargs(path), **kw).eval())
+        ref = AutoModelForCausalLM.from_pretrained(path, **reference_kwargs(path), **kw).eval()
+        if "torch_dtype" in kw and not float32_runs(ref):
+            continue  # its float32 load cannot run in transformers itself (`float32_runs`)
+        ref = experts_in_model_dtype(ref)
         model = MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", gpu_budget=0.5), progress=False, **kw).eval()
         assert (model.dtype, model.config.num_experts_per_tok) == (ref.dtype, ref.config.num_experts_per_tok)
         with torch.no_grad():

@@ -62,12 +62,12 @@ class Probe:
             Loader._copy_bytes, ExpertManager._load, ExpertManager._finish, ExpertManager.begin,
         )  # fmt: skip
 
-        def copy_bytes(loader, dst, src, pinned):
+        def copy_bytes(loader, *a):
             if not probe.on:
-                return o["copy"](loader, dst, src, pinned)
+                return o["copy"](loader, *a)
             issued = probe.event(loader._clock)
             start = probe.event(loader.stream)
-            o["copy"](loader, dst, src, pinned)
+            o["copy"](loader, *a)
             probe.copies.append((probe.kind, issued, start, probe.event(loader.stream)))
 
         def load(manager, key, staged, evict=True, probability=1.0, nbytes=None):

@@ -15,17 +15,13 @@ wrapped once per system, one after the other in the same process:
     split-X-lossless  the same with the device parts in the lossless format
     split-X-auto    the same with quantization="auto" (the format `default` picks)
 
-`--host-waits` measures each split system once more with the thread that drives the device waiting for the block's
-host parts before it queues the combine (named `<system>-hostwait`), as before the device could wait for them itself
-(`mira_hf.device_wait`).
-
 `--speculate-mib N,...` measures every system but lru once more per N with `PredictorConfig(speculate_bytes=N MiB)`
 (named `<system>-specN`): how much of the next layer's likeliest guess is copied while the link would idle.
 
 Metrics: decode tokens/s at batch 1 (median of `--rounds`), batch 8 and beam search (4 beams); x_limit: time per
 token over the PCIe floor (Belady's bytes per token of whole uncompressed experts over LRU's routing, at the
 measured H2D speed); x_limit_lossless: over the same floor in the lossless format's bytes (Belady's count of copies
-times the lossless record's bytes: the floor of the default); the bytes each system moved per token, its hit rate,
+times the lossless record's bytes, read off a system that stores whole experts so: the floor of the default); the bytes each system moved per token, its hit rate,
 the largest logit difference against `without` (or `lossless`, both exact) on a prompt (split rounds differently: not bit-exact).
 
     python benchmarks/host_split.py --models mixtral --out benchmarks/results/      # H200: ~5 minutes per budget
@@ -112,11 +108,6 @@ def parse_args(argv=None, doc: str = __doc__, systems: str = "lru,without,lossle
         default="",
         help="PredictorConfig.speculate_bytes values (MiB): each system but lru once more with each, named -specN",
     )
-    ap.add_argument(
-        "--host-waits",
-        action="store_true",
-        help="each split system once more with the driving thread waiting for its host parts (named -hostwait)",
-    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, a few tokens: checks the script")
     args = ap.parse_args(argv)
@@ -155,8 +146,6 @@ def configs(args, gpu_budget, device: str, facts: dict | None = None) -> list[tu
             for share in args.shares:
                 name = system.replace("split", f"split-{share:g}")
                 out.append((name, MiraConfig(**base, quantization=q, host_compute="split", host_share=share)))
-                if getattr(args, "host_waits", False):  # the same, its host parts waited for by the driving thread
-                    out.append((name + "-hostwait", out[-1][1]))
         else:
             raise SystemExit(
                 f"--systems: unknown {system!r}; choose from lru, without, lossless, lossless-dequant, default, split, split-lossless, split-auto"
@@ -228,11 +217,8 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
         t0 = time.perf_counter()
         model = MiraMoEModel.wrap(copy.deepcopy(base), cfg)
         m = model.mira
-        if system.endswith("-hostwait"):
-            m.host.device_wait = False  # HostJob.collect waits on the host, as before the device could
         row = dict(model=key, budget=budget_label, system=system, wrap_s=time.perf_counter() - t0)
         row["codec"] = m.store.codec.name
-        row["device_wait"] = m.host.device_wait if m.host.active else None
         row["record_bytes"] = m.store.record_bytes(m.first_ordinal)
         row["expert_slots"] = sum(m.budget.n_slots.values())
         row["store_tiers"] = m.store.tier_bytes()  # bytes of records per tier: pinned, pageable, disk

@@ -19,8 +19,7 @@ the block's whole time (enter to the next block's enter).
     python benchmarks/host_split_timeline.py --out benchmarks/results/      # GPU: ~1 minute
     python benchmarks/host_split_timeline.py --smoke --out /tmp             # CPU, tiny shapes: checks the script
 
-`--host-waits` adds the split once more with the driving thread waiting for each block's host parts before it queues
-the combine, as before the device could wait for them (`mira_hf.device_wait`). `--switch-interval S` adds the split once more with Python's thread switch interval set to S seconds (default
+`--switch-interval S` adds the split once more with Python's thread switch interval set to S seconds (default
 5 ms): how long the worker's thread can wait for the interpreter while the driving thread runs Python.
 Writes OUT/<date>-<device>-host-split-timeline.json.
 """
@@ -162,7 +161,6 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-tokens", type=int, default=6)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--switch-interval", type=float, default=None)
-    ap.add_argument("--host-waits", action="store_true", help="the split once more, its host parts waited for on the host")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     ap.add_argument("--smoke", action="store_true")
@@ -191,8 +189,6 @@ def main(argv=None) -> int:
     deadline = Deadline(540.0)
     split = dict(host_compute="split", host_share=args.share)
     systems = [("default", {}, None), (f"split-{args.share:g}", split, None)]
-    if args.host_waits:
-        systems.append((f"split-{args.share:g}-hostwait", split, None))
     if args.switch_interval is not None:
         systems.append((f"split-{args.share:g}-switch-{args.switch_interval:g}", split, args.switch_interval))
     result = dict(env=env, args=vars(args), budget=budget_label, rows=[])
@@ -200,8 +196,6 @@ def main(argv=None) -> int:
     for name, kw, switch in systems:
         model = MiraMoEModel.wrap(copy.deepcopy(base), MiraConfig(gpu_budget=gpu_budget, device=device, **kw))
         m = model.mira
-        if name.endswith("-hostwait"):
-            m.host.device_wait = False  # HostJob.collect waits on the host, as before the device could
         timeline = Timeline(model)
         try:
             if switch is not None:
@@ -215,7 +209,6 @@ def main(argv=None) -> int:
             d = decode_phase(gen, ids, args.new_tokens, args.warmup_tokens, m)
             timeline.on = False
             row = dict(system=name, tok_s=d["tok_s"], hit_rate=d.get("hit_rate"), stall_share=d.get("stall_share"))
-            row["device_wait"] = m.host.device_wait if m.host.active else None
             row.update({f"{k}_ms": v["median_ms"] for k, v in timeline.summary().items()})
             row["phases"] = timeline.summary()
             if m.host.active:

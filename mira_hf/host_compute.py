@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .device_wait import HostFlag
 from .errors import ConfigError
 from .host_switch import HostSwitch
 
@@ -229,9 +228,6 @@ class HostComputeOff:
     def copy_issued(self, nbytes: int) -> None:
         pass
 
-    def drain(self) -> None:
-        pass
-
     def close(self) -> None:
         pass
 
@@ -274,9 +270,6 @@ class HostCompute:
         self._cpus = cpus
         self._pool, self._pid = self._new_worker(), os.getpid()
         self.store = self.device = None
-        self._flag: HostFlag | None = None  # where the device can wait for host jobs (`device_wait`)
-        self.device_wait = False  # jobs started with `defer` are waited for by the device, not the driving thread
-        self._deferred: list[HostJob] = []  # collected on the device, not yet checked on the host (`drain`)
 
     def _new_worker(self) -> ThreadPoolExecutor:
         # The initializer holds no reference to self: an idle worker must not keep the manager (and its store) alive.
@@ -304,12 +297,9 @@ class HostCompute:
             )
         self.store, self.device = store, device
         self.active = raw and (self.mode in ("on", "split") or device.type == "cuda")
-        self.drain()
         if device.type == "cuda":  # the worker waits on this device's events and page-locks its outputs
             index = device.index if device.index is not None else torch.cuda.current_device()
             self._worker().submit(torch.cuda.set_device, index).result()
-        self._flag = HostFlag.open(device) if self.active else None
-        self.device_wait = self._flag is not None
         if not self._injected:  # measured again: the device, the dtype or the records may have changed
             self.costs, self._overhead_known = HostCosts(), False
         self.costs.link_free_at = 0.0
@@ -383,90 +373,49 @@ class HostCompute:
         # the host computes only from uncompressed stores, where each fused tensor's expert slice is contiguous
         return {name: v[expert] for name, v in self.store.expert_views(layer).items()}
 
-    def start(
-        self, layer: int | None, experts: Sequence[int], inputs: Callable[[int], torch.Tensor], defer: bool = False
-    ) -> HostJob:
+    def start(self, layer: int | None, experts: Sequence[int], inputs: Callable[[int], torch.Tensor]) -> HostJob:
         """Start computing `experts` of `layer` on the host: `inputs(e)` is expert e's rows [n_e, H] on the
-        device. Their rows go to the host in one copy; the worker computes each expert in turn. `defer`: the caller
-        ends its step with `drain` (a forward step): where the device can wait for the host (`device_wait`), the
-        job's `collect` then queues that wait and returns at once."""
-        self._check_deferred()
+        device. Their rows go to the host in one copy; the worker computes each expert in turn."""
         submitted = time.perf_counter()
         xs = [inputs(e) for e in experts]
         x = torch.cat(xs) if len(xs) > 1 else xs[0]  # [N, H]
-        ready = out = job = None
+        ready = None
         if x.device.type == "cuda":
             host_x = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             host_x.copy_(x, non_blocking=True)  # [N, H] D2H, ordered after the rows were computed
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(x.device))
-            if defer and self.device_wait and self._flag is not None:
-                out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)  # [N, H] the outputs, read by the device
-                job = self._flag.next()
         else:
             host_x = x.contiguous()
         sizes = [t.shape[0] for t in xs]
         fn = self._fns[layer][0] if layer in self._fns else _echo
         weights = (lambda e: {}) if fn is _echo else (lambda e: self.weights(layer, e))  # noqa: E731
         planned = self.costs.job_s(layer, sizes) if layer in self.costs.host_s else None  # None: not timed
-        run = (host_x, ready, fn, weights, planned, submitted, out, job)
-        future = self._worker().submit(self._run, layer, list(experts), sizes, *run)
-        return HostJob(future, list(experts), sizes, x.device, self if job is not None else None, out, job)
+        future = self._worker().submit(self._run, layer, list(experts), sizes, host_x, ready, fn, weights, planned, submitted)
+        return HostJob(future, list(experts), sizes, x.device)
 
     def _run(
-        self, layer, experts: list[int], sizes: list[int], x: torch.Tensor, ready, fn: ExpertFn, weights, planned, submitted,
-        out: torch.Tensor | None = None, job: int | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self, layer, experts: list[int], sizes: list[int], x: torch.Tensor, ready, fn: ExpertFn, weights, planned, submitted
+    ) -> torch.Tensor:
         # On the worker thread. x [N, H] on the host, experts' rows back to back in `sizes`; `planned`: the
-        # job's planned seconds (None: not planned), `submitted`: when `start` was called; `out`: the page-locked
-        # buffer the device reads the outputs from once the flag says `job` is done (a deferred job), else None.
-        try:
-            if ready is not None:
-                ready.synchronize()  # the rows have landed
-            outs, a = [], 0
-            with torch.no_grad():
-                for e, n in zip(experts, sizes):
-                    t0 = time.perf_counter()
-                    outs.append(fn(weights(e), x[a : a + n]))  # [n, H]; the views' cost counts too
-                    self.costs.observe(layer, n, time.perf_counter() - t0)
-                    a += n
-            y = torch.cat(outs) if len(outs) > 1 else outs[0]  # [N, H]
-            if out is not None:
-                if y.dtype != out.dtype or y.shape != out.shape:
-                    raise RuntimeError(f"a host job computed {tuple(y.shape)} {y.dtype}, not {tuple(out.shape)} {out.dtype}")
-                out.copy_(y)
-                y = out
-            elif ready is not None:
-                pinned = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)  # the H2D copy reads it asynchronously
-                pinned.copy_(y)
-                y = pinned
-            if planned is not None:
-                self.costs.observe_job(planned, time.perf_counter() - submitted)
-            return y
-        finally:
-            if job is not None:
-                self._flag.done(job)  # even when it failed: the device must not wait forever (`drain` raises)
-
-    def defer(self, job: HostJob) -> None:
-        """`job` was collected on the device: `drain` checks it."""
-        self._deferred.append(job)
-
-    def _check_deferred(self) -> None:
-        """Forget the deferred jobs that are done; raise the error of one that failed."""
-        while self._deferred and self._deferred[0].future.done():
-            self._deferred.pop(0).future.result()
-
-    def drain(self) -> None:
-        """Wait for every deferred job (at a step's end) and raise the error of one that failed: its outputs are
-        not the experts'. One that takes longer than RESULT_TIMEOUT_S releases the device and raises."""
-        while self._deferred:
-            job = self._deferred.pop(0)
-            try:
-                job.future.result(RESULT_TIMEOUT_S)
-            except TimeoutError:
-                self._flag.done(job.number)  # a later job's own release would come after this one's
-                self._deferred.clear()
-                raise
+        # job's planned seconds (None: not planned), `submitted`: when `start` was called.
+        if ready is not None:
+            ready.synchronize()  # the rows have landed
+        outs, a = [], 0
+        with torch.no_grad():
+            for e, n in zip(experts, sizes):
+                t0 = time.perf_counter()
+                outs.append(fn(weights(e), x[a : a + n]))  # [n, H]; the views' cost counts too
+                self.costs.observe(layer, n, time.perf_counter() - t0)
+                a += n
+        y = torch.cat(outs) if len(outs) > 1 else outs[0]  # [N, H]
+        if ready is not None:
+            pinned = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)  # the H2D copy reads it asynchronously
+            pinned.copy_(y)
+            y = pinned
+        if planned is not None:
+            self.costs.observe_job(planned, time.perf_counter() - submitted)
+        return y
 
     # -- measuring ---------------------------------------------------------------------------------
     def _measured(self, layer: int) -> None:
@@ -561,29 +510,17 @@ class HostCompute:
 
 
 class HostJob:
-    """The host experts of one block, computing on the worker. `host`, `out`, `number`: a job the device can wait
-    for (`HostCompute.start` with `defer`): its page-locked output buffer and its number on the host flag."""
+    """The host experts of one block, computing on the worker."""
 
-    def __init__(
-        self, future: Future, experts: list[int], sizes: list[int], device: torch.device,
-        host: HostCompute | None = None, out: torch.Tensor | None = None, number: int | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, future: Future, experts: list[int], sizes: list[int], device: torch.device) -> None:
         self.future, self.experts, self.sizes, self.device = future, experts, sizes, device
-        self.host, self.out, self.number = host, out, number
 
     def collect(self) -> list[tuple[int, torch.Tensor]]:
-        """Copy the outputs to the device (one H2D on the current stream) and return each expert's rows [n_e, H]
-        there, in the order `start` got them. A deferred job's stream waits for the worker and this returns at
-        once (its errors are raised by `HostCompute.drain`); otherwise this thread waits for it."""
-        if self.number is not None:
-            self.host._flag.device_waits(self.number)
-            y = self.out.to(self.device, non_blocking=True)  # [N, H] read once the worker has written it
-            self.host.defer(self)
-            self.out = None  # the pinned allocator keeps the buffer until the copy is done
-        else:
-            y = self.future.result(RESULT_TIMEOUT_S)  # [N, H] on the host
-            if self.device.type == "cuda":
-                y = y.to(self.device, non_blocking=True)  # the pinned allocator keeps the buffer until the copy is done
+        """Wait for the worker, copy the outputs to the device (one H2D on the current stream), and return
+        each expert's rows [n_e, H] there, in the order `start` got them."""
+        y = self.future.result(RESULT_TIMEOUT_S)  # [N, H] on the host
+        if self.device.type == "cuda":
+            y = y.to(self.device, non_blocking=True)  # the pinned allocator keeps the buffer until the copy is done
         out, a = [], 0
         for e, n in zip(self.experts, self.sizes):
             out.append((e, y[a : a + n]))

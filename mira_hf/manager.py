@@ -314,17 +314,10 @@ class ExpertManager(NotebookViews):
         return shares.tolist(), P
 
     def _close_step(self) -> None:
-        """End the open step, if a block ran in it: its host jobs the device waited for are checked first."""
-        try:
-            self.host.drain()
-        finally:
-            if self._last_layer >= 0:
-                self._end_step()
-            self._last_layer = -1
-
-    def in_step(self) -> bool:
-        """Whether the calling thread runs a forward step, which ends through the step hooks (`exit_forward`)."""
-        return self._forward_owner == threading.get_ident()
+        """End the open step, if a block ran in it."""
+        if self._last_layer >= 0:
+            self._end_step()
+        self._last_layer = -1
 
     def _end_step(self) -> None:
         self._prompt = False

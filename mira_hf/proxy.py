@@ -431,12 +431,11 @@ class MiraExperts(nn.Module):
         the place of its rows (`adds` False), a host part's are added to the device part's (True)."""
         plan = self.manager.begin(self.layer, needed, rows)
         job, grouped, parts = None, (), []
-        defer = self.manager.in_step()  # the step's end checks its host jobs: the device may wait for them instead
         try:
             if plan.host:
-                job = self.manager.host.start(self.layer, plan.host, inputs, defer)
+                job = self.manager.host.start(self.layer, plan.host, inputs)
             elif self._split:  # every expert's host part, computing while the device runs the device parts
-                job, parts = self._host_parts(plan, inputs, defer)
+                job, parts = self._host_parts(plan, inputs)
             first = 0
             together_ok = not (plan.pending or plan.kept or plan.host or self._split)  # every expert has its slot now
             if together is not None and together_ok and 1 < len(plan.order) > plan.ready:
@@ -463,21 +462,19 @@ class MiraExperts(nn.Module):
         except BaseException:
             self.manager.end(plan)  # unpins now
             raise
-        # With a host job the device waits for the host anyway: the block's bookkeeping is done now, so that the
-        # next layers' guesses are staged while the link has room (not after the host job and the next launches).
-        self.manager.end(plan, grouped, later=job is None)
+        self.manager.end(plan, grouped, later=True)
         done = job.collect() if job is not None else []
         if self._split:
             return [(e, out, True) for e, out in done + parts]
         return [(e, self._post(out), False) for e, out in done]
 
-    def _host_parts(self, plan, inputs, defer: bool) -> tuple[object, list[tuple[int, torch.Tensor]]]:
+    def _host_parts(self, plan, inputs) -> tuple[object, list[tuple[int, torch.Tensor]]]:
         """(the host job of the host parts `plan.host_parts`, [(expert, output [n, H])] of `plan.parts_copied`): the
         manager copies to the device the host parts of experts with many rows in the block (a prefill's: the host's
         time grows with rows, the copy's does not) and those the host would finish after the link
         (`HostCompute.place_parts`); they are computed here, on the device."""
         host = self.manager.host
-        job = host.start(self.layer, plan.host_parts, inputs, defer) if plan.host_parts else None
+        job = host.start(self.layer, plan.host_parts, inputs) if plan.host_parts else None
         parts = []
         for e in plan.parts_copied:
             x = inputs(e)  # [n, H]

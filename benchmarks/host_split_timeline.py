@@ -7,7 +7,8 @@ and every MoE block records when (perf_counter, on the thread that drives the de
     enter       the experts' forward is called (the router's outputs are launched, not yet computed)
     planned     the manager's `begin` starts (after the block's one host sync: the device has run the layer so far)
     begun       `begin` returns (its copies are issued)
-    submitted   the host job is submitted (split: the block's host parts)
+    submitted   the host job is handed to the worker (split: the block's host parts)
+    started     the call that submitted it returns
     collect     the thread starts waiting for the host job
     collected   the host job's outputs are back (their copy to the device is queued)
     exit        the experts' forward returns
@@ -61,7 +62,7 @@ PHASES = [
     ("to_sync", "enter", "planned"),
     ("begin", "planned", "begun"),
     ("to_submit", "begun", "submitted"),
-    ("device_parts", "submitted", "collect"),
+    ("device_parts", "started", "collect"),
     ("handoff", "submitted", "called"),
     ("rows_d2h", "called", "landed"),
     ("host_parts", "landed", "done"),
@@ -91,7 +92,10 @@ class Timeline:
         collect = self._collect = HostJob.collect
         if not self.m.host.active:
             return
-        self._wrap(self.m.host, "start", None, "submitted")
+        self._wrap(self.m.host, "start", None, "started")
+        # `start` hands the job to the worker right after it asks for the worker, and the worker may begin before
+        # `start` returns: the hand-off is timed from there
+        self._wrap(self.m.host, "_worker", "submitted", "submitted")
         run = self.m.host._run
 
         def timed_run(layer, experts, sizes, x, ready, *rest):

@@ -3,10 +3,12 @@ page-locked host memory (the driver's `cuStreamWaitValue32`), which a host threa
 
 With `host_compute="split"`, the thread that drives the device waits for each block's host parts before it queues
 the block's combine and the next layer's launches. Told to wait on the device instead, the stream holds the combine
-until the host thread writes its flag, and the driving thread queues on. This probe checks, on the device:
+until the host thread writes its flag, and the driving thread queues on (built so and measured, not kept: NOTES.md,
+"Host compute"). This probe checks, on the device:
 
     available       the driver has the call and the stream accepts a wait on host memory
-    holds           a queued kernel does not run before the flag is written (checked after 20 ms)
+    holds           a queued kernel has not run 20 ms later, before the flag is written (false where that kernel's
+                    launch, a first one, loads its module: the launch then waits for the stream, holding the thread)
     release_us      from the host's write of the flag to the held work's end (median of 20)
     data_ok         a copy queued after the wait reads what the host wrote before the flag (200 trials)
     issue_us        the host's cost of queueing one wait (median of 1000)

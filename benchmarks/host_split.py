@@ -21,8 +21,9 @@ wrapped once per system, one after the other in the same process:
 Metrics: decode tokens/s at batch 1 (median of `--rounds`), batch 8 and beam search (4 beams); x_limit: time per
 token over the PCIe floor (Belady's bytes per token of whole uncompressed experts over LRU's routing, at the
 measured H2D speed); x_limit_lossless: over the same floor in the lossless format's bytes (Belady's count of copies
-times the lossless record's bytes, read off a system that stores whole experts so: the floor of the default); the bytes each system moved per token, its hit rate,
-the largest logit difference against `without` (or `lossless`, both exact) on a prompt (split rounds differently: not bit-exact).
+times the lossless record's bytes, read off a system that stores whole experts so: the floor of the default); the
+bytes each system moved per token, its hit rate, the largest logit difference against `without` (or `lossless`,
+both exact) on a prompt (split rounds differently: not bit-exact).
 
     python benchmarks/host_split.py --models mixtral --out benchmarks/results/      # H200: ~5 minutes per budget
     python benchmarks/host_split.py --smoke --out /tmp                             # CPU, tiny shapes: checks the script

@@ -44,14 +44,15 @@ from topic_routing import RoutingTargets, shape_routing, topic_prompts  # noqa: 
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.heat import HeatConfig  # noqa: E402
+from mira_hf.testing import step  # noqa: E402
 
 RUNTIME_CALLS = ("cudaLaunchKernel", "cudaMemcpyAsync", "cudaStreamWaitEvent", "cudaEventRecord", "cudaEventQuery")
 
 
 def prefill(model, ids: torch.Tensor):
     """The prompt's forward step: (its KV cache, the next greedy token [1, 1])."""
-    out = model(ids, use_cache=True)
-    return out.past_key_values, out.logits[:, -1:].argmax(-1)
+    out, cache = step(model, ids)
+    return cache, out.logits[:, -1:].argmax(-1)
 
 
 def decode(model, ids: torch.Tensor, steps: int, profiler=None, after_prefill=None) -> float:
@@ -72,8 +73,8 @@ def decode(model, ids: torch.Tensor, steps: int, profiler=None, after_prefill=No
             t = time.perf_counter()
             with profiler if profiler is not None else contextlib.nullcontext():
                 for _ in range(steps):
-                    out = model(tok, past_key_values=past, use_cache=True)
-                    past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                    out, past = step(model, tok, past)
+                    tok = out.logits[:, -1:].argmax(-1)
                 sync()
             return (time.perf_counter() - t) / steps
     finally:

@@ -36,6 +36,7 @@ from common import device_slug, environment, print_table, random_model_on_device
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.loader import Loader  # noqa: E402
 from mira_hf.manager import ExpertManager  # noqa: E402
+from mira_hf.testing import step  # noqa: E402
 
 SYSTEMS = {"lru": dict(policy="lru", predictor=None, quantization=None), "default": {}}
 
@@ -164,8 +165,8 @@ def main() -> int:
             ids = torch.randint(3, model.config.vocab_size, (1, args.prompt_len), generator=g).cuda()
             with torch.no_grad():
                 model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
-                o = model(ids, use_cache=True)  # the prefill; the decode below is timed
-                past, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
+                o, past = step(model, ids)  # the prefill; the decode below is timed
+                nxt = o.logits[:, -1:].argmax(-1)
                 torch.cuda.synchronize()
                 probe.copies.clear()
                 probe.begins.clear()
@@ -175,8 +176,8 @@ def main() -> int:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(args.tokens):
-                    o = model(nxt, past_key_values=past, use_cache=True)
-                    past, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
+                    o, past = step(model, nxt, past)
+                    nxt = o.logits[:, -1:].argmax(-1)
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
                 probe.on = False

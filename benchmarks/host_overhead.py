@@ -37,7 +37,6 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 
 import torch
 
@@ -47,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_slug, environment, print_table, sync, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel, batching  # noqa: E402
+from mira_hf.testing import step  # noqa: E402
 
 HIDDEN, EXPERT_WIDTH, EXPERTS, TOP_K = 32, 16, 128, 8
 TARGET_SLOTS = 910  # Qwen3-30B-A3B's pool at 8 GiB on the H200
@@ -159,7 +159,7 @@ def decode(model, batch: int, steps: int, seed: int = 1, timer: PartTimer | None
     cache = DynamicCache(config=model.config)
     uses = 0
     with torch.inference_mode():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out, _ = step(model, ids, cache)
         telemetry = model.mira.telemetry
         t_uses = sum(s.hot_hits + s.stage_hits + s.misses + s.host_computed for s in telemetry.layers.values())
         sync()
@@ -168,7 +168,7 @@ def decode(model, batch: int, steps: int, seed: int = 1, timer: PartTimer | None
         t0 = time.perf_counter()
         for _ in range(steps):
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
-            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            out, _ = step(model, nxt, cache)
         sync()
         seconds = time.perf_counter() - t0
         uses = sum(s.hot_hits + s.stage_hits + s.misses + s.host_computed for s in telemetry.layers.values()) - t_uses
@@ -243,7 +243,6 @@ def main() -> None:
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore", message=".*past_key_values.*")  # renamed in later transformers; both work
     rows = [measure(label, b, n, r, args.steps, args.warmup, args.device, dtype) for label, b, n, r in WORKLOADS]
     table = []
     for r in rows:

@@ -31,6 +31,7 @@ from safetensors.torch import load_file  # noqa: E402
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.bundled import bundled_model_path  # noqa: E402
 from mira_hf.heat import HeatConfig  # noqa: E402
+from mira_hf.testing import step  # noqa: E402
 
 FIRST_ROW = 32  # held-out rows from here on: never the rows offline_eval calibrates on
 
@@ -43,13 +44,13 @@ def generate_loads(path: str, budget: float, seed: bool, prompts: torch.Tensor, 
     tokens = []
     with torch.inference_mode():
         for ids in prompts:
-            out = model(ids[None], use_cache=True)
-            past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            out, past = step(model, ids[None])
+            tok = out.logits[:, -1:].argmax(-1)
             before = model.mira.stats()
             seq = [int(tok)]
             for _ in range(new_tokens - 1):
-                out = model(tok, past_key_values=past, use_cache=True)
-                past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                out, past = step(model, tok, past)
+                tok = out.logits[:, -1:].argmax(-1)
                 seq.append(int(tok))
             after = model.mira.stats()
             loads += after["loads"] - before["loads"]

@@ -6,10 +6,13 @@ build from; it ships with the package so a new adapter can be checked the same w
     from mira_hf.testing import make_config
     model = AutoModelForCausalLM.from_config(make_config("mixtral"))
 
-Also the generate stopping criterion the reliability checks interrupt `generate` with.
+Also the generate stopping criterion the reliability checks interrupt `generate` with, and a forward step that
+carries a KV cache under either of the names transformers 5.x gives it.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import transformers
@@ -376,6 +379,17 @@ def build(config):
             if name.endswith(suffixes):
                 p.copy_(1 + 0.5 * torch.randn(p.shape))
     return model
+
+
+def step(model, ids: torch.Tensor, cache=None, **kwargs):
+    """`model(ids, ...)` continuing from the KV cache `cache` (None: a prompt's step): transformers takes it as `cache`
+    from 5.25 on and as `past_key_values` before (the old name is deprecated). Returns (output, its KV cache)."""
+    if cache is not None:
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        kwargs[name] = cache
+    out = model(ids, use_cache=True, **kwargs)
+    carried = getattr(out, "cache", None)  # a ModelOutput field from 5.25 on
+    return out, carried if carried is not None else out.past_key_values
 
 
 class InterruptAt(transformers.StoppingCriteria):

@@ -21,6 +21,7 @@ from tiny_models import config_or_skip
 from mira_hf import MiraConfig, MiraMoEModel
 from mira_hf.errors import BudgetError, UnsupportedOperationError
 from mira_hf.proxy import MiraExperts
+from mira_hf.testing import step
 
 # CI runs every test on three families of distinct layouts (Mixtral's standard experts; DeepSeek-V3's MLA
 # attention, sigmoid group routing and dense first layer; gpt-oss's transposed, biased experts and sliding
@@ -229,9 +230,9 @@ def test_kv_cache_carried_across_calls_is_identical(name):
     outs = []
     with torch.no_grad():
         for m in (ref, model):
-            first = m(PADDED, attention_mask=MASK, use_cache=True)
+            first, cache = step(m, PADDED, attention_mask=MASK)
             mask = torch.cat([MASK, torch.ones_like(nxt)], dim=1)
-            outs.append((first.logits, m(nxt, attention_mask=mask, past_key_values=first.past_key_values).logits))
+            outs.append((first.logits, step(m, nxt, cache, attention_mask=mask)[0].logits))
     assert _same(outs[0], outs[1])
 
 

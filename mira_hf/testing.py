@@ -217,6 +217,64 @@ EXTRA_RECIPES = {
             linear_value_head_dim=16,
         ),
     ),
+    "dots1": (
+        "Dots1Config",
+        dict(
+            BASE,
+            num_hidden_layers=3,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            head_dim=16,
+        ),
+    ),
+    "flex_olmo": ("FlexOlmoConfig", dict(BASE, num_hidden_layers=2, intermediate_size=64, num_experts=8, num_experts_per_tok=2)),
+    "granitemoeshared": (
+        "GraniteMoeSharedConfig",
+        dict(
+            BASE,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            shared_intermediate_size=32,
+        ),
+    ),
+    # Hybrid families: a linear-attention (or Mamba) layer and a full-attention one.
+    "minimax": (
+        "MiniMaxConfig",
+        dict(
+            BASE,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=16,
+            layer_types=["linear_attention", "full_attention"],
+            block_size=16,
+        ),  # fmt: skip
+    ),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        dict(
+            BASE,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            shared_intermediate_size=32,
+            layer_types=["mamba", "attention"],
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+        ),  # fmt: skip
+    ),
 }
 
 

@@ -152,9 +152,8 @@ def test_continuous_batching_is_token_identical(name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_assisted_decoding_is_token_identical(name, assistant):
     """Candidate tokens, from a draft model (wrapped too) or from n-grams of the prompt, verified several at a
-    time by the model (transformers supports both for one sequence only)."""
-    if name == "qwen3_next":
-        pytest.skip("transformers refuses assisted generation for stateful (linear-attention) models")
+    time by the model (transformers supports both for one sequence only, and refuses both for some models with
+    linear-attention layers, whose cache cannot be cut back: the wrapped model refuses as the original does)."""
     ref, model = _pair(name)
     prompt = torch.tensor([[5, 9, 14, 33, 5, 9, 14, 60]])  # a repeated n-gram for prompt lookup to find
     kw = dict(input_ids=prompt, do_sample=False)
@@ -162,7 +161,11 @@ def test_assisted_decoding_is_token_identical(name, assistant):
         a, b = dict(prompt_lookup_num_tokens=2), dict(prompt_lookup_num_tokens=2)
     else:
         a, b = dict(assistant_model=_build(name)), dict(assistant_model=_pair(name)[1])
-    assert torch.equal(_generate(model, **b, **kw), _generate(ref, **a, **kw))
+    helper = {id(ref): a, id(model): b}
+    got = _both(lambda m: _generate(m, **helper[id(m)], **kw), ref, model)
+    if got is not None:
+        expected, served = got
+        assert torch.equal(served, expected)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -136,7 +136,10 @@ def shrunk(model_type: str, text: dict | None = None, fix=None):
             config = cls(**kwargs)
         except (ValueError, _ConfigRefused) as exc:  # an older release of the family, whose config takes other options
             raise AttributeError(f"{model_type} with other options ({exc})") from exc
-        return auto_model_class(model_type).from_config(config)
+        try:
+            return auto_model_class(model_type).from_config(config)
+        except ImportError as exc:  # a package the family's own modeling code needs (Inkling's audio: scipy)
+            raise AttributeError(f"{model_type} without {exc.name or exc}") from exc
 
     return build_it
 
@@ -161,6 +164,8 @@ COMPOSITES = {
     "qwen3_vl_moe": shrunk("qwen3_vl_moe"),
     "minimax_m3_vl": shrunk("minimax_m3_vl"),
     "qwen4_exp": shrunk("qwen4_exp"),
+    "unlimited_ocr": shrunk("unlimited_ocr"),
+    "inkling": shrunk("inkling_mm_model"),
     "inkling2": shrunk("inkling2", fix=_text_width_for_vision),
     "hy_v4_vl": shrunk("hy_v4_vl", text=dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]))),
     # GLM-5-Next: linear attention and indexed (DSA, no rotary part) attention layers

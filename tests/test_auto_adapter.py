@@ -243,7 +243,7 @@ def test_multimodal_checkpoint_streams_through_transformers_renaming(name, dtype
         torch.manual_seed(0)
         model = COMPOSITES[name](transformers)
     except AttributeError as exc:
-        pytest.skip(f"transformers {transformers.__version__} lacks it ({exc})")
+        pytest.skip(f"transformers {transformers.__version__} cannot build it here ({exc})")
     if not any(is_transformers_experts(m) for m in model.modules()):
         pytest.skip(f"transformers {transformers.__version__} builds its experts outside the experts interface")
     model.save_pretrained(tmp_path)
@@ -411,7 +411,7 @@ def test_a_composite_model_built_from_another_familys_decoder_is_wrapped_exactly
         torch.manual_seed(0)
         ref = COMPOSITES["kimi_k25"](transformers).eval()
     except AttributeError as exc:
-        pytest.skip(f"transformers {transformers.__version__} lacks it ({exc})")
+        pytest.skip(f"transformers {transformers.__version__} cannot build it here ({exc})")
     assert "deepseek_v3" in sub_model_types(ref.config) and "deepseek_v3" in sub_model_types(ref.config.to_dict())
     model = copy.deepcopy(ref)
     with pytest.warns(UserWarning, match="'kimi_k25' has no adapter"):
@@ -432,7 +432,7 @@ def test_qwen3_omni_loads_as_its_own_class_with_the_thinkers_and_the_talkers_exp
         thinker = qwen3_omni_thinker_config(transformers)
         talker_text = {k: v for k, v in SMALL.items() if hasattr(transformers.Qwen3OmniMoeTalkerTextConfig(), k)}
     except AttributeError as exc:
-        pytest.skip(f"transformers {transformers.__version__} lacks it ({exc})")
+        pytest.skip(f"transformers {transformers.__version__} cannot build it here ({exc})")
     talker_text.update(shared_expert_intermediate_size=32,
                        rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]))  # fmt: skip
     predictor = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,

@@ -181,24 +181,24 @@ RECIPES = {
     ),
 }
 
+# GLM-4.5's and dots.llm1's decoders: DeepSeek-V3's routing (one expert group) and a dense first layer, plain attention.
+DENSE_FIRST_GROUPED = dict(
+    BASE,
+    num_hidden_layers=3,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    head_dim=16,
+)
+
 # Further model types served by a registered adapter, checked too.
 EXTRA_RECIPES = {
-    "glm4_moe": (
-        "Glm4MoeConfig",
-        dict(
-            BASE,
-            num_hidden_layers=3,
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
-            head_dim=16,
-        ),
-    ),
+    "glm4_moe": ("Glm4MoeConfig", DENSE_FIRST_GROUPED),
     "qwen3_next": (
         "Qwen3NextConfig",
         dict(
@@ -217,22 +217,7 @@ EXTRA_RECIPES = {
             linear_value_head_dim=16,
         ),
     ),
-    "dots1": (
-        "Dots1Config",
-        dict(
-            BASE,
-            num_hidden_layers=3,
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
-            head_dim=16,
-        ),
-    ),
+    "dots1": ("Dots1Config", DENSE_FIRST_GROUPED),
     "flex_olmo": ("FlexOlmoConfig", dict(BASE, num_hidden_layers=2, intermediate_size=64, num_experts=8, num_experts_per_tok=2)),
     "granitemoeshared": (
         "GraniteMoeSharedConfig",

@@ -268,6 +268,7 @@ def test_fp8_weights_whose_shape_is_not_a_multiple_of_the_block_use_the_checkpoi
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
+    # whether transformers' float32 load of this family runs, asked of a checkpoint it loads (it refuses the one below)
     skip_unless_float32_runs(
         _reference(write_fp8_checkpoint("deepseek_v3", str(tmp_path / "divisible"), shards=1), torch.float32)
     )

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import run  # noqa: E402  (run.py's workloads and their --smoke shapes)
+from bench.measure import compiled_generate_kwargs  # noqa: E402
 from common import device_slug, environment, print_table, random_model_on_device, sync, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
@@ -33,11 +34,7 @@ def generate_kwargs(mode: str, compile_mode: str, on_cpu: bool) -> dict:
     kw = dict(do_sample=False, pad_token_id=0, cache_implementation="static")
     if mode == "eager":
         return dict(kw, disable_compile=True)
-    from transformers import CompileConfig
-
-    config = CompileConfig(fullgraph=True, mode=compile_mode)
-    config._compile_all_devices = on_cpu  # generate compiles on accelerators only unless told otherwise
-    return dict(kw, compile_config=config)
+    return dict(kw, **compiled_generate_kwargs(on_cpu, compile_mode))
 
 
 def decode(model, prompt: torch.Tensor, new_tokens: int, kw: dict, warmup: int) -> tuple[dict, torch.Tensor]:

@@ -28,7 +28,10 @@ both exact) on a prompt (split rounds differently: not bit-exact).
     python benchmarks/host_split.py --models mixtral --out benchmarks/results/      # H200: ~5 minutes per budget
     python benchmarks/host_split.py --smoke --out /tmp                             # CPU, tiny shapes: checks the script
 
-Writes OUT/<date>-<device>-host-split.json and .md.
+`--compile`: every generate compiles the model as a user would (generate's `compile_config`, a static cache; each
+experts proxy one opaque operator in the graph): the layers' launches, norms and attention fused around the blocks.
+
+Writes OUT/<date>-<device>-host-split.json and .md (`-host-split-compiled` with `--compile`).
 """
 
 from __future__ import annotations
@@ -59,7 +62,14 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from bench import GB  # noqa: E402
 from bench.limits import compute_limit  # noqa: E402
-from bench.measure import decode_phase, free_device_cache, generate_timed, measure_bandwidth, routing_trace  # noqa: E402
+from bench.measure import (  # noqa: E402
+    compiled_generate_kwargs,
+    decode_phase,
+    free_device_cache,
+    generate_timed,
+    measure_bandwidth,
+    routing_trace,
+)
 from bench.workloads import Workload, model_facts  # noqa: E402
 from common import device_slug, environment, print_table, sync, write_json  # noqa: E402
 from host_compute import WORKLOADS, _fmt, budget_of, build, spread_routers  # noqa: E402
@@ -95,9 +105,9 @@ def parse_args(argv=None, doc: str = __doc__, systems: str = "lru,without,lossle
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--batch-tokens", type=int, default=12)
+    ap.add_argument("--batch-tokens", type=int, default=12, help="0: no batch phase")
     ap.add_argument("--beams", type=int, default=4)
-    ap.add_argument("--beam-tokens", type=int, default=12)
+    ap.add_argument("--beam-tokens", type=int, default=12, help="0: no beam-search phase")
     ap.add_argument("--warmup-tokens", type=int, default=4)
     ap.add_argument("--time-budget-s", type=float, default=540.0, help="phases that would start after this are skipped")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
@@ -108,6 +118,11 @@ def parse_args(argv=None, doc: str = __doc__, systems: str = "lru,without,lossle
         "--speculate-mib",
         default="",
         help="PredictorConfig.speculate_bytes values (MiB): each system but lru once more with each, named -specN",
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="every generate compiles the model (compile_config, a static cache) as a user would; each system compiles afresh",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, a few tokens: checks the script")
@@ -174,6 +189,7 @@ def main(argv=None, configs_of=configs, slug: str = "host-split", title: str = T
         torch.backends.cuda.enable_cudnn_sdp(False)  # it builds a graph per new sequence length (NOTES.md, "Measuring")
     deadline = Deadline(args.time_budget_s)
     env = environment()
+    slug += "-compiled" if args.compile else ""
     stem = os.path.join(args.out, f"{env['date']}-{device_slug(env, on_gpu=not args.smoke)}-{slug}")
     os.makedirs(args.out, exist_ok=True)
     result = dict(
@@ -207,14 +223,18 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
     rows, trace, reference = [], [], None
     limit = None
 
+    extra = compiled_generate_kwargs(on_cpu=device == "cpu") if args.compile else None
+
     def gen(x, n, beams=1, probe=None):
-        return generate_timed(model, x, n, beams, pad, deadline, probe)
+        return generate_timed(model, x, n, beams, pad, deadline, probe, extra)
 
     base = model  # each system wraps a copy (unloading a lossless store decodes every expert on the CPU: minutes)
     for system, cfg in configs_of(args, gpu_budget, device, wl.facts):
         if deadline.remaining() <= 0:
             rows.append(dict(model=key, budget=budget_label, system=system, notes="skipped: time budget"))
             continue
+        if args.compile:
+            torch._dynamo.reset()  # each system compiles its own graphs
         t0 = time.perf_counter()
         model = MiraMoEModel.wrap(copy.deepcopy(base), cfg)
         m = model.mira
@@ -253,21 +273,21 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
             log(
                 f"{key} / {budget_label} / {system}: batch 1 {row['b1_tok_s'] or 0:.2f} tok/s, hit rate {row['hit_rate'] or 0:.2f}"
             )
-            if system != "lru" and deadline.remaining() > 0:
+            if system != "lru" and deadline.remaining() > 0 and args.batch_tokens > 0:
                 gen(ids, args.warmup_tokens)
                 before = m.stats()
                 t, n, _ = gen(ids, args.batch_tokens)
                 row["b8_parts_copied"] = copied_share(before, m.stats())
                 first, _, _ = gen(ids, 1)
                 row["b8_tok_s"] = args.batch * (n - 1) / (t - first) if n > 1 and t > first else None
+                log(f"{key} / {budget_label} / {system}: batch {args.batch} {row['b8_tok_s'] or 0:.2f}")
+            if system != "lru" and deadline.remaining() > 0 and args.beam_tokens > 0:
                 gen(ids[:1], args.warmup_tokens, beams=args.beams)
                 before = m.stats()
                 t, n, _ = gen(ids[:1], args.beam_tokens, beams=args.beams)
                 row["beam_tok_s"] = n / t
                 row["beam_parts_copied"] = copied_share(before, m.stats())
-                log(
-                    f"{key} / {budget_label} / {system}: batch {args.batch} {row['b8_tok_s'] or 0:.2f}, beam {row['beam_tok_s']:.2f}"
-                )
+                log(f"{key} / {budget_label} / {system}: beam {row['beam_tok_s']:.2f}")
         except Exception as exc:  # recorded with its traceback; the next systems still run
             row["notes"] = f"failed: {type(exc).__name__}: {exc}"
             traceback.print_exc()

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "run.py"
@@ -421,3 +422,60 @@ def test_host_split_timeline_smoke_times_every_phase_of_a_split_block(tmp_path):
     host = ("to_submit", "device_parts", "handoff", "rows_d2h", "host_parts", "wait_host", "after_done", "combine")
     assert all(phases[p]["n"] > 0 and phases[p]["median_ms"] >= 0 for p in host)
     assert phases["block"]["median_ms"] >= phases["host_parts"]["median_ms"]
+
+
+def test_split_fidelity_compare_finds_the_first_token_whose_experts_differ():
+    """benchmarks/split_fidelity_probe.py's comparison on a known pair of forwards: a token whose top-2 differs at
+    the second layer is the first flip, the margin there is the reference router's, and the logits before it count
+    apart."""
+    compare = benchmark_module("split_fidelity_probe").compare
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.4, 0.31, 0.29], [0.6, 0.3, 0.1]])
+    top = torch.tensor([[0, 1], [0, 1], [0, 1]])
+    flipped = torch.tensor([[0, 1], [0, 2], [1, 0]])  # the last token's experts in another order: the same set
+    logits = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 10.0]])
+    hidden = [torch.ones(3, 2), torch.ones(3, 2)]
+    moved = logits.clone()
+    moved[0, 0] += 0.1
+    moved[1, 1] += 5.0
+    out = compare(
+        (logits, hidden, [(probs, top)] * 2), (moved, [hidden[0], 2 * hidden[1]], [(probs, top), (probs, flipped)]), k=2
+    )
+    assert out["first_flip_position"] == 1
+    assert [r["flipped_share"] for r in out["layers"]] == [0.0, pytest.approx(1 / 3)]
+    assert out["layers"][1]["margin_at_flips_max"] == pytest.approx(0.02)
+    assert [r["hidden_rel_diff"] for r in out["layers"]] == [0.0, 1.0]
+    assert out["logit_rel_diff"] == pytest.approx(0.5) and out["logit_rel_diff_before_flip"] == pytest.approx(0.05)
+
+
+def test_split_fidelity_probe_smoke_finds_the_default_exact_and_the_split_within_rounding(tmp_path):
+    """benchmarks/split_fidelity_probe.py on tiny shapes: the default's layers and logits equal the unwrapped model's,
+    and the split's differ by rounding only (no token's experts differ there)."""
+    script = ROOT / "benchmarks" / "split_fidelity_probe.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (path,) = tmp_path.glob("*-split-fidelity.json")
+    rows = {r["system"]: r for r in json.loads(path.read_text())["rows"]}
+    assert list(rows) == ["default", "split-0.2", "split-0.3"]
+    default = rows["default"]
+    assert default["logit_rel_diff"] == 0.0 and default["first_flip_position"] is None
+    assert all(r["hidden_rel_diff"] == 0.0 and r["flipped_share"] == 0.0 for r in default["layers"])
+    for name in ("split-0.2", "split-0.3"):
+        assert 0.0 < rows[name]["logit_rel_diff"] < 0.05 and rows[name]["first_flip_position"] is None
+
+
+@pytest.mark.slow  # compiles each system's graphs on the CPU: ~1 min
+def test_host_split_compiled_smoke_decodes_every_system_through_generates_compilation(tmp_path):
+    """benchmarks/host_split.py --compile: every system decodes through generate's compiled forward (the split's
+    host parts inside the experts operator), the floor row included, into a file of its own."""
+    script = ROOT / "benchmarks" / "host_split.py"
+    args = ["--smoke", "--compile", "--systems", "lru,default,split-auto", "--shares", "0.25", "--out", str(tmp_path)]
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (path,) = tmp_path.glob("*-host-split-compiled.json")
+    result = json.loads(path.read_text())
+    assert result["args"]["compile"] is True
+    rows = {r["system"]: r for r in result["rows"]}
+    assert list(rows) == ["lru", "default", "split-0.25-auto"] and not any("notes" in r for r in rows.values())
+    assert all(r["b1_tok_s"] > 0 for r in rows.values()) and rows["split-0.25-auto"]["logit_rel_diff"] < 0.05

@@ -59,9 +59,10 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before.get(k, 0) for k in after}
 
 
-def generate_timed(model, ids: torch.Tensor, new: int, beams: int, pad_id: int, deadline: Deadline, probe=None):
+def generate_timed(model, ids: torch.Tensor, new: int, beams: int, pad_id: int, deadline: Deadline, probe=None, extra=None):
     """Greedy (or beam) generate of exactly `new` tokens; returns (seconds, tokens generated, end time).
-    Fewer tokens only when the time guard's max_time cut the call."""
+    Fewer tokens only when the time guard's max_time cut the call. `extra`: more generate keywords
+    (`compiled_generate_kwargs`: a static cache and generate's compilation)."""
     kw = dict(
         attention_mask=torch.ones_like(ids),
         max_new_tokens=new,
@@ -73,12 +74,23 @@ def generate_timed(model, ids: torch.Tensor, new: int, beams: int, pad_id: int, 
     )
     if probe is not None:
         kw["stopping_criteria"] = StoppingCriteriaList([probe])
+    kw.update(extra or {})
     sync()
     t0 = time.perf_counter()
     out = model.generate(ids, **kw)
     sync()
     t1 = time.perf_counter()
     return t1 - t0, int(out.shape[1] - ids.shape[1]), t1
+
+
+def compiled_generate_kwargs(on_cpu: bool, mode: str = "reduce-overhead") -> dict:
+    """generate keywords that compile the model's forward as a user would (`compile_config`, the whole graph, a
+    static cache); each experts proxy stays one opaque operator inside it. On a CPU generate compiles only if told."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=True, mode=mode)
+    config._compile_all_devices = on_cpu
+    return dict(cache_implementation="static", compile_config=config)
 
 
 class OutOfTime(Exception):

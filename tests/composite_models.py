@@ -102,6 +102,33 @@ def qwen3_5_moe(transformers):
     return transformers.Qwen3_5MoeForConditionalGeneration(config(text_config=text, vision_config=vision))
 
 
+def deepseek_ocr2(transformers):
+    """DeepSeek-OCR-2: a DeepSeek-V2-style MoE text decoder (plain attention, a dense first layer) behind a SAM
+    encoder and a Qwen2-style vision encoder, nested configs that `shrunk` would leave at full size."""
+    if "deepseek_ocr2" not in transformers.CONFIG_MAPPING:
+        raise AttributeError("no deepseek_ocr2")
+    config = transformers.CONFIG_MAPPING["deepseek_ocr2"]
+    text = dict(make_auto_config("deepseek_ocr2_text").to_dict(), mlp_layer_types=["dense", "sparse"])
+    sam = dict(
+        hidden_size=32,
+        output_channels=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=64,
+        patch_size=16,
+        window_size=2,
+        global_attn_indexes=[1],
+        mlp_dim=64,
+        downsample_channels=[16, 32],
+    )
+    encoder = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, vocab_size=128
+    )
+    return transformers.AutoModelForImageTextToText.from_config(
+        config(text_config=text, vision_config=dict(sam_config=sam, encoder_config=encoder))
+    )  # fmt: skip
+
+
 # A composite of another family: its text decoder as `make_auto_config` shrinks it, then `text`; every other sub-model
 # shrunk to one small layer (`VISION_SMALL`, the keys its config has); then `fix` on the arguments.
 VISION_SMALL = dict(depth=1, num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_heads=2, num_attention_heads=2,
@@ -160,6 +187,7 @@ COMPOSITES = {
     "mistral_large4": mistral_large4,
     "kimi_k25": kimi_k25,
     "llava_mixtral": llava_mixtral,
+    "deepseek_ocr2": deepseek_ocr2,
     "gemma4": shrunk("gemma4", fix=_no_audio),  # a dense MLP beside the routed experts in every layer
     "qwen3_vl_moe": shrunk("qwen3_vl_moe"),
     "minimax_m3_vl": shrunk("minimax_m3_vl"),

@@ -8,7 +8,7 @@ wrapped system, and reports per MoE layer: the hidden state's largest difference
 (k-th minus (k+1)-th probability) at those tokens; then the logits' largest difference over all positions and over
 the positions before the first token whose experts differ.
 
-    python benchmarks/split_fidelity_probe.py --models mixtral --out benchmarks/results/   # GPU, ~3 minutes
+    python benchmarks/split_fidelity_probe.py --models mixtral --out benchmarks/results/   # GPU, ~1 minute
     python benchmarks/split_fidelity_probe.py --smoke --out /tmp                          # CPU, tiny shapes
 
 Writes OUT/<date>-<device>-split-fidelity.json.
@@ -120,9 +120,9 @@ def main() -> int:
             model = MiraMoEModel.wrap(copy.deepcopy(base), cfg)
             row = dict(model=key, budget=budget_label, system=system, codec=model.mira.store.codec.name)
             row.update(compare(reference, routed(model, ids), k))
-            row["max_hidden_rel_diff_before_flip_layer"] = max(
-                (r["hidden_rel_diff"] for r in row["layers"] if r["flipped_share"] == 0), default=None
-            )
+            flips = [r["layer"] for r in row["layers"] if r["flipped_share"] > 0]
+            before = row["layers"][: flips[0]] if flips else row["layers"]  # the layers before any token's experts differ
+            row["max_hidden_rel_diff_before_flip_layer"] = max((r["hidden_rel_diff"] for r in before), default=None)
             result["rows"].append(row)
             log(f"{key} / {system}: logits {row['logit_rel_diff']:.3g}, first flip at position {row['first_flip_position']}")
             model.mira.close()

@@ -103,8 +103,8 @@ def qwen3_5_moe(transformers):
 
 
 def deepseek_ocr2(transformers):
-    """DeepSeek-OCR-2: a DeepSeek-V2-style MoE text decoder (plain attention, a dense first layer) behind a SAM
-    encoder and a Qwen2-style vision encoder, nested configs that `shrunk` would leave at full size."""
+    """DeepSeek-OCR-2: a DeepSeek-V2-style MoE text decoder with plain attention (here a dense first layer, then a
+    sparse one) behind a SAM encoder and a second vision encoder, nested configs `shrunk` would leave at full size."""
     if "deepseek_ocr2" not in transformers.CONFIG_MAPPING:
         raise AttributeError("no deepseek_ocr2")
     config = transformers.CONFIG_MAPPING["deepseek_ocr2"]
@@ -126,7 +126,7 @@ def deepseek_ocr2(transformers):
     )
     return transformers.AutoModelForImageTextToText.from_config(
         config(text_config=text, vision_config=dict(sam_config=sam, encoder_config=encoder))
-    )  # fmt: skip
+    )
 
 
 # A composite of another family: its text decoder as `make_auto_config` shrinks it, then `text`; every other sub-model

@@ -479,3 +479,16 @@ def test_host_split_compiled_smoke_decodes_every_system_through_generates_compil
     rows = {r["system"]: r for r in result["rows"]}
     assert list(rows) == ["lru", "default", "split-0.25-auto"] and not any("notes" in r for r in rows.values())
     assert all(r["b1_tok_s"] > 0 for r in rows.values()) and rows["split-0.25-auto"]["logit_rel_diff"] < 0.05
+
+
+def test_split_rounding_probe_finds_fewer_differences_with_one_rounding(tmp_path):
+    """benchmarks/split_rounding_probe.py on a small expert: with the two parts added in fp32 and rounded once, fewer
+    output elements differ from the whole expert's than with each part rounded to bf16 first."""
+    script = ROOT / "benchmarks" / "split_rounding_probe.py"
+    args = ["--hidden", "256", "--intermediate", "1024", "--shares", "0.25", "--out", str(tmp_path)]
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (path,) = tmp_path.glob("*-split-rounding.json")
+    rounded, once = json.loads(path.read_text())["rows"]
+    assert rounded["sum"].startswith("parts rounded") and once["sum"].startswith("parts in fp32")
+    assert once["differing_share"] < rounded["differing_share"] / 10

@@ -50,7 +50,14 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from bench import GB  # noqa: E402
 from bench.limits import compute_limit  # noqa: E402
-from bench.measure import decode_phase, free_device_cache, generate_timed, measure_bandwidth, routing_trace  # noqa: E402
+from bench.measure import (  # noqa: E402
+    decode_phase,
+    free_device_cache,
+    generate_timed,
+    measure_bandwidth,
+    release_wrapped,
+    routing_trace,
+)
 from bench.workloads import Workload, model_facts  # noqa: E402
 from common import SHAPES, balance_routers, device_slug, environment, print_table, sync, write_json  # noqa: E402
 
@@ -365,9 +372,7 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
                     rows[system][metric + "_rounds"] = values
     finally:
         result["rows"].extend(rows.values())
-        m.close()
-        m.host.close()
-        m.store.close()
+        release_wrapped(m)
         model = m = None  # drop the model before the next is built
         free_device_cache()
         sync()

@@ -68,6 +68,7 @@ from bench.measure import (  # noqa: E402
     free_device_cache,
     generate_timed,
     measure_bandwidth,
+    release_wrapped,
     routing_trace,
 )
 from bench.workloads import Workload, model_facts  # noqa: E402
@@ -293,9 +294,7 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
             traceback.print_exc()
         finally:
             rows.append(row)
-            m.close()
-            m.host.close()
-            m.store.close()
+            release_wrapped(m)
             model = m = None
             free_device_cache()
             sync()

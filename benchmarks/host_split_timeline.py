@@ -48,7 +48,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from bench.measure import decode_phase, free_device_cache, generate_timed  # noqa: E402
+from bench.measure import decode_phase, free_device_cache, generate_timed, release_wrapped  # noqa: E402
 from bench.workloads import Workload, model_facts  # noqa: E402
 from common import device_slug, environment, print_table, sync, write_json  # noqa: E402
 from host_compute import WORKLOADS, budget_of, build, spread_routers  # noqa: E402
@@ -222,9 +222,7 @@ def main(argv=None) -> int:
         finally:
             sys.setswitchinterval(interval)
             timeline.close()
-            m.close()
-            m.host.close()
-            m.store.close()
+            release_wrapped(m)
             model = m = None
             free_device_cache()
             sync()

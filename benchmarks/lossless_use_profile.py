@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from bench.measure import release_wrapped  # noqa: E402
 from bench.workloads import Workload, model_facts  # noqa: E402
 from host_compute import WORKLOADS, build, spread_routers  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -70,9 +71,7 @@ def main() -> None:
         res["cpu_top"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
         res["cuda_top"] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20)
         out[str(q)] = res
-        m.close()
-        m.host.close()
-        m.store.close()
+        release_wrapped(m)
         model = m = None
         torch.cuda.empty_cache()
     where = os.environ.get("OUT", "/tmp/out")

@@ -33,6 +33,7 @@ if __name__ == "__main__":
         os.environ.setdefault(_k, _v)
 
 import torch  # noqa: E402
+from bench.measure import release_wrapped  # noqa: E402
 from bench.workloads import Workload, model_facts  # noqa: E402
 from common import device_slug, environment, print_table, write_json  # noqa: E402
 from host_compute import WORKLOADS, budget_of, build, spread_routers  # noqa: E402
@@ -125,9 +126,7 @@ def main() -> int:
             row["max_hidden_rel_diff_before_flip_layer"] = max((r["hidden_rel_diff"] for r in before), default=None)
             result["rows"].append(row)
             log(f"{key} / {system}: logits {row['logit_rel_diff']:.3g}, first flip at position {row['first_flip_position']}")
-            model.mira.close()
-            model.mira.host.close()
-            model.mira.store.close()
+            release_wrapped(model.mira)
             del model
         del base
     columns = ["model", "budget", "system", "codec", "logit_rel_diff", "logit_rel_diff_before_flip", "first_flip_position"]

@@ -83,6 +83,14 @@ def generate_timed(model, ids: torch.Tensor, new: int, beams: int, pad_id: int, 
     return t1 - t0, int(out.shape[1] - ids.shape[1]), t1
 
 
+def release_wrapped(manager) -> None:
+    """Free what a wrapped model holds beyond its Python objects, before the next system is built: its device arena
+    (`ExpertManager.close`), its host-compute worker and its store's host memory."""
+    manager.close()
+    manager.host.close()
+    manager.store.close()
+
+
 def compiled_generate_kwargs(on_cpu: bool, mode: str = "reduce-overhead") -> dict:
     """generate keywords that compile the model's forward as a user would (`compile_config`, the whole graph, a
     static cache); each experts proxy stays one opaque operator inside it. On a CPU generate compiles only if told."""

@@ -386,16 +386,21 @@ def test_batched_mm_probe_smoke_finds_a_wrapped_models_chunks_exact(tmp_path, mo
     assert {form: s["mira_min"] for form, s in summary.items()} == {f: {"cases": 16, "equal": 16} for f in probe.FORMS}
 
 
+def run_benchmark(name: str, out, *args: str, result: str, timeout: int = 300) -> dict:
+    """Run benchmarks/NAME.py ARGS --out OUT, check it exits 0 (else show its output's tail), and read the one
+    result file it wrote whose name ends with `result`."""
+    script = ROOT / "benchmarks" / f"{name}.py"
+    cmd = [sys.executable, str(script), *args, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (path,) = out.glob(f"*{result}")
+    return json.loads(path.read_text())
+
+
 def test_store_tiers_smoke_serves_each_tier_exactly(tmp_path):
     """benchmarks/store_tiers.py: the pageable store and a store half on disk each hold their records where named,
     decode every phase and give the pinned default's logits (the benchmark's exactness column is 0)."""
-    script = ROOT / "benchmarks" / "store_tiers.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    (path,) = tmp_path.glob("*-store-tiers.json")
-    result = json.loads(path.read_text())
+    result = run_benchmark("store_tiers", tmp_path, "--smoke", result="-store-tiers.json")
     rows = {r["system"]: r for r in result["rows"]}
     assert list(rows) == ["lru", "default", "pageable", "disk-0.5"] and not any("notes" in r for r in rows.values())
     tiers = {name: {k for k, v in r["store_tiers"].items() if v} for name, r in rows.items()}
@@ -409,13 +414,8 @@ def test_host_split_timeline_smoke_times_every_phase_of_a_split_block(tmp_path):
     """benchmarks/host_split_timeline.py: the split's blocks record every phase, in order on each thread (the host
     job starts after it is submitted and ends before its outputs are collected), and the default's blocks no host
     phase."""
-    script = ROOT / "benchmarks" / "host_split_timeline.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    (path,) = tmp_path.glob("*-host-split-timeline.json")
-    rows = {r["system"]: r for r in json.loads(path.read_text())["rows"]}
+    result = run_benchmark("host_split_timeline", tmp_path, "--smoke", result="-host-split-timeline.json")
+    rows = {r["system"]: r for r in result["rows"]}
     assert list(rows) == ["default", "split-0.2"]
     assert "host_parts" not in rows["default"]["phases"] and rows["default"]["phases"]["layer"]["n"] > 0
     phases = rows["split-0.2"]["phases"]
@@ -450,13 +450,8 @@ def test_split_fidelity_compare_finds_the_first_token_whose_experts_differ():
 def test_split_fidelity_probe_smoke_finds_the_default_exact_and_the_split_within_rounding(tmp_path):
     """benchmarks/split_fidelity_probe.py on tiny shapes: the default's layers and logits equal the unwrapped model's,
     and the split's differ by rounding only (no token's experts differ there)."""
-    script = ROOT / "benchmarks" / "split_fidelity_probe.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    (path,) = tmp_path.glob("*-split-fidelity.json")
-    rows = {r["system"]: r for r in json.loads(path.read_text())["rows"]}
+    result = run_benchmark("split_fidelity_probe", tmp_path, "--smoke", result="-split-fidelity.json")
+    rows = {r["system"]: r for r in result["rows"]}
     assert list(rows) == ["default", "split-0.2", "split-0.3"]
     default = rows["default"]
     assert default["logit_rel_diff"] == 0.0 and default["first_flip_position"] is None
@@ -469,12 +464,8 @@ def test_split_fidelity_probe_smoke_finds_the_default_exact_and_the_split_within
 def test_host_split_compiled_smoke_decodes_every_system_through_generates_compilation(tmp_path):
     """benchmarks/host_split.py --compile: every system decodes through generate's compiled forward (the split's
     host parts inside the experts operator), the floor row included, into a file of its own."""
-    script = ROOT / "benchmarks" / "host_split.py"
-    args = ["--smoke", "--compile", "--systems", "lru,default,split-auto", "--shares", "0.25", "--out", str(tmp_path)]
-    proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    (path,) = tmp_path.glob("*-host-split-compiled.json")
-    result = json.loads(path.read_text())
+    args = ("--smoke", "--compile", "--systems", "lru,default,split-auto", "--shares", "0.25")
+    result = run_benchmark("host_split", tmp_path, *args, result="-host-split-compiled.json", timeout=600)
     assert result["args"]["compile"] is True
     rows = {r["system"]: r for r in result["rows"]}
     assert list(rows) == ["lru", "default", "split-0.25-auto"] and not any("notes" in r for r in rows.values())
@@ -484,11 +475,7 @@ def test_host_split_compiled_smoke_decodes_every_system_through_generates_compil
 def test_split_rounding_probe_finds_fewer_differences_with_one_rounding(tmp_path):
     """benchmarks/split_rounding_probe.py on a small expert: with the two parts added in fp32 and rounded once, fewer
     output elements differ from the whole expert's than with each part rounded to bf16 first."""
-    script = ROOT / "benchmarks" / "split_rounding_probe.py"
-    args = ["--hidden", "256", "--intermediate", "1024", "--shares", "0.25", "--out", str(tmp_path)]
-    proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    (path,) = tmp_path.glob("*-split-rounding.json")
-    rounded, once = json.loads(path.read_text())["rows"]
+    args = ("--hidden", "256", "--intermediate", "1024", "--shares", "0.25")
+    rounded, once = run_benchmark("split_rounding_probe", tmp_path, *args, result="-split-rounding.json", timeout=120)["rows"]
     assert rounded["sum"].startswith("parts rounded") and once["sum"].startswith("parts in fp32")
     assert once["differing_share"] < rounded["differing_share"] / 10

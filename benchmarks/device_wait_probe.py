@@ -213,7 +213,6 @@ def _threaded(queue_wait, flag: torch.Tensor, value: int) -> dict:
 
 def _write(args, result: dict) -> int:
     print(result, flush=True)
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{result['env']['date']}-{device_slug(result['env'], True)}-device-wait-probe.json")
     write_json(path, result)
     print(f"wrote {path}")

@@ -131,7 +131,6 @@ def main() -> int:
         del base
     columns = ["model", "budget", "system", "codec", "logit_rel_diff", "logit_rel_diff_before_flip", "first_flip_position"]
     print_table(result["rows"], columns)
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{env['date']}-{device_slug(env, on_gpu=not args.smoke)}-split-fidelity.json")
     write_json(path, result)
     log(f"wrote {path}")

@@ -61,7 +61,6 @@ def main() -> int:
     print_table(rows, ["share", "sum", "differing_share", "max_rel_diff"])
     env = environment()
     path = os.path.join(args.out, f"{env['date']}-{device_slug(env, on_gpu=False)}-split-rounding.json")
-    os.makedirs(args.out, exist_ok=True)
     write_json(path, dict(env=env, args=vars(args), rows=rows))
     print(f"wrote {path}")
     return 0

@@ -218,47 +218,24 @@ EXTRA_RECIPES = {
         ),
     ),
     "dots1": ("Dots1Config", DENSE_FIRST_GROUPED),
-    "flex_olmo": ("FlexOlmoConfig", dict(BASE, num_hidden_layers=2, intermediate_size=64, num_experts=8, num_experts_per_tok=2)),
-    "granitemoeshared": (
-        "GraniteMoeSharedConfig",
-        dict(
-            BASE,
-            num_hidden_layers=2,
-            intermediate_size=64,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            shared_intermediate_size=32,
-        ),
-    ),
+    "flex_olmo": ("FlexOlmoConfig", RECIPES["olmoe"][1]),  # OLMoE's decoder (its experts trained apart)
+    "granitemoeshared": ("GraniteMoeSharedConfig", dict(RECIPES["granitemoe"][1], shared_intermediate_size=32)),  # + shared
     # Hybrid families: a linear-attention (or Mamba) layer and a full-attention one.
-    "minimax": (
+    "minimax": (  # Mixtral's sparse block beside lightning attention
         "MiniMaxConfig",
-        dict(
-            BASE,
-            num_hidden_layers=2,
-            intermediate_size=64,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            head_dim=16,
-            layer_types=["linear_attention", "full_attention"],
-            block_size=16,
-        ),  # fmt: skip
+        dict(RECIPES["mixtral"][1], layer_types=["linear_attention", "full_attention"], block_size=16),
     ),
-    "granitemoehybrid": (
+    "granitemoehybrid": (  # GraniteMoeShared's block beside Mamba layers
         "GraniteMoeHybridConfig",
         dict(
-            BASE,
-            num_hidden_layers=2,
-            intermediate_size=64,
-            num_local_experts=8,
-            num_experts_per_tok=2,
+            RECIPES["granitemoe"][1],
             shared_intermediate_size=32,
             layer_types=["mamba", "attention"],
             mamba_n_heads=8,
             mamba_d_head=16,
             mamba_n_groups=1,
             mamba_d_state=16,
-        ),  # fmt: skip
+        ),
     ),
 }
 

@@ -53,6 +53,9 @@ REFINE_WEIGHT = 0.25
 # Bytes of the link probe (copied twice: the small copy's time is the per-copy overhead).
 LINK_PROBE_BYTES = 16 * 2**20
 LINK_PROBE_SMALL_BYTES = 64 * 2**10
+# A link speed from the slope of two probe copies is kept only within 1/MIN_SLOPE_OF_AVERAGE of the large copy's
+# average (its fixed cost is a few percent of 16 MiB's time); beyond, timer or scheduling noise made the slope.
+MIN_SLOPE_OF_AVERAGE = 0.8
 RESULT_TIMEOUT_S = 600.0  # a host job that takes longer raises instead of hanging the forward
 
 
@@ -123,15 +126,22 @@ class HostCosts:
         return copied, host
 
     def balance(
-        self, layer: int, experts: Sequence[int], rows: Sequence[int], nbytes: int, now: float | None = None
+        self,
+        layer: int,
+        experts: Sequence[int],
+        rows: Sequence[int],
+        nbytes: int,
+        now: float | None = None,
+        ahead: Sequence[int] = (),
     ) -> list[int]:
         """host_compute="split": which of a block's `experts` (with their `rows`) have their host parts (`nbytes`
         each) copied to the device and computed there, so that the block's later path ends soonest. The host
-        computes its parts one after another from its job's start; the link copies after what is queued. Parts
-        move most host time first (the host's time grows with rows, the copy's does not), while a move brings
-        the later of the two ends earlier: ties stay on the host (the link is busy enough with misses)."""
+        computes its parts one after another from its job's start; the link copies after what is queued and
+        after the copies of `ahead` bytes each that the block is about to queue (its misses). Parts move most
+        host time first (the host's time grows with rows, the copy's does not), while a move brings the later
+        of the two ends earlier: ties stay on the host (the link is busy enough with misses)."""
         now = time.perf_counter() if now is None else now
-        link_t = max(self.link_free_at - now, 0.0)
+        link_t = max(self.link_free_at - now, 0.0) + sum(map(self.copy_s, ahead))
         times = [self.host_time(layer, n) for n in rows]
         host_t = self.job_start_s() + sum(times)
         copy, left, moved = self.copy_s(nbytes), len(experts), []
@@ -341,20 +351,22 @@ class HostCompute:
         self._measured(layer)
         return self.costs.split(layer, misses, n, self.store.record_bytes(layer))
 
-    def place_parts(self, layer: int, experts: list[int], rows: Sequence[int]) -> tuple[list[int], list[int]]:
-        """host_compute="split": (copied, host) for the host parts of a block's `experts` (after its misses' copies
-        were queued): an expert with more than `max_rows` rows (a prefill's) has its host part copied and computed
-        on the device, and so do those `HostCosts.balance` moves off a host that would finish after the link.
-        Measures the link and the layer's host times first if unknown, and books the copies on the link. On a CPU
-        device (no link: both paths use the same cores) every part with few rows stays on the host, unless a cost
-        model was injected."""
+    def place_parts(
+        self, layer: int, experts: list[int], rows: Sequence[int], misses: Sequence[int] = ()
+    ) -> tuple[list[int], list[int]]:
+        """host_compute="split": (copied, host) for the host parts of a block's `experts`, before its misses'
+        copies (`misses`: each one's bytes) are queued: an expert with more than `max_rows` rows (a prefill's)
+        has its host part copied and computed on the device, and so do those `HostCosts.balance` moves off a
+        host that would finish after the link. Measures the link and the layer's host times first if unknown,
+        and books the parts' copies on the link. On a CPU device (no link: both paths use the same cores) every
+        part with few rows stays on the host, unless a cost model was injected."""
         limit, nbytes = self.costs.max_rows, self.parts.expert_bytes(layer)
         crowded = [e for e, n in zip(experts, rows) if n > limit]
         small = [(e, n) for e, n in zip(experts, rows) if n <= limit]
         moved = []
         if small and layer in self._fns and (self.device.type != "cpu" or self._injected):
             self._measured(layer)
-            moved = self.costs.balance(layer, [e for e, _ in small], [n for _, n in small], nbytes)
+            moved = self.costs.balance(layer, [e for e, _ in small], [n for _, n in small], nbytes, ahead=misses)
         copied = crowded + moved
         for _ in copied:
             self.copy_issued(nbytes)
@@ -447,12 +459,13 @@ class HostCompute:
             return min(times[1:])
 
         t_small, t_big = timed(small), timed(big)  # `dst` is freed on return
-        # The slope is the speed and what is left of the small copy the fixed cost; never slower than the large
-        # copy's own average. Where timer noise leaves no slope (the small copy timed as long as the large one),
-        # the average alone.
+        # The slope is the speed and what is left of the small copy the fixed cost, where the two timings agree
+        # with that: a slope steeper than the large copy's own average, or far flatter (a small copy delayed by
+        # a busy host: a link several times faster than it is would send the block's work to it), gives way to
+        # the average alone, which counts the fixed cost in.
         average = max(t_big, 1e-9) / big
         slope = (t_big - t_small) / (big - small) if big > small else 0.0
-        per_byte = min(slope, average) if slope > 0 else average
+        per_byte = slope if MIN_SLOPE_OF_AVERAGE * average <= slope <= average else average
         overhead = max(t_small - small * per_byte, 0.0)
         self.costs.link_bytes_per_s, self.costs.copy_overhead_s = 1.0 / per_byte, overhead
 

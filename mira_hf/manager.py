@@ -58,6 +58,7 @@ class BlockPlan:
     parts_copied: list[int] = field(default_factory=list)
     ready: int = 0  # how many experts at the head of `order` were resident with their copies landed at `begin`
     kept: int = 0  # how many experts after those are kept packed beside the cache (placement "mixed")
+    job: object = None  # the block's host job (host_compute.HostJob), started by `begin` where given its inputs
 
 
 # What to do where expert parameters are placeholders that no change reaches (`ExpertManager.held_as_placeholders`).
@@ -343,10 +344,20 @@ class ExpertManager(NotebookViews):
             if self.batch is not None:
                 self._batch_index = top_k_index
 
-    def begin(self, layer: int, experts: Sequence[int], rows: Sequence[int] | None = None) -> BlockPlan:
+    def begin(
+        self,
+        layer: int,
+        experts: Sequence[int],
+        rows: Sequence[int] | None = None,
+        inputs: Callable[[int], torch.Tensor] | None = None,
+    ) -> BlockPlan:
         """Start a block call needing `experts` of `layer`: count hits and misses, pin what is
         resident and issue copies for misses while slots can be taken (the guesses `observe` made are
-        staged by `end`, after this block's own copies). `rows`: each expert's rows (host compute: `plan.host`)."""
+        staged by `end`, after this block's own copies). `rows`: each expert's rows (host compute: `plan.host`).
+        `inputs(e)`: expert e's rows [n, H]; given with `rows`, the block's host work starts here (`plan.job`),
+        before its copies are queued: the host's share of the block is on its path from the block's start,
+        and queueing copies takes the driving thread a while (host_compute="split": before anything else of
+        the block, its host parts placed against the copies the block is about to queue)."""
         with self._lock:
             self._settle()
             if self._forward_owner is None and self.step_check is not None:
@@ -357,6 +368,9 @@ class ExpertManager(NotebookViews):
             if layer <= self._last_layer:
                 self._end_step()
             self._last_layer = layer
+            plan = BlockPlan(layer, [], predictions=ahead)
+            if self.host.parts is not None and rows is not None:
+                self._start_parts(plan, experts, rows, inputs)
             index = self._prompt_index
             if self._prompt and index is not None and index.shape[0] > 1 and self.heat.config.seed_from_prompt:
                 self.heat.activate(layer, list(experts), *self._prompt_shares(layer, experts, index))  # the prompt's shares
@@ -369,7 +383,6 @@ class ExpertManager(NotebookViews):
             stats = self.telemetry.layer(layer)
             ready, kept, in_flight, finishing, misses = [], [], [], [], []
             stage_hits = 0
-            plan = BlockPlan(layer, [], predictions=ahead)
             where, pinned = self.cache.pool(layer).where, plan.slots
             for e in experts:
                 slot = where.get((layer, e))
@@ -402,16 +415,28 @@ class ExpertManager(NotebookViews):
             plan.pending.extend(misses)
             self.staging.drop_speculation(layer)  # guesses for this block that it does not use
             try:
+                if plan.host and inputs is not None:  # whole misses on the host: computing while the copies are queued
+                    plan.job = self.host.start(layer, plan.host, inputs)
                 for e in finishing:
                     self._finish(plan.slots[e])
                 self._issue(plan)
             except BaseException:
                 self._unpin(plan)  # the caller never gets the plan, so it cannot end() it
                 raise
-            if self.host.parts is not None and rows is not None:  # split: where each host part runs, after the copies
-                plan.parts_copied, plan.host_parts = self.host.place_parts(layer, list(experts), rows)
-                stats.parts_copied += len(plan.parts_copied)
             return plan
+
+    def _start_parts(self, plan: BlockPlan, experts: Sequence[int], rows: Sequence[int], inputs) -> None:
+        """host_compute="split": place the block's host parts (`plan.host_parts` on the host, `plan.parts_copied`
+        copied to the device) against the copies of its misses, which `begin` queues next, and start the
+        host's job (`inputs` given). Reads the cache only: what `begin` then does is unchanged."""
+        layer, where = plan.layer, self.cache.pool(plan.layer).where
+        slots = [where.get((layer, e)) for e in experts]
+        copies = sum(1 for e, s in zip(experts, slots) if (s is None and (layer, e) not in self.kept) or (s and s.partial))
+        misses = [self.store.record_bytes(layer)] * copies  # a speculative copy cut short counted whole
+        plan.parts_copied, plan.host_parts = self.host.place_parts(layer, list(experts), rows, misses)
+        self.telemetry.layer(layer).parts_copied += len(plan.parts_copied)
+        if plan.host_parts and inputs is not None:
+            plan.job = self.host.start(layer, plan.host_parts, inputs)
 
     def acquire(self, plan: BlockPlan, expert: int, first_part: bool = False) -> dict[str, torch.Tensor]:
         """The device tensors of `expert`, once its copy is done (the compute stream waits on it). With

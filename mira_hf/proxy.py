@@ -429,13 +429,11 @@ class MiraExperts(nn.Module):
         row in one call anyway). Returns
         [(expert, outputs [n, H] on the device, adds)]: a whole expert's outputs (post-expert norm applied) take
         the place of its rows (`adds` False), a host part's are added to the device part's (True)."""
-        plan = self.manager.begin(self.layer, needed, rows)
-        job, grouped, parts = None, (), []
+        plan = self.manager.begin(self.layer, needed, rows, inputs if rows is not None else None)
+        job, grouped, parts = plan.job, (), []  # the job: the misses `begin` sent to the host, or the host parts
         try:
-            if plan.host:
-                job = self.manager.host.start(self.layer, plan.host, inputs)
-            elif self._split:  # every expert's host part, computing while the device runs the device parts
-                job, parts = self._host_parts(plan, inputs)
+            if self._split:  # the host parts `begin` placed on the device; the host computes the others meanwhile
+                parts = self._copied_parts(plan, inputs)
             first = 0
             together_ok = not (plan.pending or plan.kept or plan.host or self._split)  # every expert has its slot now
             if together is not None and together_ok and 1 < len(plan.order) > plan.ready:
@@ -468,19 +466,18 @@ class MiraExperts(nn.Module):
             return [(e, out, True) for e, out in done + parts]
         return [(e, self._post(out), False) for e, out in done]
 
-    def _host_parts(self, plan, inputs) -> tuple[object, list[tuple[int, torch.Tensor]]]:
-        """(the host job of the host parts `plan.host_parts`, [(expert, output [n, H])] of `plan.parts_copied`): the
-        manager copies to the device the host parts of experts with many rows in the block (a prefill's: the host's
-        time grows with rows, the copy's does not) and those the host would finish after the link
-        (`HostCompute.place_parts`); they are computed here, on the device."""
+    def _copied_parts(self, plan, inputs) -> list[tuple[int, torch.Tensor]]:
+        """[(expert, output [n, H])] of the host parts `plan.parts_copied`: the manager copies to the device the
+        host parts of experts with many rows in the block (a prefill's: the host's time grows with rows, the
+        copy's does not) and those the host would finish after the link (`HostCompute.place_parts`); they are
+        computed here, on the device."""
         host = self.manager.host
-        job = host.start(self.layer, plan.host_parts, inputs) if plan.host_parts else None
         parts = []
         for e in plan.parts_copied:
             x = inputs(e)  # [n, H]
             w = {name: t.to(x.device, non_blocking=True) for name, t in host.weights(self.layer, e).items()}
             parts.append((e, self._host_part(w, x)))
-        return job, parts
+        return parts
 
     def _grouped_on(self, x: torch.Tensor) -> bool:
         """Whether resident experts may share one grouped matmul (`_on_slots`): on a `GROUPED_SLOT_DEVICES` device,

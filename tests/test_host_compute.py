@@ -95,10 +95,15 @@ def test_issued_copies_advance_the_link_clock():
     assert c.link_free_at == pytest.approx(20.0 + 2 * MS)
 
 
-@pytest.mark.parametrize(("small_s", "big_s"), [(2e-3, 1e-3), (1e-3, 1e-3), (0.0, 0.0)], ids=["inverted", "equal", "zero"])
-def test_link_timings_without_a_slope_give_the_large_copys_average_speed(small_s, big_s, monkeypatch):
-    """Timer noise can time the small probe copy as long as the large one (or both as nothing): the link's speed is
-    then the large copy's average, never a division by zero."""
+@pytest.mark.parametrize(
+    ("small_s", "big_s"),
+    [(2e-3, 1e-3), (1e-3, 1e-3), (0.0, 0.0), (265e-6, 305e-6)],
+    ids=["inverted", "equal", "zero", "small-copy-delayed"],
+)
+def test_link_timings_without_a_credible_slope_give_the_large_copys_average_speed(small_s, big_s, monkeypatch):
+    """Timer noise can time the small probe copy as long as the large one (or both as nothing), and a busy host can
+    delay the small copy so that the slope makes a 55 GB/s link look like 400 GB/s: the link's speed is then the
+    large copy's average, never a division by zero."""
     import mira_hf.host_compute as hc
 
     model = MiraMoEModel.wrap(_tiny(), MiraConfig(device="cpu", gpu_budget=0.3, host_compute="on"))
@@ -111,6 +116,24 @@ def test_link_timings_without_a_slope_give_the_large_copys_average_speed(small_s
     record = max(piece.numel() for _, piece in model.mira.store.pieces(model.mira.first_ordinal, 0))
     if big_s > 0:
         assert speed == pytest.approx(min(hc.LINK_PROBE_BYTES, record) / big_s)
+
+
+def test_link_timings_with_a_credible_slope_give_the_slopes_speed_and_the_fixed_cost(monkeypatch):
+    """Two probe copies at 55 GB/s with a fixed cost of 2% of the large one's time: the slope gives the speed and
+    what is left of the small copy the fixed cost."""
+    import mira_hf.host_compute as hc
+
+    model = MiraMoEModel.wrap(_tiny(), MiraConfig(device="cpu", gpu_budget=0.3, host_compute="on"))
+    host, layer = model.mira.host, model.mira.first_ordinal
+    big = min(hc.LINK_PROBE_BYTES, max(piece.numel() for _, piece in model.mira.store.pieces(layer, 0)))
+    small = max(min(hc.LINK_PROBE_SMALL_BYTES, big // 4), 1)
+    per_byte = 1 / 55e9
+    fixed = 0.02 * big * per_byte
+    ticks = iter([0.0, fixed + small * per_byte] * 6 + [0.0, fixed + big * per_byte] * 6)
+    monkeypatch.setattr(hc.time, "perf_counter", lambda: next(ticks))
+    host._measure_link(layer)
+    assert host.costs.link_bytes_per_s == pytest.approx(55e9)
+    assert host.costs.copy_overhead_s == pytest.approx(fixed)
 
 
 # -- configuration ---------------------------------------------------------------------------------

@@ -182,6 +182,32 @@ def test_the_host_parts_a_slower_host_would_finish_last_cross_the_link_as_hand_c
     # block no sooner (2 ms either way): ties stay on the host.
     c.link_free_at = 0.0
     assert c.balance(0, [3, 7], [1, 1], nbytes=1_000_000, now=100.0) == [3]
+    # The link idle, but the block about to queue three misses' copies (1 ms each): it ends at 3 ms, and moving
+    # the first part would end the block at 4 ms, as late as the host: both parts stay.
+    assert c.balance(0, [3, 7], [1, 1], nbytes=1_000_000, now=100.0, ahead=[1_000_000] * 3) == []
+
+
+def test_a_blocks_host_parts_start_before_its_copies_are_queued():
+    """The host's share of a block is on the block's path from its start: the job starts before the misses'
+    copies are queued, and the placement counts those copies as the link's."""
+    ref = _tiny("mixtral")
+    model = _split(copy.deepcopy(ref), gpu_budget=0.1)
+    m, events = model.mira, []
+    m.host.start = lambda layer, experts, inputs, f=m.host.start: events.append(("host", layer)) or f(layer, experts, inputs)
+    m.loader.copy_split = lambda *a, f=m.loader.copy_split, **kw: events.append(("copy", m._last_layer)) or f(*a, **kw)
+    m.loader.copy = lambda *a, f=m.loader.copy, **kw: events.append(("copy", m._last_layer)) or f(*a, **kw)
+    placed = []
+    m.host.place_parts = lambda layer, experts, rows, misses, f=m.host.place_parts: (
+        placed.append((layer, len(misses))) or f(layer, experts, rows, misses)
+    )
+    with torch.no_grad():
+        expected, got = ref(IDS[:, :1]).logits, model(IDS[:, :1]).logits
+    assert (got - expected).abs().max() <= BOUND[torch.float32] * expected.abs().max()
+    s = m.stats()
+    assert s["misses"] > 0 and sum(n for _, n in placed) == s["misses"]  # one token, nothing resident but prefetched
+    per_layer = {layer: [kind for kind, at in events if at == layer] for layer in m.layers}
+    assert all(kinds and kinds[0] == "host" for kinds in per_layer.values()), per_layer  # the job first, then the copies
+    assert any("copy" in kinds for kinds in per_layer.values()), per_layer
 
 
 @pytest.mark.parametrize(("link_bytes_per_s", "host_s"), [(1.0, 1e-6), (1e9, 1.0)], ids=["slow-link", "slow-host"])

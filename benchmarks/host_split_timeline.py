@@ -6,9 +6,9 @@ and every MoE block records when (perf_counter, on the thread that drives the de
 
     enter       the experts' forward is called (the router's outputs are launched, not yet computed)
     planned     the manager's `begin` starts (after the block's one host sync: the device has run the layer so far)
-    begun       `begin` returns (its copies are issued)
-    submitted   the host job is handed to the worker (split: the block's host parts)
+    submitted   the host job is handed to the worker (split: the block's host parts), within `begin`
     started     the call that submitted it returns
+    begun       `begin` returns (its copies are issued)
     collect     the thread starts waiting for the host job
     collected   the host job's outputs are back (their copy to the device is queued)
     exit        the experts' forward returns
@@ -61,8 +61,9 @@ from mira_hf.proxy import MiraExperts  # noqa: E402
 PHASES = [
     ("to_sync", "enter", "planned"),
     ("begin", "planned", "begun"),
-    ("to_submit", "begun", "submitted"),
-    ("device_parts", "started", "collect"),
+    ("to_submit", "planned", "submitted"),
+    ("begin_after_submit", "started", "begun"),
+    ("device_parts", "begun", "collect"),
     ("handoff", "submitted", "called"),
     ("rows_d2h", "called", "landed"),
     ("host_parts", "landed", "done"),

@@ -419,9 +419,21 @@ def test_host_split_timeline_smoke_times_every_phase_of_a_split_block(tmp_path):
     assert list(rows) == ["default", "split-0.2"]
     assert "host_parts" not in rows["default"]["phases"] and rows["default"]["phases"]["layer"]["n"] > 0
     phases = rows["split-0.2"]["phases"]
-    host = ("to_submit", "device_parts", "handoff", "rows_d2h", "host_parts", "wait_host", "after_done", "combine")
-    assert all(phases[p]["n"] > 0 and phases[p]["median_ms"] >= 0 for p in host)
+    host = ("to_submit", "begin_after_submit", "device_parts", "handoff", "rows_d2h", "host_parts", "wait_host")
+    assert all(phases[p]["n"] > 0 and phases[p]["median_ms"] >= 0 for p in (*host, "after_done", "combine"))
     assert phases["block"]["median_ms"] >= phases["host_parts"]["median_ms"]
+    assert phases["to_submit"]["median_ms"] <= phases["begin"]["median_ms"]  # the host job starts within `begin`
+
+
+def test_host_split_ab_smoke_merges_each_trees_processes_in_the_order_they_ran(tmp_path):
+    """benchmarks/host_split_ab.py with this checkout as both trees: old and new processes alternate, each tree's
+    rows and label are kept, and one merged file is written."""
+    args = ("--old", str(ROOT), "--pairs", "1", "--smoke", "--old-label", "A", "--new-label", "B", "--")
+    result = run_benchmark("host_split_ab", tmp_path, *args, "--systems", "default,split-auto", result="-host-split-ab.json")
+    assert [(r["process"], r["revision"]) for r in result["runs"]] == [("old1", "A"), ("new1", "B")]
+    for run in result["runs"]:
+        assert [r["system"] for r in run["rows"]] == ["default", "split-0.25-auto"] and run["args"]["smoke"] is True
+        assert all(r["b1_tok_s"] > 0 for r in run["rows"])
 
 
 def test_split_fidelity_compare_finds_the_first_token_whose_experts_differ():

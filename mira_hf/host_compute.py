@@ -372,6 +372,13 @@ class HostCompute:
             self.copy_issued(nbytes)
         return copied, [e for e, _ in small if e not in moved]
 
+    def observe_link(self, bytes_per_s: float | None) -> None:
+        """The link's speed as the latest copies met it (`Loader.link_speed`; None: not known yet): planned with
+        from now on instead of the probe's, which one busy moment of the host can misread (an injected cost
+        model keeps its own)."""
+        if bytes_per_s is not None and not self._injected:
+            self.costs.link_bytes_per_s = bytes_per_s
+
     def copy_issued(self, nbytes: int) -> None:
         """A copy of `nbytes` was queued (on CUDA: asynchronous; on a CPU a copy is done when it returns)."""
         if self.costs.link_bytes_per_s is not None and self.device.type == "cuda":

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import torch
 
 LATENCY_SAMPLES = 4096  # copies whose issue-to-ready latency is kept (the latest ones)
+LINK_SAMPLES = 32  # the latest timed copies the link's speed is taken over (`Loader.link_speed`)
+LINK_MIN_SAMPLES = 4  # no speed from fewer
 
 # A record's bytes as they lie in host memory: (offset in the record, uint8 host tensor), in record order.
 Pieces = Sequence[tuple[int, torch.Tensor]]
@@ -88,6 +90,12 @@ class Loader:
         self._clock = torch.cuda.Stream(device) if self.cuda else None
         self._pending_latency: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)  # seconds
+        # The link's speed as the copies meet it (`link_speed`), where asked for (`time_link`): each copy's bytes
+        # between an event recorded on the copy stream before them and its done event, so queueing is left out.
+        self.time_link = False
+        self._transfers: deque[tuple[int, object, object]] = deque(maxlen=512)  # (bytes, start, done) not yet read
+        self._link: deque[tuple[int, float]] = deque()  # (bytes, seconds) of the latest LINK_SAMPLES timed copies
+        self._link_totals = [0, 0.0]
         # host→device copies through the CUDA runtime (None: torch's copy_ on the current stream)
         self.memcpy = runtime_memcpy() if self.cuda else None
         self._handle = self.stream.cuda_stream if self.cuda else None
@@ -127,6 +135,10 @@ class Loader:
         with torch.cuda.stream(self.stream) if switch else contextlib.nullcontext():
             if after is not None and then is None:  # the bytes land in the slot
                 self.stream.wait_event(after)
+            start = None
+            if self.time_link and then is None:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.stream)
             if split:
                 for offset, src in head:
                     self._copy_bytes(dst, offset, src, src_pinned)
@@ -141,6 +153,8 @@ class Loader:
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
         self._pending_latency.append((issued, done))
+        if start is not None:
+            self._transfers.append((sum(src.numel() for _, src in pieces), start, done))
         if len(self._pending_latency) > 512:  # bounded; old copies are long done
             self._resolve_latency(len(self._pending_latency) - 256)
         return first, done
@@ -242,6 +256,24 @@ class Loader:
             done += 1
         self._resolve(done)
         return sum(self._stall_by_layer.values())
+
+    def link_speed(self) -> float | None:
+        """Bytes per second over the latest timed copies (`time_link`; at most LINK_SAMPLES), reading only copies
+        already done (no wait); None before LINK_MIN_SAMPLES of them."""
+        link, totals = self._link, self._link_totals
+        while self._transfers and self._transfers[0][2].query():
+            nbytes, start, done = self._transfers.popleft()
+            seconds = max(start.elapsed_time(done), 0.0) / 1e3
+            link.append((nbytes, seconds))
+            totals[0] += nbytes
+            totals[1] += seconds
+            if len(link) > LINK_SAMPLES:
+                old_bytes, old_seconds = link.popleft()
+                totals[0] -= old_bytes
+                totals[1] -= old_seconds
+        if len(link) < LINK_MIN_SAMPLES or totals[1] <= 0:
+            return None
+        return totals[0] / totals[1]
 
     def latencies(self) -> list[float]:
         """Issue-to-ready seconds of the latest copies (at most LATENCY_SAMPLES; resolves pending ones: syncs)."""

@@ -165,6 +165,7 @@ class ExpertManager(NotebookViews):
         self.arena = DeviceArena(store, budget, device, self.loader, s.split_copies, s.split_min_bytes)
         self.cache = ExpertCache(pools, budget.pool_of_layer)
         self.host.place(store, self.layers, device)
+        self.loader.time_link = self.host.active and self.loader.cuda  # the planner's link speed, from the copies
 
     def relocate(self, store: ExpertStore, budget: BudgetPlan, device: torch.device) -> None:
         """Serve from `store` (e.g. re-encoded by a cast, or rewritten by `load_state_dict`) with slots
@@ -369,6 +370,8 @@ class ExpertManager(NotebookViews):
                 self._end_step()
             self._last_layer = layer
             plan = BlockPlan(layer, [], predictions=ahead)
+            if self.loader.time_link:
+                self.host.observe_link(self.loader.link_speed())
             if self.host.parts is not None and rows is not None:
                 self._start_parts(plan, experts, rows, inputs)
             index = self._prompt_index

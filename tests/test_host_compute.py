@@ -136,6 +136,34 @@ def test_link_timings_with_a_credible_slope_give_the_slopes_speed_and_the_fixed_
     assert host.costs.copy_overhead_s == pytest.approx(fixed)
 
 
+def test_the_link_speed_the_copies_met_replaces_the_probes_and_an_injected_one_stays():
+    model = MiraMoEModel.wrap(_tiny(), MiraConfig(device="cpu", gpu_budget=0.3, host_compute="on"))
+    host = model.mira.host
+    assert model.mira.loader.time_link is False  # a CPU device has no link to time
+    host.costs.link_bytes_per_s = 406e9  # a probe misread
+    host.observe_link(None)  # too few copies timed yet
+    assert host.costs.link_bytes_per_s == 406e9
+    host.observe_link(54e9)
+    assert host.costs.link_bytes_per_s == 54e9
+    host.set_costs(costs(link_bytes_per_s=1e9, host_s={}))
+    host.observe_link(54e9)
+    assert host.costs.link_bytes_per_s == 1e9
+
+
+def test_each_block_plans_with_the_link_speed_its_copies_met():
+    """Where copies are timed (a CUDA device), every block hands the loader's latest link speed to the planner
+    before it plans; the outputs keep their bound."""
+    ref = _tiny()
+    model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.3, host_compute="on"))
+    m, asked = model.mira, []
+    m.loader.time_link = True  # as on CUDA: the CPU's copies are not timed on a stream
+    m.loader.link_speed = lambda: asked.append(1) or 33e9
+    with torch.no_grad():
+        expected, got = ref(IDS).logits, model(IDS).logits
+    assert len(asked) == len(m.layers) and m.host.costs.link_bytes_per_s == 33e9
+    assert (got - expected).abs().max() <= BOUND[torch.float32] * expected.abs().max()
+
+
 # -- configuration ---------------------------------------------------------------------------------
 def test_host_compute_is_off_by_default_and_validated():
     assert MiraConfig().host_compute == "off"

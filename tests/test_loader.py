@@ -65,6 +65,61 @@ def test_runtime_copies_give_the_bytes_of_torch_copies(pinned):
     assert len(loader.latencies()) == 4  # one sample per copy
 
 
+class _Done:
+    """A copy's event pair as the loader reads it: done or not, and the milliseconds from `start`."""
+
+    def __init__(self, ms: float, done: bool = True) -> None:
+        self.ms, self.done = ms, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: "_Done") -> float:
+        return end.ms
+
+
+def test_the_link_speed_is_taken_over_the_latest_finished_copies():
+    """Bytes over seconds of the copies already done, none before LINK_MIN_SAMPLES of them, the oldest leaving
+    once LINK_SAMPLES are kept, and a copy still crossing (and every one after it) not read yet."""
+    import mira_hf.loader as ld
+
+    loader, start = Loader(torch.device("cpu")), _Done(0.0)
+    assert loader.time_link is False and loader.link_speed() is None
+    mb = 10**6
+    for _ in range(ld.LINK_MIN_SAMPLES - 1):
+        loader._transfers.append((50 * mb, start, _Done(1.0)))  # 50 MB in 1 ms: 50 GB/s
+    assert loader.link_speed() is None
+    loader._transfers.append((50 * mb, start, _Done(1.0)))
+    assert loader.link_speed() == pytest.approx(50e9)
+    crossing = _Done(0.1, done=False)
+    loader._transfers.extend([(mb, start, crossing), (50 * mb, start, _Done(1e-3))])
+    assert loader.link_speed() == pytest.approx(50e9)  # the copy behind the one crossing waits too
+    crossing.done = True
+    speed = loader.link_speed()
+    n = ld.LINK_MIN_SAMPLES
+    assert speed == pytest.approx((n * 50 + 1 + 50) * mb / ((n + 0.1 + 1e-3) * 1e-3))
+    for _ in range(ld.LINK_SAMPLES):
+        loader._transfers.append((20 * mb, start, _Done(1.0)))  # the link slowed to 20 GB/s
+    assert loader.link_speed() == pytest.approx(20e9)  # only the latest LINK_SAMPLES count
+
+
+@pytest.mark.gpu
+@cuda
+def test_timed_copies_give_the_links_speed():
+    """With `time_link`, each copy's bytes between its start on the copy stream and its done event: a speed between
+    1 and 1000 GB/s from real copies (page-locked, 8 MiB each)."""
+    dev = torch.device("cuda")
+    n = 8 * 2**20
+    record = pinned_empty(n)
+    dst = torch.empty(n, dtype=torch.uint8, device=dev)
+    loader = Loader(dev)
+    loader.time_link = True
+    for _ in range(6):
+        loader.copy(dst, [(0, record)], True)
+    loader.synchronize()
+    assert 1e9 < loader.link_speed() < 1e12
+
+
 @pytest.mark.gpu
 @cuda
 def test_a_wrapped_model_decodes_the_same_tokens_with_either_copy(tiny_checkpoint):

@@ -3,8 +3,10 @@
 One expert at Mixtral-8x7B's dimensions (hidden 4096, intermediate 14336, SwiGLU) with random bf16 weights, computed
 on the CPU for a few rows: once whole (the unwrapped model's one down projection, rounded to bf16 once), and split
 by neuron at each share as `host_compute="split"` splits it, its two parts' outputs either rounded to bf16 each and
-then added (what the split computes) or kept in fp32, added, and rounded once. Reports, for each, the share of
-output elements that differ from the whole expert's and the largest difference relative to its largest value.
+then added (what the split computes), or kept in fp32, added, and rounded once, or one part kept in fp32 and the
+other rounded (what an fp32 output on one side alone would give: the host's, or the device's). Reports, for each, the
+share of output elements that differ from the whole expert's and the largest difference relative to its largest
+value.
 
     python benchmarks/split_rounding_probe.py --out benchmarks/results/     # CPU, ~1 minute
 
@@ -54,10 +56,15 @@ def main() -> int:
     for share in (float(s) for s in args.shares.split(",") if s.strip()):
         k = I - round(I * share / 16) * 16  # the device part's neurons, in steps of 16 as the split aligns them
         h_device, h_host = swiglu(x, gate[:k], up[:k]), swiglu(x, gate[k:], up[k:])
-        rounded = h_device @ down[:, :k].T + h_host @ down[:, k:].T  # each part in bf16, then their sum
-        fp32 = (h_device.float() @ down[:, :k].T.float() + h_host.float() @ down[:, k:].T.float()).bfloat16()
-        rows.append(dict(share=share, sum="parts rounded, then added", **differences(rounded, whole)))
-        rows.append(dict(share=share, sum="parts in fp32, rounded once", **differences(fp32, whole)))
+        device_bf16, host_bf16 = h_device @ down[:, :k].T, h_host @ down[:, k:].T  # each part rounded to bf16
+        device_fp32, host_fp32 = h_device.float() @ down[:, :k].T.float(), h_host.float() @ down[:, k:].T.float()
+        for name, y in (
+            ("parts rounded, then added", device_bf16 + host_bf16),
+            ("parts in fp32, rounded once", (device_fp32 + host_fp32).bfloat16()),
+            ("host part in fp32, device part rounded", (device_bf16.float() + host_fp32).bfloat16()),
+            ("device part in fp32, host part rounded", (device_fp32 + host_bf16.float()).bfloat16()),
+        ):
+            rows.append(dict(share=share, sum=name, **differences(y, whole)))
     print_table(rows, ["share", "sum", "differing_share", "max_rel_diff"])
     env = environment()
     path = os.path.join(args.out, f"{env['date']}-{device_slug(env, on_gpu=False)}-split-rounding.json")

@@ -94,8 +94,8 @@ class Loader:
         # between an event recorded on the copy stream before them and its done event, so queueing is left out.
         self.time_link = False
         self._transfers: deque[tuple[int, object, object]] = deque(maxlen=512)  # (bytes, start, done) not yet read
-        self._link: deque[tuple[int, float]] = deque()  # (bytes, seconds) of the latest LINK_SAMPLES timed copies
-        self._link_totals = [0, 0.0]
+        self._link: deque[tuple[int, float]] = deque(maxlen=LINK_SAMPLES)  # (bytes, seconds) of the latest timed copies
+        self._link_speed: float | None = None  # over `_link`, computed again when a copy joins it
         # host→device copies through the CUDA runtime (None: torch's copy_ on the current stream)
         self.memcpy = runtime_memcpy() if self.cuda else None
         self._handle = self.stream.cuda_stream if self.cuda else None
@@ -260,20 +260,16 @@ class Loader:
     def link_speed(self) -> float | None:
         """Bytes per second over the latest timed copies (`time_link`; at most LINK_SAMPLES), reading only copies
         already done (no wait); None before LINK_MIN_SAMPLES of them."""
-        link, totals = self._link, self._link_totals
+        joined = False
         while self._transfers and self._transfers[0][2].query():
             nbytes, start, done = self._transfers.popleft()
-            seconds = max(start.elapsed_time(done), 0.0) / 1e3
-            link.append((nbytes, seconds))
-            totals[0] += nbytes
-            totals[1] += seconds
-            if len(link) > LINK_SAMPLES:
-                old_bytes, old_seconds = link.popleft()
-                totals[0] -= old_bytes
-                totals[1] -= old_seconds
-        if len(link) < LINK_MIN_SAMPLES or totals[1] <= 0:
-            return None
-        return totals[0] / totals[1]
+            self._link.append((nbytes, max(start.elapsed_time(done), 0.0) / 1e3))
+            joined = True
+        if joined:  # else the speed of the last call stands
+            seconds = sum(s for _, s in self._link)
+            enough = len(self._link) >= LINK_MIN_SAMPLES and seconds > 0
+            self._link_speed = sum(n for n, _ in self._link) / seconds if enough else None
+        return self._link_speed
 
     def latencies(self) -> list[float]:
         """Issue-to-ready seconds of the latest copies (at most LATENCY_SAMPLES; resolves pending ones: syncs)."""

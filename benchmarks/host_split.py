@@ -113,7 +113,9 @@ def parse_args(argv=None, doc: str = __doc__, systems: str = "lru,without,lossle
     ap.add_argument("--time-budget-s", type=float, default=540.0, help="phases that would start after this are skipped")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     ap.add_argument(
-        "--floor-from", help="an earlier result file of the same workloads, budgets and seed: its lru rows give the floor"
+        "--floor-from",
+        help="an earlier result file of the same workloads, budgets and seed: its lru rows give the floor's bytes (Belady's), "
+        "over this run's measured link speed",
     )
     ap.add_argument(
         "--speculate-mib",
@@ -302,8 +304,11 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
     if limit is None and args.floor_from:  # the floor depends on the routing only: the same model, prompt and budget
         with open(args.floor_from) as f:
             earlier = [r for r in json.load(f)["rows"] if (r["model"], r["budget"], r["system"]) == (key, budget_label, "lru")]
-        if earlier:
-            limit = {k: earlier[0][k] for k in ("limit_s", "belady_bytes_per_token")}
+        if earlier:  # its Belady bytes over this machine's link (the earlier file's host may have had another)
+            per_token = earlier[0]["belady_bytes_per_token"]
+            own = compute_limit(wl.facts, None, result["bandwidth"])  # this device's own bound, for the max
+            transfer_s = per_token / (result["bandwidth"]["h2d_gbps"] * GB)
+            limit = dict(limit_s=max(own["compute_s"], transfer_s), belady_bytes_per_token=per_token)
     if limit is not None:
         raw = next((r["record_bytes"] for r in rows + earlier if r["system"] == "lru"), None)
         lossless = next((r["record_bytes"] for r in rows if r.get("codec") == "lossless" and "split" not in r["system"]), None)

@@ -433,7 +433,23 @@ def test_host_split_ab_smoke_merges_each_trees_processes_in_the_order_they_ran(t
     assert [(r["process"], r["revision"]) for r in result["runs"]] == [("old1", "A"), ("new1", "B")]
     for run in result["runs"]:
         assert [r["system"] for r in run["rows"]] == ["default", "split-0.25-auto"] and run["args"]["smoke"] is True
-        assert all(r["b1_tok_s"] > 0 for r in run["rows"])
+        assert all(r["b1_tok_s"] > 0 for r in run["rows"]) and run["bandwidth"]["h2d_gbps"] > 0  # each process's link
+
+
+def test_host_split_floor_from_another_file_takes_its_bytes_over_this_runs_link(tmp_path):
+    """benchmarks/host_split.py --floor-from: the earlier file's Belady bytes per token (routing only) over the link
+    speed this run measured, not the earlier host's floor in seconds."""
+    first = run_benchmark("host_split", tmp_path / "a", "--smoke", "--systems", "lru", result="-host-split.json")
+    (lru,) = first["rows"]
+    lru.update(belady_bytes_per_token=1e12, limit_s=1.0)  # another host's link: its seconds must not be read
+    floor = tmp_path / "floor.json"
+    floor.write_text(json.dumps(first))
+    args = ("--smoke", "--systems", "default", "--floor-from", str(floor))
+    result = run_benchmark("host_split", tmp_path / "b", *args, result="-host-split.json")
+    (row,) = result["rows"]
+    assert row["belady_bytes_per_token"] == 1e12
+    assert row["limit_s"] == pytest.approx(1e12 / (result["bandwidth"]["h2d_gbps"] * 1e9))
+    assert row["x_limit"] == pytest.approx(1.0 / row["b1_tok_s"] / row["limit_s"])
 
 
 def test_split_fidelity_compare_finds_the_first_token_whose_experts_differ():

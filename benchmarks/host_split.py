@@ -258,6 +258,15 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
                         hit_rate=d.get("hit_rate"),
                         h2d_gb_per_token=(d.get("h2d_bytes_per_step") or 0) / GB,
                         stall_share=d.get("stall_share"),
+                        **{
+                            k: d.get(k)
+                            for k in (
+                                "prefetches_per_step",
+                                "prefetch_used_share",
+                                "speculated_per_step",
+                                "speculated_used_share",
+                            )
+                        },
                     )
             timed = [s for s in speeds if s]  # None: a decode no longer than its first token (a few tokens on a busy CPU)
             row["b1_tok_s_rounds"], row["b1_tok_s"] = speeds, statistics.median(timed) if timed else None

@@ -450,6 +450,7 @@ def test_host_split_floor_from_another_file_takes_its_bytes_over_this_runs_link(
     assert row["belady_bytes_per_token"] == 1e12
     assert row["limit_s"] == pytest.approx(1e12 / (result["bandwidth"]["h2d_gbps"] * 1e9))
     assert row["x_limit"] == pytest.approx(1.0 / row["b1_tok_s"] / row["limit_s"])
+    assert {"prefetches_per_step", "prefetch_used_share", "speculated_per_step", "speculated_used_share"} <= row.keys()
 
 
 def test_split_fidelity_compare_finds_the_first_token_whose_experts_differ():

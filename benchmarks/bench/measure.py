@@ -52,7 +52,8 @@ class FirstStep(StoppingCriteria):
 
 def mira_counters(manager) -> dict:
     s = manager.stats()  # resolves pending stall timings (one sync)
-    return {k: s.get(k) or 0 for k in ("bytes_h2d", "stall_s", "hits", "misses", "loads", "prefetches")}
+    keys = ("bytes_h2d", "stall_s", "hits", "misses", "loads", "prefetches", "prefetch_used", "speculated", "speculated_used")
+    return {k: s.get(k) or 0 for k in keys}
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -293,6 +294,10 @@ def decode_phase(
             hit_rate=c["hits"] / max(c["hits"] + c["misses"], 1),
             loads_per_step=c["loads"] / steps,
             prefetches_per_step=c["prefetches"] / steps,
+            # how often a copy ahead of the router was for an expert its block then used
+            prefetch_used_share=c["prefetch_used"] / c["prefetches"] if c["prefetches"] else None,
+            speculated_per_step=c["speculated"] / steps,
+            speculated_used_share=c["speculated_used"] / c["speculated"] if c["speculated"] else None,
         )
     return out
 

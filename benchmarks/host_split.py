@@ -95,6 +95,9 @@ COLUMNS = [
     "logit_rel_diff",
 ]
 
+# copies ahead of the router per step and the share of them whose block then used the expert (speculative ones apart)
+GUESS_COLUMNS = ("prefetches_per_step", "prefetch_used_share", "speculated_per_step", "speculated_used_share")
+
 
 def parse_args(argv=None, doc: str = __doc__, systems: str = "lru,without,lossless,split,split-lossless"):
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -258,15 +261,7 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
                         hit_rate=d.get("hit_rate"),
                         h2d_gb_per_token=(d.get("h2d_bytes_per_step") or 0) / GB,
                         stall_share=d.get("stall_share"),
-                        **{
-                            k: d.get(k)
-                            for k in (
-                                "prefetches_per_step",
-                                "prefetch_used_share",
-                                "speculated_per_step",
-                                "speculated_used_share",
-                            )
-                        },
+                        **{k: d.get(k) for k in GUESS_COLUMNS},
                     )
             timed = [s for s in speeds if s]  # None: a decode no longer than its first token (a few tokens on a busy CPU)
             row["b1_tok_s_rounds"], row["b1_tok_s"] = speeds, statistics.median(timed) if timed else None

@@ -92,15 +92,8 @@ def main(argv=None) -> int:
             for side in ("old", "new"):
                 process = f"{side}{i}"
                 data, name = measure(getattr(args, side), args.rest, os.path.join(tmp, process), args.smoke, args.timeout_s)
-                runs.append(
-                    dict(
-                        process=process,
-                        revision=labels[side],
-                        args=data["args"],
-                        bandwidth=data.get("bandwidth"),
-                        rows=data["rows"],
-                    )
-                )
+                kept = {k: data.get(k) for k in ("args", "bandwidth", "rows")}  # bandwidth: this process's link
+                runs.append(dict(process=process, revision=labels[side], **kept))
                 env, device = data["env"], name[len("YYYY-MM-DD-") :].split("-host-split")[0]
                 print(
                     f"{process}: " + ", ".join(f"{r['system']} {r.get('b1_tok_s', float('nan')):.2f} tok/s" for r in data["rows"])

@@ -357,8 +357,8 @@ class ExpertManager(NotebookViews):
         staged by `end`, after this block's own copies). `rows`: each expert's rows (host compute: `plan.host`).
         `inputs(e)`: expert e's rows [n, H]; given with `rows`, the block's host work starts here (`plan.job`),
         before its copies are queued: the host's share of the block is on its path from the block's start,
-        and queueing copies takes the driving thread a while (host_compute="split": before anything else of
-        the block, its host parts placed against the copies the block is about to queue)."""
+        and queueing copies takes the driving thread a while (host_compute="split": once the block's misses are
+        known and before the rest of its bookkeeping, its host parts placed against the copies it is about to queue)."""
         with self._lock:
             self._settle()
             if self._forward_owner is None and self.step_check is not None:
@@ -372,18 +372,6 @@ class ExpertManager(NotebookViews):
             plan = BlockPlan(layer, [], predictions=ahead)
             if self.loader.time_link:
                 self.host.observe_link(self.loader.link_speed())
-            if self.host.parts is not None and rows is not None:
-                self._start_parts(plan, experts, rows, inputs)
-            index = self._prompt_index
-            if self._prompt and index is not None and index.shape[0] > 1 and self.heat.config.seed_from_prompt:
-                self.heat.activate(layer, list(experts), *self._prompt_shares(layer, experts, index))  # the prompt's shares
-            else:
-                self.heat.activate(layer, list(experts))
-            self.staging.block_started(layer, experts)
-            if self.batch is not None:
-                self.batch.observe(layer, experts, self._batch_index)
-            self._expire_prefetches(layer)
-            stats = self.telemetry.layer(layer)
             ready, kept, in_flight, finishing, misses = [], [], [], [], []
             stage_hits = 0
             where, pinned = self.cache.pool(layer).where, plan.slots
@@ -404,7 +392,19 @@ class ExpertManager(NotebookViews):
                 if slot.ready is not None and slot.ready.query():
                     slot.ready = slot.first_ready = None  # landed: its later readers need no wait (no CUDA call per hit)
                 (in_flight if slot.ready is not None else ready).append(e)
+            if self.host.parts is not None and rows is not None:  # split: before the rest of the block's bookkeeping
+                self._start_parts(plan, experts, rows, inputs, copies=len(misses) + len(finishing))
+            index = self._prompt_index
+            if self._prompt and index is not None and index.shape[0] > 1 and self.heat.config.seed_from_prompt:
+                self.heat.activate(layer, list(experts), *self._prompt_shares(layer, experts, index))  # the prompt's shares
+            else:
+                self.heat.activate(layer, list(experts))
+            self.staging.block_started(layer, experts)
+            if self.batch is not None:
+                self.batch.observe(layer, experts, self._batch_index)
+            self._expire_prefetches(layer)
             self.cache.pin(list(pinned.values()))
+            stats = self.telemetry.layer(layer)
             stats.stage_hits += stage_hits
             stats.hot_hits += len(ready) + len(kept) + len(in_flight) - stage_hits
             stats.misses += len(misses) + len(finishing)
@@ -428,13 +428,11 @@ class ExpertManager(NotebookViews):
                 raise
             return plan
 
-    def _start_parts(self, plan: BlockPlan, experts: Sequence[int], rows: Sequence[int], inputs) -> None:
+    def _start_parts(self, plan: BlockPlan, experts: Sequence[int], rows: Sequence[int], inputs, copies: int) -> None:
         """host_compute="split": place the block's host parts (`plan.host_parts` on the host, `plan.parts_copied`
-        copied to the device) against the copies of its misses, which `begin` queues next, and start the
-        host's job (`inputs` given). Reads the cache only: what `begin` then does is unchanged."""
-        layer, where = plan.layer, self.cache.pool(plan.layer).where
-        slots = [where.get((layer, e)) for e in experts]
-        copies = sum(1 for e, s in zip(experts, slots) if (s is None and (layer, e) not in self.kept) or (s and s.partial))
+        copied to the device) against the `copies` of its misses, which `begin` queues next, and start the
+        host's job (`inputs` given)."""
+        layer = plan.layer
         misses = [self.store.record_bytes(layer)] * copies  # a speculative copy cut short counted whole
         plan.parts_copied, plan.host_parts = self.host.place_parts(layer, list(experts), rows, misses)
         self.telemetry.layer(layer).parts_copied += len(plan.parts_copied)

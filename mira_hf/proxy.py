@@ -429,7 +429,7 @@ class MiraExperts(nn.Module):
         row in one call anyway). Returns
         [(expert, outputs [n, H] on the device, adds)]: a whole expert's outputs (post-expert norm applied) take
         the place of its rows (`adds` False), a host part's are added to the device part's (True)."""
-        plan = self.manager.begin(self.layer, needed, rows, inputs if rows is not None else None)
+        plan = self.manager.begin(self.layer, needed, rows, inputs)
         job, grouped, parts = plan.job, (), []  # the job: the misses `begin` sent to the host, or the host parts
         try:
             if self._split:  # the host parts `begin` placed on the device; the host computes the others meanwhile

@@ -57,6 +57,7 @@ from bench.measure import (  # noqa: E402
     measure_bandwidth,
     release_wrapped,
     routing_trace,
+    timed_decode,
 )
 from bench.workloads import Workload, model_facts  # noqa: E402
 from common import SHAPES, balance_routers, device_slug, environment, print_table, sync, write_json  # noqa: E402
@@ -350,9 +351,8 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
             use(model, system, predictor, policy)
             gen(ids, args.warmup_tokens)
             m.reset_stats()
-            t, n, _ = gen(ids, args.batch_tokens)
-            first, _, _ = gen(ids, 1)
-            batch[system]["b8_tok_s"].append(args.batch * (n - 1) / (t - first) if n > 1 and t > first else None)
+            rate = timed_decode(gen, ids, args.batch_tokens)[0]
+            batch[system]["b8_tok_s"].append(args.batch * rate if rate else None)
             rows[system]["host_share_b8"] = m.stats()["host_computed"] / max(m.stats()["misses"], 1)
             gen(ids[:1], args.warmup_tokens, beams=args.beams)
             t, n, _ = gen(ids[:1], args.beam_tokens, beams=args.beams)

@@ -70,6 +70,7 @@ from bench.measure import (  # noqa: E402
     measure_bandwidth,
     release_wrapped,
     routing_trace,
+    timed_decode,
 )
 from bench.workloads import Workload, model_facts  # noqa: E402
 from common import device_slug, environment, print_table, sync, write_json  # noqa: E402
@@ -283,10 +284,9 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
             if system != "lru" and deadline.remaining() > 0 and args.batch_tokens > 0:
                 gen(ids, args.warmup_tokens)
                 before = m.stats()
-                t, n, _ = gen(ids, args.batch_tokens)
+                rate = timed_decode(gen, ids, args.batch_tokens)[0]
                 row["b8_parts_copied"] = copied_share(before, m.stats())
-                first, _, _ = gen(ids, 1)
-                row["b8_tok_s"] = args.batch * (n - 1) / (t - first) if n > 1 and t > first else None
+                row["b8_tok_s"] = args.batch * rate if rate else None
                 log(f"{key} / {budget_label} / {system}: batch {args.batch} {row['b8_tok_s'] or 0:.2f}")
             if system != "lru" and deadline.remaining() > 0 and args.beam_tokens > 0:
                 gen(ids[:1], args.warmup_tokens, beams=args.beams)

@@ -134,6 +134,29 @@ def test_phase_results_become_row_fields_of_the_phases_that_ran(bench):
     assert cut["time_per_token_s"] is None and "decode_tok_s_b8" not in cut
 
 
+def test_decode_is_timed_within_its_call_so_a_slow_prefill_elsewhere_cannot_inflate_it(bench, monkeypatch):
+    """A batch decode of a few steps after a prefill that copies many experts: the steps/s come from the call's own
+    first step to its end, whatever a one-token generate took in another call (taking that off once gave 551
+    tokens/s for a system decoding ~30)."""
+    from bench import measure
+
+    now = [0.0]
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(measure, "sync", lambda: None)
+
+    def gen(x, n, beams=1, probe=None):  # a prefill of 0.5 s, then n - 1 steps of 0.04 s each
+        start = now[0]
+        now[0] += 0.5
+        probe(x, None)
+        now[0] += 0.04 * (n - 1)
+        return now[0] - start, n, now[0]
+
+    rate, got, probe, total, end = measure.timed_decode(gen, torch.zeros(8, 3, dtype=torch.long), 6)
+    assert rate == pytest.approx(25.0) and got == 6 and total == pytest.approx(0.7) and probe.t == pytest.approx(0.5)
+    none = measure.timed_decode(lambda x, n, beams=1, probe=None: (0.5, 1, now[0]), torch.zeros(1, 3, dtype=torch.long), 6)
+    assert none[0] is None  # one token: no decode step to time
+
+
 @pytest.mark.slow  # ~20-35 s on a 2-core CPU
 def test_smoke_run_writes_json_markdown_and_plot(tmp_path, bench):
     out = tmp_path / "results"

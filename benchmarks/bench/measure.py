@@ -84,6 +84,19 @@ def generate_timed(model, ids: torch.Tensor, new: int, beams: int, pad_id: int, 
     return t1 - t0, int(out.shape[1] - ids.shape[1]), t1
 
 
+def timed_decode(
+    gen, x: torch.Tensor, new: int, beams: int = 1, manager=None
+) -> tuple[float | None, int, FirstStep, float, float]:
+    """One generate of `new` tokens whose decode is timed within the call: from the end of its first step (the
+    `FirstStep` probe: prefill and first token) to its end. Returns (decode steps per second, None if it made fewer
+    than two tokens; tokens generated; the probe; the call's seconds; its end time). Taking a separately timed one-token generate off
+    the call's time instead lets that call's own prefill, copies included, swamp a decode of a few steps."""
+    probe = FirstStep(manager)
+    total, got, end = gen(x, new, beams=beams, probe=probe)
+    rate = (got - 1) / (end - probe.t) if got > 1 and probe.t is not None and end > probe.t else None
+    return rate, got, probe, total, end
+
+
 def release_wrapped(manager) -> None:
     """Free what a wrapped model holds beyond its Python objects, before the next system is built: its device arena
     (`ExpertManager.close`), its host-compute worker and its store's host memory."""
@@ -262,24 +275,23 @@ def measure(
 def decode_phase(
     gen, x: torch.Tensor, new: int, warmup: int, manager=None, trace: list | None = None, tokens: bool = False
 ) -> dict:
-    """Warm up at the same shapes, time the first token alone (TTFT), then `new` tokens. Decode steps/s =
-    (tokens - 1) / (total - TTFT). Mira's counters are taken between the first step and the end. With
+    """Warm up at the same shapes, time the first token alone (TTFT), then `new` tokens, whose decode steps/s are
+    timed within that call (`timed_decode`). Mira's counters are taken between the first step and the end. With
     `tokens`, the result also holds the timed call's generated ids (a list per sequence)."""
     gen(x, warmup)
     ttft = gen(x, 1)[0]
     if manager is not None:
         manager.reset_stats()
-    probe = FirstStep(manager)
     recorder_before = manager.recorder if manager is not None else None
     if manager is not None and trace is not None:
         # stays on the device, no sync: one tiny copy per block
         manager.recorder = lambda layer, hidden, top_k_index: trace.append((layer, top_k_index.detach().clone()))
     try:
-        total, got, end = gen(x, new, probe=probe)
+        rate, got, probe, total, end = timed_decode(gen, x, new, manager=manager)
     finally:
         if manager is not None:
             manager.recorder = recorder_before
-    out = dict(ttft_s=ttft, total_s=total, new_tokens=got, tok_s=(got - 1) / (total - ttft) if got > 1 and total > ttft else None)
+    out = dict(ttft_s=ttft, total_s=total, new_tokens=got, tok_s=rate)
     if tokens and probe.ids is not None:
         out["tokens"] = probe.ids[:, x.shape[1] :].tolist()
     if manager is not None and probe.counters is not None and got > 1:

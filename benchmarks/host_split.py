@@ -18,9 +18,9 @@ wrapped once per system, one after the other in the same process:
 `--speculate-mib N,...` measures every system but lru once more per N with `PredictorConfig(speculate_bytes=N MiB)`
 (named `<system>-specN`): how much of the next layer's likeliest guess is copied while the link would idle.
 
-Metrics: decode tokens/s at batch 1 (median of `--rounds`), batch 8 and beam search (4 beams); x_limit: time per
-token over the PCIe floor (Belady's bytes per token of whole uncompressed experts over LRU's routing, at the
-measured H2D speed); x_limit_lossless: over the same floor in the lossless format's bytes (Belady's count of copies
+Metrics: decode tokens/s at batch 1 (median of `--rounds`), batch 8 and beam search (4 beams; medians of
+`--batch-rounds`), each decode timed from its first step's end; x_limit: time per token over the PCIe floor
+(Belady's bytes per token of whole uncompressed experts over LRU's routing, at the measured H2D speed); x_limit_lossless: over the same floor in the lossless format's bytes (Belady's count of copies
 times the lossless record's bytes, read off a system that stores whole experts so: the floor of the default); the
 bytes each system moved per token, its hit rate, the largest logit difference against `without` (or `lossless`,
 both exact) on a prompt (split rounds differently: not bit-exact).

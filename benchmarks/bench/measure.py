@@ -88,9 +88,10 @@ def timed_decode(
     gen, x: torch.Tensor, new: int, beams: int = 1, manager=None
 ) -> tuple[float | None, int, FirstStep, float, float]:
     """One generate of `new` tokens whose decode is timed within the call: from the end of its first step (the
-    `FirstStep` probe: prefill and first token) to its end. Returns (decode steps per second, None if it made fewer
-    than two tokens; tokens generated; the probe; the call's seconds; its end time). Taking a separately timed one-token generate off
-    the call's time instead lets that call's own prefill, copies included, swamp a decode of a few steps."""
+    `FirstStep` probe: prefill and first token) to its end. Returns (decode steps per second, None if it made
+    fewer than two tokens; tokens generated; the probe; the call's seconds; its end time). Taking a separately
+    timed one-token generate off the call's time instead lets that call's own prefill, copies included, swamp a
+    decode of a few steps."""
     probe = FirstStep(manager)
     total, got, end = gen(x, new, beams=beams, probe=probe)
     rate = (got - 1) / (end - probe.t) if got > 1 and probe.t is not None and end > probe.t else None

@@ -38,32 +38,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import run  # noqa: E402  (workloads, mira systems, --variant)
+from bench.clock import Deadline  # noqa: E402
+from bench.measure import generate_timed, timed_decode  # noqa: E402
 from common import build_config, device_slug, environment, print_table, sync, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel, calibrate  # noqa: E402
 
+UNBOUNDED = Deadline(float("inf"))  # rounds are not cut by a time guard here
 EXTRA_SYSTEMS = {"heat-only": dict(predictor=None), "default+learned": {}}  # default+learned: bundled only
 
 
 def decode(model, prompt: torch.Tensor, new_tokens: int) -> dict:
-    """Decode tokens/s (all sequences of the batch) after the first token (the prefill's time, measured
-    by a 1-token call, is taken off), with mira's stall time and hit rate for the whole call."""
-    kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
-    sync()
-    t0 = time.perf_counter()
-    model.generate(prompt, max_new_tokens=1, **kw)
-    sync()
-    first = time.perf_counter() - t0
+    """Decode tokens/s (all sequences of the batch) after the first token, timed within the call that decodes
+    (`timed_decode`), with mira's stall time and hit rate for the whole call."""
+
+    def gen(x, n, beams=1, probe=None):
+        return generate_timed(model, x, n, beams, 0, UNBOUNDED, probe)
+
     model.mira.reset_stats()
-    t0 = time.perf_counter()
-    out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-    sync()
-    total = time.perf_counter() - t0
+    rate, got = timed_decode(gen, prompt, new_tokens)[:2]
     s = model.mira.stats()
-    steps = (out.shape[1] - prompt.shape[1]) - 1
     return {
-        "tok_s": steps * prompt.shape[0] / max(total - first, 1e-9),
-        "stall_ms_per_token": 1e3 * s["stall_s"] / max(steps + 1, 1),
+        "tok_s": (rate or 0.0) * prompt.shape[0],
+        "stall_ms_per_token": 1e3 * s["stall_s"] / max(got, 1),
         "hit_rate": s["hit_rate"],
         "predicting": s["prediction_active"] and s["prediction_paused_steps"] == 0,  # the payoff gate never paused it
     }

@@ -16,7 +16,6 @@ import argparse
 import gc
 import os
 import sys
-import time
 
 import torch
 
@@ -24,10 +23,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import run  # noqa: E402  (run.py's workloads and their --smoke shapes)
-from bench.measure import compiled_generate_kwargs  # noqa: E402
-from common import device_slug, environment, print_table, random_model_on_device, sync, write_json  # noqa: E402
+from bench.clock import Deadline  # noqa: E402
+from bench.measure import compiled_generate_kwargs, generate_timed, timed_decode  # noqa: E402
+from common import device_slug, environment, print_table, random_model_on_device, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
+
+UNBOUNDED = Deadline(float("inf"))  # no time guard here
 
 
 def generate_kwargs(mode: str, compile_mode: str, on_cpu: bool) -> dict:
@@ -38,21 +40,17 @@ def generate_kwargs(mode: str, compile_mode: str, on_cpu: bool) -> dict:
 
 
 def decode(model, prompt: torch.Tensor, new_tokens: int, kw: dict, warmup: int) -> tuple[dict, torch.Tensor]:
-    """Decode tokens/s after the first token (a 1-token generate's time is taken off) and the tokens."""
-    mask = torch.ones_like(prompt)
+    """Decode tokens/s after the first token, timed within the call that decodes (`timed_decode`), and the tokens
+    (prompt included)."""
+
+    def gen(x, n, beams=1, probe=None):
+        return generate_timed(model, x, n, beams, 0, UNBOUNDED, probe, kw)
+
     for _ in range(warmup):  # compiles (prefill and decode graphs) and fills caches
-        model.generate(prompt, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-    sync()
-    t0 = time.perf_counter()
-    model.generate(prompt, attention_mask=mask, max_new_tokens=1, **kw)
-    sync()
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = model.generate(prompt, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-    sync()
-    total = time.perf_counter() - t0
-    steps = out.shape[1] - prompt.shape[1] - 1
-    return {"tok_s": steps * prompt.shape[0] / max(total - first, 1e-9), "ms_per_step": 1e3 * (total - first) / steps}, out
+        gen(prompt, new_tokens)
+    rate, _, probe, _, _ = timed_decode(gen, prompt, new_tokens)
+    rate = rate or 0.0
+    return {"tok_s": rate * prompt.shape[0], "ms_per_step": 1e3 / rate if rate else None}, probe.ids
 
 
 def main() -> int:

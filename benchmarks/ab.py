@@ -38,13 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import run  # noqa: E402  (workloads, mira systems, --variant)
-from bench.clock import Deadline  # noqa: E402
 from bench.measure import generate_timed, timed_decode  # noqa: E402
 from common import build_config, device_slug, environment, print_table, sync, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel, calibrate  # noqa: E402
 
-UNBOUNDED = Deadline(float("inf"))  # rounds are not cut by a time guard here
 EXTRA_SYSTEMS = {"heat-only": dict(predictor=None), "default+learned": {}}  # default+learned: bundled only
 
 
@@ -53,7 +51,7 @@ def decode(model, prompt: torch.Tensor, new_tokens: int) -> dict:
     (`timed_decode`), with mira's stall time and hit rate for the whole call."""
 
     def gen(x, n, beams=1, probe=None):
-        return generate_timed(model, x, n, beams, 0, UNBOUNDED, probe)
+        return generate_timed(model, x, n, beams, 0, None, probe)
 
     model.mira.reset_stats()
     rate, got = timed_decode(gen, prompt, new_tokens)[:2]

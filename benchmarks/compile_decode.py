@@ -23,13 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import run  # noqa: E402  (run.py's workloads and their --smoke shapes)
-from bench.clock import Deadline  # noqa: E402
 from bench.measure import compiled_generate_kwargs, generate_timed, timed_decode  # noqa: E402
 from common import device_slug, environment, print_table, random_model_on_device, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
-
-UNBOUNDED = Deadline(float("inf"))  # no time guard here
 
 
 def generate_kwargs(mode: str, compile_mode: str, on_cpu: bool) -> dict:
@@ -44,13 +41,12 @@ def decode(model, prompt: torch.Tensor, new_tokens: int, kw: dict, warmup: int) 
     (prompt included)."""
 
     def gen(x, n, beams=1, probe=None):
-        return generate_timed(model, x, n, beams, 0, UNBOUNDED, probe, kw)
+        return generate_timed(model, x, n, beams, 0, None, probe, kw)
 
     for _ in range(warmup):  # compiles (prefill and decode graphs) and fills caches
         gen(prompt, new_tokens)
     rate, _, probe, _, _ = timed_decode(gen, prompt, new_tokens)
-    rate = rate or 0.0
-    return {"tok_s": rate * prompt.shape[0], "ms_per_step": 1e3 / rate if rate else None}, probe.ids
+    return {"tok_s": (rate or 0.0) * prompt.shape[0], "ms_per_step": 1e3 / rate if rate else None}, probe.ids
 
 
 def main() -> int:

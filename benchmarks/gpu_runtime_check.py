@@ -20,8 +20,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench.measure import FirstStep  # noqa: E402
-from common import environment, print_table, random_model_on_device, sync, write_json  # noqa: E402
+from bench.measure import generate_timed, timed_decode  # noqa: E402
+from common import environment, print_table, random_model_on_device, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
 from mira_hf.testing import make_config  # noqa: E402
@@ -72,25 +72,21 @@ def exactness(dtype: torch.dtype) -> dict:
 
 def generation_speed(model, prompt_len: int, new_tokens: int, label: str, mira: bool) -> dict:
     ids = torch.randint(100, 30000, (1, prompt_len), device="cuda")
-    kw = dict(do_sample=False, pad_token_id=0)
-    model.generate(ids[:, :8], max_new_tokens=2, **kw)  # warm-up
+
+    def gen(x, n, beams=1, probe=None):
+        return generate_timed(model, x, n, beams, 0, None, probe)
+
+    gen(ids[:, :8], 2)  # warm-up
     if mira:
         model.mira.reset_stats()
     torch.cuda.reset_peak_memory_stats()
-    sync()
-    t0 = time.perf_counter()
-    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-    sync()
-    ttft = time.perf_counter() - t0
+    ttft = gen(ids, 1)[0]
     if mira:
         model.mira.reset_stats()
-    probe = FirstStep()  # the decode is timed from the end of this call's first step
-    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, stopping_criteria=[probe], **kw)
-    sync()
     row = dict(
         system=label,
         ttft_s=ttft,
-        decode_tok_s=(new_tokens - 1) / max(time.perf_counter() - probe.t, 1e-9),
+        decode_tok_s=timed_decode(gen, ids, new_tokens)[0],  # from the end of the call's first step
         peak_gb=torch.cuda.max_memory_allocated() / 1e9,
     )
     if mira:

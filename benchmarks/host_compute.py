@@ -55,6 +55,7 @@ from bench.measure import (  # noqa: E402
     free_device_cache,
     generate_timed,
     measure_bandwidth,
+    median_of,
     release_wrapped,
     routing_trace,
     timed_decode,
@@ -365,11 +366,8 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
             )
         for system, metrics in batch.items():  # the medians of the rounds measured
             for metric, values in metrics.items():
-                measured = [v for v in values if v is not None]
                 if values:
-                    rows[system][metric] = statistics.median(measured) if measured else None
-                if args.batch_rounds > 1:
-                    rows[system][metric + "_rounds"] = values
+                    rows[system][metric] = median_of(values, rows[system], metric)
     finally:
         result["rows"].extend(rows.values())
         release_wrapped(m)

@@ -20,8 +20,9 @@ wrapped once per system, one after the other in the same process:
 
 Metrics: decode tokens/s at batch 1 (median of `--rounds`), batch 8 and beam search (4 beams; medians of
 `--batch-rounds`), each decode timed from its first step's end; x_limit: time per token over the PCIe floor
-(Belady's bytes per token of whole uncompressed experts over LRU's routing, at the measured H2D speed); x_limit_lossless: over the same floor in the lossless format's bytes (Belady's count of copies
-times the lossless record's bytes, read off a system that stores whole experts so: the floor of the default); the
+(Belady's bytes per token of whole uncompressed experts over LRU's routing, at the measured H2D speed);
+x_limit_lossless: over the same floor in the lossless format's bytes (Belady's count of copies times the lossless
+record's bytes, read off a system that stores whole experts so: the floor of the default); the
 bytes each system moved per token, its hit rate, the largest logit difference against `without` (or `lossless`,
 both exact) on a prompt (split rounds differently: not bit-exact).
 
@@ -68,6 +69,7 @@ from bench.measure import (  # noqa: E402
     free_device_cache,
     generate_timed,
     measure_bandwidth,
+    median_of,
     release_wrapped,
     routing_trace,
     timed_decode,
@@ -98,15 +100,6 @@ COLUMNS = [
 
 # copies ahead of the router per step and the share of them whose block then used the expert (speculative ones apart)
 GUESS_COLUMNS = ("prefetches_per_step", "prefetch_used_share", "speculated_per_step", "speculated_used_share")
-
-
-def median_of(speeds: list, row: dict, name: str) -> float | None:
-    """The median of a phase's measured `speeds` (None where too few tokens were timed); with more than one,
-    `row[name + "_rounds"]` keeps them all."""
-    if len(speeds) > 1:
-        row[name + "_rounds"] = speeds
-    timed = [v for v in speeds if v]
-    return statistics.median(timed) if timed else None
 
 
 def parse_args(argv=None, doc: str = __doc__, systems: str = "lru,without,lossless,split,split-lossless"):

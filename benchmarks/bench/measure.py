@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -60,10 +61,12 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before.get(k, 0) for k in after}
 
 
-def generate_timed(model, ids: torch.Tensor, new: int, beams: int, pad_id: int, deadline: Deadline, probe=None, extra=None):
+def generate_timed(
+    model, ids: torch.Tensor, new: int, beams: int, pad_id: int, deadline: Deadline | None, probe=None, extra=None
+):
     """Greedy (or beam) generate of exactly `new` tokens; returns (seconds, tokens generated, end time).
-    Fewer tokens only when the time guard's max_time cut the call. `extra`: more generate keywords
-    (`compiled_generate_kwargs`: a static cache and generate's compilation)."""
+    Fewer tokens only when the time guard's max_time cut the call (`deadline`; None: no guard). `extra`: more
+    generate keywords (`compiled_generate_kwargs`: a static cache and generate's compilation)."""
     kw = dict(
         attention_mask=torch.ones_like(ids),
         max_new_tokens=new,
@@ -71,8 +74,9 @@ def generate_timed(model, ids: torch.Tensor, new: int, beams: int, pad_id: int, 
         do_sample=False,
         num_beams=beams,
         pad_token_id=pad_id,
-        max_time=deadline.max_time(),
     )
+    if deadline is not None:
+        kw["max_time"] = deadline.max_time()
     if probe is not None:
         kw["stopping_criteria"] = StoppingCriteriaList([probe])
     kw.update(extra or {})
@@ -96,6 +100,15 @@ def timed_decode(
     total, got, end = gen(x, new, beams=beams, probe=probe)
     rate = (got - 1) / (end - probe.t) if got > 1 and probe.t is not None and end > probe.t else None
     return rate, got, probe, total, end
+
+
+def median_of(speeds: list, row: dict, name: str) -> float | None:
+    """The median of a phase's measured `speeds` (None where too few tokens were timed); with more than one,
+    `row[name + "_rounds"]` keeps them all."""
+    if len(speeds) > 1:
+        row[name + "_rounds"] = speeds
+    timed = [v for v in speeds if v]
+    return statistics.median(timed) if timed else None
 
 
 def release_wrapped(manager) -> None:

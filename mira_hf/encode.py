@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import torch
 
+from .cpu_threads import own_cpu_threads
 from .load_report import LoadReport
 
 Expert = Callable[[int], Mapping[str, torch.Tensor]]  # e -> {tensor name: expert e's tensor}
@@ -215,16 +216,12 @@ class RecordEncoder:
                     return out
                 finally:
                     ahead.close()
-            threads = torch.get_num_threads()
-            try:
-                # one intra-op thread per worker: the experts are the parallelism (no oversubscribed cores)
-                with ThreadPoolExecutor(
-                    min(self.workers, n), thread_name_prefix="mira-encode", initializer=torch.set_num_threads, initargs=(1,)
-                ) as pool:
-                    futures = [pool.submit(lambda e: step(e, read(e)), e) for e in range(n)]
-                    return [f.result() for f in futures]  # in order; the first failure is raised
-            finally:
-                torch.set_num_threads(threads)
+            # one intra-op thread per worker: the experts are the parallelism (no oversubscribed cores)
+            with ThreadPoolExecutor(
+                min(self.workers, n), thread_name_prefix="mira-encode", initializer=own_cpu_threads, initargs=(1,)
+            ) as pool:
+                futures = [pool.submit(lambda e: step(e, read(e)), e) for e in range(n)]
+                return [f.result() for f in futures]  # in order; the first failure is raised
         finally:
             if own and bar is not None:
                 bar.close()

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cpu_threads import own_cpu_threads
 from .errors import ConfigError
 from .host_switch import HostSwitch
 
@@ -192,7 +193,7 @@ def _init_worker(cpus: set[int] | None, threads: int) -> None:
             os.sched_setaffinity(0, cpus)  # this thread only; torch's CPU threads it starts inherit it
         except OSError:
             pass  # a container may forbid it: unpinned, still correct
-    torch.set_num_threads(threads)
+    own_cpu_threads(threads)
 
 
 def own_tensors(module: torch.nn.Module, skip) -> list[str]:

@@ -7,9 +7,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
+from conftest import torch_threads
 from tiny_models import make_config
 
 from mira_hf import CheckpointError, MiraConfig, MiraMoEModel
@@ -253,6 +255,18 @@ def test_parallel_and_device_path_encoding_give_the_serial_records(code, dtype, 
         assert torch.equal(_records(RecordEncoder("cpu", workers=1), codec, fused)[1], serial)
     decoded = codec.decode(serial[1], layout, dtype)
     assert all(torch.equal(decoded[n].view(torch.uint8), t[1].view(torch.uint8)) for n, t in fused.items())
+
+
+def test_parallel_encoding_leaves_the_thread_count_of_threads_started_later_alone():
+    """Each encoder thread computes on one CPU thread of its own; threads the user starts afterwards get the process's
+    count as before, not the encoders' one."""
+    with torch_threads(3):
+        _records(RecordEncoder("cpu", workers=4), LosslessCodec("classes"), _fused(torch.bfloat16))
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert seen == [3] == [torch.get_num_threads()]
 
 
 @pytest.mark.gpu

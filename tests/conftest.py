@@ -6,6 +6,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -133,6 +134,15 @@ def align_experts(model):
         if p.data_ptr() % 16:
             p.data = p.data.clone()
     return model
+
+
+def new_thread_cpu_threads() -> int:
+    """torch's CPU thread count in a thread started now: what a user's new thread computes with."""
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return seen[0]
 
 
 @contextlib.contextmanager

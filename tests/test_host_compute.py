@@ -4,11 +4,10 @@ when the host path is forced (injected costs: on a CPU the device is the host); 
 takes no slot and copies nothing; prefill-sized blocks stay on the device; clear errors."""
 
 import copy
-import threading
 
 import pytest
 import torch
-from conftest import ALL_TINY, MULTIMODAL, torch_threads
+from conftest import ALL_TINY, MULTIMODAL, new_thread_cpu_threads, torch_threads
 from test_combine import FAMILIES as COMBINE_FAMILIES
 from test_combine import (
     IMPLS,
@@ -397,26 +396,17 @@ def test_dropping_a_model_frees_its_store_and_host_worker():
         assert not t.is_alive()
 
 
-def _new_threads_count() -> int:
-    """torch's CPU thread count in a thread started now (what a user's new thread computes with)."""
-    seen = []
-    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
-    t.start()
-    t.join()
-    return seen[0]
-
-
 def test_the_host_worker_leaves_the_thread_count_of_threads_started_later_alone():
     """The worker runs with threads of its own (all cores but one); a thread the user starts afterwards (a server's
     request thread) still gets the process's count, so it computes as fast and with the same bits as before."""
     model = _forced(_tiny())
     with torch_threads(model.mira.host.threads + 1):  # a count the worker's differs from
-        before = _new_threads_count()
+        before = new_thread_cpu_threads()
         with torch.no_grad():
             model(IDS)  # the worker has started and set its own count
         assert model.mira.stats()["host_computed"] > 0
         assert model.mira.host._pool.submit(torch.get_num_threads).result() == model.mira.host.threads
-        assert _new_threads_count() == before == torch.get_num_threads()
+        assert new_thread_cpu_threads() == before == torch.get_num_threads()
 
 
 def test_a_forked_process_gets_its_own_host_worker():

@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_threads import cpu_threads
 from .errors import ConfigError, require_decoder_only
 from .learned import LayerNet, LearnedPredictor, choose_sizes, model_parameters
 
@@ -332,18 +333,11 @@ def _train(nets, hidden, labels, train_idx, device, epochs, batch_size, lr, pos_
     return mean_loss
 
 
-@contextmanager
 def _few_threads(device: torch.device):
     """One CPU thread while training on the CPU: each op takes microseconds, and OpenMP's fork/join costs
     more than a second thread gives (2 cores: 2.7 ms per step on one thread, 10-300 ms on two when the
     cores are shared). Restored afterwards."""
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return cpu_threads(1) if device.type == "cpu" else nullcontext()
 
 
 @torch.no_grad()

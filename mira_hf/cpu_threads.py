@@ -9,7 +9,8 @@ rounding otherwise than the main thread where a CPU kernel splits its sums by th
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -25,6 +26,18 @@ def own_cpu_threads(n: int) -> None:
         torch.get_num_threads()  # this thread's first use takes the process-wide count: now, not after n is set
         torch.set_num_threads(n)
         _in_new_thread(lambda: torch.set_num_threads(before[0]))
+
+
+@contextmanager
+def cpu_threads(n: int) -> Iterator[None]:
+    """torch's CPU threads for the calling thread set to `n` for the block, then restored; threads started
+    meanwhile get the process's count, not `n`."""
+    before = torch.get_num_threads()
+    own_cpu_threads(n)
+    try:
+        yield
+    finally:
+        own_cpu_threads(before)
 
 
 def _in_new_thread(fn: Callable[[], object]) -> None:

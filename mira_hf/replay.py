@@ -32,6 +32,7 @@ import torch
 from .batching import enable as enable_batch_aware
 from .budget import BudgetPlan, LayerInfo, plan_budget
 from .config import CacheConfig
+from .cpu_threads import cpu_threads
 from .errors import ConfigError
 from .heat import HeatConfig
 from .layout import ALIGN_BYTES
@@ -122,12 +123,8 @@ def replay(
 
     if batch_aware or (batch_aware is None and concurrency > 1):
         enable_batch_aware(manager)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # every op here takes microseconds: OpenMP fork/join would cost more than it saves
-    try:
+    with cpu_threads(1):  # every op here takes microseconds: OpenMP fork/join would cost more than it saves
         prompts = _drive(manager, trace, pred, reset_predictor_per_sequence, concurrency, prompt_tokens)
-    finally:
-        torch.set_num_threads(threads)
 
     stats = _minus(manager.stats(), prompts)
     steps = trace.steps // concurrency - prompts["steps"]

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import run  # noqa: E402  (workloads, mira systems, --variant)
-from bench.measure import generate_timed, timed_decode  # noqa: E402
+from bench.measure import generator, timed_decode  # noqa: E402
 from common import build_config, device_slug, environment, print_table, sync, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel, calibrate  # noqa: E402
@@ -49,12 +49,8 @@ EXTRA_SYSTEMS = {"heat-only": dict(predictor=None), "default+learned": {}}  # de
 def decode(model, prompt: torch.Tensor, new_tokens: int) -> dict:
     """Decode tokens/s (all sequences of the batch) after the first token, timed within the call that decodes
     (`timed_decode`), with mira's stall time and hit rate for the whole call."""
-
-    def gen(x, n, beams=1, probe=None):
-        return generate_timed(model, x, n, beams, 0, None, probe)
-
     model.mira.reset_stats()
-    rate, got = timed_decode(gen, prompt, new_tokens)[:2]
+    rate, got = timed_decode(generator(model), prompt, new_tokens)[:2]
     s = model.mira.stats()
     return {
         "tok_s": (rate or 0.0) * prompt.shape[0],

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import run  # noqa: E402  (run.py's workloads and their --smoke shapes)
-from bench.measure import compiled_generate_kwargs, generate_timed, timed_decode  # noqa: E402
+from bench.measure import compiled_generate_kwargs, generator, timed_decode  # noqa: E402
 from common import device_slug, environment, print_table, random_model_on_device, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
@@ -39,10 +39,7 @@ def generate_kwargs(mode: str, compile_mode: str, on_cpu: bool) -> dict:
 def decode(model, prompt: torch.Tensor, new_tokens: int, kw: dict, warmup: int) -> tuple[dict, torch.Tensor]:
     """Decode tokens/s after the first token, timed within the call that decodes (`timed_decode`), and the tokens
     (prompt included)."""
-
-    def gen(x, n, beams=1, probe=None):
-        return generate_timed(model, x, n, beams, 0, None, probe, kw)
-
+    gen = generator(model, extra=kw)
     for _ in range(warmup):  # compiles (prefill and decode graphs) and fills caches
         gen(prompt, new_tokens)
     rate, _, probe, _, _ = timed_decode(gen, prompt, new_tokens)

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench.measure import generate_timed, timed_decode  # noqa: E402
+from bench.measure import generator, timed_decode  # noqa: E402
 from common import environment, print_table, random_model_on_device, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel  # noqa: E402
@@ -72,10 +72,7 @@ def exactness(dtype: torch.dtype) -> dict:
 
 def generation_speed(model, prompt_len: int, new_tokens: int, label: str, mira: bool) -> dict:
     ids = torch.randint(100, 30000, (1, prompt_len), device="cuda")
-
-    def gen(x, n, beams=1, probe=None):
-        return generate_timed(model, x, n, beams, 0, None, probe)
-
+    gen = generator(model)
     gen(ids[:, :8], 2)  # warm-up
     if mira:
         model.mira.reset_stats()

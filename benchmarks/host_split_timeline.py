@@ -48,7 +48,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from bench.measure import decode_phase, free_device_cache, generate_timed, release_wrapped  # noqa: E402
+from bench.measure import decode_phase, free_device_cache, generator, release_wrapped  # noqa: E402
 from bench.workloads import Workload, model_facts  # noqa: E402
 from common import device_slug, environment, print_table, sync, write_json  # noqa: E402
 from host_compute import WORKLOADS, budget_of, build, spread_routers  # noqa: E402
@@ -205,10 +205,7 @@ def main(argv=None) -> int:
         try:
             if switch is not None:
                 sys.setswitchinterval(switch)
-
-            def gen(x, n, beams=1, probe=None, model=model):
-                return generate_timed(model, x, n, beams, pad, deadline, probe)
-
+            gen = generator(model, pad, deadline)
             decode_phase(gen, ids, args.warmup_tokens + 2, args.warmup_tokens, m)  # warm-up
             timeline.on = True
             d = decode_phase(gen, ids, args.new_tokens, args.warmup_tokens, m)

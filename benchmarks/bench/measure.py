@@ -88,6 +88,16 @@ def generate_timed(
     return t1 - t0, int(out.shape[1] - ids.shape[1]), t1
 
 
+def generator(model, pad_id: int = 0, deadline: Deadline | None = None, extra=None):
+    """`generate_timed` on `model` as the `gen(x, n, beams=1, probe=None)` that `timed_decode` and `decode_phase`
+    call."""
+
+    def gen(x, n, beams=1, probe=None):
+        return generate_timed(model, x, n, beams, pad_id, deadline, probe, extra)
+
+    return gen
+
+
 def timed_decode(
     gen, x: torch.Tensor, new: int, beams: int = 1, manager=None
 ) -> tuple[float | None, int, FirstStep, float, float]:

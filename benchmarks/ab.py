@@ -57,7 +57,20 @@ def decode(model, prompt: torch.Tensor, new_tokens: int) -> dict:
         "stall_ms_per_token": 1e3 * s["stall_s"] / max(got, 1),
         "hit_rate": s["hit_rate"],
         "predicting": s["prediction_active"] and s["prediction_paused_steps"] == 0,  # the payoff gate never paused it
+        "paused_steps": s["prediction_paused_steps"],  # forward steps of this call run with prediction paused
+        "gate": gate_state(model),
     }
+
+
+def gate_state(model) -> dict | None:
+    """The payoff gate's latest estimates (per block: prediction's host seconds, uses at risk; stall seconds per
+    demand miss) and whether it predicts now: why a system did or did not predict. None without a predictor."""
+    staging = model.mira.staging
+    if staging.predictor is None:
+        return None
+    g = staging.gate
+    return {"on": staging.gate_on, "active": g.active, "cost_per_block_s": g.cost_per_block,
+            "at_risk_per_block": g.at_risk_per_block, "stall_per_miss_s": g.stall_per_miss}  # fmt: skip
 
 
 def store_h2d_gbps(model, device: torch.device) -> float | None:
@@ -170,6 +183,7 @@ def main() -> int:
             row[f"{b}_stall_ms"] = statistics.median(x["stall_ms_per_token"] for x in rows[n][b])
             row[f"{b}_hit"] = statistics.median(x["hit_rate"] for x in rows[n][b])
             row[f"{b}_predicting"] = sum(x["predicting"] for x in rows[n][b]) / len(rows[n][b])  # share of rounds
+            row[f"{b}_paused_steps"] = statistics.median(x["paused_steps"] for x in rows[n][b])
             ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(rows[n][b], rows[base][b], strict=True)]  # same round
             row[f"{b}_vs_{base}_median"] = statistics.median(ratios)
             row[f"{b}_vs_{base}_min"], row[f"{b}_vs_{base}_max"] = min(ratios), max(ratios)

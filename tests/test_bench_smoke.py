@@ -278,10 +278,28 @@ def test_interleaved_ab_smoke_alternates_systems_and_refuses_unknown_ones(tmp_pa
     assert [r["system"] for r in result["table"]] == ["lru", "default", "nosplit"] and result["baseline"] == "lru"
     assert all(len(result["rounds"][n]["b1"]) == result["args"]["rounds"] == 2 for n in ("lru", "default", "nosplit"))
     assert result["table"][0]["b1_vs_lru_median"] == 1.0
+    assert all(r["gate"] is None for r in result["rounds"]["lru"]["b1"])  # no predictor: nothing to pause
+    assert all(set(r["gate"]) >= {"active", "cost_per_block_s"} for r in result["rounds"]["default"]["b1"])
     bad = subprocess.run(
         cmd[:5] + ["--systems", "lru,default+learned", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
     )
     assert bad.returncode != 0 and "default+learned" in bad.stderr and not list(tmp_path.glob("*-ab.json"))
+
+
+def test_prediction_cost_probe_smoke_times_each_charged_phase_per_block(tmp_path):
+    """benchmarks/prediction_cost_probe.py: every phase staging charges to prediction gets a row, the predictor
+    observes and predicts once per MoE block, and the gate's state is recorded beside them."""
+    script = ROOT / "benchmarks" / "prediction_cost_probe.py"
+    out = tmp_path / "probe.json"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    rows = {r["phase"]: r for r in result["rows"]}
+    assert {"observe", "predict", "stage", "settle", "load"} <= set(rows)
+    assert rows["observe"]["calls"] == rows["predict"]["calls"] == result["blocks"] > 0
+    assert all(r["ms_per_block"] >= 0 for r in rows.values()) and "cost_per_block_s" in result["gate"]
 
 
 @pytest.mark.slow  # three fresh processes: ~1 min on a 2-core CPU

@@ -11,7 +11,8 @@ keeps it on, also through windows in which it staged little (the precision gate 
 guesses were wrong): wrongly predicting costs at most its host time; wrongly pausing, the stalls.
 Measured, not assumed (benchmarks/NOTES.md, "Launch-bound decode"):
 
-- while predicting, per block: host seconds spent on prediction (`cost`);
+- while predicting, per block: host seconds spent on prediction (`cost`; none of it a wait for the device: a
+  predictor reads a block's routing on the host only once the block has synchronised, `Predictor.routed`);
 - always, per block: uses at risk (demand misses, and uses served by a prefetch), and the stall seconds
   per demand miss, as the loader measures them (CUDA events around the compute stream's wait; on CPU the
   synchronous copy).

@@ -38,6 +38,9 @@ RouterProbs = Callable[[int, torch.Tensor], "torch.Tensor | None"]  # (layer, hi
 
 
 class Predictor(Protocol):
+    """`observe` and `predict` run before the block's host sync (on CUDA the routing is still on the device);
+    a predictor may also define `routed(layer)`, called once that block has synchronised, to read what it kept."""
+
     name: str
 
     def observe(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor) -> None: ...
@@ -137,6 +140,8 @@ class GatePredictor:
         self.layers, self.top_k, self.router_probs, self.config = layers, top_k, router_probs, config
         self._plans: dict[int, tuple | None] = {}  # layer -> (targets, routers, host scorers), or None
         self._buffers: dict[int, torch.Tensor] = {}  # layer -> pinned [HOST_SCORING_TOKENS, ΣE] logits (CUDA)
+        self._index_buffers: dict[int, torch.Tensor] = {}  # layer -> pinned [1, K] routing of its last decode block (CUDA)
+        self._unscored: dict[int, tuple] = {}  # layer -> (calibrations, routing on the host once synchronised): `routed`
         self.calibration: dict[tuple[int, int], RankCalibration] = {}  # (target, distance) -> measured use per rank
 
     def _calibration(self, target: int, distance: int, num_experts: int) -> RankCalibration:
@@ -146,10 +151,36 @@ class GatePredictor:
         return cal
 
     def observe(self, layer, hidden, top_k_index) -> None:
+        """Keep the block's routing to score the decode guesses made for `layer` once it is on the host
+        (`routed`): on CUDA a non-blocking copy into a pinned buffer that the block's sync completes, so
+        observing makes the host wait for nothing (a blocking copy here would wait for all the device's queued
+        work, copies included, and charge that wait to prediction: `PayoffGate`)."""
+        self._unscored.pop(layer, None)  # kept from a block `routed` never saw (a paused gate): stale
         cals = [self.calibration.get((layer, d)) for d in range(1, self.config.lookahead + 1)]
         cals = [c for c in cals if c is not None and c._pending is not None]  # a decode guess to score
-        if cals:
-            experts = top_k_index.detach().cpu()  # one device→host copy for every distance's scoring
+        if not cals:
+            return
+        if top_k_index.shape[0] != 1:
+            for cal in cals:  # a block of several tokens only drops the guesses (they were for one token)
+                cal.observe(top_k_index)
+            return
+        self._unscored[layer] = (cals, self._index_to_host(layer, top_k_index.detach()))
+
+    def _index_to_host(self, layer: int, index: torch.Tensor) -> torch.Tensor:
+        """A decode block's routing `index` [1, K] on the host once the block has synchronised: on CUDA a
+        non-blocking copy into this layer's pinned buffer (as `_to_host`), else `index` itself."""
+        if index.device.type != "cuda":
+            return index
+        buf = _pinned(self._index_buffers, layer, tuple(index.shape), index.dtype)
+        buf.copy_(index, non_blocking=True)
+        return buf
+
+    def routed(self, layer: int) -> None:
+        """`layer`'s block has synchronised with the device (its experts are known on the host): score the decode
+        guesses for it against the routing `observe` kept."""
+        pending = self._unscored.pop(layer, None)
+        if pending is not None:
+            cals, experts = pending
             for cal in cals:
                 cal.observe(experts)
 
@@ -203,11 +234,7 @@ class GatePredictor:
         after the block's sync, in the same block, before the layer's next prediction overwrites it."""
         if logits.device.type != "cuda":
             return logits.detach()
-        buf = self._buffers.get(layer)
-        if buf is None or buf.shape[1] != logits.shape[1] or buf.dtype != logits.dtype:
-            with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode (serving runs in it)
-                buf = torch.empty((HOST_SCORING_TOKENS, logits.shape[1]), dtype=logits.dtype, pin_memory=True)
-            self._buffers[layer] = buf
+        buf = _pinned(self._buffers, layer, (HOST_SCORING_TOKENS, logits.shape[1]), logits.dtype)
         view = buf[: logits.shape[0]]
         view.copy_(logits, non_blocking=True)
         return view
@@ -215,12 +242,23 @@ class GatePredictor:
     def reset(self) -> None:
         for cal in self.calibration.values():
             cal.reset()
+        self._unscored.clear()
 
     def forget_routers(self) -> None:
         """Take the routers from `router_probs` again at their next use (a cast or move of the model replaced
         their buffers, e.g. a selection bias, which the plans hold)."""
         self._plans.clear()
         self._buffers.clear()
+        self._index_buffers.clear()
+
+
+def _pinned(buffers: dict[int, torch.Tensor], layer: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """`layer`'s page-locked host buffer of `shape` and `dtype` in `buffers`, made (or remade) when it has another."""
+    buf = buffers.get(layer)
+    if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype:
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode (serving runs in it)
+            buf = buffers[layer] = torch.empty(shape, dtype=dtype, pin_memory=True)
+    return buf
 
 
 class HostScores(Mapping):

@@ -99,6 +99,12 @@ class Staging:
         actual = set(experts)
         decay = self.config.precision_decay
         telemetry = self.manager.telemetry
+        routed = getattr(self.predictor, "routed", None)
+        if routed is not None:  # the block's routing is on the host now: the predictor reads what `observe` kept
+            t0 = time.perf_counter()
+            routed(layer)
+            if self.predicting:
+                self.gate.charge(time.perf_counter() - t0)
         for distance, predicted in self._pending.pop(layer, ()):
             tp = len(predicted & actual)
             telemetry.count_prediction(layer, distance, tp, len(predicted) - tp, len(actual) - tp)

@@ -107,6 +107,7 @@ def _gate_after(model, used_ranks: slice, steps: int) -> tuple:
         gate.predict(first, h)[second]  # read: staging reads every guess it is given
         ranked = model.mira.router_probs(second, h)[0].argsort(descending=True)
         gate.observe(second, h, ranked[used_ranks][None])  # [1, K]
+        gate.routed(second)  # the block has synchronised: its routing is scored (as `Staging.block_started` calls it)
     h = torch.randn(1, model.config.hidden_size, generator=g)
     return gate, first, second, gate.predict(first, h)[second], model.mira.router_probs(second, h)[0].argsort(descending=True)
 
@@ -150,3 +151,75 @@ def test_a_block_of_tokens_reads_each_tokens_ranks_and_takes_the_union():
     calibration.probabilities(scores)  # a block's guess is not scored
     calibration.observe(torch.tensor([[0, 1, 2, 3]]))  # even a one-token block after it
     assert (calibration.seen == seen).all()
+
+
+def _gate_with_a_pending_guess(model, device: str):
+    """A gate predictor over `model`'s first two MoE layers that has guessed the second layer's experts for one token
+    (the guess read, as staging reads it), with that token's hidden state and the router's ranking of it."""
+    infos = sorted(model.mira.layers.values(), key=lambda li: li.ordinal)
+    first, second = infos[0].ordinal, infos[1].ordinal
+    gate = build_predictor("gate", infos, model.mira.router_probs, PredictorConfig())
+    h = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
+    gate.predict(first, h)[second]
+    ranked = model.mira.router_probs(second, h)[0].argsort(descending=True)
+    return gate, second, h, ranked[: infos[1].top_k][None]  # [1, K]: the router's own top-k used
+
+
+def test_a_decode_blocks_routing_is_scored_once_the_block_has_synchronised(zoo_model):
+    """`observe` only keeps a one-token block's routing; `routed` (the block's sync done) scores the guess for it,
+    once: observing never reads the routing on the host, so on a GPU it waits for none of the device's work."""
+    _, model = zoo_model
+    gate, second, h, used = _gate_with_a_pending_guess(model, "cpu")
+    calibration = gate.calibration[(second, 1)]
+    seen, counted = calibration.seen.copy(), calibration.used.copy()
+    gate.observe(second, h, used)
+    assert (calibration.seen == seen).all() and (calibration.used == counted).all()
+    gate.routed(second)
+    assert calibration.seen.sum() == seen.sum() + model.mira.layers[second].num_experts  # every rank guessed once
+    assert calibration.used.sum() == counted.sum() + used.shape[1]  # each used expert counted at its rank
+    after = calibration.seen.copy()
+    gate.routed(second)  # nothing kept any more
+    assert (calibration.seen == after).all()
+
+
+def test_a_kept_routing_that_was_never_scored_is_dropped_at_the_layers_next_block(zoo_model):
+    """A block whose `routed` never came (prediction paused at the step boundary in between) leaves its routing
+    kept; the layer's next block drops it, so a later `routed` never scores an old block's experts."""
+    _, model = zoo_model
+    gate, second, h, used = _gate_with_a_pending_guess(model, "cpu")
+    calibration = gate.calibration[(second, 1)]
+    seen = calibration.seen.copy()
+    gate.observe(second, h, used)
+    calibration._pending = None  # that guess was dropped meanwhile (a new sequence): nothing left to score
+    gate.observe(second, h, used)
+    gate.routed(second)
+    assert (calibration.seen == seen).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_observing_a_decode_block_on_the_gpu_makes_no_synchronising_call(tiny_checkpoint):
+    """The gate predictor keeps a decode block's routing with a non-blocking copy (the block's own sync completes
+    it): a synchronising call there would make the host wait for the device's queued work, copies included, and the
+    payoff gate would charge that wait to prediction. Scored after the sync, the counts are those of the routing."""
+    import copy
+
+    model = MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(gpu_budget=0.5, device="cuda"), progress=False)
+    gate, second, h, used = _gate_with_a_pending_guess(model, "cuda")
+    gate.observe(second, h, used)  # the first block makes the layer's pinned buffer
+    gate.routed(second)
+    first = min(model.mira.layers)
+    gate.predict(first, h)[second]  # the next step's guess for the second layer
+    calibration = gate.calibration[(second, 1)]
+    expected = copy.deepcopy(calibration)
+    expected.observe(used.cpu())  # scored at once from the host's copy of the routing
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gate.observe(second, h, used)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()  # the block's sync
+    gate.routed(second)
+    assert (calibration.seen == expected.seen).all() and (calibration.used == expected.used).all()

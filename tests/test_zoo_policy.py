@@ -153,6 +153,14 @@ def test_a_block_of_tokens_reads_each_tokens_ranks_and_takes_the_union():
     assert (calibration.seen == seen).all()
 
 
+def _read_guess(gate, layer: int, target: int, hidden: torch.Tensor) -> None:
+    """Read `gate`'s guess from `layer` for `target`, as staging does after the block's sync (here: a sync of its own)."""
+    guesses = gate.predict(layer, hidden)
+    if hidden.is_cuda:
+        torch.cuda.synchronize()
+    guesses[target]
+
+
 def _gate_with_a_pending_guess(model, device: str):
     """A gate predictor over `model`'s first two MoE layers that has guessed the second layer's experts for one token
     (the guess read, as staging reads it), with that token's hidden state and the router's ranking of it."""
@@ -160,7 +168,7 @@ def _gate_with_a_pending_guess(model, device: str):
     first, second = infos[0].ordinal, infos[1].ordinal
     gate = build_predictor("gate", infos, model.mira.router_probs, PredictorConfig())
     h = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
-    gate.predict(first, h)[second]
+    _read_guess(gate, first, second, h)
     ranked = model.mira.router_probs(second, h)[0].argsort(descending=True)
     return gate, second, h, ranked[: infos[1].top_k][None]  # [1, K]: the router's own top-k used
 
@@ -208,8 +216,7 @@ def test_observing_a_decode_block_on_the_gpu_makes_no_synchronising_call(tiny_ch
     gate, second, h, used = _gate_with_a_pending_guess(model, "cuda")
     gate.observe(second, h, used)  # the first block makes the layer's pinned buffer
     gate.routed(second)
-    first = min(model.mira.layers)
-    gate.predict(first, h)[second]  # the next step's guess for the second layer
+    _read_guess(gate, min(model.mira.layers), second, h)  # the next step's guess for the second layer
     calibration = gate.calibration[(second, 1)]
     expected = copy.deepcopy(calibration)
     expected.observe(used.cpu())  # scored at once from the host's copy of the routing

@@ -28,7 +28,7 @@ class RepeatPredictor:
         E = self.num_experts.get(layer + 1)
         if E is None:
             return {}
-        probs = torch.zeros(E)
+        probs = torch.zeros(E, device=self._used.device)  # where the routing is (as the ARCHITECTURE example)
         probs[self._used[self._used < E]] = 1.0
         return {layer + 1: probs}
 

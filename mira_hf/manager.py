@@ -51,7 +51,7 @@ class BlockPlan:
     pending: deque = field(default_factory=deque)  # misses not yet given a slot
     slots: dict[int, Slot] = field(default_factory=dict)  # expert -> slot pinned by this plan
     loading: set[int] = field(default_factory=set)  # demand-loaded experts this plan still pins
-    predictions: dict | None = None  # the predictor's guesses, staged once the block's own experts are in use
+    predictions: Mapping | None = None  # the predictor's guesses, staged once the block's own experts are in use
     host: list[int] = field(default_factory=list)  # misses computed on the host, not copied (host_compute)
     # host_compute="split": the experts whose host parts the host computes, and those copied to the device
     host_parts: list[int] = field(default_factory=list)

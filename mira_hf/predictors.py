@@ -38,13 +38,15 @@ RouterProbs = Callable[[int, torch.Tensor], "torch.Tensor | None"]  # (layer, hi
 
 
 class Predictor(Protocol):
-    """`observe` and `predict` run before the block's host sync (on CUDA the routing is still on the device);
-    a predictor may also define `routed(layer)`, called once that block has synchronised, to read what it kept."""
+    """`observe` and `predict` run before the block's host sync (on CUDA the routing is still on the device, and a
+    read of it there would make the host wait for all the device's queued work, copies included); a predictor may
+    also define `routed(layer)`, called once that block has synchronised, to read what it kept (`KeptRouting`).
+    `predict` may return a mapping computed when first read: staging reads it after the sync."""
 
     name: str
 
     def observe(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor) -> None: ...
-    def predict(self, layer: int, hidden: torch.Tensor) -> dict[int, torch.Tensor]: ...
+    def predict(self, layer: int, hidden: torch.Tensor) -> Mapping[int, torch.Tensor]: ...
     def reset(self) -> None: ...
 
 
@@ -261,6 +263,79 @@ def _pinned(buffers: dict[int, torch.Tensor], layer: int, shape: tuple[int, ...]
     return buf
 
 
+def _pinned_rows(buffers: dict[int, torch.Tensor], layer: int, like: torch.Tensor) -> torch.Tensor:
+    """A page-locked view of `like`'s shape and dtype in `layer`'s buffer, kept while it has rows enough (a
+    power of two of them), so blocks of varying length reuse one allocation."""
+    rows, rest = like.shape[0], tuple(like.shape[1:])
+    buf = buffers.get(layer)
+    if buf is None or buf.shape[0] < rows or tuple(buf.shape[1:]) != rest or buf.dtype != like.dtype:
+        buf = _pinned(buffers, layer, (1 << max(rows - 1, 0).bit_length(), *rest), like.dtype)
+    return buf[:rows]
+
+
+class KeptRouting:
+    """Routing that predictors learn from, read on the host without waiting for the device: `keep` takes a
+    block's `top_k_index` [T, K] before its host sync (on CUDA a non-blocking copy into a pinned buffer per
+    layer, and an event after it), `settle` hands each kept block's routing to `apply(layer, index)` on the
+    host, in the order kept. Staging settles at `routed` (after the block's sync, which has completed the
+    copy) and a predictor before it reads what `apply` built; a read before the sync waits for the copy's
+    event only. A layer kept again before it was settled settles first (its buffer is about to be rewritten),
+    so at most one block per layer waits."""
+
+    def __init__(self, apply: Callable[[int, torch.Tensor], None]) -> None:
+        self._apply = apply
+        self._buffers: dict[int, torch.Tensor] = {}  # layer -> pinned [rows, K] (CUDA)
+        self._events: dict[int, torch.cuda.Event] = {}  # layer -> its last copy's event (CUDA)
+        self._kept: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = []
+
+    def keep(self, layer: int, index: torch.Tensor) -> None:
+        if any(kept == layer for kept, _, _ in self._kept):
+            self.settle()
+        index, event = index.detach(), None
+        if index.device.type == "cuda":
+            host = _pinned_rows(self._buffers, layer, index)
+            host.copy_(index, non_blocking=True)
+            event = self._events.get(layer)
+            if event is None:
+                event = self._events[layer] = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(index.device))
+            index = host
+        self._kept.append((layer, index, event))
+
+    def settle(self) -> None:
+        kept, self._kept = self._kept, []
+        for layer, index, event in kept:
+            if event is not None:
+                event.synchronize()  # done by the block's sync unless read before it
+                index = index.clone()  # the layer's buffer is rewritten by its next block; `apply` may keep rows
+            self._apply(layer, index)
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+
+class Deferred(Mapping):
+    """`{target layer: [E] probability}` computed by `compute()` when first read: a prediction that needs
+    the block's own routing on the host, which staging reads after the block's sync."""
+
+    def __init__(self, compute: Callable[[], dict[int, torch.Tensor]]) -> None:
+        self._compute, self._values = compute, None
+
+    def _get(self) -> dict[int, torch.Tensor]:
+        if self._values is None:
+            self._values = self._compute()
+        return self._values
+
+    def __getitem__(self, target: int) -> torch.Tensor:
+        return self._get()[target]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
 class HostScores(Mapping):
     """`{target layer: [E] probability of use}` from the concatenated router logits of the targets for
     the block's tokens (`host [T, ΣE]`), scored on the host when first read, as the device path scores:
@@ -298,9 +373,11 @@ class MarkovPredictor:
 
     def __init__(self, layers: list[int], num_experts: dict[int, int], top_k: dict[int, int], config: PredictorConfig) -> None:
         self.layers, self.num_experts, self.top_k, self.config = layers, num_experts, top_k, config
+        self._routing = KeptRouting(self._count)
         self.reset()
 
     def reset(self) -> None:
+        self._routing.clear()
         E = self.num_experts
         # Laplace prior: before any evidence every transition is equally likely.
         self.cross = {L: torch.ones(E[L], E[L + 1]) for L in self.layers if L + 1 in E}
@@ -313,7 +390,13 @@ class MarkovPredictor:
         self._since_check = 0
 
     def observe(self, layer, hidden, top_k_index) -> None:
-        idx = top_k_index.detach().cpu()  # [T, K]
+        self._routing.keep(layer, top_k_index)  # counted on the host once the block has synchronised
+
+    def routed(self, layer: int) -> None:
+        self._routing.settle()
+
+    def _count(self, layer: int, idx: torch.Tensor) -> None:
+        """Count the transitions into `layer`'s block, whose routing is `idx` [T, K] (on the host)."""
         last = idx[-1]
         if layer - 1 in self._current and layer - 1 in self.cross:
             prev = self._current[layer - 1]
@@ -341,6 +424,12 @@ class MarkovPredictor:
         return token_union(row / row.sum(dim=1, keepdim=True), self.top_k[layer])
 
     def predict(self, layer, hidden):
+        return Deferred(lambda: self._predict(layer))  # from this block's routing: read after its sync
+
+    def _predict(self, layer: int) -> dict[int, torch.Tensor]:
+        self._routing.settle()
+        if layer not in self._current:
+            return {}  # reset since the block
         out = {}
         dist = torch.zeros(self.num_experts[layer])
         dist[self._current[layer]] = 1.0 / len(self._current[layer])  # where the last token went at L
@@ -395,25 +484,42 @@ class GlobalPredictor:
             config,
         )
         self._prev: dict[int, torch.Tensor] = {}
+        self._routing = KeptRouting(self._remember)
 
     def observe(self, layer, hidden, top_k_index) -> None:
-        last = top_k_index[-1].detach().cpu()
+        self._routing.keep(layer, top_k_index[-1:])
+
+    def routed(self, layer: int) -> None:
+        self._routing.settle()
+
+    def _remember(self, layer: int, last: torch.Tensor) -> None:
         p = torch.zeros(self.num_experts[layer])
-        p[last] = 1.0
+        p[last[0]] = 1.0
         self._prev[layer] = p
 
     def predict(self, layer, hidden):
         if layer != self.layers[0]:
             return {}
+        # the routers' guesses are launched now, where the hidden state is, and read after the block's sync
+        gates = {t: self.router_probs(t, hidden) for t in self.layers[1:]}
+        unions = {t: token_union(g, self.top_k[t]) for t, g in gates.items() if g is not None}
+        return Deferred(lambda: self._combine(unions))
+
+    def _combine(self, unions: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        self._routing.settle()
+        on_host = (
+            dict(zip(unions, torch.cat(list(unions.values())).cpu().split([len(u) for u in unions.values()]))) if unions else {}
+        )
         out = {}
         for target in self.layers[1:]:
-            gate = self.router_probs(target, hidden)
-            p = token_union(gate, self.top_k[target]).cpu() if gate is not None else torch.zeros(self.num_experts[target])
+            p = on_host.get(target)
+            p = p if p is not None else torch.zeros(self.num_experts[target])
             prev = self._prev.get(target)
             out[target] = torch.maximum(p, prev) if prev is not None else p
         return out
 
     def reset(self) -> None:
+        self._routing.clear()
         self._prev.clear()
 
 
@@ -424,21 +530,33 @@ class PositionPredictor:
 
     def __init__(self, layers, num_experts, top_k, config: PredictorConfig) -> None:
         self.layers, self.num_experts, self.top_k, self.config = layers, num_experts, top_k, config
+        self._routing = KeptRouting(self._count)
         self.reset()
 
     def reset(self) -> None:
+        self._routing.clear()
         self._window = {L: deque(maxlen=self.config.position_window_tokens) for L in self.layers}
         self._freq = {L: torch.zeros(self.num_experts[L]) for L in self.layers}
 
     def observe(self, layer, hidden, top_k_index) -> None:
+        self._routing.keep(layer, top_k_index[-self.config.position_window_tokens :])
+
+    def routed(self, layer: int) -> None:
+        self._routing.settle()
+
+    def _count(self, layer: int, rows: torch.Tensor) -> None:
         window, freq = self._window[layer], self._freq[layer]
-        for row in top_k_index.detach().cpu()[-window.maxlen :]:
+        for row in rows:
             if len(window) == window.maxlen:
                 freq[window[0]] -= 1
             window.append(row)
             freq[row] += 1
 
     def predict(self, layer, hidden):
+        return Deferred(lambda: self._predict(layer))
+
+    def _predict(self, layer: int) -> dict[int, torch.Tensor]:
+        self._routing.settle()
         out = {}
         for d in range(1, self.config.lookahead + 1):
             target = layer + d
@@ -461,6 +579,10 @@ class HybridPredictor:
         self.position.observe(layer, hidden, top_k_index)
         if layer == self.markov.layers[-1]:
             self.sequence_tokens += top_k_index.shape[0]
+
+    def routed(self, layer: int) -> None:
+        self.markov.routed(layer)
+        self.position.routed(layer)
 
     def predict(self, layer, hidden):
         use = self.markov if self.sequence_tokens < self.switch_tokens else self.position

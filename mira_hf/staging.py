@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,7 +45,7 @@ class Staging:
         self.next_step: set[int] = set()  # layers whose layer_probs entry is for the next step (kept across steps)
         self.precision: float | None = None  # running precision of the predictor's guesses
         self._pending: dict[int, list[tuple[int, set[int]]]] = {}  # target layer -> [(distance, guessed set)]
-        self._ahead: dict[int, dict] = {}  # layer -> predictions made by `observe`, for its block
+        self._ahead: dict[int, Mapping] = {}  # layer -> predictions made by `observe`, for its block
         self.cut_short: dict[Key, Slot] = {}  # speculative copies cut short, until finished or dropped
         self.gate_on = False
         self.speculate_bytes = 0
@@ -112,7 +112,7 @@ class Staging:
                 p = tp / len(predicted)
                 self.precision = p if self.precision is None else decay * self.precision + (1 - decay) * p
 
-    def block_ended(self, layer: int, predictions: dict | None) -> None:
+    def block_ended(self, layer: int, predictions: Mapping | None) -> None:
         """`layer`'s block has queued its compute: stage its guesses (and, after the last layer, the first
         layer's next-step guess); at steps of many tokens without a predictor, the batch's guesses for the next
         `batch_stage_lookahead` blocks, across the end of the step."""
@@ -130,7 +130,7 @@ class Staging:
         if self.predicting:
             self.gate.charge(time.perf_counter() - t0)
 
-    def stage(self, layer: int, predictions: dict[int, torch.Tensor]) -> None:
+    def stage(self, layer: int, predictions: Mapping[int, torch.Tensor]) -> None:
         """Record each target layer's guesses (they rank evictions and are scored), then copy the
         likely experts (most likely first) of the next `stage_lookahead` layers, nearest first.
         A target at or before `layer` is a guess for the *next* step (the learned predictor's next-step

@@ -287,18 +287,23 @@ def test_interleaved_ab_smoke_alternates_systems_and_refuses_unknown_ones(tmp_pa
 
 
 def test_prediction_cost_probe_smoke_times_each_charged_phase_per_block(tmp_path):
-    """benchmarks/prediction_cost_probe.py: every phase staging charges to prediction gets a row, the predictor
-    observes and predicts once per MoE block, and the gate's state is recorded beside them."""
+    """benchmarks/prediction_cost_probe.py: every phase staging charges to prediction gets a row, the predictor named
+    observes, predicts and reads its kept routing once per MoE block, and the gate's state is recorded beside them."""
     script = ROOT / "benchmarks" / "prediction_cost_probe.py"
     out = tmp_path / "probe.json"
     proc = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, str(script), "--smoke", "--predictor", "markov", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     rows = {r["phase"]: r for r in result["rows"]}
-    assert {"observe", "predict", "stage", "settle", "load"} <= set(rows)
-    assert rows["observe"]["calls"] == rows["predict"]["calls"] == result["blocks"] > 0
+    assert {"observe", "predict", "routed", "stage", "settle", "load"} <= set(rows)
+    assert result["predictor"] == "MarkovPredictor"
+    assert rows["observe"]["calls"] == rows["predict"]["calls"] == rows["routed"]["calls"] == result["blocks"] > 0
     assert all(r["ms_per_block"] >= 0 for r in rows.values()) and "cost_per_block_s" in result["gate"]
 
 

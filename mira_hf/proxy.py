@@ -33,16 +33,8 @@ from .experts_impl import (
 from .host_compute import host_expert_math
 from .layout import PackedWeights, decodes_exactly
 from .manager import ExpertManager
-from .ops import RefuseBackward, no_backward, register
+from .ops import RefuseBackward, register
 from .state import proxy_apply
-
-
-def _guarded(result: torch.Tensor) -> torch.Tensor:
-    """`result` of a forward with autograd on: say why a backward cannot work, before autograd does."""
-    if result.requires_grad:
-        result.register_hook(no_backward)
-    return result
-
 
 # Expert tensor names of transformers' fused experts modules (per expert after dropping dim 0).
 KNOWN_EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
@@ -165,15 +157,23 @@ class MiraExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque operator in the graph (mira_hf.ops): the manager is stateful
             return self._refusing(torch.ops.mira.experts(self._handle, hidden_states, top_k_index, top_k_weights))
-        return self._refusing(self.serve(hidden_states, top_k_index, top_k_weights))
+        if not torch.is_grad_enabled():
+            return self.serve(hidden_states, top_k_index, top_k_weights)
+        with torch.no_grad():
+            result = self.serve(hidden_states, top_k_index, top_k_weights)
+        return self._refusing(result, hidden_states, top_k_weights)
 
-    def _refusing(self, result: torch.Tensor) -> torch.Tensor:
-        """`result`, made to require gradients where autograd is on and an expert parameter asks for them (the
-        experts compute from cache slots, unseen by autograd): a backward then raises mira-hf's refusal instead of
-        leaving the experts' gradients silently None."""
+    def _refusing(self, result: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        """`result` of a forward with autograd on, made to require gradients where an expert parameter or one of
+        `inputs` asks for them: a backward that reaches it raises mira-hf's refusal (the experts compute from cache
+        slots, unseen by autograd) instead of leaving the experts' gradients silently None or failing elsewhere. The
+        eager experts compute without autograd, so a forward records no tensor that depends on the cache (gradient
+        checkpointing's recomputation, in the backward, finds what the forward saved, and the backward reaches
+        the refusal)."""
         if torch.is_grad_enabled() and not result.requires_grad:
             state = getattr(self, "_mira_state", None)
             anchor = state.asking_for_grad(self.layer) if state is not None else None
+            anchor = anchor if anchor is not None else next((t for t in inputs if t.requires_grad), None)
             if anchor is not None:
                 return RefuseBackward.apply(result, anchor)
         return result
@@ -323,7 +323,7 @@ class MiraExperts(nn.Module):
             parts = y.new_zeros(shape, dtype=dtype) if len(order) < len(w) else y.new_empty(shape, dtype=dtype)
             parts[order] = y * w[order]  # one weighting and scatter for all rows
         eager_dtype = top_k_weights.dtype if self._eager_arithmetic == "weights" else hidden_states.dtype
-        return _guarded(combine(parts, top_k_index, impl, hidden_states.dtype, eager_dtype))  # [T, H]
+        return combine(parts, top_k_index, impl, hidden_states.dtype, eager_dtype)  # [T, H]
 
     def _batched(self, hidden_states, top_k_index, needed: list[int], rows_of, written: int) -> torch.Tensor | None:
         """The experts' output rows [T*K, H] in (token, slot) order, as batched_mm computes them: each row
@@ -637,7 +637,11 @@ class MiraScaledExperts(MiraExperts):
             device = hidden_states.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
             return self._refusing(torch.ops.mira.scaled_experts(self._handle, hidden_states, dtype))
-        return self._refusing(self.serve(hidden_states))
+        if not torch.is_grad_enabled():
+            return self.serve(hidden_states)
+        with torch.no_grad():
+            result = self.serve(hidden_states)
+        return self._refusing(result, hidden_states)
 
     def _linear(self, x: torch.Tensor, w, name: str, kernel: bool) -> torch.Tensor:
         # Llama4TextExperts multiplies every expert in one `bmm`. On a CPU, torch's batched kernel rounds a batch
@@ -670,7 +674,7 @@ class MiraScaledExperts(MiraExperts):
             out = x.new_zeros(x.shape, dtype=y.dtype) if out is None else out
             _put(out, e, y, adds)
         out = torch.zeros_like(x) if out is None else out  # no token chose an expert
-        return _guarded(out).view(hidden_states.shape)
+        return out.view(hidden_states.shape)
 
 
 class _HeldExperts(MiraExperts):
@@ -825,7 +829,7 @@ class MiraRoutedExperts(_HeldExperts):
             y = y[order]
         K = top_k_index.shape[1]
         rows = y * top_k_weights.reshape(-1)[order].unsqueeze(-1)  # [routed, H], as `expert_outputs * batch_gates`
-        return _guarded(rows.new_zeros((T, H)).index_add(0, order // K, rows))
+        return rows.new_zeros((T, H)).index_add(0, order // K, rows)
 
 
 class MiraModuleExperts(_HeldExperts):

@@ -293,6 +293,28 @@ def test_training_mode_forward_is_exact_and_backward_is_refused(name):
         b.loss.backward()
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "glm4_moe"])
+def test_gradient_checkpointing_backward_is_refused_with_mira_hfs_error(name, reentrant):
+    """Training with activation checkpointing recomputes each layer in the backward. The experts compute without
+    autograd, so the recomputation records what the forward did whatever the cache holds by then, and the backward
+    stops at mira-hf's refusal (not at torch's check that the recomputed tensors match the saved ones); the model
+    still serves afterwards."""
+    ref, model = _pair(name)
+    for m in (ref, model):
+        if hasattr(m, "activation_checkpointing_enable"):  # the newer name of gradient_checkpointing_enable
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        else:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        m.train()
+    ref(IDS, labels=IDS).loss.backward()  # transformers' model takes it
+    with pytest.raises(UnsupportedOperationError, match="backward"):
+        model(IDS, labels=IDS).loss.backward()
+    ref.eval(), model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+
+
 # -- embeddings ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", FAMILIES)
 def test_input_and_output_embeddings_are_the_models_own(name):

@@ -53,10 +53,8 @@ class Target:
     # leave the tensor as it is
     initialized: dict[str, bool] = field(default_factory=dict)
     layout: FusedExperts = FUSED_EXPERTS  # where the module keeps them (`MoEAdapter.experts_layout`)
-
-    @property
-    def num_experts(self) -> int:
-        return self.layout.num_experts(self.module)
+    # read from the module when found: once wrapped, a module whose experts sit on a child no longer holds it (JetMoE)
+    num_experts: int = 0
 
     def parameter(self, name: str, data: torch.Tensor) -> nn.Parameter:
         """A parameter over `data` standing for the module's tensor `name`: its `requires_grad`, and transformers'
@@ -197,6 +195,7 @@ def find_targets(
                 {n: p.requires_grad for n, p in tensors.items()},
                 {n: bool(getattr(p, "_is_hf_initialized", False)) for n, p in tensors.items()},
                 layout,
+                E,
             )
         )
     if isinstance(adapter, AutoAdapter):

@@ -10,6 +10,7 @@ promises exactness (fp32 on the CPU: logits, scores, router logits, losses) the 
 
 import copy
 import dataclasses
+import hashlib
 import re
 
 import pytest
@@ -313,6 +314,17 @@ def test_gradient_checkpointing_backward_is_refused_with_mira_hfs_error(name, re
     ref.eval(), model.eval()
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, ref(IDS).logits)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_wrapped_models_fingerprint_hashes_its_routers(name):
+    """Saved stores, predictors and traces carry the model's fingerprint, read from the wrapped model (whose experts
+    modules are proxies by then, and whose blocks may no longer hold the child that kept the experts): it hashes
+    the routers, the same for two wrapped models of the same weights."""
+    ref, model = _pair(name)
+    other = MiraMoEModel.wrap(ref, WRAP)
+    assert model.mira.fingerprint == other.mira.fingerprint
+    assert model.mira.fingerprint["router_sha256"] != hashlib.sha256().hexdigest()  # some router was hashed
 
 
 # -- embeddings ---------------------------------------------------------------------------------------------

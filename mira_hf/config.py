@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import numbers
 import os
 import re
 from dataclasses import dataclass, field
@@ -50,8 +51,9 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: int | str, what: str) -> int:
-    """Parse `12GiB`, `500MB`, `1.5 GB` or an int into bytes (GB = 10**9, GiB = 2**30)."""
+def parse_bytes(value: int | str, what: str, hint: str = "") -> int:
+    """Parse `12GiB`, `500MB`, `1.5 GB` or an int into bytes (GB = 10**9, GiB = 2**30). `hint`: what else the
+    field takes, added to the error for a unit-less string that is not whole bytes."""
     if isinstance(value, bool):
         raise ConfigError(f"{what}={value!r}: expected bytes as an int or a string such as '12GiB'.")
     if isinstance(value, int):
@@ -66,11 +68,25 @@ def parse_bytes(value: int | str, what: str) -> int:
                 f"{what}={value!r} is not a size. Use bytes as an int or a string such as "
                 f"'12GiB', '500MB' (units: {', '.join(u for u in _UNITS if u)})."
             )
+        if unit in ("", "b") and not float(m.group(1)).is_integer():
+            raise ConfigError(
+                f"{what}={value!r}: a size without a unit counts bytes, so it must be a whole number. "
+                f"Give a unit ('{m.group(1)}GiB'){hint}."
+            )
         n = int(float(m.group(1)) * _UNITS[unit])
         if n <= 0:
             raise ConfigError(f"{what}={value!r}: must be a positive size.")
         return n
     raise ConfigError(f"{what}={value!r} ({type(value).__name__}): expected an int or a string such as '12GiB'.")
+
+
+def _as_fraction(value) -> str:
+    """` (gpu_budget=0.25)` for a string that reads as a fraction in (0, 1], else ''."""
+    try:
+        x = float(value)
+    except ValueError:
+        return ""
+    return f" (gpu_budget={x})" if 0.0 < x <= 1.0 else ""
 
 
 @dataclass(frozen=True)
@@ -323,7 +339,7 @@ class MiraConfig:
         float in (0, 1] meaning that fraction of all routed-expert bytes (raised, with a warning, to the
         minimum working set, the top-k experts of one layer, when below it; bytes below it are refused).
         `None` = all experts if they fit in 90% of the device's free memory, else that much.
-    device: `"cuda"`, `"cuda:N"` or `"cpu"`; `None` picks cuda when available.
+    device: `"cuda"`, `"cuda:N"` or `"cpu"` (or that `torch.device`); `None` picks cuda when available.
     policy: cache eviction policy: `"lru"` (reactive baseline), `"heat"` (evict the expert whose next use is
         expected furthest away), `"priority"` (predicted probability, recency and transfer cost). Choices are
         read in any case.
@@ -370,7 +386,7 @@ class MiraConfig:
     """
 
     gpu_budget: Budget = None
-    device: str | None = None
+    device: str | None = None  # a torch.device given is kept as its string
     policy: str = "heat"  # measured best on real routing (benchmarks/NOTES.md, "Eviction"); "lru" is the reactive baseline
     predictor: str | None = "auto"  # "learned" when calibrated (predictor_path), else "gate": no training needed
     quantization: str | None = "auto"  # exact either way; lossless only where the link is the bottleneck
@@ -391,6 +407,9 @@ class MiraConfig:
 
     def __post_init__(self) -> None:
         b = self.gpu_budget
+        if not isinstance(b, (bool, int, float, str)) and isinstance(b, numbers.Real):  # numpy's scalars
+            b = int(b) if isinstance(b, numbers.Integral) else float(b)
+            object.__setattr__(self, "gpu_budget", b)
         if isinstance(b, bool) or not (b is None or isinstance(b, (int, float, str))):
             raise ConfigError(
                 f"gpu_budget={b!r}: expected bytes (int), a size string such as '12GiB', "
@@ -402,7 +421,7 @@ class MiraConfig:
                 "For bytes pass an int or a string such as '12GiB'."
             )
         if isinstance(b, (int, str)) and not isinstance(b, float):
-            parse_bytes(b, "gpu_budget")
+            parse_bytes(b, "gpu_budget", f", or pass a fraction of all routed-expert bytes as a float{_as_fraction(b)}")
         choices = (
             ("policy", POLICY_REGISTRY.names()),
             ("predictor", (None, *PREDICTOR_REGISTRY.names())),
@@ -413,6 +432,8 @@ class MiraConfig:
         for name, allowed in choices:  # frozen: the normalized spelling is stored in place
             shown = chosen_quantizations() if name == "quantization" else None
             object.__setattr__(self, name, normalize_choice(name, getattr(self, name), allowed, shown=shown))
+        if type(self.device).__name__ == "device" and hasattr(self.device, "index"):  # a torch.device
+            object.__setattr__(self, "device", str(self.device))
         if isinstance(self.device, str):
             object.__setattr__(self, "device", self.device.strip().lower())
         if self.device is not None:

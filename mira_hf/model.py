@@ -191,6 +191,12 @@ class MiraMoEModel:
         """Wrap a model already in CPU memory (e.g. in a notebook). Idempotent: wrapping a wrapped model
         with the same config returns it unchanged. Settings: `mira_config=MiraConfig(...)`, or MiraConfig's
         fields as keywords (`wrap(model, gpu_budget=0.25)`); not both."""
+        if not isinstance(model, nn.Module):
+            load = " To load a checkpoint, call MiraMoEModel.from_pretrained(path_or_hub_id, gpu_budget=...)."
+            raise ConfigError(
+                f"MiraMoEModel.wrap takes a model already built (a torch.nn.Module, such as a transformers model); it "
+                f"was given {type(model).__name__}.{load if isinstance(model, (str, os.PathLike)) else ''}"
+            )
         cfg = config_from_arguments(mira_config, config_fields, "MiraMoEModel.wrap")
         if config_fields:
             fields = ", ".join(f.name for f in dataclasses.fields(MiraConfig))

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from conftest import align_experts, load_reference
@@ -260,6 +261,8 @@ def test_store_larger_than_host_memory_is_refused_and_model_untouched(tiny_check
         (dict(gpu_budget="12 parsecs"), "is not a size"),
         (dict(gpu_budget=-5), "positive"),
         (dict(gpu_budget=[1]), "expected bytes"),
+        (dict(gpu_budget="0.25"), r"without a unit counts bytes.*as a float \(gpu_budget=0\.25\)"),
+        (dict(gpu_budget="1.5"), r"must be a whole number\. Give a unit \('1\.5GiB'\)"),
         (dict(device="tpu"), "supported are 'cpu', 'cuda'"),
         (dict(policy="fifo"), "policy='fifo' is not supported. Supported: lru, heat"),
         (dict(predictor="oracle"), "predictor='oracle' is not supported"),
@@ -279,6 +282,17 @@ def test_bad_config_values_are_refused(kwargs, match):
 def test_bad_split_min_bytes_is_refused(value):
     with pytest.raises(ConfigError, match=f"split_min_bytes={value!r}: must be an int ≥ 0"):
         LoaderConfig(split_min_bytes=value)
+
+
+def test_numpy_scalars_and_torch_devices_are_taken_as_what_they_stand_for():
+    """Values a user computes (a numpy integer or float budget) or has at hand (a torch.device) mean what the plain
+    Python values mean."""
+    assert MiraConfig(gpu_budget=np.int64(5_000_000)).gpu_budget == 5_000_000
+    assert MiraConfig(gpu_budget=np.float32(0.5)).gpu_budget == 0.5
+    assert MiraConfig(device=torch.device("cpu")).device == "cpu"
+    assert MiraConfig(device=torch.device("cuda", 1)).device == "cuda:1"
+    with pytest.raises(ConfigError, match="device='meta': supported are 'cpu', 'cuda' and 'cuda:N'"):
+        MiraConfig(device=torch.device("meta"))
 
 
 def test_config_is_frozen():

@@ -131,6 +131,16 @@ def test_a_model_given_to_from_pretrained_points_to_wrap(tiny_checkpoint):
     assert not hasattr(model, "mira")
 
 
+def test_a_path_given_to_wrap_points_to_from_pretrained(tiny_checkpoint):
+    """wrap serves a model already built; a checkpoint's path (or anything but a module) is refused, naming what it
+    got and, for a path, `from_pretrained`."""
+    path = tiny_checkpoint("mixtral")
+    with pytest.raises(ConfigError, match=r"given str\. To load a checkpoint, call MiraMoEModel\.from_pretrained"):
+        MiraMoEModel.wrap(path, gpu_budget=0.25, device="cpu")
+    with pytest.raises(ConfigError, match=r"torch\.nn\.Module.*given NoneType\.$"):
+        MiraMoEModel.wrap(None, gpu_budget=0.25, device="cpu")
+
+
 # -- `mira --help` does not import torch or transformers ------------------------------------------------
 def _modules_after(code: str) -> set[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -198,6 +198,8 @@ BAD_REQUESTS = [
         "unsupported_parameter",
     ),  # fmt: skip
     ("completions", {"prompt": "x", "max_tokens": 0}, False, 400, "max_tokens", None),
+    ("completions", {"prompt": "x", "seed": "abc"}, False, 400, "seed", None),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": [1]}, False, 400, "seed", None),
     ("completions", {"prompt": ""}, False, 400, "prompt", None),
     ("completions", {"prompt": "x", "no_such_field": 1}, False, 400, None, None),
 ]

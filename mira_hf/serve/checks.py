@@ -104,6 +104,9 @@ def check_common(body: dict, limits: Limits) -> None:
                     param=name,
                     code="unsupported_parameter",
                 )
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise RequestError(400, f"seed={seed!r}: must be an integer (or left out).", param="seed")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise RequestError(400, f"stream={body['stream']!r}: must be true or false.", param="stream")
     if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):

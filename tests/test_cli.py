@@ -8,6 +8,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from mira_hf import MiraError, cli
 from mira_hf.bundled import bundled_model_path, resolve_model_name
@@ -218,6 +219,33 @@ def test_calibrate_hands_the_tokens_to_mira_hf_calibrate_when_present(corpus, tm
     assert rc == 0 and len(calls) == 1 and f"--predictor-path {out_dir}" in out
     model, chunks, written_to, max_tokens = calls[0]
     assert hasattr(model, "mira") and sum(len(chunk) for chunk in chunks) == max_tokens == 40 and written_to == str(out_dir)
+
+
+@pytest.mark.parametrize(
+    "ids, said", [([5, 99999, 7], "run from 5 to 99999, outside the model's vocabulary"), ([-1, 4], "run from -1")]
+)
+def test_calibrate_refuses_token_ids_outside_the_vocabulary(tmp_path, capsys, ids, said):
+    from safetensors.torch import save_file
+
+    data = tmp_path / "ids.safetensors"
+    save_file({"input_ids": torch.tensor([ids])}, str(data))
+    argv = ["calibrate", "mira-tiny", "--data", str(data), "--out", str(tmp_path / "cal"), "--device", "cpu"]
+    _error_after_loading(*run(argv, capsys), said)
+    assert not (tmp_path / "cal").exists()
+
+
+def _error_after_loading(rc, out, err, fragment):
+    """Exit 2 with mira's one-line error last, after the model's loading messages, and no traceback."""
+    assert rc == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("mira: error: ") and fragment in last, err
+
+
+def test_calibrate_says_how_few_tokens_the_corpus_holds(tmp_path, capsys):
+    data = tmp_path / "one.txt"
+    data.write_text("x")
+    argv = ["calibrate", "mira-tiny", "--data", str(data), "--out", str(tmp_path / "cal"), "--device", "cpu"]
+    _error_after_loading(*run(argv, capsys), "holds 1 token; training the predictor needs at least 2")
 
 
 # -- bench, env -------------------------------------------------------------------------------------

@@ -53,6 +53,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     total = sum(len(c) for c in chunks)
     if total == 0:
         raise ValueError(f"--data {args.data} holds no tokens.")
+    vocab = model.get_input_embeddings().num_embeddings
+    low, high = min(int(c.min()) for c in chunks if len(c)), max(int(c.max()) for c in chunks if len(c))
+    if low < 0 or high >= vocab:
+        raise ValueError(
+            f"--data {args.data}: its input_ids run from {low} to {high}, outside the model's vocabulary [0, {vocab}). "
+            "Tokenise the corpus with this model's tokenizer (or give a text file, which is tokenised here)."
+        )
+    if total < 2 and not args.traces_only:
+        raise ValueError(f"--data {args.data} holds {total} token; training the predictor needs at least 2.")
     topk = record_topk(model, chunks)  # {MoE layer: [N, K]}, the routers' own choices
     num_experts = max(model.mira.layers[layer].num_experts for layer in topk)
     top_k = max(indices.shape[1] for indices in topk.values())

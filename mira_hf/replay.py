@@ -104,10 +104,12 @@ def replay(
 
     cfg = predictor_config or PredictorConfig()
     stage_fraction = CacheConfig().stage_fraction if stage_fraction is None else stage_fraction
-    pred = _predictor(predictor, predictor_obj, layers, router_probs, cfg)
     needs_hidden = predictor_obj is not None or (predictor is not None and PREDICTORS.get(predictor).uses_hidden)
     if needs_hidden and (trace.hidden is None or trace.hidden.shape[0] != trace.steps):  # [steps, L, H] needed
         raise ConfigError(f"predictor {predictor!r} needs the trace's hidden states, but this trace has none.")
+    if needs_hidden:
+        _check_same_model(trace, layers, router_probs, predictor_obj)
+    pred = _predictor(predictor, predictor_obj, layers, router_probs, cfg)
     manager = ExpertManager(
         store,
         layers,
@@ -394,6 +396,39 @@ def _predictor(name, obj, layers, router_probs, cfg) -> Predictor | None:
             "(e.g. mira_hf.calibrate's result)."
         )
     return build_predictor(name, layers, router_probs, cfg)
+
+
+def _check_same_model(trace: RoutingTrace, layers: list[LayerInfo], router_probs, predictor_obj) -> None:
+    """The routers or predictor given take the trace's hidden states and guess its layers' experts: each is applied
+    to the first step's hidden state of every layer, and one of another model (another width, other layers or
+    expert counts) is refused here rather than failing inside a matmul of the replay."""
+    expected = {li.ordinal: li.num_experts for li in layers}
+    for what, guess in (("router_probs", router_probs), ("predictor_obj", predictor_obj)):
+        if guess is None:
+            continue
+        for i, li in enumerate(layers):
+            hidden = trace.hidden[0, i][None]  # [1, H]
+            try:
+                if what == "router_probs":
+                    width = guess.width(li.ordinal) if hasattr(guess, "width") else hidden.shape[1]  # a RouterTable's rows
+                    if width != hidden.shape[1]:
+                        raise RuntimeError(f"its routers take rows of width {width}")
+                    out = guess(li.ordinal, hidden)
+                    sizes = {} if out is None else {li.ordinal: out.shape[-1]}
+                else:
+                    sizes = {t: p.shape[-1] for t, p in dict(guess.predict(li.ordinal, hidden)).items()}
+            except (RuntimeError, KeyError, IndexError) as exc:
+                problem = f"cannot be applied to layer {li.ordinal}'s hidden states of width {hidden.shape[1]} ({exc})"
+            else:
+                wrong = {t: n for t, n in sizes.items() if expected.get(t) != n}
+                if not wrong:
+                    continue
+                problem = f"guesses {wrong} experts for layers where the trace has { ({t: expected.get(t) for t in wrong}) }"
+            recorded = trace.fingerprint.get("model_type")
+            raise ConfigError(
+                f"{what} {problem[:300]}: it is another model's than the trace's. Pass the {what} of the model the trace "
+                f"was recorded from{f' (a {recorded} model)' if recorded else ''}."
+            )
 
 
 def _check_concurrency(trace: RoutingTrace, concurrency: int) -> None:

@@ -1,5 +1,7 @@
 """Offline evaluation: routing traces, replay through the real manager, Belady's bound, LRU cross-check."""
 
+import re
+
 import pytest
 import torch
 from conftest import load_reference
@@ -121,6 +123,24 @@ def test_predictors_needing_routers_or_training_say_what_to_pass():
         replay(trace, budget=0.65, policy="lru", predictor="gate")
     with pytest.raises(ValueError, match="predictor_obj"):
         replay(trace, budget=0.65, policy="lru", predictor="learned")
+
+
+@pytest.mark.parametrize(
+    "shape, said", [((3, 5), "cannot be applied to layer 0's hidden states of width 4"), ((4, 6), "guesses {0: 6} experts")]
+)
+def test_routers_of_another_model_are_refused_before_the_replay(shape, said):
+    """Routers that cannot take the trace's hidden states, or guess another number of experts, are another model's:
+    refused with what does not fit, where they would otherwise fail inside a matmul or stage experts that do not
+    exist."""
+    trace = make_trace(TEXTBOOK, num_experts=5, hidden_size=4)
+    trace.fingerprint = {"model_type": "mixtral"}
+
+    def routers(weights):
+        return lambda layer, hidden: torch.softmax(hidden.float() @ weights, dim=-1)
+
+    with pytest.raises(ConfigError, match=rf"router_probs {re.escape(said)}.*another model's.*\(a mixtral model\)"):
+        replay(trace, budget=0.65, policy="lru", predictor="gate", router_probs=routers(torch.randn(*shape)))
+    assert replay(trace, budget=0.65, policy="lru", predictor="gate", router_probs=routers(torch.randn(4, 5)))["misses"] > 0
 
 
 # -- files ------------------------------------------------------------------------------------------

@@ -296,10 +296,18 @@ def plan_memory(
             kv_total = kv_cache_bytes * per_token // model.kv_bytes_per_token
             experts = min(room - kv_total, all_fit)
         if experts + kv_total > room or experts < model.min_expert_bytes or kv_total < one_seq:
+            given = {"expert_cache": f"the expert cache given takes {expert_cache_bytes or 0:,}"}
+            given["kv_cache"] = (
+                f"the KV cache given takes {kv_total:,} with its per-token buffers ({kv_cache_bytes or 0:,} of K and V)"
+            )
+            taken = (expert_cache_bytes or 0) + (kv_total if kv_cache_bytes is not None else 0)
+            other = "KV" if fixed[0] == "expert_cache" else "expert"
+            rest = "" if len(fixed) == 2 or taken > room else f", leaving {room - taken:,} for the {other} cache"
             raise BudgetError(
-                f"the fixed parts do not fit {total_bytes:,} bytes: expert cache {experts:,} (at least "
-                f"{model.min_expert_bytes:,}) and KV cache {kv_total:,} with its buffers (at least {one_seq:,}, one "
-                f"sequence) against {room:,} left after the weights and activations. Fix fewer parts, or give more memory."
+                f"the parts given do not fit {total_bytes:,} bytes of device memory: after the weights and one step's "
+                f"activations {room:,} are left for the expert cache (at least {model.min_expert_bytes:,}) and the KV cache "
+                f"with its buffers (at least {one_seq:,}, one sequence); {' and '.join(given[n] for n in fixed)}{rest}. "
+                "Give less to the parts fixed, or more device memory."
             )
         c = max(1, min(mix.concurrency, kv_total // one_seq))
         chosen, candidates = evaluate(c, experts, kv_total), ()

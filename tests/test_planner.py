@@ -58,10 +58,14 @@ def test_fixed_parts_are_honoured(experts, kv, expected):
 def test_memory_that_cannot_hold_the_model_or_the_fixed_parts_is_refused():
     with pytest.raises(BudgetError, match="at least 120 bytes"):
         plan_memory(119, MODEL, MIX, CURVE, COST)  # weights + smallest expert cache + one sequence = 120
-    with pytest.raises(BudgetError, match="fixed parts do not fit"):
+    with pytest.raises(BudgetError, match="parts given do not fit.*expert cache given takes 95, leaving 5 for the KV cache"):
         plan_memory(200, MODEL, MIX, CURVE, COST, expert_cache_bytes=95)  # leaves 5 bytes: not one sequence
-    with pytest.raises(BudgetError, match="fixed parts do not fit"):
+    with pytest.raises(BudgetError, match=r"parts given do not fit.*expert cache given takes 60 and the KV cache given"):
         plan_memory(200, MODEL, MIX, CURVE, COST, expert_cache_bytes=60, kv_cache_bytes=60)
+    with pytest.raises(
+        BudgetError, match=r"the KV cache given takes [\d,]+ with its per-token buffers \(200 of K and V\)\. Give"
+    ):
+        plan_memory(200, MODEL, MIX, CURVE, COST, kv_cache_bytes=200)  # more than is left: no negative expert cache
 
 
 def test_request_mix_and_curve_are_validated():

@@ -122,6 +122,14 @@ class RoutingTrace:
             raise IncompatibleFileError(
                 f"{meta_path} is not a routing trace of format {TRACE_FORMAT!r} (format={meta.get('format')!r})."
             )
+        missing = [k for k in ("num_experts", "record_bytes") if k not in meta] + [
+            k for k in ("sequence_starts",) if k not in tensors
+        ]
+        if missing:
+            raise IncompatibleFileError(
+                f"the routing trace {tensors_path} + {meta_path} lacks {', '.join(missing)}: the files were cut short "
+                "or edited. Record it again with mira_hf.trace.record_trace(model, input_ids)."
+            )
         if fingerprint is not None and meta.get("fingerprint") != fingerprint:
             raise IncompatibleFileError(
                 f"the routing trace {tensors_path} was recorded from another model.\n"

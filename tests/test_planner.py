@@ -98,6 +98,8 @@ def test_a_curve_measured_from_a_trace_falls_with_concurrency_and_rises_with_the
 
 
 def test_routing_recorded_by_mira_calibrate_gives_the_plan_its_hit_rates(tmp_path):
+    from safetensors.torch import load_file, save_file
+
     from mira_hf import MiraConfig, MiraMoEModel
     from mira_hf.bundled import bundled_model_path
     from mira_hf.cli import main
@@ -116,6 +118,11 @@ def test_routing_recorded_by_mira_calibrate_gives_the_plan_its_hit_rates(tmp_pat
     assert curve.source.startswith("replay of a 96-step routing trace") and set(curve.points) == {1, 2, 4, 8, 16, 32, 64}
     with pytest.raises(ConfigError, match="without router_topk.safetensors"):
         hit_rate_curve(model, str(tmp_path))
+    tensors = load_file(out / "router_topk.safetensors")
+    del tensors["chunk_lengths"]  # a file cut short
+    save_file(tensors, str(out / "router_topk.safetensors"))
+    with pytest.raises(ConfigError, match="no chunk_lengths that add up to its 96 tokens.*Calibrate this model again"):
+        calibration_trace(model, str(out))
 
 
 def test_the_step_time_counts_the_host_work_per_expert_use_and_per_miss():

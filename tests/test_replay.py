@@ -1,5 +1,6 @@
 """Offline evaluation: routing traces, replay through the real manager, Belady's bound, LRU cross-check."""
 
+import json
 import re
 
 import pytest
@@ -144,6 +145,13 @@ def test_routers_of_another_model_are_refused_before_the_replay(shape, said):
 
 
 # -- files ------------------------------------------------------------------------------------------
+def test_a_trace_file_cut_short_is_refused_with_what_it_lacks(tmp_path):
+    make_trace([[[0, 1], [2, 3]]], num_experts=4).save(tmp_path / "t")
+    (tmp_path / "t.json").write_text(json.dumps({"format": json.loads((tmp_path / "t.json").read_text())["format"]}))
+    with pytest.raises(IncompatibleFileError, match="lacks num_experts, record_bytes: the files were cut short"):
+        RoutingTrace.load(tmp_path / "t")
+
+
 def test_trace_round_trips_and_refuses_another_model(tmp_path):
     trace = make_trace([[[0, 1], [2, 3]], [[1, 2], [3, 0]]], num_experts=4, hidden_size=8)
     trace.sequence_starts = [0, 1]

@@ -163,7 +163,13 @@ def calibration_trace(model, directory: str):
     top = [max(int(p.max()) + 1, 1) for p in picks]
     if any(t > li.num_experts for t, li in zip(top, layers)) or len({p.shape[1] for p in picks}) != 1:
         raise ConfigError(f"{path} routes to experts this model does not have: calibrate this model again.")
-    starts = [0, *tensors["chunk_lengths"].cumsum(0).tolist()[:-1]]
+    lengths = tensors.get("chunk_lengths")
+    if lengths is None or int(lengths.sum()) != picks[0].shape[0]:
+        raise ConfigError(
+            f"{path} has no chunk_lengths that add up to its {picks[0].shape[0]} tokens: the file was cut short or "
+            "edited. Calibrate this model again (mira calibrate MODEL --data ... --out DIR)."
+        )
+    starts = [0, *lengths.cumsum(0).tolist()[:-1]]
     record = [model.mira.store.record_bytes(li.ordinal) for li in layers]
     experts = torch.stack([p.long() for p in picks], dim=1)  # [N, L, K]
     return RoutingTrace(experts, None, starts, [li.num_experts for li in layers], record)

@@ -343,12 +343,21 @@ def summarize_file(path: str | os.PathLike) -> str:
             raise IncompatibleFileError(
                 f'{path} says format "{STATS_FORMAT}" but holds no "stats" object: it is cut short or edited; write it again with `mira generate --stats-out`.'
             )
+        kind = None
         if isinstance(data.get("stats"), dict):
-            return format_run(data)
-        if "hit_rate" in data and "per_layer" in data:
-            return stats_table(data)
-        if "layers" in data or "steps" in data:
-            return _trace_summary(data)
+            kind, summary = "a stats file", format_run
+        elif "hit_rate" in data and "per_layer" in data:
+            kind, summary = "a saved model.mira.stats()", stats_table
+        elif "layers" in data or "steps" in data:
+            kind, summary = "a routing-trace summary", _trace_summary
+        if kind is not None:
+            try:
+                return summary(data)
+            except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:  # a field of another type
+                raise IncompatibleFileError(
+                    f"{path} reads as {kind}, but a field holds something else ({type(exc).__name__}: {exc}): it is "
+                    "cut short or edited. Write it again."
+                ) from None
     shape = type(data).__name__ if not isinstance(data, dict) else f"keys {sorted(data)[:8]}"
     raise IncompatibleFileError(f"{path}: unrecognised content ({shape}); expected {expected}.")
 

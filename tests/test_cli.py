@@ -181,6 +181,13 @@ def test_stats_rejects_an_unknown_format(tmp_path, capsys):
     assert_one_line_error(*run(["stats", str(path)], capsys), 'no "stats" object')
 
 
+@pytest.mark.parametrize("stats", [{"hits": "x"}, {"per_layer": [1, 2]}])
+def test_stats_refuses_a_file_whose_fields_hold_something_else(tmp_path, capsys, stats):
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps({"stats": stats}))
+    assert_one_line_error(*run(["stats", str(path)], capsys), "reads as a stats file, but a field holds something else")
+
+
 # -- calibrate --------------------------------------------------------------------------------------
 @pytest.fixture
 def corpus(tmp_path):

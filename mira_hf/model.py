@@ -476,7 +476,8 @@ def _resolve_device(name: str | None) -> torch.device:
         if not torch.cuda.is_available():
             raise DeviceError(
                 f"device={name!r} was requested but this PyTorch sees no CUDA GPU "
-                f"(torch {torch.__version__}). Use MiraConfig(device='cpu'), or install a CUDA build of torch on a GPU machine."
+                f"(torch {torch.__version__}). Use device='cpu' (`--device cpu` on the command line), or install a CUDA build of "
+                "torch on a GPU machine."
             )
         index = device.index or 0
         if index >= torch.cuda.device_count():

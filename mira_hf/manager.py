@@ -190,7 +190,7 @@ class ExpertManager(NotebookViews):
         if held is not None:
             raise UnsupportedOperationError(
                 f"experts_changed(): the store holds the experts {held}, and their parameters are placeholders on the "
-                f"meta device that no write reaches, so there is nothing new to copy. {PLACEHOLDERS_REMEDY}"
+                f"meta device that no write reaches, so there is nothing new to copy. {self.placeholders_remedy}"
             )
         self.relocate(self.store, self.budget, self.device)
 
@@ -201,6 +201,18 @@ class ExpertManager(NotebookViews):
         if self.host.parts is not None:
             return "split with the host"
         return f"{self.store.codec.name}-encoded" if self.store.quantized else None
+
+    @property
+    def placeholders_remedy(self) -> str:
+        """What to do to change experts whose parameters are placeholders (`held_as_placeholders`)."""
+        codec = self.store.codec
+        if not self.store.writable:
+            return (
+                f"The store holds the checkpoint's own {codec.name} bytes, into which no other values can be written: "
+                f"to change experts, load the checkpoint dequantized (MiraMoEModel.from_pretrained(path, "
+                f"quantization_config={codec.dequantized_config}): plain weights), or call model.unload()."
+            )
+        return PLACEHOLDERS_REMEDY
 
     @property
     def fingerprint(self) -> dict:

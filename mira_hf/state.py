@@ -34,7 +34,7 @@ from torch import nn
 from .budget import BudgetPlan
 from .errors import ConfigError, DeviceError, MiraError, UnsupportedOperationError
 from .layout import IdentityCodec
-from .manager import PLACEHOLDERS_REMEDY, ExpertManager
+from .manager import ExpertManager
 from .step_hooks import on_stack
 from .store import own_storage
 
@@ -131,7 +131,8 @@ class ExpertState:
             raise UnsupportedOperationError(
                 f"the expert parameters of MoE layer(s) {placeholders} were changed in place, but the store holds "
                 f"those experts {self.manager.held_as_placeholders}, and their parameters are "
-                f"placeholders that no change reaches; the model would compute with the experts as stored. {PLACEHOLDERS_REMEDY}"
+                f"placeholders that no change reaches; the model would compute with the experts as stored. "
+                f"{self.manager.placeholders_remedy}"
             )
         manager = self.manager
         manager.relocate(manager.store, manager.budget, manager.device)
@@ -302,6 +303,12 @@ class ExpertState:
         empty the manager's cache. A record that changes size (lossless) is planned first: a plan that does
         not fit raises before anything changes."""
         store, manager = self.store, self.manager
+        if not store.writable:
+            current = store.fused(layer)
+            if all(torch.equal(t, current[n]) for n, t in fused.items()):
+                self.expose(self.proxies[layer])  # the values it holds (a model's own state dict loaded back)
+                return
+            raise UnsupportedOperationError(f"other values for MoE layer {layer}'s experts: {manager.placeholders_remedy}")
         layout = store.plan_rewrite(layer, fused)
         budget = manager.budget
         if layout != store.layout(layer):
@@ -353,6 +360,13 @@ class ExpertState:
                 raise ConfigError(
                     f"the experts are stored as {old} and cannot be cast to {dtype}: mira-hf casts floating-point "
                     "experts to floating-point dtypes. Nothing was changed."
+                )
+            if not store.writable:
+                raise UnsupportedOperationError(
+                    f"the experts are stored as the checkpoint's own {store.codec.name} bytes, which only the "
+                    f"checkpoint's values fill: casting them to {dtype} would need other values encoded into them. "
+                    f"Nothing was changed. Load the model in that dtype (MiraMoEModel.from_pretrained(..., dtype={dtype}), "
+                    "which decodes the checkpoint to it as transformers does), or call model.unload() and cast that."
                 )
             if store.quantized and not store.exact:
                 raise UnsupportedOperationError(

@@ -254,6 +254,12 @@ class ExpertStore:
         return not isinstance(self.codec, IdentityCodec)
 
     @property
+    def writable(self) -> bool:
+        """Whether other values can be encoded into the records (a cast, `load_state_dict`): not a checkpoint-native
+        format's, which hold the checkpoint's quantized bytes and scales (`NativeCodec.encodes_values`)."""
+        return getattr(self.codec, "encodes_values", True)
+
+    @property
     def exact(self) -> bool:
         """Whether decoding gives back the checkpoint's tensors bit for bit (no codec, or lossless)."""
         return self.codec.exact

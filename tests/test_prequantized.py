@@ -9,6 +9,7 @@ kernels for it on a CPU otherwise)."""
 import glob
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from conftest import reference_kwargs
 from quantized_checkpoints import FP8_FAMILIES, write_fp8_checkpoint, write_mxfp4_checkpoint
 from safetensors import safe_open
 
-from mira_hf import ConfigError, MiraConfig, MiraMoEModel, UnsupportedModelError
+from mira_hf import ConfigError, MiraConfig, MiraMoEModel, UnsupportedModelError, UnsupportedOperationError
 from mira_hf.config import LoaderConfig
 from mira_hf.quant.fp8_block import dequantize_fp8
 from mira_hf.quant.mxfp4 import dequantize_mxfp4
@@ -353,3 +354,28 @@ def test_a_config_given_and_config_keywords_apply_as_in_transformers(quantized_c
         with torch.no_grad():
             assert torch.equal(model(IDS).logits, ref(IDS).logits)
     assert config.to_dict() == before
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_experts_in_the_checkpoints_own_bytes_refuse_other_values_and_say_how_to_change_them(quantized_checkpoint, family):
+    """The records hold the checkpoint's quantized bytes and scales, which no other values fill: a cast and a
+    `load_state_dict` of changed experts are refused before anything changes, naming the dtype load and the
+    dequantized load that can; the model's own state dict loads back; an in-place edit names the dequantized load."""
+    path = quantized_checkpoint(family)
+    model = _load(path, gpu_budget=0.25)
+    config = model.mira.store.codec.dequantized_config
+    with torch.no_grad():
+        expected = model(IDS).logits
+    with pytest.raises(UnsupportedOperationError, match=r"checkpoint's own \w+ bytes.*dtype=torch\.float32"):
+        model.float()
+    state = model.state_dict()
+    assert not model.load_state_dict(state).missing_keys  # the values it holds: accepted, nothing to write
+    name = next(k for k in state if k.endswith("experts.down_proj"))
+    changed = {**state, name: state[name] * 2}
+    with pytest.raises(RuntimeError, match=rf"quantization_config={re.escape(config)}"):
+        model.load_state_dict(changed)
+    with torch.no_grad():
+        assert model.dtype == torch.bfloat16 and torch.equal(model(IDS).logits, expected)
+        model.get_parameter(name).mul_(2)
+        with pytest.raises(UnsupportedOperationError, match=rf"changed in place.*quantization_config={re.escape(config)}"):
+            model(IDS)

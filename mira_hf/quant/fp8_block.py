@@ -38,6 +38,7 @@ class Fp8BlockCodec(NativeCodec):
     `weight_block_size` (what transformers' kernels are given); `pieces`: see `NativeLayout`."""
 
     name = "fp8_block"
+    dequantized_config = "FineGrainedFP8Config(dequantize=True)"
     scale_suffix = SCALE_SUFFIX
 
     def __init__(self, pieces: Mapping[str, int] | None = None, block_size: list[int] | None = None) -> None:

@@ -32,6 +32,7 @@ class Mxfp4Codec(NativeCodec):
     """Experts of an MXFP4 checkpoint, in its bytes."""
 
     name = "mxfp4"
+    dequantized_config = "Mxfp4Config(dequantize=True)"
     scale_suffix = SCALE_SUFFIX
 
     def __init__(self, pieces=None) -> None:

@@ -63,6 +63,11 @@ class NativeCodec:
     # Decoding gives back exactly the weights transformers' own loading of the checkpoint makes (what
     # unload() and save_pretrained() return), and the records are the checkpoint's bytes.
     exact = True
+    # Records are made from the checkpoint's quantized tensors and scales only: other values (a cast, a
+    # `load_state_dict`) cannot be encoded into them. `dequantized_config`: the `quantization_config` that
+    # loads such a checkpoint dequantized instead (plain weights, which can be changed).
+    encodes_values = False
+    dequantized_config = ""
     # Kept packed (placement "packed"), a record is computed by transformers' own kernels (`linear`), as the
     # unwrapped model computes the format, never through a decoded weight.
     native_kernels = True

@@ -4,6 +4,7 @@ mistake is one line on stderr with exit status 2, never a traceback."""
 import contextlib
 import io
 import json
+import subprocess
 import sys
 import types
 
@@ -186,6 +187,20 @@ def test_stats_refuses_a_file_whose_fields_hold_something_else(tmp_path, capsys,
     path = tmp_path / "edited.json"
     path.write_text(json.dumps({"stats": stats}))
     assert_one_line_error(*run(["stats", str(path)], capsys), "reads as a stats file, but a field holds something else")
+
+
+def test_stats_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path):
+    """`mira stats FILE | head`: the reader closes the pipe; mira stops without a traceback, as Unix tools do."""
+    layers = {str(i): {"hits": 1, "misses": 1, "hit_rate": 0.5} for i in range(3000)}  # far more than a pipe buffers
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({"stats": {"hits": 3000, "misses": 3000, "hit_rate": 0.5, "per_layer": layers}}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mira_hf.cli", "stats", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
 
 
 # -- calibrate --------------------------------------------------------------------------------------

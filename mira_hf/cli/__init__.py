@@ -18,6 +18,7 @@ One module per command (generate, calibrate, bench, stats, serve, env), each add
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..errors import MiraError
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mira: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of the output went away (`mira stats FILE | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the interpreter's own flush at exit is quiet
+        return 141
 
 
 def build_parser() -> argparse.ArgumentParser:

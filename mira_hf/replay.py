@@ -89,6 +89,11 @@ def replay(
     """
     t0 = time.perf_counter()
     _check_concurrency(trace, concurrency)
+    if reset_predictor_per_sequence and concurrency > 1:
+        raise ConfigError(
+            f"reset_predictor_per_sequence with concurrency={concurrency}: one predictor serves every stream, so a reset "
+            "at one stream's new sequence would reset the others' too. Pass concurrency=1, or leave the reset off."
+        )
     _check_prompts(prompt_tokens)
     layers = _layer_infos(trace)
     real = _real_plan(trace, layers, budget)

@@ -254,6 +254,12 @@ def test_each_sequence_gets_its_prompt_and_keeps_a_token_to_decode():
         replay(trace, budget=0.5, prompt_tokens=4, concurrency=4)  # streams of 10 steps: the second starts mid-sequence
 
 
+def test_a_reset_per_sequence_is_refused_where_streams_share_the_predictor():
+    trace = random_trace(3, steps=40)
+    with pytest.raises(ConfigError, match="reset_predictor_per_sequence with concurrency=2: one predictor serves"):
+        replay(trace, budget=0.5, predictor="markov", reset_predictor_per_sequence=True, concurrency=2)
+
+
 def test_a_batch_of_prompts_is_one_block_per_layer_then_decodes_together():
     # Two streams of one 4-token sequence each, one layer, 4 experts, 3 slots, top-1: A = 0 1 | 2 3, B = 1 2 | 3 0.
     # The prompts' block needs {0, 1, 2}; the decoding then asks {2, 3} and {3, 0}.

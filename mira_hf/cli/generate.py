@@ -32,7 +32,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     hit rate, bytes moved host to device, stall time, tokens/s and peak GPU memory. MODEL defaults to the
     bundled mira-tiny, which runs in seconds on a CPU."""
     if args.max_new_tokens < 1 or args.num_beams < 1:
-        raise ValueError("--max-new-tokens and --num-beams must be ≥ 1.")
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} --num-beams {args.num_beams}: both must be ≥ 1.")
     if args.temperature is not None and not args.do_sample:
         raise ValueError("--temperature applies to sampling: add --do-sample.")
     if args.temperature is not None and not args.temperature > 0:

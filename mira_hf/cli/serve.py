@@ -105,7 +105,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ConfigError(
-            f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc}). Another server may hold the "
-            "port: give another --port, or stop that server."
+            f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc}). Give an address of this "
+            "machine as --host (0.0.0.0: all of them), and a port no other server holds as --port."
         ) from None
     return sock

@@ -135,6 +135,8 @@ class RecordCache:
             write_store(tmp, slabs, self.codec_spec, self.identity, plans)
             if self.report is not None:
                 self.report.add("cache_write", time.perf_counter() - t0, sum(s.numel() for s in slabs.values()))
+            if os.path.isfile(self.directory):  # a file where the entry goes: no entry, and in the way of one
+                os.remove(self.directory)
             try:
                 os.rename(tmp, self.directory)  # atomic; fails if another load has put its entry there first
             except OSError:

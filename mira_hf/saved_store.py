@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .errors import IncompatibleFileError
+from .errors import ConfigError, IncompatibleFileError
 
 STORE_FORMAT = "mira-packed-store/2"
 STORE_WEIGHTS, STORE_HEADER = "mira_store.safetensors", "mira_store.json"
@@ -43,8 +43,28 @@ class CorruptStoreError(IncompatibleFileError):
 
 def write_store(directory: str, slabs: dict[int, torch.Tensor], codec_spec: dict, fingerprint: dict, plans: dict) -> None:
     """Write `slabs` (layer -> uint8 [E, record_bytes]) and their header into `directory` (created).
-    `plans`: layer -> the layout's arguments (`codec.plan_args(layout)`, JSON-able) or None."""
-    os.makedirs(directory, exist_ok=True)
+    `plans`: layer -> the layout's arguments (`codec.plan_args(layout)`, JSON-able) or None. Both files are written
+    under temporary names and then renamed: a write that fails (no room, no permission) leaves a store already
+    there as it was, and raises `ConfigError` naming the directory."""
+    weights, header_path = os.path.join(directory, STORE_WEIGHTS), os.path.join(directory, STORE_HEADER)
+    temporary = [weights + ".partial", header_path + ".partial"]
+    total = sum(slab.numel() for slab in slabs.values())
+    try:
+        os.makedirs(directory, exist_ok=True)
+        _write_files(temporary[0], temporary[1], slabs, codec_spec, fingerprint, plans)
+        os.replace(temporary[0], weights)
+        os.replace(temporary[1], header_path)
+    except OSError as exc:
+        for path in temporary:
+            if os.path.exists(path):
+                os.remove(path)
+        raise ConfigError(
+            f"cannot write the expert store in {directory} ({exc}): give a directory that can be written, with room "
+            f"for {total:,} bytes (a store already there is left as it was)."
+        ) from exc
+
+
+def _write_files(path: str, header_path: str, slabs, codec_spec: dict, fingerprint: dict, plans: dict) -> None:
     layers = sorted(slabs)
     tensors, offset = {}, 0
     for layer in layers:
@@ -55,7 +75,6 @@ def write_store(directory: str, slabs: dict[int, torch.Tensor], codec_spec: dict
     head = json.dumps(tensors, separators=(",", ":")).encode()
     start = -(-(8 + len(head)) // _DATA_ALIGN) * _DATA_ALIGN
     head += b" " * (start - 8 - len(head))  # safetensors allows trailing spaces in its header
-    path = os.path.join(directory, STORE_WEIGHTS)
     sums: dict[int, list[list[int]]] = {}
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
@@ -86,7 +105,7 @@ def write_store(directory: str, slabs: dict[int, torch.Tensor], codec_spec: dict
         },
     )
     header["header_crc32"] = _header_crc(header)
-    with open(os.path.join(directory, STORE_HEADER), "w") as f:
+    with open(header_path, "w") as f:
         json.dump(header, f, indent=1)
 
 

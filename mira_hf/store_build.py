@@ -418,6 +418,15 @@ def _add_layer(
             if cache is None:
                 raise
             cache.drop(str(exc))
+        except IncompatibleFileError as exc:  # records of these sizes, packed from other tensors
+            if cache is None:
+                tensors = ", ".join(f"{name} {str(dtype).removeprefix('torch.')}" for name, (_, dtype) in specs.items())
+                raise IncompatibleFileError(
+                    f"the expert store in {saved.directory} holds records packed from other tensors than these experts' "
+                    f"({tensors}), such as another dtype ({exc}). Load the model in the dtype the store was saved from, "
+                    "or drop store_path to encode again, then save a new store with model.mira.save_store(dir)."
+                ) from exc
+            cache.drop(str(exc))
     device = store.encoder.device if store.quantized else None  # raw records: copied from host memory into the slab
     expert = _experts(t, streamed, device)
     if parts is not None:  # each expert's host part written beside the store on the way

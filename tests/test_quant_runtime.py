@@ -110,6 +110,52 @@ def test_bad_quant_settings_are_refused():
         MiraConfig(quantization="int3")  # pre-quantized checkpoints' formats are not offered
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_saved_store_of_another_dtype_is_refused_saying_what_to_do(tmp_path, quantization):
+    """A bf16 checkpoint (its routers hash the same in any dtype) loaded in float32 with a store saved from its bf16
+    load: records of the same sizes, packed from other tensors. Refused naming the store, the tensors and what to do."""
+    from mira_hf import IncompatibleFileError
+    from mira_hf.config import LoaderConfig
+    from mira_hf.testing import build, make_config
+
+    torch.manual_seed(0)
+    build(make_config("mixtral")).to(torch.bfloat16).save_pretrained(tmp_path / "ckpt")
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, quantization=quantization, loader=LoaderConfig(record_cache=None))
+    load = lambda dtype, cfg: MiraMoEModel.from_pretrained(str(tmp_path / "ckpt"), cfg, dtype=dtype, progress=False)  # noqa: E731
+    load(torch.bfloat16, cfg).mira.save_store(tmp_path / "store")
+    with pytest.raises(
+        IncompatibleFileError,
+        match=r"store in .* holds records packed from other tensors than these experts' \(gate_up_proj float32, down_proj float32\).*Load the model in the dtype the store was saved from",
+    ):
+        load(torch.float32, cfg.replace(store_path=str(tmp_path / "store")))
+    assert load(torch.bfloat16, cfg.replace(store_path=str(tmp_path / "store"))).mira.store.record(0, 1).numel() > 0
+
+
+def test_a_store_that_cannot_be_written_is_refused_and_leaves_the_one_there(tmp_path, heldout, monkeypatch):
+    """`save_store` into a path that is a file, or onto a disk that fills up midway: a `ConfigError` naming the
+    directory and the room needed; a store saved there before is left whole and still loads."""
+    from mira_hf import ConfigError, saved_store
+
+    model = _model("int4")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"cannot write the expert store in .*file .*with room for [\d,]+ bytes"):
+        model.mira.save_store(tmp_path / "file")
+    model.mira.save_store(tmp_path / "store")
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(saved_store, "_write_chunk", full)
+    with pytest.raises(ConfigError, match="No space left on device.*a store already there is left as it was"):
+        model.mira.save_store(tmp_path / "store")
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["mira_store.json", "mira_store.safetensors"]
+    cfg = MiraConfig(device="cpu", gpu_budget=0.25, quantization="int4", store_path=str(tmp_path / "store"))
+    again = MiraMoEModel.from_pretrained(bundled_model_path(), cfg, dtype=torch.float32, progress=False)
+    with torch.no_grad():
+        assert torch.equal(again(heldout[:1]).logits, model(heldout[:1]).logits)
+
+
 def test_unload_of_a_quantized_model_warns_that_experts_are_dequantized():
     model = _model("int8")
     with pytest.warns(UserWarning, match="dequantized values"):

@@ -153,6 +153,17 @@ def test_a_damaged_entry_is_rebuilt_never_served(ckpt, tmp_path, damage):
     assert _encoded(_load(ckpt, cache)) == 0  # the entry written again is whole
 
 
+def test_a_file_where_the_entry_goes_is_replaced_by_the_entry(ckpt, tmp_path):
+    cache = tmp_path / "records"
+    _load(ckpt, cache)
+    entry = _entry(cache)
+    shutil.rmtree(entry)
+    with open(entry, "w") as f:
+        f.write("not an entry")
+    assert _encoded(_load(ckpt, cache)) > 0
+    assert os.path.isdir(entry) and _encoded(_load(ckpt, cache)) == 0
+
+
 def test_an_interrupted_write_leaves_no_entry(ckpt, tmp_path, monkeypatch):
     cache = tmp_path / "records"
 

@@ -428,7 +428,8 @@ def _check_same_model(trace: RoutingTrace, layers: list[LayerInfo], router_probs
                 wrong = {t: n for t, n in sizes.items() if expected.get(t) != n}
                 if not wrong:
                     continue
-                problem = f"guesses {wrong} experts for layers where the trace has { ({t: expected.get(t) for t in wrong}) }"
+                have = {t: expected.get(t) for t in wrong}
+                problem = f"guesses {wrong} experts for layers where the trace has {have}"
             recorded = trace.fingerprint.get("model_type")
             raise ConfigError(
                 f"{what} {problem[:300]}: it is another model's than the trace's. Pass the {what} of the model the trace "

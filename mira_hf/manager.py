@@ -109,11 +109,12 @@ class ExpertManager(NotebookViews):
         self.predictor_config = settings.predictor_config
         self.staging = Staging(self, predictor, settings.predictor_config)
         self.valuation = ExpectedDistance(self.heat, len(self.layers), lambda: self._last_layer, lambda: self.staging.layer_probs)
+        self.steps_run = 0  # forward steps since wrapping: the policies' clock (`reset_stats` zeroes the telemetry's count)
         self._policy_context = PolicyContext(
             heat=self.heat,
             valuation=self.valuation,
             predicted=lambda k: self.staging.predicted.get(k, 0.0),
-            step=lambda: self.telemetry.steps,
+            step=lambda: self.steps_run,
             cost=lambda k: self._cost[k[0]],
         )
         self.host_only: frozenset[Key] = frozenset()  # experts that never keep a slot (set_host_only)
@@ -334,6 +335,7 @@ class ExpertManager(NotebookViews):
         self._last_layer = -1
 
     def _end_step(self) -> None:
+        self.steps_run += 1
         self._prompt = False
         self.staging.end_step(self.loader.stall_total())
         self.telemetry.end_step()
@@ -624,7 +626,7 @@ class ExpertManager(NotebookViews):
     @property
     def _warmed_up(self) -> bool:
         """Past the first forward steps: before that, guesses only fill free slots (nothing is evicted)."""
-        return self.telemetry.steps >= self.settings.warmup_steps
+        return self.steps_run >= self.settings.warmup_steps
 
     # -- internals ------------------------------------------------------------------------------
     def _finish(self, slot: Slot) -> None:

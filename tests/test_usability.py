@@ -294,6 +294,28 @@ def test_no_copies_ahead_are_staged_with_max_staged_per_layer_zero(tiny_checkpoi
     assert torch.equal(outs[0][0], load_reference(path).generate(ids, **kw))
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_reset_stats_between_generates_changes_no_eviction(policy):
+    """`reset_stats()` zeroes counters only: the policies keep their own clock of forward steps, so a model reset between
+    two generates evicts as one that was not, and both give the unwrapped model's tokens."""
+    import copy
+
+    from tiny_models import build, make_config
+
+    torch.manual_seed(0)
+    ref = build(make_config("mixtral")).eval()
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, policy=policy, predictor=None)
+    models = [MiraMoEModel.wrap(copy.deepcopy(ref), cfg) for _ in range(2)]
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    for ids in (torch.tensor([[5, 9, 14, 33]]), torch.tensor([[5, 9, 14, 33]]), torch.tensor([[7, 21, 4, 8, 11]])):
+        expected = ref.generate(ids, **kw)
+        for model in models:
+            assert torch.equal(model.generate(ids, **kw), expected)
+        models[0].mira.reset_stats()
+    assert sorted(models[0].mira.cache.resident()) == sorted(models[1].mira.cache.resident())
+    assert models[1].mira.stats()["evictions"] > 0  # the second prompt evicted (counted where nothing was reset)
+
+
 def test_after_reset_stats_prefetches_used_or_wasted_are_never_more_than_prefetches():
     """Experts copied ahead of need before `reset_stats()` and used or evicted after it are counted as prefetches of
     the new window, so `prefetch_used + prefetch_wasted` never exceeds `prefetches` (and a stage hit is a prefetch

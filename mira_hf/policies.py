@@ -251,8 +251,10 @@ class PriorityConfig:
     cost_weight: float = 0.1  # × its reload cost (record size, ×2 from a pageable store, ×4 from disk; scaled to [0, 1])
 
     def __post_init__(self) -> None:
-        if min(self.predicted_weight, self.recency_weight, self.cost_weight) < 0:
-            raise ConfigError("PriorityConfig weights must be ≥ 0.")
+        for name in ("predicted_weight", "recency_weight", "cost_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ConfigError(f"PriorityConfig.{name}={value!r}: must be a finite number ≥ 0.")
 
 
 class PriorityPolicy(LRUPolicy):

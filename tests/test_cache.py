@@ -767,8 +767,9 @@ def test_priority_weights_must_not_be_negative(field):
     from mira_hf import ConfigError
     from mira_hf.policies import PriorityConfig
 
-    with pytest.raises(ConfigError, match=r"^PriorityConfig weights must be ≥ 0\.$"):
-        PriorityConfig(**{field: -0.01})
+    for bad in (-0.01, float("nan"), float("inf"), "0.5"):
+        with pytest.raises(ConfigError, match=rf"^PriorityConfig\.{field}=.*: must be a finite number ≥ 0\.$"):
+            PriorityConfig(**{field: bad})
     assert getattr(PriorityConfig(**{field: 0.0}), field) == 0.0  # zero switches a term off
 
 

@@ -114,8 +114,16 @@ def test_boundary_settings_are_accepted_and_messages_name_the_field():
         HeatConfig(**ok)  # the edges of each range are valid
     with pytest.raises(ConfigError, match=r"^HeatConfig\.use_rate_decay=1\.0: must be in \[0, 1\), or None \(chosen online\)\.$"):
         HeatConfig(use_rate_decay=1.0)
-    with pytest.raises(ConfigError, match=r"^HeatConfig\.window_periods must be ≥ 1 and period_s > 0\.$"):
+    with pytest.raises(ConfigError, match=r"^HeatConfig\.window_periods=0: must be an int ≥ 1\.$"):
         HeatConfig(window_periods=0)
+    for bad in (dict(window_periods=2.5), dict(period_s=float("nan")), dict(period_s=0)):
+        with pytest.raises(ConfigError, match=rf"^HeatConfig\.{next(iter(bad))}="):
+            HeatConfig(**bad)
+    for name in ("activation_gain", "window_gain", "used_prefetch_gain", "wasted_prefetch_penalty"):
+        for value in (-1.0, float("nan"), 1.5, "0.1"):
+            with pytest.raises(ConfigError, match=rf"^HeatConfig\.{name}=.*: must be a number in \[0, 1\]"):
+                HeatConfig(**{name: value})
+        assert getattr(HeatConfig(**{name: 0.0}), name) == 0.0
 
 
 def test_tables_have_the_documented_types_and_a_model_without_moe_layers_is_fine():

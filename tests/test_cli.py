@@ -57,7 +57,16 @@ def test_missing_bundled_model_is_a_clear_error(monkeypatch):
 
 @pytest.mark.parametrize(
     "text, value",
-    [("0.25", 0.25), ("1.0", 1.0), ("12GiB", "12GiB"), ("500 MB", "500 MB"), ("1048576", 1048576), (None, None)],
+    [
+        ("0.25", 0.25),
+        ("1.0", 1.0),
+        ("1e-1", 0.1),
+        ("2.5E-2", 0.025),
+        ("12GiB", "12GiB"),
+        ("500 MB", "500 MB"),
+        ("1048576", 1048576),
+        (None, None),
+    ],
 )
 def test_budget_text_becomes_a_mira_config_value(text, value):
     assert cli.parse_budget(text) == value

@@ -129,7 +129,7 @@ def parse_budget(text: str | None) -> int | float | str | None:
     text = text.strip()
     if re.fullmatch(r"\d+", text):
         return int(text)
-    if re.fullmatch(r"\d*\.\d+|\d+\.\d*", text):
+    if re.fullmatch(r"(\d*\.\d+|\d+\.\d*|\d+)[eE][-+]?\d+|\d*\.\d+|\d+\.\d*", text):  # 0.25, 1e-1, 2.5E-2
         return float(text)
     return text  # a size string, validated by MiraConfig
 

@@ -33,15 +33,32 @@ def register(proxy: nn.Module) -> int:
 
 
 @torch.library.custom_op("mira::experts", mutates_args=(), tags=_TAGS)
-def experts(handle: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """`MiraExperts.serve`: hidden [T, H], top-k index and weights [T, K] -> [T, H]."""
+def experts(
+    handle: int,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    autocast_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`MiraExperts.serve`: hidden [T, H], top-k index and weights [T, K] -> [T, H]. `autocast_dtype`: the autocast
+    the caller ran under (a compiled graph calls the operator outside it), under which the experts' matmuls run, as
+    the module's do (the output keeps the hidden states' dtype, as the experts implementations give it)."""
     proxy = _proxies[handle]
     with proxy.manager.block_outside_step():  # a graph runs without the step hooks: threads take turns per block
-        return proxy.serve(hidden_states, top_k_index, top_k_weights)
+        if autocast_dtype is None:
+            return proxy.serve(hidden_states, top_k_index, top_k_weights)
+        with torch.autocast(hidden_states.device.type, dtype=autocast_dtype):
+            return proxy.serve(hidden_states, top_k_index, top_k_weights)
 
 
 @experts.register_fake
-def _(handle: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+def _(
+    handle: int,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    autocast_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     return torch.empty_like(hidden_states)
 
 
@@ -113,5 +130,5 @@ class RefuseBackward(torch.autograd.Function):
         return torch.ops.mira.refuse_backward(grad), torch.ops.mira.refuse_backward_like(grad, anchor)
 
 
-experts.register_autograd(lambda ctx, grad: (None, torch.ops.mira.refuse_backward(grad), None, None))
+experts.register_autograd(lambda ctx, grad: (None, torch.ops.mira.refuse_backward(grad), None, None, None))
 scaled_experts.register_autograd(lambda ctx, grad: (None, torch.ops.mira.refuse_backward(grad), None))

@@ -156,7 +156,9 @@ class MiraExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque operator in the graph (mira_hf.ops): the manager is stateful
-            return self._refusing(torch.ops.mira.experts(self._handle, hidden_states, top_k_index, top_k_weights))
+            device = hidden_states.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+            return self._refusing(torch.ops.mira.experts(self._handle, hidden_states, top_k_index, top_k_weights, dtype))
         if not torch.is_grad_enabled():
             return self.serve(hidden_states, top_k_index, top_k_weights)
         with torch.no_grad():

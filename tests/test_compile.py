@@ -114,6 +114,21 @@ def test_compiled_llama4_under_autocast_equals_the_compiled_unwrapped_model(tiny
     )
 
 
+@pytest.mark.parametrize("implementation", ["batched_mm", "eager"])
+def test_compiled_model_under_autocast_equals_the_compiled_unwrapped_model(tiny_checkpoint, implementation):
+    """The experts operator is called outside the caller's autocast too: it is given autocast's dtype and runs the
+    experts' matmuls under it, as the module's do (`batched_mm`, which `generate` picks on a GPU, and `eager` round
+    differently under autocast)."""
+    path = tiny_checkpoint("mixtral")
+    model, ref = _wrapped(path), load_reference(path)
+    for m in (model, ref):
+        m.set_experts_implementation(implementation)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled_ref = torch.compile(ref, backend="aot_eager")  # transformers' eager loop breaks its graph
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(compiled(IDS).logits, compiled_ref(IDS).logits)
+
+
 def test_expert_edits_between_compiled_calls_reach_the_experts(tiny_checkpoint):
     """A compiled graph leaves the forward hooks out: each block checks its layer's expert parameters instead, so an
     in-place edit reaches the experts and a replaced parameter is refused, as eagerly."""

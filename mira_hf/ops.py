@@ -32,6 +32,17 @@ def register(proxy: nn.Module) -> int:
     return handle
 
 
+def _served(handle: int, autocast_dtype: torch.dtype | None, hidden_states: torch.Tensor, *routing) -> torch.Tensor:
+    """The proxy's `serve(hidden_states, *routing)`, under the caller's autocast where it ran under one (a compiled
+    graph calls the operators outside it), one block at a time (a graph runs without the step hooks)."""
+    proxy = _proxies[handle]
+    with proxy.manager.block_outside_step():
+        if autocast_dtype is None:
+            return proxy.serve(hidden_states, *routing)
+        with torch.autocast(hidden_states.device.type, dtype=autocast_dtype):
+            return proxy.serve(hidden_states, *routing)
+
+
 @torch.library.custom_op("mira::experts", mutates_args=(), tags=_TAGS)
 def experts(
     handle: int,
@@ -40,39 +51,22 @@ def experts(
     top_k_weights: torch.Tensor,
     autocast_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """`MiraExperts.serve`: hidden [T, H], top-k index and weights [T, K] -> [T, H]. `autocast_dtype`: the autocast
-    the caller ran under (a compiled graph calls the operator outside it), under which the experts' matmuls run, as
-    the module's do (the output keeps the hidden states' dtype, as the experts implementations give it)."""
-    proxy = _proxies[handle]
-    with proxy.manager.block_outside_step():  # a graph runs without the step hooks: threads take turns per block
-        if autocast_dtype is None:
-            return proxy.serve(hidden_states, top_k_index, top_k_weights)
-        with torch.autocast(hidden_states.device.type, dtype=autocast_dtype):
-            return proxy.serve(hidden_states, top_k_index, top_k_weights)
+    """`MiraExperts.serve`: hidden [T, H], top-k index and weights [T, K] -> [T, H]. `autocast_dtype`: the caller's
+    autocast, under which the experts' matmuls run, as the module's do (the output keeps the hidden states' dtype, as
+    the experts implementations give it)."""
+    return _served(handle, autocast_dtype, hidden_states, top_k_index, top_k_weights)
 
 
 @experts.register_fake
-def _(
-    handle: int,
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    autocast_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+def _(handle: int, hidden_states: torch.Tensor, *routing_and_autocast) -> torch.Tensor:
     return torch.empty_like(hidden_states)
 
 
 @torch.library.custom_op("mira::scaled_experts", mutates_args=(), tags=_TAGS)
 def scaled_experts(handle: int, hidden_states: torch.Tensor, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`MiraScaledExperts.serve`: input-scaled rows [E*T, H] -> [E*T, H]. `autocast_dtype`: the autocast the caller
-    ran under (a compiled graph calls the operator outside it), whose dtype the experts' matmuls give, as the module's
-    `bmm` does under autocast."""
-    proxy = _proxies[handle]
-    with proxy.manager.block_outside_step():  # as `experts`
-        if autocast_dtype is None:
-            return proxy.serve(hidden_states)
-        with torch.autocast(hidden_states.device.type, dtype=autocast_dtype):
-            return proxy.serve(hidden_states)
+    """`MiraScaledExperts.serve`: input-scaled rows [E*T, H] -> [E*T, H]. `autocast_dtype`: the caller's autocast,
+    whose dtype the experts' matmuls give, as the module's `bmm` does under autocast."""
+    return _served(handle, autocast_dtype, hidden_states)
 
 
 @scaled_experts.register_fake

@@ -36,6 +36,14 @@ from .manager import ExpertManager
 from .ops import RefuseBackward, register
 from .state import proxy_apply
 
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype of the autocast running on `x`'s device, or None (what a compiled graph gives the experts operators,
+    which it calls outside the autocast)."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
 # Expert tensor names of transformers' fused experts modules (per expert after dropping dim 0).
 KNOWN_EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 # The layout flags the proxy computes with, and their values where neither the module nor its adapter sets them.
@@ -156,14 +164,17 @@ class MiraExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque operator in the graph (mira_hf.ops): the manager is stateful
-            device = hidden_states.device.type
-            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+            dtype = _autocast_dtype(hidden_states)
             return self._refusing(torch.ops.mira.experts(self._handle, hidden_states, top_k_index, top_k_weights, dtype))
+        return self._served(hidden_states, top_k_index, top_k_weights)
+
+    def _served(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """`serve(*inputs)`; with autograd on, computed without it and given the refusal (`_refusing`)."""
         if not torch.is_grad_enabled():
-            return self.serve(hidden_states, top_k_index, top_k_weights)
+            return self.serve(*inputs)
         with torch.no_grad():
-            result = self.serve(hidden_states, top_k_index, top_k_weights)
-        return self._refusing(result, hidden_states, top_k_weights)
+            result = self.serve(*inputs)
+        return self._refusing(result, *inputs)
 
     def _refusing(self, result: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
         """`result` of a forward with autograd on, made to require gradients where an expert parameter or one of
@@ -636,14 +647,8 @@ class MiraScaledExperts(MiraExperts):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # as MiraExperts.forward
-            device = hidden_states.device.type
-            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-            return self._refusing(torch.ops.mira.scaled_experts(self._handle, hidden_states, dtype))
-        if not torch.is_grad_enabled():
-            return self.serve(hidden_states)
-        with torch.no_grad():
-            result = self.serve(hidden_states)
-        return self._refusing(result, hidden_states)
+            return self._refusing(torch.ops.mira.scaled_experts(self._handle, hidden_states, _autocast_dtype(hidden_states)))
+        return self._served(hidden_states)
 
     def _linear(self, x: torch.Tensor, w, name: str, kernel: bool) -> torch.Tensor:
         # Llama4TextExperts multiplies every expert in one `bmm`. On a CPU, torch's batched kernel rounds a batch

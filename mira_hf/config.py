@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Union
 
-from .errors import ConfigError, MissingDependencyError
+from .errors import ConfigError, MissingDependencyError, check_count, check_fraction
 from .heat import HeatConfig
 from .policies import PriorityConfig
 from .quant import GROUP_SIZES, LOSSLESS_CODES, codec_names, find_codec_entry
@@ -267,20 +267,6 @@ class PredictorConfig:
                 f"PredictorConfig.speculate_bytes={self.speculate_bytes!r}: give a number of bytes ≥ 0 (0 turns "
                 "speculation off) or None for the default (48 MiB on CUDA, off on CPU)."
             )
-
-
-def check_count(name: str, value: object, least: int, unit: str) -> None:
-    """`ConfigError` unless `value` is an int ≥ `least` (a count of `unit`)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ConfigError(f"{name}={value!r}: must be an int ≥ {least} ({unit}).")
-
-
-def check_fraction(name: str, value: object, interval: str) -> None:
-    """`ConfigError` unless `value` is a number in `interval` ("[0, 1]", "(0, 1]" or "[0, 1)")."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if number and 0 <= value <= 1 and not (interval[0] == "(" and value == 0) and not (interval[-1] == ")" and value == 1):
-        return
-    raise ConfigError(f"{name}={value!r}: must be a number in {interval}.")
 
 
 def spelling(value: object) -> str:

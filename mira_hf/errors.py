@@ -15,6 +15,20 @@ class ConfigError(MiraError, ValueError):
     """A `MiraConfig` value (or a sub-config value) is invalid."""
 
 
+def check_count(name: str, value: object, least: int, unit: str) -> None:
+    """`ConfigError` unless `value` is an int ≥ `least` (a count of `unit`)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{name}={value!r}: must be an int ≥ {least} ({unit}).")
+
+
+def check_fraction(name: str, value: object, interval: str) -> None:
+    """`ConfigError` unless `value` is a number in `interval` ("[0, 1]", "(0, 1]" or "[0, 1)")."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number and 0 <= value <= 1 and not (interval[0] == "(" and value == 0) and not (interval[-1] == ")" and value == 1):
+        return
+    raise ConfigError(f"{name}={value!r}: must be a number in {interval}.")
+
+
 class UnsupportedModelError(MiraError, ValueError):
     """The model has no adapter, no sparse-MoE block, or an expert layout mira-hf cannot serve."""
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, check_count, check_fraction
 
 
 @dataclass(frozen=True)
@@ -48,15 +48,12 @@ class HeatConfig:
 
     def __post_init__(self) -> None:
         for name in ("activation_gain", "window_gain", "used_prefetch_gain", "wasted_prefetch_penalty"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-                raise ConfigError(f"HeatConfig.{name}={value!r}: must be a number in [0, 1] (a change of a score in [0, 1]).")
+            check_fraction(f"HeatConfig.{name}", getattr(self, name), "[0, 1]")  # a change of a score in [0, 1]
         if self.clock not in ("steps", "wall"):
             raise ConfigError(f"HeatConfig.clock={self.clock!r}: supported are 'steps' and 'wall'.")
         if not 0 < self.decay_per_period <= 1:
             raise ConfigError(f"HeatConfig.decay_per_period={self.decay_per_period}: must be in (0, 1].")
-        if isinstance(self.window_periods, bool) or not isinstance(self.window_periods, int) or self.window_periods < 1:
-            raise ConfigError(f"HeatConfig.window_periods={self.window_periods!r}: must be an int ≥ 1.")
+        check_count("HeatConfig.window_periods", self.window_periods, 1, "periods per counting window")
         if not self.period_s > 0 or self.period_s == float("inf"):
             raise ConfigError(f"HeatConfig.period_s={self.period_s!r}: must be a number of seconds > 0.")
         if not 0 <= self.hot_threshold <= 1:

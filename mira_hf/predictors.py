@@ -133,7 +133,7 @@ class GatePredictor:
     Where every target's router is one linear map (`router_probs.linear(layer)`, a wrapped model's
     `RouterTable`), a decode step costs one matmul per target, a concatenation and one device→host
     copy into a pinned buffer kept per layer; the scoring and the union over tokens run on the host
-    (`HostScores`) once the proxy's sync has brought the logits. On a model whose copies take
+    (`host_scores`) once the proxy's sync has brought the logits. On a model whose copies take
     microseconds, host time per block is its decode speed (benchmarks/NOTES.md, "Launch-bound decode")."""
 
     name = "gate"
@@ -194,7 +194,7 @@ class GatePredictor:
             parts = [r.logits(hidden) for r in routers]  # [T, E_t] each
             if hidden.shape[0] <= HOST_SCORING_TOKENS:
                 flat = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [T, ΣE]
-                return HostScores(targets, scorers, self._to_host(layer, flat))
+                return host_scores(targets, scorers, self._to_host(layer, flat))
             probs = [r.probs_from(logits) for r, logits in zip(routers, parts)]
         else:
             targets = self._targets(layer)
@@ -217,7 +217,7 @@ class GatePredictor:
 
     def _plan(self, layer: int) -> tuple | None:
         """The targets of `layer`, their routers as linear maps, and per target the router with its selection
-        bias on the host and its `RankCalibration` (what `HostScores` scores with). None: no target, or some router is not
+        bias on the host and its `RankCalibration` (what `host_scores` scores with). None: no target, or some router is not
         one linear map."""
         if layer not in self._plans:
             targets = self._targets(layer)
@@ -336,34 +336,21 @@ class Deferred(Mapping):
         return len(self._get())
 
 
-class HostScores(Mapping):
-    """`{target layer: [E] probability of use}` from the concatenated router logits of the targets for
-    the block's tokens (`host [T, ΣE]`), scored on the host when first read, as the device path scores:
-    each target's router scoring (`RouterLinear.probs_from`), then its `RankCalibration`. Read only after
-    the device→host copy is done (the proxy's sync). `scorers`: per target, its router (selection bias on
-    the host) and calibration."""
+def host_scores(targets: list[int], scorers: list[tuple], host: torch.Tensor) -> Deferred:
+    """`{target layer: [E] probability of use}` from the concatenated router logits of the targets for the block's
+    tokens (`host [T, ΣE]`), scored on the host when first read, as the device path scores: each target's router
+    scoring (`RouterLinear.probs_from`), then its `RankCalibration`. Read only after the device→host copy is done
+    (the proxy's sync). `scorers`: per target, its router (selection bias on the host) and calibration."""
 
-    def __init__(self, targets: list[int], scorers: list[tuple], host: torch.Tensor) -> None:
-        self._targets, self._scorers, self._host = targets, scorers, host
-        self._values: dict[int, torch.Tensor] | None = None
+    def scores() -> dict[int, torch.Tensor]:
+        values, start = {}, 0
+        for target, (router, calibration) in zip(targets, scorers):
+            E = router.weight.shape[0]
+            values[target] = calibration.probabilities(router.probs_from(host[:, start : start + E]))
+            start += E
+        return values
 
-    def _scores(self) -> dict[int, torch.Tensor]:
-        if self._values is None:
-            self._values, start = {}, 0
-            for target, (router, calibration) in zip(self._targets, self._scorers):
-                E = router.weight.shape[0]
-                self._values[target] = calibration.probabilities(router.probs_from(self._host[:, start : start + E]))
-                start += E
-        return self._values
-
-    def __getitem__(self, target: int) -> torch.Tensor:
-        return self._scores()[target]
-
-    def __iter__(self):
-        return iter(self._targets)
-
-    def __len__(self) -> int:
-        return len(self._targets)
+    return Deferred(scores)
 
 
 class MarkovPredictor:

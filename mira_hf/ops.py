@@ -3,7 +3,7 @@
 A proxy cannot be traced: it syncs with the host to learn which experts a block needs, and its manager
 holds state (cache slots, copies in flight, counters) that a graph must not capture. Under compilation
 each proxy's forward is one call of a custom operator instead; the operator's real implementation finds
-the proxy through an integer handle (a graph holds integers, not modules) and runs it eagerly. Its fake
+the proxy through a handle (a graph holds tensors, not modules) and runs it eagerly. Its fake
 implementation gives the output's shape and dtype: those of the hidden states. Tagged
 `cudagraph_unsafe`: a CUDA graph cannot replay host syncs and copies whose targets change every step, so
 Inductor leaves graphs holding the operator out of CUDA-graph capture ("reduce-overhead" still compiles).
@@ -25,17 +25,19 @@ _handles = itertools.count()
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
-def register(proxy: nn.Module) -> int:
-    """A handle for `proxy` (held weakly: an unloaded model's proxies go away with it)."""
+def register(proxy: nn.Module) -> torch.Tensor:
+    """A handle for `proxy` (held weakly: an unloaded model's proxies go away with it): a 0-dim int64 tensor on
+    the CPU, which a graph takes as an input like any tensor, where it would take an integer as a constant and
+    specialize on it: the decoder layers compiled one by one (`layer.compile()`) then share one graph."""
     handle = next(_handles)
     _proxies[handle] = proxy
-    return handle
+    return torch.tensor(handle)
 
 
-def _served(handle: int, autocast_dtype: torch.dtype | None, hidden_states: torch.Tensor, *routing) -> torch.Tensor:
+def _served(handle: torch.Tensor, autocast_dtype: torch.dtype | None, hidden_states: torch.Tensor, *routing) -> torch.Tensor:
     """The proxy's `serve(hidden_states, *routing)`, under the caller's autocast where it ran under one (a compiled
     graph calls the operators outside it), one block at a time (a graph runs without the step hooks)."""
-    proxy = _proxies[handle]
+    proxy = _proxies[int(handle)]  # a CPU scalar: no device sync
     with proxy.manager.block_outside_step():
         if autocast_dtype is None:
             return proxy.serve(hidden_states, *routing)
@@ -45,7 +47,7 @@ def _served(handle: int, autocast_dtype: torch.dtype | None, hidden_states: torc
 
 @torch.library.custom_op("mira::experts", mutates_args=(), tags=_TAGS)
 def experts(
-    handle: int,
+    handle: torch.Tensor,
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
@@ -58,19 +60,19 @@ def experts(
 
 
 @experts.register_fake
-def _(handle: int, hidden_states: torch.Tensor, *routing_and_autocast) -> torch.Tensor:
+def _(handle: torch.Tensor, hidden_states: torch.Tensor, *routing_and_autocast) -> torch.Tensor:
     return torch.empty_like(hidden_states)
 
 
 @torch.library.custom_op("mira::scaled_experts", mutates_args=(), tags=_TAGS)
-def scaled_experts(handle: int, hidden_states: torch.Tensor, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+def scaled_experts(handle: torch.Tensor, hidden_states: torch.Tensor, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`MiraScaledExperts.serve`: input-scaled rows [E*T, H] -> [E*T, H]. `autocast_dtype`: the caller's autocast,
     whose dtype the experts' matmuls give, as the module's `bmm` does under autocast."""
     return _served(handle, autocast_dtype, hidden_states)
 
 
 @scaled_experts.register_fake
-def _(handle: int, hidden_states: torch.Tensor, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _(handle: torch.Tensor, hidden_states: torch.Tensor, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
     return torch.empty_like(hidden_states, dtype=autocast_dtype or hidden_states.dtype)
 
 

@@ -63,6 +63,24 @@ def test_compiled_forward_matches_eager(tiny_checkpoint, name, fullgraph):
     assert torch.equal(compiled.generate(IDS, **GEN), ref.generate(IDS, **GEN))
 
 
+def test_decoder_layers_compiled_one_by_one_share_one_graph(tiny_checkpoint):
+    """`layer.compile()` on each decoder layer: the layers' proxies reach the operator through handles the graph takes
+    as inputs, so every layer runs the one graph the unwrapped model's layers share (a handle the compiler took as a
+    constant would make one graph per MoE layer, and past its recompile limit the rest would run uncompiled)."""
+    from torch._dynamo.utils import counters
+
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path)
+    with torch.no_grad():
+        expected = ref(IDS, use_cache=False).logits
+        counters.clear()
+        for layer in model.model.layers:
+            layer.compile(fullgraph=True, backend="aot_eager")
+        got = [model(IDS, use_cache=False).logits for _ in range(2)]
+    assert len(model.model.layers) > 1 and counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(got[0], expected) and torch.equal(got[1], expected)
+
+
 @pytest.mark.parametrize(
     "name, backend",
     [("mixtral", "aot_eager"), pytest.param("mixtral", "inductor", marks=pytest.mark.slow)]

@@ -215,3 +215,36 @@ def test_a_compiled_model_counts_every_forward_step(tiny_checkpoint):
                 run(IDS)
         counts.append((model.mira.stats()["steps"], len(model.mira.hit_rate_history())))
     assert counts == [(3, 3), (3, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_generate_compiled_as_transformers_compiles_it_gives_the_compiled_unwrapped_tokens(tiny_checkpoint, dtype):
+    """generate's compilation with its default mode ("reduce-overhead": CUDA graphs around the experts operators, which
+    stay out of capture) and a static cache, on CUDA: the tokens of the unwrapped model compiled the same way, steps
+    after the first replaying the captured graphs; and decoder layers compiled one by one share one graph there too."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    path = tiny_checkpoint("mixtral")
+    ids = IDS.cuda()
+    ref = load_reference(path, dtype).cuda()
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.5), dtype=dtype, progress=False).eval()
+    kw = dict(
+        GEN, max_new_tokens=10, min_new_tokens=10, cache_implementation="static", compile_config=CompileConfig(fullgraph=True)
+    )
+    expected = ref.generate(ids, **kw)
+    torch._dynamo.reset()
+    assert torch.equal(model.generate(ids, **kw), expected)
+    assert torch.equal(model.generate(ids, **kw), expected)  # a new sequence through the compiled step
+    assert hasattr(model, "_compiled_call")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(ids, use_cache=False).logits
+        counters.clear()
+        for layer in model.model.layers:
+            layer.compile(fullgraph=True)
+        got = [model(ids, use_cache=False).logits for _ in range(2)]
+    assert counters["stats"]["unique_graphs"] == 1 and torch.equal(got[0], got[1])
+    assert (got[0] - eager).abs().max() <= (1e-4 if dtype == torch.float32 else 5e-2)  # Inductor's rounding

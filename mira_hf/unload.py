@@ -61,11 +61,17 @@ def save_pretrained(model: nn.Module, save_directory, **kwargs):
         warnings.simplefilter("ignore")
         views = model.state_dict()
     state = dict(views)
+    # Where each proxy sits now, as `state_dict()` names it: a layer removed or moved since wrapping (layer pruning)
+    # takes its experts with it, and a proxy no longer in the model writes nothing.
+    where: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        where.setdefault(id(module), []).append(name)
     for t in model._mira_targets:  # one tensor of its own each (views of raw records share their slab)
         E = model.mira.store.num_experts(t.ordinal)
-        for n, tensor in model.mira.whole.fused(t.ordinal).items():
-            paths, parts = t.layout.paths(n, E), separate(t.layout.parts(n, tensor))
-            state.update((f"{t.name}.{path}", part) for path, part in zip(paths, parts))
+        for prefix in where.get(id(getattr(t.parent, t.attr)), ()):
+            for n, tensor in model.mira.whole.fused(t.ordinal).items():
+                paths, parts = t.layout.paths(n, E), separate(t.layout.parts(n, tensor))
+                state.update((f"{prefix}.{path}", part) for path, part in zip(paths, parts))
     if given is not None:
         state = {k: state[k] if k in views and _same_view(v, views[k]) else v for k, v in given.items()}
     return type(model).save_pretrained(model, save_directory, state_dict=state, **kwargs)

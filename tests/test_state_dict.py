@@ -418,3 +418,30 @@ def test_an_moe_block_called_on_its_own_computes_with_its_experts_as_edited(tiny
                 for m in (ref, model):
                     _experts_of(m, 1).gate_up_proj.mul_(-2)
             assert torch.equal(model.model.layers[layer].mlp(x)[0], ref.model.layers[layer].mlp(x)[0])
+
+
+@pytest.mark.parametrize("edit", ["drop-middle", "drop-last", "reverse"])
+def test_save_pretrained_after_layers_are_removed_or_moved_writes_what_the_unwrapped_model_writes(tmp_path, edit):
+    """Layer pruning and reordering after wrapping: each proxy's experts go where the proxy now sits, and a layer no
+    longer in the model writes nothing (a checkpoint keyed by the paths at wrapping would hold other layers' experts)."""
+    from safetensors.torch import load_file
+
+    from mira_hf.testing import build, tiny_config
+
+    def edited(model):
+        layers = list(model.model.layers)
+        kept = {"drop-middle": layers[:1] + layers[2:], "drop-last": layers[:-1], "reverse": layers[::-1]}[edit]
+        model.model.layers = torch.nn.ModuleList(kept)
+        model.config.num_hidden_layers = len(kept)
+        return model
+
+    config = tiny_config("mixtral")
+    config.num_hidden_layers = 3
+    torch.manual_seed(0)
+    ref = build(config).eval()
+    torch.manual_seed(0)
+    model = MiraMoEModel.wrap(build(config).eval(), MiraConfig(gpu_budget=0.5, device="cpu"))
+    edited(ref).save_pretrained(tmp_path / "ref")
+    edited(model).save_pretrained(tmp_path / "wrapped")
+    expected, got = load_file(tmp_path / "ref" / "model.safetensors"), load_file(tmp_path / "wrapped" / "model.safetensors")
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)

@@ -391,7 +391,7 @@ class MoEAdapter:
         only to *predict* experts (never to route), so an approximation costs bandwidth, not correctness."""
         router = self.router(block)
         weight = None if router is None else _get_path(router, self.router_weight_attr)
-        if weight is None:
+        if not (isinstance(weight, torch.Tensor) and weight.dim() == 2):  # a quantized Linear's `weight` is a method
             return None
         return RouterLinear(
             weight, getattr(router, "bias", None), self.scoring(router), getattr(router, "e_score_correction_bias", None)

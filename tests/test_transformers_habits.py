@@ -647,3 +647,22 @@ def test_an_experts_modules_attributes_read_as_on_the_unwrapped_model(name):
         assert public and all(getattr(proxy, k) == v for k, v in public.items()), path
     with pytest.raises(AttributeError, match="no attribute 'not_an_attribute'"):
         next(iter(proxies.values())).not_an_attribute  # noqa: B018
+
+
+@pytest.mark.parametrize("name", ["jetmoe", "dbrx", "switch_transformers"])
+def test_routers_quantized_dynamically_after_wrapping_are_served_as_the_unwrapped_model_is(name):
+    """`torch.ao.quantization.quantize_dynamic(model, {nn.Linear})`, a CPU inference habit, turns these families' router
+    `nn.Linear` into a quantized one whose `weight` is a method: prediction, which reads a router's weight matrix, does
+    without it, and the model generates what the unwrapped one quantized the same way does."""
+    from mira_hf.testing import build
+
+    def quantized(model):
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+
+    torch.manual_seed(0)
+    ref = quantized(build(config_or_skip(name)).eval())
+    torch.manual_seed(0)
+    model = quantized(MiraMoEModel.wrap(build(config_or_skip(name)).eval(), MiraConfig(gpu_budget=0.25, device="cpu")))
+    ids = torch.tensor([[5, 9, 14, 33, 60, 71, 80, 2]])
+    kw = dict(max_new_tokens=5, do_sample=False)
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))

@@ -248,3 +248,18 @@ def test_on_cuda_generate_compiled_as_transformers_compiles_it_gives_the_compile
         got = [model(ids, use_cache=False).logits for _ in range(2)]
     assert counters["stats"]["unique_graphs"] == 1 and torch.equal(got[0], got[1])
     assert (got[0] - eager).abs().max() <= (1e-4 if dtype == torch.float32 else 5e-2)  # Inductor's rounding
+
+
+def test_generate_compiling_its_decode_steps_still_starts_each_sequence_at_its_prompt(tiny_checkpoint, monkeypatch):
+    """generate runs a prompt's forward eagerly and compiles the decode steps: the prompt's step hooks run, so each
+    generate call starts a sequence (the predictor's restart, the heat's prompt seeding) as an eager one does."""
+    from transformers import CompileConfig
+
+    model = _wrapped(tiny_checkpoint("mixtral"))
+    starts = []
+    monkeypatch.setattr(model.mira.staging, "new_sequence", lambda: starts.append(1))
+    config = CompileConfig(fullgraph=True, backend="aot_eager")
+    config._compile_all_devices = True  # generate compiles on CUDA only unless told otherwise
+    for _ in range(2):
+        model.generate(IDS, **GEN, cache_implementation="static", compile_config=config)
+    assert hasattr(model, "_compiled_call") and len(starts) == 2

@@ -115,12 +115,14 @@ class MiraMoEModel:
                 f"given {type(name_or_path).__name__}.{wrap if isinstance(name_or_path, nn.Module) else ''}"
             )
         cfg = config_from_arguments(mira_config, hf_kwargs, "MiraMoEModel.from_pretrained")
-        if "device_map" in hf_kwargs:
-            cfg = dataclasses.replace(cfg, device=device_from_map(hf_kwargs.pop("device_map"), cfg.device))
+        # accelerate's placement keywords; None is transformers' default (which wrappers pass on): not given
+        placement = {name: hf_kwargs.pop(name, None) for name in ("device_map", *_PLACEMENT_KWARGS)}
+        if placement["device_map"] is not None:
+            cfg = dataclasses.replace(cfg, device=device_from_map(placement["device_map"], cfg.device))
         for name, instead in _PLACEMENT_KWARGS.items():
-            if name in hf_kwargs:  # transformers would ignore them without a device_map; the user meant a limit
+            if placement[name] is not None:  # transformers would ignore them without a device_map; the user meant a limit
                 raise ConfigError(
-                    f"{name}={hf_kwargs[name]!r} was given: it is accelerate's offloading limit, which mira-hf does not "
+                    f"{name}={placement[name]!r} was given: it is accelerate's offloading limit, which mira-hf does not "
                     f"use (it keeps non-expert weights on one device and the routed experts in host memory). {instead}"
                 )
         device = _resolve_device(cfg.device)

@@ -348,6 +348,17 @@ def test_accelerate_offloading_limits_are_refused_with_what_sets_them(tmp_path, 
         MiraMoEModel.from_pretrained(tmp_path / "absent", device_map="auto", progress=False, **kwargs)
 
 
+def test_placement_keywords_left_at_transformers_defaults_are_not_given(tiny_checkpoint):
+    """Wrappers pass transformers' defaults on (`device_map=None, max_memory=None, offload_folder=None`): as absent."""
+    path = tiny_checkpoint("mixtral")
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5)
+    ref = MiraMoEModel.from_pretrained(path, cfg, progress=False)
+    model = MiraMoEModel.from_pretrained(path, cfg, device_map=None, max_memory=None, offload_folder=None, progress=False)
+    assert model.device.type == "cpu"
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+
+
 def test_a_device_map_naming_another_device_than_the_config_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"names cuda:0, but MiraConfig\(device='cpu'\)"):
         MiraMoEModel.from_pretrained(tmp_path / "absent", MiraConfig(device="cpu"), device_map=0, progress=False)

@@ -560,9 +560,10 @@ def is_model_class(cls) -> bool:
 
 def read_config(name_or_path, hf_kwargs: dict, model_class: type):
     """The config `model_class.from_pretrained(name_or_path, **hf_kwargs)` builds its model with: a copy of the
-    config object given as `config`, else the config read from `config` (a path) or from the checkpoint, with the
-    model class's own config class (whatever model type the file names) or, for an auto class, as `AutoConfig`
-    reads it, and the keywords that name its attributes set on it (`config_overrides`)."""
+    config object given as `config`, else the config read from `config` (a path, which only a model class reads:
+    `MiraMoEModel.from_pretrained` drops it for an auto class, as the auto class ignores it) or from the checkpoint,
+    with the model class's own config class (whatever model type the file names) or, for an auto class, as
+    `AutoConfig` reads it, and the keywords that name its attributes set on it (`config_overrides`)."""
     from transformers import AutoConfig, PretrainedConfig
 
     given = hf_kwargs.get("config")

@@ -139,6 +139,8 @@ class MiraMoEModel:
         # what serves its experts, and the class transformers builds for it: both checked before any weight is read
         adapter = resolve_adapter(config_dict.get("model_type"), cfg, remote, sub_model_types(config_dict))
         model_class = model_class_of(config_dict, model_class, remote)
+        if not is_model_class(model_class) and isinstance(hf_kwargs.get("config"), (str, os.PathLike)):
+            del hf_kwargs["config"]  # an auto class ignores a path given as config: it reads the checkpoint's config.json
         if remote:  # the checkpoint's own code: where its experts cannot be served, say so before loading its weights
             skeleton = own_code_skeleton(name_or_path, model_class, hf_kwargs)
             if skeleton is not None:

@@ -591,3 +591,23 @@ def test_torch_dtype_is_taken_as_dtype(tiny_checkpoint, tmp_path):
         assert model.dtype == torch.bfloat16
         with torch.no_grad():
             assert torch.equal(model(IDS).logits, ref(IDS).logits)
+
+
+def test_a_config_path_is_read_as_the_class_loading_it_reads_it(tiny_checkpoint, tmp_path):
+    """`config=<path>`: the auto class ignores it (it reads the checkpoint's config.json), a model class reads its
+    config from there; whole, streamed and host-budget loads build the model transformers builds for the same call."""
+    from transformers import AutoConfig, AutoModelForCausalLM, MixtralForCausalLM
+
+    path, other = tiny_checkpoint("mixtral"), str(tmp_path / "config")
+    config = AutoConfig.from_pretrained(path)
+    config.num_experts_per_tok = 1
+    config.save_pretrained(other)
+    host_budget = dict(host_budget="100KB", offload_dir=str(tmp_path / "offload"))
+    for cls in (AutoModelForCausalLM, MixtralForCausalLM):
+        ref = cls.from_pretrained(path, config=other).eval()
+        for kw in (dict(loader=WHOLE), dict(loader=STREAM), host_budget):
+            cfg = MiraConfig(device="cpu", gpu_budget=0.5, **kw)
+            model = MiraMoEModel.from_pretrained(path, cfg, model_class=cls, config=other, progress=False).eval()
+            assert model.config.num_experts_per_tok == ref.config.num_experts_per_tok
+            with torch.no_grad():
+                assert torch.equal(model(IDS).logits, ref(IDS).logits)

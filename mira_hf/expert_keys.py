@@ -14,6 +14,7 @@ import torch
 
 from model_adapters import MoEAdapter
 
+from .errors import CheckpointError
 from .shards import NotStreamable, ShardIndex
 
 KeysFn = Callable[[str, str], "tuple[str, ...] | None"]  # (module path, fused tensor name) -> key templates
@@ -29,7 +30,9 @@ def key_candidates(
     """Checkpoint layouts to try, in order: the adapter's tables (or, without any, the keys transformers' own
     renaming gives the fused expert tensors of `modules`, `name -> {tensor: meta tensor [E, ...]}`), then the
     fused in-memory names. With from_pretrained's `key_mapping` (regex -> replacement, applied to the checkpoint's
-    keys), the keys transformers' renaming gives with it come first: the tables name keys as the family stores them."""
+    keys), the keys transformers' renaming gives with it come first: the tables name keys as the family stores them.
+    Raises `CheckpointError` where a layout finds more experts in the checkpoint than the config gives a module
+    (`_refuse_extra_experts`): before any module's keys are planned, so before any expert is read."""
     found: list[tuple[str, KeysFn]] = [(f"{adapter.name} table", k.keys) for k in adapter.checkpoint_keys]
     if not found or key_mapping:
         targets = {f"{name}.{tensor}": t for name, tensors in modules.items() for tensor, t in tensors.items()}
@@ -37,7 +40,28 @@ def key_candidates(
         if derived is not None:
             found.insert(0, ("transformers' key renaming" + (" with key_mapping" if key_mapping else ""), derived))
     found.append(("fused in-memory names", lambda path, tensor: (f"{path}.{tensor}",)))
+    for _, keys in found:
+        _refuse_extra_experts(index, modules, keys)
     return found
+
+
+def _refuse_extra_experts(index: ShardIndex, modules: dict[str, dict[str, torch.Tensor]], keys: KeysFn) -> None:
+    """Raise `CheckpointError` where the checkpoint holds, under the per-expert key templates `keys` gives, expert E
+    of a module whose config gives it E experts (`modules`: name -> {tensor: meta tensor [E, ...]}): transformers
+    refuses such a checkpoint (the stacked tensor does not fit), and reading experts 0..E-1 alone would serve
+    another model than the checkpoint's. Looks at the keys alone: no shard needs to have arrived."""
+    for name, tensors in modules.items():
+        for tensor, meta in tensors.items():
+            templates, E = keys(name, tensor) or (), meta.shape[0]
+            if isinstance(templates, Offset):  # one list dealt out to several modules: the next keys are another's
+                continue
+            extra = next((t.format(e=E) for t in templates if "{e}" in t and t.format(e=E) in index.entries), None)
+            if extra is not None:
+                raise CheckpointError(
+                    f"{index.where}: the checkpoint holds expert {E} of {name} ({extra}), but its config gives that "
+                    f"layer {E} experts (0..{E - 1}); transformers refuses it too. Give the config.json these weights "
+                    "were saved with, or remove the extra experts' tensors (nothing was loaded)."
+                )
 
 
 class Rearranged(tuple):

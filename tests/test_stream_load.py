@@ -191,6 +191,33 @@ def test_broken_shard_gives_a_checkpoint_error_before_loading(tmp_path, damage):
     assert not offload.exists()
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(host_budget="1MB"), dict(output_router_logits=False)],  # the last: the model built first (no skeleton)
+    ids=["stream_experts", "host_budget", "model_first"],
+)
+def test_an_expert_past_the_configs_count_is_refused_before_loading(tiny_checkpoint, tmp_path, monkeypatch, kw):
+    """A per-expert checkpoint holding expert E where its config gives E experts: transformers refuses it (the
+    stacked tensor does not fit), and a streamed load too, before any expert is read, naming the layer, the expert
+    and the config's count, rather than reading experts 0..E-1 alone."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_checkpoint("mixtral"), tmp_path / "ckpt")
+    weights = load_file(tmp_path / "ckpt" / "model.safetensors")
+    last = "model.layers.1.block_sparse_moe.experts"
+    for w in ("w1", "w2", "w3"):
+        weights[f"{last}.8.{w}.weight"] = weights[f"{last}.7.{w}.weight"] * 2
+    save_file(weights, tmp_path / "ckpt" / "model.safetensors", metadata={"format": "pt"})
+    order = _record_order(monkeypatch)
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=STREAM, offload_dir=str(tmp_path / "off"))
+    says = r"holds expert 8 of model\.layers\.1\..*config gives that layer 8 experts \(0\.\.7\)"
+    with pytest.raises(CheckpointError, match=says):
+        MiraMoEModel.from_pretrained(
+            tmp_path / "ckpt", cfg.replace(host_budget=kw.pop("host_budget", None)), progress=False, **kw
+        )
+    assert "experts" not in order and not (tmp_path / "off").exists()
+
+
 # -- peak host memory ---------------------------------------------------------------------------------------
 _MEASURE = (
     PEAK_ANON_SOURCE

@@ -236,9 +236,11 @@ def streaming_index(
     host_budget_set: bool,
     encoded: bool = False,
     quantization_config: dict | None = None,
-) -> tuple[ShardIndex | None, bool]:
+) -> tuple[ShardIndex | None, bool, dict]:
     """Whether the experts are streamed: (the checkpoint's `ShardIndex` if so, else None; whether streaming is
-    wanted, so that `load_model` warns or raises where it proves impossible).
+    wanted, so that `load_model` warns or raises where it proves impossible; the keywords transformers then
+    loads with: `hf_kwargs`, without `force_download` once the index has downloaded the weight files again, so
+    that each is downloaded once per load, as transformers' own load does).
 
     Streaming is used when `stream_experts` is True, or when it is None (auto) and a host budget is set,
     the checkpoint is larger than the available host memory or it is pre-quantized in a format served in
@@ -250,19 +252,23 @@ def streaming_index(
     whenever the checkpoint allows, else loaded whole without a warning.
     """
     if stream_experts is False:
-        return None, False
+        return None, False, hf_kwargs
     wanted = bool(stream_experts) or host_budget_set
     try:
         native = native_codec_name(quantization_config)
         index = ShardIndex.find(name_or_path, hf_kwargs)
+        fetched = {k: v for k, v in hf_kwargs.items() if k != "force_download"}
         available = available_host_bytes()
         wanted = wanted or native is not None or (available is not None and index.nbytes > available)
         if wanted or encoded:
-            return index, wanted
+            return index, wanted, fetched
+        if hf_kwargs.get("force_download"):  # loaded whole: transformers reads the shards once all are downloaded
+            index.wait_all()
+        return None, wanted, fetched
     except NotStreamable as exc:
         if wanted or quantization_config is not None:
             _cannot_stream(name_or_path, exc, None, bool(stream_experts))
-    return None, wanted
+    return None, wanted, hf_kwargs
 
 
 def load_model(
@@ -280,6 +286,7 @@ def load_model(
     `config_json`: the checkpoint's config.json; `model_class`: the class to load it as (`model_class_of`)."""
     quantization_config = config_json.get("quantization_config")
     if index is not None:
+        index.wait_all()  # every shard is there before transformers looks for them: it downloads none again
         try:
             return load_without_experts(name_or_path, adapter, index, hf_kwargs, bool(stream_experts), model_class)
         except NotStreamable as exc:
@@ -471,7 +478,6 @@ def load_without_experts(
                 for n in tensors:
                     layout.put(module, n, None)
 
-    index.wait_all()  # every shard is there before transformers looks for them: it downloads none again
     # A subclass for this one load, so no transformers class is touched; the model gets its own class back.
     namespace = {"__init__": __init__, "_initialize_missing_keys": _initialize_missing_keys}
     namespace |= {"__module__": base.__module__, "__qualname__": base.__qualname__}

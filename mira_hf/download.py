@@ -2,8 +2,9 @@
 worker, in the index's order, each one usable as soon as it has landed.
 
 `ShardArrivals(repo_id, filenames, hf_kwargs)` starts the downloads (`huggingface_hub.hf_hub_download`,
-honouring `revision`, `token`, `cache_dir`, `subfolder`, `local_files_only` and `HF_HUB_OFFLINE` as
-transformers does); files already in the cache arrive at once, without a download. `wait(name)` gives
+honouring `revision`, `token`, `cache_dir`, `subfolder`, `local_files_only`, `force_download` and
+`HF_HUB_OFFLINE` as transformers does); files already in the cache arrive at once, without a download
+(with `force_download`, each is downloaded again, once). `wait(name)` gives
 one file's local path as soon as it is there. A file the repository lacks (or, with downloads off, the
 cache lacks) is None; any other failure is raised by the `wait` that needs that file. `ArrivedFiles` is
 the same for files already on disk (a local directory), each one there from the start.
@@ -15,7 +16,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 # The hub kwargs of transformers' from_pretrained that locate a file (the rest do not concern downloads).
-HUB_KWARGS = ("revision", "cache_dir", "local_files_only", "token", "subfolder")
+HUB_KWARGS = ("revision", "cache_dir", "local_files_only", "token", "subfolder", "force_download")
 DEFAULT_WORKERS = 8  # files downloaded at once (transformers' default for a model's shards)
 
 

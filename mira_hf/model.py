@@ -157,7 +157,7 @@ class MiraMoEModel:
         report = LoadReport()
         quantization_config = config_dict.get("quantization_config")
         with _checkpoint_errors(name_or_path):
-            index, wanted = streaming_index(
+            index, wanted, hf_kwargs = streaming_index(
                 name_or_path,
                 hf_kwargs,
                 cfg.loader.stream_experts,
@@ -491,7 +491,8 @@ def _resolve_device(name: str | None) -> torch.device:
 
 
 def _config_kwargs(hf_kwargs: dict) -> dict:
-    return {k: hf_kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token", "subfolder") if k in hf_kwargs}
+    names = ("revision", "cache_dir", "local_files_only", "token", "subfolder", "force_download")
+    return {k: hf_kwargs[k] for k in names if k in hf_kwargs}
 
 
 def _find_targets(model: nn.Module, adapter: MoEAdapter, streamed: dict | None, remote: bool) -> list:

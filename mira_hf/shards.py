@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .download import ArrivedFiles, ShardArrivals, offline
+from .download import HUB_KWARGS, ArrivedFiles, ShardArrivals, offline
 from .errors import CheckpointError
 
 # safetensors dtype names (header strings) -> torch dtypes.
@@ -166,6 +166,8 @@ class ShardIndex:
         downloads = not (local or hf_kwargs.get("local_files_only") or offline())
         if downloads and weight_map is not None:
             arrivals = ShardArrivals(str(name_or_path), names, hf_kwargs)
+        elif weight_map is None:
+            arrivals = ArrivedFiles({names[0]: single})  # resolved once (with force_download, downloaded once)
         else:
             arrivals = ArrivedFiles({name: _resolve(name_or_path, name, hf_kwargs) for name in names})
         if weight_map is None and arrivals.wait(names[0]) is None:
@@ -257,7 +259,7 @@ def _resolve(name_or_path, filename: str, hf_kwargs: dict) -> str | None:
         return path if os.path.isfile(path) else None
     from transformers.utils import cached_file
 
-    kwargs = {k: hf_kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token") if k in hf_kwargs}
+    kwargs = {k: hf_kwargs[k] for k in HUB_KWARGS if k != "subfolder" and k in hf_kwargs}
     try:
         return cached_file(
             name_or_path,

@@ -122,6 +122,24 @@ def test_a_shard_that_fails_to_download_is_a_clear_error(hub, tmp_path):
         _load(tmp_path)
 
 
+@pytest.mark.parametrize("stream_experts", [True, None], ids=["streamed", "auto"])
+def test_force_download_downloads_each_file_again_once(hub, sharded, tmp_path, stream_experts):
+    """`force_download=True`, as in transformers: the files already in the cache (here a damaged shard) are
+    downloaded again, each once per load (not again by transformers' part of the load), and the load is the model."""
+    _load(tmp_path)
+    shard = "model-00003-of-00012.safetensors"
+    (blob,) = {os.path.realpath(p) for p in tmp_path.glob(f"models--*/snapshots/*/{shard}")}
+    with open(blob, "r+b") as f:
+        f.truncate(os.path.getsize(blob) // 2)
+    hub.served.clear()
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=stream_experts))
+    model = MiraMoEModel.from_pretrained(REPO, cfg, progress=False, cache_dir=str(tmp_path), force_download=True)
+    with open(os.path.join(sharded[0], "model.safetensors.index.json")) as f:
+        assert sorted(_shards(hub)) == sorted(set(json.load(f)["weight_map"].values()))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(IDS).logits, sharded[1])
+
+
 def test_local_files_only_with_a_shard_not_in_the_cache_says_it_is_missing(hub, sharded, tmp_path):
     _load(tmp_path)  # everything in the cache
     shard = "model-00003-of-00012.safetensors"

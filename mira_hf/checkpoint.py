@@ -280,9 +280,10 @@ def load_model(
     stream_experts: bool | None,
     config_json: dict,
     model_class: type,
-) -> tuple[torch.nn.Module, StreamedExperts | None]:
+) -> tuple[torch.nn.Module, StreamedExperts | None, dict]:
     """Load the model for wrapping: without its routed experts when they are streamed (`index`, from
-    `streaming_index`; the second value says where to read them), else whole through transformers (`None`).
+    `streaming_index`; the second value says where to read them), else whole through transformers (`None`); the
+    third is the loading info transformers reports (`output_loading_info`), the streamed experts in no list.
     `config_json`: the checkpoint's config.json; `model_class`: the class to load it as (`model_class_of`)."""
     quantization_config = config_json.get("quantization_config")
     if index is not None:
@@ -294,7 +295,14 @@ def load_model(
                 _cannot_stream(name_or_path, exc, None, bool(stream_experts))
     if quantization_config is not None and _is_native(quantization_config):
         hf_kwargs = dequantizing(read_config(name_or_path, hf_kwargs, model_class), hf_kwargs)
-    return model_class.from_pretrained(name_or_path, **hf_kwargs), None
+    model, info = _from_pretrained(model_class, name_or_path, hf_kwargs)
+    return model, None, info
+
+
+def _from_pretrained(cls, name_or_path, hf_kwargs: dict) -> tuple[torch.nn.Module, dict]:
+    """`cls.from_pretrained(name_or_path, **hf_kwargs)` and the loading info it reports (missing, unexpected and
+    mismatched keys, error messages: what `output_loading_info=True` returns beside the model)."""
+    return cls.from_pretrained(name_or_path, **hf_kwargs, output_loading_info=True)
 
 
 def runs_own_code(config_json: dict, trust_remote_code: bool) -> bool:
@@ -399,9 +407,10 @@ def auto_model_class(model_type: str | None, architectures: list[str] | None = N
 
 def load_without_experts(
     name_or_path, adapter: MoEAdapter, index: ShardIndex, hf_kwargs: dict, explicit: bool, model_class: type
-) -> tuple[torch.nn.Module, StreamedExperts | None]:
+) -> tuple[torch.nn.Module, StreamedExperts | None, dict]:
     """`from_pretrained` without the routed experts, as `model_class` (`model_class_of`) loads it; returns
-    the model and where its experts are.
+    the model, where its experts are and the loading info transformers reports (the experts' keys are not the
+    model's, nor ignored checkpoint keys: in no list).
 
     Raises `NotStreamable` before loading anything when the model class cannot be built this way. If
     the experts modules do not match the checkpoint, the model is loaded whole (see `_cannot_stream`).
@@ -481,12 +490,12 @@ def load_without_experts(
     # A subclass for this one load, so no transformers class is touched; the model gets its own class back.
     namespace = {"__init__": __init__, "_initialize_missing_keys": _initialize_missing_keys}
     namespace |= {"__module__": base.__module__, "__qualname__": base.__qualname__}
-    model = type(base.__name__, (base,), namespace).from_pretrained(name_or_path, **hf_kwargs)
+    model, info = _from_pretrained(type(base.__name__, (base,), namespace), name_or_path, hf_kwargs)
     model.__class__ = base
     if "ignored" in state:
         model._keys_to_ignore_on_load_unexpected = state["ignored"]
     set_partial_block_weights(model, partial, index, block)
-    return model, state.get("experts")
+    return model, state.get("experts"), info
 
 
 # hf_kwargs the skeleton is built with as from_pretrained builds the model (others may change the model or config).

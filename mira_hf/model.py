@@ -106,7 +106,9 @@ class MiraMoEModel:
         would (`AutoModelForImageTextToText` for the whole vision-language model of a checkpoint whose causal-LM
         class is its text decoder alone),
         except `device_map`: mira-hf places weights itself (non-experts on `mira_config.device`, experts in host
-        memory), so a map names that device (`device_from_map`).
+        memory), so a map names that device (`device_from_map`). With `output_loading_info=True`, returns
+        `(model, loading_info)` as transformers does, with the keys transformers reports (streamed experts included
+        as the whole load reports them: in no list).
         """
         if not isinstance(name_or_path, (str, os.PathLike)):
             wrap = " To serve a model already built, call MiraMoEModel.wrap(model, gpu_budget=...)."
@@ -115,6 +117,7 @@ class MiraMoEModel:
                 f"given {type(name_or_path).__name__}.{wrap if isinstance(name_or_path, nn.Module) else ''}"
             )
         cfg = config_from_arguments(mira_config, hf_kwargs, "MiraMoEModel.from_pretrained")
+        output_loading_info = bool(hf_kwargs.pop("output_loading_info", False))
         # accelerate's placement keywords; None is transformers' default (which wrappers pass on): not given
         placement = {name: hf_kwargs.pop(name, None) for name in ("device_map", *_PLACEMENT_KWARGS)}
         if placement["device_map"] is not None:
@@ -166,28 +169,26 @@ class MiraMoEModel:
                 encoded=cfg.quantization not in (None, "auto") or (cfg.quantization == "auto" and device.type == "cuda"),
                 quantization_config=quantization_config,
             )
-        load = functools.partial(
-            load_model,
-            name_or_path,
-            adapter,
-            hf_kwargs,
-            index,
-            wanted,
-            cfg.loader.stream_experts,
-            config_dict,
-            model_class,
-        )
+        loaded = {}
+
+        def load() -> tuple[nn.Module, StreamedExperts | None]:
+            model, streamed, loaded["info"] = load_model(
+                name_or_path, adapter, hf_kwargs, index, wanted, cfg.loader.stream_experts, config_dict, model_class
+            )
+            return model, streamed
+
+        model = None
         if index is not None:
             model = MiraMoEModel._wrap_arriving(
                 name_or_path, adapter, index, hf_kwargs, cfg, device, progress, report, load, model_class
             )
-            if model is not None:
-                return model
-        with report.span("model"), _checkpoint_errors(name_or_path):
-            model, streamed = load()
-        if streamed is not None and streamed.index.download_s:
-            report.add("download", streamed.index.download_s)
-        return MiraMoEModel._wrap(model, cfg, device, progress, streamed, report)
+        if model is None:
+            with report.span("model"), _checkpoint_errors(name_or_path):
+                model, streamed = load()
+            if streamed is not None and streamed.index.download_s:
+                report.add("download", streamed.index.download_s)
+            model = MiraMoEModel._wrap(model, cfg, device, progress, streamed, report)
+        return (model, loaded["info"]) if output_loading_info else model
 
     @staticmethod
     @_builds_normal_tensors

@@ -473,7 +473,7 @@ def test_the_compiled_graphs_operator_runs_the_proxy_it_was_given():
         assert torch.equal(got, proxy(hidden, index, w.bfloat16()))
         assert not torch.equal(got, other(hidden, index, w.bfloat16()))
     with FakeTensorMode() as mode:
-        fake = torch.ops.mira.experts(proxy._handle, mode.from_tensor(hidden), mode.from_tensor(index), mode.from_tensor(w))
+        fake = torch.ops.mira.experts(*map(mode.from_tensor, (proxy._handle, hidden, index, w)))
         assert fake.shape == hidden.shape and fake.dtype == torch.bfloat16
 
 

@@ -134,10 +134,11 @@ def plan_budget(
 ) -> BudgetPlan:
     """Split `budget_bytes` into slots, one pool per distinct record size, in proportion to each
     pool's share of all expert bytes, after taking out the codec's device `buffers` (see
-    `device_buffers`). Below the minimum working set (those buffers plus the top-k experts of one
-    layer in every pool) raises `BudgetError`, unless `round_up_from` gives the fraction the budget
-    was derived from: a share of the experts' bytes is then raised to that minimum, with a warning,
-    and the plan's `budget_bytes` is the budget in use."""
+    `device_buffers`); a pool whose share is below the top-k experts of one of its layers gets those,
+    and the other pools share the rest in the same proportion. Below the minimum working set (those
+    buffers plus the top-k experts of one layer in every pool) raises `BudgetError`, unless
+    `round_up_from` gives the fraction the budget was derived from: a share of the experts' bytes is
+    then raised to that minimum, with a warning, and the plan's `budget_bytes` is the budget in use."""
     buffers = dict(buffers or {})
     reserved = sum(buffers.values())
     slots_budget = max(budget_bytes - reserved, 0)
@@ -151,31 +152,48 @@ def plan_budget(
         experts[g] += li.num_experts
         top_k[g] = max(top_k[g], li.top_k)
     all_bytes = sum(total.values())
-    n_slots = {}
-    for g in total:
-        share = slots_budget * total[g] // all_bytes
-        n_slots[g] = min(experts[g], share // g)
-    minimum = sum(top_k[g] * g for g in total) + reserved
-    if round_up_from is not None and any(n_slots[g] < top_k[g] for g in total):
+    least = {g: top_k[g] * g for g in total}  # bytes of each pool's smallest working set
+    minimum = sum(least.values()) + reserved
+    if budget_bytes < minimum and round_up_from is not None:
         # A fraction is relative to the experts: one too small for this model means "as little as works".
-        n_slots = {g: max(n_slots[g], top_k[g]) for g in total}
-        resolved = sum(n_slots[g] * g for g in total) + reserved
-        if resolved > budget_bytes:  # the budget itself was short, not only its split between the pools
-            warnings.warn(
-                f"mira-hf: gpu_budget={round_up_from} ({budget_bytes:,} bytes) is below the minimum working set of "
-                f"this model; using {resolved:,} bytes (a fraction of {resolved / all_bytes:.3f}: the top-k experts "
-                "of one layer). Give a larger fraction, or a byte budget, to choose the budget yourself.",
-                stacklevel=3,
-            )
-            budget_bytes = resolved
-    if any(n_slots[g] < top_k[g] for g in total):
+        warnings.warn(
+            f"mira-hf: gpu_budget={round_up_from} ({budget_bytes:,} bytes) is below the minimum working set of "
+            f"this model; using {minimum:,} bytes (a fraction of {minimum / all_bytes:.3f}: {_working_set(total)}). "
+            "Give a larger fraction, or a byte budget, to choose the budget yourself.",
+            stacklevel=3,
+        )
+        budget_bytes, slots_budget = minimum, minimum - reserved
+    if budget_bytes < minimum:
         extra = f" and {reserved:,} bytes of codec buffers ({', '.join(buffers)})" if reserved else ""
         raise BudgetError(
             f"gpu_budget of {budget_bytes:,} bytes is below the minimum working set of this model: "
-            f"{minimum:,} bytes (the top-k experts of one layer{extra}; {all_bytes:,} bytes hold every expert). "
+            f"{minimum:,} bytes ({_working_set(total)}{extra}; {all_bytes:,} bytes hold every expert). "
             f"Give MiraConfig(gpu_budget=...) at least {minimum:,} bytes, e.g. a fraction ≥ {minimum / all_bytes:.3f}."
         )
+    share = _shares(total, least, slots_budget)
+    n_slots = {g: min(experts[g], share[g] // g) for g in total}
     return BudgetPlan(budget_bytes, pool_of_layer, {g: g for g in total}, n_slots, buffers, placement)
+
+
+def _shares(total: Mapping[int, int], least: Mapping[int, int], slots_budget: int) -> dict[int, int]:
+    """Bytes of `slots_budget` (at least the sum of `least`) for each pool: in proportion to its experts' bytes
+    (`total`), except that a pool whose share is below its `least` gets that, and the others share what is left."""
+    share = {}
+    while True:
+        free = [g for g in total if g not in share]
+        left = slots_budget - sum(share.values())
+        weight = sum(total[g] for g in free)
+        short = [g for g in free if left * total[g] // weight < least[g]]
+        if not short:
+            return share | {g: left * total[g] // weight for g in free}
+        share.update((g, least[g]) for g in short)
+
+
+def _working_set(total: Mapping[int, int]) -> str:
+    """What the minimum working set of a model with these pools is, in words."""
+    if len(total) == 1:
+        return "the top-k experts of one layer"
+    return f"the top-k experts of one layer of each of its {len(total)} expert sizes"
 
 
 # Record sizes within this share of a larger one share its pool (slots of the larger size): lossless

@@ -323,7 +323,7 @@ class MiraConfig:
 
     gpu_budget: device bytes for routed experts. An int (bytes), a string such as `"12GiB"`, or a
         float in (0, 1] meaning that fraction of all routed-expert bytes (raised, with a warning, to the
-        minimum working set, the top-k experts of one layer, when below it; bytes below it are refused).
+        minimum working set, the top-k experts of one layer of each expert size, when below it; bytes below it are refused).
         `None` = all experts if they fit in 90% of the device's free memory, else that much.
     device: `"cuda"`, `"cuda:N"` or `"cpu"` (or that `torch.device`); `None` picks cuda when available.
     policy: cache eviction policy: `"lru"` (reactive baseline), `"heat"` (evict the expert whose next use is

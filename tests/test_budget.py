@@ -1,5 +1,6 @@
 """Budget planning: how a byte budget becomes device buffers and slots, on numbers worked out by hand."""
 
+import copy
 import os
 import warnings
 from types import SimpleNamespace
@@ -37,8 +38,12 @@ def test_the_minimum_working_set_is_the_boundary_and_the_error_names_it():
     msg = str(err.value)
     assert "gpu_budget of 3,499 bytes" in msg and "3,500 bytes" in msg and "10,000 bytes hold every expert" in msg
     assert "1,000 bytes of codec buffers (staging)" in msg and "fraction ≥ 0.350" in msg
-    with pytest.raises(BudgetError, match="minimum working set of this model: 2,500 bytes \\(the top-k experts of one layer;"):
+    with pytest.raises(
+        BudgetError, match="this model: 2,500 bytes \\(the top-k experts of one layer of each of its 2 expert sizes;"
+    ):
         plan_budget(LAYERS, RECORDS, 2499)  # without buffers the message names none
+    with pytest.raises(BudgetError, match="this model: 2,000 bytes \\(the top-k experts of one layer;"):
+        plan_budget(LAYERS[:1], {0: 1000}, 1999)  # one expert size: one layer's top-k
     with pytest.raises(BudgetError):
         plan_budget(LAYERS, RECORDS, 500, buffers={"staging": 1000})  # buffers larger than the budget
 
@@ -91,7 +96,7 @@ def test_the_error_lists_every_codec_buffer():
 
 def test_a_fraction_below_the_minimum_working_set_is_raised_to_it_with_a_warning():
     # 0.1 of the 10,000 expert bytes is 1,000: below the 3,500 of the top-k records (2 · 1000 + 500) and the buffer
-    advice = r"of one layer\)\. Give a larger fraction, or a byte budget, to choose the budget yourself\.$"
+    advice = r"of one layer of each of its 2 expert sizes\)\. Give a larger fraction, or a byte budget, to choose the budget yourself\.$"
     with pytest.warns(
         UserWarning, match=r"gpu_budget=0.1 \(1,000 bytes\) is below .* using 3,500 bytes \(a fraction of 0.350.*" + advice
     ):
@@ -170,3 +175,66 @@ def test_mixed_plans_the_staging_record_and_the_decode_scratch():
     assert buffers == {"staging": layout.nbytes, "scratch": codec.scratch_bytes(layout)}
     assert device_buffers("dequant", codec, {0: layout}).keys() == {"staging"}
     assert device_buffers("packed", codec, {0: layout}).keys() == {"scratch"}
+
+
+# -- experts of several sizes: one slot pool per size --------------------------------------------------------------
+
+
+def test_a_pool_short_of_its_top_k_gets_them_and_the_others_share_the_rest():
+    # layer 1 routes each token to all 4 of its experts: its pool needs 2000 bytes at any budget below every expert
+    layers = [LayerInfo(0, "layers.0.mlp.experts", 8, 2), LayerInfo(1, "layers.1.mlp.experts", 4, 4)]
+    # minimum 2 · 1000 + 4 · 500 = 4000; 8000 would give pool 500 only 1600 → it takes 2000, pool 1000 the other 6000
+    assert plan_budget(layers, RECORDS, 4000).n_slots == {1000: 2, 500: 4}
+    assert plan_budget(layers, RECORDS, 8000).n_slots == {1000: 6, 500: 4}
+    for budget in range(4000, 10001, 50):  # every budget from the minimum to every expert is held
+        plan = plan_budget(layers, RECORDS, budget)
+        assert plan.n_slots[1000] >= 2 and plan.n_slots[500] == 4 and plan.capacity_bytes <= budget
+    assert plan.n_slots == {1000: 8, 500: 4}
+    with pytest.raises(BudgetError, match="this model: 4,000 bytes"):
+        plan_budget(layers, RECORDS, 3999)
+
+
+def _experts_of_three_sizes():
+    """A tiny Mixtral whose three MoE layers have experts of three shapes, (experts, top-k, intermediate size): one
+    slot pool per layer; the middle layer routes each token to all of its experts."""
+    from tiny_models import build, make_config
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = make_config("mixtral", num_hidden_layers=3)
+    torch.manual_seed(0)
+    model = build(config).eval()
+    for layer, (experts, top_k, inter) in zip(model.model.layers, [(8, 2, 64), (4, 4, 16), (16, 1, 96)]):
+        block = copy.deepcopy(config)
+        block.num_local_experts, block.num_experts_per_tok, block.intermediate_size = experts, top_k, inter
+        layer.mlp = MixtralSparseMoeBlock(block)
+        for p in layer.mlp.parameters():
+            torch.nn.init.normal_(p, 0.0, 0.05)
+    return model.eval()
+
+
+@pytest.mark.parametrize("share", [0.0, 0.1, 0.5, 0.99])
+def test_experts_of_several_sizes_run_exactly_at_any_budget_from_the_minimum(share):
+    ref = _experts_of_three_sizes()
+    probe = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu")).mira
+    layers = list(probe.layers.values())
+    record = {li.ordinal: probe.store.record_bytes(li.ordinal) for li in layers}
+    assert len(set(record.values())) == 3
+    total = sum(record[li.ordinal] * li.num_experts for li in layers)
+    minimum = sum(li.top_k * record[li.ordinal] for li in layers)  # each layer's own pool holds its top-k
+    budget = minimum + int(share * (total - minimum))
+    model = MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=budget))
+    plan = model.mira.budget
+    assert all(plan.n_slots[plan.pool_of_layer[li.ordinal]] >= li.top_k for li in layers)
+    assert plan.capacity_bytes <= budget
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+    s = model.mira.stats()
+    assert s["resident_bytes"] <= s["budget_bytes"] == budget
+    if share == 0.0:
+        with pytest.raises(
+            BudgetError, match=f"this model: {minimum:,} bytes \\(the top-k experts of one layer of each of its 3"
+        ):
+            MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=minimum - 1))

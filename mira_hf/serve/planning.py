@@ -62,7 +62,7 @@ def _all_fit_bytes(manager, lo: int, hi: int) -> int:
 
 def _minimum_expert_bytes(layers, pool_of, buffers, expert_bytes: int) -> int:
     """The smallest budget `plan_budget` accepts: the codec buffers and the top-k experts of a layer in every pool,
-    found by bisection over what plan_budget itself accepts (pools share the budget in proportion to their bytes)."""
+    found by bisection over what plan_budget itself accepts, so that the two never disagree."""
     return _smallest(1, expert_bytes + sum(buffers.values()), lambda mid: plan_budget(layers, pool_of, mid, buffers) is not None)
 
 

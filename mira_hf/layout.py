@@ -146,9 +146,9 @@ class PackedWeights:
     def decoded(self, name: str) -> torch.Tensor:
         """Tensor `name` as a slot of placement "dequant" holds it, for any codec (`weight` where the bound form
         has one, else the codec's decode of the record)."""
-        if hasattr(self._bound, "weight"):
-            return self.weight(name)
-        return self.codec.decode(self.record, self.layout, self.dtype)[name]
+        t = self.weight(name) if hasattr(self._bound, "weight") else self.codec.decode(self.record, self.layout, self.dtype)[name]
+        # A slot holds it contiguous, and a matmul may round by its weight's row stride: a copy only where padding was cut
+        return t.contiguous()
 
     def raw(self, name: str) -> torch.Tensor:
         """A tensor stored unquantised in the record (biases)."""

@@ -538,9 +538,10 @@ class MiraExperts(nn.Module):
 
     # One expert, exactly as transformers' experts implementations compute it, in two halves: the first
     # reads only the up (gate_up) tensors, which a record split in two parts brings first.
-    # `w`: typed views of the expert's tensors, or `PackedWeights` (placement "packed").
+    # `w`: typed views of the expert's tensors, or `PackedWeights` (placement "packed", and experts kept packed: "mixed").
     def _linear(self, x: torch.Tensor, w, name: str, kernel: bool) -> torch.Tensor:
-        if isinstance(w, PackedWeights):
+        packed = isinstance(w, PackedWeights)
+        if packed and not self._kept_packed:  # placement "packed": the codec's own matmul, with no decoded copy
             if kernel and w.exact:  # the unwrapped model's grouped kernel on the decoded weight: its bits
                 y = grouped_linear(x, w.weight(name), self._transposed)
             elif x.dtype != w.dtype:  # rows in fp32 (a loop in fp32, `serve`): the decoded weight, widened
@@ -548,11 +549,15 @@ class MiraExperts(nn.Module):
             else:
                 y = w.linear(x, name, self._transposed)
             return y + w.raw(name + "_bias") if self._has_bias else y
-        weight = w[name]
+        # A slot's typed views, or an expert kept packed ("mixed") decoded at each use as its slot would hold it: the
+        # same matmul as a slot's, so the same bits at any budget (the codec's own matmul may round otherwise).
+        weight = w.decoded(name) if packed else w[name]
         if weight.dtype != x.dtype:  # rows in fp32 (a loop in fp32, `serve`): the weight widened, as the loop does
             weight = weight.to(x.dtype)
         y = grouped_linear(x, weight, self._transposed) if kernel else plain_linear(x, weight, self._transposed)
-        return y + w[name + "_bias"] if self._has_bias else y
+        if not self._has_bias:
+            return y
+        return y + (w.raw(name + "_bias") if packed else w[name + "_bias"])
 
     def _up_proj(self, x: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
         # x [n, H] -> [n, I]
@@ -715,9 +720,10 @@ class _HeldExperts(MiraExperts):
 
     def _linear(self, x: torch.Tensor, w, name: str, kernel: bool) -> torch.Tensor:
         transposed = self._down_transposed and name == self._down  # the up projections' rows are [out, in]
-        if isinstance(w, PackedWeights):
+        if isinstance(w, PackedWeights) and not self._kept_packed:
             return w.linear(x, name, transposed)
-        return plain_linear(x, w[name], transposed)  # F.linear(x, W) is x.matmul(W.t()), as the module computes
+        weight = w.decoded(name) if isinstance(w, PackedWeights) else w[name]  # kept packed: as its decoded slot holds it
+        return plain_linear(x, weight, transposed)  # F.linear(x, W) is x.matmul(W.t()), as the module computes
 
     def apply(self, fn):
         """`Module.apply`, as on the unwrapped model: `fn` meets the module's children in their order, each child

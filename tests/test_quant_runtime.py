@@ -1,6 +1,7 @@
 """Compressed transfer in the runtime: every format runs through generate, stays within its quality
 target on the bundled trained model, and the packed placement holds more experts per budget."""
 
+import copy
 import importlib.util
 import math
 
@@ -180,3 +181,40 @@ def test_saved_store_is_reused_and_a_foreign_one_refused(tmp_path, heldout):
         MiraMoEModel.from_pretrained(
             bundled_model_path(), MiraConfig(device="cpu", quantization="int4", store_path=str(tmp_path)), progress=False
         )
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "jetmoe"])
+def test_experts_kept_packed_compute_the_bits_of_their_decoded_slots(family, fmt):
+    """Placement "mixed" with a lossy format, on experts narrower than the format's groups (these tiny models' down
+    projections take 32 inputs: zero-padded to a group of 64): an expert kept packed is decoded at each use and
+    computed as its decoded slot would be, so any budget gives the bits of the same format with every expert in a
+    decoded slot (the codec's own matmul multiplies the padded weight: other bits)."""
+    from tiny_models import make_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(make_config(family)).eval()
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+
+    def wrapped(budget) -> MiraMoEModel:
+        cfg = MiraConfig(device="cpu", gpu_budget=budget, quantization=fmt, quant=QuantConfig(placement="mixed"))
+        return MiraMoEModel.wrap(copy.deepcopy(ref), cfg)
+
+    mira = wrapped(1.0).mira  # 1.0 of the experts' bytes, less the staging record: an expert kept packed
+    plan = mira.budget
+    every = sum(li.num_experts * plan.pool_of_layer[li.ordinal] for li in mira.layers.values())  # decoded slots
+    decoded = wrapped(every + sum(plan.buffer_bytes.values()))
+    assert decoded.mira.stats()["kept_packed_experts"] == 0 and decoded.mira.store.layout(0).padded
+    impls = ("grouped_mm", "eager", "batched_mm") if family != "jetmoe" else (None,)  # JetMoE's block has one forward
+    for budget in (1.0, 0.8, 0.6):
+        mixed = wrapped(budget)
+        assert mixed.mira.stats()["kept_packed_experts"] > 0
+        for impl in impls:
+            if impl is not None:
+                decoded.set_experts_implementation(impl)
+                mixed.set_experts_implementation(impl)
+            with torch.no_grad():
+                assert torch.equal(mixed(ids).logits, decoded(ids).logits), (budget, impl)
+        kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(mixed.generate(ids, **kw), decoded.generate(ids, **kw))

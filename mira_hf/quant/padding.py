@@ -99,5 +99,10 @@ class BoundPadded:
             return self.inner.linear(x, name, True)[..., : self.shapes[name][-1]]
         return self.inner.linear(F.pad(x, (0, pad - x.shape[-1])), name, False)  # zero inputs meet zero columns
 
+    def weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Tensor `name` decoded in `dtype`, its padding cut off (a view of the padded weight)."""
+        t = self.inner.weight(name, dtype)
+        return t[..., : self.shapes[name][-1]] if name in self.padded else t
+
     def raw(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         return self.inner.raw(name, dtype)

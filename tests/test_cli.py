@@ -265,6 +265,27 @@ def test_calibrate_refuses_token_ids_outside_the_vocabulary(tmp_path, capsys, id
     assert not (tmp_path / "cal").exists()
 
 
+@pytest.mark.parametrize(
+    "content, said",
+    [(b"garbage", "is not a readable .safetensors file"), (None, "has no 'input_ids' tensor"), ("dir", "a directory")],
+    ids=["not-safetensors", "no-input-ids", "a-directory"],
+)
+def test_calibrate_refuses_a_corpus_it_cannot_read_before_loading_the_model(tmp_path, capsys, content, said):
+    from safetensors.torch import save_file
+
+    data = tmp_path / "ids.safetensors"
+    if content == "dir":
+        data.mkdir()
+    elif content is None:
+        save_file({"tokens": torch.tensor([[5, 7, 9]])}, str(data))
+    else:
+        data.write_bytes(content)
+    argv = ["calibrate", "mira-tiny", "--data", str(data), "--out", str(tmp_path / "cal"), "--device", "cpu"]
+    rc, out, err = run(argv, capsys)
+    assert rc == 2 and err.strip().splitlines() == [err.strip().splitlines()[-1]], err  # one line: no model was loaded
+    assert err.startswith("mira: error: ") and said in err and not (tmp_path / "cal").exists()
+
+
 def _error_after_loading(rc, out, err, fragment):
     """Exit 2 with mira's one-line error last, after the model's loading messages, and no traceback."""
     assert rc == 2 and "Traceback" not in err

@@ -123,6 +123,13 @@ def test_routing_recorded_by_mira_calibrate_gives_the_plan_its_hit_rates(tmp_pat
     save_file(tensors, str(out / "router_topk.safetensors"))
     with pytest.raises(ConfigError, match="no chunk_lengths that add up to its 96 tokens.*Calibrate this model again"):
         calibration_trace(model, str(out))
+    tensors["topk.2"] = -tensors["topk.2"] - 1  # expert ids below 0
+    save_file(tensors, str(out / "router_topk.safetensors"))
+    with pytest.raises(ConfigError, match="routes to experts this model does not have"):
+        calibration_trace(model, str(out))
+    (out / "router_topk.safetensors").write_bytes(b"garbage")  # damaged
+    with pytest.raises(ConfigError, match="router_topk.safetensors is not a readable .safetensors file"):
+        calibration_trace(model, str(out))
 
 
 def test_the_step_time_counts_the_host_work_per_expert_use_and_per_miss():

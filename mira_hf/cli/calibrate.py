@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..bundled import BUNDLED_NAME
 from ..errors import MiraError
-from .options import add_model_options, doc, load, mira_config, model_source, output_dir, write_json
+from .options import add_model_options, doc, first_line, load, mira_config, model_source, output_dir, write_json
 
 # Teacher-forced router top-k per token; not `mira_hf.trace.RoutingTrace` (decode-like, with hidden states).
 TOPK_FORMAT = "mira-router-topk/1"
@@ -44,12 +44,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     source = model_source(args.model)
     data_path = Path(args.data)
     if not data_path.is_file():
-        raise FileNotFoundError(f"--data {args.data}: no such file.")
-    is_tensor_file = data_path.suffix == ".safetensors"
-    model, tokenizer = load(source, cfg, args.dtype, with_tokenizer=not is_tensor_file)
+        what = "a directory" if data_path.is_dir() else "no such file"
+        raise FileNotFoundError(f"--data {args.data}: {what}; give a text file or a .safetensors file of input_ids.")
+    ids = _tensor_ids(data_path) if data_path.suffix == ".safetensors" else None  # read before the model loads
+    model, tokenizer = load(source, cfg, args.dtype, with_tokenizer=ids is None)
     max_len = getattr(model.config, "max_position_embeddings", None) or args.chunk_tokens
     chunk_tokens = min(args.chunk_tokens, max_len)
-    chunks = _token_chunks(data_path, tokenizer, args.max_tokens, chunk_tokens)
+    chunks = _token_chunks(data_path if ids is None else ids, tokenizer, args.max_tokens, chunk_tokens)
     total = sum(len(c) for c in chunks)
     if total == 0:
         raise ValueError(f"--data {args.data} holds no tokens.")
@@ -109,22 +110,29 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _token_chunks(path: Path, tokenizer, max_tokens: int, chunk_tokens: int) -> list:
-    """The first `max_tokens` tokens of `path`, as 1-D int64 chunks of at most `chunk_tokens`.
-    A .safetensors file gives its "input_ids" (each row a chunk source); a text file is tokenised."""
-    import torch
+def _tensor_ids(path: Path):
+    """The "input_ids" tensor of a .safetensors corpus, refused with a one-line error where the file is not one."""
+    from safetensors import SafetensorError, safe_open
 
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
+    try:
         with safe_open(str(path), framework="pt") as f:
             if "input_ids" not in f.keys():
-                raise MiraError(f"{path} has no 'input_ids' tensor (has {sorted(f.keys())[:6]}).")
-            ids = f.get_tensor("input_ids").long()
-        rows = ids.reshape(-1, ids.shape[-1]) if ids.dim() > 1 else ids[None]
+                raise MiraError(f"--data {path} has no 'input_ids' tensor (has {sorted(f.keys())[:6]}).")
+            return f.get_tensor("input_ids").long()
+    except (OSError, SafetensorError) as exc:
+        raise MiraError(f"--data {path} is not a readable .safetensors file ({first_line(exc)}).") from exc
+
+
+def _token_chunks(data, tokenizer, max_tokens: int, chunk_tokens: int) -> list:
+    """The first `max_tokens` tokens of `data`, as 1-D int64 chunks of at most `chunk_tokens`: token ids (a
+    .safetensors corpus's "input_ids", each row a chunk source) or the path of a text file, tokenised."""
+    import torch
+
+    if isinstance(data, torch.Tensor):
+        rows = data.reshape(-1, data.shape[-1]) if data.dim() > 1 else data.reshape(1, -1)
     else:
         # ~4 characters per token in practice; 32 is a generous cap so a huge corpus is not read whole.
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(data, encoding="utf-8", errors="replace") as f:
             text = f.read(max_tokens * 32)
         # verbose=False: a corpus is longer than the model's context on purpose; it is cut into chunks below
         rows = torch.tensor(tokenizer(text, verbose=False)["input_ids"], dtype=torch.long)[None]

@@ -145,6 +145,7 @@ CALIBRATION_TOPK = "router_topk.safetensors"  # what `mira calibrate --out DIR` 
 def calibration_trace(model, directory: str):
     """The routing `mira calibrate` recorded in `directory` (teacher-forced: each chunk one sequence, token by
     token) as a `RoutingTrace` of this model, refused if its layers or experts are not this model's."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from ..trace import RoutingTrace
@@ -154,14 +155,18 @@ def calibration_trace(model, directory: str):
         raise ConfigError(
             f"routing_trace={directory!r} is a directory without {CALIBRATION_TOPK}: give a directory written by mira calibrate, or a RoutingTrace file."
         )
-    tensors = load_file(path)
+    try:
+        tensors = load_file(path)
+    except (OSError, SafetensorError) as exc:
+        raise ConfigError(f"{path} is not a readable .safetensors file ({exc}): calibrate this model again.") from exc
     layers = sorted(model.mira.layers.values(), key=lambda li: li.ordinal)
     picks = [tensors.get(f"topk.{li.ordinal}") for li in layers]
-    if any(p is None for p in picks) or f"topk.{len(layers)}" in tensors:
+    if any(p is None or p.dim() != 2 or p.numel() == 0 for p in picks) or f"topk.{len(layers)}" in tensors:
         found = sorted(k for k in tensors if k.startswith("topk."))
         raise ConfigError(f"{path} holds {found}, not the {len(layers)} MoE layers of this model: calibrate this model again.")
     top = [max(int(p.max()) + 1, 1) for p in picks]
-    if any(t > li.num_experts for t, li in zip(top, layers)) or len({p.shape[1] for p in picks}) != 1:
+    low = min(int(p.min()) for p in picks)
+    if any(t > li.num_experts for t, li in zip(top, layers)) or low < 0 or len({p.shape for p in picks}) != 1:
         raise ConfigError(f"{path} routes to experts this model does not have: calibrate this model again.")
     lengths = tensors.get("chunk_lengths")
     if lengths is None or int(lengths.sum()) != picks[0].shape[0]:

@@ -6,6 +6,8 @@ state changes: a model is never left half-converted.
 
 from __future__ import annotations
 
+import numbers
+
 
 class MiraError(Exception):
     """Base class of every error mira-hf raises on purpose."""
@@ -21,12 +23,20 @@ def check_count(name: str, value: object, least: int, unit: str) -> None:
         raise ConfigError(f"{name}={value!r}: must be an int ≥ {least} ({unit}).")
 
 
-def check_fraction(name: str, value: object, interval: str) -> None:
-    """`ConfigError` unless `value` is a number in `interval` ("[0, 1]", "(0, 1]" or "[0, 1)")."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+def check_positive(name: str, value: object, unit: str) -> None:
+    """`ConfigError` unless `value` is a finite number > 0 (of `unit`)."""
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy scalars too
+    if not (number and 0 < value < float("inf")):
+        raise ConfigError(f"{name}={value!r}: must be a finite number of {unit} > 0.")
+
+
+def check_fraction(name: str, value: object, interval: str, otherwise: str = "") -> None:
+    """`ConfigError` unless `value` is a number in `interval` ("[0, 1]", "(0, 1]" or "[0, 1)"); `otherwise`: what else
+    the caller accepts, for the message (", or None (chosen online)")."""
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy scalars too
     if number and 0 <= value <= 1 and not (interval[0] == "(" and value == 0) and not (interval[-1] == ")" and value == 1):
         return
-    raise ConfigError(f"{name}={value!r}: must be a number in {interval}.")
+    raise ConfigError(f"{name}={value!r}: must be a number in {interval}{otherwise}.")
 
 
 class UnsupportedModelError(MiraError, ValueError):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigError, check_count, check_fraction
+from .errors import ConfigError, check_count, check_fraction, check_positive
 
 
 @dataclass(frozen=True)
@@ -51,15 +51,12 @@ class HeatConfig:
             check_fraction(f"HeatConfig.{name}", getattr(self, name), "[0, 1]")  # a change of a score in [0, 1]
         if self.clock not in ("steps", "wall"):
             raise ConfigError(f"HeatConfig.clock={self.clock!r}: supported are 'steps' and 'wall'.")
-        if not 0 < self.decay_per_period <= 1:
-            raise ConfigError(f"HeatConfig.decay_per_period={self.decay_per_period}: must be in (0, 1].")
+        check_fraction("HeatConfig.decay_per_period", self.decay_per_period, "(0, 1]")
         check_count("HeatConfig.window_periods", self.window_periods, 1, "periods per counting window")
-        if not self.period_s > 0 or self.period_s == float("inf"):
-            raise ConfigError(f"HeatConfig.period_s={self.period_s!r}: must be a number of seconds > 0.")
-        if not 0 <= self.hot_threshold <= 1:
-            raise ConfigError(f"HeatConfig.hot_threshold={self.hot_threshold}: must be in [0, 1].")
-        if self.use_rate_decay is not None and not 0 <= self.use_rate_decay < 1:
-            raise ConfigError(f"HeatConfig.use_rate_decay={self.use_rate_decay}: must be in [0, 1), or None (chosen online).")
+        check_positive("HeatConfig.period_s", self.period_s, "seconds")
+        check_fraction("HeatConfig.hot_threshold", self.hot_threshold, "[0, 1]")
+        if self.use_rate_decay is not None:
+            check_fraction("HeatConfig.use_rate_decay", self.use_rate_decay, "[0, 1)", ", or None (chosen online)")
 
 
 # Candidate memories of the use rate (HeatConfig.use_rate_decay=None): about 2 to 50 forward steps.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 
+from .errors import ConfigError
 from .report import optional_import
 
 PROMETHEUS_EXTRA = "prometheus"
@@ -41,7 +42,7 @@ class MiraCollector:
     def record_tokens(self, n: int, seconds: float) -> None:
         """Report that `n` tokens were generated in `seconds` of wall time."""
         if n < 0 or seconds < 0:
-            raise ValueError(f"record_tokens(n={n}, seconds={seconds}): both must be ≥ 0.")
+            raise ConfigError(f"record_tokens(n={n}, seconds={seconds}): both must be ≥ 0.")
         with self._lock:
             self._tokens += n
             self._seconds += seconds
@@ -155,7 +156,7 @@ class _Models:
     def add(self, collector: MiraCollector) -> None:
         names = [c.model_name for c in self.collectors]
         if names and (not collector.model_name or None in names or collector.model_name in names):
-            raise ValueError(
+            raise ConfigError(
                 f"register(..., model_name={collector.model_name!r}): this registry already has the metrics of "
                 f"model(s) named {names}. Give each model on one registry a distinct model_name (the `model` label of "
                 "its samples), or give this one a registry of its own."

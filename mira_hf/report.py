@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .budget import expert_keys
-from .errors import IncompatibleFileError, MissingDependencyError
+from .errors import ConfigError, IncompatibleFileError, MissingDependencyError
 
 NOTEBOOK_EXTRA = "notebook"
 HEAT_TABLE_COLUMNS = ("layer", "expert", "score", "count", "share", "tier", "is_hot")
@@ -132,7 +132,7 @@ def heat_table(manager):
 def plot_heatmap(manager, value: str = "score"):
     """matplotlib Figure: a layer × expert grid of heat `value` ("score" or "count"), resident experts marked."""
     if value not in ("score", "count"):
-        raise ValueError(f'value={value!r}: plot_heatmap shows "score" (heat in [0, 1]) or "count" (activations).')
+        raise ConfigError(f'value={value!r}: plot_heatmap shows "score" (heat in [0, 1]) or "count" (activations).')
     Figure = optional_import("matplotlib.figure", NOTEBOOK_EXTRA, "plot_heatmap()").Figure
     import numpy as np  # a dependency of matplotlib
 

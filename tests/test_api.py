@@ -284,6 +284,12 @@ def test_bad_split_min_bytes_is_refused(value):
         LoaderConfig(split_min_bytes=value)
 
 
+@pytest.mark.parametrize("value", [0, -1.0, "60", float("inf"), float("nan"), None])
+def test_bad_copy_timeout_is_refused(value):
+    with pytest.raises(ConfigError, match=f"copy_timeout_s={value!r}: must be a finite number of seconds > 0"):
+        LoaderConfig(copy_timeout_s=value)
+
+
 def test_numpy_scalars_and_torch_devices_are_taken_as_what_they_stand_for():
     """Values a user computes (a numpy integer or float budget) or has at hand (a torch.device) mean what the plain
     Python values mean."""

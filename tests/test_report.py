@@ -52,7 +52,7 @@ def test_heatmap_is_a_plain_figure(manager, value):
 
 
 def test_heatmap_rejects_an_unknown_value(manager):
-    with pytest.raises(ValueError, match="score"):
+    with pytest.raises(ConfigError, match="score"):
         report.plot_heatmap(manager, value="temperature")
 
 
@@ -131,7 +131,7 @@ def test_several_models_share_a_registry_one_family_per_metric(manager, tiny_che
     register(manager, registry=registry, model_name="a")
     register(other.mira, registry=registry, model_name="b").record_tokens(6, 2.0)
     for name in ("a", None):
-        with pytest.raises(ValueError, match="distinct model_name"):
+        with pytest.raises(ConfigError, match="distinct model_name"):
             register(other.mira, registry=registry, model_name=name)
     text = prometheus_client.generate_latest(registry).decode()
     assert text.count("# TYPE mira_expert_misses_total counter") == 1

@@ -325,6 +325,21 @@ def test_env_reports_versions_and_suggests_a_budget(capsys):
         assert text in out
 
 
+def test_env_says_which_config_json_is_not_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{")
+    assert_one_line_error(*run(["env", "--model", str(tmp_path)], capsys), f"{tmp_path}/config.json is not valid JSON")
+
+
+def test_generate_names_the_checkpoint_whose_tokenizer_cannot_be_built(tmp_path, capsys):
+    """A checkpoint saved without its tokenizer (as `save_pretrained` of a model alone leaves it)."""
+    from mira_hf.testing import build, tiny_config
+
+    build(tiny_config("mixtral")).save_pretrained(tmp_path)
+    capsys.readouterr()  # the save's progress bar
+    rc, out, err = run(["generate", str(tmp_path), "--prompt", "hi", "--device", "cpu"], capsys)
+    assert_one_line_error(rc, out, err, f"could not load a tokenizer from {tmp_path} (its tokenizer.json")
+
+
 def test_env_counts_the_checkpoint_bytes_from_its_headers():
     from safetensors.torch import load_file
 

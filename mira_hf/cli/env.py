@@ -164,8 +164,11 @@ def _budget_suggestion(model: str) -> list[tuple[str, str]]:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{path} has no config.json: expected a transformers model directory.")
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_path} is not valid JSON ({exc}): expected a transformers config.json.") from exc
     text = config.get("text_config") or config
     num_experts = next((text[k] for k in ("num_local_experts", "num_experts", "n_routed_experts") if k in text), None)
     top_k = text.get("num_experts_per_tok") or text.get("moe_top_k")

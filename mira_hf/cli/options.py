@@ -186,8 +186,11 @@ def load(source: str, cfg: MiraConfig, dtype_name: str | None, with_tokenizer: b
     if with_tokenizer:
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
-        except OSError as exc:
-            raise FileNotFoundError(f"could not load a tokenizer from {source}: {first_line(exc)}") from exc
+        except (OSError, ValueError) as exc:  # ValueError: files found, none a tokenizer transformers can build
+            raise FileNotFoundError(
+                f"could not load a tokenizer from {source} (its tokenizer.json or tokenizer_config.json and vocabulary "
+                f"files): {first_line(exc)}"
+            ) from exc
     try:
         model = MiraMoEModel.from_pretrained(source, cfg, progress=True, dtype=torch_dtype(dtype_name, cfg.device))
     except OSError as exc:  # not a directory, not in the hub cache, or unreadable files

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 from pathlib import Path
 
 from ..bundled import BUNDLED_NAME
@@ -25,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--max-tokens", type=int, default=16384, metavar="N", help="tokens to route at most (default 16384)")
     c.add_argument("--chunk-tokens", type=int, default=512, metavar="N", help="tokens per forward pass (default 512)")
     add_model_options(c, budget_default=None, predictors=False)
-    c.add_argument("--traces-only", action="store_true", help="skip predictor training even when mira_hf.calibrate is installed")
+    c.add_argument("--traces-only", action="store_true", help="record the routing only; skip training the learned predictor")
     c.set_defaults(run=cmd_calibrate)
 
 
@@ -98,12 +97,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"wrote {tensors_path}  (input_ids [N], topk.<layer> [N, {top_k}], counts [L, E])")
     print(f"wrote {summary_path}  (summary: mira stats {summary_path})")
 
-    learn = None if args.traces_only else _learned_calibrate()
-    if learn is None:
-        if not args.traces_only:
-            print("learned predictor: skipped (mira_hf.calibrate is not available in this installation)")
+    if args.traces_only:
         return 0
-    learn(model, chunks, out_dir=str(out_dir), max_tokens=total)
+    from ..calibrate import calibrate
+
+    calibrate(model, chunks, out_dir=str(out_dir), max_tokens=total)
     print(
         f"learned predictor written to {out_dir}: mira generate {args.model} --predictor learned --predictor-path {out_dir} --prompt '...'"
     )
@@ -144,14 +142,3 @@ def _token_chunks(data, tokenizer, max_tokens: int, chunk_tokens: int) -> list:
             chunks.append(piece[:left])
             left -= len(chunks[-1])
     return chunks
-
-
-def _learned_calibrate():
-    """`mira_hf.calibrate.calibrate` if that module exists (it is optional); errors inside it propagate."""
-    try:
-        module = importlib.import_module("mira_hf.calibrate")
-    except ModuleNotFoundError as exc:
-        if exc.name == "mira_hf.calibrate":
-            return None
-        raise
-    return getattr(module, "calibrate", None)

@@ -156,7 +156,10 @@ def test_stats_summarises_a_saved_stats_file(generated, capsys):
         (["calibrate", "mira-tiny", "--data", "/nonexistent.txt", "--out", "/tmp/x"], ["--data"]),
         (["env", "--model", "/nonexistent/model"], ["/nonexistent/model"]),
         (["bench", "no-such-benchmark"], ["no-such-benchmark"]),
-        (["serve", "--concurrency", "8"], ["--concurrency", "--device-memory"]),  # it would change nothing
+        (["serve", "--concurrency", "8"], ["--concurrency shapes", "--device-memory"]),  # it would change nothing
+        (["serve", "--routing-trace", "trace"], ["--routing-trace shapes", "--device-memory"]),
+        (["serve", "--max-tokens", "0"], ["--max-tokens 0: must be ≥ 1"]),
+        (["serve", "--device-memory", "1GiB", "--prompt-tokens", "-1"], ["--prompt-tokens -1: must be ≥ 1"]),
     ],
 )
 def test_user_mistakes_are_one_line_and_exit_2(argv, fragments, capsys):

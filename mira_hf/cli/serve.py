@@ -51,11 +51,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..serve.options import ServeConfig, require_serve, serving_mira_config
 
     mix = {"concurrency": args.concurrency, "prompt_tokens": args.prompt_tokens}  # the plan's request mix
-    unplanned = ["--" + k.replace("_", "-") for k, v in mix.items() if v is not None]
+    for name, value in (("max_tokens", args.max_tokens), *mix.items()):  # named as typed, before ServeConfig would
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be ≥ 1.")
+    planned = {**mix, "routing_trace": args.routing_trace}  # what only a --device-memory plan reads
+    unplanned = ["--" + k.replace("_", "-") for k, v in planned.items() if v is not None]
     if unplanned and args.device_memory is None:
         raise ConfigError(
-            f"{' and '.join(unplanned)} describe the requests a --device-memory plan is made for; without "
-            "--device-memory they change nothing. Give --device-memory (e.g. 24GiB), or leave them out."
+            f"{' and '.join(unplanned)} {'shapes' if len(unplanned) == 1 else 'shape'} the device-memory plan, "
+            "which --device-memory asks for; without it they change nothing. Give --device-memory (e.g. 24GiB), or "
+            "leave them out."
         )
     fixed_experts = args.budget is not None and args.device_memory is not None
     if args.budget is None:  # with a plan, load with a small cache: the plan resizes it before serving

@@ -23,6 +23,7 @@ from torch import nn
 from .cpu_threads import cpu_threads
 from .errors import ConfigError, require_decoder_only
 from .learned import LayerNet, LearnedPredictor, choose_sizes, model_parameters
+from .trace import require_every_layer_routed
 
 FORWARD_TOKENS = 8192  # tokens per calibration forward (padded batch): bounds activation memory
 SPLIT_CHUNK_TOKENS = 64  # validation tokens are held out in runs this long, so neighbours rarely straddle the split
@@ -185,6 +186,7 @@ def _record(
             bar.close()
     if total == 0 or not hidden:
         raise ConfigError("calibrate: the data held no tokens (or the model routed none): give at least one sequence.")
+    require_every_layer_routed(manager.layers, {L: sum(len(p) for p in parts) for L, parts in experts.items()}, total)
     return (
         {L: torch.cat(v) for L, v in sorted(hidden.items())},
         {L: torch.cat(v) for L, v in sorted(experts.items())},

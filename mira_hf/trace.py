@@ -253,13 +253,20 @@ def record_topk(model, chunks: Sequence[torch.Tensor], progress: bool = True) ->
         if bar is not None:
             bar.close()
     topk = {layer: torch.cat(p) for layer, p in sorted(parts.items())}
-    short = sorted(layer for layer in manager.layers if layer not in topk or topk[layer].shape[0] != total)
+    require_every_layer_routed(manager.layers, {layer: t.shape[0] for layer, t in topk.items()}, total)
+    return topk
+
+
+def require_every_layer_routed(layers, routed: dict[int, int], total: int) -> None:
+    """`UnsupportedModelError` unless every MoE layer in `layers` routed all `total` tokens (`routed`: layer -> rows it
+    routed): a layer that only some tokens reach (a vision-language model's image experts on text) has no routing
+    for the others, and a trace or predictor needs every layer's for every token."""
+    short = sorted(layer for layer in layers if routed.get(layer) != total)
     if short:
         raise UnsupportedModelError(
-            f"MoE layers {short} of {sorted(manager.layers)} routed fewer than the {total} tokens given; recording "
+            f"MoE layers {short} of {sorted(layers)} routed fewer than the {total} tokens given; recording "
             "needs every MoE layer to route every token (top-k routing)."
         )
-    return topk
 
 
 @contextmanager

@@ -216,6 +216,23 @@ def test_too_little_data_is_refused_before_a_predictor_is_installed(tiny_checkpo
     assert not isinstance(model.mira.predictor, LearnedPredictor) and not (tmp_path / "p").exists()
 
 
+def test_a_model_whose_layers_route_some_tokens_only_is_refused_as_recording_refuses_it(tmp_path):
+    """ERNIE-4.5-VL's vision experts route only image tokens: on text their layer has no routing to learn from, so
+    calibrate says which layers routed too few tokens (as `record_trace` does), before installing or writing
+    anything."""
+    import composite_models
+    import transformers
+
+    from mira_hf import UnsupportedModelError
+
+    torch.manual_seed(0)
+    model = MiraMoEModel.wrap(composite_models.ernie_vl(transformers).eval(), MiraConfig(device="cpu", gpu_budget=0.25))
+    predictor = model.mira.predictor
+    with pytest.raises(UnsupportedModelError, match=r"MoE layers \[1\] of \[0, 1\] routed fewer than the 128 tokens"):
+        calibrate(model, torch.randint(3, 100, (4, 32)), out_dir=tmp_path / "p", epochs=1, progress=False)
+    assert model.mira.predictor is predictor and not (tmp_path / "p").exists()
+
+
 def test_calibrate_needs_a_wrapped_model(tiny_checkpoint):
     with pytest.raises(ConfigError, match="wrapped by mira-hf"):
         calibrate(load_reference(tiny_checkpoint("mixtral")), HELDOUT[:1, :8] % 128, progress=False)

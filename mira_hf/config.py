@@ -17,7 +17,7 @@ from typing import Union
 from .errors import ConfigError, MissingDependencyError, check_count, check_fraction, check_positive
 from .heat import HeatConfig
 from .policies import PriorityConfig
-from .quant import GROUP_SIZES, LOSSLESS_CODES, codec_names, find_codec_entry
+from .quant import GROUP_SIZES, LOSSLESS_CODES, codec_names, find_codec_entry, is_native
 from .registry import POLICIES as POLICY_REGISTRY
 from .registry import PREDICTORS as PREDICTOR_REGISTRY
 
@@ -462,6 +462,11 @@ class MiraConfig:
             raise ConfigError(
                 f"store_path is set but quantization is {self.quantization!r}: a saved store holds records of one format. Pass the quantization "
                 "it was saved with, e.g. MiraConfig(quantization='int4', store_path=...)."
+            )
+        if self.store_path is not None and is_native(self.quantization):
+            raise ConfigError(
+                f"store_path is set with quantization={self.quantization!r}, a checkpoint's own format: its experts are "
+                "served as the checkpoint stores them, so no saved store is read. Leave store_path out."
             )
         if self.host_compute == "on" and self.quantization not in ("auto", None):
             raise ConfigError(

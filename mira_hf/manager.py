@@ -777,6 +777,11 @@ class ExpertManager(NotebookViews):
         reads them instead of quantising again."""
         if not self.store.quantized:
             raise ConfigError("save_store() saves quantized records; this model moves experts uncompressed (quantization=None).")
+        if not self.store.writable:  # a checkpoint's own format: a load serves the checkpoint's bytes, never a store
+            raise ConfigError(
+                f"save_store() saves records that a load encodes, but this model serves its checkpoint's own "
+                f"{self.store.codec.name} bytes, which every load reads from the checkpoint itself: there is nothing to save."
+            )
         if self.host.parts is not None:
             raise ConfigError(
                 "save_store() saves whole experts' records, but with host_compute='split' the store holds each expert's "

@@ -163,6 +163,16 @@ def test_splitting_experts_of_a_prequantized_checkpoint_is_refused(quantized_che
         _load(quantized_checkpoint("qwen3_moe"), host_compute="split")
 
 
+def test_a_saved_store_neither_applies_to_nor_is_saved_from_the_checkpoints_own_format(quantized_checkpoint, tmp_path):
+    """Experts in the checkpoint's own bytes are read from the checkpoint at every load: `store_path` is refused (it
+    was ignored), and so is `save_store()`, whose files no load could read."""
+    with pytest.raises(ConfigError, match="store_path is set with quantization='fp8_block', a checkpoint's own format"):
+        _load(quantized_checkpoint("qwen3_moe"), quantization="fp8_block", store_path=str(tmp_path))
+    with pytest.raises(ConfigError, match="serves its checkpoint's own fp8_block bytes"):
+        _load(quantized_checkpoint("qwen3_moe")).mira.save_store(str(tmp_path / "store"))
+    assert not (tmp_path / "store").exists()
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors", "bitsandbytes"])
 def test_other_quantized_formats_are_named_in_the_warning_or_error(tiny_checkpoint, tmp_path, method):
     import json

@@ -12,7 +12,8 @@ A layer's experts live in one slab of `E · record_bytes` bytes, laid out by wha
 Three host tiers, fastest first:
 - pinned slabs (page-locked: the GPU's copy engine reads them directly at full PCIe speed);
 - pageable slabs (no pinning cost at load; copies go through the loader's pinned staging ring);
-- disk slabs beyond `host_budget`, memory-mapped from `offload_dir` and read through the same ring.
+- disk slabs beyond `host_budget`, files of the store's own in `offload_dir`, memory-mapped shared (records
+  written in place go to the file, not to RAM) and read through the same ring.
 """
 
 from __future__ import annotations
@@ -163,7 +164,10 @@ class ExpertStore:
                     else:  # record by record: one expert of working memory (per encoding thread)
                         sink = lambda e, record: os.pwrite(f.fileno(), record.cpu().numpy().data, e * layout.nbytes)  # noqa: E731
                         self.encoder.encode_layer(self.codec, layout, E, expert, sink, extra, key=layer)
-                slab = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes)
+                # Shared: a rewrite in place (`load_state_dict`, a write into `expert_views`) writes the file, where a
+                # private mapping would copy each page written into anonymous memory beyond `host_budget`. Only files
+                # this store made itself are mapped (saved stores and the record cache are read with pread).
+                slab = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes)
             else:
                 report = self.encoder.report
                 reserved = self._reserved.pop(layer, None)

@@ -70,6 +70,60 @@ def test_experts_beyond_host_budget_are_served_from_disk(tiny_checkpoint, tmp_pa
         MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", host_budget=one_layer, offload_dir=str(offload / "a-file")))
 
 
+def _anonymous_bytes_of_mappings(path: str) -> list[int]:
+    """The 'Anonymous:' bytes of each of this process's mappings of the file `path` (/proc/self/smaps): pages of the
+    file copied into RAM, as a write into a private mapping makes them."""
+    out = []
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header: range perms offset dev inode path
+                inside = len(fields) >= 6 and fields[5] == path
+                out += [0] if inside else []
+            elif inside and fields[0] == "Anonymous:":
+                out[-1] += int(fields[1]) * 1024
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+@pytest.mark.parametrize("quantization, change", [(None, "load_state_dict"), ("int8", "load_state_dict"), (None, "in place")])
+def test_experts_written_over_on_the_disk_tier_stay_in_their_file(tiny_checkpoint, tmp_path, quantization, change):
+    """A disk-tier layer whose records are written over in place (`load_state_dict`, an edit of the expert parameters)
+    keeps them in its file: the file holds the records served, and no page of it is copied into RAM beyond
+    host_budget."""
+    path = tiny_checkpoint("mixtral")
+    probe = MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", quantization=quantization), progress=False)
+    one_layer = probe.mira.store.record_bytes(0) * probe.mira.store.num_experts(0)
+    probe.unload()
+    cfg = dict(device="cpu", gpu_budget=0.5, quantization=quantization)
+    model = MiraMoEModel.from_pretrained(
+        path, MiraConfig(**cfg, host_budget=one_layer, offload_dir=str(tmp_path)), progress=False
+    ).eval()
+    store = model.mira.store
+    (layer,) = [li for li in store.layers if store.tier(li) == "disk"]
+    (file,) = [str(tmp_path / f) for f in os.listdir(tmp_path)]
+    expected = load_reference(path)
+    with torch.no_grad():
+        model(IDS)  # experts in the cache
+        if change == "load_state_dict":
+            new = {k: v * 0.5 if ".experts." in k else v for k, v in model.state_dict().items()}
+            model.load_state_dict(new)
+            expected.load_state_dict(new)
+        else:
+            for m in (model, expected):
+                m.model.layers[layer].mlp.experts.down_proj[:, 0].mul_(0.5)
+        got = model(IDS).logits
+        if quantization is None:
+            assert torch.equal(got, expected(IDS).logits)
+        want = MiraMoEModel.wrap(expected, MiraConfig(**cfg))  # the new weights stored in host memory
+        assert torch.equal(got, want(IDS).logits)
+    assert store.tier_bytes()["disk"] == one_layer and os.listdir(tmp_path) == [os.path.basename(file)]
+    with open(file, "rb") as f:
+        assert torch.equal(torch.frombuffer(bytearray(f.read()), dtype=torch.uint8), want.mira.store.slabs()[layer].view(-1))
+    mappings = _anonymous_bytes_of_mappings(file)
+    assert mappings and sum(mappings) == 0, mappings
+
+
 def test_peak_host_memory_while_loading_is_bounded(tmp_path):
     """Loading keeps the process's peak anonymous memory ≤ 1.3 × the checkpoint size above its baseline
     (the expert arena, which on CPU is host memory by design, is counted apart). Measured in a fresh

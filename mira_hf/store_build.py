@@ -171,7 +171,8 @@ def plan_store(
         check_offload_space(cfg, store_bytes)
         if parts is not None:
             store_bytes += [host_bytes[li.ordinal] * li.num_experts for li in layers]
-        check_host_memory(cfg, store_bytes, targets, streamed is not None, codec.exact, loading)
+        # saved records give back no original tensors: the model's are kept until every layer is stored
+        check_host_memory(cfg, store_bytes, targets, streamed is not None, codec.exact and saved is None, loading)
         if parts is not None:
             for li in layers:
                 parts.allocate(li.ordinal, whole[li.ordinal], li.num_experts)
@@ -228,10 +229,12 @@ def fill_store(
         )
 
     # Validation done: from here on, any failure rolls back to the untouched model.
-    # Exact records (uncompressed or lossless) restore exactly, so each layer's tensors are dropped as soon
-    # as it is stored (peak host memory grows by one layer). Quantized records would restore only
-    # approximately, so the originals are kept until every layer is stored and a failure can give them
-    # back untouched.
+    # Exact records (uncompressed or lossless) encoded from the model's own tensors restore them exactly, so
+    # each layer's tensors are dropped as soon as it is stored (peak host memory grows by one layer).
+    # Quantized records would restore only approximately, and saved records (`store_path`) hold whatever
+    # tensors they were saved from, so then the originals are kept until every layer is stored and a
+    # failure can give them back untouched.
+    restorable = store.exact and saved is None
     keep = {}
     stripped: list[Target] = []
     try:
@@ -240,7 +243,7 @@ def fill_store(
                 saved = _add_layer(store, t, plan.specs[t.ordinal], layouts.get(t.ordinal), streamed, saved, cache, plan.parts)
                 if streamed is not None:  # nothing in the model to free or to give back on failure
                     continue
-                if not store.exact:
+                if not restorable:
                     keep[t.ordinal] = t.layout.parameters(t.module)
                 for n in t.tensors:
                     t.layout.put(t.module, n, None)

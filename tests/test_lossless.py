@@ -333,6 +333,37 @@ def test_saved_store_round_trips(tmp_path):
         MiraMoEModel.from_pretrained(bundled_model_path(), nibble, dtype=torch.bfloat16, progress=False)
 
 
+def test_a_wrap_that_fails_on_a_damaged_saved_store_leaves_the_model_as_it_was(tiny_checkpoint, tmp_path):
+    """A saved store is read layer by layer: one damaged past its first layer raises CorruptStoreError, and the model
+    keeps its own experts, not the store's records of the layers read before (a store of other expert values is
+    accepted as it is, so they need not be the model's)."""
+    import json
+
+    from mira_hf.saved_store import CorruptStoreError
+
+    path = tiny_checkpoint("mixtral")
+    cfg = MiraConfig(device="cpu", quantization="lossless")
+    MiraMoEModel.wrap(load_reference(path), cfg).mira.save_store(tmp_path)
+    with open(tmp_path / "mira_store.json") as f:
+        header = json.load(f)
+    at = header["data_start"] + header["layers"]["1"]["offset"] + 10
+    with open(tmp_path / "mira_store.safetensors", "r+b") as f:  # one bit of layer 1's records flipped
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 1]))
+    model = load_reference(path)
+    with torch.no_grad():  # other expert values than the store's
+        for layer in model.model.layers:
+            layer.mlp.experts.gate_up_proj.mul_(2.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CorruptStoreError):
+        MiraMoEModel.wrap(model, cfg.replace(store_path=str(tmp_path)))
+    after = model.state_dict()
+    assert list(after) == list(before) and not hasattr(model, "mira")
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
 # ------------------------------------------------------------------------------------------ budget
 
 

@@ -156,6 +156,7 @@ def test_stats_summarises_a_saved_stats_file(generated, capsys):
         (["calibrate", "mira-tiny", "--data", "/nonexistent.txt", "--out", "/tmp/x"], ["--data"]),
         (["env", "--model", "/nonexistent/model"], ["/nonexistent/model"]),
         (["bench", "no-such-benchmark"], ["no-such-benchmark"]),
+        (["generate", "--prompt", "x", "--predictor", "Learned"], ["--predictor learned needs --predictor-path DIR"]),
         (["serve", "--concurrency", "8"], ["--concurrency shapes", "--device-memory"]),  # it would change nothing
         (["serve", "--routing-trace", "trace"], ["--routing-trace shapes", "--device-memory"]),
         (["serve", "--max-tokens", "0"], ["--max-tokens 0: must be ≥ 1"]),

@@ -137,6 +137,11 @@ def parse_budget(text: str | None) -> int | float | str | None:
 def mira_config(args: argparse.Namespace) -> MiraConfig:
     """Validated before anything loads, so a bad flag fails in milliseconds (torch is imported only after)."""
     predictor_path = getattr(args, "predictor_path", None)
+    if str(getattr(args, "predictor", None)).lower() == "learned" and not predictor_path:
+        raise ValueError(
+            "--predictor learned needs --predictor-path DIR, a predictor mira calibrate wrote (mira calibrate MODEL "
+            "--data CORPUS --out DIR); --predictor gate needs no training."
+        )
     cfg = MiraConfig(
         gpu_budget=parse_budget(args.budget),
         device=args.device,

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Union
 
-from .errors import ConfigError, MissingDependencyError, check_count, check_fraction, check_positive
+from .errors import ConfigError, MissingDependencyError, check_count, check_finite, check_fraction
 from .heat import HeatConfig
 from .policies import PriorityConfig
 from .quant import GROUP_SIZES, LOSSLESS_CODES, codec_names, find_codec_entry, is_native
@@ -155,7 +155,7 @@ class LoaderConfig:
         check_count("split_min_bytes", self.split_min_bytes, 0, "bytes; 0 splits every record")
         if not isinstance(self.staging_ring_bytes, int) or self.staging_ring_bytes < 2**20:
             raise ConfigError(f"staging_ring_bytes={self.staging_ring_bytes!r}: must be an int ≥ 1 MiB.")
-        check_positive("copy_timeout_s", self.copy_timeout_s, "seconds")
+        check_finite("copy_timeout_s", self.copy_timeout_s, "> 0", "seconds")
         if self.stream_experts not in (None, True, False):
             raise ConfigError(f"stream_experts={self.stream_experts!r}: must be None (auto), True or False.")
 

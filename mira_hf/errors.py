@@ -23,11 +23,11 @@ def check_count(name: str, value: object, least: int, unit: str) -> None:
         raise ConfigError(f"{name}={value!r}: must be an int ≥ {least} ({unit}).")
 
 
-def check_positive(name: str, value: object, unit: str) -> None:
-    """`ConfigError` unless `value` is a finite number > 0 (of `unit`)."""
+def check_finite(name: str, value: object, bound: str, unit: str = "") -> None:
+    """`ConfigError` unless `value` is a finite number above 0 (`bound` "> 0") or from 0 ("≥ 0"), of `unit`."""
     number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy scalars too
-    if not (number and 0 < value < float("inf")):
-        raise ConfigError(f"{name}={value!r}: must be a finite number of {unit} > 0.")
+    if not (number and (0 < value if bound == "> 0" else 0 <= value) and value < float("inf")):
+        raise ConfigError(f"{name}={value!r}: must be a finite number{f' of {unit}' if unit else ''} {bound}.")
 
 
 def check_fraction(name: str, value: object, interval: str, otherwise: str = "") -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigError, check_count, check_fraction, check_positive
+from .errors import ConfigError, check_count, check_finite, check_fraction
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class HeatConfig:
             raise ConfigError(f"HeatConfig.clock={self.clock!r}: supported are 'steps' and 'wall'.")
         check_fraction("HeatConfig.decay_per_period", self.decay_per_period, "(0, 1]")
         check_count("HeatConfig.window_periods", self.window_periods, 1, "periods per counting window")
-        check_positive("HeatConfig.period_s", self.period_s, "seconds")
+        check_finite("HeatConfig.period_s", self.period_s, "> 0", "seconds")
         check_fraction("HeatConfig.hot_threshold", self.hot_threshold, "[0, 1]")
         if self.use_rate_decay is not None:
             check_fraction("HeatConfig.use_rate_decay", self.use_rate_decay, "[0, 1)", ", or None (chosen online)")

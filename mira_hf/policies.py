@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cache import Key, SlotTable
-from .errors import ConfigError
+from .errors import check_finite
 from .heat import HeatTracker
 from .registry import register_policy
 
@@ -252,9 +252,7 @@ class PriorityConfig:
 
     def __post_init__(self) -> None:
         for name in ("predicted_weight", "recency_weight", "cost_weight"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                raise ConfigError(f"PriorityConfig.{name}={value!r}: must be a finite number ≥ 0.")
+            check_finite(f"PriorityConfig.{name}", getattr(self, name), "≥ 0")
 
 
 class PriorityPolicy(LRUPolicy):

@@ -787,6 +787,12 @@ class ExpertManager(NotebookViews):
                 "save_store() saves whole experts' records, but with host_compute='split' the store holds each expert's "
                 "device part only. Wrap the model without host_compute='split' to save its records."
             )
+        if self.store.cast_in_place:
+            raise ConfigError(
+                f"save_store() saves records that a load of the model encodes, but the model was cast after loading to a "
+                f"dtype its {self.store.codec.name} records cannot hold, so they decode to their own dtype and are cast "
+                "at every use. Save the store before the cast, or cast the model back first."
+            )
         self.store.save(directory, self.fingerprint)
 
     def close(self) -> None:

@@ -303,18 +303,28 @@ class ExpertState:
         empty the manager's cache. A record that changes size (lossless) is planned first: a plan that does
         not fit raises before anything changes."""
         store, manager = self.store, self.manager
-        if not store.writable:
+        chain = getattr(store.layout(layer), "chain", None)  # records cast in place (`ExpertStore.plan_cast`)
+        if not store.writable or chain is not None:
             current = store.fused(layer)
             if all(torch.equal(t, current[n]) for n, t in fused.items()):
                 self.expose(self.proxies[layer])  # the values it holds (a model's own state dict loaded back)
                 return
-            raise UnsupportedOperationError(f"other values for MoE layer {layer}'s experts: {manager.placeholders_remedy}")
+            if not store.writable:
+                raise UnsupportedOperationError(f"other values for MoE layer {layer}'s experts: {manager.placeholders_remedy}")
+            raise UnsupportedOperationError(
+                f"other values for MoE layer {layer}'s experts: the model was cast to {chain[-1]} after loading, which "
+                f"its {store.codec.name} records cannot hold (they decode to {chain[0]} and are cast at every use), so "
+                f"no other {chain[-1]} values can be written into them. Call model.unload() and load them into that (and "
+                f"wrap it again with quantization=None, whose records hold any dtype), or, for {chain[0]} values, cast "
+                f"the model back to {chain[0]} first."
+            )
         layout = store.plan_rewrite(layer, fused)
         budget = manager.budget
         if layout != store.layout(layer):
             layouts = {li: store.layout(li) for li in store.layers}
             layouts[layer] = layout
-            budget = self.replan(layouts, {li: store.raw_layout(li).nbytes for li in store.layers}, manager.device)
+            raw_bytes = {li: store.raw_layout(li).nbytes for li in store.layers}
+            budget = self.replan(layouts, raw_bytes, manager.device)
         manager.loader.synchronize()  # no copy still reads the records about to change
         store.rewrite(layer, fused, layout=layout)
         manager.relocate(manager.store, budget, manager.device)
@@ -361,12 +371,12 @@ class ExpertState:
                     f"the experts are stored as {old} and cannot be cast to {dtype}: mira-hf casts floating-point "
                     "experts to floating-point dtypes. Nothing was changed."
                 )
-            if not store.writable:
+            if not store.writable and manager.placement != "dequant":
                 raise UnsupportedOperationError(
-                    f"the experts are stored as the checkpoint's own {store.codec.name} bytes, which only the "
-                    f"checkpoint's values fill: casting them to {dtype} would need other values encoded into them. "
-                    f"Nothing was changed. Load the model in that dtype (MiraMoEModel.from_pretrained(..., dtype={dtype}), "
-                    "which decodes the checkpoint to it as transformers does), or call model.unload() and cast that."
+                    f"the experts are kept in the checkpoint's own {store.codec.name} bytes and computed by "
+                    f"transformers' {store.codec.name} kernels (placement {manager.placement!r}), which compute in "
+                    f"the format itself, not in {dtype}. Nothing was changed. Load the model in that dtype "
+                    f"(MiraMoEModel.from_pretrained(..., dtype={dtype})), or call model.unload() and cast that."
                 )
             if store.quantized and not store.exact:
                 raise UnsupportedOperationError(
@@ -378,17 +388,25 @@ class ExpertState:
         layouts = {layer: store.layout(layer) for layer in store.layers}
         raw_bytes = {layer: store.raw_layout(layer).nbytes for layer in store.layers}
         for layer, dtype in cast.items():
-            try:
-                layouts[layer] = store.plan_rewrite(layer, dtype=dtype)
-            except ConfigError as exc:
-                raise ConfigError(
-                    f"cannot cast the experts to {dtype}: {exc} Nothing was changed; call model.unload(), cast, and wrap "
-                    "it again with the transfer format you want."
-                ) from exc
+            layouts[layer] = self._cast_layout(layer, dtype)
             specs = {n: (shape, dtype) for n, (shape, _) in manager.store.expert_specs(layer).items()}  # what a slot holds
             raw_bytes[layer] = IdentityCodec().plan(specs).nbytes
         budget = self.replan(layouts, raw_bytes, device)
         return _Change(cast, layouts, budget, device)
+
+    def _cast_layout(self, layer: int, dtype: torch.dtype):
+        """The layout of `layer`'s records once cast to `dtype`: encoded again as the cast tensors where the format
+        holds `dtype`, else the same records decoded to their own dtype and cast at every use (`plan_cast`; the
+        checkpoint's own FP8/MXFP4 bytes, lossless records of bf16 or fp32 cast to fp16). Either way the experts
+        compute with the tensors the unwrapped model holds after the same cast."""
+        store = self.store
+        if store.writable:
+            try:
+                return store.plan_rewrite(layer, dtype=dtype)
+            except ConfigError:
+                if isinstance(store.codec, IdentityCodec):
+                    raise
+        return store.plan_cast(layer, dtype)
 
     def apply_change(self, change: _Change) -> None:
         """Re-encode the cast layers (one at a time), rebuild the cache on the target device, and point

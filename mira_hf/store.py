@@ -18,6 +18,7 @@ Three host tiers, fastest first:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import weakref
@@ -30,6 +31,7 @@ import torch
 from .encode import RecordEncoder, read_ahead
 from .layout import IdentityCodec, RawLayout, plan_layer
 from .pinned import pinned_empty
+from .quant.cast import CastCodec, CastLayout, records_layout, simplify
 
 
 def codec_spec(codec) -> dict:
@@ -355,6 +357,36 @@ class ExpertStore:
         new_specs = {n: (shape, dtype) for n, (shape, _) in specs.items()}
         return self.encoder.plan_layer(self.codec, new_specs, self.num_experts(layer), self._rewritten(layer, fused, dtype))
 
+    def plan_cast(self, layer: int, dtype: torch.dtype):
+        """The layout of `layer`'s records cast to `dtype` in place (`mira_hf.quant.cast`): they stay as they are,
+        and every decode casts what they hold through the dtypes since, in order. For records in a format that
+        cannot hold `dtype` (the checkpoint's own FP8 or MXFP4 bytes, lossless records of another dtype)."""
+        old = self._slabs[layer]
+        chain = simplify((*getattr(old.layout, "chain", (old.dtype,)), dtype))
+        inner = records_layout(old.layout)
+        return inner if len(chain) == 1 else CastLayout(inner, chain)
+
+    def _recast(self, layer: int, dtype: torch.dtype, layout) -> None:
+        """Give `layer` the layout `plan_cast` planned: its experts compute in `dtype` from the same records."""
+        old = self._slabs[layer]
+        specs = {name: (shape, dtype) for name, (shape, _) in self.expert_specs(layer).items()}
+        self._slabs[layer] = dataclasses.replace(old, layout=layout, dtype=dtype, raw_layout=IdentityCodec().plan(specs))
+        self._codec_for_layouts()
+
+    def _codec_for_layouts(self) -> None:
+        """The codec wrapped to decode cast records while some layer has them, else the records' own (as a saved
+        store names it)."""
+        cast = any(isinstance(s.layout, CastLayout) for s in self._slabs.values())
+        if cast and not isinstance(self.codec, CastCodec):
+            self.codec = CastCodec(self.codec)
+        elif not cast and isinstance(self.codec, CastCodec):
+            self.codec = self.codec.inner
+
+    @property
+    def cast_in_place(self) -> bool:
+        """Whether some layer's records decode to another dtype than its experts compute in (`plan_cast`)."""
+        return isinstance(self.codec, CastCodec)
+
     def read_by(self, wait: Callable[[], None]) -> None:
         """A reader of the slabs runs beside the model (a record cache's background write); `wait` returns once it
         has finished. A rewrite of records waits for it first."""
@@ -367,6 +399,8 @@ class ExpertStore:
         budget gives it (host memory grows by at most this layer meanwhile). `layout`: from `plan_rewrite`."""
         old = self._slabs[layer]
         dtype = dtype or old.dtype
+        if fused is None and layout is not None and records_layout(layout) is records_layout(old.layout):
+            return self._recast(layer, dtype, layout)  # planned by `plan_cast`: the records stay
         layout = layout if layout is not None else self.plan_rewrite(layer, fused, dtype)
         while self._readers:  # they read the records as loaded: not records written over meanwhile
             self._readers.pop()()
@@ -395,6 +429,7 @@ class ExpertStore:
         if old.path is not None:
             _remove_files([old.path])  # the old mapping keeps its pages until it is dropped
             self._files.remove(old.path)
+        self._codec_for_layouts()
 
     def _rewritten(self, layer: int, fused: Mapping[str, torch.Tensor] | None, dtype: torch.dtype):
         """`e -> {name: tensor}`: expert e of `layer` as stored, with `fused` replacing tensors, cast to `dtype`."""

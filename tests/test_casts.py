@@ -97,18 +97,39 @@ def test_a_cast_of_lossy_experts_is_refused_before_anything_changes(tiny_checkpo
     assert torch.equal(_logits(model), expected)
 
 
-def test_lossless_experts_follow_bf16_exactly_and_refuse_fp16(tiny_checkpoint):
+@pytest.mark.parametrize("placement", ["packed", "dequant", "mixed"])
+def test_lossless_experts_follow_every_cast_exactly_fp16_ones_decoded_then_cast(tiny_checkpoint, placement):
+    """Lossless records hold bf16 and fp32: a cast to either encodes them again; a cast to fp16 leaves them as they
+    are, and each use decodes them to their own dtype and casts that to fp16, as `half()` of the unwrapped model
+    rounds its tensors. Either way the logits, state dict and tokens are the unwrapped cast model's. Such records
+    take no other fp16 values (the model's own state dict loads back) and are not saved as a store."""
+    from mira_hf.config import QuantConfig
+
     path = tiny_checkpoint("mixtral")
-    model = _wrapped(path, quantization="lossless")
-    expected = _logits(model)
-    with pytest.raises(ConfigError, match="cannot cast the experts to torch.float16.*lossless.*Nothing was changed"):
-        model.half()
-    assert model.dtype == torch.float32 and torch.equal(_logits(model), expected)
-    model.bfloat16()
-    assert model.mira.store.quantized and model.mira.store.dtype(0) == torch.bfloat16
-    ref = load_reference(path).bfloat16()
-    assert torch.equal(_logits(model), _logits(ref))
-    assert _same(model.state_dict(), ref.state_dict())
+    budget = 1.0 if placement == "mixed" else 0.5  # mixed: every expert fits only with some kept packed
+    model = _wrapped(path, quantization="lossless", quant=QuantConfig(placement=placement), gpu_budget=budget)
+    ref = load_reference(path)
+    store = model.mira.store
+    for cast, dtype in [("half", torch.float16), ("bfloat16", torch.bfloat16), ("half", torch.float16), ("float", torch.float32)]:
+        records = store._slabs[0].data.clone()
+        getattr(model, cast)()
+        getattr(ref, cast)()
+        assert model.dtype == dtype and store.dtype(0) == dtype and model.mira.placement == placement
+        assert store.quantized and store.codec.name == "lossless"
+        assert torch.equal(_logits(model), _logits(ref))
+        assert _same(model.state_dict(), ref.state_dict())
+        if cast == "half":  # the records as they were: fp32 ones from the load, then bf16 ones from the cast to bf16
+            assert store.cast_in_place and store.layout(0).chain[-1] == torch.float16
+            assert torch.equal(store._slabs[0].data, records)
+            assert not model.load_state_dict(model.state_dict()).missing_keys
+            changed = {k: v * 2 if ".experts." in k else v for k, v in ref.state_dict().items()}
+            with pytest.raises(RuntimeError, match="cast to torch.float16 after loading.*model.unload"):
+                model.load_state_dict(changed)
+            with pytest.raises(ConfigError, match="save_store.*cast after loading"):
+                model.mira.save_store(str(tiny_checkpoint("mixtral")) + "-store")
+            kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+            assert torch.equal(model.generate(IDS, **kw), ref.generate(IDS, **kw))
+    assert not store.cast_in_place  # fp16 -> fp32: lossless holds fp32, encoded again
 
 
 @pytest.mark.parametrize("cast", ["half", "bfloat16"])
@@ -275,6 +296,29 @@ def test_a_cuda_model_casts_on_its_device_and_moves_to_the_cpu_and_back(tiny_che
         assert torch.equal(model(IDS.cuda()).logits, ref(IDS.cuda()).logits)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("placement", ["packed", "dequant"])
+def test_lossless_records_cast_to_fp16_on_cuda_decode_then_cast_exactly(tiny_checkpoint, placement):
+    """On CUDA the records cast in place decode on the device (Triton), into a slot through the copy stream
+    ("dequant") or into the scratch buffer at each use ("packed"), then cast: the unwrapped fp16 model's bits."""
+    from mira_hf.config import QuantConfig
+
+    path = tiny_checkpoint("mixtral")
+    cfg = MiraConfig(device="cuda", gpu_budget=0.5, quantization="lossless", quant=QuantConfig(placement=placement))
+    model = MiraMoEModel.from_pretrained(path, cfg, dtype=torch.bfloat16, progress=False).eval()
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval().cuda()
+    model.half()
+    ref.half()
+    assert model.mira.store.cast_in_place and model.mira.device.type == "cuda"
+    ids = IDS.cuda()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+    assert _same(model.state_dict(), ref.state_dict())
+
+
 def test_a_cast_of_a_mixed_placement_plans_its_kept_experts_again_and_serves_exactly(tiny_checkpoint):
     """Placement "mixed" keeps a few experts packed where every expert fits only so; a cast re-encodes the records
     (fp32 ones compress less than bf16 ones), and the plan made again keeps what the new records need."""
@@ -294,11 +338,11 @@ def test_a_cast_of_a_mixed_placement_plans_its_kept_experts_again_and_serves_exa
 
 
 def test_a_cast_refused_through_apply_says_the_modules_before_stay_cast(tiny_checkpoint):
-    """`model.apply(fn)` casts each module as it reaches it: where the experts refuse the cast (lossless records
-    hold no float16), the error says the modules it reached before are cast, and what to do."""
-    model = _wrapped(tiny_checkpoint("mixtral"), quantization="lossless")
-    with pytest.raises(ConfigError, match=r"came through model\.apply.*those stay changed"):
+    """`model.apply(fn)` casts each module as it reaches it: where the experts refuse the cast (int8 records, whose
+    cast would not be the unwrapped model's), the error says the modules it reached before are cast, and what to do."""
+    model = _wrapped(tiny_checkpoint("mixtral"), quantization="int8")
+    with pytest.raises(UnsupportedOperationError, match=r"came through model\.apply.*those stay changed"):
         model.apply(lambda m: m.to(torch.float16))
-    with pytest.raises(ConfigError, match="Nothing was changed") as refused:
+    with pytest.raises(UnsupportedOperationError, match="Nothing was changed") as refused:
         model.half()
     assert "model.apply" not in str(refused.value)

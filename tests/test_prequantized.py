@@ -366,18 +366,48 @@ def test_a_config_given_and_config_keywords_apply_as_in_transformers(quantized_c
     assert config.to_dict() == before
 
 
+@pytest.mark.parametrize("family,codec", CASES)
+def test_a_cast_decodes_the_checkpoints_bytes_then_casts_as_transformers_load_cast_the_same_way(
+    quantized_checkpoint, family, codec
+):
+    """The records hold the checkpoint's bytes, which no other values fill: a cast leaves them as they are, and each
+    decode gives the dtype the model was loaded in, then casts through every dtype the model was cast to since. The
+    model then holds and computes what transformers' load holds after the same casts, and a cast back to the
+    loaded dtype decodes straight to it again."""
+    path = quantized_checkpoint(family)
+    ref, model = _reference(path), _load(path, gpu_budget=0.5)
+    store = model.mira.store
+    records, layout = store._slabs[0].data.clone(), store.layout(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float32):
+        assert model.to(dtype) is model
+        ref.to(dtype)
+        assert model.dtype == dtype and store.dtype(0) == dtype and store.codec.name == codec
+        with torch.no_grad():
+            assert torch.equal(model(IDS).logits, ref(IDS).logits)
+        expected = ref.state_dict()
+        assert all(t.dtype == expected[k].dtype and torch.equal(t, expected[k]) for k, t in model.state_dict().items())
+        assert torch.equal(store._slabs[0].data, records)
+        if dtype == torch.bfloat16:  # bf16 -> fp32 -> bf16 rounds nothing: decoded straight to bf16 again
+            assert store.layout(0) == layout and not store.cast_in_place
+    assert store.layout(0).chain == (torch.bfloat16, torch.float16, torch.float32)
+    model.half()
+    ref.half()
+    assert torch.equal(model.generate(IDS[:1], **GREEDY), ref.generate(IDS[:1], **GREEDY))
+    back = model.unload()
+    expected = ref.state_dict()
+    assert all(t.dtype == expected[k].dtype and torch.equal(t, expected[k]) for k, t in back.state_dict().items())
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_experts_in_the_checkpoints_own_bytes_refuse_other_values_and_say_how_to_change_them(quantized_checkpoint, family):
-    """The records hold the checkpoint's quantized bytes and scales, which no other values fill: a cast and a
-    `load_state_dict` of changed experts are refused before anything changes, naming the dtype load and the
-    dequantized load that can; the model's own state dict loads back; an in-place edit names the dequantized load."""
+    """The records hold the checkpoint's quantized bytes and scales, which no other values fill: a
+    `load_state_dict` of changed experts is refused before anything changes, naming the dequantized load that can;
+    the model's own state dict loads back; an in-place edit names the dequantized load."""
     path = quantized_checkpoint(family)
     model = _load(path, gpu_budget=0.25)
     config = model.mira.store.codec.dequantized_config
     with torch.no_grad():
         expected = model(IDS).logits
-    with pytest.raises(UnsupportedOperationError, match=r"checkpoint's own \w+ bytes.*dtype=torch\.float32"):
-        model.float()
     state = model.state_dict()
     assert not model.load_state_dict(state).missing_keys  # the values it holds: accepted, nothing to write
     name = next(k for k in state if k.endswith("experts.down_proj"))

@@ -131,6 +131,7 @@ def plan_budget(
     buffers: Mapping[str, int] | None = None,
     placement: str = "raw",
     round_up_from: float | None = None,
+    fraction_of: int | None = None,
 ) -> BudgetPlan:
     """Split `budget_bytes` into slots, one pool per distinct record size, in proportion to each
     pool's share of all expert bytes, after taking out the codec's device `buffers` (see
@@ -138,7 +139,9 @@ def plan_budget(
     and the other pools share the rest in the same proportion. Below the minimum working set (those
     buffers plus the top-k experts of one layer in every pool) raises `BudgetError`, unless
     `round_up_from` gives the fraction the budget was derived from: a share of the experts' bytes is
-    then raised to that minimum, with a warning, and the plan's `budget_bytes` is the budget in use."""
+    then raised to that minimum, with a warning, and the plan's `budget_bytes` is the budget in use. `fraction_of`:
+    the bytes a fractional budget is a share of (every expert uncompressed and whole, as `resolve_budget_bytes`
+    takes them), where the records are not those; the messages' fractions are of it."""
     buffers = dict(buffers or {})
     reserved = sum(buffers.values())
     slots_budget = max(budget_bytes - reserved, 0)
@@ -154,11 +157,12 @@ def plan_budget(
     all_bytes = sum(total.values())
     least = {g: top_k[g] * g for g in total}  # bytes of each pool's smallest working set
     minimum = sum(least.values()) + reserved
+    base = fraction_of or all_bytes
     if budget_bytes < minimum and round_up_from is not None:
         # A fraction is relative to the experts: one too small for this model means "as little as works".
         warnings.warn(
             f"mira-hf: gpu_budget={round_up_from} ({budget_bytes:,} bytes) is below the minimum working set of "
-            f"this model; using {minimum:,} bytes (a fraction of {minimum / all_bytes:.3f}: {_working_set(total)}). "
+            f"this model; using {minimum:,} bytes (a fraction of {minimum / base:.3f}: {_working_set(total)}). "
             "Give a larger fraction, or a byte budget, to choose the budget yourself.",
             stacklevel=3,
         )
@@ -168,7 +172,7 @@ def plan_budget(
         raise BudgetError(
             f"gpu_budget of {budget_bytes:,} bytes is below the minimum working set of this model: "
             f"{minimum:,} bytes ({_working_set(total)}{extra}; {all_bytes:,} bytes hold every expert). "
-            f"Give MiraConfig(gpu_budget=...) at least {minimum:,} bytes, e.g. a fraction ≥ {minimum / all_bytes:.3f}."
+            f"Give MiraConfig(gpu_budget=...) at least {minimum:,} bytes, e.g. a fraction ≥ {minimum / base:.3f}."
         )
     share = _shares(total, least, slots_budget)
     n_slots = {g: min(experts[g], share[g] // g) for g in total}
@@ -246,13 +250,15 @@ def plan_records(
     layouts: Mapping[int, object],
     raw_bytes: Mapping[int, int],
     round_up_from: float | None = None,
+    fraction_of: int | None = None,
 ) -> BudgetPlan:
     """The plan for records laid out as `layouts` (per layer; empty for uncompressed records, whose
     sizes are `raw_bytes`) held in slots by `placement`: a "packed" slot holds a record as it is, any
-    other placement a record of the checkpoint dtype ("mixed": see `keep_packed`). `round_up_from`: see `plan_budget`."""
+    other placement a record of the checkpoint dtype ("mixed": see `keep_packed`). `round_up_from`, `fraction_of`: see
+    `plan_budget`."""
     slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else dict(raw_bytes)
     buffers = device_buffers(placement, codec, layouts)
-    plan = plan_budget(layers, slot_bytes, budget_bytes, buffers, placement, round_up_from=round_up_from)
+    plan = plan_budget(layers, slot_bytes, budget_bytes, buffers, placement, round_up_from, fraction_of)
     if placement == "mixed":
         return keep_packed(plan, layers, {layer: layout.nbytes for layer, layout in layouts.items()})
     return plan

@@ -140,13 +140,21 @@ def check_host_memory(
 
 
 def replan(
-    model: nn.Module, cfg: MiraConfig, layers: list[LayerInfo], targets: list[Target], layouts, raw_bytes, device: torch.device
+    model: nn.Module,
+    cfg: MiraConfig,
+    layers: list[LayerInfo],
+    targets: list[Target],
+    layouts,
+    raw_bytes,
+    device: torch.device,
+    expert_bytes=None,
 ):
     """The slot plan of a wrapped model whose records changed (`layouts`, `raw_bytes`: per layer, after a
     cast or a load) or that moves to `device`, from the budget it was wrapped with; raises `BudgetError`
-    before anything changes. A fraction budget is a share of the experts' bytes in their new dtype."""
+    before anything changes. A fraction budget is a share of the experts' bytes in their new dtype: `expert_bytes`
+    per layer, one whole expert uncompressed, where the slots hold less (`host_compute="split"`), else `raw_bytes`."""
     manager: ExpertManager = model.mira
-    all_bytes = sum(raw_bytes[li.ordinal] * li.num_experts for li in layers)
+    all_bytes = sum((expert_bytes or raw_bytes)[li.ordinal] * li.num_experts for li in layers)
     same = device == manager.device
     if cfg.gpu_budget is None and device.type == "cuda" and same:
         budget_bytes = manager.budget.budget_bytes  # what free memory gave at wrap; it now excludes the arena
@@ -159,7 +167,8 @@ def replan(
         manager.store.codec,
         layouts,
         raw_bytes,
-        round_up_from=budget_fraction(cfg.gpu_budget),
+        budget_fraction(cfg.gpu_budget),
+        all_bytes,
     )
     check_device_memory(budget.device_bytes, device, model, targets, reclaim_bytes=manager.device_bytes if same else 0)
     return budget

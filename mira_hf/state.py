@@ -39,7 +39,7 @@ from .step_hooks import on_stack
 from .store import own_storage
 
 # (new record layouts by layer, uncompressed record bytes by layer, device) -> the slot plan there (raises BudgetError)
-Replan = Callable[[Mapping[int, object], Mapping[int, int], torch.device], BudgetPlan]
+Replan = Callable[[Mapping[int, object], Mapping[int, int], torch.device, Mapping[int, int]], BudgetPlan]
 MakeParameter = Callable[[str, torch.Tensor], nn.Parameter]  # (tensor name, data) -> the expert parameter
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -324,7 +324,7 @@ class ExpertState:
             layouts = {li: store.layout(li) for li in store.layers}
             layouts[layer] = layout
             raw_bytes = {li: store.raw_layout(li).nbytes for li in store.layers}
-            budget = self.replan(layouts, raw_bytes, manager.device)
+            budget = self.replan(layouts, raw_bytes, manager.device, self._expert_bytes({}))
         manager.loader.synchronize()  # no copy still reads the records about to change
         store.rewrite(layer, fused, layout=layout)
         manager.relocate(manager.store, budget, manager.device)
@@ -391,8 +391,19 @@ class ExpertState:
             layouts[layer] = self._cast_layout(layer, dtype)
             specs = {n: (shape, dtype) for n, (shape, _) in manager.store.expert_specs(layer).items()}  # what a slot holds
             raw_bytes[layer] = IdentityCodec().plan(specs).nbytes
-        budget = self.replan(layouts, raw_bytes, device)
+        budget = self.replan(layouts, raw_bytes, device, self._expert_bytes(cast))
         return _Change(cast, layouts, budget, device)
+
+    def _expert_bytes(self, cast: Mapping[int, torch.dtype]) -> dict[int, int]:
+        """Bytes of one whole expert of each layer, uncompressed, in its dtype after `cast` (layer -> new dtype): what
+        a fractional budget is a share of, where slots may hold less (device parts, with `host_compute="split"`)."""
+        store = self.store
+        return {
+            layer: IdentityCodec()
+            .plan({n: (shape, cast.get(layer, d)) for n, (shape, d) in store.expert_specs(layer).items()})
+            .nbytes
+            for layer in store.layers
+        }
 
     def _cast_layout(self, layer: int, dtype: torch.dtype):
         """The layout of `layer`'s records once cast to `dtype`: encoded again as the cast tensors where the format

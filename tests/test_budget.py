@@ -117,6 +117,39 @@ def test_a_fraction_below_the_minimum_working_set_is_raised_to_it_with_a_warning
         )
 
 
+# The tiny Mixtral: 2 layers of 8 fp32 experts of 49,152 bytes (gate_up [128, 64], down [64, 64]), uncompressed.
+TINY_EXPERT_BYTES = 2 * 8 * 49152
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(quantization="int4", quant=QuantConfig(placement="packed")),
+        dict(quantization="lossless"),
+        dict(host_compute="split", host_share=0.5),
+    ],
+    ids=["int4-packed", "lossless", "split"],
+)
+def test_the_fraction_a_budget_error_names_is_a_share_of_the_uncompressed_experts_and_suffices(tiny_checkpoint, kw):
+    """A fractional budget is a share of every expert's bytes, uncompressed and whole, whatever the slots hold (packed
+    records, device parts): the fraction the error and the round-up warning name is the minimum over those bytes, so
+    the least fraction above it is accepted as it is."""
+    import re
+
+    path = tiny_checkpoint("mixtral")
+    with pytest.raises(BudgetError) as refused:
+        MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", gpu_budget=1000, **kw), progress=False)
+    minimum = int(re.search(r"at least ([\d,]+) bytes", str(refused.value))[1].replace(",", ""))
+    fraction = float(re.search(r"a fraction ≥ (\d+\.\d+)", str(refused.value))[1])
+    assert fraction == round(minimum / TINY_EXPERT_BYTES, 3)
+    with pytest.warns(UserWarning, match=rf"using {minimum:,} bytes \(a fraction of {fraction:.3f}"):
+        MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", gpu_budget=1e-6, **kw), progress=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*below the minimum working set")
+        model = MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", gpu_budget=fraction + 0.001, **kw), progress=False)
+    assert model.mira.stats()["budget_bytes"] == int((fraction + 0.001) * TINY_EXPERT_BYTES)
+
+
 def test_the_round_up_warning_names_the_line_that_asked_for_the_plan():
     """`plan_records`' caller (the stage that plans the store; here this test), not a line of the planning."""
     import mira_hf.budget as budget

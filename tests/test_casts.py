@@ -71,6 +71,20 @@ def test_float_after_a_bf16_load_serves_fp32_and_rescales_a_fraction_budget(tiny
     assert model.mira.stats()["budget_bytes"] == 2 * budget  # half of the experts' bytes, now in fp32
 
 
+def test_a_fraction_budget_of_a_split_model_stays_a_share_of_its_whole_experts_across_casts(tiny_checkpoint):
+    """With host_compute="split" the slots hold device parts, and a fractional budget is still a share of the whole
+    experts' bytes, in the dtype of the moment: half of them at load, after a cast to bf16 and back."""
+    path = tiny_checkpoint("mixtral")
+    model = _wrapped(path, host_compute="split", host_share=0.25)
+    whole = 2 * 8 * (128 * 64 + 64 * 64) * 4  # two layers of eight fp32 experts
+    slots = sorted(model.mira.budget.n_slots.values())
+    assert model.mira.stats()["budget_bytes"] == whole // 2
+    model.bfloat16()
+    assert model.mira.stats()["budget_bytes"] == whole // 4 and sorted(model.mira.budget.n_slots.values()) == slots
+    model.float()
+    assert model.mira.stats()["budget_bytes"] == whole // 2 and sorted(model.mira.budget.n_slots.values()) == slots
+
+
 def test_a_cast_to_a_budget_that_no_longer_fits_is_refused_before_anything_changes(tiny_checkpoint):
     """A byte budget of three bf16 experts holds the top-2 of a layer in bf16, not in fp32."""
     path = tiny_checkpoint("mixtral")

@@ -21,11 +21,9 @@ CASTS = {
     "to_fp16": lambda m: m.to(torch.float16),
     "to_cpu_bf16": lambda m: m.to("cpu", torch.bfloat16),
 }
-# Families whose combine of expert outputs is exact in bf16 and fp16 today, so a cast wrapped model equals the
-# cast unwrapped one bit for bit (also deepseek_v2 and glm4_moe; phimoe in bf16 only). gpt_oss, granitemoe, olmoe,
-# qwen2_moe, qwen3_moe and qwen3_next weigh expert outputs in the hidden dtype in transformers' own code, which the
-# proxy's fp32 combine does not follow yet: their casts are served, within a few bf16 ulps.
-EXACT_FAMILIES = ["mixtral", "deepseek_v3", "llama4"]
+# Families whose experts weigh and sum their outputs in different ways (routing weights in fp32 or in the hidden
+# dtype, a shared expert beside the routed ones, input-scaled experts): a cast wrapped model equals the cast unwrapped one.
+EXACT_FAMILIES = ["mixtral", "deepseek_v3", "llama4", "gpt_oss", "qwen2_moe", "qwen3_moe"]
 
 
 def _logits(model):

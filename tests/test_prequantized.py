@@ -112,14 +112,14 @@ def test_fp32_logits_and_tokens_equal_transformers(quantized_checkpoint, family,
 @pytest.mark.parametrize("family,codec", CASES)
 def test_bf16_weights_are_transformers_bit_for_bit(quantized_checkpoint, family, codec):
     """In the checkpoint's dtype (bf16) every expert decodes to transformers' weights bit for bit, and the
-    logits and beams equal those of transformers' load wrapped whole (the proxy sums its K rows in fp32 and
-    transformers in bf16, so bf16 logits are compared within wrapped models, as for any bf16 checkpoint)."""
+    logits and beams equal transformers' own load's, and those of that load wrapped whole."""
     path = quantized_checkpoint(family)
     ref, model = _reference(path), _load(path)
     whole = _load(path, loader=LoaderConfig(stream_experts=False))  # transformers' dequantized load, wrapped
     assert model.mira.store.dtype(0) == torch.bfloat16 and whole.mira.store.codec.name == "none"
     with torch.no_grad():
-        assert torch.equal(model(IDS).logits, whole(IDS).logits)
+        assert torch.equal(model(IDS).logits, ref(IDS).logits) and torch.equal(model(IDS).logits, whole(IDS).logits)
+    assert torch.equal(model.generate(IDS[:1], **BEAM), ref.generate(IDS[:1], **BEAM))
     assert torch.equal(model.generate(IDS[:1], **BEAM), whole.generate(IDS[:1], **BEAM))
     back = model.unload()  # every expert as this store decodes it
     expected = ref.state_dict()

@@ -35,6 +35,7 @@ from .budget import BudgetPlan
 from .errors import ConfigError, DeviceError, MiraError, UnsupportedOperationError
 from .layout import IdentityCodec
 from .manager import ExpertManager
+from .quant.cast import widens
 from .step_hooks import on_stack
 from .store import own_storage
 
@@ -311,6 +312,12 @@ class ExpertState:
                 return
             if not store.writable:
                 raise UnsupportedOperationError(f"other values for MoE layer {layer}'s experts: {manager.placeholders_remedy}")
+            try:
+                layout = store.plan_rewrite(layer, fused)  # encoded in the layer's dtype, where the format holds it
+            except ConfigError:
+                layout = None
+            if layout is not None:
+                return self._rewrite(layer, fused, layout)
             raise UnsupportedOperationError(
                 f"other values for MoE layer {layer}'s experts: the model was cast to {chain[-1]} after loading, which "
                 f"its {store.codec.name} records cannot hold (they decode to {chain[0]} and are cast at every use), so "
@@ -318,7 +325,12 @@ class ExpertState:
                 f"wrap it again with quantization=None, whose records hold any dtype), or, for {chain[0]} values, cast "
                 f"the model back to {chain[0]} first."
             )
-        layout = store.plan_rewrite(layer, fused)
+        self._rewrite(layer, fused, store.plan_rewrite(layer, fused))
+
+    def _rewrite(self, layer: int, fused: Mapping[str, torch.Tensor], layout) -> None:
+        """Encode `fused` into `layer`'s records as `layout` (from `plan_rewrite`), with the slots planned again where
+        the records change size."""
+        store, manager = self.store, self.manager
         budget = manager.budget
         if layout != store.layout(layer):
             layouts = {li: store.layout(li) for li in store.layers}
@@ -406,16 +418,20 @@ class ExpertState:
         }
 
     def _cast_layout(self, layer: int, dtype: torch.dtype):
-        """The layout of `layer`'s records once cast to `dtype`: encoded again as the cast tensors where the format
-        holds `dtype`, else the same records decoded to their own dtype and cast at every use (`plan_cast`; the
-        checkpoint's own FP8/MXFP4 bytes, lossless records of bf16 or fp32 cast to fp16). Either way the experts
-        compute with the tensors the unwrapped model holds after the same cast."""
+        """The layout of `layer`'s records once cast to `dtype`: the same records decoded to their own dtype and cast
+        at every use (`plan_cast`) where the cast widens encoded records (bf16 lossless ones to fp32: no value
+        changes, and the records stay as small as they are) or their format cannot hold `dtype` (the checkpoint's own
+        FP8/MXFP4 bytes, lossless records cast to fp16); else encoded again as the cast tensors. Either way the
+        experts compute with the tensors the unwrapped model holds after the same cast."""
         store = self.store
+        encoded = not isinstance(store.codec, IdentityCodec)
+        if encoded and widens(store.dtype(layer), dtype):
+            return store.plan_cast(layer, dtype)  # nothing to round: the records stay, as small as they are
         if store.writable:
             try:
                 return store.plan_rewrite(layer, dtype=dtype)
             except ConfigError:
-                if isinstance(store.codec, IdentityCodec):
+                if not encoded:
                     raise
         return store.plan_cast(layer, dtype)
 

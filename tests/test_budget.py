@@ -83,6 +83,20 @@ def test_codec_buffers_are_planned_out_of_the_budget(tiny_checkpoint, placement)
     assert s["capacity_bytes"] + want <= s["budget_bytes"] and mira.device_bytes == s["capacity_bytes"] + want
 
 
+def test_records_cast_in_place_plan_room_for_the_cast_weight_beside_the_codec_scratch(tiny_checkpoint):
+    """Placement "packed" decodes a weight into the scratch at each use; records cast in place (bf16 lossless ones
+    after `float()`) decode there in bf16 and are cast beside it into fp32, so the scratch holds both, out of the
+    budget: the largest weight, gate_up_proj [128, 64], in bf16 (16,384 bytes) and in fp32 (32,768)."""
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, quantization="lossless", quant=QuantConfig(placement="packed"))
+    model = MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), cfg, dtype=torch.bfloat16, progress=False)
+    mira = model.mira
+    assert mira.budget.buffer_bytes == {"scratch": 128 * 64 * 2}
+    model.float()
+    assert mira.store.cast_in_place and mira.budget.buffer_bytes == {"scratch": 128 * 64 * 2 + 128 * 64 * 4}
+    s = mira.stats()
+    assert mira.device_bytes == s["capacity_bytes"] + 128 * 64 * 6 <= s["budget_bytes"]
+
+
 def test_a_pool_shared_by_several_layers_counts_all_their_experts():
     layers = [LayerInfo(i, f"layers.{i}", 4, 1) for i in range(3)]
     # pool 1000: layers 0 and 1, 8000 bytes; pool 500: layer 2, 2000 bytes. 5000 bytes → 4000 and 1000

@@ -111,10 +111,11 @@ def test_a_cast_of_lossy_experts_is_refused_before_anything_changes(tiny_checkpo
 
 @pytest.mark.parametrize("placement", ["packed", "dequant", "mixed"])
 def test_lossless_experts_follow_every_cast_exactly_fp16_ones_decoded_then_cast(tiny_checkpoint, placement):
-    """Lossless records hold bf16 and fp32: a cast to either encodes them again; a cast to fp16 leaves them as they
-    are, and each use decodes them to their own dtype and casts that to fp16, as `half()` of the unwrapped model
-    rounds its tensors. Either way the logits, state dict and tokens are the unwrapped cast model's. Such records
-    take no other fp16 values (the model's own state dict loads back) and are not saved as a store."""
+    """Lossless records hold bf16 and fp32. A cast that rounds (fp32 to bf16) encodes them again; one their format
+    cannot hold (to fp16) or that rounds nothing (bf16 to fp32) leaves them as they are, and each use decodes them to
+    their own dtype and casts that, as the unwrapped model's cast rounds its tensors. Either way the logits, state
+    dict and tokens are the unwrapped cast model's. Records cast to fp16 take no other fp16 values (the model's own
+    state dict loads back) and are not saved as a store."""
     from mira_hf.config import QuantConfig
 
     path = tiny_checkpoint("mixtral")
@@ -122,7 +123,8 @@ def test_lossless_experts_follow_every_cast_exactly_fp16_ones_decoded_then_cast(
     model = _wrapped(path, quantization="lossless", quant=QuantConfig(placement=placement), gpu_budget=budget)
     ref = load_reference(path)
     store = model.mira.store
-    for cast, dtype in [("half", torch.float16), ("bfloat16", torch.bfloat16), ("half", torch.float16), ("float", torch.float32)]:
+    steps = [("half", torch.float16), ("bfloat16", torch.bfloat16), ("half", torch.float16), ("float", torch.float32)]
+    for cast, dtype in steps:
         records = store._slabs[0].data.clone()
         getattr(model, cast)()
         getattr(ref, cast)()
@@ -130,9 +132,10 @@ def test_lossless_experts_follow_every_cast_exactly_fp16_ones_decoded_then_cast(
         assert store.quantized and store.codec.name == "lossless"
         assert torch.equal(_logits(model), _logits(ref))
         assert _same(model.state_dict(), ref.state_dict())
-        if cast == "half":  # the records as they were: fp32 ones from the load, then bf16 ones from the cast to bf16
-            assert store.cast_in_place and store.layout(0).chain[-1] == torch.float16
-            assert torch.equal(store._slabs[0].data, records)
+        # the records as they were (fp32 ones from the load, then bf16 ones from the cast to bf16), except where rounded
+        assert store.cast_in_place == (cast != "bfloat16") and torch.equal(store._slabs[0].data, records) == (cast != "bfloat16")
+        if cast == "half":
+            assert store.layout(0).chain[-1] == torch.float16
             assert not model.load_state_dict(model.state_dict()).missing_keys
             changed = {k: v * 2 if ".experts." in k else v for k, v in ref.state_dict().items()}
             with pytest.raises(RuntimeError, match="cast to torch.float16 after loading.*model.unload"):
@@ -141,7 +144,32 @@ def test_lossless_experts_follow_every_cast_exactly_fp16_ones_decoded_then_cast(
                 model.mira.save_store(str(tiny_checkpoint("mixtral")) + "-store")
             kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
             assert torch.equal(model.generate(IDS, **kw), ref.generate(IDS, **kw))
-    assert not store.cast_in_place  # fp16 -> fp32: lossless holds fp32, encoded again
+    assert store.layout(0).chain == (torch.bfloat16, torch.float16, torch.float32)
+
+
+@pytest.mark.parametrize("placement", ["packed", "dequant"])
+def test_a_bf16_lossless_model_cast_to_fp32_keeps_its_records_and_takes_new_values(tiny_checkpoint, placement):
+    """The notebook habit, load in bf16 then `model.float()`, on lossless records: nothing is rounded, so the records
+    stay (no encoding, host memory and copies as small as bf16's) and each use decodes them and widens to fp32. New
+    fp32 values in `load_state_dict` are encoded as fp32 records, as they would be in a model loaded in fp32."""
+    from mira_hf.config import QuantConfig
+
+    path = tiny_checkpoint("mixtral")
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, quantization="lossless", quant=QuantConfig(placement=placement))
+    model = MiraMoEModel.from_pretrained(path, cfg, dtype=torch.bfloat16, progress=False).eval()
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    store = model.mira.store
+    records, nbytes = store._slabs[1].data.clone(), store.nbytes
+    model.float()
+    ref.float()
+    assert store.dtype(1) == torch.float32 and store.layout(1).chain == (torch.bfloat16, torch.float32)
+    assert torch.equal(store._slabs[1].data, records) and store.nbytes == nbytes
+    assert torch.equal(_logits(model), _logits(ref)) and _same(model.state_dict(), ref.state_dict())
+    changed = {k: v * 1.001 if ".experts." in k else v for k, v in ref.state_dict().items()}  # fp32, not bf16, values
+    model.load_state_dict(changed)
+    ref.load_state_dict(changed)
+    assert not store.cast_in_place and store.dtype(1) == torch.float32
+    assert torch.equal(_logits(model), _logits(ref)) and _same(model.state_dict(), ref.state_dict())
 
 
 @pytest.mark.parametrize("cast", ["half", "bfloat16"])

@@ -57,6 +57,29 @@ class CastLayout:
         return getattr(self.inner, name)
 
 
+def widens(old: torch.dtype, new: torch.dtype) -> bool:
+    """Whether every value of `old` is a value of `new` (a cast from one to the other rounds nothing)."""
+    return (old, new) in _WIDENINGS
+
+
+def scratch_bytes(codec_scratch, layout) -> int:
+    """Device bytes a slot of `layout` decodes a weight into to compute from packed records (placement "packed"):
+    `codec_scratch(layout)`, the codec's own; for records cast in place, that for the records' layout and, beside it,
+    the largest 2-D weight in the model's dtype, which the decode is cast into (`BoundCast`)."""
+    if not isinstance(layout, CastLayout):
+        return codec_scratch(layout)
+    return _aligned(codec_scratch(layout.inner)) + _cast_bytes(layout)
+
+
+def _cast_bytes(layout: CastLayout) -> int:
+    entries = getattr(layout.inner, "entries", ())
+    return _aligned(max((e.numel * layout.chain[-1].itemsize for e in entries if len(e.shape) == 2), default=0))
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 256) * 256
+
+
 def records_layout(layout):
     """The layout the records themselves have (`CastLayout.inner`, or `layout`)."""
     return layout.inner if isinstance(layout, CastLayout) else layout
@@ -111,10 +134,13 @@ class CastCodec:
         decoded = self.inner.decode(record, layout.inner, layout.chain[0])
         result = {}
         for name, t in decoded.items():
-            t = _cast(t, layout.chain).to(dtype)
-            if out is not None and name in out:
-                out[name].copy_(t)
-                t = out[name]
+            t = _cast(t, layout.chain[:-1])
+            if out is not None and name in out and dtype == layout.chain[-1]:
+                t = out[name].copy_(t)  # the last cast, as `.to` rounds, with no tensor of its own
+            else:
+                t = t.to(layout.chain[-1]).to(dtype)
+                if out is not None and name in out:
+                    t = out[name].copy_(t)
             result[name] = t
         return result
 
@@ -134,19 +160,30 @@ class BoundCast:
     codec's scratch where it has one), cast through the chain, and multiplied as the unwrapped model multiplies
     its cast weights."""
 
-    __slots__ = ("inner", "bound", "record", "layout", "chain")
+    __slots__ = ("inner", "bound", "record", "layout", "chain", "out")
 
     def __init__(self, codec, record: torch.Tensor, layout: CastLayout, scratch: torch.Tensor | None) -> None:
         self.inner, self.record, self.layout, self.chain = codec, record, layout.inner, layout.chain
-        self.bound = codec.bind(record, layout.inner, scratch)
+        # the scratch (`device_buffers`): the records' codec decodes into its head, the cast weight lands in the rest
+        inner_bytes = _aligned(getattr(codec, "scratch_bytes", lambda _: 0)(layout.inner))
+        cast_bytes = _cast_bytes(layout)
+        fits = scratch is not None and scratch.numel() >= inner_bytes + cast_bytes
+        self.out = scratch[inner_bytes : inner_bytes + cast_bytes] if fits else None
+        self.bound = codec.bind(record, layout.inner, scratch[:inner_bytes] if fits else scratch)
 
     def weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """Tensor `name` as the cast model holds it (then in `dtype`, where another is asked for)."""
+        """Tensor `name` as the cast model holds it (then in `dtype`, where another is asked for), in the scratch where
+        it has room (valid until the next call that decodes into it: use it at once, on the same stream)."""
         if hasattr(self.bound, "weight"):
             t = self.bound.weight(name, self.chain[0])
         else:
             t = self.inner.decode(self.record, self.layout, self.chain[0])[name]
-        return _cast(t, self.chain).to(dtype)
+        t = _cast(t, self.chain[:-1])
+        nbytes = t.numel() * self.chain[-1].itemsize
+        if self.out is None or dtype != self.chain[-1] or self.out.numel() < nbytes or self.out.device != t.device:
+            return t.to(self.chain[-1]).to(dtype)
+        out = self.out[:nbytes].view(dtype).view(t.shape)
+        return out.copy_(t)  # the last cast, as `.to` rounds
 
     def linear(self, x: torch.Tensor, name: str, transposed: bool) -> torch.Tensor:
         # x [..., in] -> [..., out]

@@ -33,6 +33,7 @@ from .heat import HeatTracker
 from .host_compute import host_compute_for
 from .loader import Loader
 from .neuron_split import SplitWeights
+from .normal_tensors import builds_normal_tensors
 from .policies import ExpectedDistance, PolicyContext
 from .registry import POLICIES
 from .report import NotebookViews
@@ -144,9 +145,12 @@ class ExpertManager(NotebookViews):
         self._forward_owner: int | None = None
         self._step_running: Callable[[int], bool] | None = None  # (thread) -> whether the open step still runs
 
+    @builds_normal_tensors
     def _place(self, store: ExpertStore, budget: BudgetPlan, device: torch.device) -> None:
         """Build everything that depends on the records, the slot plan and the device: the loader, the
-        arena and an empty cache (`__init__`, and `relocate` after a cast or move)."""
+        arena and an empty cache (`__init__`, and `relocate` after a cast, a move, a `load_state_dict` or an edit).
+        Normal tensors whatever the caller's mode: a relocate reached inside `torch.inference_mode()` builds slots
+        that later forwards outside it write."""
         s = self.settings
         self.store, self.budget, self.device = store, budget, device
         self.placement = budget.placement  # how a slot holds an expert (BudgetPlan.placement)

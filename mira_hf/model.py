@@ -39,6 +39,7 @@ from .expert_keys import native_codec_name
 from .experts_impl import check_model_implementations, checked_set_experts_implementation
 from .load_report import LoadReport
 from .manager import ExpertManager
+from .normal_tensors import builds_normal_tensors
 from .proxy import proxy_for
 from .resources import replan
 from .shards import NotStreamable, ShardIndex, missing_checkpoint_error
@@ -58,19 +59,6 @@ from .targets import (
 from .unload import save_pretrained, unload
 
 
-def _builds_normal_tensors(fn):
-    """`fn` run outside inference mode (and without autograd): what wrapping builds and keeps (the expert store,
-    the device arena, the proxies' state) is made of normal tensors even where the caller loads inside
-    `torch.inference_mode()`, so the copies and forwards that follow outside it can write and read them."""
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        with torch.inference_mode(False), torch.no_grad():
-            return fn(*args, **kwargs)
-
-    return run
-
-
 class MiraMoEModel:
     """Entry points. Not instantiated: `from_pretrained` and `wrap` return the transformers model."""
 
@@ -78,7 +66,7 @@ class MiraMoEModel:
         raise TypeError("Use MiraMoEModel.from_pretrained(...) or MiraMoEModel.wrap(model, mira_config).")
 
     @staticmethod
-    @_builds_normal_tensors
+    @builds_normal_tensors
     def from_pretrained(
         name_or_path: str | os.PathLike,
         mira_config: MiraConfig | None = None,
@@ -191,7 +179,7 @@ class MiraMoEModel:
         return (model, loaded["info"]) if output_loading_info else model
 
     @staticmethod
-    @_builds_normal_tensors
+    @builds_normal_tensors
     def wrap(model: nn.Module, mira_config: MiraConfig | None = None, *, progress: bool = False, **config_fields):
         """Wrap a model already in CPU memory (e.g. in a notebook). Idempotent: wrapping a wrapped model
         with the same config returns it unchanged. Settings: `mira_config=MiraConfig(...)`, or MiraConfig's

@@ -35,6 +35,7 @@ from .budget import BudgetPlan
 from .errors import ConfigError, DeviceError, MiraError, UnsupportedOperationError
 from .layout import IdentityCodec
 from .manager import ExpertManager
+from .normal_tensors import builds_normal_tensors
 from .quant.cast import widens
 from .step_hooks import on_stack
 from .store import own_storage
@@ -70,10 +71,13 @@ class ExpertState:
         return self.manager.whole
 
     # -- parameters -----------------------------------------------------------------------------
+    @builds_normal_tensors
     def expose(self, proxy: nn.Module, parameter: MakeParameter | None = None) -> None:
         """(Re)point `proxy`'s expert parameters at its layer's records: views of raw slabs, else meta
         placeholders. A parameter that exists keeps its identity (optimizers and user references stay valid); one
-        that does not is made by `parameter(name, data)` (`Target.parameter`: the original tensor's attributes)."""
+        that does not is made by `parameter(name, data)` (`Target.parameter`: the original tensor's attributes).
+        Normal tensors whatever the caller's mode (a `load_state_dict` inside `torch.inference_mode()`), as the
+        unwrapped model's parameters stay: edits and forwards outside it use them."""
         store, layer, layout = self.store, proxy.layer, proxy.experts_layout
         views = store.expert_views(layer)
         E = store.num_experts(layer)
@@ -237,9 +241,12 @@ class ExpertState:
     ) -> None:
         """`proxy`'s part of `load_state_dict`, as torch's `_load_from_state_dict` reports it: expert tensors
         are cast to the stored dtype (as `copy_` would) and written into the store; with `assign=True`, the layer's
-        experts take the given tensors' dtype first (as assigned parameters would). Keys of the original experts
-        module's other members go to `proxy.base`, whose own load reads them."""
+        experts take the given tensors' dtype first (as assigned parameters would), and a tensor torch would not assign
+        (an inference tensor for a parameter that requires grad, outside inference mode) is reported as torch reports
+        it, its experts left as they are. Keys of the original experts module's other members go to `proxy.base`,
+        whose own load reads them."""
         self._adopt_given_data()  # data given to expert parameters since the last step stays where this load gives none
+        assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
         store, layer, layout = self.store, proxy.layer, proxy.experts_layout
         E = store.num_experts(layer)
         specs = store.expert_specs(layer)
@@ -250,6 +257,8 @@ class ExpertState:
             values = {}
             for i, (path, shape_i) in enumerate(zip(paths, expected)):
                 value = _loadable(state_dict, prefix + path, shape_i, missing_keys, error_msgs)
+                if value is not None and assign:
+                    value = _assignable(value, layout.get(proxy, path), prefix + path, error_msgs)
                 if value is not None:
                     values[i] = value
             if values and len(values) < len(paths):  # some of a tensor's experts (one module each): the others stay
@@ -274,7 +283,7 @@ class ExpertState:
             return
         dtype = store.dtype(layer)
         try:
-            if (local_metadata or {}).get("assign_to_params_buffers", False):
+            if assign:
                 dtype = self._assigned_dtype(layer, given, dtype)
             fused = {n: t.detach().to("cpu", dtype).contiguous() for n, t in given.items()}
             self.write(layer, fused)
@@ -299,10 +308,12 @@ class ExpertState:
             self.forget_routers()
         return self.store.dtype(layer)
 
+    @builds_normal_tensors
     def write(self, layer: int, fused: Mapping[str, torch.Tensor]) -> None:
         """Encode `fused` (some or all of `layer`'s tensors, `[E, ...]`, the stored dtype) into the store and
         empty the manager's cache. A record that changes size (lossless) is planned first: a plan that does
-        not fit raises before anything changes."""
+        not fit raises before anything changes. New records are normal tensors, also when written inside
+        `torch.inference_mode()`."""
         store, manager = self.store, self.manager
         chain = getattr(store.layout(layer), "chain", None)  # records cast in place (`ExpertStore.plan_cast`)
         if not store.writable or chain is not None:
@@ -435,18 +446,18 @@ class ExpertState:
                     raise
         return store.plan_cast(layer, dtype)
 
+    @builds_normal_tensors
     def apply_change(self, change: _Change) -> None:
         """Re-encode the cast layers (one at a time), rebuild the cache on the target device, and point
-        every proxy's parameters at the new records."""
+        every proxy's parameters at the new records: normal tensors, as at wrapping, even when cast in inference
+        mode."""
         store, manager = self.store, self.manager
         manager.loader.synchronize()
-        # new records, slots and parameter views: normal tensors, as at wrapping, even when cast in inference mode
-        with torch.inference_mode(False), torch.no_grad():
-            for layer, dtype in change.cast.items():
-                store.rewrite(layer, dtype=dtype, layout=change.layouts[layer])
-            manager.relocate(manager.store, change.budget, change.device)
-            for proxy in self.proxies.values():
-                self.expose(proxy)
+        for layer, dtype in change.cast.items():
+            store.rewrite(layer, dtype=dtype, layout=change.layouts[layer])
+        manager.relocate(manager.store, change.budget, change.device)
+        for proxy in self.proxies.values():
+            self.expose(proxy)
 
     def apply_from(self, module: nn.Module, fn, recurse: bool):
         """`module._apply(fn)` with the experts following: learn what `fn` does, refuse before anything changes
@@ -605,6 +616,22 @@ def _loadable(state_dict: Mapping, key: str, expected: torch.Size, missing_keys:
     else:
         return value
     return None
+
+
+def _assignable(value: torch.Tensor, param: nn.Parameter, key: str, error_msgs: list) -> torch.Tensor | None:
+    """`value` where `load_state_dict(assign=True)` would make it the parameter `param` stands for, else None, the
+    reason reported as torch's `_load_from_state_dict` reports it (an inference tensor given outside inference mode
+    for a parameter that requires grad). mira-hf writes the values into its store instead of assigning the tensor,
+    but refuses what torch refuses, and leaves those experts as they are."""
+    try:
+        nn.Parameter(value, requires_grad=param.requires_grad)  # torch's assignment, made and dropped
+    except Exception as exc:
+        error_msgs.append(
+            f'While copying the parameter named "{key}", whose dimensions in the model are {param.size()} and '
+            f"whose dimensions in the checkpoint are {value.size()}, an exception occurred : {exc.args}."
+        )
+        return None
+    return value
 
 
 def proxy_apply(proxy: nn.Module, fn, recurse: bool = True):

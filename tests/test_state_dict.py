@@ -231,6 +231,77 @@ def test_experts_written_through_data_are_computed_once_the_manager_is_told(tiny
         encoded.mira.experts_changed()
 
 
+def _an_expert_parameter(model) -> torch.nn.Parameter:
+    """The first routed-expert parameter (`[E, ...]`; DBRX's `[E * I, H]`) of any family."""
+    return next(p for n, p in model.named_parameters() if ".experts." in n)
+
+
+def _edit_then_serve_in_inference_mode(model, other: dict) -> None:
+    with torch.no_grad():
+        _an_expert_parameter(model)[1].mul_(2)  # found by the next forward, which rebuilds the cache
+    with torch.inference_mode():
+        model(IDS)
+
+
+def _load_in_inference_mode(model, other: dict) -> None:
+    with torch.inference_mode():
+        model.load_state_dict(other)
+
+
+def _written_through_data_then_told_in_inference_mode(model, other: dict) -> None:
+    _an_expert_parameter(model).data[1].mul_(2)
+    if hasattr(model, "mira"):
+        with torch.inference_mode():
+            model.mira.experts_changed()
+
+
+INFERENCE_MODE_CHANGES = {
+    "edit, then a forward in inference mode": _edit_then_serve_in_inference_mode,
+    "load_state_dict in inference mode": _load_in_inference_mode,
+    "experts_changed in inference mode": _written_through_data_then_told_in_inference_mode,
+}
+
+
+@pytest.mark.parametrize("change", list(INFERENCE_MODE_CHANGES))
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "dbrx"])
+def test_experts_changed_with_inference_mode_on_stay_usable_outside_it(tiny_checkpoint, name, change):
+    """Serving code runs under torch.inference_mode(), and an edit, a load or `experts_changed()` may be followed by
+    (or run inside) it. What the change rebuilds (the store's records, the slots, the parameters' views) is made of
+    normal tensors whatever the mode, as the unwrapped model's parameters stay: every later forward, in any mode,
+    computes what the unwrapped model changed alike computes, and a later in-place edit outside inference mode works."""
+    path = tiny_checkpoint(name)
+    ref, model = load_reference(path), _wrapped(path, gpu_budget=0.3)
+    _logits(model)  # experts in the cache
+    other = _other_weights(name).state_dict()
+    for m in (ref, model):
+        INFERENCE_MODE_CHANGES[change](m, other)
+    assert not any(p.is_inference() for p in model.parameters())
+    for mode in (torch.no_grad, torch.enable_grad, torch.inference_mode, torch.no_grad):
+        with mode():
+            assert torch.equal(model(IDS).logits.detach(), ref(IDS).logits.detach()), mode.__name__
+    with torch.no_grad():
+        for m in (ref, model):
+            _an_expert_parameter(m)[0].mul_(0.5)
+    assert torch.equal(_logits(model), _logits(ref))
+
+
+def test_encoded_experts_loaded_in_inference_mode_serve_outside_it(tiny_checkpoint):
+    """Lossless records written by a load_state_dict inside torch.inference_mode() (a layout of another size: a new
+    slab) and the slots rebuilt for them are normal tensors: forwards outside it copy and decode them."""
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path, gpu_budget=0.3, quantization="lossless")
+    _logits(model)
+    other = _other_weights("mixtral").state_dict()
+    with torch.inference_mode():
+        for m in (ref, model):
+            m.load_state_dict(other)
+    assert not any(slab.is_inference() for slab in model.mira.store.slabs().values())
+    for mode in (torch.no_grad, torch.enable_grad, torch.inference_mode):
+        with mode():
+            assert torch.equal(model(IDS).logits.detach(), ref(IDS).logits.detach()), mode.__name__
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in other.items())
+
+
 def test_dbrx_experts_edited_in_place_through_their_stacked_rows(tiny_checkpoint):
     """DBRX keeps each expert tensor stacked as `[E * I, H]` on `ffn.experts.mlp`: rows edited in place (one expert's
     gate rows, a column of every expert's down rows) reach what the model computes, as on the unwrapped model."""
@@ -355,6 +426,33 @@ def test_load_state_dict_with_assign_gives_the_experts_the_given_dtype(tiny_chec
     model.load_state_dict(given, assign=True)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model.mira.store.dtype(0) == torch.bfloat16
     assert torch.equal(_logits(model), _logits(ref))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "dbrx"])
+def test_load_state_dict_with_assign_refuses_inference_tensors_as_torch_does(tiny_checkpoint, name):
+    """`assign=True` with tensors made in inference mode: torch cannot make them parameters that require grad outside
+    it, and reports every such key, leaving those parameters as they are; the wrapped model reports its expert keys
+    alike (the same message) and keeps those experts. Where the parameters require no grad, torch assigns them, and
+    the wrapped model loads their values (its parameters stay normal tensors, views of its store)."""
+    path = tiny_checkpoint(name)
+    ref, model = load_reference(path), _wrapped(path)
+    _logits(model)
+    expected = _logits(ref)
+    with torch.inference_mode():
+        given = {k: v.clone() for k, v in _other_weights(name).state_dict().items()}
+    errors = []
+    for m in (ref, model):
+        with pytest.raises(RuntimeError, match="inference tensor") as raised:
+            m.load_state_dict(given, assign=True)
+        errors.append(str(raised.value))
+    assert errors[1] == errors[0]
+    assert torch.equal(_logits(model), expected) and torch.equal(_logits(ref), expected)
+    for m in (ref, model):
+        m.requires_grad_(False)
+        m.load_state_dict(given, assign=True)
+    assert torch.equal(_logits(model), _logits(ref))
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]  # the others are inference tensors, as torch's
+    assert not any(p.is_inference() for p in experts)
 
 
 def test_expert_modules_replaced_on_a_layout_of_one_module_per_expert_are_refused():

@@ -1,10 +1,11 @@
-"""Records cast after loading, in a format that cannot hold the new dtype.
+"""Encoded records cast after loading without being encoded again.
 
 A cast of the unwrapped model (`model.half()`, `.to(torch.float32)`) rounds each expert tensor to the new dtype.
-Records that can hold it are encoded again (`ExpertStore.rewrite`). Others cannot: a checkpoint's own FP8 or
-MXFP4 bytes hold only the checkpoint's values, and lossless records hold bfloat16 and float32 only. Those stay as
-they are, and each decode of them casts what they hold through every dtype the model was cast to since, in order:
-the tensors the unwrapped model holds after the same casts, bit for bit.
+Records are encoded again as the cast tensors (`ExpertStore.rewrite`) where that is possible and worth it. It is not
+possible where the format cannot hold the dtype (a checkpoint's own FP8 or MXFP4 bytes hold only its values; lossless
+records hold bfloat16 and float32), and not worth it where the cast rounds nothing (bf16 lossless records widened
+to fp32 would only grow). Those records stay as they are, and each decode of them casts what they hold through every
+dtype the model was cast to since, in order: the tensors the unwrapped model holds after the same casts, bit for bit.
 
     layout = CastLayout(inner_layout, (torch.bfloat16, torch.float16))   # records decode to bf16, then .half()
     codec = CastCodec(store_codec)   # every other layout passes through to the codec as it is
@@ -37,7 +38,7 @@ def simplify(chain: tuple[torch.dtype, ...]) -> tuple[torch.dtype, ...]:
     fp16 rounds as bf16 -> fp16 does)."""
     out: list[torch.dtype] = []
     for dtype in chain:
-        while len(out) >= 2 and (out[-2], out[-1]) in _WIDENINGS:
+        while len(out) >= 2 and widens(out[-2], out[-1]):
             out.pop()
         if not out or out[-1] != dtype:
             out.append(dtype)

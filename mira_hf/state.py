@@ -42,7 +42,8 @@ from .store import own_storage
 
 # (new record layouts by layer, uncompressed record bytes by layer, device) -> the slot plan there (raises BudgetError)
 Replan = Callable[[Mapping[int, object], Mapping[int, int], torch.device, Mapping[int, int]], BudgetPlan]
-MakeParameter = Callable[[str, torch.Tensor], nn.Parameter]  # (tensor name, data) -> the expert parameter
+# (tensor name, its path on the module, data) -> the expert parameter there
+MakeParameter = Callable[[str, str, torch.Tensor], nn.Parameter]
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
 _APPLY_CODES = frozenset({nn.Module.apply.__code__})  # a cast or move that came through `model.apply(fn)`
@@ -75,9 +76,10 @@ class ExpertState:
     def expose(self, proxy: nn.Module, parameter: MakeParameter | None = None) -> None:
         """(Re)point `proxy`'s expert parameters at its layer's records: views of raw slabs, else meta
         placeholders. A parameter that exists keeps its identity (optimizers and user references stay valid); one
-        that does not is made by `parameter(name, data)` (`Target.parameter`: the original tensor's attributes).
-        Normal tensors whatever the caller's mode (a `load_state_dict` inside `torch.inference_mode()`), as the
-        unwrapped model's parameters stay: edits and forwards outside it use them."""
+        that does not is given by `parameter(name, path, data)` (`Target.parameter`: the unwrapped module's own
+        parameter at `path`, else a new one with the original tensor's attributes). Normal tensors whatever the
+        caller's mode (a `load_state_dict` inside `torch.inference_mode()`), as the unwrapped model's parameters stay:
+        edits and forwards outside it use them."""
         store, layer, layout = self.store, proxy.layer, proxy.experts_layout
         views = store.expert_views(layer)
         E = store.num_experts(layer)
@@ -88,7 +90,7 @@ class ExpertState:
                 if param is not None:
                     param.data = part
                 else:
-                    layout.set(proxy, path, parameter(name, part) if parameter is not None else nn.Parameter(part))
+                    layout.set(proxy, path, parameter(name, path, part) if parameter is not None else nn.Parameter(part))
         self._paths[layer] = _paths(layout, store, layer)
         self._watched[layer] = [layout.get(proxy, path) for path in self._paths[layer]]
         # the modules between the proxy and each owner of a parameter (experts kept on child modules), which an
@@ -577,6 +579,24 @@ def separate(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """A tensor's parts at its several paths (`ExpertModules`: views of one `[E, ...]` tensor), each on a storage of its
     own, as the unwrapped model's separate parameters are (`store.own_storage`)."""
     return parts if len(parts) == 1 else tuple(own_storage(p) for p in parts)
+
+
+def put_data(param: nn.Parameter, data: torch.Tensor) -> bool:
+    """Make `data` the tensor `param` holds, keeping the object (optimizers and references held stay valid): `.data =
+    data`, or, between a real tensor and a `meta` placeholder (which `.data` cannot exchange), the two tensors'
+    contents swapped (`torch.utils.swap_tensors`), `param`'s requires_grad and attributes kept; its gradient, on the
+    other device, is dropped. False, `param` unchanged, where torch refuses the swap (a weak reference to `param`, or a
+    view of it still alive)."""
+    if param.is_meta == data.is_meta:
+        param.data = data
+        return True
+    new = nn.Parameter(data, requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)
+    try:
+        torch.utils.swap_tensors(param, new)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _links(module: nn.Module, path: str) -> list[tuple[dict, str, nn.Module, str]]:

@@ -235,7 +235,6 @@ def fill_store(
     # tensors they were saved from, so then the originals are kept until every layer is stored and a
     # failure can give them back untouched.
     restorable = store.exact and saved is None
-    keep = {}
     stripped: list[Target] = []
     try:
         with encoder.progress_pass(f"encoding {codec.name} records", plan.all_bytes if encoding else 0):
@@ -243,28 +242,26 @@ def fill_store(
                 saved = _add_layer(store, t, plan.specs[t.ordinal], layouts.get(t.ordinal), streamed, saved, cache, plan.parts)
                 if streamed is not None:  # nothing in the model to free or to give back on failure
                     continue
-                if not restorable:
-                    keep[t.ordinal] = t.layout.parameters(t.module)
-                for n in t.tensors:
-                    t.layout.put(t.module, n, None)
-                t.tensors = {}  # the store holds them now: drop the last reference, one layer at a time
+                t.release()  # the parameter objects stay (`Target.params`): exposed again over the store's records
+                if restorable:
+                    t.free()  # the last reference to the layer's tensors: dropped one layer at a time
                 stripped.append(t)
         encoder.finish()
         manager = finish()
     except BaseException:
         for t in stripped:
-            if t.ordinal in keep:
-                for n, p in keep[t.ordinal].items():
-                    t.layout.put(t.module, n, p)
-            else:
+            if restorable:
                 t.restore(plan.weights)
+            else:
+                t.put_back()
         store.close()
         encoder.finish()  # experts kept on the device between the passes
         raise
     finally:
         if streamed is not None:
             streamed.close()
-    keep.clear()
+    for t in stripped:
+        t.free()
     cache = plan.cache  # `finish` opens it where the checkpoint was still arriving when planned
     if cache is not None and saved is None:  # encoded here (or the entry was dropped): cache the records
         cache.write(store.slabs(), store.plans())

@@ -27,6 +27,7 @@ from model_adapters.base import (
 from .config import MiraConfig
 from .errors import ConfigError, UnsupportedModelError, UnsupportedOperationError
 from .proxy import CALL_HOOK_TABLES, KNOWN_EXPERT_TENSORS, LAYOUT_FLAGS, MiraExperts
+from .state import put_data, separate
 from .store import ExpertStore
 
 _HOW_TO_ADD = (
@@ -56,18 +57,55 @@ class Target:
     # read from the module when found: once wrapped, a module whose experts sit on a child no longer holds it (JetMoE)
     num_experts: int = 0
 
-    def parameter(self, name: str, data: torch.Tensor) -> nn.Parameter:
-        """A parameter over `data` standing for the module's tensor `name`: its `requires_grad`, and transformers'
-        loaded flag where the tensor had it."""
+    # the parameter objects standing for the module's expert tensors, by their path on the module: the module's own
+    # when found in it (`release` frees their data once stored), then those the proxy exposes (made or kept by
+    # `parameter`); `restore` gives them back, so optimizers and references held across wrap and unload stay valid
+    params: dict[str, nn.Parameter] = field(default_factory=dict)
+
+    def parameter(self, name: str, path: str, data: torch.Tensor) -> nn.Parameter:
+        """The parameter at `path` (one holding tensor `name`) over `data`: the one kept there (`params`), else a new
+        one with the original tensor's `requires_grad`, and transformers' loaded flag where the tensor had it."""
+        param = self.params.get(path)
+        if param is not None and put_data(param, data):
+            return param
+        if param is not None:
+            warnings.warn(
+                f"{self.name}.{path}: torch could not give this parameter its new data in place (a weak reference to "
+                "it, or a view of it, is alive), so a new parameter stands there; references to the old one (an "
+                "optimizer's) no longer reach the model.",
+                stacklevel=2,
+            )
         param = nn.Parameter(data, requires_grad=self.requires_grad[name])
         if self.initialized.get(name):
             param._is_hf_initialized = True
+        self.params[path] = param
         return param
 
+    def release(self) -> None:
+        """Take the expert tensors out of the module once the store holds them (`params` keeps the objects, with
+        their data, until `free`)."""
+        for name in self.tensors:
+            self.layout.put(self.module, name, None)
+        self.tensors = {}
+
+    def free(self) -> None:
+        """Empty the data of the parameters `release` took out: the store holds the experts now (an edit of one
+        before the proxy exposes it again reaches nothing)."""
+        for param in self.params.values():
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def put_back(self) -> None:
+        """Give the module back the parameters `release` took out of it, as they are."""
+        for path, param in self.params.items():
+            self.layout.set(self.module, path, param)
+
     def restore(self, store: ExpertStore) -> None:
-        """Give the module back its tensors, rebuilt from the store's records."""
-        for n, tensor in store.fused(self.ordinal).items():
-            self.layout.put(self.module, n, self.parameter(n, self.layout.as_module(n, tensor)))
+        """Give the module back its tensors, rebuilt from the store's records, in the parameters that stood for them
+        (`params`), each a tensor of its own."""
+        for name, tensor in store.fused(self.ordinal).items():
+            paths = self.layout.paths(name, self.num_experts)
+            for path, part in zip(paths, separate(self.layout.parts(name, tensor))):
+                self.layout.set(self.module, path, self.parameter(name, path, part))
 
 
 def resolve_adapter(model_type: str | None, cfg: MiraConfig, remote: bool = False, parts: tuple[str, ...] = ()) -> MoEAdapter:
@@ -196,6 +234,7 @@ def find_targets(
                 {n: bool(getattr(p, "_is_hf_initialized", False)) for n, p in tensors.items()},
                 layout,
                 E,
+                {} if in_checkpoint else _module_parameters(module, layout, tensors, E),
             )
         )
     if isinstance(adapter, AutoAdapter):
@@ -206,6 +245,12 @@ def find_targets(
             stacklevel=4,
         )
     return targets
+
+
+def _module_parameters(module: nn.Module, layout: FusedExperts, tensors: dict, E: int) -> dict[str, nn.Parameter]:
+    """The module's own parameters that keep its expert `tensors`, by their path on it."""
+    found = {path: layout.get(module, path) for name in tensors for path in layout.paths(name, E)}
+    return {path: param for path, param in found.items() if param is not None}
 
 
 def _served_problem(adapter: MoEAdapter, name: str, module: nn.Module, tensors: dict, data: dict, E: int, in_checkpoint: bool):

@@ -121,7 +121,9 @@ def test_bf16_weights_are_transformers_bit_for_bit(quantized_checkpoint, family,
         assert torch.equal(model(IDS).logits, ref(IDS).logits) and torch.equal(model(IDS).logits, whole(IDS).logits)
     assert torch.equal(model.generate(IDS[:1], **BEAM), ref.generate(IDS[:1], **BEAM))
     assert torch.equal(model.generate(IDS[:1], **BEAM), whole.generate(IDS[:1], **BEAM))
-    back = model.unload()  # every expert as this store decodes it
+    exposed = dict(model.named_parameters())
+    back = model.unload()  # every expert as this store decodes it, in the parameters the wrapped model exposed
+    assert all(p is exposed[n] for n, p in back.named_parameters())
     expected = ref.state_dict()
     assert back.state_dict().keys() == expected.keys()
     assert all(t.dtype == expected[k].dtype and torch.equal(t, expected[k]) for k, t in back.state_dict().items())

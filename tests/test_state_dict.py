@@ -169,6 +169,19 @@ def test_optimizer_device_dtype_and_modes_see_an_ordinary_model(tiny_checkpoint)
     assert torch.equal(_logits(model), expected)
 
 
+@pytest.mark.parametrize("quantization", [None, "lossless"])
+def test_unload_of_a_loaded_model_gives_back_the_parameters_it_exposed(tiny_checkpoint, quantization):
+    """Experts read from the checkpoint: the unloaded model's parameters are the objects the wrapped model exposed
+    (an optimizer built on it trains the unloaded model), holding the checkpoint's tensors."""
+    path = tiny_checkpoint("mixtral")
+    model = _wrapped(path, quantization=quantization)
+    exposed = dict(model.named_parameters())
+    back = dict(model.unload().named_parameters())
+    assert back.keys() == exposed.keys() and all(back[n] is exposed[n] for n in back)
+    expected = load_reference(path).state_dict()
+    assert all(torch.equal(t, expected[k]) for k, t in model.state_dict().items())
+
+
 def test_load_state_dict_into_a_quantized_model_quantizes_the_loaded_weights(tiny_checkpoint):
     """int8 experts: loading other weights gives what wrapping those weights with int8 gives."""
     model = _wrapped(tiny_checkpoint("mixtral"), quantization="int8")

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import hashlib
 import re
+import weakref
 
 import pytest
 import torch
@@ -388,6 +389,70 @@ def test_unload_gives_back_the_unwrapped_models_parameters(name):
     assert _same(dict(model.state_dict()), dict(ref.state_dict()))
     assert model.num_parameters() == ref.num_parameters()
     assert [type(m) for _, m in model.named_modules()] == [type(m) for _, m in ref.named_modules()]
+
+
+IDENTITY_STORES = {"uncompressed": {}, "lossless": {"quantization": "lossless"}, "split": {"host_compute": "split"}}
+
+
+@pytest.mark.parametrize("store", IDENTITY_STORES)
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss", "dbrx"])
+def test_every_parameter_keeps_its_identity_across_wrap_and_unload(name, store):
+    """The expert parameters are the objects the model held before wrapping, as every other parameter is, and the
+    unloaded model's are those the wrapped model exposed, holding the experts again: references and optimizers taken
+    before or while wrapped keep reaching the model. Uncompressed records: an edit through a reference held from before
+    wrapping reaches what the wrapped model computes (encoded ones refuse it, as through the model's own parameters)."""
+    ref, model = _build(name), _build(name)
+    model.load_state_dict(ref.state_dict())
+    held = dict(model.named_parameters())
+    MiraMoEModel.wrap(model, dataclasses.replace(WRAP, **IDENTITY_STORES[store]))
+    exposed = dict(model.named_parameters())
+    assert exposed.keys() == held.keys() and all(exposed[n] is held[n] for n in held)
+    experts = [n for n in held if ".experts." in n]
+    assert experts
+    if store == "uncompressed":
+        with torch.no_grad():
+            held[experts[0]][1].mul_(0.5)
+            ref.get_parameter(experts[0])[1].mul_(0.5)
+            assert torch.equal(model(IDS).logits, ref(IDS).logits)
+    else:
+        assert all(held[n].is_meta for n in experts)  # the wrapped model's placeholders
+    model.unload()
+    back = dict(model.named_parameters())
+    assert back.keys() == held.keys() and all(back[n] is held[n] for n in held)
+    assert _same(dict(model.state_dict()), dict(ref.state_dict()))
+
+
+def test_an_expert_parameter_torch_cannot_swap_is_replaced_saying_so():
+    """A weak reference to an expert parameter makes torch refuse to swap it with its placeholder (lossless store):
+    wrapping puts a new parameter there with a warning naming it, and computes the unwrapped model's logits."""
+    ref, model = _build("mixtral"), _build("mixtral")
+    model.load_state_dict(ref.state_dict())
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    held = model.get_parameter(name)
+    alive = weakref.ref(held)
+    with pytest.warns(UserWarning, match=rf"{re.escape(name)}: torch could not give this parameter its new data"):
+        MiraMoEModel.wrap(model, dataclasses.replace(WRAP, quantization="lossless"))
+    assert alive() is held and model.get_parameter(name) is not held and model.get_parameter(name).is_meta
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+
+
+@pytest.mark.parametrize("store", ["uncompressed", "lossless"])
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss", "dbrx"])
+def test_an_optimizer_built_on_the_wrapped_model_trains_the_unloaded_one(name, store):
+    """An optimizer built on the wrapped model, then unload() to train: one step gives every parameter, experts
+    included, what the same step gives the unwrapped model."""
+    ref, model = _build(name), _build(name)
+    model.load_state_dict(ref.state_dict())
+    MiraMoEModel.wrap(model, dataclasses.replace(WRAP, **IDENTITY_STORES[store]))
+    optimizers = {ref: torch.optim.SGD(ref.parameters(), lr=0.1), model: torch.optim.SGD(model.parameters(), lr=0.1)}
+    model.unload()
+    for m, optimizer in optimizers.items():
+        m.train()
+        m(IDS, labels=IDS).loss.backward()
+        optimizer.step()
+    assert all(p.grad is not None for n, p in model.named_parameters() if ".experts." in n)
+    assert _same(dict(model.state_dict()), dict(ref.state_dict()))
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -602,25 +602,60 @@ class MiraExperts(nn.Module):
         return proxy_apply(self, fn, recurse)
 
     def apply(self, fn):
-        """`Module.apply`, as on the unwrapped model: `fn` meets this module's members, then the original experts
-        module with its expert tensors (this module's parameters: views of the store, where an in-place change such
-        as transformers' `_init_weights` reaches the experts), then this module."""
-        for child in self.children():
-            if child is not self.base:  # its members are this module's too (`__init__`)
-                child.apply(fn)
-        layout = self.experts_layout
-        bound = [name for name in layout.parameters(self) if name not in layout.parameters(self.base)]
-        for name in bound:
-            layout.set(self.base, name, layout.get(self, name))
+        """`Module.apply`, as on the unwrapped model: `fn` meets the experts module's members, then the experts module,
+        each once. The experts module it meets is `base` standing in for this module (`_stand_in`): of the class code
+        typed on it looks for (transformers' `_init_weights`), holding the expert parameters. `fn` does not meet this
+        module as well, which would give it each expert parameter a second time."""
+        base = self.base
+        own = {name: getattr(base, name) for name in (*CALL_HOOK_TABLES, "_is_full_backward_hook")}
+        give_back_hooks(self, base)  # hooks `fn` registers on it are this module's, the one called in its place
+        self._stand_in()
         try:
-            fn(self.base)
+            for child in self.children():
+                if child is not base:  # its members are this module's too (`__init__`)
+                    child.apply(fn)
+            fn(base)
         finally:
-            for name in bound:
-                layout.set(self.base, name, None)
-            if getattr(self, "_mira_state", None) is not None:
-                self._mira_state.store_views_again(self.layer)
-        fn(self)
+            self._stand_down()
+            self._is_full_backward_hook = base._is_full_backward_hook
+            for name, value in own.items():
+                object.__setattr__(base, name, value)
+            self.training = base.training  # (as `fn` left the module's mode)
         return self
+
+    def _stand_in(self) -> None:
+        """`base` as the experts module this proxy replaced: holding the expert parameters (this module's: views of the
+        store, where changes in place such as `_init_weights`' reach the experts), a cast or move of it this module's,
+        which the store follows (`_cast_standing_in`)."""
+        self._bound = self._bind_experts()
+        object.__setattr__(self.base, "_apply", self._cast_standing_in)
+
+    def _stand_down(self) -> None:
+        """Undo `_stand_in`."""
+        del self.base.__dict__["_apply"]
+        self._unbind_experts(self.__dict__.pop("_bound"))
+
+    def _bind_experts(self) -> dict[str, nn.Parameter]:
+        """Put the expert parameters on `base`, where the unwrapped model keeps them; returns them by path."""
+        bound = {n: p for n, p in self._parameters.items() if p is not None and n in self.base._parameters}
+        for name, param in bound.items():
+            self.experts_layout.set(self.base, name, param)
+        return bound
+
+    def _unbind_experts(self, bound: dict[str, nn.Parameter]) -> None:
+        """Take the expert parameters `_bind_experts` put on `base` off it again."""
+        for name in bound:
+            self.experts_layout.set(self.base, name, None)
+
+    def _cast_standing_in(self, fn, recurse: bool = True) -> nn.Module:
+        """`base._apply` while it stands in for this module (`_stand_in`): this module's cast or move, made with the
+        modules as they are between calls (the store follows it, and `base` is this module's member)."""
+        self._stand_down()
+        try:
+            self._apply(fn, recurse)
+        finally:
+            self._stand_in()
+        return self.base
 
 
 class MiraRouteNormExperts(MiraExperts):
@@ -725,30 +760,25 @@ class _HeldExperts(MiraExperts):
         weight = w.decoded(name) if isinstance(w, PackedWeights) else w[name]  # kept packed: as its decoded slot holds it
         return plain_linear(x, weight, transposed)  # F.linear(x, W) is x.matmul(W.t()), as the module computes
 
-    def apply(self, fn):
-        """`Module.apply`, as on the unwrapped model: `fn` meets the module's children in their order, each child
-        that keeps experts as itself with the expert tensors (views of the store, where transformers' `_init_weights`
-        changes them in place), then `base`, then this module."""
+    def _bind_experts(self) -> dict[str, nn.Parameter]:
+        """Put the unwrapped modules back where holders stand (nested ones too), with the expert parameters, so that
+        `apply`'s fn meets the module's children as the unwrapped model has them, in their order."""
         layout = self.experts_layout
         bound = {path: layout.get(self, path) for name in layout.names for path in layout.paths(name, self.num_experts)}
-        for path, owner in self._owners.items():  # the unwrapped modules where holders stand, nested ones too
+        for path, owner in self._owners.items():
             self.set_submodule(path, owner)
-        for name, param in bound.items():
-            self._bind(name, param)
-        try:
-            for child in self.children():
-                if child is not self.base:
-                    child.apply(fn)
-            fn(self.base)
-        finally:
-            for name in bound:
-                self._bind(name, None)
-            for path, holder in self._holders.items():
-                self.set_submodule(path, holder)
-            if getattr(self, "_mira_state", None) is not None:
-                self._mira_state.store_views_again(self.layer)
-        fn(self)
-        return self
+        for path, param in bound.items():
+            self._bind(path, param)
+        return bound
+
+    def _unbind_experts(self, bound: dict[str, nn.Parameter]) -> None:
+        for path in bound:
+            self._bind(path, None)
+        for path, holder in self._holders.items():
+            self.set_submodule(path, holder)
+        # A cast `fn` made of an unwrapped module itself (torch's `_apply`, which sets its parameters' data) is undone:
+        # the store follows a cast of this module or `base` (`_cast_standing_in`); changes in place stay (the store's).
+        self._mira_state.store_views_again(self.layer)
 
     def _bind(self, path: str, param) -> None:
         """Put the expert tensor at `path` (None: an empty entry) on the module that keeps it in the unwrapped model."""

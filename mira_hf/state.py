@@ -104,9 +104,10 @@ class ExpertState:
         self._seen[layer] = self._seen_now(layer)
 
     def store_views_again(self, layer: int) -> None:
-        """After `Module.apply`'s `fn` met the original experts module with `layer`'s parameters on it: a cast there
-        (torch's `_apply`, which sets their data) is undone, for the store follows a cast through the proxy, which `fn`
-        meets next; in-place changes stay (they are the store's)."""
+        """After `Module.apply`'s `fn` met the unwrapped modules that keep `layer`'s parameters (experts on child
+        modules: `proxy._HeldExperts`): a cast of one of them alone (torch's `_apply`, which sets their data) is undone,
+        for a layer's experts share one dtype and the store follows a cast of the experts module; in-place changes stay
+        (they are the store's)."""
         dtype = self.store.dtype(layer)
         if any(p.dtype != dtype for p in self._watched.get(layer, ())):
             self.expose(self.proxies[layer])

@@ -10,6 +10,7 @@ from conftest import load_reference
 from transformers import AutoModelForCausalLM
 
 from mira_hf import BudgetError, ConfigError, DeviceError, MiraConfig, MiraMoEModel, UnsupportedOperationError
+from mira_hf.proxy import MiraExperts
 
 IDS = torch.tensor([[4, 8, 15, 16, 23, 42, 7], [1, 2, 3, 5, 8, 13, 21]])
 
@@ -238,6 +239,21 @@ def test_apply_of_a_cast_to_every_module_casts_the_model_as_the_unwrapped_one(ti
     ref.apply(lambda m: m.to(torch.bfloat16))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16} == {model.mira.store.dtype(i) for i in (0, 1)}
     assert torch.equal(_logits(model), _logits(ref)) and _same(model.state_dict(), ref.state_dict())
+
+
+@pytest.mark.parametrize("name", ["mixtral", "dbrx", "jetmoe"])
+def test_apply_of_a_cast_to_the_experts_modules_alone_casts_their_experts(tiny_checkpoint, name):
+    """`model.apply(fn)` where `fn` casts the modules of the experts class alone (found by `isinstance`): their
+    tensors, the experts among them, are cast as in the unwrapped model, and nothing else."""
+    path = tiny_checkpoint(name)
+    model, ref = _wrapped(path), load_reference(path)
+    _logits(model)  # the cache holds fp32 experts
+    experts = next(p for p, m in model.named_modules() if isinstance(m, MiraExperts))
+    experts_class = type(ref.get_submodule(experts))
+    for m in (model, ref):
+        m.apply(lambda module: module.half() if isinstance(module, experts_class) else None)
+    assert {model.mira.store.dtype(layer) for layer in model.mira.store.layers} == {torch.float16}
+    assert _same(model.state_dict(), ref.state_dict())
 
 
 @pytest.mark.gpu

@@ -188,6 +188,35 @@ def test_the_experts_module_is_indexed_and_reinitialised_as_the_unwrapped_one(na
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_apply_meets_each_module_and_parameter_once_as_on_the_unwrapped_model(name):
+    """`model.apply(fn)` calls `fn` once on each module, which holds its own parameters there (each expert's linear
+    layers theirs): an `fn` that scales them, draws new values into them, or counts them, does to a wrapped model what
+    it does to the unwrapped one."""
+    ref, model = _pair(name)
+    met = {"ref": [], "model": []}
+
+    def scale_and_redraw(key):
+        def fn(m):
+            own = list(m.parameters(recurse=False))
+            met[key].append((type(m).__name__, [tuple(p.shape) for p in own]))
+            with torch.no_grad():
+                for p in own:
+                    p.mul_(2).add_(torch.randn_like(p), alpha=0.01)
+
+        return fn
+
+    with torch.no_grad():
+        _forward(model)  # the experts copied to the cache first
+    for key, m in (("ref", ref), ("model", model)):
+        torch.manual_seed(3)
+        m.apply(scale_and_redraw(key))
+    assert met["model"] == met["ref"]
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(_forward(model).logits, _forward(ref).logits)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_experts_are_read_from_their_own_tensors_not_copies(name):
     """Each expert's tensors are stored from its own module's tensors (no stacked copy of every layer at once, which
     would double the host memory of a model wrapped in memory), and the weights a move to a GPU would still copy,

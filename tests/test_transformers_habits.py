@@ -609,6 +609,55 @@ def test_apply_with_transformers_init_does_what_it_does_to_the_unwrapped_model(n
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_apply_meets_each_module_and_parameter_once_as_on_the_unwrapped_model(name):
+    """`model.apply(fn)` calls `fn` once on each module, which holds its own parameters there: an `fn` that scales
+    them (`p.mul_(2)`), draws new values into them from the generator, or counts them, does to a wrapped model what it
+    does to the unwrapped one. The experts module it meets is of the unwrapped class, holding the expert tensors."""
+    ref, model = _pair(name)
+    met = {"ref": [], "model": []}
+
+    def scale_and_redraw(key):
+        def fn(m):
+            own = list(m.parameters(recurse=False))
+            met[key].append((type(m).__name__, [tuple(p.shape) for p in own]))
+            with torch.no_grad():
+                for p in own:
+                    p.mul_(2).add_(torch.randn_like(p), alpha=0.01)
+
+        return fn
+
+    with torch.no_grad():
+        model(IDS)  # the experts copied to the cache first
+    for key, m in (("ref", ref), ("model", model)):
+        torch.manual_seed(3)
+        m.apply(scale_and_redraw(key))
+    assert met["model"] == met["ref"]
+    assert _same(dict(model.state_dict()), dict(ref.state_dict()))
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_hooks_registered_through_apply_on_the_experts_class_run(name):
+    """`model.apply(fn)` where `fn` hooks the modules of the experts class (found by `isinstance`, as tools that
+    instrument one kind of module do): the hook runs around each experts call, as on the unwrapped model."""
+    ref, model = _pair(name)
+    path = next(p for p, m in model.named_modules() if isinstance(m, MiraExperts))
+    experts_class = type(ref.get_submodule(path))
+
+    def halve_experts(m):
+        if isinstance(m, experts_class):
+            m.register_forward_hook(lambda mod, args, out: out * 0.5 if isinstance(out, torch.Tensor) else out)
+
+    with torch.no_grad():
+        before = ref(IDS).logits
+        ref.apply(halve_experts), model.apply(halve_experts)
+        expected = ref(IDS).logits
+        assert not torch.equal(expected, before)
+        assert torch.equal(model(IDS).logits, expected)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_experts_modules_carry_transformers_layout_flags(name):
     """transformers finds experts modules by their `has_gate` flag and reads `has_bias` / `is_transposed` (its
     tests check that parallel plans shard every expert weight so found): a wrapped model's are the same modules,

@@ -631,9 +631,13 @@ class MiraExperts(nn.Module):
         object.__setattr__(self.base, "_apply", self._cast_standing_in)
 
     def _stand_down(self) -> None:
-        """Undo `_stand_in`."""
+        """Undo `_stand_in`. An expert parameter `fn` replaced there (`m.gate_up_proj = nn.Parameter(...)`) gives the
+        experts its values, written into the store as `load_state_dict` writes them: the unwrapped model would compute
+        with the new parameter."""
         del self.base.__dict__["_apply"]
-        self._unbind_experts(self.__dict__.pop("_bound"))
+        given = self._unbind_experts(self.__dict__.pop("_bound"))
+        if given:
+            self._mira_state.assign(self.layer, given)
 
     def _bind_experts(self) -> dict[str, nn.Parameter]:
         """Put the expert parameters on `base`, where the unwrapped model keeps them; returns them by path."""
@@ -642,10 +646,14 @@ class MiraExperts(nn.Module):
             self.experts_layout.set(self.base, name, param)
         return bound
 
-    def _unbind_experts(self, bound: dict[str, nn.Parameter]) -> None:
-        """Take the expert parameters `_bind_experts` put on `base` off it again."""
+    def _unbind_experts(self, bound: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+        """Take the expert parameters `_bind_experts` put on `base` off it again; returns those found replaced there,
+        by path."""
+        layout = self.experts_layout
+        given = _replaced(bound, lambda name: layout.get(self.base, name))
         for name in bound:
-            self.experts_layout.set(self.base, name, None)
+            layout.set(self.base, name, None)
+        return given
 
     def _cast_standing_in(self, fn, recurse: bool = True) -> nn.Module:
         """`base._apply` while it stands in for this module (`_stand_in`): this module's cast or move, made with the
@@ -771,14 +779,19 @@ class _HeldExperts(MiraExperts):
             self._bind(path, param)
         return bound
 
-    def _unbind_experts(self, bound: dict[str, nn.Parameter]) -> None:
+    def _unbind_experts(self, bound: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+        given = _replaced(bound, lambda path: self.experts_layout.get(self, path))
         for path in bound:
             self._bind(path, None)
         for path, holder in self._holders.items():
             self.set_submodule(path, holder)
+        for name, param in self.base.named_parameters(recurse=False):  # a parameter of its own `fn` replaced (a bias)
+            if self._parameters.get(name) is not param:
+                self.register_parameter(name, param)
         # A cast `fn` made of an unwrapped module itself (torch's `_apply`, which sets its parameters' data) is undone:
         # the store follows a cast of this module or `base` (`_cast_standing_in`); changes in place stay (the store's).
         self._mira_state.store_views_again(self.layer)
+        return given
 
     def _bind(self, path: str, param) -> None:
         """Put the expert tensor at `path` (None: an empty entry) on the module that keeps it in the unwrapped model."""
@@ -1031,6 +1044,12 @@ def proxy_for(adapter, base: nn.Module, manager: ExpertManager, layer: int, bloc
     if adapter.route_norm:
         return MiraRouteNormExperts(base, manager, layer, flags, block_tokens, adapter.route_norm)
     return MiraExperts(base, manager, layer, flags, block_tokens)
+
+
+def _replaced(bound: dict[str, nn.Parameter], now) -> dict[str, nn.Parameter]:
+    """The parameters found at paths of `bound` (`now(path)`) other than those put there, by path."""
+    found = {path: now(path) for path in bound}
+    return {path: p for path, p in found.items() if p is not None and p is not bound[path]}
 
 
 def _placed(t: torch.Tensor, elements: int) -> torch.Tensor:

@@ -176,25 +176,39 @@ class ExpertState:
             self._adopt(layer)
         return changed
 
-    def _adopt(self, layer: int) -> None:
-        """Write the data `layer`'s expert parameters were given (`p.data = t`) into the store, as `load_state_dict`
-        writes experts; a parameter still a placeholder keeps the stored values."""
-        store, proxy = self.store, self.proxies[layer]
+    def assign(self, layer: int, given: Mapping[str, torch.Tensor]) -> None:
+        """Write `given` (path on the proxy -> a tensor put in place of that expert parameter, as `model.apply`'s `fn`
+        may do on the unwrapped module) into the store, as `load_state_dict` writes experts."""
+        placeholders = [path for path, t in given.items() if t.is_meta]
+        if placeholders:  # computed from a placeholder (`p * 0.5`): the values the unwrapped model would hold are unknown
+            raise UnsupportedOperationError(
+                f"model.apply's fn put tensors on the meta device in place of the expert parameter(s) {placeholders} of "
+                f"MoE layer {layer}: the store holds those experts {self.manager.held_as_placeholders}, their parameters "
+                f"are placeholders, and what is computed from them holds no values to write. "
+                f"{self.manager.placeholders_remedy}"
+            )
+        self._adopt(layer, given, "a parameter model.apply's fn put in its place")
+
+    def _adopt(self, layer: int, given: Mapping[str, torch.Tensor] | None = None, how: str = "p.data = ...") -> None:
+        """Write the data `layer`'s expert parameters were given (`p.data = t`), or the tensors `given` by path in their
+        place, into the store, as `load_state_dict` writes experts; a parameter still a placeholder keeps the stored
+        values."""
+        store, proxy, given = self.store, self.proxies[layer], given or {}
         layout, E = proxy.experts_layout, store.num_experts(layer)
         fused = {}
         for name, (shape, dtype) in store.expert_specs(layer).items():
-            parts = [layout.get(proxy, path).detach() for path in layout.paths(name, E)]
+            parts = [(given[path] if path in given else layout.get(proxy, path)).detach() for path in layout.paths(name, E)]
             if any(p.is_meta for p in parts):
                 current = layout.parts(name, store.fused(layer)[name])
                 parts = [c if p.is_meta else p for p, c in zip(parts, current)]
-            given = layout.joined(proxy, name, parts)
-            if given.dtype != dtype or tuple(given.shape) != (E, *shape):
+            joined = layout.joined(proxy, name, parts)
+            if joined.dtype != dtype or tuple(joined.shape) != (E, *shape):
                 raise UnsupportedOperationError(
-                    f"the expert parameter {name} of MoE layer {layer} was given data of {given.dtype} "
-                    f"{tuple(given.shape)} (p.data = ...), where the experts are {dtype} {(E, *shape)}. Give it data of "
+                    f"the expert parameter {name} of MoE layer {layer} was given data of {joined.dtype} "
+                    f"{tuple(joined.shape)} ({how}), where the experts are {dtype} {(E, *shape)}. Give it data of "
                     "the same shape and dtype, or cast the whole model (model.to(dtype))."
                 )
-            fused[name] = given.to("cpu").contiguous()
+            fused[name] = joined.to("cpu").contiguous()
         with torch.no_grad():
             self.write(layer, fused)
 

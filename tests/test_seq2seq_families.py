@@ -217,6 +217,30 @@ def test_apply_meets_each_module_and_parameter_once_as_on_the_unwrapped_model(na
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_parameters_apply_puts_in_place_of_the_experts_are_what_the_model_computes(name):
+    """`model.apply(fn)` where `fn` gives the modules of the experts' classes (found by `isinstance`: each expert's
+    linear layers among them) new parameters in place of theirs: the model computes with the new values and its state
+    dict holds them, as the unwrapped model's does."""
+    ref, model = _pair(name)
+    experts = next(n for n, _ in ref.named_modules() if n.endswith("mlp.experts"))
+    kinds = tuple({type(m) for m in ref.get_submodule(experts).modules()})
+
+    def halve(m):
+        if isinstance(m, kinds):
+            for n, p in list(m.named_parameters(recurse=False)):
+                setattr(m, n, torch.nn.Parameter(p.detach() * 0.5, requires_grad=p.requires_grad))
+
+    with torch.no_grad():
+        before = _forward(ref).logits
+        _forward(model)  # the experts copied to the cache first
+        ref.apply(halve), model.apply(halve)
+        expected = _forward(ref).logits
+        assert not torch.equal(expected, before)
+        assert torch.equal(_forward(model).logits, expected)
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_experts_are_read_from_their_own_tensors_not_copies(name):
     """Each expert's tensors are stored from its own module's tensors (no stacked copy of every layer at once, which
     would double the host memory of a model wrapped in memory), and the weights a move to a GPU would still copy,

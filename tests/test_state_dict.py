@@ -415,6 +415,45 @@ def test_expert_parameters_replaced_on_their_module_are_refused_before_anything_
     assert torch.equal(_logits(model), expected)
 
 
+@pytest.mark.parametrize("settings", [{}, {"quantization": "lossless"}], ids=["raw", "lossless"])
+def test_an_expert_parameter_apply_puts_in_place_is_written_into_the_store(tiny_checkpoint, settings):
+    """`model.apply(fn)` where `fn` gives the experts module (found by `isinstance`) a new expert parameter, as code
+    written for the unwrapped model does: its values are written into the store as `load_state_dict` writes them."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path, gpu_budget=0.3, **settings)
+    _logits(model)  # the experts copied to the cache first
+
+    def new_down_proj(m):
+        if isinstance(m, MixtralExperts):
+            shape = m.down_proj.shape
+            m.down_proj = torch.nn.Parameter(torch.linspace(-0.05, 0.05, shape.numel()).view(shape))
+
+    ref.apply(new_down_proj), model.apply(new_down_proj)
+    assert torch.equal(_logits(model), _logits(ref))
+    assert torch.equal(model.state_dict()["model.layers.1.mlp.experts.down_proj"], _experts_of(ref, 1).down_proj)
+
+
+@pytest.mark.parametrize("settings", [{}, {"quantization": "lossless"}], ids=["raw", "lossless"])
+def test_an_expert_parameter_apply_puts_in_place_that_cannot_be_written_is_refused(tiny_checkpoint, settings):
+    """A new expert parameter of another shape, or one computed from a placeholder (an encoded store's parameters
+    hold no values), is refused, saying what was given and what to do: never kept silently."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from mira_hf import UnsupportedOperationError
+
+    model = _wrapped(tiny_checkpoint("mixtral"), gpu_budget=0.3, **settings)
+
+    def narrow_down_proj(m):
+        if isinstance(m, MixtralExperts):
+            m.down_proj = torch.nn.Parameter(m.down_proj.detach()[..., :1] * 0.5)
+
+    refusal = "placeholders, and what is computed from them" if settings else "down_proj of MoE layer 0 was given data"
+    with pytest.raises(UnsupportedOperationError, match=refusal):
+        model.apply(narrow_down_proj)
+
+
 def test_ergo_loads_its_own_state_dict_strictly(tiny_checkpoint):
     """Ergo's per-expert norms sit on its experts module beside the experts: the proxy and the original module it
     keeps both hold them, and a strict load of the model's own state dict finds every key, as unwrapped."""

@@ -638,6 +638,30 @@ def test_apply_meets_each_module_and_parameter_once_as_on_the_unwrapped_model(na
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_parameters_apply_puts_in_place_of_the_experts_are_what_the_model_computes(name):
+    """`model.apply(fn)` where `fn` gives the experts module and the modules inside it (found by `isinstance`) new
+    parameters in place of theirs (`m.weight = nn.Parameter(...)`): the model computes with the new values and its
+    state dict holds them, as the unwrapped model's does."""
+    ref, model = _pair(name)
+    path = next(p for p, m in model.named_modules() if isinstance(m, MiraExperts))
+    kinds = tuple({type(m) for m in ref.get_submodule(path).modules()})
+
+    def halve(m):
+        if isinstance(m, kinds):
+            for n, p in list(m.named_parameters(recurse=False)):
+                setattr(m, n, torch.nn.Parameter(p.detach() * 0.5, requires_grad=p.requires_grad))
+
+    with torch.no_grad():
+        before = ref(IDS).logits
+        model(IDS)  # the experts copied to the cache first
+        ref.apply(halve), model.apply(halve)
+        expected = ref(IDS).logits
+        assert not torch.equal(expected, before)
+        assert torch.equal(model(IDS).logits, expected)
+    assert _same(dict(model.state_dict()), dict(ref.state_dict()))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_hooks_registered_through_apply_on_the_experts_class_run(name):
     """`model.apply(fn)` where `fn` hooks the modules of the experts class (found by `isinstance`, as tools that
     instrument one kind of module do): the hook runs around each experts call, as on the unwrapped model."""

@@ -132,6 +132,7 @@ class MiraExperts(nn.Module):
         for flag in TRANSFORMERS_FLAGS:
             if hasattr(base, flag):
                 setattr(self, flag, getattr(base, flag))
+        self._built = True  # the attributes set so far are this module's own; later writes may reach `base` (`__setattr__`)
 
     def __getattr__(self, name: str):
         """nn.Module's lookup (parameters, buffers, submodules), then the public attributes of the experts module
@@ -144,6 +145,33 @@ class MiraExperts(nn.Module):
             if base is None or name.startswith("_") or name not in vars(base):  # (its tensors and modules: not there)
                 raise
             return vars(base)[name]
+
+    def __setattr__(self, name: str, value) -> None:
+        """nn.Module's, except that a write to a public attribute or a member of the experts module this proxy stands
+        in for (its activation, a gate's `alpha` and `limit`) reaches that module (`base`): the experts compute with
+        what it holds, and `unload` gives it back. A member is replaced here too, where named_modules() lists it
+        (`set_submodule` writes there). This module's own attributes (those its __init__ set) stay here."""
+        if not self._reaches_base(name):
+            super().__setattr__(name, value)
+            return
+        members = self._base_members()
+        if name in members:
+            super().__setattr__(name, value)  # (refuses what nn.Module refuses for a member, before `base` changes)
+            members[name] = value
+        else:
+            setattr(self.base, name, value)
+
+    def _reaches_base(self, name: str) -> bool:
+        """Whether a write to `name` goes to `base` (`__setattr__`): a public name this module does not hold itself,
+        which `base` holds as an attribute or a member."""
+        own = self.__dict__
+        if not own.get("_built") or name.startswith("_") or name in own:
+            return False
+        return name in self._base_members() or name in vars(self.base)
+
+    def _base_members(self) -> dict[str, nn.Module | None]:
+        """Where `base` keeps its members (children) while wrapped, which `unload` gives back: its own table."""
+        return self.base._modules
 
     # Where this module keeps its expert parameters (`model_adapters.FusedExperts`: its own, as the original
     # module did), read by `state` and `apply`.
@@ -754,6 +782,17 @@ class _HeldExperts(MiraExperts):
         for path, holder in self._holders.items():
             self.set_submodule(path, holder)
 
+    def _reaches_base(self, name: str) -> bool:
+        return super()._reaches_base(name) and name not in self._holders  # (a holder stands in for a member of `base`)
+
+    def _base_members(self) -> dict[str, nn.Module | None]:
+        return self._children  # given back to `base` by `restore_owners`
+
+    @property
+    def _act(self) -> nn.Module:
+        """The activation the experts compute with, where the module tree holds it now (`set_submodule` may replace it)."""
+        return self.get_submodule(self.experts_layout.activation)
+
     def restore_owners(self) -> None:
         self.base._modules.update(self._children)
         for path, owner in self._owners.items():
@@ -809,7 +848,6 @@ class MiraGluExperts(_HeldExperts):
         layout = self.experts_layout
         self._gate, self._up, self._down = layout.names
         self._down_transposed = layout.down_transposed
-        object.__setattr__(self, "_act", self.base.get_submodule(layout.activation))  # `base`'s member, not this one's
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         H = hidden_states.shape[-1]
@@ -836,8 +874,11 @@ class MiraRoutedExperts(_HeldExperts):
         layout = self.experts_layout
         self._up, self._down = layout.names
         self._down_transposed = False
-        for attr, path in (("_act", layout.activation), ("_router", layout.router)):
-            object.__setattr__(self, attr, self.base.get_submodule(path))  # `base`'s members, not this one's
+
+    @property
+    def _router(self) -> nn.Module:
+        """The block's router, where the module tree holds it now."""
+        return self.get_submodule(self.experts_layout.router)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # B batch, S positions, T = B*S tokens, K experts per token, E experts, H hidden
@@ -906,10 +947,22 @@ class MiraModuleExperts(_HeldExperts):
         layout = self.experts_layout
         self._up, self._down = layout.names
         self._down_transposed = False
-        expert = self.base.get_submodule(layout.child.format(0))
-        object.__setattr__(self, "_act", expert.get_submodule(layout.activation))  # `base`'s member, not this one's
-        object.__setattr__(self, "_dropout", expert.get_submodule(layout.dropout) if layout.dropout else None)
         self._masks: dict[int, list] | None = None  # training mode: expert -> [its dropout mask [n, I], rows used]
+
+    def _member_of(self, e: int, path: str) -> nn.Module:
+        """The module at `path` on expert e's module, where the module tree holds it now (`set_submodule` may replace
+        it)."""
+        return self.get_submodule(f"{self.experts_layout.child.format(e)}.{path}")
+
+    @property
+    def _act(self) -> nn.Module:
+        """Expert 0's activation: every expert's, where a computation does not say which expert it is for (the host's)."""
+        return self._member_of(0, self.experts_layout.activation)
+
+    @property
+    def _dropout(self) -> nn.Module | None:
+        layout = self.experts_layout
+        return self._member_of(0, layout.dropout) if layout.dropout else None
 
     def forward(self, hidden_states: torch.Tensor, dispatch: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # hidden [T, H], dispatch [T, K, E] one-hot (or zero), weights [T, K]
@@ -967,7 +1020,7 @@ class MiraModuleExperts(_HeldExperts):
         return self._act(h)
 
     def _expert(self, plan, e: int, w, x: torch.Tensor, kernel: bool = False, at: int = 0) -> torch.Tensor:
-        h = self._up_proj(x, w, kernel)  # [n, I]
+        h = self._member_of(e, self.experts_layout.activation)(self._linear(x, w, self._up, kernel))  # [n, I]: its own
         if self._masks is not None:  # training mode: the next rows of the mask drawn for expert e
             mask = self._masks[e]
             h = h * mask[0][mask[1] : mask[1] + len(h)]
@@ -990,6 +1043,15 @@ class _ExpertsHolder(nn.Module):
         super().__init__()
         for name, child in owner.named_children():
             self.add_module(name, child)
+        object.__setattr__(self, "_owner", owner)  # (not a member: the module this one stands in for)
+
+    def __setattr__(self, name: str, value) -> None:
+        """nn.Module's; a member of the module this one stands in for (an activation) is replaced there too, where the
+        experts read it and which `unload` gives back."""
+        super().__setattr__(name, value)
+        owner = self.__dict__.get("_owner")
+        if owner is not None and name in owner._modules:
+            owner._modules[name] = value
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         pass

@@ -241,6 +241,30 @@ def test_parameters_apply_puts_in_place_of_the_experts_are_what_the_model_comput
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("which", ["every", "one_expert"])
+def test_activations_replaced_after_wrapping_are_what_the_model_computes(name, which):
+    """An ablation replaces activation modules found in `named_modules()` (`set_submodule`) after wrapping: every one,
+    or one expert's alone (each expert computes with its own). The model computes with the new ones, as the unwrapped
+    model with the same change does, and `unload()` gives back a model that holds them."""
+    ref, model = _pair(name)
+    kinds = ("transformers.activations", "torch.nn.modules.activation")
+    paths = [n for n, m in ref.named_modules() if type(m).__module__ in kinds]
+    assert paths == [n for n, m in model.named_modules() if type(m).__module__ in kinds]
+    if which == "one_expert":
+        paths = [n for n in paths if n.endswith(".expert_1.act")]
+    with torch.no_grad():
+        before = _forward(ref).logits
+        for m in (ref, model):
+            for path in paths:
+                m.set_submodule(path, torch.nn.Tanh())
+        expected = _forward(ref).logits
+        assert not torch.equal(expected, before)
+        assert torch.equal(_forward(model).logits, expected)
+        model.unload()
+        assert torch.equal(_forward(model).logits, expected)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_experts_are_read_from_their_own_tensors_not_copies(name):
     """Each expert's tensors are stored from its own module's tensors (no stacked copy of every layer at once, which
     would double the host memory of a model wrapped in memory), and the weights a move to a GPU would still copy,

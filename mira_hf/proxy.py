@@ -644,11 +644,11 @@ class MiraExperts(nn.Module):
                     child.apply(fn)
             fn(base)
         finally:
-            self._stand_down()
             self._is_full_backward_hook = base._is_full_backward_hook
             for name, value in own.items():
                 object.__setattr__(base, name, value)
             self.training = base.training  # (as `fn` left the module's mode)
+            self._stand_down()
         return self
 
     def _stand_in(self) -> None:
@@ -662,8 +662,11 @@ class MiraExperts(nn.Module):
         """Undo `_stand_in`. An expert parameter `fn` replaced there (`m.gate_up_proj = nn.Parameter(...)`) gives the
         experts its values, written into the store as `load_state_dict` writes them: the unwrapped model would compute
         with the new parameter."""
+        bound = self.__dict__.pop("_bound", None)
+        if bound is None:  # down already: a cast `fn` made there stood it down and raised (`_cast_standing_in`)
+            return
         del self.base.__dict__["_apply"]
-        given = self._unbind_experts(self.__dict__.pop("_bound"))
+        given = self._unbind_experts(bound)
         if given:
             self._mira_state.assign(self.layer, given)
 
@@ -681,6 +684,9 @@ class MiraExperts(nn.Module):
         given = _replaced(bound, lambda name: layout.get(self.base, name))
         for name in bound:
             layout.set(self.base, name, None)
+        for name, child in self.base._modules.items():  # a member `fn` replaced there (an activation): this one's too
+            if self._modules.get(name) is not child:
+                self._modules[name] = child
         return given
 
     def _cast_standing_in(self, fn, recurse: bool = True) -> nn.Module:
@@ -808,21 +814,27 @@ class _HeldExperts(MiraExperts):
         return plain_linear(x, weight, transposed)  # F.linear(x, W) is x.matmul(W.t()), as the module computes
 
     def _bind_experts(self) -> dict[str, nn.Parameter]:
-        """Put the unwrapped modules back where holders stand (nested ones too), with the expert parameters, so that
-        `apply`'s fn meets the module's children as the unwrapped model has them, in their order."""
+        """Put the unwrapped modules back where holders stand (nested ones too), with the expert parameters, and give
+        `base` its children, so that `apply`'s fn meets the module and its children as the unwrapped model has them."""
         layout = self.experts_layout
         bound = {path: layout.get(self, path) for name in layout.names for path in layout.paths(name, self.num_experts)}
         for path, owner in self._owners.items():
             self.set_submodule(path, owner)
         for path, param in bound.items():
             self._bind(path, param)
+        self.base._modules.update(self._children)
         return bound
 
     def _unbind_experts(self, bound: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
         given = _replaced(bound, lambda path: self.experts_layout.get(self, path))
+        for name, child in self.base._modules.items():  # a member `fn` replaced on the module (its activation)
+            if name not in self._holders and self._children.get(name) is not child:
+                self._children[name] = self._modules[name] = child
+        self.base._modules.clear()
         for path in bound:
             self._bind(path, None)
         for path, holder in self._holders.items():
+            holder._modules.update(self._owners[path]._modules)  # members `fn` replaced on the module it met
             self.set_submodule(path, holder)
         for name, param in self.base.named_parameters(recurse=False):  # a parameter of its own `fn` replaced (a bias)
             if self._parameters.get(name) is not param:

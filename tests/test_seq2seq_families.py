@@ -240,26 +240,41 @@ def test_parameters_apply_puts_in_place_of_the_experts_are_what_the_model_comput
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
 
 
+ACTIVATIONS = ("transformers.activations", "torch.nn.modules.activation")  # the modules of activation classes
+
+
+def _replace_activations(model, which: str) -> None:
+    """Activation modules of `model` replaced by `Tanh`: every one (`set_submodule` at the paths `named_modules()`
+    lists, or `model.apply(fn)` replacing those among each module's children), or expert 1's alone."""
+    if which == "every_through_apply":
+
+        def fn(m):
+            for name, child in list(m.named_children()):
+                if type(child).__module__ in ACTIVATIONS:
+                    setattr(m, name, torch.nn.Tanh())
+
+        model.apply(fn)
+        return
+    paths = [n for n, m in model.named_modules() if type(m).__module__ in ACTIVATIONS]
+    for path in paths if which == "every" else [n for n in paths if n.endswith(".expert_1.act")]:
+        model.set_submodule(path, torch.nn.Tanh())
+
+
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("which", ["every", "one_expert"])
+@pytest.mark.parametrize("which", ["every", "every_through_apply", "one_expert"])
 def test_activations_replaced_after_wrapping_are_what_the_model_computes(name, which):
-    """An ablation replaces activation modules found in `named_modules()` (`set_submodule`) after wrapping: every one,
-    or one expert's alone (each expert computes with its own). The model computes with the new ones, as the unwrapped
-    model with the same change does, and `unload()` gives back a model that holds them."""
+    """An ablation replaces activation modules after wrapping: every one, or one expert's alone (each expert computes
+    with its own). The model computes with the new ones, as the unwrapped model with the same change does, and
+    `unload()` gives back a model that holds them."""
     ref, model = _pair(name)
-    kinds = ("transformers.activations", "torch.nn.modules.activation")
-    paths = [n for n, m in ref.named_modules() if type(m).__module__ in kinds]
-    assert paths == [n for n, m in model.named_modules() if type(m).__module__ in kinds]
-    if which == "one_expert":
-        paths = [n for n in paths if n.endswith(".expert_1.act")]
     with torch.no_grad():
         before = _forward(ref).logits
-        for m in (ref, model):
-            for path in paths:
-                m.set_submodule(path, torch.nn.Tanh())
+        _replace_activations(ref, which), _replace_activations(model, which)
         expected = _forward(ref).logits
         assert not torch.equal(expected, before)
         assert torch.equal(_forward(model).logits, expected)
+        kinds = [[type(m) for m in x.modules() if type(m).__module__ in ACTIVATIONS] for x in (ref, model)]
+        assert kinds[0] == kinds[1]
         model.unload()
         assert torch.equal(_forward(model).logits, expected)
 

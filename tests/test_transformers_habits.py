@@ -638,6 +638,28 @@ def test_apply_meets_each_module_and_parameter_once_as_on_the_unwrapped_model(na
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_apply_meets_the_experts_module_with_its_parameters_and_members(name):
+    """`model.apply(fn)` where `fn` freezes the experts modules it finds by `isinstance` (`m.requires_grad_(False)`):
+    it meets each with the parameters and members the unwrapped one holds, and freezes what it freezes."""
+    ref, model = _pair(name)
+    path = next(p for p, m in model.named_modules() if isinstance(m, MiraExperts))
+    experts_class = type(ref.get_submodule(path))
+    met = {"ref": [], "model": []}
+
+    def freeze_experts(key):
+        def fn(m):
+            if isinstance(m, experts_class):
+                met[key].append(([n for n, _ in m.named_parameters()], [n for n, _ in m.named_modules()]))
+                m.requires_grad_(False)
+
+        return fn
+
+    ref.apply(freeze_experts("ref")), model.apply(freeze_experts("model"))
+    assert met["model"] == met["ref"] != []
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == {n: p.requires_grad for n, p in ref.named_parameters()}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_parameters_apply_puts_in_place_of_the_experts_are_what_the_model_computes(name):
     """`model.apply(fn)` where `fn` gives the experts module and the modules inside it (found by `isinstance`) new
     parameters in place of theirs (`m.weight = nn.Parameter(...)`): the model computes with the new values and its
@@ -787,29 +809,48 @@ def test_an_experts_modules_attributes_read_as_on_the_unwrapped_model(name):
         next(iter(proxies.values())).not_an_attribute  # noqa: B018
 
 
+ACTIVATIONS = ("transformers.activations", "torch.nn.modules.activation")  # the modules of activation classes
+
+
 def _activations(model) -> list[str]:
-    """Paths of the model's activation modules (transformers' and torch's), as an ablation finds them."""
-    kinds = ("transformers.activations", "torch.nn.modules.activation")
-    return [n for n, m in model.named_modules() if type(m).__module__ in kinds]
+    """Paths of the model's activation modules, as an ablation finds them."""
+    return [n for n, m in model.named_modules() if type(m).__module__ in ACTIVATIONS]
 
 
+def _replace_activations(model, how: str) -> None:
+    """Every activation module of `model` replaced by `Tanh`: found by `named_modules()` and replaced through
+    `set_submodule`, or by `model.apply(fn)` with an `fn` that replaces the activations among a module's children."""
+    if how == "set_submodule":
+        for path in _activations(model):
+            model.set_submodule(path, torch.nn.Tanh())
+        return
+
+    def fn(m):
+        for name, child in list(m.named_children()):
+            if type(child).__module__ in ACTIVATIONS:
+                setattr(m, name, torch.nn.Tanh())
+
+    model.apply(fn)
+
+
+@pytest.mark.parametrize("how", ["set_submodule", "apply"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_activations_replaced_after_wrapping_are_what_the_model_computes(name):
-    """An ablation replaces every activation module it finds in `named_modules()` (`set_submodule`) after wrapping,
-    those of the experts among them: the model computes with the new ones, as the unwrapped model with the same
-    change does, and `unload()` gives back a model that holds them."""
+def test_activations_replaced_after_wrapping_are_what_the_model_computes(name, how):
+    """An ablation replaces every activation module after wrapping, those of the experts among them: through
+    `set_submodule` at the paths `named_modules()` lists, or on their parents through `model.apply(fn)`. The model
+    computes with the new ones, as the unwrapped model with the same change does, and `unload()` gives back a model
+    that holds them."""
     if name == "gpt_oss":
         pytest.skip("its experts' gate clamps by `alpha` and `limit`, with no activation module (the next test)")
     ref, model = _pair(name)
     with torch.no_grad():
         before = ref(IDS).logits
         assert _activations(model) == _activations(ref)
-        for m in (ref, model):
-            for path in _activations(m):
-                m.set_submodule(path, torch.nn.Tanh())
+        _replace_activations(ref, how), _replace_activations(model, how)
         expected = ref(IDS).logits
         assert not torch.equal(expected, before)
         assert torch.equal(model(IDS).logits, expected)
+        assert _activations(model) == _activations(ref)
         model.unload()
         assert torch.equal(model(IDS).logits, expected)
 

@@ -384,7 +384,9 @@ class ExpertManager(NotebookViews):
                 # block checks its own layer's expert parameters before it computes (`ExpertState.edited`)
                 self.step_check([layer])
             ahead = self.staging.take_ahead(layer)  # before a step boundary would clear it
-            if layer <= self._last_layer:
+            if layer <= self._last_layer and self._forward_owner is None:
+                # no forward hook ends the step here (a compiled graph; a block called on its own): an earlier layer
+                # starts the next one. Under a hook a layer may come again within its step (looped decoders).
                 self._end_step()
             self._last_layer = layer
             plan = BlockPlan(layer, [], predictions=ahead)
@@ -800,6 +802,7 @@ class ExpertManager(NotebookViews):
         self.store.save(directory, self.fingerprint)
 
     def close(self) -> None:
-        """Release the device arena (after unload)."""
+        """Release the device arena (after unload): no slot is left, so no expert is on the device (`stats()`)."""
         self.loader.synchronize()
         self.arena.close()
+        self.cache = ExpertCache({}, {})

@@ -184,6 +184,8 @@ def record_trace(model, input_ids: torch.Tensor, progress: bool = True) -> Routi
     def recorder(layer: int, h: torch.Tensor, top_k_index: torch.Tensor) -> None:
         nonlocal hidden
         # h [B, H], top_k_index [B, K]: one new token per sequence
+        if layer in seen:
+            raise UnsupportedModelError(looped(layer))
         if hidden is None:
             hidden = torch.zeros((S, L, B, h.shape[-1]), dtype=torch.float16)
         experts[step, layer, :, : top_k_index.shape[1]] = top_k_index.detach().cpu()
@@ -261,12 +263,24 @@ def require_every_layer_routed(layers, routed: dict[int, int], total: int) -> No
     """`UnsupportedModelError` unless every MoE layer in `layers` routed all `total` tokens (`routed`: layer -> rows it
     routed): a layer that only some tokens reach (a vision-language model's image experts on text) has no routing
     for the others, and a trace or predictor needs every layer's for every token."""
-    short = sorted(layer for layer in layers if routed.get(layer) != total)
+    more = sorted(layer for layer in layers if routed.get(layer, 0) > total)
+    if more:
+        raise UnsupportedModelError(looped(more[0], f"{routed[more[0]]} rows for the {total} tokens given"))
+    short = sorted(layer for layer in layers if routed.get(layer, 0) < total)
     if short:
         raise UnsupportedModelError(
             f"MoE layers {short} of {sorted(layers)} routed fewer than the {total} tokens given; recording "
             "needs every MoE layer to route every token (top-k routing)."
         )
+
+
+def looped(layer: int, what: str = "twice in one forward step") -> str:
+    """The message for a model that runs an MoE layer more than once per token (a looped decoder)."""
+    return (
+        f"MoE layer {layer} routed {what}: this model runs some of its layers more than once per token (looped "
+        "layers), and a routing trace or a calibration records one routing per layer and token, so it cannot record "
+        "this model. Serving it is unaffected."
+    )
 
 
 @contextmanager

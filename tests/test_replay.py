@@ -270,3 +270,25 @@ def test_a_batch_of_prompts_is_one_block_per_layer_then_decodes_together():
     assert (b["misses"], b["hits"], b["uses"], b["steps"]) == (1, 3, 4, 2)
     r = replay(trace, budget=0.75, policy="lru", stage_fraction=0.0, concurrency=2, prompt_tokens=2, batch_aware=False)
     assert (r["misses"], r["hits"], r["uses"], r["steps"], r["tokens"], r["prompt_loads"]) == (2, 2, 4, 2, 4, 3)
+
+
+def test_a_looped_decoder_counts_one_step_per_forward_and_recording_it_is_refused_clearly():
+    """A decoder that runs some layers several times per token (Inkling 2's loop) calls those MoE layers again within
+    one forward: that is still one step (counters, hit-rate history), and a trace or calibration, which records one
+    routing per layer and token, refuses the model naming the layer, where it had kept the last pass or said the
+    layer routed too few tokens."""
+    from tiny_models import build, config_or_skip
+
+    from mira_hf.errors import UnsupportedModelError
+
+    model = MiraMoEModel.wrap(build(config_or_skip("inkling2_loop_text")).eval(), MiraConfig(device="cpu", gpu_budget=0.5))
+    ids = torch.randint(3, 100, (1, 4), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids)
+    assert model.mira.stats()["steps"] == 1 and len(model.mira.hit_rate_history()) == 1
+    model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert model.mira.stats()["steps"] == 4
+    with pytest.raises(UnsupportedModelError, match=r"MoE layer \d+ routed twice in one forward step.*looped layers"):
+        record_trace(model, ids, progress=False)
+    with pytest.raises(UnsupportedModelError, match=r"MoE layer \d+ routed 8 rows for the 4 tokens given.*looped layers"):
+        record_topk(model, [ids[0]], progress=False)

@@ -56,7 +56,7 @@ class NotebookViews:
                 capacity_bytes=self.cache.capacity_bytes,
                 buffer_bytes=self.arena.buffer_bytes,
                 resident_bytes=self.cache.resident_bytes + self.arena.kept_bytes,  # in slots, and kept packed beside them
-                slots=sum(self.budget.n_slots.values()),
+                slots=sum(p.n_slots for p in self.cache.pools.values()),
                 device=str(self.device),
                 quantization=self.quantization,
                 placement=self.placement,

@@ -210,3 +210,20 @@ def test_experts_are_named_by_any_kind_of_integer(manager):
     manager.set_host_only({})
     with pytest.raises(ConfigError, match="set_host_only: layer 0 experts 3 do not exist"):
         manager.set_host_only({0: 3})
+
+
+def test_stats_after_unload_hold_no_device_memory():
+    """`unload()` gives the device arena back: a manager kept past it reports no slot and nothing resident."""
+    from mira_hf import MiraConfig, MiraMoEModel
+    from mira_hf.testing import build, tiny_config
+
+    model = MiraMoEModel.wrap(build(tiny_config("mixtral")).eval(), MiraConfig(device="cpu", gpu_budget=0.5))
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    manager = model.mira
+    before = manager.stats()
+    assert before["resident_bytes"] > 0 and before["slots"] > 0
+    model.unload()
+    after = manager.stats()
+    assert (after["resident_bytes"], after["capacity_bytes"], after["slots"]) == (0, 0, 0)
+    assert after["hits"] + after["misses"] == before["hits"] + before["misses"]  # the counts of what ran stay

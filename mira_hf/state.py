@@ -319,11 +319,31 @@ class ExpertState:
                 f"{sorted(given)}, where its experts are {dtype}: mira-hf keeps one dtype per layer's experts. Give all "
                 "of them in one dtype, or load without assign=True (the values are cast to the model's dtype)."
             )
-        change = self.plan_change({dtype: dtypes.pop()}, self.manager.device, [layer])
+        new = dtypes.pop()
+        change = self.plan_change({dtype: new}, self.manager.device, [layer])
+        if change is not None and hasattr(change.layouts[layer], "chain") and not self._encodes(layer, new):
+            # the records would stay in their own dtype, which takes no other values: refused before the cast
+            cast = {n: t.to(new) for n, t in self.store.fused(layer).items()}
+            if not all(torch.equal(t.detach().cpu(), cast[n]) for n, t in given.items()):
+                raise UnsupportedOperationError(
+                    f"load_state_dict(assign=True) gave MoE layer {layer}'s experts {new} tensors, which its "
+                    f"{self.store.codec.name} records cannot hold: they keep {dtype} values. Nothing was changed. Load "
+                    f"them without assign=True (the values cast to {dtype}), or call model.unload() and load them into that."
+                )
         if change is not None:
             self.apply_change(change)
             self.forget_routers()
         return self.store.dtype(layer)
+
+    def _encodes(self, layer: int, dtype: torch.dtype) -> bool:
+        """Whether `layer`'s records can be encoded again in `dtype` (other values written into them)."""
+        if not self.store.writable:
+            return False
+        try:
+            self.store.plan_rewrite(layer, dtype=dtype)
+        except ConfigError:
+            return False
+        return True
 
     @builds_normal_tensors
     def write(self, layer: int, fused: Mapping[str, torch.Tensor]) -> None:

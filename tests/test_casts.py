@@ -148,6 +148,26 @@ def test_lossless_experts_follow_every_cast_exactly_fp16_ones_decoded_then_cast(
     assert store.layout(0).chain == (torch.bfloat16, torch.float16, torch.float32)
 
 
+def test_assign_of_values_the_records_cannot_hold_is_refused_before_the_layer_is_cast(tiny_checkpoint):
+    """`load_state_dict(assign=True)` casts a layer to the given tensors' dtype. Lossless records cast to fp16 stay
+    in their own dtype, so fp16 tensors other than the model's own cast are refused before the cast (the experts keep
+    their dtype and values); the model's own tensors cast to fp16 are taken, as a cast."""
+    path = tiny_checkpoint("mixtral")
+    model = _wrapped(path, quantization="lossless")
+    experts = {k: v.clone() for k, v in model.state_dict().items() if ".experts." in k}
+    changed = {k: v.half() * 1.5 if ".experts." in k else v.half() for k, v in load_reference(path).state_dict().items()}
+    with pytest.raises(
+        RuntimeError, match=r"assign=True\) gave MoE layer 0's experts torch\.float16 tensors.*Nothing was changed"
+    ):
+        model.load_state_dict(changed, assign=True)
+    state = model.state_dict()
+    assert all(state[k].dtype == torch.float32 and torch.equal(state[k], v) for k, v in experts.items())
+    assert not model.mira.store.cast_in_place
+    own = {k: v.half() for k, v in model.state_dict().items()}
+    model.load_state_dict(own, assign=True)
+    assert model.mira.store.cast_in_place and all(torch.equal(model.state_dict()[k], own[k]) for k in experts)
+
+
 @pytest.mark.parametrize("placement", ["packed", "dequant"])
 def test_a_bf16_lossless_model_cast_to_fp32_keeps_its_records_and_takes_new_values(tiny_checkpoint, placement):
     """The notebook habit, load in bf16 then `model.float()`, on lossless records: nothing is rounded, so the records

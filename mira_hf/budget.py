@@ -15,7 +15,6 @@ from dataclasses import dataclass, field, replace
 
 from .config import MiraConfig
 from .errors import BudgetError, ConfigError
-from .quant.cast import scratch_bytes as cast_scratch
 
 TIER_COST = {"pinned": 1.0, "pageable": 2.0, "disk": 4.0}  # relative reload cost per byte of each host tier
 
@@ -121,6 +120,10 @@ def device_buffers(placement: str, codec, layouts: Mapping[int, object]) -> dict
         buffers["staging"] = max(layout.nbytes for layout in layouts.values())
     scratch = getattr(codec, "scratch_bytes", None)
     if placement in ("packed", "mixed") and scratch is not None:
+        from .quant.cast import (
+            scratch_bytes as cast_scratch,
+        )  # (torch: this module is read by the CLI's help, which imports none)
+
         buffers["scratch"] = max(cast_scratch(scratch, layout) for layout in layouts.values())
     return buffers
 

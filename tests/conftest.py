@@ -105,6 +105,47 @@ def reinitialised(ref, model, forward) -> tuple:
         return forward(model), forward(ref)
 
 
+def scaled_and_redrawn(ref, model, forward) -> tuple[list, list]:
+    """`m.apply(fn)` on both from the same seed, with an `fn` that notes each module it meets (class, shapes of its own
+    parameters), doubles those parameters and adds new random values to them; the wrapped `model`'s experts copied to
+    its cache first (by a forward). Returns the modules met: (by `ref`, by `model`)."""
+    met = {"ref": [], "model": []}
+
+    def scale_and_redraw(key):
+        def fn(m):
+            own = list(m.parameters(recurse=False))
+            met[key].append((type(m).__name__, [tuple(p.shape) for p in own]))
+            with torch.no_grad():
+                for p in own:
+                    p.mul_(2).add_(torch.randn_like(p), alpha=0.01)
+
+        return fn
+
+    with torch.no_grad():
+        forward(model)
+    for key, m in (("ref", ref), ("model", model)):
+        torch.manual_seed(3)
+        m.apply(scale_and_redraw(key))
+    return met["ref"], met["model"]
+
+
+def halved_through_apply(ref, model, kinds: tuple, forward) -> tuple:
+    """`m.apply(fn)` on both, with an `fn` that gives each module of `kinds` new parameters in place of its own (their
+    values halved), the wrapped `model`'s experts copied to its cache first (by a forward). Returns the logits of
+    `forward(ref)` before, and of `forward(ref)` and `forward(model)` after."""
+
+    def halve(m):
+        if isinstance(m, kinds):
+            for n, p in list(m.named_parameters(recurse=False)):
+                setattr(m, n, torch.nn.Parameter(p.detach() * 0.5, requires_grad=p.requires_grad))
+
+    with torch.no_grad():
+        before = forward(ref).logits
+        forward(model)
+        ref.apply(halve), model.apply(halve)
+        return before, forward(ref).logits, forward(model).logits
+
+
 def shared_storages(model) -> list[list[str]]:
     """Names of state-dict tensors that share a storage, as transformers groups them to find tied weights."""
     from transformers.pytorch_utils import id_tensor_storage

@@ -6,7 +6,7 @@ one module each, `model_adapters.ExpertModules`): wrapped or loaded, the model i
 import pytest
 import torch
 import transformers
-from conftest import reinitialised, shared_storages
+from conftest import halved_through_apply, reinitialised, scaled_and_redrawn, shared_storages
 from tiny_models import SEQ2SEQ_RECIPES, build, config_or_skip
 
 from mira_hf import MiraConfig, MiraMoEModel
@@ -193,24 +193,8 @@ def test_apply_meets_each_module_and_parameter_once_as_on_the_unwrapped_model(na
     layers theirs): an `fn` that scales them, draws new values into them, or counts them, does to a wrapped model what
     it does to the unwrapped one."""
     ref, model = _pair(name)
-    met = {"ref": [], "model": []}
-
-    def scale_and_redraw(key):
-        def fn(m):
-            own = list(m.parameters(recurse=False))
-            met[key].append((type(m).__name__, [tuple(p.shape) for p in own]))
-            with torch.no_grad():
-                for p in own:
-                    p.mul_(2).add_(torch.randn_like(p), alpha=0.01)
-
-        return fn
-
-    with torch.no_grad():
-        _forward(model)  # the experts copied to the cache first
-    for key, m in (("ref", ref), ("model", model)):
-        torch.manual_seed(3)
-        m.apply(scale_and_redraw(key))
-    assert met["model"] == met["ref"]
+    met_ref, met_model = scaled_and_redrawn(ref, model, _forward)
+    assert met_model == met_ref
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
     with torch.no_grad():
         assert torch.equal(_forward(model).logits, _forward(ref).logits)
@@ -224,19 +208,8 @@ def test_parameters_apply_puts_in_place_of_the_experts_are_what_the_model_comput
     ref, model = _pair(name)
     experts = next(n for n, _ in ref.named_modules() if n.endswith("mlp.experts"))
     kinds = tuple({type(m) for m in ref.get_submodule(experts).modules()})
-
-    def halve(m):
-        if isinstance(m, kinds):
-            for n, p in list(m.named_parameters(recurse=False)):
-                setattr(m, n, torch.nn.Parameter(p.detach() * 0.5, requires_grad=p.requires_grad))
-
-    with torch.no_grad():
-        before = _forward(ref).logits
-        _forward(model)  # the experts copied to the cache first
-        ref.apply(halve), model.apply(halve)
-        expected = _forward(ref).logits
-        assert not torch.equal(expected, before)
-        assert torch.equal(_forward(model).logits, expected)
+    before, expected, got = halved_through_apply(ref, model, kinds, _forward)
+    assert not torch.equal(expected, before) and torch.equal(got, expected)
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
 
 

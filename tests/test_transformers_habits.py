@@ -17,7 +17,7 @@ import weakref
 import pytest
 import torch
 import transformers
-from conftest import ALL_TINY, load_reference, reinitialised, shared_storages
+from conftest import ALL_TINY, halved_through_apply, load_reference, reinitialised, scaled_and_redrawn, shared_storages
 from tiny_models import config_or_skip
 
 from mira_hf import MiraConfig, MiraMoEModel
@@ -614,24 +614,8 @@ def test_apply_meets_each_module_and_parameter_once_as_on_the_unwrapped_model(na
     them (`p.mul_(2)`), draws new values into them from the generator, or counts them, does to a wrapped model what it
     does to the unwrapped one. The experts module it meets is of the unwrapped class, holding the expert tensors."""
     ref, model = _pair(name)
-    met = {"ref": [], "model": []}
-
-    def scale_and_redraw(key):
-        def fn(m):
-            own = list(m.parameters(recurse=False))
-            met[key].append((type(m).__name__, [tuple(p.shape) for p in own]))
-            with torch.no_grad():
-                for p in own:
-                    p.mul_(2).add_(torch.randn_like(p), alpha=0.01)
-
-        return fn
-
-    with torch.no_grad():
-        model(IDS)  # the experts copied to the cache first
-    for key, m in (("ref", ref), ("model", model)):
-        torch.manual_seed(3)
-        m.apply(scale_and_redraw(key))
-    assert met["model"] == met["ref"]
+    met_ref, met_model = scaled_and_redrawn(ref, model, lambda m: m(IDS))
+    assert met_model == met_ref
     assert _same(dict(model.state_dict()), dict(ref.state_dict()))
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, ref(IDS).logits)
@@ -667,19 +651,8 @@ def test_parameters_apply_puts_in_place_of_the_experts_are_what_the_model_comput
     ref, model = _pair(name)
     path = next(p for p, m in model.named_modules() if isinstance(m, MiraExperts))
     kinds = tuple({type(m) for m in ref.get_submodule(path).modules()})
-
-    def halve(m):
-        if isinstance(m, kinds):
-            for n, p in list(m.named_parameters(recurse=False)):
-                setattr(m, n, torch.nn.Parameter(p.detach() * 0.5, requires_grad=p.requires_grad))
-
-    with torch.no_grad():
-        before = ref(IDS).logits
-        model(IDS)  # the experts copied to the cache first
-        ref.apply(halve), model.apply(halve)
-        expected = ref(IDS).logits
-        assert not torch.equal(expected, before)
-        assert torch.equal(model(IDS).logits, expected)
+    before, expected, got = halved_through_apply(ref, model, kinds, lambda m: m(IDS))
+    assert not torch.equal(expected, before) and torch.equal(got, expected)
     assert _same(dict(model.state_dict()), dict(ref.state_dict()))
 
 

@@ -120,9 +120,8 @@ def device_buffers(placement: str, codec, layouts: Mapping[int, object]) -> dict
         buffers["staging"] = max(layout.nbytes for layout in layouts.values())
     scratch = getattr(codec, "scratch_bytes", None)
     if placement in ("packed", "mixed") and scratch is not None:
-        from .quant.cast import (
-            scratch_bytes as cast_scratch,
-        )  # (torch: this module is read by the CLI's help, which imports none)
+        # imported here: it imports torch, and the CLI's help reads this module without importing torch
+        from .quant.cast import scratch_bytes as cast_scratch
 
         buffers["scratch"] = max(cast_scratch(scratch, layout) for layout in layouts.values())
     return buffers

@@ -795,9 +795,9 @@ class ExpertManager(NotebookViews):
             )
         if self.store.cast_in_place:
             raise ConfigError(
-                f"save_store() saves records that a load of the model encodes, but the model was cast after loading to a "
-                f"dtype its {self.store.codec.name} records cannot hold, so they decode to their own dtype and are cast "
-                "at every use. Save the store before the cast, or cast the model back first."
+                f"save_store() saves records that a load of the model encodes, but the model was cast after loading and "
+                f"its {self.store.codec.name} records kept their own dtype: they decode to it and are cast at every use. "
+                "Save the store before the cast, or cast the model back first."
             )
         self.store.save(directory, self.fingerprint)
 

@@ -360,7 +360,8 @@ class ExpertStore:
     def plan_cast(self, layer: int, dtype: torch.dtype):
         """The layout of `layer`'s records cast to `dtype` in place (`mira_hf.quant.cast`): they stay as they are,
         and every decode casts what they hold through the dtypes since, in order. For records in a format that
-        cannot hold `dtype` (the checkpoint's own FP8 or MXFP4 bytes, lossless records of another dtype)."""
+        cannot hold `dtype` (the checkpoint's own FP8 or MXFP4 bytes, lossless records to fp16), or that a cast rounds
+        nothing of (bf16 lossless records to fp32)."""
         old = self._slabs[layer]
         chain = simplify((*getattr(old.layout, "chain", (old.dtype,)), dtype))
         inner = records_layout(old.layout)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import types
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +85,7 @@ class ExpertState:
         E = store.num_experts(layer)
         for name, (shape, dtype) in store.expert_specs(layer).items():
             data = views[name] if views is not None else torch.empty((E, *shape), dtype=dtype, device="meta")
-            for path, part in zip(layout.paths(name, E), separate(layout.parts(name, data))):  # the module's shapes
+            for path, part in at_paths(layout, name, data, E):  # the module's shapes
                 param = layout.get(proxy, path)
                 if param is not None:
                     param.data = part
@@ -614,6 +614,12 @@ def separate(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """A tensor's parts at its several paths (`ExpertModules`: views of one `[E, ...]` tensor), each on a storage of its
     own, as the unwrapped model's separate parameters are (`store.own_storage`)."""
     return parts if len(parts) == 1 else tuple(own_storage(p) for p in parts)
+
+
+def at_paths(layout, name: str, tensor: torch.Tensor, num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, part) of the fused `[E, ...]` `tensor` named `name` at each path the module keeps it at (one for fused
+    experts, one per expert for `ExpertModules`), each part as `separate` gives it."""
+    return zip(layout.paths(name, num_experts), separate(layout.parts(name, tensor)))
 
 
 def put_data(param: nn.Parameter, data: torch.Tensor) -> bool:

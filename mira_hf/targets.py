@@ -27,7 +27,7 @@ from model_adapters.base import (
 from .config import MiraConfig
 from .errors import ConfigError, UnsupportedModelError, UnsupportedOperationError
 from .proxy import CALL_HOOK_TABLES, KNOWN_EXPERT_TENSORS, LAYOUT_FLAGS, MiraExperts
-from .state import put_data, separate
+from .state import at_paths, put_data
 from .store import ExpertStore
 
 _HOW_TO_ADD = (
@@ -103,8 +103,7 @@ class Target:
         """Give the module back its tensors, rebuilt from the store's records, in the parameters that stood for them
         (`params`), each a tensor of its own."""
         for name, tensor in store.fused(self.ordinal).items():
-            paths = self.layout.paths(name, self.num_experts)
-            for path, part in zip(paths, separate(self.layout.parts(name, tensor))):
+            for path, part in at_paths(self.layout, name, tensor, self.num_experts):
                 self.layout.set(self.module, path, self.parameter(name, path, part))
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from .errors import ConfigError
 from .manager import ExpertManager
 from .proxy import give_back_hooks
-from .state import separate
+from .state import at_paths
 from .state import uninstall as uninstall_state
 
 
@@ -70,8 +70,7 @@ def save_pretrained(model: nn.Module, save_directory, **kwargs):
         E = model.mira.store.num_experts(t.ordinal)
         for prefix in where.get(id(getattr(t.parent, t.attr)), ()):
             for n, tensor in model.mira.whole.fused(t.ordinal).items():
-                paths, parts = t.layout.paths(n, E), separate(t.layout.parts(n, tensor))
-                state.update((f"{prefix}.{path}", part) for path, part in zip(paths, parts))
+                state.update((f"{prefix}.{path}", part) for path, part in at_paths(t.layout, n, tensor, E))
     if given is not None:
         state = {k: state[k] if k in views and _same_view(v, views[k]) else v for k, v in given.items()}
     return type(model).save_pretrained(model, save_directory, state_dict=state, **kwargs)

@@ -321,10 +321,11 @@ class ExpertState:
             )
         new = dtypes.pop()
         change = self.plan_change({dtype: new}, self.manager.device, [layer])
-        if change is not None and hasattr(change.layouts[layer], "chain") and not self._encodes(layer, new):
-            # the records would stay in their own dtype, which takes no other values: refused before the cast
+        if change is not None and hasattr(change.layouts[layer], "chain"):
+            # the records would stay in their own dtype: other values than the cast's need a format that holds `new`
+            # (asked last: planning lossless records reads the layer), else they are refused before the cast
             cast = {n: t.to(new) for n, t in self.store.fused(layer).items()}
-            if not all(torch.equal(t.detach().cpu(), cast[n]) for n, t in given.items()):
+            if not all(torch.equal(t.detach().cpu(), cast[n]) for n, t in given.items()) and not self._encodes(layer, new):
                 raise UnsupportedOperationError(
                     f"load_state_dict(assign=True) gave MoE layer {layer}'s experts {new} tensors, which its "
                     f"{self.store.codec.name} records cannot hold: they keep {dtype} values. Nothing was changed. Load "

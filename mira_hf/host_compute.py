@@ -179,10 +179,10 @@ class HostCosts:
 
 
 # (weights of one expert: name -> host tensor, rows x [n, H] on the host) -> [n, H] on the host
-ExpertFn = Callable[[Mapping[str, torch.Tensor], torch.Tensor], torch.Tensor]
+ExpertFn = Callable[[int, Mapping[str, torch.Tensor], torch.Tensor], torch.Tensor]  # (expert, its weights, rows)
 
 
-def _echo(weights: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def _echo(expert: int, weights: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return x.clone()  # a job without an expert: what a host job costs beyond its experts
 
 
@@ -425,7 +425,7 @@ class HostCompute:
         with torch.no_grad():
             for e, n in zip(experts, sizes):
                 t0 = time.perf_counter()
-                outs.append(fn(weights(e), x[a : a + n]))  # [n, H]; the views' cost counts too
+                outs.append(fn(e, weights(e), x[a : a + n]))  # [n, H]; the views' cost counts too
                 self.costs.observe(layer, n, time.perf_counter() - t0)
                 a += n
         y = torch.cat(outs) if len(outs) > 1 else outs[0]  # [N, H]
@@ -500,7 +500,7 @@ class HostCompute:
                     times = []
                     for _ in range(BENCH_REPEATS + 1):  # the first call warms up
                         t0 = time.perf_counter()
-                        fn(self.weights(layer, calls % E), x)
+                        fn(calls % E, self.weights(layer, calls % E), x)
                         calls += 1
                         times.append(time.perf_counter() - t0)
                     table[n] = min(times[1:])

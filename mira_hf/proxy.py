@@ -517,7 +517,7 @@ class MiraExperts(nn.Module):
         for e in plan.parts_copied:
             x = inputs(e)  # [n, H]
             w = {name: t.to(x.device, non_blocking=True) for name, t in host.weights(self.layer, e).items()}
-            parts.append((e, self._host_part(w, x)))
+            parts.append((e, self._host_part(e, w, x)))
         return parts
 
     def _grouped_on(self, x: torch.Tensor) -> bool:
@@ -601,17 +601,21 @@ class MiraExperts(nn.Module):
     def _post(self, y: torch.Tensor) -> torch.Tensor:
         return self.base.post_expert_norm(y) if self._post_norm else y
 
-    def _host_part(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """An expert's host part (`neuron_split`, host_compute="split") on rows x [n, H] -> [n, H]: its neurons'
+    def _up_of(self, e: int, x: torch.Tensor, w) -> torch.Tensor:
+        """Expert e's up projection and gate function on the host: x [n, H] -> [n, I]."""
+        return self._up_proj(x, w)
+
+    def _host_part(self, e: int, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Expert e's host part (`neuron_split`, host_compute="split") on rows x [n, H] -> [n, H]: its neurons'
         up projection (with their share of its bias) and gate function, and their columns of the down projection,
         whose bias the device part adds."""
-        h = self._activate(self._linear(x, w, self._up, False))  # [n, I_host]
+        h = self._up_of(e, x, w)  # [n, I_host]
         return plain_linear(h, w[self._down].to(h.dtype), self._down_transposed)  # [n, H]
 
-    def _host_expert(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """One expert on the host (`host_compute`): x [n, H] and `w` (views of its host record) -> [n, H],
+    def _host_expert(self, e: int, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Expert e on the host (`host_compute`): x [n, H] and `w` (views of its host record) -> [n, H],
         the same math as `_expert` except the post-expert norm, which the device applies to the result."""
-        return self._linear(self._up_proj(x, w), w, self._down, False)
+        return self._linear(self._up_of(e, x, w), w, self._down, False)
 
     # -- the experts as this module's parameters (`mira_hf.state`): state dict, load, casts, moves --------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -870,8 +874,8 @@ class MiraGluExperts(_HeldExperts):
         # x [n, H] -> [n, I]
         return self._act(self._linear(x, w, self._gate, kernel)) * self._linear(x, w, self._up, kernel)
 
-    def _host_part(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return self._host_expert(w, x)  # a smaller expert of the same layout (no biases)
+    def _host_part(self, e: int, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return self._host_expert(e, w, x)  # a smaller expert of the same layout (no biases)
 
 
 class MiraRoutedExperts(_HeldExperts):
@@ -968,7 +972,8 @@ class MiraModuleExperts(_HeldExperts):
 
     @property
     def _act(self) -> nn.Module:
-        """Expert 0's activation: every expert's, where a computation does not say which expert it is for (the host's)."""
+        """Expert 0's activation: what `host_expert_math` and the split's pairing read to learn the experts' gate
+        function; each expert computes with its own (`_expert`, `_host_up`)."""
         return self._member_of(0, self.experts_layout.activation)
 
     @property
@@ -1031,8 +1036,11 @@ class MiraModuleExperts(_HeldExperts):
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         return self._act(h)
 
+    def _up_of(self, e: int, x: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
+        return self._member_of(e, self.experts_layout.activation)(self._linear(x, w, self._up, kernel))  # [n, I]: its own
+
     def _expert(self, plan, e: int, w, x: torch.Tensor, kernel: bool = False, at: int = 0) -> torch.Tensor:
-        h = self._member_of(e, self.experts_layout.activation)(self._linear(x, w, self._up, kernel))  # [n, I]: its own
+        h = self._up_of(e, x, w, kernel)
         if self._masks is not None:  # training mode: the next rows of the mask drawn for expert e
             mask = self._masks[e]
             h = h * mask[0][mask[1] : mask[1] + len(h)]

@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 from conftest import halved_through_apply, reinitialised, scaled_and_redrawn, shared_storages
+from test_host_compute import BOUND, costs
 from tiny_models import SEQ2SEQ_RECIPES, build, config_or_skip
 
 from mira_hf import MiraConfig, MiraMoEModel
@@ -16,6 +17,7 @@ from mira_hf.errors import UnsupportedOperationError
 
 NAMES = sorted(SEQ2SEQ_RECIPES)
 WRAP = MiraConfig(gpu_budget=0.25, device="cpu")
+HOST_BOUND = BOUND[torch.float32]  # host compute rounds otherwise (docs/usage.md)
 # 14 prompt tokens over 8 experts of capacity 3: some tokens exceed an expert's capacity and skip the experts
 PROMPT = torch.tensor([[5, 9, 14, 33, 60, 71, 80, 5, 9, 14, 33, 60, 71, 80], [7, 21, 4, 8, 11, 3, 99, 7, 21, 4, 8, 11, 3, 0]])
 MASK = (PROMPT != 0).long()
@@ -250,6 +252,22 @@ def test_activations_replaced_after_wrapping_are_what_the_model_computes(name, w
         assert kinds[0] == kinds[1]
         model.unload()
         assert torch.equal(_forward(model).logits, expected)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("mode", ["on", "split"])
+def test_experts_computed_on_the_host_use_their_own_activation(name, mode):
+    """With host compute on, an expert the host computes (whole, or its share of neurons) uses its own activation too:
+    one expert's replaced alone is followed there, within host compute's bound."""
+    ref, model = _pair(name)
+    model = MiraMoEModel.wrap(model.unload(), MiraConfig(gpu_budget=0.25, device="cpu", host_compute=mode))
+    if mode == "on":  # every miss to the host: a link of 1 byte/s, a host that takes a microsecond
+        model.mira.host.set_costs(costs(link_bytes_per_s=1.0, host_s={layer: {1: 1e-6} for layer in model.mira.layers}))
+    with torch.no_grad():
+        _replace_activations(ref, "one_expert"), _replace_activations(model, "one_expert")
+        expected, got = _forward(ref).logits, _forward(model).logits
+    assert (got - expected).abs().max() <= HOST_BOUND * expected.abs().max()
+    assert mode == "split" or model.mira.stats()["host_computed"] > 0
 
 
 @pytest.mark.parametrize("name", NAMES)

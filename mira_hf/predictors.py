@@ -280,10 +280,12 @@ class KeptRouting:
     host, in the order kept. Staging settles at `routed` (after the block's sync, which has completed the
     copy) and a predictor before it reads what `apply` built; a read before the sync waits for the copy's
     event only. A layer kept again before it was settled settles first (its buffer is about to be rewritten),
-    so at most one block per layer waits."""
+    so at most one block per layer waits. Tokens a router sent to no expert (over an expert's capacity: Switch
+    Transformers'), whose routing names the sentinel E, are left out: `apply` gets only rows of real experts, and
+    nothing for a block without any."""
 
-    def __init__(self, apply: Callable[[int, torch.Tensor], None]) -> None:
-        self._apply = apply
+    def __init__(self, apply: Callable[[int, torch.Tensor], None], num_experts: Mapping[int, int]) -> None:
+        self._apply, self._num_experts = apply, num_experts
         self._buffers: dict[int, torch.Tensor] = {}  # layer -> pinned [rows, K] (CUDA)
         self._events: dict[int, torch.cuda.Event] = {}  # layer -> its last copy's event (CUDA)
         self._kept: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = []
@@ -308,6 +310,11 @@ class KeptRouting:
             if event is not None:
                 event.synchronize()  # done by the block's sync unless read before it
                 index = index.clone()  # the layer's buffer is rewritten by its next block; `apply` may keep rows
+            E = self._num_experts[layer]
+            if int(index.max()) >= E:  # some token went to no expert: the sentinel E
+                index = index[(index < E).all(dim=1)]
+                if not index.shape[0]:
+                    continue
             self._apply(layer, index)
 
     def clear(self) -> None:
@@ -360,7 +367,7 @@ class MarkovPredictor:
 
     def __init__(self, layers: list[int], num_experts: dict[int, int], top_k: dict[int, int], config: PredictorConfig) -> None:
         self.layers, self.num_experts, self.top_k, self.config = layers, num_experts, top_k, config
-        self._routing = KeptRouting(self._count)
+        self._routing = KeptRouting(self._count, num_experts)
         self.reset()
 
     def reset(self) -> None:
@@ -471,7 +478,7 @@ class GlobalPredictor:
             config,
         )
         self._prev: dict[int, torch.Tensor] = {}
-        self._routing = KeptRouting(self._remember)
+        self._routing = KeptRouting(self._remember, num_experts)
 
     def observe(self, layer, hidden, top_k_index) -> None:
         self._routing.keep(layer, top_k_index[-1:])
@@ -517,7 +524,7 @@ class PositionPredictor:
 
     def __init__(self, layers, num_experts, top_k, config: PredictorConfig) -> None:
         self.layers, self.num_experts, self.top_k, self.config = layers, num_experts, top_k, config
-        self._routing = KeptRouting(self._count)
+        self._routing = KeptRouting(self._count, num_experts)
         self.reset()
 
     def reset(self) -> None:

@@ -104,6 +104,20 @@ def test_logits_router_logits_and_generation_are_the_unwrapped_models(name, dtyp
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("predictor", ["global", "markov", "position", "hybrid"])
+def test_every_predictor_learns_from_routing_that_drops_tokens(name, predictor):
+    """Tokens over an expert's capacity go to no expert (the sentinel E in the routing the predictors learn from): each
+    predictor counts the others, and the model computes the unwrapped model's logits and tokens."""
+    ref, model = _pair(name, expert_capacity=1)
+    model = MiraMoEModel.wrap(model.unload(), MiraConfig(gpu_budget=0.25, device="cpu", predictor=predictor))
+    assert _dropped(ref) > 0 or not _capacity_binds(ref)
+    with torch.no_grad():
+        assert torch.equal(_forward(model).logits, _forward(ref).logits)
+    kw = dict(attention_mask=MASK, do_sample=False, max_new_tokens=4, min_new_tokens=4)
+    assert torch.equal(model.generate(PROMPT, **kw), ref.generate(PROMPT, **kw))
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_parameters_and_state_dict_are_the_unwrapped_models(name):
     ref, model = _pair(name)
     assert [(n, p.shape) for n, p in model.named_parameters()] == [(n, p.shape) for n, p in ref.named_parameters()]

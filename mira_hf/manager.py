@@ -28,6 +28,7 @@ import torch
 from .arena import DeviceArena
 from .budget import BudgetPlan, LayerInfo, expert_keys
 from .cache import ExpertCache, Key, Slot, SlotPool
+from .config import chosen_quantizations
 from .errors import ConcurrencyError, ConfigError, LoaderError, UnsupportedOperationError
 from .heat import HeatTracker
 from .host_compute import host_compute_for
@@ -781,17 +782,23 @@ class ExpertManager(NotebookViews):
     def save_store(self, directory: str) -> None:
         """Save the (quantized) expert records so a later load with `MiraConfig(store_path=directory)`
         reads them instead of quantising again."""
-        if not self.store.quantized:
-            raise ConfigError("save_store() saves quantized records; this model moves experts uncompressed (quantization=None).")
-        if not self.store.writable:  # a checkpoint's own format: a load serves the checkpoint's bytes, never a store
-            raise ConfigError(
-                f"save_store() saves records that a load encodes, but this model serves its checkpoint's own "
-                f"{self.store.codec.name} bytes, which every load reads from the checkpoint itself: there is nothing to save."
-            )
         if self.host.parts is not None:
             raise ConfigError(
                 "save_store() saves whole experts' records, but with host_compute='split' the store holds each expert's "
                 "device part only. Wrap the model without host_compute='split' to save its records."
+            )
+        if not self.store.quantized:
+            formats = ", ".join(repr(q) for q in chosen_quantizations() if q not in ("auto", None))
+            raise ConfigError(
+                "save_store() saves encoded expert records, which a later load reads instead of encoding them again; "
+                "this model keeps its experts uncompressed (quantization=None), as a load reads them from the checkpoint "
+                f"itself: there is nothing to save. Wrap or load the model with quantization set to one of {formats} to save "
+                "its records."
+            )
+        if not self.store.writable:  # a checkpoint's own format: a load serves the checkpoint's bytes, never a store
+            raise ConfigError(
+                f"save_store() saves records that a load encodes, but this model serves its checkpoint's own "
+                f"{self.store.codec.name} bytes, which every load reads from the checkpoint itself: there is nothing to save."
             )
         if self.store.cast_in_place:
             raise ConfigError(

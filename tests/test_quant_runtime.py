@@ -157,6 +157,16 @@ def test_a_store_that_cannot_be_written_is_refused_and_leaves_the_one_there(tmp_
         assert torch.equal(again(heldout[:1]).logits, model(heldout[:1]).logits)
 
 
+def test_save_store_of_uncompressed_experts_says_which_formats_it_saves(tmp_path):
+    from mira_hf import ConfigError
+
+    with pytest.raises(ConfigError, match=r"uncompressed \(quantization=None\).*nothing to save.*'lossless', 'int8', 'int4'"):
+        _model(None).mira.save_store(tmp_path / "store")
+    with pytest.raises(ConfigError, match="host_compute='split' the store holds each expert's device part only"):
+        MiraMoEModel.wrap(_model(None).unload(), MiraConfig(device="cpu", host_compute="split")).mira.save_store(tmp_path)
+    assert not (tmp_path / "store").exists()
+
+
 def test_unload_of_a_quantized_model_warns_that_experts_are_dequantized():
     model = _model("int8")
     with pytest.warns(UserWarning, match="dequantized values"):

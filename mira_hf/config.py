@@ -352,7 +352,8 @@ class MiraConfig:
         the experts from the checkpoint one at a time (`LoaderConfig.stream_experts`), so a model
         larger than host memory loads. With host_compute="split" it bounds the device parts; the host parts
         (`host_share` of every expert) stay in host memory beside it.
-    offload_dir: where experts beyond `host_budget` are written, memory-mapped and read back.
+    offload_dir: where experts beyond `host_budget` are written, memory-mapped and read back (given with
+        `host_budget` only: without it every expert stays in host memory).
     expert_layer_path: for models without an adapter, a glob of the routed-experts modules,
         e.g. `"model.layers.*.mlp.experts"` (fused 3-D expert tensors, as transformers 5 builds them).
     host_compute: compute some missed experts on the host CPU, where their weights are, instead of copying
@@ -441,6 +442,12 @@ class MiraConfig:
                 f"offload_dir={self.offload_dir!r}: give a directory (a str or a path; it is created if missing) where "
                 "the experts beyond host_budget are written."
             )
+        if self.offload_dir is not None and self.host_budget is None:
+            raise ConfigError(
+                f"offload_dir={self.offload_dir!r} is where the experts beyond host_budget are written, but host_budget is "
+                "not set: every expert stays in host memory, so it would change nothing. Give host_budget (e.g. "
+                "host_budget='64GiB') to keep the rest on disk, or leave offload_dir out."
+            )
         if self.expert_layer_path is not None and (
             not isinstance(self.expert_layer_path, str) or "." not in self.expert_layer_path
         ):
@@ -485,6 +492,12 @@ class MiraConfig:
             raise ConfigError(
                 f"host_share={share!r}: the share of each expert's neurons computed on the host with "
                 "host_compute='split', a number strictly between 0 and 1 (e.g. 0.25)."
+            )
+        if self.host_compute != "split" and share != MiraConfig.host_share:
+            raise ConfigError(
+                f"host_share={share!r} is the share of each expert's neurons host_compute='split' computes on the host, "
+                f"but host_compute={self.host_compute!r}: it would change nothing. Pass host_compute='split', or leave "
+                "host_share out."
             )
         if self.predictor_path is not None and self.predictor in PATHLESS_PREDICTORS:
             raise ConfigError(

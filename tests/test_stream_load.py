@@ -209,12 +209,12 @@ def test_an_expert_past_the_configs_count_is_refused_before_loading(tiny_checkpo
         weights[f"{last}.8.{w}.weight"] = weights[f"{last}.7.{w}.weight"] * 2
     save_file(weights, tmp_path / "ckpt" / "model.safetensors", metadata={"format": "pt"})
     order = _record_order(monkeypatch)
-    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=STREAM, offload_dir=str(tmp_path / "off"))
+    host_budget = kw.pop("host_budget", None)
+    disk = dict(host_budget=host_budget, offload_dir=str(tmp_path / "off")) if host_budget else {}
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=STREAM, **disk)
     says = r"holds expert 8 of model\.layers\.1\..*config gives that layer 8 experts \(0\.\.7\)"
     with pytest.raises(CheckpointError, match=says):
-        MiraMoEModel.from_pretrained(
-            tmp_path / "ckpt", cfg.replace(host_budget=kw.pop("host_budget", None)), progress=False, **kw
-        )
+        MiraMoEModel.from_pretrained(tmp_path / "ckpt", cfg, progress=False, **kw)
     assert "experts" not in order and not (tmp_path / "off").exists()
 
 

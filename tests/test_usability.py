@@ -232,6 +232,23 @@ def test_the_sdist_leaves_the_tests_out():
     assert "prune tests" in lines
 
 
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        (dict(offload_dir="some/dir"), r"offload_dir='some/dir' is where the experts beyond host_budget.*host_budget is not set"),
+        (dict(host_share=0.4), r"host_share=0.4 is the share .* but host_compute='off': it would change nothing"),
+        (dict(host_share=0.4, host_compute="on"), r"host_compute='on': it would change nothing"),
+    ],
+)
+def test_a_setting_that_would_change_nothing_is_refused(fields, says):
+    """Settings that only take effect beside another (offload_dir with host_budget, host_share with
+    host_compute='split') are refused without it, saying which one to give, rather than silently ignored."""
+    with pytest.raises(ConfigError, match=says):
+        MiraConfig(**fields)
+    assert MiraConfig(offload_dir="some/dir", host_budget="1GiB").offload_dir == "some/dir"
+    assert MiraConfig(host_share=0.4, host_compute="split").host_share == 0.4
+
+
 @pytest.mark.parametrize("predictor", ["gate", "markov", None])
 def test_a_predictor_file_for_a_predictor_that_reads_none_is_refused(predictor):
     """predictor_path is the learned predictor's: with a predictor that reads no file it would change nothing."""

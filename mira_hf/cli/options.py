@@ -142,6 +142,8 @@ def mira_config(args: argparse.Namespace) -> MiraConfig:
             "--predictor learned needs --predictor-path DIR, a predictor mira calibrate wrote (mira calibrate MODEL "
             "--data CORPUS --out DIR); --predictor gate needs no training."
         )
+    if getattr(args, "host_share", None) is not None and str(getattr(args, "host_compute", None)).lower() != "split":
+        raise ValueError(f"--host-share {args.host_share} applies to --host-compute split only: add it, or drop --host-share.")
     cfg = MiraConfig(
         gpu_budget=parse_budget(args.budget),
         device=args.device,
@@ -151,8 +153,6 @@ def mira_config(args: argparse.Namespace) -> MiraConfig:
         **{name: getattr(args, name) for name in ("host_compute", "host_share") if getattr(args, name, None) is not None},
         **({"predictor_path": predictor_path} if predictor_path else {}),
     )
-    if getattr(args, "host_share", None) is not None and cfg.host_compute != "split":
-        raise ValueError(f"--host-share {args.host_share} applies to --host-compute split only: add it, or drop --host-share.")
     if cfg.device is None:
         import torch
 

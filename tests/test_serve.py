@@ -170,6 +170,15 @@ def test_non_streamed_chat_gives_the_tokens_of_generate(served):
     assert body["choices"][0]["message"]["content"] == tokenizer.decode(references["chat", PROMPTS[0]], skip_special_tokens=True)
 
 
+def called(tool_calls) -> list[dict]:
+    """A chat whose assistant turn calls tools with `tool_calls`, then the user speaks again."""
+    return [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": tool_calls},
+        {"role": "user", "content": "x"},
+    ]
+
+
 BAD_REQUESTS = [
     # (endpoint, body, raw, status, param, code)
     (
@@ -202,6 +211,14 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": [1]}, False, 400, "seed", None),
     ("completions", {"prompt": ""}, False, 400, "prompt", None),
     ("completions", {"prompt": "x", "no_such_field": 1}, False, 400, None, None),
+    *[
+        ("chat/completions", {"messages": called(calls)}, False, 400, param, None)
+        for calls, param in (
+            ([{"id": "1", "type": "function", "function": {"name": "f", "arguments": "not json"}}], "messages[1].tool_calls[0]"),
+            ([{"id": "1", "type": "function"}], "messages[1].tool_calls[0]"),
+            ("abc", "messages[1].tool_calls"),
+        )
+    ],
 ]
 
 
@@ -217,6 +234,16 @@ def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(served, e
     assert got == 200 and answer["choices"][0]["text"] == tokenizer.decode(
         references["completion", PROMPTS[1]], skip_special_tokens=True
     )
+
+
+def test_a_chat_with_well_formed_tool_calls_is_answered(served):
+    """An assistant turn that called tools (arguments as JSON text, as OpenAI sends them, or as an object) is a
+    conversation the server answers."""
+    url = served[0]
+    for arguments in ('{"n": 3}', {"n": 3}):
+        calls = [{"id": "1", "type": "function", "function": {"name": "fib", "arguments": arguments}}]
+        status, body = post(url + "/v1/chat/completions", {"messages": called(calls), "max_tokens": 2})
+        assert status == 200, body
 
 
 def test_a_server_whose_batching_worker_stopped_says_so_and_answers_503():

@@ -178,17 +178,16 @@ class _Service:
         extra = body.get("chat_template_kwargs", {})
         if not isinstance(extra, dict):
             raise checks.RequestError(400, "chat_template_kwargs must be a JSON object.", param="chat_template_kwargs")
-        rendered = self.stack.processor_inputs(messages)
-        try:  # as the handler will tokenise it (same template and arguments)
+        try:  # as the handler will tokenise it (same conversion, template and arguments)
             ids = self.tokenizer.apply_chat_template(
-                rendered,
+                self.stack.processor_inputs(messages),
                 add_generation_prompt=True,
                 tools=body.get("tools"),
                 tokenize=True,
                 return_dict=True,
                 **{**self.template_kwargs, **extra},
             )["input_ids"]
-        except Exception as exc:  # a template error is the request's: its messages do not fit the template
+        except Exception as exc:  # a conversion or template error is the request's: its messages do not fit the template
             raise checks.RequestError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
         checks.settle_max_tokens(body, len(ids), limits, ("max_completion_tokens", "max_tokens"), "messages")
 

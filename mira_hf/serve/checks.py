@@ -124,8 +124,10 @@ def check_messages(body: dict) -> list[dict]:
         if not isinstance(message, dict) or message.get("role") not in _ROLES:
             raise RequestError(400, f"{where} needs a 'role', one of {', '.join(_ROLES)}.", param=where)
         content = message.get("content")
-        if content is None and message.get("tool_calls"):
-            continue
+        if message.get("tool_calls") is not None:
+            _check_tool_calls(message["tool_calls"], where)
+            if content is None:  # an assistant message that only calls tools
+                continue
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(parts, list) or not all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts
@@ -134,6 +136,33 @@ def check_messages(body: dict) -> list[dict]:
                 400, f"{where}.content must be a string or a list of text parts (this model reads text only).", param=where
             )
     return messages
+
+
+def _check_tool_calls(tool_calls, where: str) -> None:
+    """An assistant message's `tool_calls`: a list of {"function": {"name": str, "arguments": JSON text or object}},
+    as OpenAI's chat completions send them (the chat template reads each call's arguments as an object)."""
+    shape = '{"id": ..., "type": "function", "function": {"name": "<tool>", "arguments": "<JSON object as text>"}}'
+    if not isinstance(tool_calls, list):
+        raise RequestError(
+            400,
+            f"{where}.tool_calls is a {type(tool_calls).__name__}: give a list of calls, each {shape}.",
+            param=f"{where}.tool_calls",
+        )
+    for j, call in enumerate(tool_calls):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        problem = None
+        if not isinstance(name, str) or not isinstance(arguments, (str, dict)):
+            problem = "has no function with a string 'name' and 'arguments'"
+        elif isinstance(arguments, str):
+            try:
+                json.loads(arguments)
+            except ValueError as exc:
+                problem = f"has arguments that are not JSON ({exc})"
+        if problem is not None:
+            raise RequestError(400, f"{at} {problem}: got {json.dumps(call)[:120]}. Give each call as {shape}.", param=at)
 
 
 def check_prompt(body: dict) -> str:

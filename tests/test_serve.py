@@ -246,6 +246,22 @@ def test_a_chat_with_well_formed_tool_calls_is_answered(served):
         assert status == 200, body
 
 
+@pytest.mark.parametrize("kwargs", [{"return_tensors": "pt"}, {"load_audio_from_video": False}, {"tokenize": False}])
+def test_chat_template_kwargs_the_server_sets_itself_are_refused_naming_them(served, kwargs):
+    """A chat's template arguments that the server passes itself cannot be set by the request: a 400 that names
+    the argument (they failed inside transformers' handler, or changed how the prompt was counted)."""
+    url, tokenizer, _, references, _ = served
+    ask = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": NEW_TOKENS}
+    status, body = post(url + "/v1/chat/completions", {**ask, "chat_template_kwargs": kwargs})
+    assert status == 400, body
+    assert body["error"]["param"] == "chat_template_kwargs" and body["error"]["type"] == "invalid_request_error"
+    assert f"sets {next(iter(kwargs))}, which the server sets itself" in body["error"]["message"]
+    status, body = post(url + "/v1/chat/completions", {**ask, "chat_template_kwargs": {"enable_thinking": False}})
+    assert status == 200 and body["choices"][0]["message"]["content"] == tokenizer.decode(
+        references["chat", PROMPTS[0]], skip_special_tokens=True
+    )
+
+
 def test_a_server_whose_batching_worker_stopped_says_so_and_answers_503():
     """Once transformers' batching worker has stopped, /health says so and a request gets an OpenAI-style 503 at
     once (not a request that never ends)."""

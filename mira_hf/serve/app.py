@@ -175,9 +175,7 @@ class _Service:
         limits = self.runtime.limits
         checks.check_common(body, limits)
         messages = checks.check_messages(body)
-        extra = body.get("chat_template_kwargs", {})
-        if not isinstance(extra, dict):
-            raise checks.RequestError(400, "chat_template_kwargs must be a JSON object.", param="chat_template_kwargs")
+        extra = checks.check_template_kwargs(body)
         try:  # as the handler will tokenise it (same conversion, template and arguments)
             ids = self.tokenizer.apply_chat_template(
                 self.stack.processor_inputs(messages),

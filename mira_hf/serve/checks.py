@@ -29,6 +29,18 @@ _ONLY_DEFAULTS = {
 }
 
 
+# Arguments of `apply_chat_template` that transformers' chat handler passes itself for every request (to tokenise the
+# chat for continuous batching): a request's `chat_template_kwargs` cannot set them
+SERVER_TEMPLATE_ARGUMENTS = (
+    "add_generation_prompt",
+    "tokenize",
+    "return_dict",
+    "return_tensors",
+    "tools",
+    "load_audio_from_video",
+)
+
+
 def _neutral(value, allowed: tuple) -> bool:
     """Whether `value` is one of `allowed`, of the same type (`logprobs: 0` asks for the chosen tokens' logprobs:
     not `False`)."""
@@ -136,6 +148,23 @@ def check_messages(body: dict) -> list[dict]:
                 400, f"{where}.content must be a string or a list of text parts (this model reads text only).", param=where
             )
     return messages
+
+
+def check_template_kwargs(body: dict) -> dict:
+    """A chat request's `chat_template_kwargs`: arguments for the chat template, none of those the server sets."""
+    extra = body.get("chat_template_kwargs", {})
+    if not isinstance(extra, dict):
+        raise RequestError(400, "chat_template_kwargs must be a JSON object.", param="chat_template_kwargs")
+    taken = [name for name in extra if name in SERVER_TEMPLATE_ARGUMENTS]
+    if taken:
+        raise RequestError(
+            400,
+            f"chat_template_kwargs sets {', '.join(taken)}, which the server sets itself for every chat (it sets "
+            f"{', '.join(SERVER_TEMPLATE_ARGUMENTS)}). Leave {'it' if len(taken) == 1 else 'them'} out"
+            + ("; give tools as the request's 'tools'." if "tools" in taken else "."),
+            param="chat_template_kwargs",
+        )
+    return extra
 
 
 def _check_tool_calls(tool_calls, where: str) -> None:

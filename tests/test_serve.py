@@ -262,6 +262,21 @@ def test_chat_template_kwargs_the_server_sets_itself_are_refused_naming_them(ser
     )
 
 
+def test_null_stream_and_template_kwargs_are_taken_as_left_out(served):
+    """OpenAI's API takes null for an optional field: `"stream": null` is an answer given whole and
+    `"chat_template_kwargs": null` none."""
+    url, tokenizer, _, references, _ = served
+    status, body = post(url + "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": NEW_TOKENS, "stream": None})
+    assert status == 200 and body["choices"][0]["text"] == tokenizer.decode(
+        references["completion", PROMPTS[1]], skip_special_tokens=True
+    )
+    chat = {"messages": [{"role": "user", "content": PROMPTS[0]}], "stream": None, "chat_template_kwargs": None}
+    status, body = post(url + "/v1/chat/completions", chat)
+    assert status == 200 and body["choices"][0]["message"]["content"] == tokenizer.decode(
+        references["chat", PROMPTS[0]], skip_special_tokens=True
+    )
+
+
 def test_a_server_whose_batching_worker_stopped_says_so_and_answers_503():
     """Once transformers' batching worker has stopped, /health says so and a request gets an OpenAI-style 503 at
     once (not a request that never ends)."""

@@ -119,6 +119,8 @@ def check_common(body: dict, limits: Limits) -> None:
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise RequestError(400, f"seed={seed!r}: must be an integer (or left out).", param="seed")
+    if "stream" in body and body["stream"] is None:  # null: left out (not streamed), as the handlers then read it
+        del body["stream"]
     if "stream" in body and not isinstance(body["stream"], bool):
         raise RequestError(400, f"stream={body['stream']!r}: must be true or false.", param="stream")
     if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
@@ -152,7 +154,10 @@ def check_messages(body: dict) -> list[dict]:
 
 def check_template_kwargs(body: dict) -> dict:
     """A chat request's `chat_template_kwargs`: arguments for the chat template, none of those the server sets."""
-    extra = body.get("chat_template_kwargs", {})
+    extra = body.get("chat_template_kwargs")
+    if extra is None:  # absent or null: none (left out, as the handlers then read it)
+        body.pop("chat_template_kwargs", None)
+        return {}
     if not isinstance(extra, dict):
         raise RequestError(400, "chat_template_kwargs must be a JSON object.", param="chat_template_kwargs")
     taken = [name for name in extra if name in SERVER_TEMPLATE_ARGUMENTS]

@@ -501,11 +501,12 @@ def test_cli_serve_reports_the_experts_kept_packed(monkeypatch, capsys):
 
 @pytest.mark.parametrize("streamed", [True, False])
 def test_a_client_that_disconnects_mid_answer_frees_its_decoding(served, streamed):
-    """Streamed or answered whole, a request whose client leaves stops decoding within a few steps."""
+    """Streamed or answered whole, a request whose client leaves stops decoding within a few steps, and the server
+    keeps nothing of it."""
     import socket
     from urllib.parse import urlparse
 
-    url, tokenizer, model, references, _ = served
+    url, tokenizer, model, references, app = served
     steps_before = model.mira.stats()["steps"]
     data = json.dumps({"prompt": PROMPTS[0], "max_tokens": 600, "stream": streamed}).encode()
     where = urlparse(url)
@@ -527,6 +528,12 @@ def test_a_client_that_disconnects_mid_answer_frees_its_decoding(served, streame
     # blocks of 256 tokens, which transformers keeps for prefix reuse after a request ends).
     assert model.mira.stats()["steps"] - steps_before < 100
     assert values['mira_serve_kv_blocks_used{model="mira-tiny"}'] == 0
+    # and nothing of it is kept: its result handler goes, and no output of it is left for nobody to read
+    router = app.state.mira_runtime.cb.output_router
+    deadline = time.monotonic() + 10
+    while router.result_handlers and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert router.result_handlers == {} and router.output_queue.empty()
     status, answer = post(url + "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": NEW_TOKENS})
     assert status == 200 and answer["choices"][0]["text"] == tokenizer.decode(
         references["completion", PROMPTS[1]], skip_special_tokens=True

@@ -26,6 +26,8 @@ from transformers.cli.serving.utils import (
 
 from .stack import ServingStack
 
+CANCEL_POLL_S = 0.02  # how often a cancelled request is looked for among the scheduled ones, until it has left them
+
 
 class LoadedEngine:
     """The loaded model as transformers' handlers use an engine (`EngineClient`): its id, config, generation config
@@ -73,7 +75,7 @@ class LoadedEngine:
         try:
             output = await ended
         except asyncio.CancelledError:  # the client left: its decoding stops
-            self.cb.cancel_request(request_id)
+            self._cancel(request_id)
             raise
         self._raise_if_failed(output)
         generated = list(output.generated_tokens)
@@ -104,7 +106,7 @@ class LoadedEngine:
                 queue.put_nowait(_StreamError(str(exc)))
                 ended.set_result(None)
                 if not output.is_finished():
-                    self.cb.cancel_request(output.request_id)
+                    self._cancel(output.request_id)
                 return
             if output.is_finished():
                 streamer.end()
@@ -116,7 +118,7 @@ class LoadedEngine:
             try:
                 await ended
             except asyncio.CancelledError:  # the stream closed first (the client left): the decoding stops
-                self.cb.cancel_request(request_id)
+                self._cancel(request_id)
 
         streamer.task = asyncio.create_task(until_the_end())
         return queue, streamer
@@ -135,6 +137,24 @@ class LoadedEngine:
         if added is None:  # the manager takes no more requests: it is stopping
             raise EngineDeadError("The continuous batching manager is stopping and takes no new requests.")
         return request_id
+
+    def _cancel(self, request_id: str) -> None:
+        """Stop decoding `request_id` (on the event loop) and drop its result handler once the batching worker has let
+        go of the request: a cancelled request delivers no last output, which is what drops a handler otherwise. Until
+        then the handler stays, so the output of a step already under way reaches it (and is ignored) rather than the
+        manager's shared output queue, which nothing here reads."""
+        cb, loop = self.cb, asyncio.get_running_loop()
+        cb.cancel_request(request_id)
+
+        def forget() -> None:
+            scheduler = getattr(getattr(cb, "batch_processor", None), "scheduler", None)
+            if cb.is_running() and scheduler is not None and not scheduler.request_is_cancelled(request_id):
+                loop.call_later(CANCEL_POLL_S, forget)  # still scheduled: the worker takes the cancellation at its next step
+                return
+            with cb.output_router._lock:  # as register_result_handler adds it; transformers has no call that removes one
+                cb.output_router.result_handlers.pop(request_id, None)
+
+        forget()
 
     def _raise_if_dead(self) -> None:
         fatal_error = self.cb.background_thread_status.fatal_error

@@ -507,6 +507,8 @@ def test_a_client_that_disconnects_mid_answer_frees_its_decoding(served, streame
     from urllib.parse import urlparse
 
     url, tokenizer, model, references, app = served
+    closed = 'mira_serve_requests_total{endpoint="completions",model="mira-tiny",status="499"}'
+    closed_before = metric_values(get(url + "/metrics")[1]).get(closed, 0)
     steps_before = model.mira.stats()["steps"]
     data = json.dumps({"prompt": PROMPTS[0], "max_tokens": 600, "stream": streamed}).encode()
     where = urlparse(url)
@@ -534,6 +536,9 @@ def test_a_client_that_disconnects_mid_answer_frees_its_decoding(served, streame
     while router.result_handlers and time.monotonic() < deadline:
         time.sleep(0.02)
     assert router.result_handlers == {} and router.output_queue.empty()
+    while metric_values(get(url + "/metrics")[1]).get(closed, 0) == closed_before and time.monotonic() < deadline:
+        time.sleep(0.02)  # a stream counts itself once Starlette has stopped it
+    assert metric_values(get(url + "/metrics")[1]).get(closed, 0) == closed_before + 1  # as its client closed, streamed or not
     status, answer = post(url + "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": NEW_TOKENS})
     assert status == 200 and answer["choices"][0]["text"] == tokenizer.decode(
         references["completion", PROMPTS[1]], skip_special_tokens=True
@@ -697,12 +702,12 @@ def test_a_declined_usage_is_left_out_whether_it_comes_alone_or_in_the_last_choi
             yield chunk
 
     async def read():
-        return [chunk async for chunk in _observed_stream(chunks(), counted.append, hide_usage=hide)]
+        return [chunk async for chunk in _observed_stream(chunks(), lambda tokens, cut: counted.append((tokens, cut)), hide)]
 
     counted = []
     out = asyncio.run(read())
     events = [json.loads(c[len("data: ") :]) for c in out[:-1]]
-    assert out[-1] == "data: [DONE]\n\n" and counted == [4]
+    assert out[-1] == "data: [DONE]\n\n" and counted == [(4, None)]  # sent to its end
     if hide:
         assert events == [json.loads(text[6:]), {**json.loads(inside[6:]), "usage": None}]
     else:

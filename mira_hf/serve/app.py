@@ -201,10 +201,10 @@ class _Service:
         serve_collector.started()
         outcome = {"status": 500, "streaming": False}
 
-        def finish(tokens: int | None) -> None:
+        def finish(tokens: int | None, cut: int | None = None) -> None:  # cut: the status of a stream cut short
             seconds = time.perf_counter() - start
             if outcome["streaming"]:
-                serve_collector.finished(endpoint, outcome["status"], seconds)
+                serve_collector.finished(endpoint, cut or outcome["status"], seconds)
             if tokens and mira_collector is not None:
                 mira_collector.record_tokens(tokens, seconds)
 
@@ -330,8 +330,9 @@ async def _unless_disconnected(request: Request, answer):
 async def _observed_stream(chunks, finish, hide_usage: bool = False):
     """Pass the SSE chunks through; at the end, report the completion tokens of the final `usage` chunk, which is
     left out where the request asked for none (`hide_usage`: the server asks for it to count the tokens), and end
-    the stream with `data: [DONE]`, as OpenAI's streams end."""
-    tokens, done = None, False
+    the stream with `data: [DONE]`, as OpenAI's streams end. `finish(tokens, cut)`: `cut` is None for a stream sent
+    to its end, `CLIENT_CLOSED` for one whose client left first (Starlette stops it), 500 for one that failed."""
+    tokens, done, cut = None, False, None
     try:
         async for chunk in chunks:
             text = chunk if isinstance(chunk, str) else chunk.decode()
@@ -348,11 +349,17 @@ async def _observed_stream(chunks, finish, hide_usage: bool = False):
             yield chunk
         if not done:
             yield "data: [DONE]\n\n"
+    except (asyncio.CancelledError, GeneratorExit):  # the client left: Starlette cancels or drops the stream
+        cut = CLIENT_CLOSED
+        raise
+    except Exception:
+        cut = 500
+        raise
     finally:
         close = getattr(chunks, "aclose", None)
         if close is not None:  # on a client disconnect: transformers' generator then cancels the request's decoding
             await close()
-        finish(tokens)
+        finish(tokens, cut)
 
 
 def _json(body: bytes | str) -> object:

@@ -79,7 +79,21 @@ class LoadedEngine:
             raise
         self._raise_if_failed(output)
         generated = list(output.generated_tokens)
-        return self.processor.decode(generated, skip_special_tokens=True), len(inputs["input_ids"]), generated
+        return self._text(generated), len(inputs["input_ids"]), generated
+
+    def _text(self, tokens: list[int]) -> str:
+        """The text a stream of `tokens` sends (the streamed answer's `Detokenizer`), joined: an answer given whole is the
+        text of the same answer streamed. A character the last token leaves unfinished is not in either (decoding all
+        tokens at once would end with U+FFFD for it)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        detokenizer = Detokenizer(self._rust_tokenizer(), queue)
+        for token in tokens:
+            detokenizer.put_token(token)
+        detokenizer.end()
+        return "".join(iter(queue.get_nowait, None))
+
+    def _rust_tokenizer(self):
+        return getattr(self.processor, "tokenizer", self.processor)._tokenizer
 
     def generate_streaming(
         self, inputs: dict, generation_kwargs: dict, response_parser=None
@@ -87,9 +101,7 @@ class LoadedEngine:
         """Generate for `inputs`, streaming: the queue of decoded text (ended by None, or a `_StreamError`) and its
         `Detokenizer`, whose `cancel()` stops the decoding (the handler calls it when the stream closes)."""
         queue: asyncio.Queue = asyncio.Queue()
-        streamer = Detokenizer(
-            getattr(self.processor, "tokenizer", self.processor)._tokenizer, queue, response_parser=response_parser
-        )
+        streamer = Detokenizer(self._rust_tokenizer(), queue, response_parser=response_parser)
         ended = asyncio.get_running_loop().create_future()
         sent = 0  # tokens handed to the streamer; each output holds all the tokens generated so far
 

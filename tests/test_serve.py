@@ -486,6 +486,30 @@ def test_serving_a_model_whose_records_stay_packed_warns_how_to_load_it(caplog):
     assert "decodes them at every use" in caplog.text and "serving_mira_config" in caplog.text
 
 
+def test_generation_config_fields_continuous_batching_does_not_apply_are_named_and_left_out(caplog):
+    """A checkpoint whose generation config sets a repetition penalty (as many chat checkpoints' do) is served with a
+    warning that names it and says how to unset it, and its answers are the tokens of `generate` without it: what
+    the server runs is what it says (transformers' continuous batching would drop it silently)."""
+    import logging
+
+    from mira_hf.serve import BackgroundServer, build_app
+
+    tokenizer, model = bundled(0.25, "cpu")
+    ids = prompt_ids(tokenizer, "completion", PROMPTS[0])
+    plain = new_tokens(model, ids)
+    model.generation_config.repetition_penalty = 1.3  # what from_pretrained reads from its generation_config.json
+    assert new_tokens(model, ids) != plain  # generate applies it
+    with caplog.at_level(logging.WARNING, logger="mira_hf.serve"):
+        app = build_app(model, tokenizer, ServeConfig(default_max_tokens=NEW_TOKENS))
+    warned = [r.getMessage() for r in caplog.records if "generation config" in r.getMessage()]
+    assert len(warned) == 1 and "sets repetition_penalty=1.3" in warned[0]
+    assert "model.generation_config.repetition_penalty = None" in warned[0]
+    with BackgroundServer(app) as server:
+        status, body = post(server.url + "/v1/completions", {"prompt": PROMPTS[0]})
+    assert status == 200 and body["choices"][0]["text"] == tokenizer.decode(plain, skip_special_tokens=True)
+    assert model.generation_config.repetition_penalty == 1.3  # the model's own config is left as it was
+
+
 def _memory_report(monkeypatch, capsys, *options: str):
     """`mira serve mira-tiny --device cpu --quantization lossless --memory-report` with `options`: (the model it
     loaded, what it printed)."""

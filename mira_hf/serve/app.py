@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import dataclasses
 import json
 import logging
@@ -31,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa
 
 from ..batching import enable as enable_batch_aware  # noqa: E402
 from ..errors import ConfigError, require_decoder_only  # noqa: E402
-from . import checks, memory, planning  # noqa: E402
+from . import checks, generation, memory, planning  # noqa: E402
 from .metrics import build_registry  # noqa: E402
 from .stack import ServingStack, resolve  # noqa: E402
 
@@ -58,7 +57,8 @@ def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None
 
     Continuous batching starts with the app (its lifespan) and stops with it; the model's attention
     implementation is kept, and every request is decoded greedily, so a request's tokens are those of
-    `model.generate(ids, do_sample=False, max_new_tokens=...)`. `on_ready(split)` is called once the KV cache
+    `model.generate(ids, do_sample=False, max_new_tokens=...)`, less the generation-config fields continuous batching
+    does not apply (`generation.UNAPPLIED_FIELDS`: cleared, with a warning naming them). `on_ready(split)` is called once the KV cache
     exists, with `memory.memory_split(...)`. Run it with uvicorn, `serve(...)` or `BackgroundServer`.
 
     With `config.device_memory` the split between expert cache and KV cache is planned here (`planning`) and
@@ -164,7 +164,9 @@ class _Service:
             {} if getattr(tokenizer, "chat_template", None) else {"chat_template": config.chat_template or PLAIN_CHAT_TEMPLATE}
         )
         cb_config = memory.batching_config(model, kv_memory, max_batch_tokens)
-        generation_config = _greedy_generation_config(model, config.default_max_tokens)
+        generation_config, cleared = generation.greedy_generation_config(model, config.default_max_tokens)
+        if cleared:
+            logger.warning(generation.unapplied_warning(cleared))
         self.stack = Stack(model, tokenizer, self.name, generation_config, cb_config, self.template_kwargs)
         self.chat_handler, self.completion_handler = self.stack.chat_handler, self.stack.completion_handler
         self.registry, self.mira_collector, self.serve_collector = build_registry(
@@ -263,18 +265,6 @@ class _Service:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-def _greedy_generation_config(model, max_new_tokens: int):
-    """The model's generation config with the server's one decoding setting: greedy, `max_new_tokens` unless a request
-    sets its own."""
-    gen = copy.deepcopy(model.generation_config)
-    gen.do_sample = False
-    gen.temperature = gen.top_p = gen.top_k = None
-    gen.num_beams = 1
-    gen.max_new_tokens = max_new_tokens
-    gen.use_cache = False  # the batching manager keeps its own paged cache
-    return gen
 
 
 def _start_batching(model, config: ServeConfig, stack: ServingStack, runtime: _Runtime) -> None:

@@ -58,8 +58,10 @@ def build_app(model, tokenizer, config: ServeConfig | None = None, on_ready=None
     Continuous batching starts with the app (its lifespan) and stops with it; the model's attention
     implementation is kept, and every request is decoded greedily, so a request's tokens are those of
     `model.generate(ids, do_sample=False, max_new_tokens=...)`, less the generation-config fields continuous batching
-    does not apply (`generation.UNAPPLIED_FIELDS`: cleared, with a warning naming them). `on_ready(split)` is called once the KV cache
-    exists, with `memory.memory_split(...)`. Run it with uvicorn, `serve(...)` or `BackgroundServer`.
+    does not apply (`generation.UNAPPLIED_FIELDS`: cleared, with a warning naming them). Exactly so in float32; in half
+    precision requests decoded together may differ by the batched attention's rounding (docs/serving.md).
+    `on_ready(split)` is called once the KV cache exists, with `memory.memory_split(...)`. Run it with uvicorn,
+    `serve(...)` or `BackgroundServer`.
 
     With `config.device_memory` the split between expert cache and KV cache is planned here (`planning`) and
     the expert cache resized to its part before the app is returned. From then on a wrapped model's cache ranks

@@ -85,7 +85,7 @@ class RoutingTrace:
         A `path` ending in `.safetensors` is used as is."""
         from safetensors.torch import save_file
 
-        tensors_path, meta_path = _paths(path)
+        tensors_path, meta_path = trace_files(path)
         tensors = {
             "experts": self.experts.to(torch.int32).contiguous(),  # expert indices fit easily; half the bytes
             "sequence_starts": torch.tensor(self.sequence_starts, dtype=torch.int64),
@@ -111,7 +111,7 @@ class RoutingTrace:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        tensors_path, meta_path = _paths(path)
+        tensors_path, meta_path = trace_files(path)
         try:
             with open(meta_path) as f:
                 meta = json.load(f)
@@ -146,7 +146,8 @@ class RoutingTrace:
         )
 
 
-def _paths(path: str | os.PathLike) -> tuple[str, str]:
+def trace_files(path: str | os.PathLike) -> tuple[str, str]:
+    """The two files of the routing trace `path` names (its .safetensors, its .json, or the name without either)."""
     base = os.fspath(path)
     for suffix in (".safetensors", ".json"):  # either of the two files names the trace
         if base.endswith(suffix):

@@ -824,6 +824,23 @@ def test_cli_serve_refuses_a_port_in_use_before_loading(monkeypatch, capsys):
     assert f"--port {port}: cannot listen there" in capsys.readouterr().err
 
 
+def test_cli_serve_refuses_flags_it_needs_no_weights_for_before_loading(monkeypatch, capsys, tmp_path):
+    """A --kv-cache-memory below one KV block (its size is in config.json) and a --routing-trace that is not there are
+    refused as typed, in one line, before the model loads (minutes for a large checkpoint)."""
+    import mira_hf.cli.serve as cli_serve
+
+    monkeypatch.setattr(cli_serve, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    missing = str(tmp_path / "trace")
+    for flags, said in (
+        (["--kv-cache-memory", "10"], "--kv-cache-memory 10 is less than one KV block (786432 bytes: 256 tokens of 3072"),
+        (["--device-memory", "96MiB", "--routing-trace", missing], f"--routing-trace {missing}: {missing}.safetensors and"),
+        (["--device-memory", "96MiB", "--routing-trace", str(tmp_path)], f"--routing-trace {tmp_path}: {tmp_path}/router_"),
+    ):
+        assert main(["serve", "--device", "cpu", "--port", "0", *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"mira: error: {said}") and len(err.splitlines()) == 1, err
+
+
 def test_kv_cache_memory_is_what_a_multi_head_latent_attention_model_gets(tmp_path):
     """DeepSeek-V3's attention caches two latents per token, not K and V per head: kv_cache_memory is converted to
     blocks at that size, so the paged cache holds about the bytes asked for (transformers adds a block or two)."""

@@ -6,8 +6,19 @@ import argparse
 import socket
 
 from ..bundled import BUNDLED_NAME
+from ..config import parse_bytes
 from ..errors import ConfigError
-from .options import MODEL_HELP, add_model_options, doc, load, mira_config, model_source, parse_budget, port_number
+from .options import (
+    MODEL_HELP,
+    add_model_options,
+    doc,
+    load,
+    mira_config,
+    model_source,
+    parse_budget,
+    port_number,
+    torch_dtype,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -76,8 +87,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     require_serve()
     cfg = serving_mira_config(mira_config(args))
+    source = model_source(args.model)
+    refuse_before_loading(args, source, torch_dtype(args.dtype, cfg.device))
     sock = None if args.memory_report else listening_socket(args.host, args.port)  # before the load, which takes a while
-    model, tokenizer = load(model_source(args.model), cfg, args.dtype)
+    model, tokenizer = load(source, cfg, args.dtype)
 
     import logging
 
@@ -98,6 +111,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     serve(model, tokenizer, serve_config, host=args.host, port=args.port, on_ready=ready, sock=sock)
     return 0
+
+
+def refuse_before_loading(args: argparse.Namespace, source: str, dtype) -> None:
+    """Refuse, naming the flag, what the server would refuse only once the model has loaded (minutes for a large
+    checkpoint) though it needs none of its weights: a --routing-trace whose files are not there, and a
+    --kv-cache-memory below one KV block (its bytes per token come from the checkpoint's config.json and `dtype`, the
+    dtype the model loads in)."""
+    from ..serve import memory, planning
+
+    if args.routing_trace is not None:
+        missing = planning.missing_trace_files(args.routing_trace)
+        if missing:
+            raise ConfigError(
+                f"--routing-trace {args.routing_trace}: {' and '.join(missing)} not found. Give a routing trace saved by "
+                "RoutingTrace.save (FILE for FILE.safetensors and FILE.json), or the directory that mira calibrate "
+                "MODEL --data FILE --out DIR --traces-only wrote."
+            )
+    if args.kv_cache_memory is not None:
+        per_token = _kv_bytes_per_token(source, dtype)
+        if per_token is not None:
+            nbytes = parse_bytes(parse_budget(args.kv_cache_memory), "kv_cache_memory")
+            memory.kv_blocks(nbytes, per_token, memory.default_page_tokens(), f"--kv-cache-memory {args.kv_cache_memory}")
+
+
+def _kv_bytes_per_token(source: str, dtype) -> int | None:
+    """What one cached token of the model `source` loaded in `dtype` ("auto": the checkpoint's own) costs, from its
+    config.json; None where that cannot be told before the load (a config not readable offline or of a type
+    transformers does not know: the load then says what is wrong; the server checks once the model has loaded)."""
+    from transformers import AutoConfig
+
+    from ..serve import memory
+
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError):
+        return None
+    if dtype == "auto":
+        dtype = config.get_text_config().dtype  # what from_pretrained loads "auto" in
+    itemsize = getattr(dtype, "itemsize", None)
+    return None if itemsize is None else memory.config_kv_bytes_per_token(config, itemsize)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

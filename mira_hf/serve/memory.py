@@ -37,13 +37,39 @@ def kv_bytes_per_token(model) -> int:
     """Bytes of K and V for one token across all layers, at the model's dtype (what one cached token costs). Where
     transformers' paged cache keeps multi-head latent attention's two latents per token instead (DeepSeek-V2/V3,
     Kimi: its compressed-latents allocator), their bytes."""
-    text = model.config.get_text_config()
+    return config_kv_bytes_per_token(model.config, model.dtype.itemsize)
+
+
+def config_kv_bytes_per_token(config, itemsize: int) -> int:
+    """`kv_bytes_per_token` of a model with the transformers `config` at `itemsize` bytes per value: known from the
+    checkpoint's config.json alone, before the model loads."""
+    text = config.get_text_config()
     if getattr(text, "kv_lora_rank", None) is not None and _has_module(MLA_LATENTS):
-        return text.num_hidden_layers * (text.kv_lora_rank + text.qk_rope_head_dim) * model.dtype.itemsize
+        return text.num_hidden_layers * (text.kv_lora_rank + text.qk_rope_head_dim) * itemsize
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return 2 * text.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * itemsize
+
+
+def default_page_tokens() -> int:
+    """Tokens per KV block of transformers' `ContinuousBatchingConfig` ("page_size" since 5.18, "block_size" before)."""
+    from transformers import ContinuousBatchingConfig
+
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    return ContinuousBatchingConfig().page_size if "page_size" in fields else ContinuousBatchingConfig().block_size
+
+
+def kv_blocks(nbytes: int, bytes_per_token: int, page: int, given: str) -> int:
+    """The whole KV blocks of `page` tokens `nbytes` hold; a `ConfigError` if not one, naming `given` (the setting as
+    it was given, e.g. "kv_cache_memory=10")."""
+    per_block = bytes_per_token * page
+    if nbytes < per_block:
+        raise ConfigError(
+            f"{given} is less than one KV block ({per_block} bytes: {page} tokens of {bytes_per_token} bytes). Give "
+            f"at least {per_block} bytes, or leave it unset."
+        )
+    return nbytes // per_block
 
 
 def batching_config(model, kv_cache_memory: int | str | None, max_batch_tokens: int | None = None):
@@ -72,14 +98,8 @@ def batching_config(model, kv_cache_memory: int | str | None, max_batch_tokens: 
         kv_cache_memory = CPU_DEFAULT_KV_BYTES
     if kv_cache_memory is not None:
         nbytes = parse_bytes(kv_cache_memory, "kv_cache_memory")
-        page = ContinuousBatchingConfig().page_size if "page_size" in fields else ContinuousBatchingConfig().block_size
-        per_block = kv_bytes_per_token(model) * page
-        if nbytes < per_block:
-            raise ConfigError(
-                f"kv_cache_memory={kv_cache_memory!r} is less than one KV block ({per_block} bytes: {page} tokens of "
-                f"{kv_bytes_per_token(model)} bytes). Give at least {per_block} bytes, or leave it unset."
-            )
-        kwargs["num_blocks"] = nbytes // per_block
+        given = f"kv_cache_memory={kv_cache_memory!r}"
+        kwargs["num_blocks"] = kv_blocks(nbytes, kv_bytes_per_token(model), default_page_tokens(), given)
     return ContinuousBatchingConfig(**kwargs)
 
 

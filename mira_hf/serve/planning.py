@@ -142,6 +142,18 @@ def hit_rate_curve(model, routing_trace: str | None) -> HitRateCurve:
 CALIBRATION_TOPK = "router_topk.safetensors"  # what `mira calibrate --out DIR` writes: topk.<layer> [N, K], chunk_lengths
 
 
+def missing_trace_files(routing_trace: str) -> list[str]:
+    """The files `hit_rate_curve` would read from `routing_trace` that do not exist: a directory's `CALIBRATION_TOPK`,
+    or a trace file's .safetensors and .json (`mira_hf.trace.trace_files`). Checked before a model loads."""
+    from ..trace import trace_files
+
+    if os.path.isdir(routing_trace):
+        files = [os.path.join(routing_trace, CALIBRATION_TOPK)]
+    else:
+        files = list(trace_files(routing_trace))
+    return [path for path in files if not os.path.isfile(path)]
+
+
 def calibration_trace(model, directory: str):
     """The routing `mira calibrate` recorded in `directory` (teacher-forced: each chunk one sequence, token by
     token) as a `RoutingTrace` of this model, refused if its layers or experts are not this model's."""

@@ -209,6 +209,8 @@ class _Service:
             seconds = time.perf_counter() - start
             if outcome["streaming"]:
                 serve_collector.finished(endpoint, cut or outcome["status"], seconds)
+            if cut == CLIENT_CLOSED:  # the stream stopped with its client: so does its decoding
+                self.stack.cancel(request_id)
             if tokens and mira_collector is not None:
                 mira_collector.record_tokens(tokens, seconds)
 

@@ -16,12 +16,14 @@ other module of mira_hf.serve knows which one it is.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from dataclasses import dataclass
 
 from ..errors import MissingDependencyError
 
 SERVING_UTILS = "transformers.cli.serving.utils"
+CANCEL_POLL_S = 0.02  # how often a cancelled request is looked for among the scheduled ones, until it has left them
 
 
 class ServingStack:
@@ -49,7 +51,8 @@ class ServingStack:
 
     def cancel(self, request_id: str) -> None:
         """Stop decoding the request the app handed a handler as `request_id`, whose client left before its answer
-        (the handler's task was cancelled). Nothing by default: a design whose handlers stop it themselves."""
+        (the handler's task was cancelled, or its stream stopped), and let go of it (`forget_when_cancelled`); on the
+        event loop. Nothing by default: a design whose handlers do both themselves."""
 
     def prepare_request(self, body: dict) -> None:
         """Fill in, in place, what this design's handlers need said to answer a checked request `body` as the server
@@ -61,6 +64,25 @@ class ServingStack:
         from transformers.cli.serving.utils import BaseHandler, Modality
 
         return BaseHandler.get_processor_inputs_from_messages(messages, Modality.LLM)
+
+
+def forget_when_cancelled(cb, request_id: str) -> None:
+    """Drop the result handler of `request_id`, just cancelled on `cb` (transformers' `ContinuousBatchingManager`), once
+    the batching worker has let go of the request; on the event loop. A cancelled request delivers no last output,
+    which is what drops a handler otherwise, so each would stay in the manager's output router for good. Until the
+    worker has taken the cancellation the handler stays, so the output of a step already under way reaches it (and
+    is ignored) rather than the manager's shared output queue, which nothing here reads."""
+    loop = asyncio.get_running_loop()
+
+    def forget() -> None:
+        scheduler = getattr(getattr(cb, "batch_processor", None), "scheduler", None)
+        if cb.is_running() and scheduler is not None and not scheduler.request_is_cancelled(request_id):
+            loop.call_later(CANCEL_POLL_S, forget)  # still scheduled: the worker takes the cancellation at its next step
+            return
+        with cb.output_router._lock:  # as register_result_handler adds it; transformers has no call that removes one
+            cb.output_router.result_handlers.pop(request_id, None)
+
+    forget()
 
 
 @dataclass(frozen=True)

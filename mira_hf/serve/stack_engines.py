@@ -24,9 +24,7 @@ from transformers.cli.serving.utils import (
     _StreamError,
 )
 
-from .stack import ServingStack
-
-CANCEL_POLL_S = 0.02  # how often a cancelled request is looked for among the scheduled ones, until it has left them
+from .stack import ServingStack, forget_when_cancelled
 
 
 class LoadedEngine:
@@ -151,22 +149,9 @@ class LoadedEngine:
         return request_id
 
     def _cancel(self, request_id: str) -> None:
-        """Stop decoding `request_id` (on the event loop) and drop its result handler once the batching worker has let
-        go of the request: a cancelled request delivers no last output, which is what drops a handler otherwise. Until
-        then the handler stays, so the output of a step already under way reaches it (and is ignored) rather than the
-        manager's shared output queue, which nothing here reads."""
-        cb, loop = self.cb, asyncio.get_running_loop()
-        cb.cancel_request(request_id)
-
-        def forget() -> None:
-            scheduler = getattr(getattr(cb, "batch_processor", None), "scheduler", None)
-            if cb.is_running() and scheduler is not None and not scheduler.request_is_cancelled(request_id):
-                loop.call_later(CANCEL_POLL_S, forget)  # still scheduled: the worker takes the cancellation at its next step
-                return
-            with cb.output_router._lock:  # as register_result_handler adds it; transformers has no call that removes one
-                cb.output_router.result_handlers.pop(request_id, None)
-
-        forget()
+        """Stop decoding `request_id` and let go of it (on the event loop)."""
+        self.cb.cancel_request(request_id)
+        forget_when_cancelled(self.cb, request_id)
 
     def _raise_if_dead(self) -> None:
         fatal_error = self.cb.background_thread_status.fatal_error

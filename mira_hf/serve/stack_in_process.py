@@ -12,7 +12,7 @@ from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.model_manager import ModelManager
 from transformers.cli.serving.utils import CBWorkerDeadError, GenerationState
 
-from .stack import ServingStack
+from .stack import ServingStack, forget_when_cancelled
 
 
 class LoadedModelManager(ModelManager):
@@ -56,9 +56,11 @@ class Stack(ServingStack):
         return self._cb
 
     def cancel(self, request_id: str) -> None:
-        # These handlers leave a cancelled request decoding: its batching request has the handler's id.
+        # These handlers leave a request whose client left decoding (a stream's they cancel), and its result handler
+        # registered: its batching request has the handler's id.
         if self._cb is not None:
             self._cb.cancel_request(request_id)
+            forget_when_cancelled(self._cb, request_id)
 
     def stop(self) -> None:
         self._state.shutdown()

@@ -178,8 +178,8 @@ class HostCosts:
             table[rows] = seconds if old is None else (1 - REFINE_WEIGHT) * old + REFINE_WEIGHT * seconds
 
 
-# (weights of one expert: name -> host tensor, rows x [n, H] on the host) -> [n, H] on the host
-ExpertFn = Callable[[int, Mapping[str, torch.Tensor], torch.Tensor], torch.Tensor]  # (expert, its weights, rows)
+# (the expert's index, its weights: name -> host tensor, rows x [n, H] on the host) -> [n, H] on the host
+ExpertFn = Callable[[int, Mapping[str, torch.Tensor], torch.Tensor], torch.Tensor]
 
 
 def _echo(expert: int, weights: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:

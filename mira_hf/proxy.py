@@ -602,7 +602,8 @@ class MiraExperts(nn.Module):
         return self.base.post_expert_norm(y) if self._post_norm else y
 
     def _up_of(self, e: int, x: torch.Tensor, w) -> torch.Tensor:
-        """Expert e's up projection and gate function on the host: x [n, H] -> [n, I]."""
+        """Expert e's up projection and gate function, x [n, H] -> [n, I] (with its own activation where each expert
+        keeps one: `MiraModuleExperts`)."""
         return self._up_proj(x, w)
 
     def _host_part(self, e: int, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:

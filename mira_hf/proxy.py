@@ -972,12 +972,6 @@ class MiraModuleExperts(_HeldExperts):
         return self.get_submodule(f"{self.experts_layout.child.format(e)}.{path}")
 
     @property
-    def _act(self) -> nn.Module:
-        """Expert 0's activation: what `host_expert_math` and the split's pairing read to learn the experts' gate
-        function; each expert computes with its own (`_expert`, `_host_up`)."""
-        return self._member_of(0, self.experts_layout.activation)
-
-    @property
     def _dropout(self) -> nn.Module | None:
         layout = self.experts_layout
         return self._member_of(0, layout.dropout) if layout.dropout else None
@@ -1033,9 +1027,6 @@ class MiraModuleExperts(_HeldExperts):
 
     def items(self) -> list[tuple[str, nn.Module]]:
         return [(n, self._modules[n]) for n in self._entry_names()]
-
-    def _activate(self, h: torch.Tensor) -> torch.Tensor:
-        return self._act(h)
 
     def _up_of(self, e: int, x: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
         return self._member_of(e, self.experts_layout.activation)(self._linear(x, w, self._up, kernel))  # [n, I]: its own

@@ -149,10 +149,9 @@ class RecordCache:
 
 
 def _remove_stale(root: str, keep: str) -> None:
-    """Entries whose checkpoint files were changed, or are gone from a directory that is still there
-    (`checkpoint_identity` differs from the header's): no load can find them again. Only directories named as
-    entries are (hex keys) and whose header reads are looked at; a checkpoint whose directory is gone with it (a
-    disk not mounted now) keeps its entry."""
+    """Entries whose checkpoint files were changed or deleted (`checkpoint_identity` differs from the header's, or
+    `_deleted`): no load can find them again. Only directories named as entries are (hex keys) and whose header reads
+    are looked at."""
     for name in os.listdir(root):
         if name == keep or not re.fullmatch(r"[0-9a-f]{40}", name):
             continue
@@ -177,8 +176,26 @@ def _changed(path, *identity) -> bool:
     try:
         return checkpoint_identity([path]) != [[path, *identity]]
     except FileNotFoundError:
-        return os.path.isdir(os.path.dirname(path))  # removed; a directory gone too may be a disk not mounted now
+        return _deleted(path)
     except (OSError, TypeError, ValueError):
+        return False
+
+
+def _deleted(path: str) -> bool:
+    """Whether a checkpoint file that is not there was deleted: its directory is still there, or the nearest
+    directory above it that is holds something else (`rm -rf` of the checkpoint, a repository dropped from the hub's
+    cache). Where that directory is empty it may be a mount point whose disk is not mounted now: the entry stays."""
+    directory = os.path.dirname(path)
+    if os.path.isdir(directory):
+        return True
+    while not os.path.isdir(directory):
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return False
+        directory = parent
+    try:
+        return bool(os.listdir(directory))
+    except OSError:
         return False
 
 

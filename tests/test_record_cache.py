@@ -93,17 +93,30 @@ def test_a_changed_checkpoint_or_format_is_not_served_from_the_cache(ckpt, tmp_p
 
 def test_writing_an_entry_removes_nothing_but_entries_no_load_can_find(ckpt, tmp_path):
     """The cache's directory may hold other things (a directory given by hand): they stay, and so does the entry of a
-    checkpoint whose whole directory is gone for now (a disk not mounted)."""
+    checkpoint on a disk not mounted now (its mount point left empty)."""
     cache = tmp_path / "records"
     (cache / "my-notes").mkdir(parents=True)
     (cache / "my-notes" / "todo.txt").write_text("keep me")
     (cache / ("a" * 40)).mkdir()  # named as an entry, without a header
-    away = _checkpoint(tmp_path / "mounted" / "ckpt", seed=3)
+    away = _checkpoint(tmp_path / "mnt" / "disk" / "models" / "ckpt", seed=3)
     _load(away, cache)
-    shutil.move(str(tmp_path / "mounted"), str(tmp_path / "unmounted"))
+    shutil.move(str(tmp_path / "mnt" / "disk" / "models"), str(tmp_path / "elsewhere"))  # /mnt/disk left empty
     _load(ckpt, cache)
     assert (cache / "my-notes" / "todo.txt").read_text() == "keep me" and (cache / ("a" * 40)).is_dir()
     assert len([n for n in os.listdir(cache) if len(n) == 40 and n != "a" * 40]) == 2  # both checkpoints' entries
+
+
+def test_the_entry_of_a_checkpoint_deleted_with_its_directory_is_removed(ckpt, tmp_path):
+    """`rm -rf` of a checkpoint beside other files (a models folder, the hub's cache) leaves an entry no load can find
+    again: writing the next entry removes it, as it removes an entry whose files alone were deleted."""
+    cache = tmp_path / "records"
+    models = tmp_path / "models"
+    gone = _checkpoint(models / "org" / "ckpt", seed=3)
+    (models / "README.txt").write_text("other things stay here")
+    _load(gone, cache)
+    shutil.rmtree(models / "org")
+    _load(ckpt, cache)
+    assert len([n for n in os.listdir(cache) if len(n) == 40]) == 1  # the loaded checkpoint's entry only
 
 
 def test_a_checkpoint_replaced_with_its_modification_time_put_back_is_not_served_from_the_cache(ckpt, tmp_path):

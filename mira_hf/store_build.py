@@ -8,6 +8,8 @@ given back untouched if anything fails (`fill_store`).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ from .resources import (
     host_has_room,
     unloaded_bytes,
 )
-from .saved_store import CorruptStoreError, SavedStore
+from .saved_store import STORE_HEADER, CorruptStoreError, SavedStore
 from .settings import ManagerSettings
 from .store import ExpertStore, codec_spec
 from .targets import ROUTER_HASH, RouterTable, Target, expert_specs
@@ -365,11 +367,39 @@ def saved_records(
     if cfg.quantization is None or is_native(cfg.quantization):  # nothing encoded to keep
         return None, None
     if cfg.store_path is not None:
-        return SavedStore(cfg.store_path, codec_spec(codec), fingerprint), None
+        try:
+            return SavedStore(cfg.store_path, codec_spec(codec), fingerprint), None
+        except IncompatibleFileError as exc:
+            other = _other_routers(cfg.store_path, codec_spec(codec), fingerprint)
+            if other is None:
+                raise
+            raise other from exc
     if streamed is None or not streamed.index.all_arrived():
         return None, None
     cache = record_cache(cfg, codec, fingerprint, streamed, specs)
     return (cache.open() if cache is not None else None), cache
+
+
+def _other_routers(directory: str, spec: dict, fingerprint: dict) -> IncompatibleFileError | None:
+    """The refusal of a saved store of this format whose fingerprint differs from this load's in the routers' hash
+    alone, which the same checkpoint gives where it is loaded in another dtype than the store was saved from; None
+    otherwise."""
+    try:
+        with open(os.path.join(directory, STORE_HEADER)) as f:
+            header = json.load(f)
+        theirs = header["fingerprint"]
+        if header["codec"] != spec or not isinstance(theirs, dict):
+            return None
+    except Exception:  # no store, or a damaged one: SavedStore's own refusal says so
+        return None
+    if {k for k in fingerprint.keys() | theirs.keys() if fingerprint.get(k) != theirs.get(k)} != {ROUTER_HASH}:
+        return None
+    return IncompatibleFileError(
+        f"the expert store in {directory} was made from other router weights than this model's ({ROUTER_HASH} "
+        "differs): another checkpoint of this shape, or this one loaded in another dtype than the store was saved "
+        "from (the routers round to it). Load the model in the dtype the store was saved from, or drop store_path "
+        "to quantise again, then save a new store with model.mira.save_store(dir)."
+    )
 
 
 def record_cache(cfg: MiraConfig, codec, fingerprint: dict, streamed: StreamedExperts, specs: dict) -> RecordCache | None:

@@ -132,6 +132,25 @@ def test_a_saved_store_of_another_dtype_is_refused_saying_what_to_do(tmp_path, q
     assert load(torch.bfloat16, cfg.replace(store_path=str(tmp_path / "store"))).mira.store.record(0, 1).numel() > 0
 
 
+def test_a_store_saved_from_a_float32_checkpoint_loaded_in_bfloat16_is_refused_naming_the_dtype(tmp_path):
+    """A float32 checkpoint's routers round to bfloat16, so its bf16 load fingerprints as other router weights: the
+    refusal says that the dtype the store was saved from may be why, and what to do."""
+    from mira_hf import IncompatibleFileError
+    from mira_hf.config import LoaderConfig
+    from mira_hf.testing import build, make_config
+
+    torch.manual_seed(0)
+    build(make_config("mixtral")).save_pretrained(tmp_path / "ckpt")
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, quantization="int8", loader=LoaderConfig(record_cache=None))
+    load = lambda dtype, cfg: MiraMoEModel.from_pretrained(str(tmp_path / "ckpt"), cfg, dtype=dtype, progress=False)  # noqa: E731
+    load(torch.float32, cfg).mira.save_store(tmp_path / "store")
+    with pytest.raises(
+        IncompatibleFileError,
+        match=r"store in .* was made from other router weights .*loaded in another dtype than the store was saved from.*Load the model in the dtype the store was saved from",
+    ):
+        load(torch.bfloat16, cfg.replace(store_path=str(tmp_path / "store")))
+
+
 def test_a_store_that_cannot_be_written_is_refused_and_leaves_the_one_there(tmp_path, heldout, monkeypatch):
     """`save_store` into a path that is a file, or onto a disk that fills up midway: a `ConfigError` naming the
     directory and the room needed; a store saved there before is left whole and still loads."""

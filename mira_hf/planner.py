@@ -258,10 +258,13 @@ def plan_memory(
     room = total_bytes - model.weights_bytes - model.activation_bytes
     one_seq = seq_tokens * per_token
     if room < model.min_expert_bytes + one_seq:
+        parts = (
+            f"the weights ({model.weights_bytes:,}), one step's activations ({model.activation_bytes:,}), the smallest "
+            f"expert cache ({model.min_expert_bytes:,}) and one sequence's KV cache ({one_seq:,} for {seq_tokens} tokens)"
+        )
+        held = "holds the weights and one step's activations but not also" if room >= 0 else "cannot hold"
         raise BudgetError(
-            f"device memory of {total_bytes:,} bytes holds the weights ({model.weights_bytes:,}) and one step's "
-            f"activations ({model.activation_bytes:,}) but not also the smallest expert cache ({model.min_expert_bytes:,}) "
-            f"and one sequence's KV cache ({one_seq:,} for {seq_tokens} tokens). Give at least "
+            f"device memory of {total_bytes:,} bytes {held} what it must: {parts}. Give at least "
             f"{total_bytes - room + model.min_expert_bytes + one_seq:,} bytes, or shorter requests."
         )
     fixed = tuple(n for n, v in (("expert_cache", expert_cache_bytes), ("kv_cache", kv_cache_bytes)) if v is not None)

@@ -58,6 +58,10 @@ def test_fixed_parts_are_honoured(experts, kv, expected):
 def test_memory_that_cannot_hold_the_model_or_the_fixed_parts_is_refused():
     with pytest.raises(BudgetError, match="at least 120 bytes"):
         plan_memory(119, MODEL, MIX, CURVE, COST)  # weights + smallest expert cache + one sequence = 120
+    with pytest.raises(BudgetError, match="119 bytes holds the weights and one step's activations but not also"):
+        plan_memory(119, MODEL, MIX, CURVE, COST)
+    with pytest.raises(BudgetError, match=r"^device memory of 10 bytes cannot hold what it must: the weights \(100\)"):
+        plan_memory(10, MODEL, MIX, CURVE, COST)  # less than the weights alone: says so, not that it holds them
     with pytest.raises(BudgetError, match="parts given do not fit.*expert cache given takes 95, leaving 5 for the KV cache"):
         plan_memory(200, MODEL, MIX, CURVE, COST, expert_cache_bytes=95)  # leaves 5 bytes: not one sequence
     with pytest.raises(BudgetError, match=r"parts given do not fit.*expert cache given takes 60 and the KV cache given"):

@@ -49,8 +49,10 @@ class HeatConfig:
     def __post_init__(self) -> None:
         for name in ("activation_gain", "window_gain", "used_prefetch_gain", "wasted_prefetch_penalty"):
             check_fraction(f"HeatConfig.{name}", getattr(self, name), "[0, 1]")  # a change of a score in [0, 1]
-        if self.clock not in ("steps", "wall"):
-            raise ConfigError(f"HeatConfig.clock={self.clock!r}: supported are 'steps' and 'wall'.")
+        clock = self.clock.strip().lower() if isinstance(self.clock, str) else self.clock
+        if clock not in ("steps", "wall"):
+            raise ConfigError(f"HeatConfig.clock={self.clock!r}: supported are 'steps' and 'wall' (any case).")
+        object.__setattr__(self, "clock", clock)
         check_fraction("HeatConfig.decay_per_period", self.decay_per_period, "(0, 1]")
         check_count("HeatConfig.window_periods", self.window_periods, 1, "periods per counting window")
         check_finite("HeatConfig.period_s", self.period_s, "> 0", "seconds")

@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from mira_hf import CheckpointError, ConfigError, MiraConfig, MiraMoEModel, bundled_model_path, cli
-from mira_hf.config import HOST_MEMORY_KINDS, POLICIES, PREDICTORS, CacheConfig, PredictorConfig, chosen_quantizations
+from mira_hf.config import (
+    HOST_MEMORY_KINDS,
+    POLICIES,
+    PREDICTORS,
+    CacheConfig,
+    PredictorConfig,
+    QuantConfig,
+    chosen_quantizations,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,6 +101,13 @@ def test_a_wrong_choice_lists_the_choices_as_typed(field, allowed):
 
 def test_host_memory_choices_are_typed_as_listed():
     assert all(MiraConfig(host_memory=kind.upper()).host_memory == kind for kind in HOST_MEMORY_KINDS)
+
+
+def test_nested_configs_read_their_choices_in_any_case():
+    from mira_hf.heat import HeatConfig
+
+    assert HeatConfig(clock="WALL").clock == "wall" and HeatConfig(clock=" Steps ").clock == "steps"
+    assert MiraConfig(quant=QuantConfig(placement="MIXED")).quant.placement == "mixed"
 
 
 def test_cli_and_python_accept_the_same_spellings():

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import offload_files
 from .encode import RecordEncoder, read_ahead
 from .layout import IdentityCodec, RawLayout, plan_layer
 from .pinned import pinned_empty
@@ -147,12 +147,9 @@ class ExpertStore:
         path = None
         try:
             if tier == "disk":
-                os.makedirs(self.offload_dir, exist_ok=True)
-                # a name no other store has (another model, or another process, may offload to the same directory)
-                fd, path = tempfile.mkstemp(prefix=f"mira_experts_layer{layer:04d}_", suffix=".bin", dir=self.offload_dir)
+                path = offload_files.create(self.offload_dir, layer, nbytes)  # its blocks reserved: no SIGBUS
                 self._files.append(path)
-                with os.fdopen(fd, "wb") as f:
-                    f.truncate(nbytes)
+                with open(path, "r+b") as f:
                     if callable(records):  # straight into the file, through a shared mapping of it
                         records(torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes))
                     elif records is not None:

@@ -1,6 +1,7 @@
 """The host side: experts stored tensor by tensor, the disk tier beyond host_budget, and peak host memory
 while loading."""
 
+import errno
 import gc
 import json
 import os
@@ -12,7 +13,7 @@ import pytest
 import torch
 from conftest import PEAK_ANON_SOURCE, load_reference
 
-from mira_hf import ConfigError, MiraConfig, MiraMoEModel
+from mira_hf import BudgetError, ConfigError, MiraConfig, MiraMoEModel
 
 IDS = torch.tensor([[4, 8, 15, 16, 23, 42, 7, 9]])
 
@@ -68,6 +69,31 @@ def test_experts_beyond_host_budget_are_served_from_disk(tiny_checkpoint, tmp_pa
         pass
     with pytest.raises(ConfigError, match="offload_dir=.*a-file.*is a file"):  # before anything is read
         MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", host_budget=one_layer, offload_dir=str(offload / "a-file")))
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_disk_that_fills_up_while_loading_is_a_budget_error_that_leaves_no_file(
+    tiny_checkpoint, tmp_path, monkeypatch, quantization
+):
+    """offload_dir's disk fills up after the load checked it (another program or another load writes there): the
+    load raises BudgetError naming offload_dir, the bytes and what to do, and leaves no file there. The blocks of each
+    file are reserved before it is written, so a full disk is never a write into a memory mapping past the disk's
+    blocks, which ends the process (SIGBUS), nor a bare OSError halfway through the encoded records."""
+    real, reserved = os.posix_fallocate, []
+
+    def fallocate(fd, offset, length):  # the first layer's file fits; then the disk is full
+        reserved.append(length)
+        if len(reserved) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    offload = tmp_path / "offload"
+    cfg = MiraConfig(device="cpu", quantization=quantization, host_budget=1000, offload_dir=str(offload))
+    with pytest.raises(BudgetError, match=r"MoE layer 1's experts need .* in offload_dir=.* Free space") as info:
+        MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), cfg, progress=False)
+    assert len(reserved) == 2 and f"need {reserved[1]:,} bytes in offload_dir={str(offload)!r}" in str(info.value)
+    assert os.listdir(offload) == []  # the first layer's file too
 
 
 def _anonymous_bytes_of_mappings(path: str) -> list[int]:

@@ -1,0 +1,70 @@
+"""The disk tier's files in `offload_dir`: each made with every block of it reserved on the disk (`create`).
+
+A file is written through a shared memory mapping of it. A page written where the disk has no block left for it is
+not an error a write returns: the kernel ends the process (SIGBUS). So the blocks are reserved before the file is
+mapped (`posix_fallocate`, else by writing zeros), and a disk that filled up since the load checked it (another
+program, another load writing there) is a `BudgetError` naming the directory and the bytes, with the file removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+
+from .errors import BudgetError
+
+PREFIX = "mira_experts_"
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})  # no room: the disk, or the user's quota on it
+_ZEROS_BYTES = 16 * 2**20  # written at a time where blocks are reserved by writing zeros
+
+
+def create(directory: str, layer: int, nbytes: int) -> str:
+    """A new file of `nbytes` in `directory` (made if missing) for MoE layer `layer`, its blocks reserved; its path.
+    `BudgetError` where the disk has not room for it, the file removed."""
+    os.makedirs(directory, exist_ok=True)
+    # a name no other store has (another model, or another process, may offload to the same directory)
+    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}layer{layer:04d}_", suffix=".bin", dir=directory)
+    try:
+        try:
+            _reserve(fd, nbytes)
+        finally:
+            os.close(fd)
+    except BaseException as exc:
+        os.remove(path)
+        if isinstance(exc, OSError) and exc.errno in _FULL:
+            raise no_room(directory, nbytes, f"MoE layer {layer}'s experts") from exc
+        raise
+    return path
+
+
+def no_room(directory: str, nbytes: int, what: str) -> BudgetError:
+    """The error for `what` (`nbytes`) not fitting in `directory` as it is now."""
+    try:
+        free = f"only {shutil.disk_usage(directory).free:,} bytes are free there"
+    except OSError:
+        free = "the disk has not room for them"
+    return BudgetError(
+        f"{what} need {nbytes:,} bytes in offload_dir={directory!r}, but {free}: the disk filled up since it was "
+        "checked (another program or another load writes there). Free space on that disk, give offload_dir a disk "
+        "with more room, or raise host_budget."
+    )
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Give the file `fd` its `nbytes`, every block of them taken on the disk now (not at the first write)."""
+    if nbytes == 0:
+        return
+    fallocate = getattr(os, "posix_fallocate", None)  # Linux and most Unix; not macOS or Windows
+    if fallocate is not None:
+        try:
+            return fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):  # EOPNOTSUPP: a filesystem without it
+                raise
+    # Zeros written take the blocks as surely, at the cost of writing the file once more.
+    zeros, offset = memoryview(bytes(min(nbytes, _ZEROS_BYTES))), 0
+    os.lseek(fd, 0, os.SEEK_SET)
+    while offset < nbytes:
+        offset += os.write(fd, zeros[: nbytes - offset])

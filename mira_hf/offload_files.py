@@ -1,21 +1,33 @@
-"""The disk tier's files in `offload_dir`: each made with every block of it reserved on the disk (`create`).
+"""The disk tier's files in `offload_dir`: each made with every block of it reserved on the disk (`create`), named
+after the process that writes it, and removed by the next load once that process is gone (`remove_orphans`).
 
 A file is written through a shared memory mapping of it. A page written where the disk has no block left for it is
 not an error a write returns: the kernel ends the process (SIGBUS). So the blocks are reserved before the file is
 mapped (`posix_fallocate`, else by writing zeros), and a disk that filled up since the load checked it (another
 program, another load writing there) is a `BudgetError` naming the directory and the bytes, with the file removed.
+
+A store removes its files itself (`ExpertStore.close`, or when it is dropped or the process exits); a process that is
+killed (`kill -9`, the kernel's OOM killer) cannot. Its files are named `mira_experts_<host>-<pid>_layerNNNN_<random>.bin`,
+so the next load on the same host that offloads to the directory finds them by the pid of a process no longer running
+and removes them before it counts the free space. Files of running processes, of other hosts (or containers: another
+host name, another set of pids) sharing the directory, and files named otherwise (other programs', and those of
+mira-hf versions whose names carry no pid) are never touched.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
+import socket
 import tempfile
 
 from .errors import BudgetError
+from .record_cache import alive
 
 PREFIX = "mira_experts_"
+_NAME = re.compile(rf"{PREFIX}([A-Za-z0-9.-]*)-(\d+)_layer\d+_[a-z0-9_]+\.bin")  # the last part: mkstemp's
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})  # no room: the disk, or the user's quota on it
 _ZEROS_BYTES = 16 * 2**20  # written at a time where blocks are reserved by writing zeros
 
@@ -25,7 +37,7 @@ def create(directory: str, layer: int, nbytes: int) -> str:
     `BudgetError` where the disk has not room for it, the file removed."""
     os.makedirs(directory, exist_ok=True)
     # a name no other store has (another model, or another process, may offload to the same directory)
-    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}layer{layer:04d}_", suffix=".bin", dir=directory)
+    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{_host()}-{os.getpid()}_layer{layer:04d}_", suffix=".bin", dir=directory)
     try:
         try:
             _reserve(fd, nbytes)
@@ -37,6 +49,43 @@ def create(directory: str, layer: int, nbytes: int) -> str:
             raise no_room(directory, nbytes, f"MoE layer {layer}'s experts") from exc
         raise
     return path
+
+
+def remove_orphans(directory: str) -> None:
+    """Remove the files in `directory` that a store wrote for a process no longer running (module doc)."""
+    for name, pid in _writers(directory).items():
+        if not alive(pid):
+            try:
+                os.remove(os.path.join(directory, name))
+            except OSError:  # removed meanwhile by another load, or not ours to remove
+                pass
+
+
+def held_by_others(directory: str) -> dict[int, int]:
+    """Bytes of the files in `directory` written by each other running process (pid -> bytes)."""
+    held: dict[int, int] = {}
+    for name, pid in _writers(directory).items():
+        if pid != os.getpid() and alive(pid):
+            try:
+                held[pid] = held.get(pid, 0) + os.path.getsize(os.path.join(directory, name))
+            except OSError:
+                pass
+    return held
+
+
+def _writers(directory: str) -> dict[str, int]:
+    """The disk-tier files in `directory` written on this host (file name -> pid of the process that wrote it)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:  # not there yet
+        return {}
+    host = _host()
+    return {name: int(m.group(2)) for name in names if (m := _NAME.fullmatch(name)) and m.group(1) == host}
+
+
+def _host() -> str:
+    """This host's name as it goes into a file name (characters other than letters, digits, '.' and '-' as '-')."""
+    return re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())
 
 
 def no_room(directory: str, nbytes: int, what: str) -> BudgetError:

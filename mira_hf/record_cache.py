@@ -206,11 +206,12 @@ def _remove_orphans(root: str) -> None:
             continue
         parts = name[len(_TMP) :].split("-")
         pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
-        if pid is None or not _alive(pid):
+        if pid is None or not alive(pid):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` is running (one of another user's counts: it cannot be signalled, but it is there)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from . import offload_files
 from .budget import LayerInfo, plan_records, resolve_budget_bytes
 from .config import MiraConfig
 from .errors import BudgetError, ConfigError
@@ -67,11 +68,12 @@ def check_device_memory(
 
 
 def check_offload_space(cfg: MiraConfig, layer_bytes: list[int]) -> None:
-    """Experts beyond `host_budget` go to `offload_dir`: refuse a load that cannot fit there."""
+    """Experts beyond `host_budget` go to `offload_dir`: refuse a load that cannot fit there. The files of loads
+    whose process was killed are removed first (`offload_files.remove_orphans`)."""
     if cfg.host_budget_bytes is None:
         return
     _, disk = _host_and_disk_bytes(layer_bytes, cfg.host_budget_bytes)
-    path = os.path.abspath(cfg.offload_dir)
+    path = directory = os.path.abspath(cfg.offload_dir)
     while not os.path.exists(path):
         path = os.path.dirname(path)
     if not os.path.isdir(path):
@@ -84,12 +86,23 @@ def check_offload_space(cfg: MiraConfig, layer_bytes: list[int]) -> None:
             f"offload_dir={cfg.offload_dir!r}: {path} cannot be written (a read-only disk, or no permission), and the "
             "experts beyond host_budget are written there. Give offload_dir a directory you can write to."
         )
+    offload_files.remove_orphans(directory)  # files of killed loads: room for this one
     free = shutil.disk_usage(path).free
     if disk > free:
         raise BudgetError(
             f"host_budget={cfg.host_budget!r} leaves {disk:,} bytes of experts for offload_dir={cfg.offload_dir!r}, "
-            f"but only {free:,} bytes are free there. Give offload_dir a disk with more space, or raise host_budget."
+            f"but only {free:,} bytes are free there{_held_by_others(directory)}. Give offload_dir a disk with more space, "
+            "or raise host_budget."
         )
+
+
+def _held_by_others(directory: str) -> str:
+    """Where other running processes' disk tiers take room in `directory`, a clause saying how much."""
+    held = offload_files.held_by_others(directory)
+    if not held:
+        return ""
+    pids = ", ".join(str(pid) for pid in sorted(held))
+    return f" ({sum(held.values()):,} bytes there are the experts of other running loads: pid {pids})"
 
 
 def _host_and_disk_bytes(layer_bytes: list[int], host_budget: int | None) -> tuple[int, int]:

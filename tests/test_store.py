@@ -5,6 +5,9 @@ import errno
 import gc
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -94,6 +97,44 @@ def test_a_disk_that_fills_up_while_loading_is_a_budget_error_that_leaves_no_fil
         MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), cfg, progress=False)
     assert len(reserved) == 2 and f"need {reserved[1]:,} bytes in offload_dir={str(offload)!r}" in str(info.value)
     assert os.listdir(offload) == []  # the first layer's file too
+
+
+def test_the_files_of_a_killed_load_are_removed_by_the_next_load(tiny_checkpoint, tmp_path, monkeypatch):
+    """A process killed while it holds a disk tier (kill -9, the OOM killer) cannot remove its files: the next load
+    offloading to the directory removes them (named after the pid of a process no longer running) before it counts
+    the free space, so it is not refused for the room they took. Files of a running load, and files that are no
+    disk tier's, stay."""
+    import mira_hf.resources
+
+    path, offload = tiny_checkpoint("mixtral"), tmp_path / "offload"
+    cfg = MiraConfig(device="cpu", host_budget=1000, offload_dir=str(offload))  # every layer on disk
+    script = textwrap.dedent(f"""
+        import os, signal
+        from mira_hf import MiraConfig, MiraMoEModel
+        MiraMoEModel.from_pretrained({str(path)!r}, MiraConfig(device="cpu", host_budget=1000, offload_dir={str(offload)!r}), progress=False)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert subprocess.run([sys.executable, "-c", script], capture_output=True).returncode == -signal.SIGKILL
+    killed = sorted(os.listdir(offload))
+    assert len(killed) == 2  # one file per layer, left behind
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        alive = re.sub(r"-\d+_layer", f"-{running.pid}_layer", killed[0])  # as the running process would name it
+        others = [alive, "mira_experts_layer0000_abcd1234.bin", "notes.bin"]
+        for name in others:
+            (offload / name).write_bytes(b"\0" * 1000)
+        # a disk with room for one load beside the files the user keeps: not beside the killed load's files too
+        need = sum(os.path.getsize(offload / name) for name in killed)
+        disk = lambda p: shutil._ntuple_diskusage(10**9, 0, need + 3000 - sum(f.stat().st_size for f in offload.iterdir()))  # noqa: E731
+        monkeypatch.setattr(mira_hf.resources.shutil, "disk_usage", disk)
+        model = MiraMoEModel.from_pretrained(path, cfg, progress=False)
+        assert model.mira.store.tier_bytes()["disk"] == need
+        assert set(others) <= set(os.listdir(offload)) and not set(killed) & set(os.listdir(offload))
+        model.unload()
+        assert sorted(os.listdir(offload)) == sorted(others)
+    finally:
+        running.kill()
+        running.wait()
 
 
 def _anonymous_bytes_of_mappings(path: str) -> list[int]:

@@ -88,6 +88,35 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())
 
 
+def check_room(directory: str, nbytes: int, what: str, remedy: str) -> None:
+    """`BudgetError` where `directory`'s disk has not `nbytes` free for `what` (after the files of processes gone are
+    removed), raised before anything is written; `remedy`: what to do, besides freeing space."""
+    remove_orphans(directory)
+    free = shutil.disk_usage(_existing(directory)).free
+    if nbytes > free:
+        raise BudgetError(
+            f"{what} writes {nbytes:,} bytes of experts to offload_dir={directory!r}, but only {free:,} bytes are free "
+            f"there{held_clause(directory)}. Nothing was changed. Free space on that disk, or {remedy}."
+        )
+
+
+def held_clause(directory: str) -> str:
+    """Where other running processes' disk tiers take room in `directory`, a clause saying how much."""
+    held = held_by_others(directory)
+    if not held:
+        return ""
+    pids = ", ".join(str(pid) for pid in sorted(held))
+    return f" ({sum(held.values()):,} bytes there are the experts of other running loads: pid {pids})"
+
+
+def _existing(path: str) -> str:
+    """`path`, or the nearest directory above it that exists (where a directory not made yet will be)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def no_room(directory: str, nbytes: int, what: str) -> BudgetError:
     """The error for `what` (`nbytes`) not fitting in `directory` as it is now."""
     try:

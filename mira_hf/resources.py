@@ -91,18 +91,9 @@ def check_offload_space(cfg: MiraConfig, layer_bytes: list[int]) -> None:
     if disk > free:
         raise BudgetError(
             f"host_budget={cfg.host_budget!r} leaves {disk:,} bytes of experts for offload_dir={cfg.offload_dir!r}, "
-            f"but only {free:,} bytes are free there{_held_by_others(directory)}. Give offload_dir a disk with more space, "
+            f"but only {free:,} bytes are free there{offload_files.held_clause(directory)}. Give offload_dir a disk with more space, "
             "or raise host_budget."
         )
-
-
-def _held_by_others(directory: str) -> str:
-    """Where other running processes' disk tiers take room in `directory`, a clause saying how much."""
-    held = offload_files.held_by_others(directory)
-    if not held:
-        return ""
-    pids = ", ".join(str(pid) for pid in sorted(held))
-    return f" ({sum(held.values()):,} bytes there are the experts of other running loads: pid {pids})"
 
 
 def _host_and_disk_bytes(layer_bytes: list[int], host_budget: int | None) -> tuple[int, int]:

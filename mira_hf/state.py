@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import offload_files
 from .budget import BudgetPlan
 from .errors import ConfigError, DeviceError, MiraError, UnsupportedOperationError
 from .layout import IdentityCodec
@@ -382,6 +383,7 @@ class ExpertState:
         store, manager = self.store, self.manager
         budget = manager.budget
         if layout != store.layout(layer):
+            self._check_offload_room({layer: (store.dtype(layer), layout)}, f"loading MoE layer {layer}'s experts")
             layouts = {li: store.layout(li) for li in store.layers}
             layouts[layer] = layout
             raw_bytes = {li: store.raw_layout(li).nbytes for li in store.layers}
@@ -452,8 +454,17 @@ class ExpertState:
             layouts[layer] = self._cast_layout(layer, dtype)
             specs = {n: (shape, dtype) for n, (shape, _) in manager.store.expert_specs(layer).items()}  # what a slot holds
             raw_bytes[layer] = IdentityCodec().plan(specs).nbytes
+        self._check_offload_room({layer: (dtype, layouts[layer]) for layer, dtype in cast.items()}, "this cast")
         budget = self.replan(layouts, raw_bytes, device, self._expert_bytes(cast))
         return _Change(cast, layouts, budget, device)
+
+    def _check_offload_room(self, changes: Mapping[int, tuple[torch.dtype, object]], what: str) -> None:
+        """`BudgetError` before anything changes where `offload_dir` has not room for the records that rewriting the
+        layers in `changes` (layer -> (dtype, layout)) writes there: each layer's new file beside its old one."""
+        need = self.store.offload_bytes_to_rewrite(changes)
+        if need:
+            remedy = "load the model again in that dtype (from_pretrained(..., dtype=...)), or with a larger host_budget"
+            offload_files.check_room(self.store.offload_dir, need, what, remedy)
 
     def _expert_bytes(self, cast: Mapping[int, torch.dtype]) -> dict[int, int]:
         """Bytes of one whole expert of each layer, uncompressed, in its dtype after `cast` (layer -> new dtype): what

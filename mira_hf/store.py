@@ -397,14 +397,14 @@ class ExpertStore:
         budget gives it (host memory grows by at most this layer meanwhile). `layout`: from `plan_rewrite`."""
         old = self._slabs[layer]
         dtype = dtype or old.dtype
-        if fused is None and layout is not None and records_layout(layout) is records_layout(old.layout):
+        if layout is not None and _rewrite_kind(old, dtype, layout, fused) == "recast":
             return self._recast(layer, dtype, layout)  # planned by `plan_cast`: the records stay
         layout = layout if layout is not None else self.plan_rewrite(layer, fused, dtype)
         while self._readers:  # they read the records as loaded: not records written over meanwhile
             self._readers.pop()()
         expert = self._rewritten(layer, fused, dtype)
         E = self.num_experts(layer)
-        if dtype == old.dtype and layout == old.layout:
+        if _rewrite_kind(old, dtype, layout, fused) == "in place":
             # each expert's tensors are read (expert(e)) before they are overwritten
             if not self.quantized:
                 for e in range(E):
@@ -428,6 +428,28 @@ class ExpertStore:
             _remove_files([old.path])  # the old mapping keeps its pages until it is dropped
             self._files.remove(old.path)
         self._codec_for_layouts()
+
+    def offload_bytes_to_rewrite(self, changes: Mapping[int, tuple[torch.dtype, object]]) -> int:
+        """The most bytes that `rewrite` of the layers in `changes` (layer -> (dtype, layout from `plan_rewrite` or
+        `plan_cast`)), one after another in that order, adds to `offload_dir` beyond the files there now: a layer
+        given a new slab on disk is written while its old file is still there, and host layers that grow may pass
+        `host_budget` and go to disk."""
+        host, added, most = self._host_bytes, 0, 0
+        for layer, (dtype, layout) in changes.items():
+            old = self._slabs[layer]
+            if _rewrite_kind(old, dtype, layout, None) != "new slab":
+                continue
+            nbytes = old.data.shape[0] * layout.nbytes
+            if old.path is None:
+                host -= old.data.numel()
+            if over_host_budget(host, nbytes, self.host_budget_bytes):
+                added += nbytes
+                most = max(most, added)
+            else:
+                host += nbytes
+            if old.path is not None:
+                added -= old.data.numel()  # removed once the new slab is written
+        return most
 
     def _rewritten(self, layer: int, fused: Mapping[str, torch.Tensor] | None, dtype: torch.dtype):
         """`e -> {name: tensor}`: expert e of `layer` as stored, with `fused` replacing tensors, cast to `dtype`."""
@@ -483,6 +505,16 @@ class ExpertStore:
         if self._pin_pool is not None:
             self._pin_pool.shutdown(wait=False)
             self._pin_pool = None
+
+
+def _rewrite_kind(old: _Slab, dtype: torch.dtype, layout, fused) -> str:
+    """How `rewrite` gives a layer (`old`) records in `dtype` as `layout`: "recast" (the records stay; planned by
+    `plan_cast`), "in place" (the same layout and dtype: written over) or "new slab"."""
+    if fused is None and records_layout(layout) is records_layout(old.layout):
+        return "recast"
+    if dtype == old.dtype and layout == old.layout:
+        return "in place"
+    return "new slab"
 
 
 def _remove_files(paths: list[str]) -> None:

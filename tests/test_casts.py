@@ -350,6 +350,39 @@ def test_a_cast_re_encodes_experts_on_the_disk_tier(tiny_checkpoint, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_cast_that_offload_dir_has_no_room_for_is_refused_before_anything_changes(tiny_checkpoint, tmp_path, monkeypatch):
+    """A cast to fp32 of bf16 experts on the disk tier writes each layer's new file, twice as large, while its old one
+    is still there: three bf16 layers' bytes at the most for two layers. Where offload_dir's disk has less free, the
+    cast is refused with BudgetError naming the bytes before anything changes (the files, the dtype and the forward
+    stay), as a load is refused; writing on would end the process (SIGBUS) once the disk is full. A disk that fills up
+    during the cast all the same is a BudgetError too, the layer being written left as it was."""
+    import errno
+    import shutil
+
+    path = tiny_checkpoint("mixtral")
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, host_budget="1KB", offload_dir=str(tmp_path))  # every layer on disk
+    model = MiraMoEModel.from_pretrained(path, cfg, progress=False, dtype=torch.bfloat16).eval()
+    store = model.mira.store
+    layer = store.num_experts(0) * store.record_bytes(0)
+    files, before, expected = sorted(os.listdir(tmp_path)), _snapshot(model), _logits(model)
+    free = [3 * layer - 1]
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 0, free[0]))
+    with pytest.raises(BudgetError, match=rf"this cast writes {3 * layer:,} bytes of experts to offload_dir=.*Nothing was"):
+        model.float()
+    real = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, o, n: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    free[0] = 3 * layer
+    with pytest.raises(BudgetError, match="MoE layer 0's experts need"):
+        model.float()
+    assert model.dtype == torch.bfloat16 and store.dtype(0) == store.dtype(1) == torch.bfloat16
+    assert sorted(os.listdir(tmp_path)) == files and _same(model.state_dict(), before)
+    assert torch.equal(_logits(model), expected)
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    model.float()  # room for it
+    assert store.dtype(0) == torch.float32 and len(os.listdir(tmp_path)) == 2
+    assert torch.equal(_logits(model), _logits(load_reference(path, dtype=torch.bfloat16).float()))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_cuda_model_casts_on_its_device_and_moves_to_the_cpu_and_back(tiny_checkpoint):

@@ -353,7 +353,8 @@ class MiraConfig:
         larger than host memory loads. With host_compute="split" it bounds the device parts; the host parts
         (`host_share` of every expert) stay in host memory beside it.
     offload_dir: where experts beyond `host_budget` are written, memory-mapped and read back (given with
-        `host_budget` only: without it every expert stays in host memory).
+        `host_budget` only: without it every expert stays in host memory). A relative path names a directory of the
+        working directory at load (a later cast writes there too, after an `os.chdir`).
     expert_layer_path: for models without an adapter, a glob of the routed-experts modules,
         e.g. `"model.layers.*.mlp.experts"` (fused 3-D expert tensors, as transformers 5 builds them).
     host_compute: compute some missed experts on the host CPU, where their weights are, instead of copying

@@ -72,7 +72,8 @@ class ExpertStore:
         self.encoder = encoder or RecordEncoder("cpu", workers=1)
         self.pinned = pinned
         self.host_budget_bytes = host_budget_bytes
-        self.offload_dir = offload_dir
+        # resolved now: a later cast writes, and `close` removes, files in the same place after an os.chdir
+        self.offload_dir = os.path.abspath(offload_dir) if offload_dir is not None else None
         self._slabs: dict[int, _Slab] = {}
         self._host_bytes = 0
         # Waits for readers of the slabs that run beside the model (a record cache's background write: `read_by`)

@@ -137,6 +137,22 @@ def test_the_files_of_a_killed_load_are_removed_by_the_next_load(tiny_checkpoint
         running.wait()
 
 
+def test_a_relative_offload_dir_is_the_directory_it_named_when_the_model_was_loaded(tiny_checkpoint, tmp_path, monkeypatch):
+    """offload_dir="offload" names a directory of the working directory at load: a cast after an os.chdir (a
+    notebook, a server changing directory) writes its new files there too, and unload() removes them from there."""
+    path, first, later = tiny_checkpoint("mixtral"), tmp_path / "first", tmp_path / "later"
+    first.mkdir()
+    later.mkdir()
+    monkeypatch.chdir(first)
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu", host_budget=1000, offload_dir="offload"), progress=False)
+    assert len(os.listdir(first / "offload")) == 2
+    monkeypatch.chdir(later)
+    model.bfloat16()  # every layer written again, in a file of its own
+    assert len(os.listdir(first / "offload")) == 2 and not (later / "offload").exists()
+    model.unload()
+    assert os.listdir(first / "offload") == []
+
+
 def _anonymous_bytes_of_mappings(path: str) -> list[int]:
     """The 'Anonymous:' bytes of each of this process's mappings of the file `path` (/proc/self/smaps): pages of the
     file copied into RAM, as a write into a private mapping makes them."""

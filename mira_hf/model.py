@@ -98,6 +98,7 @@ class MiraMoEModel:
         `(model, loading_info)` as transformers does, with the keys transformers reports (streamed experts included
         as the whole load reports them: in no list).
         """
+        report = LoadReport()  # its wall time is the whole call's, config reading and imports included
         if not isinstance(name_or_path, (str, os.PathLike)):
             wrap = " To serve a model already built, call MiraMoEModel.wrap(model, gpu_budget=...)."
             raise ConfigError(
@@ -145,7 +146,6 @@ class MiraMoEModel:
             if hf_kwargs.get("dtype") is None:
                 hf_kwargs["dtype"] = torch_dtype
         hf_kwargs.setdefault("dtype", "auto")
-        report = LoadReport()
         quantization_config = config_dict.get("quantization_config")
         with _checkpoint_errors(name_or_path):
             index, wanted, hf_kwargs = streaming_index(

@@ -59,3 +59,15 @@ def test_wrapped_model_reports_its_copy(tiny_checkpoint):
     model = MiraMoEModel.wrap(model, MiraConfig(device="cpu", gpu_budget=0.5))
     stages = model.mira_load_report().as_dict()["stages"]
     assert stages["copy"]["bytes"] == _expert_bytes(model) and "read" not in stages
+
+
+def test_the_wall_time_counts_from_the_call(tiny_checkpoint, monkeypatch):
+    """The report's wall time is the whole from_pretrained call's, reading config.json (and what it imports) included."""
+    import time
+
+    import mira_hf.model
+
+    raw_config = mira_hf.model._raw_config
+    monkeypatch.setattr(mira_hf.model, "_raw_config", lambda *a: time.sleep(0.5) or raw_config(*a))  # a slow disk
+    model = MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(device="cpu"), progress=False)
+    assert model.mira_load_report().wall_s >= 0.5

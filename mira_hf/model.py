@@ -502,6 +502,9 @@ def _raw_config(name_or_path, hf_kwargs: dict) -> dict:
 
     if os.path.isfile(name_or_path):  # transformers would read a config file given as such, then fail on the weights
         raise missing_checkpoint_error(name_or_path, hf_kwargs, FileNotFoundError(name_or_path))
+    config_file = os.path.join(name_or_path, hf_kwargs.get("subfolder") or "", "config.json")
+    if os.path.isdir(name_or_path) and not os.path.isfile(config_file):  # transformers would read {} from the subfolder
+        raise missing_checkpoint_error(name_or_path, hf_kwargs, FileNotFoundError(config_file))
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(name_or_path, **_config_kwargs(hf_kwargs))
     except OSError as exc:

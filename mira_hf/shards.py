@@ -279,8 +279,13 @@ def missing_checkpoint_error(name_or_path, hf_kwargs: dict, exc: Exception) -> C
     for something that is plainly a path)."""
     name = str(name_or_path)
     why = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(". ")
+    subfolder = hf_kwargs.get("subfolder") or ""
     if os.path.isdir(name):
-        subfolder = hf_kwargs.get("subfolder") or ""
+        if subfolder and not os.path.isfile(os.path.join(name, subfolder, "config.json")):
+            return CheckpointError(
+                f"subfolder={subfolder!r}: {_no_subfolder(name, subfolder)}. Give the subfolder that holds the checkpoint, "
+                "or leave it out."
+            )
         if os.path.isfile(os.path.join(name, subfolder, "config.json")):
             return CheckpointError(
                 f"{os.path.join(name, subfolder, 'config.json')} could not be read ({why}): copy or download it again."
@@ -295,6 +300,15 @@ def missing_checkpoint_error(name_or_path, hf_kwargs: dict, exc: Exception) -> C
         off = "local_files_only=True" if hf_kwargs.get("local_files_only") else "HF_HUB_OFFLINE=1"
         cache = hf_kwargs.get("cache_dir") or "the Hugging Face cache"
         revision = hf_kwargs.get("revision")
+        snapshot = _cached_snapshot(name, hf_kwargs) if subfolder else None
+        if snapshot is not None:  # the revision is there: the subfolder is what is missing
+            label = f"hub id {name}'s snapshot of revision {revision or 'main'!r} in {cache}"
+            return CheckpointError(
+                f"subfolder={subfolder!r}: {_no_subfolder(snapshot, subfolder, label)}. Give the subfolder that holds "
+                "the checkpoint, or leave it out; "
+                f"if the repository has that subfolder, download it first (hf download {name} --include '{subfolder}/*'"
+                f"{f' --revision {revision}' if revision else ''}) or drop {off}."
+            )
         what, flag = (f"revision {revision!r}", f" --revision {revision}") if revision else ("it", "")
         return CheckpointError(
             f"{where}, and as a hub id {what} is not in {cache} while downloads are off ({off}): download it first "
@@ -304,6 +318,36 @@ def missing_checkpoint_error(name_or_path, hf_kwargs: dict, exc: Exception) -> C
         f"{where}, and the hub did not give it as a model id ({why}): check the id, the revision and the token "
         "(gated and private models need token=...)."
     )
+
+
+def _no_subfolder(root: str, subfolder: str, label: str | None = None) -> str:
+    """That `root` (`label`: what to call it) holds no `subfolder`/config.json, and where in it a config.json is."""
+    label = label or root
+    missing = (
+        f"{subfolder!r} holds no config.json" if os.path.isdir(os.path.join(root, subfolder)) else f"no subfolder {subfolder!r}"
+    )
+    found = []
+    for directory, subdirectories, files in os.walk(root, followlinks=True):
+        place = os.path.relpath(directory, root)
+        found += [place] if "config.json" in files else []
+        if place.count(os.sep) >= 1 and place != ".":  # two levels down at most: a checkpoint is not buried deeper
+            subdirectories.clear()
+    found.sort()
+    if not found:
+        return f"{label} has {missing}, and no config.json anywhere in it"
+    places = ", ".join("its top" if place == "." else repr(place) for place in found[:8])
+    return f"{label} has {missing}; it has a config.json at {places}"
+
+
+def _cached_snapshot(name: str, hf_kwargs: dict) -> str | None:
+    """The directory of hub id `name`'s revision in the local cache, or None where that revision is not there."""
+    from huggingface_hub import snapshot_download
+
+    kwargs = {k: hf_kwargs[k] for k in ("revision", "cache_dir") if hf_kwargs.get(k) is not None}
+    try:
+        return snapshot_download(name, local_files_only=True, **kwargs)
+    except Exception:  # not in the cache (LocalEntryNotFoundError), or no valid id
+        return None
 
 
 def _looks_like_hub_id(name: str) -> bool:

@@ -174,3 +174,31 @@ def test_a_repository_holding_one_file_and_an_index_streams_the_file_transformer
         with torch.no_grad():
             assert torch.equal(model(IDS).logits, expected)
         assert not any("index" in path for _, path in hub.requests)
+
+
+def test_a_missing_subfolder_is_named_with_the_folders_that_hold_a_checkpoint(tmp_path, monkeypatch):
+    """subfolder= naming a folder that a local checkpoint, or the cached snapshot of a hub id, lacks is a
+    CheckpointError naming it and where a config.json is, not a revision missing from the cache (whose download
+    would not help) nor transformers' complaint about a config without model_type."""
+    import shutil
+
+    from huggingface_hub import constants
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    AutoModelForCausalLM.from_config(make_config("mixtral")).save_pretrained(src)
+    shutil.copytree(src, src / "sub")
+    repo = tmp_path / "hub" / "models--org--tiny-moe"
+    shutil.copytree(src, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    for name, kw in [("org/tiny-moe", dict(cache_dir=str(tmp_path / "hub"))), (str(src), {})]:
+        with pytest.raises(CheckpointError) as info:
+            MiraMoEModel.from_pretrained(name, MiraConfig(device="cpu"), progress=False, subfolder="nope", **kw)
+        message = str(info.value)
+        assert "no subfolder 'nope'" in message and "config.json at its top, 'sub'" in message, message
+        assert "is not in" not in message and "\n" not in message
+    kw = dict(subfolder="sub", cache_dir=str(tmp_path / "hub"))
+    assert MiraMoEModel.from_pretrained("org/tiny-moe", MiraConfig(device="cpu"), progress=False, **kw).mira is not None

@@ -7,6 +7,7 @@ shard headers; and for a pre-quantized checkpoint, the keys of its quantized wei
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -388,10 +389,21 @@ def _match(index: ShardIndex, templates: tuple[str, ...], shape: tuple[int, ...]
     for t in templates:
         keys = [expert_key(t, templates, e) for e in range(E)] if "{e}" in t else [t]
         missing = [k for k in keys if k not in index.entries]
+        if missing and keys[0] in index.entries:  # this layout's tensors, some of them missing
+            held = len(keys) - len(missing)
+            if keys[held:] == missing:
+                return Damage(f"its config gives it {E} experts, but the checkpoint holds {held} ({t}: no {missing[0]})")
+            return Damage(f"no {missing[0]}, where the other experts' {t} tensors are there")
         if missing:
             return f"no {missing[0]}"
-        if len({index.entries[k].shape for k in keys}) != 1:
-            return f"the experts' {t} tensors differ in shape"
+        shapes = Counter(index.entries[k].shape for k in keys)
+        if len(shapes) != 1:
+            usual = shapes.most_common(1)[0][0]
+            odd = next(k for k in keys if index.entries[k].shape != usual)
+            return Damage(
+                f"{odd} in {index.entries[odd].file} has shape {list(index.entries[odd].shape)}, expected {list(usual)} "
+                f"as the other experts' {t} tensors have"
+            )
         for k in keys:
             entry = index.entries[k]
             piece = entry.shape if "{e}" in t else expert_rows(entry.shape, (E, *shape))
@@ -406,6 +418,12 @@ def _match(index: ShardIndex, templates: tuple[str, ...], shape: tuple[int, ...]
     if rows != shape[0]:
         return f"{list(templates)} give {rows} rows, expected {shape[0]}"
     return None
+
+
+class Damage(str):
+    """What `_match` found wrong with tensors that are where a layout says, which no layout explains: experts of one
+    tensor in different shapes (a damaged or mis-converted file), or fewer experts than the config gives. (Tensors
+    that all have a shape the model does not expect may be another layout's, which a table may yet add.)"""
 
 
 def plan_keys(
@@ -423,7 +441,7 @@ def plan_keys(
         candidates = key_candidates(adapter, model, index, modules, key_mapping)
     plan = {}
     for name, tensors in modules.items():
-        problems = []
+        problems, damage = [], None
         for label, keys in candidates:
             found, problem = {}, None
             for tensor, meta in tensors.items():
@@ -439,7 +457,14 @@ def plan_keys(
                 plan[name] = found
                 break
             problems.append(f"{label}: {problem}")
+            damage = damage or (problem if isinstance(problem, Damage) else None)
         else:
+            if damage is not None:  # loading the whole checkpoint would not help: say what is wrong with it
+                raise CheckpointError(
+                    f"{index.where}: the experts of {name} do not fit the model its config.json builds: {damage}. A "
+                    "damaged or mis-converted file, or another config.json than these weights were saved with: copy the "
+                    "checkpoint again, or give the config.json they were saved with (nothing was loaded)."
+                )
             raise NotStreamable(f"the experts of {name} are not where mira-hf looks for them ({'; '.join(problems)})")
     return plan
 

@@ -3,6 +3,7 @@ memory bounded by the non-expert weights plus host_budget, and clear errors for 
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -216,6 +217,42 @@ def test_an_expert_past_the_configs_count_is_refused_before_loading(tiny_checkpo
     with pytest.raises(CheckpointError, match=says):
         MiraMoEModel.from_pretrained(tmp_path / "ckpt", cfg, progress=False, **kw)
     assert "experts" not in order and not (tmp_path / "off").exists()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(host_budget="1MB"), dict(output_router_logits=False)],  # the last: the model built first (no skeleton)
+    ids=["stream_experts", "host_budget", "model_first"],
+)
+@pytest.mark.parametrize("damage", ["one expert mis-shaped", "config gives more experts"])
+def test_experts_that_do_not_fit_the_config_are_a_checkpoint_error_naming_the_tensor(tiny_checkpoint, tmp_path, kw, damage):
+    """One expert's tensor of another shape than the others' (a damaged or mis-converted shard), or a config giving a
+    layer more experts than the checkpoint holds: a CheckpointError naming the key, its shape against the one expected
+    and its file (or the count of experts held), before any expert is read. Not a layout mira-hf does not support
+    (registering an adapter would not help), nor a fallback to the whole load, nor a memory problem."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_checkpoint("mixtral"), tmp_path / "ckpt")
+    file = tmp_path / "ckpt" / "model.safetensors"
+    key = "model.layers.1.block_sparse_moe.experts.3.w1.weight"
+    if damage == "one expert mis-shaped":
+        weights = load_file(file)
+        shape = list(weights[key].shape)
+        weights[key] = weights[key].reshape(shape[0] // 2, shape[1] * 2).contiguous()  # a mis-converted tensor
+        save_file(weights, file, metadata={"format": "pt"})
+        bad = [shape[0] // 2, shape[1] * 2]
+        says = rf"{re.escape(key)} in {re.escape(str(file))} has shape {re.escape(str(bad))}, expected {re.escape(str(shape))}"
+    else:
+        config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+        config["num_local_experts"] = 9
+        (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+        says = r"config gives it 9 experts, but the checkpoint holds 8 \(.*no model\.layers\.0\.block_sparse_moe\.experts\.8\.w1"
+    host_budget = kw.pop("host_budget", None)
+    disk = dict(host_budget=host_budget, offload_dir=str(tmp_path / "off")) if host_budget else {}
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=STREAM if not host_budget else LoaderConfig(), **disk)
+    with pytest.raises(CheckpointError, match=says):
+        MiraMoEModel.from_pretrained(tmp_path / "ckpt", cfg, progress=False, **kw)
+    assert not (tmp_path / "off").exists()
 
 
 # -- peak host memory ---------------------------------------------------------------------------------------

@@ -235,7 +235,7 @@ def streaming_index(
     stream_experts: bool | None,
     host_budget_set: bool,
     encoded: bool = False,
-    quantization_config: dict | None = None,
+    config_json: dict | None = None,
 ) -> tuple[ShardIndex | None, bool, dict]:
     """Whether the experts are streamed: (the checkpoint's `ShardIndex` if so, else None; whether streaming is
     wanted, so that `load_model` warns or raises where it proves impossible; the keywords transformers then
@@ -243,23 +243,28 @@ def streaming_index(
     that each is downloaded once per load, as transformers' own load does).
 
     Streaming is used when `stream_experts` is True, or when it is None (auto) and a host budget is set,
-    the checkpoint is larger than the available host memory or it is pre-quantized in a format served in
+    the checkpoint, loaded in the dtype it is loaded in (`loaded_bytes`), is larger than the available host memory
+    or it is pre-quantized in a format served in
     its own bytes (`native_codec_name`). When it is wanted but impossible (or the checkpoint is quantized
     in another format), the model is loaded whole with a warning, unless the user asked for streaming
     explicitly (`UnsupportedModelError`) or the checkpoint does not fit in host memory (`BudgetError`),
-    both raised before any weight is read. `quantization_config` is config.json's. `encoded`: the experts
+    both raised before any weight is read. `config_json`: the checkpoint's config.json. `encoded`: the experts
     will be encoded into records (or read from the record cache), so the model never needs them: streamed
     whenever the checkpoint allows, else loaded whole without a warning.
     """
     if stream_experts is False:
         return None, False, hf_kwargs
+    config_json = config_json or {}
+    quantization_config = config_json.get("quantization_config")
     wanted = bool(stream_experts) or host_budget_set
     try:
         native = native_codec_name(quantization_config)
         index = ShardIndex.find(name_or_path, hf_kwargs)
         fetched = {k: v for k, v in hf_kwargs.items() if k != "force_download"}
         available = available_host_bytes()
-        wanted = wanted or native is not None or (available is not None and index.nbytes > available)
+        stored = load_dtype(config_json.get("dtype") or config_json.get("torch_dtype"))
+        too_large = available is not None and index.loaded_nbytes(load_dtype(hf_kwargs.get("dtype"), stored), stored) > available
+        wanted = wanted or native is not None or too_large
         if wanted or encoded:
             return index, wanted, fetched
         if hf_kwargs.get("force_download"):  # loaded whole: transformers reads the shards once all are downloaded
@@ -269,6 +274,16 @@ def streaming_index(
         if wanted or quantization_config is not None:
             _cannot_stream(name_or_path, exc, None, bool(stream_experts))
     return None, wanted, hf_kwargs
+
+
+def load_dtype(dtype, config_dtype: torch.dtype | None = None) -> torch.dtype | None:
+    """The dtype transformers loads floating-point weights in, given from_pretrained's `dtype` (a dtype or its name):
+    config.json's (`config_dtype`) under "auto"; None where each weight keeps its own (no dtype in config.json, or
+    one per sub-model)."""
+    dtype = config_dtype if dtype in (None, "auto") else dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
 def load_model(
@@ -457,7 +472,8 @@ def load_without_experts(
             else:
                 keys, native_keys, codec = plan_native_keys(native, quantization, adapter, model, modules, index)
         except NotStreamable as exc:
-            _cannot_stream(name_or_path, exc, index.nbytes, explicit)
+            dtype = load_dtype(hf_kwargs.get("dtype"), load_dtype(getattr(config, "dtype", None)))
+            _cannot_stream(name_or_path, exc, index.loaded_nbytes(dtype), explicit)  # loaded whole, dequantized
             return
         for name, module in found:
             for n in modules[name]:
@@ -655,7 +671,8 @@ def _cannot_stream(name_or_path, why: NotStreamable, nbytes: int | None, explici
     if nbytes is not None and available is not None and nbytes > available:
         raise BudgetError(
             f"the experts of {name_or_path!s} cannot be read one at a time ({reason}), and loading the whole "
-            f"checkpoint ({nbytes:,} bytes) needs more host memory than is available ({available:,} bytes). "
+            f"checkpoint ({nbytes:,} bytes in the dtype it is loaded in) needs more host memory than is available "
+            f"({available:,} bytes). "
             f"Free host memory, or {why.remedy}."
         )
     warnings.warn(

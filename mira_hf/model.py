@@ -146,7 +146,6 @@ class MiraMoEModel:
             if hf_kwargs.get("dtype") is None:
                 hf_kwargs["dtype"] = torch_dtype
         hf_kwargs.setdefault("dtype", "auto")
-        quantization_config = config_dict.get("quantization_config")
         with _checkpoint_errors(name_or_path):
             index, wanted, hf_kwargs = streaming_index(
                 name_or_path,
@@ -155,7 +154,7 @@ class MiraMoEModel:
                 cfg.host_budget is not None,
                 # encoded records never need the experts in the model ("auto" encodes only on a GPU)
                 encoded=cfg.quantization not in (None, "auto") or (cfg.quantization == "auto" and device.type == "cuda"),
-                quantization_config=quantization_config,
+                config_json=config_dict,
             )
         loaded = {}
 

@@ -24,8 +24,19 @@ if TYPE_CHECKING:
     from .targets import Target
 
 
+_PROC_CGROUP = "/proc/self/cgroup"
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_UNLIMITED = 2**62  # cgroup v1 writes "no limit" as the largest page-aligned int64
+
+
 def available_host_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), or None where unknown."""
+    """Host memory this process can still take: MemAvailable from /proc/meminfo (Linux), or what its memory cgroup
+    leaves where that is less (a container's limit: `cgroup_room`); None where neither is known."""
+    known = [n for n in (_mem_available(), cgroup_room()) if n is not None]
+    return min(known) if known else None
+
+
+def _mem_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -34,6 +45,62 @@ def available_host_bytes() -> int | None:
     except OSError:
         pass
     return None
+
+
+def cgroup_room() -> int | None:
+    """Bytes the memory cgroups of this process (its own and each above it) still allow, the least of them: each
+    limit less its usage, with the inactive file pages counted as room (page cache the kernel reclaims before it
+    kills); None where no limit is set. cgroup v2: `memory.max`, `memory.current`; v1: `memory.limit_in_bytes`,
+    `memory.usage_in_bytes`."""
+    try:
+        with open(_PROC_CGROUP) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy
+            rooms += _rooms(_CGROUP_ROOT, path, "memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            base = os.path.join(_CGROUP_ROOT, "memory")
+            rooms += _rooms(base, path, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    return min(rooms) if rooms else None
+
+
+def _rooms(base: str, path: str, limit_file: str, usage_file: str, inactive: str) -> list[int]:
+    """The room under each limit set from the group at `path` of the hierarchy mounted at `base` up to its root. (In
+    a container the hierarchy's root is the container's own group, whatever `path` says: a group not there is
+    skipped.)"""
+    rooms, directory = [], os.path.normpath(os.path.join(base, path.strip("/")))
+    while True:
+        limit = _read_int(os.path.join(directory, limit_file))
+        usage = _read_int(os.path.join(directory, usage_file))
+        if limit is not None and limit < _UNLIMITED and usage is not None:
+            rooms.append(max(0, limit - usage + _stat(os.path.join(directory, "memory.stat"), inactive)))
+        if len(directory) <= len(base):
+            return rooms
+        directory = os.path.dirname(directory)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):  # not there, or "max" (v2's no limit)
+        return None
+
+
+def _stat(path: str, key: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def budget_fraction(budget) -> float | None:

@@ -6,6 +6,7 @@ shape, dtype and byte offset, from the shard headers (`ShardIndex`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -129,6 +130,27 @@ class ShardIndex:
         if self._total_size is not None and not self.all_arrived():
             return self._total_size
         return sum(os.path.getsize(p) for p in self.files)
+
+    def loaded_nbytes(self, dtype: torch.dtype | None, stored: torch.dtype | None = None) -> int:
+        """Host bytes the checkpoint's tensors take once loaded with their floating-point ones in `dtype` (None: each in
+        its own), as transformers loads them whole: a bf16 checkpoint loaded in float32 takes twice its files, FP8
+        weights dequantized take their values in `dtype`, MXFP4 blocks (`*_blocks`, two values a byte) unpacked too.
+        While shards still arrive (their headers unread), the index's total scaled from `stored` (config.json's dtype)."""
+        if dtype is None:
+            return self.nbytes
+        if not self.all_arrived():
+            known = stored is not None and stored.is_floating_point
+            return self.nbytes * dtype.itemsize // stored.itemsize if known else self.nbytes
+        total = 0
+        for key, entry in self.entries.items():
+            numel = math.prod(entry.shape)
+            if entry.dtype is not None and entry.dtype.is_floating_point:
+                total += numel * dtype.itemsize
+            elif entry.dtype == torch.uint8 and key.endswith("_blocks"):
+                total += 2 * numel * dtype.itemsize
+            else:
+                total += numel * (entry.dtype.itemsize if entry.dtype is not None else 1)
+        return total
 
     @property
     def download_s(self) -> float:

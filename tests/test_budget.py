@@ -285,3 +285,32 @@ def test_experts_of_several_sizes_run_exactly_at_any_budget_from_the_minimum(sha
             BudgetError, match=f"this model: {minimum:,} bytes \\(the top-k experts of one layer of each of its 3"
         ):
             MiraMoEModel.wrap(copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=minimum - 1))
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_available_host_memory_is_what_the_memory_cgroup_leaves_where_that_is_less(tmp_path, monkeypatch, version):
+    """In a container (a memory cgroup with a limit), the host memory a load may take is the limit less the group's
+    usage (its inactive file pages counted as room), where that is less than the machine's MemAvailable: the
+    store's memory check refuses what the cgroup's OOM killer would end, not only what the machine cannot hold.
+    The least room under any limit from the process's group up to the root counts; a group without a limit none."""
+    from mira_hf import resources
+
+    group = tmp_path / ("memory" if version == "v1" else "") / "job" / "task"
+    group.mkdir(parents=True)
+    names = (
+        ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        if version == "v1"
+        else ("memory.max", "memory.current", "inactive_file")
+    )
+    (group / names[0]).write_text("3000000\n")
+    (group / names[1]).write_text("2500000\n")
+    (group / "memory.stat").write_text(f"active_file 7\n{names[2]} 400000\n")
+    (group.parent / names[0]).write_text("max\n" if version == "v2" else f"{2**63 - 4096}\n")  # no limit above
+    (group.parent / names[1]).write_text("9000000\n")
+    (tmp_path / "cgroup").write_text("0::/job/task\n" if version == "v2" else "4:memory:/job/task\n0::/\n")
+    monkeypatch.setattr(resources, "_PROC_CGROUP", str(tmp_path / "cgroup"))
+    monkeypatch.setattr(resources, "_CGROUP_ROOT", str(tmp_path))
+    assert resources.cgroup_room() == 3000000 - 2500000 + 400000
+    assert resources.available_host_bytes() == 900000  # the machine has more
+    (group / names[0]).write_text("max\n" if version == "v2" else f"{2**63 - 4096}\n")
+    assert resources.cgroup_room() is None and resources.available_host_bytes() > 900000

@@ -395,6 +395,48 @@ def test_checkpoint_larger_than_available_memory_streams_without_host_budget(tin
     assert calls == [1]
 
 
+def test_a_checkpoint_that_fits_only_in_its_own_dtype_streams_when_loaded_in_a_wider_one(tiny_checkpoint, tmp_path, monkeypatch):
+    """Whether the checkpoint fits in host memory is judged by the bytes it takes in the dtype it is loaded in, not by
+    its files' size: a bf16 checkpoint loaded with dtype=float32 takes twice its files. Where available memory lies
+    between the two it streams (as one larger than memory does), instead of being loaded whole and running out."""
+    from transformers import AutoModelForCausalLM
+
+    import mira_hf.checkpoint as checkpoint
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(make_config("mixtral")).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    files = sum(f.stat().st_size for f in (tmp_path / "bf16").glob("*.safetensors"))
+    order = _record_order(monkeypatch)
+    monkeypatch.setattr(checkpoint, "available_host_bytes", lambda: files * 3 // 2)
+    _load(tmp_path / "bf16", LoaderConfig(), dtype=torch.bfloat16)
+    assert "model" not in order  # fits in its own dtype: the ordinary load (no model loaded without its experts)
+    order.clear()
+    model = _load(tmp_path / "bf16", LoaderConfig(), dtype=torch.float32)
+    assert order == ["experts"] * len(model.mira.store.layers) + ["model"]  # streamed
+    assert model.mira.store.dtype(0) == torch.float32
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, _load(tmp_path / "bf16", WHOLE, dtype=torch.float32)(IDS).logits)
+
+
+def test_a_checkpoint_that_cannot_stream_is_refused_by_its_size_in_the_dtype_it_is_loaded_in(
+    tmp_path, monkeypatch, wrong_mixtral_table
+):
+    """A checkpoint whose experts cannot be read one at a time is loaded whole where it fits in host memory: judged by
+    its bytes in the dtype it is loaded in (a bf16 checkpoint in float32: twice its files), else BudgetError."""
+    from transformers import AutoModelForCausalLM
+
+    import mira_hf.checkpoint as checkpoint
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(make_config("mixtral")).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    files = sum(f.stat().st_size for f in (tmp_path / "bf16").glob("*.safetensors"))
+    monkeypatch.setattr(checkpoint, "available_host_bytes", lambda: files * 3 // 2)
+    with pytest.raises(BudgetError, match="loading the whole checkpoint .* in the dtype it is loaded in"):
+        _load(tmp_path / "bf16", LoaderConfig(), dtype=torch.float32, host_budget="10MB", offload_dir=str(tmp_path / "off"))
+    with pytest.warns(UserWarning, match="cannot be read one at a time"):
+        _load(tmp_path / "bf16", LoaderConfig(), dtype=torch.bfloat16, host_budget="10MB", offload_dir=str(tmp_path / "off"))
+
+
 def test_hub_id_in_the_local_cache_streams(tiny_checkpoint, tmp_path):
     repo = tmp_path / "hub" / "models--mira--tiny-mixtral"
     snapshot = repo / "snapshots" / ("0" * 40)

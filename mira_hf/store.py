@@ -405,7 +405,7 @@ class ExpertStore:
             self._readers.pop()()
         expert = self._rewritten(layer, fused, dtype)
         E = self.num_experts(layer)
-        if _rewrite_kind(old, dtype, layout, fused) == "in place":
+        if dtype == old.dtype and layout == old.layout:
             # each expert's tensors are read (expert(e)) before they are overwritten
             if not self.quantized:
                 for e in range(E):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -109,15 +110,17 @@ class ExpertManager(NotebookViews):
         self.telemetry = Telemetry()
         self.heat = HeatTracker({li.ordinal: li.num_experts for li in layers}, settings.heat)
         self.predictor_config = settings.predictor_config
-        self.staging = Staging(self, predictor, settings.predictor_config)
-        self.valuation = ExpectedDistance(self.heat, len(self.layers), lambda: self._last_layer, lambda: self.staging.layer_probs)
+        # The stages it owns read it back weakly, so that a dropped manager is freed at once (`mira_hf.weak`).
+        me = weakref.proxy(self)
+        self.staging = Staging(me, predictor, settings.predictor_config)
+        self.valuation = ExpectedDistance(self.heat, len(self.layers), lambda: me._last_layer, lambda: me.staging.layer_probs)
         self.steps_run = 0  # forward steps since wrapping: the policies' clock (`reset_stats` zeroes the telemetry's count)
         self._policy_context = PolicyContext(
             heat=self.heat,
             valuation=self.valuation,
-            predicted=lambda k: self.staging.predicted.get(k, 0.0),
-            step=lambda: self.steps_run,
-            cost=lambda k: self._cost[k[0]],
+            predicted=lambda k: me.staging.predicted.get(k, 0.0),
+            step=lambda: me.steps_run,
+            cost=lambda k: me._cost[k[0]],
         )
         self.host_only: frozenset[Key] = frozenset()  # experts that never keep a slot (set_host_only)
         self.recorder = None  # optional callable(layer, hidden [T,H], top_k_index [T,K]): traces, calibration

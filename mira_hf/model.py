@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import os
 import sys
-import types
 import warnings
 from collections.abc import Callable
 
@@ -47,16 +46,17 @@ from .state import install as install_state
 from .step_hooks import StepHooks
 from .store_build import StorePlan, build_router_predictor, fill_store, new_manager, plan_store, record_cache
 from .targets import (
+    RouterHash,
     Target,
     expert_specs,
     find_targets,
     model_fingerprint,
     own_classes_hint,
     resolve_adapter,
-    router_fields,
     sub_model_types,
 )
 from .unload import save_pretrained, unload
+from .weak import bound_weakly, weak_method
 
 
 class MiraMoEModel:
@@ -354,19 +354,26 @@ def _install(
     model._mira_config = user_cfg  # as given: wrapping again with it is a no-op
     model._mira_targets = targets
     model._mira_hooks = hooks
-    model.unload = types.MethodType(unload, model)
-    model.save_pretrained = types.MethodType(save_pretrained, model)
-    model.set_experts_implementation = types.MethodType(checked_set_experts_implementation, model)
+    # Bound weakly, as is every link from what the model owns back to it: `del model` frees it (`mira_hf.weak`).
+    model.unload = bound_weakly(unload, model)
+    model.save_pretrained = bound_weakly(save_pretrained, model)
+    model.set_experts_implementation = bound_weakly(checked_set_experts_implementation, model)
     # The experts as parameters (views of the store), and casts and moves that the store follows.
-    replan_model = functools.partial(replan, model, user_cfg, plan.layers, targets)
+    replan_model = functools.partial(bound_weakly(_replan, model), plan.layers)
     install_state(model, manager, proxies, {t.ordinal: t.parameter for t in targets}, replan_model)
-    steps.edited = manager.step_check = model._mira_state.edited  # experts changed in place reach what they compute
-    manager.router_fields = functools.partial(router_fields, targets)  # files saved later name the routers as they are then
+    steps.edited = model._mira_state.edited  # experts changed in place reach what they compute
+    manager.step_check = weak_method(model._mira_state.edited)
+    manager.router_fields = RouterHash(model)  # files saved later name the routers as they are then
     report.finish()
     model.mira_load_report = lambda: report
     if progress:  # the progress bars' last line: where the load's time went
         print(f"mira-hf: {report}", file=sys.stderr, flush=True)
     return model
+
+
+def _replan(model: nn.Module, layers, *args):
+    """`resources.replan` of the model with the config and targets it is wrapped with."""
+    return replan(model, model._mira_config, layers, model._mira_targets, *args)
 
 
 class _SkeletonDiffers(Exception):

@@ -35,6 +35,7 @@ from .layout import PackedWeights, decodes_exactly
 from .manager import ExpertManager
 from .ops import RefuseBackward, register
 from .state import proxy_apply
+from .weak import weak_method
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -126,7 +127,9 @@ class MiraExperts(nn.Module):
         raw = manager.store.raw_layout(layer)
         self._row_bytes = raw.payload_bytes  # one expert's weights, as batched_mm copies them
         fn, hidden = host_expert_math(self, raw)  # host_compute.py
-        manager.host.register(layer, self._host_part if manager.host.mode == "split" else fn, hidden)
+        fn = self._host_part if manager.host.mode == "split" else fn
+        # weakly: the manager's host path does not keep the model's proxies alive (`mira_hf.weak`)
+        manager.host.register(layer, None if fn is None else weak_method(fn), hidden)
         # transformers' flags of an experts module (`@use_experts_implementation`), where `base` has them: its
         # code finds experts modules, and reads their layout, by them (parallel plans, exporters, quantizers)
         for flag in TRANSFORMERS_FLAGS:

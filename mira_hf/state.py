@@ -23,8 +23,8 @@ and lets `fn` reach the other weights. A proxy never applies `fn` to its expert 
 
 from __future__ import annotations
 
-import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -40,6 +40,7 @@ from .normal_tensors import builds_normal_tensors
 from .quant.cast import widens
 from .step_hooks import on_stack
 from .store import own_storage
+from .weak import bound_weakly
 
 # (new record layouts by layer, uncompressed record bytes by layer, device) -> the slot plan there (raises BudgetError)
 Replan = Callable[[Mapping[int, object], Mapping[int, int], torch.device, Mapping[int, int]], BudgetPlan]
@@ -56,8 +57,9 @@ class ExpertState:
 
     def __init__(self, manager: ExpertManager, proxies: Mapping[int, nn.Module], replan: Replan) -> None:
         self.manager = manager
-        self.proxies = dict(proxies)
-        self.replan = replan
+        # weakly: the model holds its proxies, and each proxy this state (`mira_hf.weak`)
+        self.proxies: Mapping[int, nn.Module] = weakref.WeakValueDictionary(proxies)
+        self.replan = replan  # holds the model weakly too
         self.applying = False  # a cast or move of the whole model is under way (its proxies follow it)
         # each layer's expert parameters and their version counts when exposed (`edited`)
         self._paths: dict[int, list[str]] = {}  # where each watched parameter is on its proxy
@@ -587,7 +589,7 @@ def install(
     for module in model.modules():
         if id(module) not in served and any(id(m) in served for m in module.modules()):
             module._mira_state = state
-            module._apply = types.MethodType(_ancestor_apply, module)
+            module._apply = bound_weakly(_ancestor_apply, module)
 
 
 def uninstall(model: nn.Module) -> None:

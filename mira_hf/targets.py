@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -333,12 +334,39 @@ def model_fingerprint(model: nn.Module, targets: list[Target], specs: dict, rout
 def router_fields(targets: list[Target]) -> dict[str, str]:
     """The fingerprint's hash of the routers' weights as they are now (each MoE block's [E, ...] matrices beside its
     experts): {ROUTER_HASH: sha256}."""
+    return _router_hash(_router_weights(targets))
+
+
+def _router_weights(targets: list[Target]) -> list[torch.Tensor]:
+    return [
+        p
+        for t in targets
+        for name, p in sorted(t.parent.named_parameters())
+        if not name.startswith(t.attr + ".") and p.dim() == 2 and p.shape[0] == t.num_experts
+    ]
+
+
+def _router_hash(weights: list[torch.Tensor]) -> dict[str, str]:
     h = hashlib.sha256()
-    for t in targets:
-        for name, p in sorted(t.parent.named_parameters()):
-            if not name.startswith(t.attr + ".") and p.dim() == 2 and p.shape[0] == t.num_experts:
-                h.update(p.detach().float().cpu().numpy().tobytes())
+    for p in weights:
+        h.update(p.detach().float().cpu().numpy().tobytes())
     return {ROUTER_HASH: h.hexdigest()}
+
+
+class RouterHash:
+    """`router_fields` of a wrapped model for its manager (`ExpertManager.router_fields`), without keeping the model
+    alive (`mira_hf.weak`): read through the model while it is wrapped, else (unloaded, or dropped while its manager
+    is kept: `from_pretrained(...).mira.save_store(...)`) from the router weights it held when last read."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)
+        self._weights = _router_weights(model._mira_targets)
+
+    def __call__(self) -> dict[str, str]:
+        targets = getattr(self._model(), "_mira_targets", None)
+        if targets is not None:
+            self._weights = _router_weights(targets)
+        return _router_hash(self._weights)
 
 
 class RouterTable:
@@ -348,7 +376,7 @@ class RouterTable:
 
     def __init__(self, adapter: MoEAdapter, targets: list[Target]) -> None:
         self._adapter = adapter
-        self._blocks = {t.ordinal: t.parent for t in targets}
+        self._blocks = {t.ordinal: weakref.ref(t.parent) for t in targets}  # the model's, held weakly (`mira_hf.weak`)
         # The width of each layer's experts' input rows (`FusedExperts.hidden_width`): the hidden states a predictor
         # sees there. A router may read a wider state (Muse Spark projects the hidden state down before its experts),
         # or another stack's (a vision encoder's experts beside the text's).
@@ -372,7 +400,7 @@ class RouterTable:
         """`layer`'s router as one linear map, or None where it is not one or reads other states than the
         experts' input rows."""
         if layer not in self._linear:
-            linear = self._adapter.router_linear(self._blocks[layer])
+            linear = self._adapter.router_linear(self._blocks[layer]())
             self._linear[layer] = None if linear is None or linear.weight.shape[1] != self._width[layer] else linear
         return self._linear[layer]
 

@@ -20,7 +20,7 @@ def warn_if_lossy(manager: ExpertManager, what: str) -> None:
         warnings.warn(
             f"the experts are stored as {manager.store.codec.name}: {what} their dequantized values, not the "
             "checkpoint's. Load the model again without quantization for the original weights.",
-            stacklevel=3,
+            stacklevel=4,  # the user's call: through model.unload() (`mira_hf.weak`) or MiraMoEModel.unload()
         )
 
 

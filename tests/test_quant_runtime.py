@@ -182,7 +182,8 @@ def test_save_store_of_uncompressed_experts_says_which_formats_it_saves(tmp_path
     with pytest.raises(ConfigError, match=r"uncompressed \(quantization=None\).*nothing to save.*'lossless', 'int8', 'int4'"):
         _model(None).mira.save_store(tmp_path / "store")
     with pytest.raises(ConfigError, match="host_compute='split' the store holds each expert's device part only"):
-        MiraMoEModel.wrap(_model(None).unload(), MiraConfig(device="cpu", host_compute="split")).mira.save_store(tmp_path)
+        model = _model(None)  # held: a method of a wrapped model does not keep it alive (`del model` frees it)
+        MiraMoEModel.wrap(model.unload(), MiraConfig(device="cpu", host_compute="split")).mira.save_store(tmp_path)
     assert not (tmp_path / "store").exists()
 
 

@@ -251,6 +251,30 @@ def test_telemetry_and_predictor_state_stay_bounded(tiny_checkpoint):
     assert all(len(w) <= w.maxlen for w in m.predictor.position._window.values())
 
 
+@pytest.mark.parametrize("settings", [{}, {"host_compute": "on"}, {"predictor": "hybrid", "policy": "lru"}])
+def test_a_dropped_model_is_freed_at_once(tiny_checkpoint, settings):
+    """`del model` frees a wrapped model, its manager and its store by reference counting alone, as it frees the
+    unwrapped model (a notebook reloading a model in a loop gets its host memory back), and the host worker ends."""
+    import gc
+    import weakref
+
+    model = _wrapped(tiny_checkpoint("mixtral"), **settings)
+    before = set(threading.enumerate())
+    model.generate(PROMPT, **GEN)
+    started = [t for t in threading.enumerate() if t not in before]
+    assert started if settings.get("host_compute") == "on" else True  # the host worker
+    refs = [weakref.ref(model), weakref.ref(model.mira), weakref.ref(model.mira.store)]
+    gc.disable()
+    try:
+        del model
+        assert [r() is None for r in refs] == [True, True, True]
+    finally:
+        gc.enable()
+    for t in started:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in started)
+
+
 def test_no_code_path_unpickles_user_files():
     """Weights, predictors, traces and stats are safetensors or JSON: no torch.load, no pickle."""
     root = pathlib.Path(__file__).resolve().parent.parent

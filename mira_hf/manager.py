@@ -812,7 +812,9 @@ class ExpertManager(NotebookViews):
         self.store.save(directory, self.fingerprint)
 
     def close(self) -> None:
-        """Release the device arena (after unload): no slot is left, so no expert is on the device (`stats()`)."""
+        """Release the device arena (after unload): no slot is left, so no expert is on the device (`stats()`); the
+        host worker thread ends."""
         self.loader.synchronize()
         self.arena.close()
         self.cache = ExpertCache({}, {})
+        self.host.close()

@@ -396,6 +396,22 @@ def test_dropping_a_model_frees_its_store_and_host_worker():
         assert not t.is_alive()
 
 
+def test_unload_ends_the_host_worker():
+    """`unload()` gives back an ordinary model: the host worker thread ends with it, even while the manager is kept
+    (its `stats()` are read after unloading)."""
+    model = _forced(_tiny())
+    with torch.no_grad():
+        model(IDS)  # the worker has run
+    manager = model.mira
+    workers = list(manager.host._pool._threads)
+    assert workers
+    model.unload()
+    for t in workers:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in workers)
+    assert manager.stats()["host_computed"] > 0
+
+
 def test_the_host_worker_leaves_the_thread_count_of_threads_started_later_alone():
     """The worker runs with threads of its own (all cores but one); a thread the user starts afterwards (a server's
     request thread) still gets the process's count, so it computes as fast and with the same bits as before."""

@@ -43,6 +43,7 @@ from .proxy import proxy_for
 from .resources import replan
 from .shards import NotStreamable, ShardIndex, missing_checkpoint_error
 from .state import install as install_state
+from .state import uninstall as uninstall_state
 from .step_hooks import StepHooks
 from .store_build import StorePlan, build_router_predictor, fill_store, new_manager, plan_store, record_cache
 from .targets import (
@@ -55,7 +56,7 @@ from .targets import (
     resolve_adapter,
     sub_model_types,
 )
-from .unload import save_pretrained, unload
+from .unload import forget_wrapping, put_back_module, save_pretrained, unload
 from .weak import bound_weakly, weak_method
 
 
@@ -231,10 +232,16 @@ class MiraMoEModel:
             plan.close()
             raise
         # on failure the model is as it was
-        manager = fill_store(
-            plan, targets, streamed, progress, lambda: new_manager(plan, device, router_probs, predictor, fingerprint)
+        wrapped = fill_store(
+            plan,
+            targets,
+            streamed,
+            progress,
+            lambda: _install(
+                model, cfg, plan, adapter, targets, new_manager(plan, device, router_probs, predictor, fingerprint), device
+            ),
         )
-        return _install(model, cfg, plan, adapter, targets, manager, device, report, progress)
+        return _loaded(wrapped, report, progress)
 
     @staticmethod
     def _wrap_arriving(
@@ -265,9 +272,8 @@ class MiraMoEModel:
         targets = find_targets(skeleton, adapter, early.meta)
         check_model_implementations(skeleton)
         shape = model_fingerprint(skeleton, targets, expert_specs(targets), routers=False)
-        loaded = {}
 
-        def finish() -> ExpertManager:
+        def finish() -> nn.Module:
             with report.span("model"), _checkpoint_errors(name_or_path):
                 model, streamed = load()
             if streamed is None or not early.same_as(streamed):
@@ -275,8 +281,7 @@ class MiraMoEModel:
             streamed.close()
             with warnings.catch_warnings():  # what the skeleton's targets said (an adapter found automatically)
                 warnings.simplefilter("ignore")
-                loaded["targets"] = found = find_targets(model, adapter, streamed.meta)
-            loaded["model"] = model
+                found = find_targets(model, adapter, streamed.meta)
             check_model_implementations(model)
             fingerprint = model_fingerprint(model, found, plan.specs)
             router_probs, predictor = build_router_predictor(plan, model, adapter, found, fingerprint)
@@ -284,11 +289,13 @@ class MiraMoEModel:
                 plan.cache = record_cache(plan.cfg, plan.codec, fingerprint, early, plan.specs)
                 if plan.cache is not None:
                     plan.cache.report = report
-            return new_manager(plan, device, router_probs, predictor, fingerprint)
+            return _install(
+                model, cfg, plan, adapter, found, new_manager(plan, device, router_probs, predictor, fingerprint), device
+            )
 
         try:
             plan = plan_store(skeleton, cfg, device, adapter, targets, early, progress, report, shape)
-            manager = fill_store(plan, targets, early, progress, finish)
+            model = fill_store(plan, targets, early, progress, finish)
         except NotStreamable:  # a module's experts are not where the shards say: the ordinary load says why
             early.close()
             return None
@@ -296,7 +303,7 @@ class MiraMoEModel:
             return MiraMoEModel._wrap(differs.model, cfg, device, progress, differs.streamed, report)
         if index.download_s:
             report.add("download", index.download_s)
-        return _install(loaded["model"], cfg, plan, adapter, loaded["targets"], manager, device, report, progress)
+        return _loaded(model, report, progress)
 
     @staticmethod
     def unload(model: nn.Module) -> nn.Module:
@@ -329,41 +336,52 @@ def _install(
     targets: list[Target],
     manager: ExpertManager,
     device: torch.device,
-    report: LoadReport,
-    progress: bool,
 ) -> nn.Module:
     """Swap each experts module for its proxy on its parent, move the rest of the model to `device`, and
-    bind the per-instance hooks and methods that `unload()` removes again."""
-    proxies = []
-    for t in targets:
-        proxies.append(proxy_for(adapter, t.module, manager, t.ordinal, plan.cfg.cache.prefill_block_tokens))
-        setattr(t.parent, t.attr, proxies[-1])
-    model.to(device)
-    # Per-instance hooks mark forward steps (the heat clock, serialised threads); always_call
-    # releases the step even when the forward raises, so an interrupted generate leaves no lock.
-    steps = StepHooks(manager)
-    hooks = tuple(
-        hook
-        for m in _called_in_its_place(model, proxies)
-        for hook in (
-            m.register_forward_pre_hook(steps.before, with_kwargs=True),
-            m.register_forward_hook(steps.after, always_call=True),
-        )
-    )
-    model.mira = manager
-    model._mira_config = user_cfg  # as given: wrapping again with it is a no-op
-    model._mira_targets = targets
-    model._mira_hooks = hooks
-    # Bound weakly, as is every link from what the model owns back to it: `del model` frees it (`mira_hf.weak`).
-    model.unload = bound_weakly(unload, model)
-    model.save_pretrained = bound_weakly(save_pretrained, model)
-    model.set_experts_implementation = bound_weakly(checked_set_experts_implementation, model)
-    # The experts as parameters (views of the store), and casts and moves that the store follows.
-    replan_model = functools.partial(bound_weakly(_replan, model), plan.layers)
-    install_state(model, manager, proxies, {t.ordinal: t.parameter for t in targets}, replan_model)
-    steps.edited = model._mira_state.edited  # experts changed in place reach what they compute
-    manager.step_check = weak_method(model._mira_state.edited)
-    manager.router_fields = RouterHash(model)  # files saved later name the routers as they are then
+    bind the per-instance hooks and methods that `unload()` removes again. On any exception (the device out of
+    memory while the rest moves, a KeyboardInterrupt) every step done is undone, last first, and `manager` closed,
+    before it propagates; the caller gives the experts back (`fill_store`)."""
+    where = next((p.device for p in model.parameters()), torch.device("cpu"))  # the experts are out of the model
+    with contextlib.ExitStack() as undo:
+        undo.callback(manager.close)
+        proxies = []
+        for t in targets:
+            proxies.append(proxy_for(adapter, t.module, manager, t.ordinal, plan.cfg.cache.prefill_block_tokens))
+            undo.callback(put_back_module, t, proxies[-1])
+            setattr(t.parent, t.attr, proxies[-1])
+        undo.callback(model.to, where)
+        model.to(device)
+        # Per-instance hooks mark forward steps (the heat clock, serialised threads); always_call
+        # releases the step even when the forward raises, so an interrupted generate leaves no lock.
+        steps = StepHooks(manager)
+        hooks = []
+        for m in _called_in_its_place(model, proxies):
+            hooks.append(m.register_forward_pre_hook(steps.before, with_kwargs=True))
+            undo.callback(hooks[-1].remove)
+            hooks.append(m.register_forward_hook(steps.after, always_call=True))
+            undo.callback(hooks[-1].remove)
+        undo.callback(forget_wrapping, model)
+        model.mira = manager
+        model._mira_config = user_cfg  # as given: wrapping again with it is a no-op
+        model._mira_targets = targets
+        model._mira_hooks = tuple(hooks)
+        # Bound weakly, as is every link from what the model owns back to it: `del model` frees it (`mira_hf.weak`).
+        model.unload = bound_weakly(unload, model)
+        model.save_pretrained = bound_weakly(save_pretrained, model)
+        model.set_experts_implementation = bound_weakly(checked_set_experts_implementation, model)
+        # The experts as parameters (views of the store), and casts and moves that the store follows.
+        replan_model = functools.partial(bound_weakly(_replan, model), plan.layers)
+        install_state(model, manager, proxies, {t.ordinal: t.parameter for t in targets}, replan_model)
+        undo.callback(uninstall_state, model)
+        steps.edited = model._mira_state.edited  # experts changed in place reach what they compute
+        manager.step_check = weak_method(model._mira_state.edited)
+        manager.router_fields = RouterHash(model)  # files saved later name the routers as they are then
+        undo.pop_all()
+    return model
+
+
+def _loaded(model: nn.Module, report: LoadReport, progress: bool) -> nn.Module:
+    """The wrapped model, its load's report finished (`model.mira_load_report()`) and printed with `progress`."""
     report.finish()
     model.mira_load_report = lambda: report
     if progress:  # the progress bars' last line: where the load's time went

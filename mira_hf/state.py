@@ -216,7 +216,7 @@ class ExpertState:
             self.write(layer, fused)
 
     def hide(self, proxy: nn.Module) -> None:
-        for path in self._paths[proxy.layer]:
+        for path in self._paths.get(proxy.layer, ()):  # none where `install` stopped before exposing them
             proxy.experts_layout.pop(proxy, path)
         proxy.restore_owners()
         for table in (self._watched, self._paths, self._entries, self._module_links, self._seen):
@@ -578,33 +578,41 @@ def install(
 ) -> None:
     """Give each proxy its expert parameters and state-dict hook, and the model and every module above a
     proxy an `_apply` of their own (per instance), so that a cast or move from any of them is served or refused
-    before it changes anything."""
+    before it changes anything. On an exception (a KeyboardInterrupt included) what it did is undone first."""
     state = ExpertState(manager, {p.layer: p for p in proxies}, replan)
-    for proxy in proxies:
-        object.__setattr__(proxy, "_mira_state", state)  # shared, not a submodule
-        state.expose(proxy, parameters[proxy.layer])
-        proxy._mira_hook = proxy.register_state_dict_post_hook(_unwrapped_names)
-        proxy._mira_load_hook = proxy.register_load_state_dict_post_hook(_missing_once)
-    served = {id(p) for p in proxies}
-    for module in model.modules():
-        if id(module) not in served and any(id(m) in served for m in module.modules()):
-            module._mira_state = state
-            module._apply = bound_weakly(_ancestor_apply, module)
+    try:
+        for proxy in proxies:
+            object.__setattr__(proxy, "_mira_state", state)  # shared, not a submodule
+            state.expose(proxy, parameters[proxy.layer])
+            proxy._mira_hook = proxy.register_state_dict_post_hook(_unwrapped_names)
+            proxy._mira_load_hook = proxy.register_load_state_dict_post_hook(_missing_once)
+        served = {id(p) for p in proxies}
+        for module in model.modules():
+            if id(module) not in served and any(id(m) in served for m in module.modules()):
+                module._mira_state = state
+                module._apply = bound_weakly(_ancestor_apply, module)
+    except BaseException:
+        _uninstall(model, state)
+        raise
 
 
 def uninstall(model: nn.Module) -> None:
-    """Undo `install` (for `unload`)."""
-    state: ExpertState = model._mira_state
+    """Undo `install` (for `unload`, and a wrap that fails after it)."""
+    _uninstall(model, model._mira_state)
+
+
+def _uninstall(model: nn.Module, state: ExpertState) -> None:
+    """Undo what `install` did with `state`, all of it or the part done before an exception."""
     for module in model.modules():
         if module.__dict__.get("_mira_state") is state:
             del module.__dict__["_mira_state"]
             module.__dict__.pop("_apply", None)
     for proxy in state.proxies.values():
         state.hide(proxy)
-        proxy._mira_hook.remove()
-        proxy._mira_load_hook.remove()
-        proxy.__dict__.pop("_mira_hook", None)
-        proxy.__dict__.pop("_mira_load_hook", None)
+        for name in ("_mira_hook", "_mira_load_hook"):
+            handle = proxy.__dict__.pop(name, None)
+            if handle is not None:
+                handle.remove()
         proxy.__dict__.pop("_mira_state", None)
 
 

@@ -13,6 +13,7 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -46,6 +47,8 @@ from .saved_store import STORE_HEADER, CorruptStoreError, SavedStore
 from .settings import ManagerSettings
 from .store import ExpertStore, codec_spec
 from .targets import ROUTER_HASH, RouterTable, Target, expert_specs
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -215,11 +218,12 @@ def fill_store(
     targets: list[Target],
     streamed: StreamedExperts | None,
     progress: bool,
-    finish: Callable[[], ExpertManager],
-) -> ExpertManager:
-    """Store every layer's experts, then `finish()`: the manager over them. Experts taken from the model leave
-    it layer by layer; if anything fails (in `finish` too), the model gets them back untouched and the error
-    propagates."""
+    finish: Callable[[], T],
+) -> T:
+    """Store every layer's experts, then `finish()`: the manager over them, installed in the model (the model's own
+    copies of the experts are dropped only once it returns). Experts taken from the model leave it layer by layer; if
+    anything fails (in `finish` too, which undoes its own part first), the model gets them back untouched and the
+    error propagates."""
     cfg, store, encoder, codec, layouts = plan.cfg, plan.store, plan.encoder, plan.codec, plan.layouts
     saved, cache = plan.saved, plan.cache
     encoding = cfg.quantization is not None and saved is None
@@ -249,7 +253,7 @@ def fill_store(
                     t.free()  # the last reference to the layer's tensors: dropped one layer at a time
                 stripped.append(t)
         encoder.finish()
-        manager = finish()
+        done = finish()
     except BaseException:
         for t in stripped:
             if restorable:
@@ -268,7 +272,7 @@ def fill_store(
     if cache is not None and saved is None:  # encoded here (or the entry was dropped): cache the records
         cache.write(store.slabs(), store.plans())
         store.read_by(cache.wait)
-    return manager
+    return done
 
 
 def resolve_format(

@@ -62,6 +62,8 @@ class Target:
     # when found in it (`release` frees their data once stored), then those the proxy exposes (made or kept by
     # `parameter`); `restore` gives them back, so optimizers and references held across wrap and unload stay valid
     params: dict[str, nn.Parameter] = field(default_factory=dict)
+    # the data `release` took out of those parameters, by (tensor name, path), until `free`: what `put_back` gives back
+    kept: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
 
     def parameter(self, name: str, path: str, data: torch.Tensor) -> nn.Parameter:
         """The parameter at `path` (one holding tensor `name`) over `data`: the one kept there (`params`), else a new
@@ -83,22 +85,27 @@ class Target:
         return param
 
     def release(self) -> None:
-        """Take the expert tensors out of the module once the store holds them (`params` keeps the objects, with
-        their data, until `free`)."""
+        """Take the expert tensors out of the module once the store holds them: `params` keeps the objects, emptied (an
+        edit of one before the proxy exposes it again reaches nothing), and `kept` their data until `free`, whatever
+        the parameters are given meanwhile."""
         for name in self.tensors:
+            for path in self.layout.paths(name, self.num_experts):
+                param = self.params.get(path)
+                if param is not None:
+                    self.kept[name, path] = param.data
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
             self.layout.put(self.module, name, None)
         self.tensors = {}
 
     def free(self) -> None:
-        """Empty the data of the parameters `release` took out: the store holds the experts now (an edit of one
-        before the proxy exposes it again reaches nothing)."""
-        for param in self.params.values():
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        """Drop the data `release` took out: the store holds the experts now."""
+        self.kept = {}
 
     def put_back(self) -> None:
-        """Give the module back the parameters `release` took out of it, as they are."""
-        for path, param in self.params.items():
-            self.layout.set(self.module, path, param)
+        """Give the module back the tensors `release` took out of it, as they were, in the parameters that stood for
+        them."""
+        for (name, path), data in self.kept.items():
+            self.layout.set(self.module, path, self.parameter(name, path, data))
 
     def restore(self, store: ExpertStore) -> None:
         """Give the module back its tensors, rebuilt from the store's records, in the parameters that stood for them

@@ -13,6 +13,7 @@ from .manager import ExpertManager
 from .proxy import give_back_hooks
 from .state import at_paths
 from .state import uninstall as uninstall_state
+from .targets import Target
 
 
 def warn_if_lossy(manager: ExpertManager, what: str) -> None:
@@ -41,13 +42,37 @@ def unload(model: nn.Module) -> nn.Module:
     model.to("cpu")
     for t in model._mira_targets:
         t.restore(manager.whole)
-        give_back_hooks(getattr(t.parent, t.attr), t.module)  # with the hooks registered on the proxy meanwhile
-        setattr(t.parent, t.attr, t.module)
+        put_back_module(t, getattr(t.parent, t.attr))
     manager.store.close()
-    bound = ("unload", "save_pretrained", "set_experts_implementation", "mira_load_report")  # per-instance, from `_wrap`
-    for attr in ("mira", "_mira_config", "_mira_targets", "_mira_hooks", *bound):
-        model.__dict__.pop(attr, None)
+    forget_wrapping(model)
     return model
+
+
+# What wrapping sets on the model instance: the manager, what `unload` reads, and the methods bound on it
+WRAPPED_ATTRIBUTES = (
+    "mira",
+    "_mira_config",
+    "_mira_targets",
+    "_mira_hooks",
+    "unload",
+    "save_pretrained",
+    "set_experts_implementation",
+    "mira_load_report",
+)
+
+
+def forget_wrapping(model: nn.Module) -> None:
+    """Remove what wrapping set on the model instance (`WRAPPED_ATTRIBUTES`)."""
+    for attr in WRAPPED_ATTRIBUTES:
+        model.__dict__.pop(attr, None)
+
+
+def put_back_module(t: Target, proxy: nn.Module) -> None:
+    """Put the experts module of `t` back on its parent in place of `proxy`, with the hooks registered on the proxy
+    meanwhile and the children the proxy stood in for."""
+    give_back_hooks(proxy, t.module)
+    proxy.restore_owners()
+    setattr(t.parent, t.attr, t.module)
 
 
 def save_pretrained(model: nn.Module, save_directory, **kwargs):

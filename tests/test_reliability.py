@@ -182,6 +182,60 @@ def test_the_base_model_called_from_threads_is_serialised_and_exact(tiny_checkpo
     assert not errors and not wrong
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])  # records that give the experts back exactly, and lossy ones
+@pytest.mark.parametrize("fails", ["moving the model to its device", "exposing the second layer's experts"])
+def test_a_wrap_that_fails_after_storing_the_experts_leaves_the_model_as_it_was(
+    tiny_checkpoint, monkeypatch, fails, quantization
+):
+    """The device out of memory while the non-expert weights move to it, or a Ctrl-C while the experts become the
+    model's parameters: the error propagates and the model is as it was (no proxy, hook, `mira` or per-instance
+    method left; every parameter the same object with the same values), so it can be wrapped again."""
+    from mira_hf.proxy import MiraExperts
+    from mira_hf.state import ExpertState
+
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), load_reference(path)
+    params = dict(model.named_parameters())
+    values = {k: v.clone() for k, v in model.state_dict().items()}
+    if fails == "moving the model to its device":
+        real_to, moves = type(model).to, []
+
+        def to(*args, **kwargs):  # the device runs out of memory on the way there; the way back works
+            moves.append(args)
+            if len(moves) == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return real_to(model, *args, **kwargs)
+
+        model.to = to
+        error = torch.OutOfMemoryError
+    else:
+        real_expose, exposed = ExpertState.expose, []
+
+        def expose(self, proxy, parameter=None):
+            exposed.append(proxy.layer)
+            if len(exposed) == 2:
+                raise KeyboardInterrupt
+            real_expose(self, proxy, parameter)
+
+        monkeypatch.setattr(ExpertState, "expose", expose)
+        error = KeyboardInterrupt
+    with pytest.raises(error):
+        MiraMoEModel.wrap(model, gpu_budget=0.3, device="cpu", quantization=quantization)
+    model.__dict__.pop("to", None)
+    monkeypatch.undo()
+    assert not any(isinstance(m, MiraExperts) for m in model.modules())
+    assert not any(k in vars(m) for m in model.modules() for k in ("mira", "_mira_state", "_apply", "unload"))
+    assert not model._forward_pre_hooks and not model._forward_hooks and not model.model._forward_pre_hooks
+    now = dict(model.named_parameters())
+    assert now.keys() == params.keys() and all(now[k] is p for k, p in params.items())
+    state = model.state_dict()
+    assert state.keys() == values.keys() and all(torch.equal(state[k], v) for k, v in values.items())
+    with torch.no_grad():
+        assert torch.equal(model(PROMPT).logits, ref(PROMPT).logits)
+    MiraMoEModel.wrap(model, gpu_budget=0.3, device="cpu")  # and it wraps again
+    assert torch.equal(model.generate(PROMPT, **GEN), ref.generate(PROMPT, **GEN))
+
+
 def test_truncated_checkpoint_gives_a_clear_error(tiny_checkpoint, tmp_path):
     import shutil
 

@@ -319,6 +319,12 @@ class ExpertCache:
         t = slots[0]._table
         t.pins[np.fromiter((slot.index for slot in slots), np.intp, len(slots))] += by
 
+    def unpin_all(self) -> None:
+        """Drop every pin: the computations that held them are gone (a forked child's copies of its parent's)."""
+        for pool in self.pools.values():
+            for slot in pool.slots:
+                slot.pins = 0
+
     def remove(self, key: Key) -> None:
         """Forget `key` (its copy failed or was abandoned); its slot becomes free."""
         pool = self.pool(key[0])

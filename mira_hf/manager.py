@@ -16,6 +16,7 @@ registry), the copies (`loader`) and prediction-driven staging (`staging.Staging
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import weakref
@@ -75,6 +76,34 @@ _BUSY = (
     "this model has been busy in another thread for 10 minutes; mira-hf runs one forward step at a time per model. "
     "Load one model per thread, or serialise your calls."
 )
+
+
+# Every manager of this process, and those whose bookkeeping lock a fork holds (`_before_fork`).
+_MANAGERS: weakref.WeakSet[ExpertManager] = weakref.WeakSet()
+_FORKING: list[ExpertManager] = []
+
+
+def _before_fork() -> None:
+    """Fork where no thread is inside a manager's bookkeeping (its `_lock`), so the child's copy is consistent."""
+    _FORKING[:] = list(_MANAGERS)
+    for manager in _FORKING:
+        manager._lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    for manager in _FORKING:
+        manager._lock.release()
+    _FORKING.clear()
+
+
+def _after_fork_in_child() -> None:
+    for manager in _FORKING:
+        manager._forked()
+    _FORKING.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 class ExpertManager(NotebookViews):
@@ -148,6 +177,7 @@ class ExpertManager(NotebookViews):
         self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
         self._forward_owner: int | None = None
         self._step_running: Callable[[int], bool] | None = None  # (thread) -> whether the open step still runs
+        _MANAGERS.add(self)
 
     @builds_normal_tensors
     def _place(self, store: ExpertStore, budget: BudgetPlan, device: torch.device) -> None:
@@ -291,6 +321,19 @@ class ExpertManager(NotebookViews):
             yield
         finally:
             self._forward_lock.release()
+
+    def _forked(self) -> None:
+        """In the child of a fork, which has only the thread that forked: a lock another thread held (a step of a
+        thread generating while another forked) would never be released there, and the child would hang at its
+        first call. The locks start free, and a step (or a block called on its own) of another thread is dropped
+        with what it held: its last block's deferred end and the pins of the block it was running."""
+        self._lock = threading.RLock()
+        if self._forward_owner == threading.get_ident():  # forked from inside this thread's own step: it goes on
+            return
+        self._forward_lock = threading.Lock()
+        self._forward_owner = self._step_running = None
+        self._tail = None
+        self.cache.unpin_all()
 
     def _take_turn(self) -> None:
         """Take the model's forward lock, waiting up to 10 minutes (`ConcurrencyError`). A step left open by a thread

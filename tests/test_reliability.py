@@ -236,6 +236,47 @@ def test_a_wrap_that_fails_after_storing_the_experts_leaves_the_model_as_it_was(
     assert torch.equal(model.generate(PROMPT, **GEN), ref.generate(PROMPT, **GEN))
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
+def test_a_process_forked_while_another_thread_generates_uses_the_model(tiny_checkpoint):
+    """multiprocessing's fork start method, a DataLoader worker: a child forked while another thread of the parent is
+    in a step gets the model with its locks free, and its forward is exact (it waited for good on a lock held by a
+    thread the child does not have)."""
+    import time
+
+    from conftest import torch_threads
+
+    path = tiny_checkpoint("mixtral")
+    with torch.no_grad():
+        expected = load_reference(path)(PROMPT).logits
+    model = _wrapped(path)
+    stop = threading.Event()
+
+    def generate():
+        while not stop.is_set():
+            model.generate(PROMPT, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+
+    codes = []
+    with torch_threads(1):  # torch's CPU thread pool does not survive a fork; one thread uses none
+        worker = threading.Thread(target=generate, daemon=True)
+        worker.start()
+        try:
+            for _ in range(6):
+                time.sleep(0.05)
+                pid = os.fork()
+                if pid == 0:  # the child: one forward; its exit status says whether it was exact
+                    signal.alarm(60)  # a child that hangs is ended (SIGALRM), not the test run
+                    try:
+                        with torch.no_grad():
+                            os._exit(0 if torch.equal(model(PROMPT).logits, expected) else 3)
+                    except BaseException:
+                        os._exit(4)
+                codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        finally:
+            stop.set()
+            worker.join(timeout=60)
+    assert codes == [0] * 6
+
+
 def test_truncated_checkpoint_gives_a_clear_error(tiny_checkpoint, tmp_path):
     import shutil
 

@@ -83,7 +83,8 @@ class ExpertStore:
         self._reserved_host_bytes = 0
         # the disk files this store wrote: removed by `close`, or when the store is dropped (the model let go of
         # without `unload()`) or the process exits, so they never pile up in `offload_dir`
-        self._files: list[str] = []
+        # (path -> the process that wrote it: only that one removes it, not a forked child's copy of this store)
+        self._files: dict[str, int] = {}
         weakref.finalize(self, _remove_files, self._files)
 
     # -- building -------------------------------------------------------------------------------
@@ -149,7 +150,7 @@ class ExpertStore:
         try:
             if tier == "disk":
                 path = offload_files.create(self.offload_dir, layer, nbytes)  # its blocks reserved: no SIGBUS
-                self._files.append(path)
+                self._files[path] = os.getpid()
                 with open(path, "r+b") as f:
                     if callable(records):  # straight into the file, through a shared mapping of it
                         records(torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).view(E, layout.nbytes))
@@ -203,8 +204,7 @@ class ExpertStore:
                 validate(slab[e], layout)
         except BaseException:
             if path is not None:  # a layer that failed leaves no file behind (another attempt makes its own)
-                _remove_files([path])
-                self._files.remove(path)
+                _remove_files({path: self._files.pop(path)})
             raise
         self._slabs[layer] = _Slab(slab, layout, tier, dtype, raw_layout, path)
 
@@ -426,8 +426,7 @@ class ExpertStore:
                 self._host_bytes += old.data.numel()
             raise
         if old.path is not None:
-            _remove_files([old.path])  # the old mapping keeps its pages until it is dropped
-            self._files.remove(old.path)
+            _remove_files({old.path: self._files.pop(old.path)})  # the old mapping keeps its pages until it is dropped
         self._codec_for_layouts()
 
     def offload_bytes_to_rewrite(self, changes: Mapping[int, tuple[torch.dtype, object]]) -> int:
@@ -518,12 +517,17 @@ def _rewrite_kind(old: _Slab, dtype: torch.dtype, layout, fused) -> str:
     return "new slab"
 
 
-def _remove_files(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
+def _remove_files(files: Mapping[str, int]) -> None:
+    """Remove the files of `files` (path -> the process that wrote it) that this process wrote: a child forked from
+    the process that loaded the model leaves its parent's files alone, whether it drops its copy of the store, closes
+    it (`unload()`) or exits."""
+    pid = os.getpid()
+    for path, writer in files.items():
+        if writer == pid:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
 
 
 def own_storage(t: torch.Tensor) -> torch.Tensor:

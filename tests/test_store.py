@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import PEAK_ANON_SOURCE, load_reference
+from conftest import PEAK_ANON_SOURCE, load_reference, torch_threads
 
 from mira_hf import BudgetError, ConfigError, MiraConfig, MiraMoEModel
 
@@ -111,7 +111,7 @@ def test_the_files_of_a_killed_load_are_removed_by_the_next_load(tiny_checkpoint
     script = textwrap.dedent(f"""
         import os, signal
         from mira_hf import MiraConfig, MiraMoEModel
-        MiraMoEModel.from_pretrained({str(path)!r}, MiraConfig(device="cpu", host_budget=1000, offload_dir={str(offload)!r}), progress=False)
+        model = MiraMoEModel.from_pretrained({str(path)!r}, MiraConfig(device="cpu", host_budget=1000, offload_dir={str(offload)!r}), progress=False)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     assert subprocess.run([sys.executable, "-c", script], capture_output=True).returncode == -signal.SIGKILL
@@ -151,6 +151,40 @@ def test_a_relative_offload_dir_is_the_directory_it_named_when_the_model_was_loa
     assert len(os.listdir(first / "offload")) == 2 and not (later / "offload").exists()
     model.unload()
     assert os.listdir(first / "offload") == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
+@pytest.mark.parametrize("child", ["drops the model", "closes its store"])
+def test_a_forked_child_leaves_its_parents_offloaded_experts_alone(tiny_checkpoint, tmp_path, child):
+    """A child forked after the load (a DataLoader worker, multiprocessing's fork start method) that lets its copy of
+    the model go (as it does when it exits), or closes its store (as `unload()` does), leaves the parent's files in
+    `offload_dir`: only the process that wrote them removes them, and the parent keeps serving its experts from them."""
+    path = tiny_checkpoint("mixtral")
+    ref = load_reference(path)
+    offload = tmp_path / "offload"
+    probe = MiraMoEModel.from_pretrained(path, MiraConfig(device="cpu"), progress=False)
+    one_layer = probe.mira.store.record_bytes(0) * 8
+    cfg = MiraConfig(device="cpu", gpu_budget=0.3, host_budget=one_layer, offload_dir=str(offload))
+    model = MiraMoEModel.from_pretrained(path, cfg, progress=False)
+    files = sorted(os.listdir(offload))
+    assert len(files) == 1
+    with torch_threads(1):  # torch's CPU thread pool does not survive a fork; one thread uses none
+        pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            signal.alarm(60)  # a child that hangs is ended (SIGALRM), not the test run
+            if child == "closes its store":
+                model.mira.store.close()
+            del model
+            gc.collect()
+        finally:
+            os._exit(0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert sorted(os.listdir(offload)) == files
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(IDS, **kw), ref.generate(IDS, **kw))
+    model.unload()
+    assert os.listdir(offload) == []  # the parent's own unload still removes them
 
 
 def _anonymous_bytes_of_mappings(path: str) -> list[int]:

@@ -309,10 +309,11 @@ class ExpertManager(NotebookViews):
                 self.staging.new_sequence()
 
     @contextlib.contextmanager
-    def block_outside_step(self):
-        """Around a block called outside a forward step this thread entered (a compiled graph leaves the step hooks
-        out; `mira_hf.ops`): the block holds the model's forward lock while it runs, so that another thread's step or
-        block waits for it rather than interleave with it in the expert cache."""
+    def turn(self):
+        """Around every block call: one outside a forward step this thread entered (a compiled graph leaves the step
+        hooks out, `mira_hf.ops`; a block called on its own, `model.model.layers[i].mlp(h)`) holds the model's forward
+        lock while it runs, as a step does, so that another thread's step or block waits for it rather than
+        interleave with it in the expert cache. Inside this thread's step it holds the lock already."""
         if self._forward_owner == threading.get_ident():
             yield
             return

@@ -38,7 +38,7 @@ def _served(handle: torch.Tensor, autocast_dtype: torch.dtype | None, hidden_sta
     """The proxy's `serve(hidden_states, *routing)`, under the caller's autocast where it ran under one (a compiled
     graph calls the operators outside it), one block at a time (a graph runs without the step hooks)."""
     proxy = _proxies[int(handle)]  # a CPU scalar: no device sync
-    with proxy.manager.block_outside_step():
+    with proxy.manager.turn():
         if autocast_dtype is None:
             return proxy.serve(hidden_states, *routing)
         with torch.autocast(hidden_states.device.type, dtype=autocast_dtype):

@@ -200,11 +200,13 @@ class MiraExperts(nn.Module):
         return self._served(hidden_states, top_k_index, top_k_weights)
 
     def _served(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """`serve(*inputs)`; with autograd on, computed without it and given the refusal (`_refusing`)."""
-        if not torch.is_grad_enabled():
-            return self.serve(*inputs)
-        with torch.no_grad():
-            result = self.serve(*inputs)
+        """`serve(*inputs)`, one block at a time across threads (`ExpertManager.turn`: a block called outside a step
+        waits for another thread's step); with autograd on, computed without it and given the refusal (`_refusing`)."""
+        with self.manager.turn():
+            if not torch.is_grad_enabled():
+                return self.serve(*inputs)
+            with torch.no_grad():
+                result = self.serve(*inputs)
         return self._refusing(result, *inputs)
 
     def _refusing(self, result: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:

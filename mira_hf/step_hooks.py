@@ -56,7 +56,7 @@ class StepHooks:
 
     # In a compiled graph the hooks are left out (fullgraph allows no break): the manager then finds step
     # boundaries from the order of its blocks (`ExpertManager.begin`), and threads take turns per block
-    # (`ExpertManager.block_outside_step`).
+    # (`ExpertManager.turn`).
     def before(self, module, args, kwargs) -> None:
         if not torch.compiler.is_compiling():
             outer, depth = getattr(self._local, "step", (None, 0))

@@ -277,6 +277,43 @@ def test_a_process_forked_while_another_thread_generates_uses_the_model(tiny_che
     assert codes == [0] * 6
 
 
+@pytest.mark.parametrize("budget", [0.26, 0.6])
+def test_a_moe_block_called_on_its_own_while_another_thread_generates_is_serialised_and_exact(tiny_checkpoint, budget):
+    """Analysis code calls a decoder layer's MoE block directly (`model.model.layers[i].mlp(h)`, outside any forward
+    of the model) while another thread generates: each block call waits for the other thread's step, as a step does,
+    and both threads' outputs are exact (the two had interleaved in the expert cache's bookkeeping and raised)."""
+    path = tiny_checkpoint("mixtral")
+    ref = load_reference(path)
+    hidden = torch.randn(1, 24, ref.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    gen = dict(max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        blocks = [ref.model.layers[i].mlp(hidden) for i in range(2)]
+    expected = ref.generate(PROMPT, **gen)
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=budget, device="cpu"), progress=False)
+    errors, wrong = [], []
+
+    def generate():
+        try:
+            for _ in range(3):
+                wrong.extend(["generate"] if not torch.equal(model.generate(PROMPT, **gen), expected) else [])
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    try:
+        while worker.is_alive() and not errors:
+            with torch.no_grad():
+                for i in range(2):
+                    wrong.extend([i] if not torch.equal(model.model.layers[i].mlp(hidden), blocks[i]) else [])
+    except Exception as e:  # surfaced below
+        errors.append(e)
+    finally:
+        worker.join(timeout=120)
+    assert not errors and not wrong
+    assert _no_pins(model) and not model.mira._forward_lock.locked()
+
+
 def test_truncated_checkpoint_gives_a_clear_error(tiny_checkpoint, tmp_path):
     import shutil
 

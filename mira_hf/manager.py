@@ -174,6 +174,7 @@ class ExpertManager(NotebookViews):
         # (layers) -> None: the expert parameters' check (`ExpertState.edited`, set by the model), run by blocks that
         # no step hook entered
         self.step_check: Callable[[list[int]], None] | None = None
+        self.closed = False  # unloaded (`close`)
         self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
         self._forward_owner: int | None = None
         self._step_running: Callable[[int], bool] | None = None  # (thread) -> whether the open step still runs
@@ -300,6 +301,9 @@ class ExpertManager(NotebookViews):
             # inside itself, so that step is over: end it now rather than wait for it.
             self.exit_forward()
         self._take_turn()
+        if self.closed:  # unloaded while this step waited for its turn: the model runs as the unwrapped one
+            self._forward_lock.release()
+            return
         self._forward_owner, self._step_running = threading.get_ident(), running
         with self._lock:
             self._settle()
@@ -319,6 +323,11 @@ class ExpertManager(NotebookViews):
             return
         self._take_turn()
         try:
+            if self.closed:
+                raise UnsupportedOperationError(
+                    "this MoE block's model was unloaded (model.unload()) while the call waited for its turn: its experts "
+                    "module is back in the model. Call the block the model holds now."
+                )
             yield
         finally:
             self._forward_lock.release()
@@ -857,7 +866,8 @@ class ExpertManager(NotebookViews):
 
     def close(self) -> None:
         """Release the device arena (after unload): no slot is left, so no expert is on the device (`stats()`); the
-        host worker thread ends."""
+        host worker thread ends. A step or block waiting for its turn then finds the model unloaded (`turn`)."""
+        self.closed = True
         self.loader.synchronize()
         self.arena.close()
         self.cache = ExpertCache({}, {})

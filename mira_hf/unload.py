@@ -34,17 +34,20 @@ def unload(model: nn.Module) -> nn.Module:
             "Pass the model MiraMoEModel.from_pretrained or MiraMoEModel.wrap returned."
         )
     warn_if_lossy(manager, "unload() gives back")
-    model._mira_state.edited()  # data given to expert parameters since the last step (`p.data = t`) is in the store
-    uninstall_state(model)
-    for hook in model._mira_hooks:
-        hook.remove()
-    manager.close()
-    model.to("cpu")
-    for t in model._mira_targets:
-        t.restore(manager.whole)
-        put_back_module(t, getattr(t.parent, t.attr))
-    manager.store.close()
-    forget_wrapping(model)
+    # Another thread's step ends first; one waiting for its turn then runs the unwrapped model (`ExpertManager.turn`).
+    with manager.turn():
+        model._mira_state.edited()  # data given to expert parameters since the last step (`p.data = t`) is in the store
+        uninstall_state(model)
+        manager.close()
+        model.to("cpu")
+        for t in model._mira_targets:
+            t.restore(manager.whole)
+            put_back_module(t, getattr(t.parent, t.attr))
+        # last: a step that starts meanwhile meets them and waits for its turn, then runs the unwrapped modules
+        for hook in model._mira_hooks:
+            hook.remove()
+        manager.store.close()
+        forget_wrapping(model)
     return model
 
 

@@ -314,6 +314,33 @@ def test_a_moe_block_called_on_its_own_while_another_thread_generates_is_seriali
     assert _no_pins(model) and not model.mira._forward_lock.locked()
 
 
+def test_unload_while_another_thread_generates_waits_for_its_step(tiny_checkpoint):
+    """`unload()` from one thread while another generates: it waits for the running step to end, and the generating
+    thread goes on with the unwrapped model, its tokens exact (it had crashed inside the cache, torn down under it)."""
+    import time
+
+    path = tiny_checkpoint("mixtral")
+    gen = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0)
+    expected = load_reference(path).generate(PROMPT, **gen)
+    for delay in (0.0, 0.02, 0.05, 0.1, 0.2, 0.3):
+        model = _wrapped(path)
+        out = {}
+
+        def generate(model, out):
+            try:
+                out["tokens"] = model.generate(PROMPT, **gen)
+            except Exception as e:  # surfaced below
+                out["error"] = e
+
+        worker = threading.Thread(target=generate, args=(model, out))
+        worker.start()
+        time.sleep(delay)
+        model.unload()
+        worker.join(timeout=120)
+        assert "error" not in out and torch.equal(out["tokens"], expected), (delay, out.get("error"))
+        assert not hasattr(model, "mira") and torch.equal(model.generate(PROMPT, **gen), expected)
+
+
 def test_truncated_checkpoint_gives_a_clear_error(tiny_checkpoint, tmp_path):
     import shutil
 

@@ -56,7 +56,7 @@ from .targets import (
     resolve_adapter,
     sub_model_types,
 )
-from .unload import forget_wrapping, put_back_module, save_pretrained, unload
+from .unload import forget_wrapping, put_back_module, refuse_copy, save_pretrained, unload
 from .weak import bound_weakly, weak_method
 
 
@@ -369,6 +369,7 @@ def _install(
         model.unload = bound_weakly(unload, model)
         model.save_pretrained = bound_weakly(save_pretrained, model)
         model.set_experts_implementation = bound_weakly(checked_set_experts_implementation, model)
+        model.__reduce_ex__ = refuse_copy  # copy.copy too: a shallow copy would share the proxies and the manager
         # The experts as parameters (views of the store), and casts and moves that the store follows.
         replan_model = functools.partial(bound_weakly(_replan, model), plan.layers)
         install_state(model, manager, proxies, {t.ordinal: t.parameter for t in targets}, replan_model)

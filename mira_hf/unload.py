@@ -8,7 +8,7 @@ import warnings
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from .errors import ConfigError, UnsupportedOperationError
 from .manager import ExpertManager
 from .proxy import give_back_hooks
 from .state import at_paths
@@ -48,7 +48,28 @@ def unload(model: nn.Module) -> nn.Module:
             hook.remove()
         manager.store.close()
         forget_wrapping(model)
+    model.unload = unloaded_already  # a second model.unload() says why there is nothing to do
     return model
+
+
+def unloaded_already() -> None:
+    """`model.unload()` of a model unloaded already (a plain function: the model keeps no reference to itself)."""
+    raise ConfigError(
+        "model.unload() was called on a model unloaded already: it is an ordinary transformers model, there is nothing "
+        "to unload. Wrap it again with MiraMoEModel.wrap(model, ...) to serve it from mira-hf."
+    )
+
+
+def refuse_copy(protocol: int = 2):
+    """A wrapped model's `__reduce_ex__`, which `copy.copy`, `copy.deepcopy` and pickling reach (a plain function: the
+    model keeps no reference to itself)."""
+    raise UnsupportedOperationError(
+        "a mira-hf model cannot be deep-copied, copied (copy.copy) or pickled (torch.save(model), multiprocessing): its "
+        "experts live in a host store and device cache that its proxies share, which a copy would share with the model "
+        "(unloading one would take the experts from both) or could not take along. Load a second model with "
+        "MiraMoEModel.from_pretrained(...), save it with model.save_pretrained(dir) (a full transformers checkpoint, "
+        "experts included), or call model.unload() first."
+    )
 
 
 # What wrapping sets on the model instance: the manager, what `unload` reads, and the methods bound on it
@@ -61,6 +82,7 @@ WRAPPED_ATTRIBUTES = (
     "save_pretrained",
     "set_experts_implementation",
     "mira_load_report",
+    "__reduce_ex__",
 )
 
 

@@ -652,12 +652,24 @@ def test_copying_or_pickling_a_wrapped_model_is_a_clear_error(tiny_checkpoint, t
     model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device="cpu"), progress=False)
     with pytest.raises(UnsupportedOperationError, match="cannot be deep-copied"):
         copy.deepcopy(model)
+    with pytest.raises(UnsupportedOperationError, match=r"copied \(copy.copy\)"):
+        copy.copy(model)  # a shallow copy would share the proxies and the manager: unloading one unloaded the other
     with pytest.raises(UnsupportedOperationError, match="save_pretrained"):
         torch.save(model, tmp_path / "model.pt")
     expected = _logits(model)
     model.save_pretrained(tmp_path / "out")  # the supported way, still working after the refusals
     assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()), _logits(load_reference(path)))
     assert torch.equal(_logits(model), expected)
+    assert copy.copy(model.unload()) is not model  # an unloaded model copies as any other
+
+
+def test_unload_twice_is_a_clear_error(tiny_checkpoint):
+    model = MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(gpu_budget=0.3, device="cpu"), progress=False)
+    model.unload()
+    with pytest.raises(ConfigError, match="unloaded already"):
+        model.unload()
+    with pytest.raises(ConfigError, match="has not wrapped: there is nothing to unload"):
+        MiraMoEModel.unload(model)
 
 
 def test_errors_subclass_builtins():

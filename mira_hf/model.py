@@ -199,7 +199,7 @@ class MiraMoEModel:
             )
         manager = getattr(model, "mira", None)
         if isinstance(manager, ExpertManager):
-            if model._mira_config == cfg:
+            if _resolved(model._mira_config) == _resolved(cfg):  # the same settings (device=None: the one it chose)
                 return model
             raise ConfigError(
                 "this model is already wrapped with another MiraConfig. Call model.unload() first, then wrap it again."
@@ -502,6 +502,15 @@ def _resolve_device(name: str | None) -> torch.device:
             raise DeviceError(f"device={name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible (cuda:0..).")
         device = torch.device("cuda", index)
     return device
+
+
+def _resolved(cfg: MiraConfig) -> MiraConfig:
+    """`cfg` with its device as wrapping resolves it (None: a CUDA GPU where there is one, else the CPU; "cuda":
+    "cuda:0"), so that configs naming the same device compare equal."""
+    device = _resolve_device(cfg.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
+    return dataclasses.replace(cfg, device=str(device))
 
 
 def _config_kwargs(hf_kwargs: dict) -> dict:

@@ -61,6 +61,18 @@ def test_wrap_twice_does_not_double_wrap(tiny_checkpoint):
         MiraMoEModel.wrap(model, MiraConfig(gpu_budget=1.0, device="cpu"))
 
 
+def test_wrap_again_naming_the_device_it_chose_returns_the_model(tiny_checkpoint):
+    """Wrapped without a device (mira-hf chose one), then wrapped again naming that device: the same settings, so the
+    model comes back unchanged, as docs/usage.md says."""
+    model = load_reference(tiny_checkpoint("mixtral"))
+    MiraMoEModel.wrap(model, gpu_budget=0.5)
+    manager, device = model.mira, model.mira.device
+    assert MiraMoEModel.wrap(model, gpu_budget=0.5, device=str(device)) is model
+    assert MiraMoEModel.wrap(model, gpu_budget=0.5, device=device) is model and model.mira is manager
+    with pytest.raises(ConfigError, match="already wrapped"):
+        MiraMoEModel.wrap(model, gpu_budget=0.25, device=str(device))
+
+
 def test_save_pretrained_writes_an_ordinary_checkpoint(tiny_checkpoint, tmp_path):
     path = tiny_checkpoint("mixtral")
     ref = load_reference(path)

@@ -111,44 +111,49 @@ def test_bad_quant_settings_are_refused():
         MiraConfig(quantization="int3")  # pre-quantized checkpoints' formats are not offered
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_a_saved_store_of_another_dtype_is_refused_saying_what_to_do(tmp_path, quantization):
-    """A bf16 checkpoint (its routers hash the same in any dtype) loaded in float32 with a store saved from its bf16
-    load: records of the same sizes, packed from other tensors. Refused naming the store, the tensors and what to do."""
+@pytest.mark.parametrize(
+    "quantization, stored, saved, loaded, refusal",
+    [
+        # a bf16 checkpoint's routers hash the same in any dtype: records of the same sizes, packed from other tensors
+        (
+            q,
+            torch.bfloat16,
+            torch.bfloat16,
+            torch.float32,
+            r"holds records packed from other tensors than these experts' "
+            r"\(gate_up_proj float32, down_proj float32\)",
+        )
+        for q in ("int8", "int4")
+    ]
+    # a float32 checkpoint's routers round to bfloat16: its bf16 load fingerprints as other router weights
+    + [
+        (
+            "int8",
+            torch.float32,
+            torch.float32,
+            torch.bfloat16,
+            r"was made from other router weights .*loaded in another "
+            r"dtype than the store was saved from",
+        )
+    ],
+)
+def test_a_saved_store_of_another_dtype_is_refused_saying_what_to_do(tmp_path, quantization, stored, saved, loaded, refusal):
+    """A store saved from one dtype's load of a checkpoint, loaded in another: refused naming the store, why and what
+    to do; the dtype it was saved from still takes it."""
     from mira_hf import IncompatibleFileError
     from mira_hf.config import LoaderConfig
     from mira_hf.testing import build, make_config
 
     torch.manual_seed(0)
-    build(make_config("mixtral")).to(torch.bfloat16).save_pretrained(tmp_path / "ckpt")
+    build(make_config("mixtral")).to(stored).save_pretrained(tmp_path / "ckpt")
     cfg = MiraConfig(device="cpu", gpu_budget=0.5, quantization=quantization, loader=LoaderConfig(record_cache=None))
     load = lambda dtype, cfg: MiraMoEModel.from_pretrained(str(tmp_path / "ckpt"), cfg, dtype=dtype, progress=False)  # noqa: E731
-    load(torch.bfloat16, cfg).mira.save_store(tmp_path / "store")
+    load(saved, cfg).mira.save_store(tmp_path / "store")
     with pytest.raises(
-        IncompatibleFileError,
-        match=r"store in .* holds records packed from other tensors than these experts' \(gate_up_proj float32, down_proj float32\).*Load the model in the dtype the store was saved from",
+        IncompatibleFileError, match=rf"store in .* {refusal}.*Load the model in the dtype the store was saved from"
     ):
-        load(torch.float32, cfg.replace(store_path=str(tmp_path / "store")))
-    assert load(torch.bfloat16, cfg.replace(store_path=str(tmp_path / "store"))).mira.store.record(0, 1).numel() > 0
-
-
-def test_a_store_saved_from_a_float32_checkpoint_loaded_in_bfloat16_is_refused_naming_the_dtype(tmp_path):
-    """A float32 checkpoint's routers round to bfloat16, so its bf16 load fingerprints as other router weights: the
-    refusal says that the dtype the store was saved from may be why, and what to do."""
-    from mira_hf import IncompatibleFileError
-    from mira_hf.config import LoaderConfig
-    from mira_hf.testing import build, make_config
-
-    torch.manual_seed(0)
-    build(make_config("mixtral")).save_pretrained(tmp_path / "ckpt")
-    cfg = MiraConfig(device="cpu", gpu_budget=0.5, quantization="int8", loader=LoaderConfig(record_cache=None))
-    load = lambda dtype, cfg: MiraMoEModel.from_pretrained(str(tmp_path / "ckpt"), cfg, dtype=dtype, progress=False)  # noqa: E731
-    load(torch.float32, cfg).mira.save_store(tmp_path / "store")
-    with pytest.raises(
-        IncompatibleFileError,
-        match=r"store in .* was made from other router weights .*loaded in another dtype than the store was saved from.*Load the model in the dtype the store was saved from",
-    ):
-        load(torch.bfloat16, cfg.replace(store_path=str(tmp_path / "store")))
+        load(loaded, cfg.replace(store_path=str(tmp_path / "store")))
+    assert load(saved, cfg.replace(store_path=str(tmp_path / "store"))).mira.store.record(0, 1).numel() > 0
 
 
 def test_a_store_that_cannot_be_written_is_refused_and_leaves_the_one_there(tmp_path, heldout, monkeypatch):

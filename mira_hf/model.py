@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -371,7 +371,7 @@ def _install(
         model.set_experts_implementation = bound_weakly(checked_set_experts_implementation, model)
         model.__reduce_ex__ = refuse_copy  # copy.copy too: a shallow copy would share the proxies and the manager
         # The experts as parameters (views of the store), and casts and moves that the store follows.
-        replan_model = functools.partial(bound_weakly(_replan, model), plan.layers)
+        replan_model = _Replan(model, manager, plan.layers)
         install_state(model, manager, proxies, {t.ordinal: t.parameter for t in targets}, replan_model)
         undo.callback(uninstall_state, model)
         steps.edited = model._mira_state.edited  # experts changed in place reach what they compute
@@ -390,9 +390,18 @@ def _loaded(model: nn.Module, report: LoadReport, progress: bool) -> nn.Module:
     return model
 
 
-def _replan(model: nn.Module, layers, *args):
-    """`resources.replan` of the model with the config and targets it is wrapped with."""
-    return replan(model, model._mira_config, layers, model._mira_targets, *args)
+class _Replan:
+    """`resources.replan` of the model with the config and targets it is wrapped with. It holds the model weakly
+    (`mira_hf.weak`); a part of the model kept after the model itself was dropped (`model.model`) is cast with the
+    manager, the config and the experts' layers alone."""
+
+    def __init__(self, model: nn.Module, manager: ExpertManager, layers) -> None:
+        self._model, self._manager, self._cfg, self._layers = weakref.ref(model), manager, model._mira_config, layers
+
+    def __call__(self, *args):
+        model = self._model()
+        targets = [] if model is None else model._mira_targets
+        return replan(self._manager, model, self._cfg, self._layers, targets, *args)
 
 
 class _SkeletonDiffers(Exception):

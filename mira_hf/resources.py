@@ -119,14 +119,14 @@ def bytes_to_move(model: nn.Module, targets: list[Target], device: torch.device)
 
 
 def check_device_memory(
-    capacity: int, device: torch.device, model: nn.Module, targets: list[Target], reclaim_bytes: int = 0
+    capacity: int, device: torch.device, model: nn.Module | None, targets: list[Target], reclaim_bytes: int = 0
 ) -> None:
     """`reclaim_bytes`: device memory freed before the arena is allocated (the arena a new plan replaces)."""
     if device.type != "cuda":
         return
     free, _ = torch.cuda.mem_get_info(device)
     free += reclaim_bytes
-    need = capacity + bytes_to_move(model, targets, device)
+    need = capacity + _other_bytes(model, targets, device)
     if need > free:
         raise BudgetError(
             f"the expert arena ({capacity:,} bytes) plus the weights that move to {device} need {need:,} bytes, but "
@@ -211,7 +211,8 @@ def check_host_memory(
 
 
 def replan(
-    model: nn.Module,
+    manager: ExpertManager,
+    model: nn.Module | None,
     cfg: MiraConfig,
     layers: list[LayerInfo],
     targets: list[Target],
@@ -223,14 +224,15 @@ def replan(
     """The slot plan of a wrapped model whose records changed (`layouts`, `raw_bytes`: per layer, after a
     cast or a load) or that moves to `device`, from the budget it was wrapped with; raises `BudgetError`
     before anything changes. A fraction budget is a share of the experts' bytes in their new dtype: `expert_bytes`
-    per layer, one whole expert uncompressed, where the slots hold less (`host_compute="split"`), else `raw_bytes`."""
-    manager: ExpertManager = model.mira
+    per layer, one whole expert uncompressed, where the slots hold less (`host_compute="split"`), else `raw_bytes`.
+    `model` None: the model was dropped and a part of it kept (`model.model`) is cast; its other weights are not
+    counted in the device's room."""
     all_bytes = sum((expert_bytes or raw_bytes)[li.ordinal] * li.num_experts for li in layers)
     same = device == manager.device
     if cfg.gpu_budget is None and device.type == "cuda" and same:
         budget_bytes = manager.budget.budget_bytes  # what free memory gave at wrap; it now excludes the arena
     else:
-        budget_bytes = resolve_budget_bytes(cfg, all_bytes, device, lambda: bytes_to_move(model, targets, device))
+        budget_bytes = resolve_budget_bytes(cfg, all_bytes, device, lambda: _other_bytes(model, targets, device))
     budget = plan_records(
         layers,
         budget_bytes,
@@ -243,3 +245,7 @@ def replan(
     )
     check_device_memory(budget.device_bytes, device, model, targets, reclaim_bytes=manager.device_bytes if same else 0)
     return budget
+
+
+def _other_bytes(model: nn.Module | None, targets: list[Target], device: torch.device) -> int:
+    return 0 if model is None else bytes_to_move(model, targets, device)

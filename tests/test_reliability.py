@@ -434,6 +434,17 @@ def test_a_dropped_model_is_freed_at_once(tiny_checkpoint, settings):
     assert not any(t.is_alive() for t in started)
 
 
+def test_a_part_kept_after_the_model_is_dropped_is_cast_as_the_unwrapped_part_is(tiny_checkpoint):
+    """The model holds its own links weakly, and a part of it kept on its own (`base = model.model; del model`, as a
+    value head built on the backbone keeps it) still follows a cast: its outputs equal the unwrapped part cast alike."""
+    path = tiny_checkpoint("mixtral")
+    reference = load_reference(path).model.to(torch.bfloat16)
+    base = _wrapped(path).model
+    base.to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(base(PROMPT).last_hidden_state, reference(PROMPT).last_hidden_state)
+
+
 def test_no_code_path_unpickles_user_files():
     """Weights, predictors, traces and stats are safetensors or JSON: no torch.load, no pickle."""
     root = pathlib.Path(__file__).resolve().parent.parent

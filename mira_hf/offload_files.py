@@ -92,7 +92,7 @@ def check_room(directory: str, nbytes: int, what: str, remedy: str) -> None:
     """`BudgetError` where `directory`'s disk has not `nbytes` free for `what` (after the files of processes gone are
     removed), raised before anything is written; `remedy`: what to do, besides freeing space."""
     remove_orphans(directory)
-    free = shutil.disk_usage(_existing(directory)).free
+    free = shutil.disk_usage(existing(directory)).free
     if nbytes > free:
         raise BudgetError(
             f"{what} writes {nbytes:,} bytes of experts to offload_dir={directory!r}, but only {free:,} bytes are free "
@@ -109,7 +109,7 @@ def held_clause(directory: str) -> str:
     return f" ({sum(held.values()):,} bytes there are the experts of other running loads: pid {pids})"
 
 
-def _existing(path: str) -> str:
+def existing(path: str) -> str:
     """`path`, or the nearest directory above it that exists (where a directory not made yet will be)."""
     path = os.path.abspath(path)
     while not os.path.exists(path):

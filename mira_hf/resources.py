@@ -6,7 +6,6 @@ slot plan of a wrapped model whose records or device change (`replan`).
 from __future__ import annotations
 
 import os
-import shutil
 from typing import TYPE_CHECKING
 
 import torch
@@ -140,9 +139,7 @@ def check_offload_space(cfg: MiraConfig, layer_bytes: list[int]) -> None:
     if cfg.host_budget_bytes is None:
         return
     _, disk = _host_and_disk_bytes(layer_bytes, cfg.host_budget_bytes)
-    path = directory = os.path.abspath(cfg.offload_dir)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
+    path = offload_files.existing(cfg.offload_dir)  # where a directory not made yet will be
     if not os.path.isdir(path):
         raise ConfigError(
             f"offload_dir={cfg.offload_dir!r}: {path} is a file, not a directory. Give offload_dir a directory (it is "
@@ -153,14 +150,8 @@ def check_offload_space(cfg: MiraConfig, layer_bytes: list[int]) -> None:
             f"offload_dir={cfg.offload_dir!r}: {path} cannot be written (a read-only disk, or no permission), and the "
             "experts beyond host_budget are written there. Give offload_dir a directory you can write to."
         )
-    offload_files.remove_orphans(directory)  # files of killed loads: room for this one
-    free = shutil.disk_usage(path).free
-    if disk > free:
-        raise BudgetError(
-            f"host_budget={cfg.host_budget!r} leaves {disk:,} bytes of experts for offload_dir={cfg.offload_dir!r}, "
-            f"but only {free:,} bytes are free there{offload_files.held_clause(directory)}. Give offload_dir a disk with more space, "
-            "or raise host_budget."
-        )
+    remedy = "give offload_dir a disk with more space, or raise host_budget"
+    offload_files.check_room(os.path.abspath(cfg.offload_dir), disk, f"with host_budget={cfg.host_budget!r}, this load", remedy)
 
 
 def _host_and_disk_bytes(layer_bytes: list[int], host_budget: int | None) -> tuple[int, int]:

@@ -104,7 +104,7 @@ def test_the_files_of_a_killed_load_are_removed_by_the_next_load(tiny_checkpoint
     offloading to the directory removes them (named after the pid of a process no longer running) before it counts
     the free space, so it is not refused for the room they took. Files of a running load, and files that are no
     disk tier's, stay."""
-    import mira_hf.resources
+    import mira_hf.offload_files
 
     path, offload = tiny_checkpoint("mixtral"), tmp_path / "offload"
     cfg = MiraConfig(device="cpu", host_budget=1000, offload_dir=str(offload))  # every layer on disk
@@ -126,7 +126,7 @@ def test_the_files_of_a_killed_load_are_removed_by_the_next_load(tiny_checkpoint
         # a disk with room for one load beside the files the user keeps: not beside the killed load's files too
         need = sum(os.path.getsize(offload / name) for name in killed)
         disk = lambda p: shutil._ntuple_diskusage(10**9, 0, need + 3000 - sum(f.stat().st_size for f in offload.iterdir()))  # noqa: E731
-        monkeypatch.setattr(mira_hf.resources.shutil, "disk_usage", disk)
+        monkeypatch.setattr(mira_hf.offload_files.shutil, "disk_usage", disk)
         model = MiraMoEModel.from_pretrained(path, cfg, progress=False)
         assert model.mira.store.tier_bytes()["disk"] == need
         assert set(others) <= set(os.listdir(offload)) and not set(killed) & set(os.listdir(offload))

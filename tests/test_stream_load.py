@@ -141,9 +141,9 @@ def test_experts_beyond_host_budget_stream_to_disk(tiny_checkpoint, tmp_path):
 
 
 def test_offload_dir_without_space_is_refused_before_loading(tiny_checkpoint, tmp_path, monkeypatch):
-    import mira_hf.resources
+    import mira_hf.offload_files
 
-    monkeypatch.setattr(mira_hf.resources.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 10, 10))
+    monkeypatch.setattr(mira_hf.offload_files.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 10, 10))
     with pytest.raises(BudgetError, match="only 10 bytes are free"):
         _load(tiny_checkpoint("mixtral"), LoaderConfig(), host_budget=1000, offload_dir=str(tmp_path / "off"))
     assert not (tmp_path / "off").exists()

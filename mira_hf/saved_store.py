@@ -160,10 +160,13 @@ class SavedStore:
             raise CorruptStoreError(f"{path}: its checksum does not match its content (damaged).")
         for what, mine, theirs in (("format", codec_spec, header["codec"]), ("model", fingerprint, header["fingerprint"])):
             if mine != theirs:
-                raise IncompatibleFileError(
+                error = IncompatibleFileError(
                     f"the expert store in {directory} was made for another {what}: it has {theirs}, this load needs {mine}. "
                     "Drop store_path to quantise again, then save a new store with model.mira.save_store(dir)."
                 )
+                # the fields of the fingerprint that differ, for a caller that can say why (`store_build.saved_records`)
+                error.differing = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+                raise error
         self._weights = os.path.join(directory, STORE_WEIGHTS)
         try:
             size = os.path.getsize(self._weights)

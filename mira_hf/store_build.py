@@ -8,8 +8,6 @@ given back untouched if anything fails (`fill_store`).
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +41,7 @@ from .resources import (
     host_has_room,
     unloaded_bytes,
 )
-from .saved_store import STORE_HEADER, CorruptStoreError, SavedStore
+from .saved_store import CorruptStoreError, SavedStore
 from .settings import ManagerSettings
 from .store import ExpertStore, codec_spec
 from .targets import ROUTER_HASH, RouterTable, Target, expert_specs
@@ -374,36 +372,19 @@ def saved_records(
         try:
             return SavedStore(cfg.store_path, codec_spec(codec), fingerprint), None
         except IncompatibleFileError as exc:
-            other = _other_routers(cfg.store_path, codec_spec(codec), fingerprint)
-            if other is None:
+            if getattr(exc, "differing", None) != [ROUTER_HASH]:
                 raise
-            raise other from exc
+            # the routers' hash alone: what the same checkpoint gives loaded in another dtype than the store was saved from
+            raise IncompatibleFileError(
+                f"the expert store in {cfg.store_path} was made from other router weights than this model's "
+                f"({ROUTER_HASH} differs): another checkpoint of this shape, or this one loaded in another dtype than "
+                "the store was saved from (the routers round to it). Load the model in the dtype the store was saved "
+                "from, or drop store_path to quantise again, then save a new store with model.mira.save_store(dir)."
+            ) from exc
     if streamed is None or not streamed.index.all_arrived():
         return None, None
     cache = record_cache(cfg, codec, fingerprint, streamed, specs)
     return (cache.open() if cache is not None else None), cache
-
-
-def _other_routers(directory: str, spec: dict, fingerprint: dict) -> IncompatibleFileError | None:
-    """The refusal of a saved store of this format whose fingerprint differs from this load's in the routers' hash
-    alone, which the same checkpoint gives where it is loaded in another dtype than the store was saved from; None
-    otherwise."""
-    try:
-        with open(os.path.join(directory, STORE_HEADER)) as f:
-            header = json.load(f)
-        theirs = header["fingerprint"]
-        if header["codec"] != spec or not isinstance(theirs, dict):
-            return None
-    except Exception:  # no store, or a damaged one: SavedStore's own refusal says so
-        return None
-    if {k for k in fingerprint.keys() | theirs.keys() if fingerprint.get(k) != theirs.get(k)} != {ROUTER_HASH}:
-        return None
-    return IncompatibleFileError(
-        f"the expert store in {directory} was made from other router weights than this model's ({ROUTER_HASH} "
-        "differs): another checkpoint of this shape, or this one loaded in another dtype than the store was saved "
-        "from (the routers round to it). Load the model in the dtype the store was saved from, or drop store_path "
-        "to quantise again, then save a new store with model.mira.save_store(dir)."
-    )
 
 
 def record_cache(cfg: MiraConfig, codec, fingerprint: dict, streamed: StreamedExperts, specs: dict) -> RecordCache | None:

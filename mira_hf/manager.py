@@ -436,9 +436,11 @@ class ExpertManager(NotebookViews):
         known and before the rest of its bookkeeping, its host parts placed against the copies it is about to queue)."""
         with self._lock:
             self._settle()
-            if self._forward_owner is None and self.step_check is not None:
-                # a step no forward hook entered (a compiled graph leaves them out; a block called on its own): each
-                # block checks its own layer's expert parameters before it computes (`ExpertState.edited`)
+            if self.step_check is not None:
+                # each block checks its own layer's expert parameters before it computes (`ExpertState.edited`), in
+                # a step too: a step no forward hook entered (a compiled graph leaves them out; a block called on its
+                # own) checks nothing at its start, and within a step a parametrization may stand in for the
+                # experts' tensors for one call only (peft's LoRA on experts registers one around its experts call)
                 self.step_check([layer])
             ahead = self.staging.take_ahead(layer)  # before a step boundary would clear it
             if layer <= self._last_layer and self._forward_owner is None:

@@ -8,13 +8,16 @@
     out = collector.track_generate(model, **inputs, max_new_tokens=64)   # or collector.record_tokens(n, seconds)
 
 The collector reads `manager.stats()` on every scrape, so nothing is pushed from the decode loop. Counters
-start again from zero after `model.mira.reset_stats()`; Prometheus' `rate()` treats that as a counter reset.
+start again from zero after `model.mira.reset_stats()`; Prometheus' `rate()` treats that as a counter reset. A model
+unloaded (`model.unload()`) or dropped leaves the registry with its metrics: the collector holds its manager weakly,
+so a registry keeps no model alive, and a model loaded again may be registered under the same `model_name`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 from .errors import ConfigError
 from .report import optional_import
@@ -32,12 +35,23 @@ class MiraCollector:
 
     def __init__(self, manager, model_name: str | None = None) -> None:
         self._core = optional_import("prometheus_client.core", PROMETHEUS_EXTRA, "MiraCollector")
-        self.manager = manager
+        self._manager = weakref.ref(manager)
         self.model_name = model_name
         self._lock = threading.Lock()  # record_tokens (serving thread) and collect (HTTP thread) meet here
         self._tokens = 0
         self._seconds = 0.0
         self._last_tokens_per_s = 0.0
+
+    @property
+    def manager(self):
+        """The `ExpertManager` this collector reads; None once its model is dropped."""
+        return self._manager()
+
+    @property
+    def serving(self) -> bool:
+        """Whether its model is still wrapped: neither dropped nor unloaded. A collector that is not exports nothing."""
+        manager = self._manager()
+        return manager is not None and not manager.closed
 
     def record_tokens(self, n: int, seconds: float) -> None:
         """Report that `n` tokens were generated in `seconds` of wall time."""
@@ -66,8 +80,11 @@ class MiraCollector:
 
     def samples(self) -> list[tuple[str, str, str, list[str], list[tuple[list[str], float]]]]:
         """This model's metrics: (name, "gauge" or "counter", help, label names besides `model`, [(their values,
-        value)])."""
-        stats = self.manager.stats()
+        value)]); none once its model is unloaded or dropped."""
+        manager = self._manager()
+        if manager is None or manager.closed:
+            return []
+        stats = manager.stats()
         with self._lock:
             tokens, seconds, last_rate = self._tokens, self._seconds, self._last_tokens_per_s
         per_layer = [([str(layer)], s["hit_rate"]) for layer, s in sorted(stats["per_layer"].items())]
@@ -154,6 +171,7 @@ class _Models:
         self.collectors: list[MiraCollector] = []
 
     def add(self, collector: MiraCollector) -> None:
+        self.collectors = [c for c in self.collectors if c.serving]  # unloaded or dropped models leave
         names = [c.model_name for c in self.collectors]
         if names and (not collector.model_name or None in names or collector.model_name in names):
             raise ConfigError(
@@ -164,7 +182,7 @@ class _Models:
         self.collectors.append(collector)
 
     def collect(self):
-        return _families(self._core, list(self.collectors))
+        return _families(self._core, [c for c in self.collectors if c.serving])
 
 
 def register(manager, registry=None, model_name: str | None = None) -> MiraCollector:

@@ -168,10 +168,15 @@ class ExpertState:
                 replaced = moved_modules or [path for path, seen in zip(self._paths[layer], now) if seen is None]
                 raise UnsupportedOperationError(
                     f"the expert parameter(s) or their modules {', '.join(replaced)} of MoE layer {layer} were replaced by "
-                    "other tensors or modules (an assignment, a parametrization, or torch.func.functional_call). mira-hf computes with its store "
+                    "other tensors or modules (an assignment; a parametrization, such as peft's LoRA on experts: "
+                    "target_parameters, or target_modules naming expert projections or 'all-linear'; "
+                    "torch.func.functional_call; accelerate's cpu_offload or dispatch_model onto the CPU or disk). "
+                    "mira-hf computes with its store "
                     "of the experts, which changes in place (with torch.no_grad(): p.copy_(new)) and "
                     "model.load_state_dict(...) reach; nothing was done. Put the original parameters back and write "
-                    "new values one of those ways (or put them back, model.unload(), and change the unwrapped model)."
+                    "new values one of those ways (or put them back, model.unload(), and change the unwrapped model). "
+                    "An adapter on the experts (peft) is merged into the unwrapped model (merge_and_unload()) before "
+                    "wrapping; adapters on attention and other modules run on the wrapped model as they are."
                 )
             was = self._seen[layer]
             (moved if any(a[1] != b[1] for a, b in zip(now, was)) else changed).append(layer)

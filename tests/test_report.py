@@ -227,3 +227,38 @@ def test_stats_after_unload_hold_no_device_memory():
     after = manager.stats()
     assert (after["resident_bytes"], after["capacity_bytes"], after["slots"]) == (0, 0, 0)
     assert after["hits"] + after["misses"] == before["hits"] + before["misses"]  # the counts of what ran stay
+    experts = manager.layers[0].num_experts
+    assert [manager.tier_of(0, e) for e in range(experts)] == [None] * experts
+    pd = pytest.importorskip("pandas")
+    assert isinstance(manager.heat_table(), pd.DataFrame) and set(manager.heat_table()["tier"]) == {""}
+
+
+def test_an_unloaded_or_dropped_model_leaves_its_registry_and_is_not_kept_alive_by_it(tiny_checkpoint):
+    """A model unloaded leaves the registry (its name is free again for the model loaded next), and a registry
+    holds no model alive: a dropped model's manager is freed and its samples go."""
+    import gc
+    import weakref
+
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from mira_hf.prometheus import register
+
+    registry = prometheus_client.CollectorRegistry()
+
+    def load():
+        return MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(gpu_budget=0.5, device="cpu"), progress=False)
+
+    first = load()
+    register(first.mira, registry=registry, model_name="m")
+    with torch.no_grad():
+        first(torch.tensor([[1, 2, 3]]))
+    assert registry.get_sample_value("mira_expert_misses_total", {"model": "m"}) == first.mira.stats()["misses"] > 0
+    first.unload()
+    assert registry.get_sample_value("mira_expert_misses_total", {"model": "m"}) is None
+    second = load()
+    register(second.mira, registry=registry, model_name="m")  # the name is free again
+    assert registry.get_sample_value("mira_expert_misses_total", {"model": "m"}) == 0
+    manager = weakref.ref(second.mira)
+    del second
+    gc.collect()
+    assert manager() is None
+    assert registry.get_sample_value("mira_expert_misses_total", {"model": "m"}) is None

@@ -415,6 +415,47 @@ def test_expert_parameters_replaced_on_their_module_are_refused_before_anything_
     assert torch.equal(_logits(model), expected)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "block_on_its_own"])
+def test_a_parametrization_standing_in_for_experts_during_a_step_is_refused(tiny_checkpoint, compiled):
+    """A parametrization registered on an experts module for its own call only, inside a step (peft's LoRA on experts
+    does this around each experts call), would change what the unwrapped model computes: the block raises instead of
+    computing with the store, saying what to do, and once it is gone the model computes as before."""
+    from torch.nn.utils import parametrize
+
+    from mira_hf import UnsupportedOperationError
+
+    class Halved(torch.nn.Module):
+        def forward(self, w):
+            return w * 0.5
+
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path, gpu_budget=0.3)
+    expected = _logits(model)
+
+    def add(block, args):
+        parametrize.register_parametrization(block.experts, "down_proj", Halved())
+
+    def remove(block, args, out):
+        parametrize.remove_parametrizations(block.experts, "down_proj", leave_parametrized=False)
+
+    hooked = []
+    for m in (ref, model):
+        block = m.model.layers[1].mlp
+        hooked += [block.register_forward_pre_hook(add), block.register_forward_hook(remove)]
+    assert not torch.equal(_logits(ref), expected)  # the unwrapped model computes with the halved down projection
+    with pytest.raises(UnsupportedOperationError, match=r"layer 1 were replaced.*parametrization.*peft"):
+        if compiled:  # the block called on its own, as a compiled graph's blocks are: no step around it
+            with torch.no_grad():
+                model.model.layers[1].mlp(torch.randn(1, 3, model.config.hidden_size))
+        else:
+            _logits(model)
+    if parametrize.is_parametrized(_experts_of(model, 1)):  # the raise skipped the forward hook that removes it
+        parametrize.remove_parametrizations(_experts_of(model, 1), "down_proj", leave_parametrized=False)
+    for handle in hooked:
+        handle.remove()
+    assert torch.equal(_logits(model), expected)
+
+
 @pytest.mark.parametrize("settings", [{}, {"quantization": "lossless"}], ids=["raw", "lossless"])
 def test_an_expert_parameter_apply_puts_in_place_is_written_into_the_store(tiny_checkpoint, settings):
     """`model.apply(fn)` where `fn` gives the experts module (found by `isinstance`) a new expert parameter, as code

@@ -545,6 +545,24 @@ def _present(index: ShardIndex, templates: tuple[str, ...], E: int) -> str | Non
     return None
 
 
+# codec -> (the dtype its weights are stored in, whether its scales are floating-point)
+_STORED = {"fp8_block": (getattr(torch, "float8_e4m3fn", None), True), "mxfp4": (torch.uint8, False)}
+
+
+def _stored_as(codec_name: str, index: ShardIndex, nk: NativeKeys) -> str | None:
+    """None where `nk`'s tensors are stored in the dtypes the codec reads, else what differs (FP8 weights packed two
+    FP4 values a byte, E8M0 scales stored as bytes: formats transformers' quantizer reads itself)."""
+    weight_dtype, float_scales = _STORED[codec_name]
+    weight, scale = nk.weights[0].format(e=0), nk.scales[0].format(e=0)
+    found = index.entries[weight].dtype
+    if found is not None and found != weight_dtype:
+        return f"{weight} is stored as {found}, not {weight_dtype}"
+    found = index.entries[scale].dtype
+    if float_scales and found is not None and not found.is_floating_point:
+        return f"{scale} is stored as {found}, not as floating-point scales"
+    return None
+
+
 def plan_native_keys(
     codec_name: str,
     quantization,
@@ -572,6 +590,9 @@ def plan_native_keys(
             problem = _present(index, nk.weights, E) or _present(index, nk.scales, E)
             if problem:
                 raise NotStreamable(f"the {codec_name} experts of {name} are not where mira-hf looks for them ({problem})")
+            problem = _stored_as(codec_name, index, nk)
+            if problem:
+                raise NotStreamable(f"the {codec_name} experts of {name} are stored in a form mira-hf does not read ({problem})")
             native[name][tensor] = nk
     pieces = {tensor: len(nk.weights) for per in native.values() for tensor, nk in per.items()}
     if any(len(nk.weights) != pieces[t] for per in native.values() for t, nk in per.items()):

@@ -585,8 +585,8 @@ class MiraExperts(nn.Module):
         # A slot's typed views, or an expert kept packed ("mixed") decoded at each use as its slot would hold it: the
         # same matmul as a slot's, so the same bits at any budget (the codec's own matmul may round otherwise).
         weight = w.decoded(name) if packed else w[name]
-        if weight.dtype != x.dtype:  # rows in fp32 (a loop in fp32, `serve`): the weight widened, as the loop does
-            weight = weight.to(x.dtype)
+        if weight.dtype != x.dtype and not kernel:  # rows in fp32 (a loop in fp32, `serve`): the weight widened, as
+            weight = weight.to(x.dtype)  # the loop does; transformers' grouped matmul casts the rows to the weight's
         y = grouped_linear(x, weight, self._transposed) if kernel else plain_linear(x, weight, self._transposed)
         if not self._has_bias:
             return y

@@ -196,6 +196,26 @@ def test_the_proxy_combines_as_transformers_experts_do(name, impl, sentinel):
     assert mismatches(name, impl, sentinel) == []
 
 
+@pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@pytest.mark.parametrize("hidden_dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_experts_in_another_dtype_than_their_rows_compute_as_transformers_grouped_matmul_does(name, hidden_dtype):
+    """bf16 experts given rows of another dtype (an FP8 checkpoint's experts left unconverted in a model loaded in
+    fp32; a bitsandbytes model's bf16 norms before fp32 experts): transformers' grouped matmul casts the rows to the
+    weights' dtype and weights the outputs after, and so does the proxy, never the weights to the rows' dtype."""
+    ref, proxy = experts_pair(name, torch.bfloat16)
+    ref.config._experts_implementation = proxy.base.config._experts_implementation = "grouped_mm"
+    H, E = proxy.base.config.hidden_size, proxy.num_experts
+    found = []
+    for case, (index, w) in routings(E, sentinel=False).items():
+        hidden = (torch.randn(index.shape[0], H, generator=torch.Generator().manual_seed(len(case))) * 4).to(hidden_dtype)
+        with torch.no_grad():
+            expected, got = ref(hidden, index, w), proxy(hidden, index, w)
+        if got.dtype != expected.dtype or not torch.equal(got, expected):
+            found.append(case)
+    assert found == []
+
+
 @needs_post_expert_norm
 @with_and_without_sentinel
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])  # transformers' eager forwards have no post-norm

@@ -194,6 +194,50 @@ def test_other_quantized_formats_are_named_in_the_warning_or_error(tiny_checkpoi
             pass
 
 
+def test_fp8_scales_stored_as_exponent_bytes_are_loaded_as_transformers_loads_them(tmp_path):
+    """Block scales stored as E8M0 exponent bytes (uint8, as MXFP8 checkpoints ship them) are a form transformers'
+    quantizer reads itself: the checkpoint is loaded whole, saying why, and computes what transformers computes."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_fp8_checkpoint("qwen3_moe", str(tmp_path / "ckpt"), shards=1)
+    tensors = load_file(f"{path}/model.safetensors")
+    as_bytes = lambda s: (torch.log2(s).ceil() + 127).to(torch.uint8)  # noqa: E731  # 2 ** (byte - 127) >= s
+    tensors = {k: as_bytes(v) if k.endswith("scale_inv") else v for k, v in tensors.items()}
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+    try:
+        ref = _reference(path)
+    except Exception as exc:  # a transformers that reads no byte scales
+        pytest.skip(f"transformers does not load FP8 scales stored as bytes: {exc}")
+    with pytest.warns(UserWarning, match=r"weight_scale_inv is stored as torch.uint8, not as floating-point scales"):
+        model = _load(path, gpu_budget=0.5)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+
+
+def test_experts_an_fp8_checkpoint_leaves_unconverted_compute_in_their_dtype_as_transformers_does(tmp_path):
+    """An FP8 checkpoint whose config leaves one layer's experts unquantized (`modules_to_not_convert`, stored in
+    bf16), loaded in fp32: transformers keeps those experts in bf16 and its grouped matmul casts their rows to bf16;
+    the wrapped model computes them the same way, not with its weights widened to fp32."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_fp8_checkpoint("qwen3_moe", str(tmp_path / "ckpt"), shards=1)
+    tensors = load_file(f"{path}/model.safetensors")
+    for k in [k for k in tensors if k.startswith("model.layers.0.mlp.experts.") and k.endswith(".weight")]:
+        tensors[k] = dequantize_fp8(tensors[k], tensors.pop(k + "_scale_inv"), torch.bfloat16)
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    config["quantization_config"]["modules_to_not_convert"] = ["lm_head", "model.layers.0.mlp.experts"]
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+    ref = _reference(path, torch.float32)
+    assert ref.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    with pytest.warns(UserWarning, match="cannot be read one at a time"):
+        model = _load(path, gpu_budget=0.5, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+
+
 def test_decoding_repeats_transformers_dequantize_bit_for_bit():
     """Grids that are not square, extreme exponents (0, 255), fp32/bf16/fp16 targets."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize

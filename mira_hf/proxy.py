@@ -117,6 +117,7 @@ class MiraExperts(nn.Module):
         # Resolved once: the gate function transformers' decorator gives every experts module (None: gate
         # columns first, then up, as Llama 4's experts), and whether slots hold packed records.
         self._apply_gate = getattr(base, "_apply_gate", None)
+        self._gated_together = False  # the block's gate function takes more than one row at once (set per block)
         self._packed = manager.placement == "packed"
         self._kept_packed = manager.placement == "mixed"  # experts kept packed compute as their decoded slots would
         self._split = manager.host.mode == "split"  # each expert's host part computed on the host (neuron_split)
@@ -241,6 +242,8 @@ class MiraExperts(nn.Module):
         T, H = hidden_states.shape
         K = top_k_index.shape[1]
         E = self.num_experts
+        # grouped_mm and batched_mm apply the gate function once to the block's T*K rows; eager to each expert's
+        self._gated_together = impl != "eager" and T * K > 1
         flat = top_k_index.reshape(-1)  # [T*K]
         if T == 1:
             picks = flat.tolist()  # [K] one host sync per block
@@ -597,6 +600,10 @@ class MiraExperts(nn.Module):
         return self._activate(self._linear(x, w, self._up, kernel))  # [n, 2I] or [n, I] -> [n, I]
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[0] == 1 and self._gated_together and self._has_gate and h.device.type == "cpu":
+            # the unwrapped block's gate half of its T*K rows is a strided view, and torch's CPU kernels of some
+            # functions (GELU's erf) round a strided view otherwise than one contiguous row: gate a strided row too
+            return activate(self.base, True, self._apply_gate, h.expand(2, -1))[:1]
         return activate(self.base, self._has_gate, self._apply_gate, h)
 
     def _down_proj(self, h: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:

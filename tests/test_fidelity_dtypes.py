@@ -120,6 +120,18 @@ def test_lossless_records_are_bit_identical(name, dtype, placement, impl="groupe
     assert differences(ref, model) == []
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_a_gate_function_that_rounds_by_layout_is_applied_as_the_implementation_applies_it(top_k, impl, dtype):
+    """Exact GELU (`hidden_act="gelu"`): torch's CPU kernel rounds a strided view otherwise than one contiguous
+    row. grouped_mm and batched_mm gate a block's T*K rows at once (their gate half strided), eager each expert's
+    rows; an expert with one row in a block of more gates as the implementation does (one token and one expert per
+    token: one contiguous row there too)."""
+    ref, model = pair("mixtral", dtype, impl, hidden_act="gelu", num_experts_per_tok=top_k)
+    assert differences(ref, model, steps=4) == []
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
 def test_four_experts_per_token_are_summed_in_the_implementations_order(impl, dtype):

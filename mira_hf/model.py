@@ -190,6 +190,10 @@ class MiraMoEModel:
                 f"MiraMoEModel.wrap takes a model already built (a torch.nn.Module, such as a transformers model); it "
                 f"was given {type(model).__name__}.{load if isinstance(model, (str, os.PathLike)) else ''}"
             )
+        compiled = _compiled_module(model)
+        if compiled is not None:  # torch.compile(model): its model is wrapped in place, then compiled again when called
+            MiraMoEModel.wrap(compiled, mira_config, progress=progress, **config_fields)
+            return model
         cfg = config_from_arguments(mira_config, config_fields, "MiraMoEModel.wrap")
         if config_fields:
             fields = ", ".join(f.name for f in dataclasses.fields(MiraConfig))
@@ -493,6 +497,13 @@ def device_from_map(device_map, device: str | None) -> str | None:
             f"device_map={device_map!r} names {name}, but MiraConfig(device={device!r}) names another device. Give one of them."
         )
     return name
+
+
+def _compiled_module(model: nn.Module) -> nn.Module | None:
+    """The module `torch.compile(module)` gave `model` for (a dynamo `OptimizedModule`), else None."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return model._orig_mod if isinstance(model, OptimizedModule) else None
 
 
 def _resolve_device(name: str | None) -> torch.device:

@@ -13,6 +13,8 @@ A backward through the operator raises the same error as through the eager proxy
 from __future__ import annotations
 
 import itertools
+import os
+import secrets
 import weakref
 
 import torch
@@ -21,8 +23,25 @@ from torch import nn
 from .errors import UnsupportedOperationError
 
 _proxies: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
-_handles = itertools.count()
+
+
+def _fresh_handles() -> itertools.count:
+    """Handles from a random start: a graph exported (`torch.export.save`) in one process and run in another (a forked
+    child included) finds no proxy of that process under its handles (a refusal), never another model's experts."""
+    return itertools.count(secrets.randbits(48) << 8)
+
+
+_handles = _fresh_handles()
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+def _reseed() -> None:
+    global _handles
+    _handles = _fresh_handles()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reseed)
 
 
 def register(proxy: nn.Module) -> torch.Tensor:
@@ -37,7 +56,14 @@ def register(proxy: nn.Module) -> torch.Tensor:
 def _served(handle: torch.Tensor, autocast_dtype: torch.dtype | None, hidden_states: torch.Tensor, *routing) -> torch.Tensor:
     """The proxy's `serve(hidden_states, *routing)`, under the caller's autocast where it ran under one (a compiled
     graph calls the operators outside it), one block at a time (a graph runs without the step hooks)."""
-    proxy = _proxies[int(handle)]  # a CPU scalar: no device sync
+    proxy = _proxies.get(int(handle))  # a CPU scalar: no device sync
+    if proxy is None or proxy.manager.closed:
+        raise UnsupportedOperationError(
+            "this graph calls the experts of a mira-hf model that is no longer wrapped in this process: it was "
+            "unloaded (model.unload()) or dropped after the graph was compiled or exported, or the graph was exported "
+            "(torch.export) from another process. Compile or export the wrapped model in the process that runs it, "
+            "after wrapping; an unloaded model runs its own experts modules again when called itself."
+        )
     with proxy.manager.turn():
         if autocast_dtype is None:
             return proxy.serve(hidden_states, *routing)

@@ -203,6 +203,12 @@ class MiraExperts(nn.Module):
     def _served(self, *inputs: torch.Tensor) -> torch.Tensor:
         """`serve(*inputs)`, one block at a time across threads (`ExpertManager.turn`: a block called outside a step
         waits for another thread's step); with autograd on, computed without it and given the refusal (`_refusing`)."""
+        if torch.jit.is_tracing():
+            raise UnsupportedOperationError(
+                "torch.jit.trace cannot record a mira-hf model: which experts a block copies and computes depends on "
+                "its routing, which a trace would freeze at the example's. torch.compile (fullgraph=True too) and "
+                "torch.export run each MoE block as one operator instead; or trace the unwrapped model (model.unload())."
+            )
         with self.manager.turn():
             if not torch.is_grad_enabled():
                 return self.serve(*inputs)

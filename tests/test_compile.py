@@ -263,3 +263,63 @@ def test_generate_compiling_its_decode_steps_still_starts_each_sequence_at_its_p
     for _ in range(2):
         model.generate(IDS, **GEN, cache_implementation="static", compile_config=config)
     assert hasattr(model, "_compiled_call") and len(starts) == 2
+
+
+def test_a_model_compiled_before_wrapping_is_wrapped_in_place_and_unloads(tiny_checkpoint, tmp_path):
+    """`MiraMoEModel.wrap(torch.compile(model))`, the compiled module called once before: the model it compiled is
+    wrapped in place and the compiled module returned, computing as the unwrapped model; it saves an ordinary
+    checkpoint, and `unload()` gives back the plain model, which the compiled module then runs again."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), load_reference(path)
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        expected = ref(IDS).logits
+        assert torch.equal(compiled(IDS).logits, expected)
+        assert MiraMoEModel.wrap(compiled, MiraConfig(gpu_budget=0.5, device="cpu")) is compiled
+        assert any(isinstance(m, MiraExperts) for m in model.modules())  # the model it compiled, wrapped in place
+        assert torch.equal(compiled(IDS).logits, expected)
+        assert model.mira.stats()["loads"] > 0  # the compiled module ran the wrapped model
+        assert MiraMoEModel.wrap(compiled, MiraConfig(gpu_budget=0.5, device="cpu")) is compiled  # idempotent
+        compiled.save_pretrained(tmp_path / "saved")
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()(IDS).logits, expected)
+        assert compiled.unload() is model and not any(isinstance(m, MiraExperts) for m in model.modules())
+        assert torch.equal(compiled(IDS).logits, expected)
+
+
+class Logits(torch.nn.Module):
+    """A model's logits without a cache: what `torch.export` and `torch.jit.trace` take."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids, use_cache=False).logits
+
+
+def test_an_exported_graph_whose_model_is_gone_refuses_to_run_saying_why(tiny_checkpoint):
+    """A graph exported with `torch.export` holds each proxy's handle: after `unload()`, or run in a process where no
+    proxy has that handle (a program saved and loaded elsewhere), it raises saying why, never computing with another
+    model's experts."""
+
+    path = tiny_checkpoint("mixtral")
+    ref, model = load_reference(path), _wrapped(path)
+    with torch.no_grad():
+        program = torch.export.export(Logits(model), (IDS,))
+        assert torch.equal(program.module()(IDS), ref(IDS, use_cache=False).logits)
+        proxy = next(m for m in model.modules() if isinstance(m, MiraExperts))
+        hidden, index, weights = torch.zeros(1, model.config.hidden_size), torch.tensor([[0, 1]]), torch.ones(1, 2)
+        unknown = torch.tensor(int(proxy._handle) ^ (1 << 40))  # a handle of no proxy of this process
+        with pytest.raises(UnsupportedOperationError, match="no longer wrapped in this process"):
+            torch.ops.mira.experts(unknown, hidden, index, weights)
+        model.unload()
+        with pytest.raises(UnsupportedOperationError, match="unloaded .* or dropped after the graph was compiled or exported"):
+            program.module()(IDS)
+
+
+def test_jit_trace_of_a_wrapped_model_is_refused_naming_what_works(tiny_checkpoint):
+    model = _wrapped(tiny_checkpoint("mixtral"))
+    with pytest.raises(UnsupportedOperationError, match=r"torch.jit.trace cannot record.*torch.compile"), torch.no_grad():
+        torch.jit.trace(Logits(model), (IDS,), strict=False)

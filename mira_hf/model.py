@@ -53,6 +53,7 @@ from .targets import (
     find_targets,
     model_fingerprint,
     own_classes_hint,
+    places,
     resolve_adapter,
     sub_model_types,
 )
@@ -350,9 +351,11 @@ def _install(
         undo.callback(manager.close)
         proxies = []
         for t in targets:
-            proxies.append(proxy_for(adapter, t.module, manager, t.ordinal, plan.cfg.cache.prefill_block_tokens))
-            undo.callback(put_back_module, t, proxies[-1])
-            setattr(t.parent, t.attr, proxies[-1])
+            t.proxy = proxy_for(adapter, t.module, manager, t.ordinal, plan.cfg.cache.prefill_block_tokens)
+            proxies.append(t.proxy)
+            undo.callback(put_back_module, t, model)
+            for parent, name in places(model, t.module) or [(t.parent, t.attr)]:  # every block the module serves
+                setattr(parent, name, t.proxy)
         undo.callback(model.to, where)
         model.to(device)
         # Per-instance hooks mark forward steps (the heat clock, serialised threads); always_call

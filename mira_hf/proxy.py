@@ -20,7 +20,7 @@ from torch import nn
 
 from model_adapters.base import FUSED_EXPERTS, ExpertModules, RoutedBlockExperts, SeparateGluExperts
 
-from .errors import UnsupportedOperationError
+from .errors import ConfigError, UnsupportedOperationError
 from .experts_impl import (
     batched_linear,
     batched_rows,
@@ -234,6 +234,8 @@ class MiraExperts(nn.Module):
     def serve(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         impl = implementation_of(self.base)  # read at each call, as transformers does (generate swaps it)
         check_call(impl)
+        if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
+            self._bad_routing(f"expert indices of dtype {top_k_index.dtype}")
         self.manager.observe(self.layer, hidden_states, top_k_index)  # the predictor's copy is finished by the block's sync
         if impl == "eager" and self._eager_arithmetic == "fp32" and hidden_states.dtype != torch.float32:
             # a loop in fp32 throughout: rows, weights (`_linear`), gate and sum, cast back once
@@ -253,11 +255,18 @@ class MiraExperts(nn.Module):
         flat = top_k_index.reshape(-1)  # [T*K]
         if T == 1:
             picks = flat.tolist()  # [K] one host sync per block
+            if not all(0 <= e <= E for e in picks):
+                self._bad_routing(f"expert indices {picks}")
             if len(set(picks)) == K:  # distinct experts (as top-k picks are)
                 return self._decode_step(hidden_states, top_k_index, top_k_weights, picks, impl)
             counts = [picks.count(e) for e in range(E + 1)]
         else:
-            counts = torch.bincount(flat, minlength=E + 1).tolist()  # [E+1] one host sync per block; E = EP sentinel
+            try:
+                counts = torch.bincount(flat, minlength=E + 1).tolist()  # [E+1] one host sync per block; E = EP sentinel
+            except RuntimeError:  # a negative index
+                self._bad_routing(f"expert indices from {int(flat.min())} to {int(flat.max())}")
+            if len(counts) > E + 1:
+                self._bad_routing(f"expert indices up to {len(counts) - 1}")
         order = self._row_order(top_k_index, impl)  # [T*K] rows grouped by expert; after the sync, off its path
         starts, acc = [], 0
         for c in counts:
@@ -307,6 +316,13 @@ class MiraExperts(nn.Module):
             y = out.new_empty((routed, H)) if y is None else y
             _put(y, slice(starts[e], starts[e] + counts[e]), out, adds)
         return self._combine(y, order, hidden_states, top_k_index, top_k_weights, impl, None)
+
+    def _bad_routing(self, given: str):
+        raise ConfigError(
+            f"the experts module of MoE layer {self.layer} was given {given}: it has {self.num_experts} experts, "
+            f"indexed 0 to {self.num_experts - 1} by integers ({self.num_experts} marks a token's slot that expert "
+            "parallelism skips). Pass top_k_index as the block's router gives it."
+        )
 
     @staticmethod
     def _row_order(top_k_index: torch.Tensor, impl: str) -> torch.Tensor:

@@ -57,6 +57,9 @@ class Target:
     layout: FusedExperts = FUSED_EXPERTS  # where the module keeps them (`MoEAdapter.experts_layout`)
     # read from the module when found: once wrapped, a module whose experts sit on a child no longer holds it (JetMoE)
     num_experts: int = 0
+    # what stands for `module` in the model once wrapped (`_install`): found where it sits then (`places`), wherever
+    # the model's owner has moved it since (another layer, inside a module of theirs)
+    proxy: nn.Module | None = None
 
     # the parameter objects standing for the module's expert tensors, by their path on the module: the module's own
     # when found in it (`release` frees their data once stored), then those the proxy exposes (made or kept by
@@ -113,6 +116,12 @@ class Target:
         for name, tensor in store.fused(self.ordinal).items():
             for path, part in at_paths(self.layout, name, tensor, self.num_experts):
                 self.layout.set(self.module, path, self.parameter(name, path, part))
+
+
+def places(model: nn.Module, module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every (parent, name) in `model` whose child `name` is `module`: one for a module in one place, several for one
+    shared by several parents (one experts module in two MoE blocks), none for one no longer in the model."""
+    return [(parent, name) for parent in model.modules() for name, child in parent._modules.items() if child is module]
 
 
 def resolve_adapter(model_type: str | None, cfg: MiraConfig, remote: bool = False, parts: tuple[str, ...] = ()) -> MoEAdapter:

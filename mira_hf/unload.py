@@ -13,7 +13,7 @@ from .manager import ExpertManager
 from .proxy import give_back_hooks
 from .state import at_paths
 from .state import uninstall as uninstall_state
-from .targets import Target
+from .targets import Target, places
 
 
 def warn_if_lossy(manager: ExpertManager, what: str) -> None:
@@ -42,7 +42,7 @@ def unload(model: nn.Module) -> nn.Module:
         model.to("cpu")
         for t in model._mira_targets:
             t.restore(manager.whole)
-            put_back_module(t, getattr(t.parent, t.attr))
+            put_back_module(t, model)
         # last: a step that starts meanwhile meets them and waits for its turn, then runs the unwrapped modules
         for hook in model._mira_hooks:
             hook.remove()
@@ -92,12 +92,14 @@ def forget_wrapping(model: nn.Module) -> None:
         model.__dict__.pop(attr, None)
 
 
-def put_back_module(t: Target, proxy: nn.Module) -> None:
-    """Put the experts module of `t` back on its parent in place of `proxy`, with the hooks registered on the proxy
+def put_back_module(t: Target, model: nn.Module) -> None:
+    """Put the experts module of `t` back wherever its proxy sits in `model` now (where it was wrapped, or wherever the
+    model's owner moved or shared it since; nowhere where they replaced it), with the hooks registered on the proxy
     meanwhile and the children the proxy stood in for."""
-    give_back_hooks(proxy, t.module)
-    proxy.restore_owners()
-    setattr(t.parent, t.attr, t.module)
+    give_back_hooks(t.proxy, t.module)
+    t.proxy.restore_owners()
+    for parent, name in places(model, t.proxy):
+        setattr(parent, name, t.module)
 
 
 def save_pretrained(model: nn.Module, save_directory, **kwargs):
@@ -118,7 +120,7 @@ def save_pretrained(model: nn.Module, save_directory, **kwargs):
         where.setdefault(id(module), []).append(name)
     for t in model._mira_targets:  # one tensor of its own each (views of raw records share their slab)
         E = model.mira.store.num_experts(t.ordinal)
-        for prefix in where.get(id(getattr(t.parent, t.attr)), ()):
+        for prefix in where.get(id(t.proxy), ()):
             for n, tensor in model.mira.whole.fused(t.ordinal).items():
                 state.update((f"{prefix}.{path}", part) for path, part in at_paths(t.layout, n, tensor, E))
     if given is not None:

@@ -1,0 +1,142 @@
+"""What researchers studying routing do to a wrapped model: experts modules moved between layers, shared, wrapped in
+a module of their own or replaced, and experts modules called with routing of their own. The wrapped model, its
+`save_pretrained` checkpoint and the model `unload()` gives back compute what the unwrapped model changed alike
+computes (`torch.equal`); routing that names no expert is refused, saying what was given."""
+
+import pytest
+import torch
+from tiny_models import build, config_or_skip
+from transformers import AutoModelForCausalLM
+
+from mira_hf import ConfigError, MiraConfig, MiraMoEModel
+from mira_hf.proxy import MiraExperts
+
+IDS = torch.tensor([[5, 9, 14, 33, 60, 71, 80], [7, 21, 4, 8, 11, 3, 99]])
+FAMILIES = ["mixtral", "deepseek_v3", "gpt_oss"]  # standard experts; a dense first layer; transposed, biased experts
+
+
+def _pair(name: str):
+    """(unwrapped, wrapped) copies of one tiny model, the second wrapped with room for a third of its experts."""
+    config = config_or_skip(name)
+    torch.manual_seed(0)
+    ref = build(config).eval()
+    model = build(config).eval()
+    model.load_state_dict(ref.state_dict())
+    return ref, MiraMoEModel.wrap(model, MiraConfig(gpu_budget=0.3, device="cpu"))
+
+
+def _blocks(model) -> list:
+    """The MoE blocks (the modules holding an `experts` child), in layer order."""
+    return [m for m in model.model.layers if hasattr(getattr(m, "mlp", None), "experts")]
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def _agree(ref, model, tmp_path, reload: bool = True) -> None:
+    """The wrapped model, its saved checkpoint (the tensors `ref` saves, where transformers saves them; reloaded by
+    transformers, computing what `ref` computes, where `reload`), and the model `unload()` gives back all compute
+    what `ref` computes."""
+    from safetensors.torch import load_file
+
+    expected = _logits(ref)
+    assert torch.equal(_logits(model), expected)
+    model.save_pretrained(tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    try:
+        ref.save_pretrained(tmp_path / "ref")
+    except RuntimeError:  # transformers refuses to save tensors two modules share; mira-hf writes each its own copy
+        pass
+    else:
+        ref_saved = load_file(tmp_path / "ref" / "model.safetensors")
+        assert saved.keys() == ref_saved.keys() and all(torch.equal(saved[k], ref_saved[k]) for k in saved)
+    if reload:
+        assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()), expected)
+    assert torch.equal(_logits(model.unload()), expected)
+    assert not any(isinstance(m, MiraExperts) for m in model.modules())
+
+
+@pytest.mark.parametrize("how", ["swapped", "shared"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_experts_modules_moved_between_layers_stay_where_they_were_moved(name, how, tmp_path):
+    """Two layers' experts modules swapped, or the first's put in the second's place too, after wrapping: the
+    checkpoint and the unloaded model keep them where they were moved, not where they were at wrapping."""
+    ref, model = _pair(name)
+    for m in (ref, model):
+        a, b = _blocks(m)[:2]
+        if how == "swapped":
+            a.mlp.experts, b.mlp.experts = b.mlp.experts, a.mlp.experts
+        else:
+            b.mlp.experts = a.mlp.experts
+    _agree(ref, model, tmp_path)
+
+
+@pytest.mark.parametrize("how", ["recorded", "ablated"])
+def test_an_experts_module_wrapped_or_replaced_by_the_user_unloads_as_the_unwrapped_model_would(how, tmp_path):
+    """An experts module inside a module of the user's (a recorder of its outputs), or replaced by one (an ablation
+    of the routed experts): `unload()` gives back the model with the user's module where they put it, and the
+    checkpoint holds the keys the unwrapped model's does."""
+
+    class Recorder(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.seen = inner, []
+
+        def forward(self, hidden, *routing):
+            out = self.inner(hidden, *routing)
+            self.seen.append(out)
+            return out
+
+    class Ablated(torch.nn.Module):
+        def forward(self, hidden, *routing):
+            return torch.zeros_like(hidden)
+
+    ref, model = _pair("mixtral")
+    for m in (ref, model):
+        block = _blocks(m)[1]
+        block.mlp.experts = Recorder(block.mlp.experts) if how == "recorded" else Ablated()
+    assert set(model.state_dict()) == set(ref.state_dict())
+    _agree(ref, model, tmp_path, reload=False)  # transformers builds its own experts module where the user's was
+    if how == "recorded":
+        assert type(_blocks(model)[1].mlp.experts.inner).__name__ == "MixtralExperts"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_one_experts_module_shared_by_two_blocks_is_served_in_both(name, tmp_path):
+    """One experts module in two MoE blocks before wrapping (a layer's experts reused by another): both blocks call
+    the proxy, the state dict names it at both paths as the unwrapped model's does, and `unload()` puts the module
+    back in both."""
+    config = config_or_skip(name)
+    torch.manual_seed(0)
+    ref = build(config).eval()
+    model = build(config).eval()
+    model.load_state_dict(ref.state_dict())
+    for m in (ref, model):
+        a, b = _blocks(m)[:2]
+        b.mlp.experts = a.mlp.experts
+    model = MiraMoEModel.wrap(model, MiraConfig(gpu_budget=0.3, device="cpu"))
+    a, b = _blocks(model)[:2]
+    assert isinstance(a.mlp.experts, MiraExperts) and b.mlp.experts is a.mlp.experts
+    assert set(model.state_dict()) == set(ref.state_dict())
+    _agree(ref, model, tmp_path)
+    a, b = _blocks(model)[:2]
+    assert b.mlp.experts is a.mlp.experts and not isinstance(a.mlp.experts, MiraExperts)
+
+
+@pytest.mark.parametrize(
+    "index",
+    [[[-1, 2]], [[-1, 2], [1, 2], [0, 3]], [[11, 1]], [[9, 2], [1, 2], [0, 3]], [[1.0, 2.0], [1.0, 2.0], [0.0, 3.0]]],
+    ids=["negative, one token", "negative", "too large, one token", "too large", "floating-point"],
+)
+def test_routing_that_names_no_expert_is_refused_saying_what_was_given(index):
+    """An experts module called with indices outside its experts (8 here; 8 itself marks a slot expert parallelism
+    skips) or not integers: a `ConfigError` naming them, and the model serves on as before."""
+    ref, model = _pair("mixtral")
+    experts = _blocks(model)[1].mlp.experts
+    index = torch.tensor(index)
+    T, H = index.shape[0], model.config.hidden_size
+    with pytest.raises(ConfigError, match=r"was given expert indices.*it has 8 experts, indexed 0 to 7"), torch.no_grad():
+        experts(torch.randn(T, H), index, torch.ones(T, 2))
+    assert torch.equal(_logits(model), _logits(ref))

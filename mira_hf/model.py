@@ -53,6 +53,7 @@ from .targets import (
     find_targets,
     model_fingerprint,
     own_classes_hint,
+    SERVED,
     places,
     resolve_adapter,
     sub_model_types,
@@ -356,6 +357,7 @@ def _install(
             undo.callback(put_back_module, t, model)
             for parent, name in places(model, t.module) or [(t.parent, t.attr)]:  # every block the module serves
                 setattr(parent, name, t.proxy)
+            SERVED[t.module] = weakref.ref(manager)
         undo.callback(model.to, where)
         model.to(device)
         # Per-instance hooks mark forward steps (the heat clock, serialised threads); always_call

@@ -39,6 +39,10 @@ _HOW_TO_ADD = (
 
 ROUTER_HASH = "router_sha256"  # the fingerprint's hash of the routers' weights
 
+# Every experts module a wrapped model serves now -> that model's manager (both weakly): a module another model holds
+# too (assigned into it) is found empty there, and wrapping that model is refused saying why.
+SERVED: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+
 
 @dataclass
 class Target:
@@ -206,6 +210,13 @@ def find_targets(
     for ordinal, (name, module) in enumerate(found):
         if isinstance(module, MiraExperts):
             raise ConfigError(f"{name} is already a MiraExperts proxy: this model is wrapped. Call model.unload() first.")
+        serving = SERVED.get(module)
+        if serving is not None and serving() is not None and not serving().closed:
+            raise ConfigError(
+                f"{name} ({type(module).__name__}) is an experts module another wrapped model serves: the two models "
+                "share it, and wrapping that one took its experts into its store. Give each model experts modules of "
+                "its own (copy.deepcopy) before wrapping, or unload() the other model first."
+            )
         layout = adapter.experts_layout
         E = layout.num_experts(module)
         tensors = layout.parameters(module)

@@ -140,3 +140,23 @@ def test_routing_that_names_no_expert_is_refused_saying_what_was_given(index):
     with pytest.raises(ConfigError, match=r"was given expert indices.*it has 8 experts, indexed 0 to 7"), torch.no_grad():
         experts(torch.randn(T, H), index, torch.ones(T, 2))
     assert torch.equal(_logits(model), _logits(ref))
+
+
+def test_an_experts_module_two_models_share_is_refused_to_the_second_until_the_first_unloads():
+    """One experts module in two models (assigned from one into the other): wrapping the first takes its experts into
+    that model's store, so wrapping the second is refused, saying why and what to do, and works once the first is
+    unloaded, computing what the unwrapped model computes."""
+    ref, first = _pair("mixtral")
+    config = config_or_skip("mixtral")
+    torch.manual_seed(1)
+    second = build(config).eval()
+    second.load_state_dict(ref.state_dict())
+    first.unload()
+    _blocks(second)[0].mlp.experts = _blocks(first)[0].mlp.experts
+    first = MiraMoEModel.wrap(first, MiraConfig(gpu_budget=0.3, device="cpu"))
+    with pytest.raises(ConfigError, match=r"model.layers.0.mlp.experts .* another wrapped model serves.*copy.deepcopy"):
+        MiraMoEModel.wrap(second, MiraConfig(gpu_budget=0.3, device="cpu"))
+    assert not any(isinstance(m, MiraExperts) for m in second.modules())  # refused before anything changed
+    first.unload()
+    second = MiraMoEModel.wrap(second, MiraConfig(gpu_budget=0.3, device="cpu"))
+    assert torch.equal(_logits(second), _logits(ref))

@@ -47,13 +47,13 @@ from .state import uninstall as uninstall_state
 from .step_hooks import StepHooks
 from .store_build import StorePlan, build_router_predictor, fill_store, new_manager, plan_store, record_cache
 from .targets import (
+    SERVED,
     RouterHash,
     Target,
     expert_specs,
     find_targets,
     model_fingerprint,
     own_classes_hint,
-    SERVED,
     places,
     resolve_adapter,
     sub_model_types,

@@ -274,6 +274,11 @@ def test_apply_of_a_cast_to_the_experts_modules_alone_casts_their_experts(tiny_c
         m.apply(lambda module: module.half() if isinstance(module, experts_class) else None)
     assert {model.mira.store.dtype(layer) for layer in model.mira.store.layers} == {torch.float16}
     assert _same(model.state_dict(), ref.state_dict())
+    try:  # fp32 rows reach fp16 experts: transformers' grouped matmul casts the rows, others may refuse the mix
+        expected = _logits(ref)
+    except RuntimeError:
+        return
+    assert torch.equal(_logits(model), expected)
 
 
 @pytest.mark.gpu

@@ -73,7 +73,8 @@ class NotebookViews:
         """ "hot" (on the device and used since its copy), "stage" (on the device or in flight, copied ahead of
         its use and not used yet) or None (not on the device). The same labels as `stats()`' `hot_hits` and
         `stage_hits`; the cache's eviction groups (`ExpertCache`) are its own business. An expert kept packed beside
-        the cache (placement "mixed") is "hot" until `unload()`, after which no expert is on the device. An expert the model does not have is a `ConfigError`."""
+        the cache (placement "mixed") is "hot" until `unload()`, after which no expert is on the device. An expert
+        the model does not have is a `ConfigError`."""
         ((layer, expert),) = expert_keys(self.layers, {layer: [expert]}, "tier_of", "a layer ordinal and an expert index")
         if self.closed:  # unloaded: no slot is left
             return None

@@ -98,7 +98,10 @@ def put_back_module(t: Target, model: nn.Module) -> None:
     meanwhile and the children the proxy stood in for."""
     give_back_hooks(t.proxy, t.module)
     t.proxy.restore_owners()
-    for parent, name in places(model, t.proxy):
+    spots = places(model, t.proxy)
+    if t.parent._modules.get(t.attr) is t.proxy and all(p is not t.parent for p, _ in spots):
+        spots.append((t.parent, t.attr))  # its MoE block moved into another model: the module goes back there too
+    for parent, name in spots:
         setattr(parent, name, t.module)
 
 

@@ -163,16 +163,16 @@ def test_an_experts_module_two_models_share_is_refused_to_the_second_until_the_f
 
 
 def test_a_moe_block_moved_into_another_model_gets_its_experts_module_back_at_unload():
-    """A wrapped model's MoE block put into an unwrapped model (a layer transplanted): both models compute with it
-    exactly, and once the wrapped model is unloaded the block, wherever it is, holds its experts module again."""
+    """A wrapped model's MoE block swapped with an unwrapped model's (a layer transplanted): both models compute
+    exactly, and once the wrapped model is unloaded the block, now in the other model, holds its experts module again."""
     ref, model = _pair("mixtral")
     config = config_or_skip("mixtral")
     torch.manual_seed(1)
     other, other_ref = build(config).eval(), build(config).eval()
     other_ref.load_state_dict(other.state_dict())
-    for donor, host in ((ref, other_ref), (model, other)):
-        _blocks(host)[0].mlp = _blocks(donor)[0].mlp
-    assert torch.equal(_logits(other), _logits(other_ref))
+    for donor, host in ((ref, other_ref), (model, other)):  # swapped: the wrapped block leaves the wrapped model
+        _blocks(host)[0].mlp, _blocks(donor)[0].mlp = _blocks(donor)[0].mlp, _blocks(host)[0].mlp
+    assert torch.equal(_logits(other), _logits(other_ref)) and torch.equal(_logits(model), _logits(ref))
     model.unload()
     assert not any(isinstance(m, MiraExperts) for m in other.modules())
     assert torch.equal(_logits(other), _logits(other_ref)) and torch.equal(_logits(model), _logits(ref))

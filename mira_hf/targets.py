@@ -61,9 +61,6 @@ class Target:
     layout: FusedExperts = FUSED_EXPERTS  # where the module keeps them (`MoEAdapter.experts_layout`)
     # read from the module when found: once wrapped, a module whose experts sit on a child no longer holds it (JetMoE)
     num_experts: int = 0
-    # what stands for `module` in the model once wrapped (`_install`): found where it sits then (`places`), wherever
-    # the model's owner has moved it since (another layer, inside a module of theirs)
-    proxy: nn.Module | None = None
 
     # the parameter objects standing for the module's expert tensors, by their path on the module: the module's own
     # when found in it (`release` frees their data once stored), then those the proxy exposes (made or kept by
@@ -71,6 +68,9 @@ class Target:
     params: dict[str, nn.Parameter] = field(default_factory=dict)
     # the data `release` took out of those parameters, by (tensor name, path), until `free`: what `put_back` gives back
     kept: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    # what stands for `module` in the model once wrapped (`_install`): found where it sits then (`places`), wherever
+    # the model's owner has moved it since (another layer, inside a module of theirs)
+    proxy: nn.Module | None = None
 
     def parameter(self, name: str, path: str, data: torch.Tensor) -> nn.Parameter:
         """The parameter at `path` (one holding tensor `name`) over `data`: the one kept there (`params`), else a new

@@ -173,7 +173,7 @@ class ExpertManager(NotebookViews):
         self._place(store, budget, device)
         # (layers) -> None: the expert parameters' check (`ExpertState.edited`, set by the model), run by blocks that
         # no step hook entered
-        self.step_check: Callable[[list[int]], None] | None = None
+        self.step_check: Callable[..., None] | None = None
         self.closed = False  # unloaded (`close`)
         self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)
         self._forward_owner: int | None = None
@@ -437,11 +437,11 @@ class ExpertManager(NotebookViews):
         with self._lock:
             self._settle()
             if self.step_check is not None:
-                # each block checks its own layer's expert parameters before it computes (`ExpertState.edited`), in
-                # a step too: a step no forward hook entered (a compiled graph leaves them out; a block called on its
-                # own) checks nothing at its start, and within a step a parametrization may stand in for the
-                # experts' tensors for one call only (peft's LoRA on experts registers one around its experts call)
-                self.step_check([layer])
+                # each block checks its own layer's expert parameters before it computes (`ExpertState.edited`): in
+                # full in a step no forward hook entered (a compiled graph leaves them out; a block called on its
+                # own), which checks nothing at its start; within a step the hook checked in full, only for a
+                # parametrization standing in for the experts' tensors for one call (peft's LoRA on experts)
+                self.step_check([layer], quick=self._forward_owner is not None)
             ahead = self.staging.take_ahead(layer)  # before a step boundary would clear it
             if layer <= self._last_layer and self._forward_owner is None:
                 # no forward hook ends the step here (a compiled graph; a block called on its own): an earlier layer

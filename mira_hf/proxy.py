@@ -61,6 +61,9 @@ MAX_GROUPS = 1023  # groups torch's grouped matmul takes in one call (fewer than
 CPU_ALIGNMENT = 64  # bytes: where torch's CPU allocator starts a tensor
 
 
+_UNPROBED = object()  # `MiraExperts._probed` before its first probe
+
+
 class MiraExperts(nn.Module):
     """Routed experts served by an `ExpertManager`. `base` is the original experts module with its
     expert tensors removed (kept for its gate function, activation, flags and config, and for `unload`).
@@ -118,6 +121,7 @@ class MiraExperts(nn.Module):
         # columns first, then up, as Llama 4's experts), and whether slots hold packed records.
         self._apply_gate = getattr(base, "_apply_gate", None)
         self._gated_together = False  # the block's gate function takes more than one row at once (set per block)
+        self._probed: tuple[object, bool] = (_UNPROBED, False)  # (activation probed, whether it rounds by layout)
         self._packed = manager.placement == "packed"
         self._kept_packed = manager.placement == "mixed"  # experts kept packed compute as their decoded slots would
         self._split = manager.host.mode == "split"  # each expert's host part computed on the host (neuron_split)
@@ -622,11 +626,27 @@ class MiraExperts(nn.Module):
         return self._activate(self._linear(x, w, self._up, kernel))  # [n, 2I] or [n, I] -> [n, I]
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
-        if h.shape[0] == 1 and self._gated_together and self._has_gate and h.device.type == "cpu":
+        if h.shape[0] == 1 and self._gated_together and self._has_gate and h.device.type == "cpu" and self._by_layout():
             # the unwrapped block's gate half of its T*K rows is a strided view, and torch's CPU kernels of some
             # functions (GELU's erf) round a strided view otherwise than one contiguous row: gate a strided row too
             return activate(self.base, True, self._apply_gate, h.expand(2, -1))[:1]
         return activate(self.base, self._has_gate, self._apply_gate, h)
+
+    def _by_layout(self) -> bool:
+        """Whether the gate function, as the module holds it now (an activation may be replaced), rounds a row of a
+        strided view otherwise than the row alone on the CPU: probed once per activation, in each float dtype."""
+        fn = getattr(self.base, "act_fn", None)
+        if self._probed[0] is not fn:
+            h = torch.randn(3, 2 * 512, generator=torch.Generator().manual_seed(0)) * 4  # [n, 2I] rows of a block
+            differs = False
+            with torch.no_grad():
+                for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                    rows = h.to(dtype)
+                    strided = activate(self.base, True, self._apply_gate, rows)[:1]  # row 0 of a strided gate half
+                    alone = activate(self.base, True, self._apply_gate, rows[:1])  # the same row, contiguous
+                    differs = differs or not torch.equal(strided, alone)
+            self._probed = (fn, differs)
+        return self._probed[1]
 
     def _down_proj(self, h: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
         # h [n, I] -> [n, H]

@@ -65,6 +65,9 @@ class ExpertState:
         self._paths: dict[int, list[str]] = {}  # where each watched parameter is on its proxy
         self._entries: dict[int, list[tuple[dict, str]]] = {}  # and the parameter table entry that holds it
         self._module_links: dict[int, list[tuple[dict, str, nn.Module, str]]] = {}  # (a parent's _modules, name, child, path)
+        # each owner of a layer's expert parameters and its class: a parametrization registered on an owner gives it
+        # a class of its own, which the check within a step looks at (`edited(quick=True)`)
+        self._owners: dict[int, list[tuple[nn.Module, type]]] = {}
         self._watched: dict[int, list[nn.Parameter]] = {}
         # (version count, data pointer) of each: in-place changes count, a `.data` assignment moves the data
         self._seen: dict[int, list[tuple[int, int]]] = {}
@@ -104,6 +107,8 @@ class ExpertState:
         self._entries[layer] = [
             ((chain[-1][2] if chain else proxy)._parameters, path.rpartition(".")[2]) for path, chain in links.items()
         ]
+        owners = {id(m): m for m in (chain[-1][2] if chain else proxy for chain in links.values())}
+        self._owners[layer] = [(m, type(m)) for m in owners.values()]
         self._seen[layer] = self._seen_now(layer)
 
     def store_views_again(self, layer: int) -> None:
@@ -122,9 +127,11 @@ class ExpertState:
     def _seen_now(self, layer: int) -> list[tuple[int, int]]:
         return [(p._version, p.data_ptr()) for p in self._watched[layer]]  # data_ptr 0: a placeholder on meta
 
-    def edited(self, layers=None) -> None:
+    def edited(self, layers=None, quick: bool = False) -> None:
         """At each forward step (of `layers`' parameters: None, every layer's): expert parameters changed since they
-        were exposed reach what the experts compute, as they do in the unwrapped model.
+        were exposed reach what the experts compute, as they do in the unwrapped model. `quick`: a block within a
+        step whose start checked every layer looks only for a parametrization registered since on an owner of its
+        experts (peft's LoRA on experts registers one around each experts call), then checks that layer in full.
         - Changed in place (a `mul_`, `copy_` or item assignment under `torch.no_grad()`, which torch counts): a raw
           store's parameters are its records, so the cache, whose copies are stale, starts empty. An encoded store's
           are placeholders that no edit reaches: that raises `UnsupportedOperationError`, at every step until
@@ -134,6 +141,10 @@ class ExpertState:
         - Replaced by another tensor on the module, or a module holding them replaced (an assignment, a
           parametrization, `torch.func.functional_call`): `UnsupportedOperationError`, nothing computed. The store holds the experts the model computes with; what
           stands in for a parameter for one call cannot be told from a lasting change."""
+        if quick:
+            layers = [layer for layer in layers if any(type(m) is not cls for m, cls in self._owners.get(layer, ()))]
+            if not layers:
+                return
         changed = self._adopt_given_data(layers)
         if not changed:
             return
@@ -224,7 +235,7 @@ class ExpertState:
         for path in self._paths.get(proxy.layer, ()):  # none where `install` stopped before exposing them
             proxy.experts_layout.pop(proxy, path)
         proxy.restore_owners()
-        for table in (self._watched, self._paths, self._entries, self._module_links, self._seen):
+        for table in (self._watched, self._paths, self._entries, self._module_links, self._owners, self._seen):
             table.pop(proxy.layer, None)
 
     # -- state dict -----------------------------------------------------------------------------

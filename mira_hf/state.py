@@ -65,9 +65,10 @@ class ExpertState:
         self._paths: dict[int, list[str]] = {}  # where each watched parameter is on its proxy
         self._entries: dict[int, list[tuple[dict, str]]] = {}  # and the parameter table entry that holds it
         self._module_links: dict[int, list[tuple[dict, str, nn.Module, str]]] = {}  # (a parent's _modules, name, child, path)
-        # each owner of a layer's expert parameters and its class: a parametrization registered on an owner gives it
-        # a class of its own, which the check within a step looks at (`edited(quick=True)`)
-        self._owners: dict[int, list[tuple[nn.Module, type]]] = {}
+        # each owner of a layer's expert parameters (weakly: the proxy holds this state) and its class: a
+        # parametrization registered on an owner gives it a class of its own, which the check within a step looks at
+        # (`edited(quick=True)`)
+        self._owners: dict[int, list[tuple[weakref.ref, type]]] = {}
         self._watched: dict[int, list[nn.Parameter]] = {}
         # (version count, data pointer) of each: in-place changes count, a `.data` assignment moves the data
         self._seen: dict[int, list[tuple[int, int]]] = {}
@@ -108,7 +109,7 @@ class ExpertState:
             ((chain[-1][2] if chain else proxy)._parameters, path.rpartition(".")[2]) for path, chain in links.items()
         ]
         owners = {id(m): m for m in (chain[-1][2] if chain else proxy for chain in links.values())}
-        self._owners[layer] = [(m, type(m)) for m in owners.values()]
+        self._owners[layer] = [(weakref.ref(m), type(m)) for m in owners.values()]
         self._seen[layer] = self._seen_now(layer)
 
     def store_views_again(self, layer: int) -> None:
@@ -142,7 +143,7 @@ class ExpertState:
           parametrization, `torch.func.functional_call`): `UnsupportedOperationError`, nothing computed. The store holds the experts the model computes with; what
           stands in for a parameter for one call cannot be told from a lasting change."""
         if quick:
-            layers = [layer for layer in layers if any(type(m) is not cls for m, cls in self._owners.get(layer, ()))]
+            layers = [layer for layer in layers if any(type(m()) is not cls for m, cls in self._owners.get(layer, ()))]
             if not layers:
                 return
         changed = self._adopt_given_data(layers)

@@ -171,8 +171,8 @@ class ExpertManager(NotebookViews):
         # the store's device parts joined to them.
         self.whole = store if host_parts is None else SplitWeights(store, host_parts)
         self._place(store, budget, device)
-        # (layers) -> None: the expert parameters' check (`ExpertState.edited`, set by the model), run by blocks that
-        # no step hook entered
+        # (layers, quick) -> None: the expert parameters' check (`ExpertState.edited`, set by the model), run by every
+        # block (`begin`): in full where no step hook entered, quick within a step the hook checked in full
         self.step_check: Callable[..., None] | None = None
         self.closed = False  # unloaded (`close`)
         self._forward_lock = threading.Lock()  # one forward step at a time (see enter_forward)

@@ -58,7 +58,7 @@ from .targets import (
     resolve_adapter,
     sub_model_types,
 )
-from .unload import forget_wrapping, put_back_module, refuse_copy, save_pretrained, unload
+from .unload import forget_wrapping, put_back_modules, refuse_copy, save_pretrained, unload
 from .weak import bound_weakly, weak_method
 
 
@@ -350,12 +350,14 @@ def _install(
     where = next((p.device for p in model.parameters()), torch.device("cpu"))  # the experts are out of the model
     with contextlib.ExitStack() as undo:
         undo.callback(manager.close)
-        proxies = []
+        proxies, installed = [], []
+        undo.callback(put_back_modules, installed, model)
+        spots = places(model, [t.module for t in targets])
         for t in targets:
             t.proxy = proxy_for(adapter, t.module, manager, t.ordinal, plan.cfg.cache.prefill_block_tokens)
             proxies.append(t.proxy)
-            undo.callback(put_back_module, t, model)
-            for parent, name in places(model, t.module) or [(t.parent, t.attr)]:  # every block the module serves
+            installed.append(t)
+            for parent, name in spots[id(t.module)] or [(t.parent, t.attr)]:  # every block the module serves
                 setattr(parent, name, t.proxy)
             SERVED[t.module] = weakref.ref(manager)
         undo.callback(model.to, where)

@@ -122,10 +122,16 @@ class Target:
                 self.layout.set(self.module, path, self.parameter(name, path, part))
 
 
-def places(model: nn.Module, module: nn.Module) -> list[tuple[nn.Module, str]]:
-    """Every (parent, name) in `model` whose child `name` is `module`: one for a module in one place, several for one
-    shared by several parents (one experts module in two MoE blocks), none for one no longer in the model."""
-    return [(parent, name) for parent in model.modules() for name, child in parent._modules.items() if child is module]
+def places(model: nn.Module, modules: list[nn.Module]) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(m) -> every (parent, name) in `model` whose child `name` is m, for each of `modules`, in one walk of the
+    model: one place for a module in one place, several for one shared by several parents (one experts module in two
+    MoE blocks), none for one no longer in the model."""
+    found: dict[int, list[tuple[nn.Module, str]]] = {id(m): [] for m in modules}
+    for parent in model.modules():
+        for name, child in parent._modules.items():
+            if id(child) in found:
+                found[id(child)].append((parent, name))
+    return found
 
 
 def resolve_adapter(model_type: str | None, cfg: MiraConfig, remote: bool = False, parts: tuple[str, ...] = ()) -> MoEAdapter:

@@ -42,7 +42,7 @@ def unload(model: nn.Module) -> nn.Module:
         model.to("cpu")
         for t in model._mira_targets:
             t.restore(manager.whole)
-            put_back_module(t, model)
+        put_back_modules(model._mira_targets, model)
         # last: a step that starts meanwhile meets them and waits for its turn, then runs the unwrapped modules
         for hook in model._mira_hooks:
             hook.remove()
@@ -92,17 +92,19 @@ def forget_wrapping(model: nn.Module) -> None:
         model.__dict__.pop(attr, None)
 
 
-def put_back_module(t: Target, model: nn.Module) -> None:
-    """Put the experts module of `t` back wherever its proxy sits in `model` now (where it was wrapped, or wherever the
-    model's owner moved or shared it since; nowhere where they replaced it), with the hooks registered on the proxy
-    meanwhile and the children the proxy stood in for."""
-    give_back_hooks(t.proxy, t.module)
-    t.proxy.restore_owners()
-    spots = places(model, t.proxy)
-    if t.parent._modules.get(t.attr) is t.proxy and all(p is not t.parent for p, _ in spots):
-        spots.append((t.parent, t.attr))  # its MoE block moved into another model: the module goes back there too
-    for parent, name in spots:
-        setattr(parent, name, t.module)
+def put_back_modules(targets: list[Target], model: nn.Module) -> None:
+    """Put the experts module of each of `targets` back wherever its proxy sits in `model` now (where it was wrapped,
+    or wherever the model's owner moved or shared it since; nowhere where they replaced it), with the hooks registered
+    on the proxy meanwhile and the children the proxy stood in for."""
+    spots = places(model, [t.proxy for t in targets])
+    for t in targets:
+        give_back_hooks(t.proxy, t.module)
+        t.proxy.restore_owners()
+        found = spots[id(t.proxy)]
+        if t.parent._modules.get(t.attr) is t.proxy and all(p is not t.parent for p, _ in found):
+            found.append((t.parent, t.attr))  # its MoE block moved into another model: the module goes back there too
+        for parent, name in found:
+            setattr(parent, name, t.module)
 
 
 def save_pretrained(model: nn.Module, save_directory, **kwargs):

@@ -7,8 +7,11 @@ summed over n, and each neuron reads only its own rows (columns, transposed) of 
 device from its slot, and the rest form the host part: the host computes it on the token's hidden rows while the
 device computes the device parts, and the two outputs add. The link carries only the device parts (a share
 `1 - host_share` of every record: fewer bytes per miss, more experts per byte of budget), and the host's cores,
-a resource apart from the link, carry the rest at every use. Adding two partial sums rounds differently from one
-matmul over all neurons: not bit-exact, like every host compute mode.
+a resource apart from the link, carry the rest at every use. Where the experts compute in 16 bits, each part's down
+projection keeps its product in fp32 and the two are added before one rounding, as the whole expert's one matmul
+(accumulating in fp32) rounds once (`wide_linear`; the host part's down projection is stored widened to fp32, as
+torch's CPU matmul gives no fp32 product of 16-bit operands): the sum then differs from the whole expert's only in
+the order of its fp32 additions, seldom by a rounding step. Not bit-exact, like every host compute mode.
 
 How a gate function pairs its up projection's columns with neurons is read from the function itself
 (`pairing_of`): gate columns then up columns ("halves": Mixtral, Qwen, DeepSeek, Llama 4), gate and up
@@ -27,6 +30,8 @@ import torch
 from .errors import ConfigError
 from .pinned import pinned_empty
 
+NARROW = (torch.bfloat16, torch.float16)  # dtypes whose split products are kept in fp32 until the parts are summed
+WIDE = torch.float32
 DEVICE = 0  # part index: the device's neurons
 HOST = 1  # the host's
 # The host part's neurons, where an expert has enough, are a multiple of this (row-aligned slices).
@@ -64,6 +69,31 @@ def _up_columns(pairing: str, intermediate: int, neurons) -> list[int]:
     if pairing == "interleaved":
         return [c for n in neurons for c in (2 * n, 2 * n + 1)]
     return neurons
+
+
+def wide_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool, offs: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, in] times a split expert's down projection, the product in fp32 (WIDE), not rounded to the rows' 16
+    bits: `weight` [out, in] ([in, out] when `transposed`), or with `offs` [G] (cumulative rows per group) the rows of
+    group g through `weight[g]` ([G, out, in]). On CUDA torch's kernels give it from the 16-bit operands (`out_dtype`;
+    a wider weight, a host part stored widened, is narrowed first: exactly, as it was widened); elsewhere the
+    operands are widened (exactly) and multiplied in fp32. Returns [n, out] in fp32."""
+    w = weight if transposed else weight.transpose(-2, -1)  # [in, out] or [G, in, out]
+    if x.device.type == "cuda":
+        w = w if w.dtype == x.dtype else w.to(x.dtype)
+        return torch.mm(x, w, out_dtype=WIDE) if offs is None else torch._grouped_mm(x, w, offs=offs, out_dtype=WIDE)
+    x, w = x.to(WIDE), w.to(WIDE)
+    return x @ w if offs is None else torch._grouped_mm(x, w, offs=offs)
+
+
+def wide_batched_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """`wide_linear` for every row x [S, in] by its own weights [S, out, in] ([S, in, out] if `transposed`), as
+    batched_mm multiplies them. Returns [S, out] in fp32."""
+    a, b = (x.unsqueeze(1), weight) if transposed else (weight, x.unsqueeze(-1))
+    if x.device.type == "cuda":
+        out = torch.bmm(a, b, out_dtype=WIDE)
+    else:
+        out = torch.bmm(a.to(WIDE), b.to(WIDE))
+    return out.squeeze(1) if transposed else out.squeeze(-1)
 
 
 def host_neurons(intermediate: int, share: float) -> int:
@@ -163,17 +193,25 @@ class NeuronSplit:
 
 class HostParts:
     """The host parts of every layer's experts: name -> [E, ...] tensors in host memory, filled expert by
-    expert as the device parts are stored."""
+    expert as the device parts are stored. A 16-bit down projection is stored widened to fp32 (`wide_linear`: the
+    host's product of it stays in fp32); `tensors_as_given` gives it back in its own dtype."""
 
     def __init__(self, splits: Mapping[int, NeuronSplit], pinned: bool = False) -> None:
         self.splits = dict(splits)
         self.pinned = pinned  # page-locked: a part copied to the device (`HostCosts.balance`) crosses at link speed
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self.dtypes: dict[int, torch.dtype] = {}  # each layer's down projection's dtype, as the experts hold it
 
     def allocate(self, layer: int, specs: Specs, num_experts: int) -> None:
         """Room for `layer`'s host parts; `specs`: one whole expert's (name -> (shape, dtype))."""
         _, host = self.splits[layer].specs(specs)
-        self.tensors[layer] = {name: self._empty((num_experts, *shape), dtype) for name, (shape, dtype) in host.items()}
+        self.dtypes[layer] = host[self.splits[layer].down][1]
+        self.tensors[layer] = {
+            name: self._empty((num_experts, *shape), self._stored(layer, name, dtype)) for name, (shape, dtype) in host.items()
+        }
+
+    def _stored(self, layer: int, name: str, dtype: torch.dtype) -> torch.dtype:
+        return WIDE if name == self.splits[layer].down and dtype in NARROW else dtype
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if not self.pinned:
@@ -188,22 +226,34 @@ class HostParts:
         def device_part(e: int) -> dict[str, torch.Tensor]:
             device, host = split.split(expert(e))
             for name, t in host.items():
-                parts[name][e].copy_(t)
+                parts[name][e].copy_(t)  # a widened down projection: exactly
             return device
 
         return device_part
 
     def weights(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """Expert `expert`'s host part: name -> view."""
+        """Expert `expert`'s host part, as stored (the down projection widened): name -> view."""
         return {name: t[expert] for name, t in self.tensors[layer].items()}
 
+    def tensors_as_given(self, layer: int) -> dict[str, torch.Tensor]:
+        """`layer`'s host parts [E, ...] in the experts' own dtypes (a widened down projection narrowed: a copy, exact)."""
+        down, dtype = self.splits[layer].down, self.dtypes[layer]
+        return {name: t.to(dtype) if name == down else t for name, t in self.tensors[layer].items()}
+
+    def expert_specs(self, layer: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """One expert's host part in `layer`, as `tensors_as_given` gives it: name -> (shape, dtype)."""
+        down, dtype = self.splits[layer].down, self.dtypes[layer]
+        return {name: (tuple(t.shape[1:]), dtype if name == down else t.dtype) for name, t in self.tensors[layer].items()}
+
     def expert_bytes(self, layer: int) -> int:
-        """Bytes of one expert's host part in `layer`."""
+        """Bytes of one expert's host part in `layer`, as stored (what a copy of it moves)."""
         return sum(t[0].numel() * t.element_size() for t in self.tensors[layer].values())
 
     def cast(self, layer: int, dtype: torch.dtype) -> None:
+        self.dtypes[layer] = dtype
         self.tensors[layer] = {
-            name: t if t.dtype == dtype else self._empty(t.shape, dtype).copy_(t) for name, t in self.tensors[layer].items()
+            name: t if t.dtype == (to := self._stored(layer, name, dtype)) else self._empty(t.shape, to).copy_(t)
+            for name, t in self.tensors[layer].items()
         }
 
     def nbytes(self) -> int:
@@ -228,11 +278,11 @@ class SplitWeights:
 
     def expert_specs(self, layer: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         device = {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in self.device_store.expert_specs(layer).items()}
-        host = {n: t[0].to("meta") for n, t in self.parts.tensors[layer].items()}
+        host = {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in self.parts.expert_specs(layer).items()}
         return {n: (tuple(t.shape), t.dtype) for n, t in self.parts.splits[layer].combine(device, host).items()}
 
     def fused(self, layer: int) -> dict[str, torch.Tensor]:
-        return self.parts.splits[layer].combine(self.device_store.fused(layer), self.parts.tensors[layer])
+        return self.parts.splits[layer].combine(self.device_store.fused(layer), self.parts.tensors_as_given(layer))
 
     def plan_rewrite(self, layer: int, fused: Tensors | None = None, dtype: torch.dtype | None = None):
         device = None if fused is None else self.parts.splits[layer].split(fused)[DEVICE]

@@ -33,6 +33,7 @@ from .experts_impl import (
 from .host_compute import host_expert_math
 from .layout import PackedWeights, decodes_exactly
 from .manager import ExpertManager
+from .neuron_split import NARROW, wide_batched_linear, wide_linear
 from .ops import RefuseBackward, register
 from .state import proxy_apply
 from .weak import weak_method
@@ -319,6 +320,7 @@ class MiraExperts(nn.Module):
         for e, out, adds in host:  # [n, H] computed on the host (host_compute), into the rows the device fills
             y = out.new_empty((routed, H)) if y is None else y
             _put(y, slice(starts[e], starts[e] + counts[e]), out, adds)
+        y = self._parts_summed(y, self._part_dtype(x.dtype, kernel))
         return self._combine(y, order, hidden_states, top_k_index, top_k_weights, impl, None)
 
     def _bad_routing(self, given: str):
@@ -378,6 +380,7 @@ class MiraExperts(nn.Module):
         for e, out, adds in host:  # host_compute
             y = (out.new_zeros((K, H)) if sentinel else out.new_empty((K, H))) if y is None else y
             _put(y, slot_of[e], out[0], adds)
+        y = self._parts_summed(y, self._part_dtype(hidden_states.dtype, kernel))
         return self._combine(y, None, hidden_states, top_k_index, top_k_weights, impl, sentinel or None)
 
     def _combine(self, y, order, hidden_states, top_k_index, top_k_weights, impl: str, sentinel) -> torch.Tensor:
@@ -470,7 +473,7 @@ class MiraExperts(nn.Module):
             y = out.new_zeros((S, out.shape[1])) if y is None else y
             r = rows_of(e)
             _put(y, r, out if isinstance(r, torch.Tensor) else out[0], adds)
-        return y
+        return self._parts_summed(y, self._part_dtype(x.dtype, True))
 
     def _bmm_rows(self, x: torch.Tensor, weights: dict[str, torch.Tensor], at, chunks, up, down) -> torch.Tensor:
         """batched_mm's output rows [S, H] for inputs x [S, H]: row r with the expert weights at entry `at[r]` of
@@ -482,7 +485,11 @@ class MiraExperts(nn.Module):
             a = at[rows] if at is not None else rows
             h = batched_linear(x[rows], weights[up[0]][a], bias(up, a), self._transposed)  # [n, I']
             h = self._activate(h)  # [n, I]
-            out.append(batched_linear(h, weights[down[0]][a], bias(down, a), self._transposed))  # [n, H]
+            if self._wide(h):  # host_compute="split": the device parts' products kept in fp32 (`_part_down`)
+                y = wide_batched_linear(h, weights[down[0]][a], self._transposed)
+                out.append(y if len(down) == 1 else y + bias(down, a))
+            else:
+                out.append(batched_linear(h, weights[down[0]][a], bias(down, a), self._transposed))  # [n, H]
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def _serve(
@@ -587,6 +594,9 @@ class MiraExperts(nn.Module):
             at = _to(x.device, torch.repeat_interleave(torch.tensor(slots) - first, torch.tensor(counts)))  # [n] row -> slot
             up_bias, down_bias = w[self._up + "_bias"][at], w["down_proj_bias"][at]
         h = self._activate(grouped_linear(x, w[self._up], self._transposed, offs, up_bias))  # [n, I]
+        if self._wide(h):  # host_compute="split": the device parts' products kept in fp32 (`_part_down`)
+            y = wide_linear(h, w["down_proj"], self._transposed, offs)
+            return y if down_bias is None else y + down_bias
         return self._post(grouped_linear(h, w["down_proj"], self._transposed, offs, down_bias))  # [n, H]
 
     def _expert(self, plan, e: int, w, x: torch.Tensor, kernel: bool = False, at: int = 0) -> torch.Tensor:
@@ -619,7 +629,8 @@ class MiraExperts(nn.Module):
         y = grouped_linear(x, weight, self._transposed) if kernel else plain_linear(x, weight, self._transposed)
         if not self._has_bias:
             return y
-        return y + (w.raw(name + "_bias") if packed else w[name + "_bias"])
+        bias = w.raw(name + "_bias") if packed else w.get(name + "_bias")  # none: a split expert's host part's down
+        return y if bias is None else y + bias
 
     def _up_proj(self, x: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
         # x [n, H] -> [n, I]
@@ -650,7 +661,44 @@ class MiraExperts(nn.Module):
 
     def _down_proj(self, h: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
         # h [n, I] -> [n, H]
+        if self._split:
+            return self._part_down(h, w, kernel)
         return self._post(self._linear(h, w, self._down, kernel))
+
+    # host_compute="split": where the whole expert's down projection rounds its product to 16 bits, each part's (the
+    # device's, the host's) keeps it in fp32 and the block rounds their sum once (`_parts_summed`), as the whole
+    # expert's one matmul, accumulating in fp32, rounds once. Two roundings would differ from it in about a third of
+    # the output elements, one in well under 1% (benchmarks/NOTES.md, "Host compute").
+    def _part_down(self, h: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
+        """A split expert's part of its down projection, h [n, I'] -> [n, H]: in fp32 where the whole expert's would
+        round to 16 bits (`_wide`), else as `_linear` computes it. The down bias is the device part's."""
+        packed = isinstance(w, PackedWeights)
+        weight = w.decoded(self._down) if packed else w[self._down]
+        rows = h.to(weight.dtype) if kernel else h  # the grouped kernel casts the rows to the weight's dtype
+        if not self._wide(rows):
+            return self._linear(h, w, self._down, kernel)
+        y = wide_linear(rows, weight, self._down_transposed)
+        if not self._has_bias:
+            return y
+        bias = w.raw(self._down + "_bias") if packed else w.get(self._down + "_bias")  # none in a host part
+        return y if bias is None else y + bias
+
+    def _wide(self, rows: torch.Tensor) -> bool:
+        """Whether a split expert's down projection of `rows` keeps its product in fp32 (`_part_down`): rows in 16
+        bits, outside autocast (whose dtype the unwrapped model's matmuls take)."""
+        return self._split and rows.dtype in NARROW and not torch.is_autocast_enabled(rows.device.type)
+
+    def _part_dtype(self, x_dtype: torch.dtype, kernel: bool) -> torch.dtype:
+        """The dtype of an expert's output on rows of `x_dtype`: the weights' where the rows are cast to them (the
+        grouped and batched kernels), else the rows' (a weight of another dtype is cast to them)."""
+        return self.manager.store.dtype(self.layer) if kernel else x_dtype
+
+    def _parts_summed(self, y: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """A block's expert outputs y, each the sum of a split expert's two parts kept in fp32 (`_part_down`), rounded
+        once to `dtype`, the whole expert's output dtype. Others are returned as they are."""
+        if y is None or y.dtype == dtype or not self._split or dtype not in NARROW:
+            return y
+        return y.to(dtype)
 
     def _post(self, y: torch.Tensor) -> torch.Tensor:
         return self.base.post_expert_norm(y) if self._post_norm else y
@@ -664,8 +712,7 @@ class MiraExperts(nn.Module):
         """Expert e's host part (`neuron_split`, host_compute="split") on rows x [n, H] -> [n, H]: its neurons'
         up projection (with their share of its bias) and gate function, and their columns of the down projection,
         whose bias the device part adds."""
-        h = self._up_of(e, x, w)  # [n, I_host]
-        return plain_linear(h, w[self._down].to(h.dtype), self._down_transposed)  # [n, H]
+        return self._down_proj(self._up_of(e, x, w), w)  # [n, H]; the host part has no down bias
 
     def _host_expert(self, e: int, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """Expert e on the host (`host_compute`): x [n, H] and `w` (views of its host record) -> [n, H],
@@ -821,6 +868,7 @@ class MiraScaledExperts(MiraExperts):
         for e, y, adds in self._serve(needed, compute, [x.shape[1]] * len(needed), x.__getitem__):  # host_compute
             out = x.new_zeros(x.shape, dtype=y.dtype) if out is None else out
             _put(out, e, y, adds)
+        out = self._parts_summed(out, self._part_dtype(x.dtype, False))
         out = torch.zeros_like(x) if out is None else out  # no token chose an expert
         return out.view(hidden_states.shape)
 
@@ -928,9 +976,6 @@ class MiraGluExperts(_HeldExperts):
     def _up_proj(self, x: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
         # x [n, H] -> [n, I]
         return self._act(self._linear(x, w, self._gate, kernel)) * self._linear(x, w, self._up, kernel)
-
-    def _host_part(self, e: int, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return self._host_expert(e, w, x)  # a smaller expert of the same layout (no biases)
 
 
 class MiraRoutedExperts(_HeldExperts):
@@ -1097,6 +1142,9 @@ class MiraModuleExperts(_HeldExperts):
     def _down_proj(self, h: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
         dtype = self.manager.store.dtype(self.layer)  # the down weight's, as the store holds every expert tensor
         return super()._down_proj(h if h.dtype == dtype else h.to(dtype), w, kernel)
+
+    def _part_dtype(self, x_dtype: torch.dtype, kernel: bool) -> torch.dtype:
+        return self.manager.store.dtype(self.layer)  # the hidden rows are cast to the down weight's dtype
 
 
 class _ExpertsHolder(nn.Module):

@@ -524,7 +524,8 @@ def test_split_fidelity_compare_finds_the_first_token_whose_experts_differ():
 
 def test_split_fidelity_probe_smoke_finds_the_default_exact_and_the_split_within_rounding(tmp_path):
     """benchmarks/split_fidelity_probe.py on tiny shapes: the default's layers and logits equal the unwrapped model's,
-    and the split's differ by rounding only (no token's experts differ there)."""
+    and the split's differ by rounding at most (no token's experts differ there; its two parts summed in fp32 and
+    rounded once may give the unwrapped model's bits on shapes this small)."""
     result = run_benchmark("split_fidelity_probe", tmp_path, "--smoke", result="-split-fidelity.json")
     rows = {r["system"]: r for r in result["rows"]}
     assert list(rows) == ["default", "split-0.2", "split-0.3"]
@@ -532,7 +533,7 @@ def test_split_fidelity_probe_smoke_finds_the_default_exact_and_the_split_within
     assert default["logit_rel_diff"] == 0.0 and default["first_flip_position"] is None
     assert all(r["hidden_rel_diff"] == 0.0 and r["flipped_share"] == 0.0 for r in default["layers"])
     for name in ("split-0.2", "split-0.3"):
-        assert 0.0 < rows[name]["logit_rel_diff"] < 0.05 and rows[name]["first_flip_position"] is None
+        assert 0.0 <= rows[name]["logit_rel_diff"] < 0.05 and rows[name]["first_flip_position"] is None
 
 
 @pytest.mark.slow  # compiles each system's graphs on the CPU: ~1 min

@@ -4,9 +4,9 @@ The split (`MiraConfig(host_compute="split")`) sums each expert's output from tw
 so it rounds differently from the unwrapped model. On a workload of `host_split.py` (random bf16 weights, routers
 spread as trained ones are) this probe runs one forward of a prompt through the unwrapped model and through each
 wrapped system, and reports per MoE layer: the hidden state's largest difference from the unwrapped model's
-(relative to its largest value), the share of tokens whose top-k experts differ, and the reference router's margin
-(k-th minus (k+1)-th probability) at those tokens; then the logits' largest difference over all positions and over
-the positions before the first token whose experts differ.
+(relative to its largest value) and the share of its elements that differ at all, the share of tokens whose top-k
+experts differ, and the reference router's margin (k-th minus (k+1)-th probability) at those tokens; then the
+logits' largest difference over all positions and over the positions before the first token whose experts differ.
 
     python benchmarks/split_fidelity_probe.py --models mixtral --out benchmarks/results/   # GPU, ~1 minute
     python benchmarks/split_fidelity_probe.py --smoke --out /tmp                          # CPU, tiny shapes
@@ -76,6 +76,7 @@ def compare(reference, other, k: int) -> dict:
     for i, (a, b) in enumerate(zip(ref_hidden, hidden)):
         if i < len(layers):
             layers[i]["hidden_rel_diff"] = ((a - b).abs().max() / a.abs().max()).item()
+            layers[i]["hidden_differing_share"] = a.ne(b).float().mean().item()  # elements not bit-equal
     rel = (logits - ref_logits).abs().max() / ref_logits.abs().max()
     out = dict(logit_rel_diff=rel.item(), first_flip_position=first_flip, layers=layers)
     if first_flip != 0:

@@ -351,7 +351,7 @@ class MiraConfig:
         (`offload_dir`) through the staging ring. `None`: no limit. When set, `from_pretrained` reads
         the experts from the checkpoint one at a time (`LoaderConfig.stream_experts`), so a model
         larger than host memory loads. With host_compute="split" it bounds the device parts; the host parts
-        (`host_share` of every expert) stay in host memory beside it.
+        (`host_share` of every expert, a 16-bit down projection stored in fp32) stay in host memory beside it.
     offload_dir: where experts beyond `host_budget` are written, memory-mapped and read back (given with
         `host_budget` only: without it every expert stays in host memory). A relative path names a directory of the
         working directory at load (a later cast writes there too, after an `os.chdir`).
@@ -365,8 +365,9 @@ class MiraConfig:
         link speed and host time).
         `"split"`: every expert is split by its intermediate neurons (`mira_hf.neuron_split`); the host computes
         a share `host_share` of each expert's neurons at every use, and the GPU caches and receives only the
-        rest, so each miss moves fewer bytes and the budget holds more experts.
-        Not bit-exact: the host's matmuls round differently from the device's (bounds in docs/usage.md).
+        rest, so each miss moves fewer bytes and the budget holds more experts; the two parts' outputs are added in
+        fp32 and rounded once, as the whole expert's matmul rounds. Not bit-exact: the host's matmuls round
+        differently from the device's (bounds in docs/usage.md).
     host_share: with host_compute="split", the share of each expert's intermediate neurons the host computes,
         in (0, 1), rounded so that both parts are whole multiples of 16 neurons (fewer for small experts) and the
         device's rows stay aligned. The host's time per layer grows with it and the link's shrinks (docs/usage.md).

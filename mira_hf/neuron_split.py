@@ -71,18 +71,23 @@ def _up_columns(pairing: str, intermediate: int, neurons) -> list[int]:
     return neurons
 
 
-def wide_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool, offs: torch.Tensor | None = None) -> torch.Tensor:
+def wide_linear(x: torch.Tensor, weight, transposed: bool, counts: list[int] | None = None) -> torch.Tensor:
     """x [n, in] times a split expert's down projection, the product in fp32 (WIDE), not rounded to the rows' 16
-    bits: `weight` [out, in] ([in, out] when `transposed`), or with `offs` [G] (cumulative rows per group) the rows of
-    group g through `weight[g]` ([G, out, in]). On CUDA torch's kernels give it from the 16-bit operands (`out_dtype`;
-    a wider weight, a host part stored widened, is narrowed first: exactly, as it was widened); elsewhere the
-    operands are widened (exactly) and multiplied in fp32. Returns [n, out] in fp32."""
-    w = weight if transposed else weight.transpose(-2, -1)  # [in, out] or [G, in, out]
+    bits: `weight` [out, in] ([in, out] when `transposed`), or, with `counts` (rows per group), the next
+    `counts[g]` rows through `weight[g]` (a sequence of such weights), one matmul per group (torch's grouped kernel
+    gives no fp32 output of 16-bit operands). On CUDA torch's `mm` gives it from the 16-bit operands (`out_dtype`; a
+    wider weight, a host part stored widened, is narrowed first: exactly, as it was widened); elsewhere the operands
+    are widened (exactly) and multiplied in fp32. Returns [n, out] in fp32."""
+    if counts is not None:
+        parts, row = [], 0
+        for w, n in zip(weight, counts):
+            parts.append(wide_linear(x[row : row + n], w, transposed))
+            row += n
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    w = weight if transposed else weight.t()  # [in, out]
     if x.device.type == "cuda":
-        w = w if w.dtype == x.dtype else w.to(x.dtype)
-        return torch.mm(x, w, out_dtype=WIDE) if offs is None else torch._grouped_mm(x, w, offs=offs, out_dtype=WIDE)
-    x, w = x.to(WIDE), w.to(WIDE)
-    return x @ w if offs is None else torch._grouped_mm(x, w, offs=offs)
+        return torch.mm(x, w if w.dtype == x.dtype else w.to(x.dtype), out_dtype=WIDE)
+    return x.to(WIDE) @ w.to(WIDE)
 
 
 def wide_batched_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -202,6 +207,12 @@ class HostParts:
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
         self.dtypes: dict[int, torch.dtype] = {}  # each layer's down projection's dtype, as the experts hold it
 
+    def stored_bytes(self, layer: int, specs: Specs) -> int:
+        """Bytes one expert's host part in `layer` takes as stored (a 16-bit down projection widened); `specs`: one
+        whole expert's (name -> (shape, dtype))."""
+        _, host = self.splits[layer].specs(specs)
+        return sum(math.prod(shape) * self._stored(layer, name, dtype).itemsize for name, (shape, dtype) in host.items())
+
     def allocate(self, layer: int, specs: Specs, num_experts: int) -> None:
         """Room for `layer`'s host parts; `specs`: one whole expert's (name -> (shape, dtype))."""
         _, host = self.splits[layer].specs(specs)
@@ -250,11 +261,18 @@ class HostParts:
         return sum(t[0].numel() * t.element_size() for t in self.tensors[layer].values())
 
     def cast(self, layer: int, dtype: torch.dtype) -> None:
+        """`layer`'s host parts as casting their tensors to `dtype` would give them (a down projection stored widened
+        holds its values rounded to `dtype`)."""
+        if self.dtypes[layer] == dtype:
+            return
         self.dtypes[layer] = dtype
-        self.tensors[layer] = {
-            name: t if t.dtype == (to := self._stored(layer, name, dtype)) else self._empty(t.shape, to).copy_(t)
-            for name, t in self.tensors[layer].items()
-        }
+        tensors = self.tensors[layer]
+        for name, t in tensors.items():
+            to = self._stored(layer, name, dtype)
+            if t.dtype != to:
+                tensors[name] = self._empty(t.shape, to).copy_(t)
+            elif to != dtype:  # widened: in place, its values rounded to `dtype`
+                t.copy_(t.to(dtype))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for parts in self.tensors.values() for t in parts.values())

@@ -595,7 +595,7 @@ class MiraExperts(nn.Module):
             up_bias, down_bias = w[self._up + "_bias"][at], w["down_proj_bias"][at]
         h = self._activate(grouped_linear(x, w[self._up], self._transposed, offs, up_bias))  # [n, I]
         if self._wide(h):  # host_compute="split": the device parts' products kept in fp32 (`_part_down`)
-            y = wide_linear(h, w["down_proj"], self._transposed, offs)
+            y = wide_linear(h, [w["down_proj"][s - first] for s in slots], self._transposed, counts)
             return y if down_bias is None else y + down_bias
         return self._post(grouped_linear(h, w["down_proj"], self._transposed, offs, down_bias))  # [n, H]
 

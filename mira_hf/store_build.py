@@ -110,7 +110,7 @@ def plan_store(
         parts = HostParts(neuron_splits(cfg, adapter, targets, specs), pinned=pinned)
         whole, specs = specs, {layer: parts.splits[layer].specs(s)[0] for layer, s in specs.items()}
         device_bytes = {layer: IdentityCodec().plan(s).nbytes for layer, s in specs.items()}
-        host_bytes = {layer: raw_bytes[layer] - device_bytes[layer] for layer in specs}
+        host_bytes = {layer: parts.stored_bytes(layer, whole[layer]) for layer in specs}
         raw_bytes = device_bytes
     budget_bytes = resolve_budget_bytes(cfg, all_bytes, device, lambda: bytes_to_move(model, targets, device))
     if parts is not None and budget_bytes >= all_bytes:

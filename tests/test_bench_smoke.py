@@ -509,16 +509,17 @@ def test_split_fidelity_compare_finds_the_first_token_whose_experts_differ():
     flipped = torch.tensor([[0, 1], [0, 2], [1, 0]])  # the last token's experts in another order: the same set
     logits = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 10.0]])
     hidden = [torch.ones(3, 2), torch.ones(3, 2)]
+    other = [hidden[0].clone(), 2 * hidden[1]]
+    other[0][2, 1] = 1.5  # one element of six after the first layer
     moved = logits.clone()
     moved[0, 0] += 0.1
     moved[1, 1] += 5.0
-    out = compare(
-        (logits, hidden, [(probs, top)] * 2), (moved, [hidden[0], 2 * hidden[1]], [(probs, top), (probs, flipped)]), k=2
-    )
+    out = compare((logits, hidden, [(probs, top)] * 2), (moved, other, [(probs, top), (probs, flipped)]), k=2)
     assert out["first_flip_position"] == 1
     assert [r["flipped_share"] for r in out["layers"]] == [0.0, pytest.approx(1 / 3)]
     assert out["layers"][1]["margin_at_flips_max"] == pytest.approx(0.02)
-    assert [r["hidden_rel_diff"] for r in out["layers"]] == [0.0, 1.0]
+    assert [r["hidden_rel_diff"] for r in out["layers"]] == [0.5, 1.0]
+    assert [r["hidden_differing_share"] for r in out["layers"]] == [pytest.approx(1 / 6), 1.0]
     assert out["logit_rel_diff"] == pytest.approx(0.5) and out["logit_rel_diff_before_flip"] == pytest.approx(0.05)
 
 

@@ -14,6 +14,7 @@ from test_host_compute import BOUND, MS, costs, logits_within_bound
 from tiny_models import AUTO_FAMILIES, build, config_or_skip
 from transformers import AutoModelForCausalLM
 
+import mira_hf.store_build as store_build
 from mira_hf import ConfigError, MiraConfig, MiraMoEModel, bundled_model_path
 from mira_hf.host_compute import MAX_HOST_ROWS
 from mira_hf.layout import IdentityCodec
@@ -284,6 +285,21 @@ def test_the_store_holds_device_parts_so_the_same_budget_holds_more_experts():
     layers, E = len(whole.mira.layers), whole.mira.store.num_experts(0)
     assert split.mira.stats()["host_part_bytes"] == layers * E * (record - record // 2)  # beside the store, in host memory
     assert whole.mira.stats()["host_part_bytes"] == 0
+    # In 16 bits the host part's down projection is stored in fp32 (its product stays fp32 until the parts are summed):
+    # a Mixtral expert is 2/3 gate and up, 1/3 down, so its host part takes a third more than its bf16 bytes.
+    half = _split(copy.deepcopy(ref).to(torch.bfloat16), share=0.5)
+    assert half.mira.stats()["host_part_bytes"] == layers * E * (record - record // 2) // 2 * 4 // 3
+
+
+def test_the_host_memory_check_counts_the_host_parts_as_stored(monkeypatch):
+    seen = []
+    check = store_build.check_host_memory
+    monkeypatch.setattr(
+        store_build, "check_host_memory", lambda cfg, sizes, *a: seen.append(list(sizes)) or check(cfg, sizes, *a)
+    )
+    model = _split(_tiny("mixtral", torch.bfloat16))
+    layers = len(model.mira.layers)
+    assert sum(seen[0][layers:]) == model.mira.stats()["host_part_bytes"]  # the down projections widened included
 
 
 def test_the_weights_stay_exact_state_dict_load_cast_and_unload():
@@ -306,10 +322,16 @@ def test_the_weights_stay_exact_state_dict_load_cast_and_unload():
         expected, got = other(IDS).logits, model(IDS).logits
     assert (got - expected).abs().max() <= BOUND[torch.float32] * expected.abs().max()
     # a cast casts both parts as casting the tensors would
+    parts = model.mira.host.parts
+    assert all(t.dtype == torch.float32 for layer in parts.tensors.values() for t in layer.values())
     model.to(torch.bfloat16)
     other.to(torch.bfloat16)
     state = model.state_dict()
     assert all(torch.equal(state[k], other.state_dict()[k]) for k in experts)
+    for tensors in parts.tensors.values():  # the host's down projection stays fp32, holding the bf16 values
+        down = tensors["down_proj"]
+        assert down.dtype == torch.float32 and tensors["gate_up_proj"].dtype == torch.bfloat16
+        assert torch.equal(down, down.bfloat16().float())
     with torch.no_grad():
         expected, got = other(IDS).logits.float(), model(IDS).logits.float()
     assert (got - expected).abs().max() <= BOUND[torch.bfloat16] * expected.abs().max()

@@ -235,6 +235,12 @@ def find_targets(
             {} if problem else {n: p.data if in_checkpoint else layout.per_expert(module, n, p.data) for n, p in tensors.items()}
         )
         problem = problem or _served_problem(adapter, name, module, tensors, data, E, in_checkpoint)
+        if problem and serving is not None and not tensors:  # served before, by a model gone now
+            raise ConfigError(
+                f"{name} ({type(module).__name__}) holds no expert weights: a wrapped model that served it took them "
+                "into its store and was dropped or closed without unload(), and they went with it. Load the model "
+                "again; to keep a wrapped model's modules, call its unload() first, which gives them their weights back."
+            )
         if problem:
             raise UnsupportedModelError(
                 f"{name} ({type(module).__name__}) cannot be served: {problem}. Supported: fused 3-D experts "

@@ -3,6 +3,8 @@ a module of their own or replaced, and experts modules called with routing of th
 `save_pretrained` checkpoint and the model `unload()` gives back compute what the unwrapped model changed alike
 computes (`torch.equal`); routing that names no expert is refused, saying what was given."""
 
+import gc
+
 import pytest
 import torch
 from tiny_models import build, config_or_skip
@@ -160,6 +162,23 @@ def test_an_experts_module_two_models_share_is_refused_to_the_second_until_the_f
     first.unload()
     second = MiraMoEModel.wrap(second, MiraConfig(gpu_budget=0.3, device="cpu"))
     assert torch.equal(_logits(second), _logits(ref))
+
+
+def test_an_experts_module_whose_wrapped_model_was_dropped_without_unload_is_refused_saying_why():
+    """A wrapped model takes its experts modules' weights into its store; dropped without `unload()`, the modules a
+    user kept are empty. Wrapping a model holding one is refused naming what happened and what to do, not as a
+    module of an unknown layout."""
+    config = config_or_skip("mixtral")
+    first = build(config).eval()
+    kept = _blocks(first)[0].mlp.experts  # taken before wrapping
+    first = MiraMoEModel.wrap(first, MiraConfig(gpu_budget=0.3, device="cpu"))
+    del first
+    gc.collect()
+    second = build(config).eval()
+    _blocks(second)[0].mlp.experts = kept
+    with pytest.raises(ConfigError, match=r"model.layers.0.mlp.experts .* holds no expert weights.*without unload\(\)"):
+        MiraMoEModel.wrap(second, MiraConfig(gpu_budget=0.3, device="cpu"))
+    assert not any(isinstance(m, MiraExperts) for m in second.modules())
 
 
 def test_a_moe_block_moved_into_another_model_gets_its_experts_module_back_at_unload():

@@ -32,6 +32,9 @@ from .pinned import pinned_empty
 
 NARROW = (torch.bfloat16, torch.float16)  # dtypes whose split products are kept in fp32 until the parts are summed
 WIDE = torch.float32
+# torch's CUDA mm and bmm give an fp32 product of 16-bit operands (`out_dtype`) from torch 2.8; before, the operands
+# are widened and multiplied in fp32 (TF32, where the user allows it for fp32 matmuls, then rounds them).
+OUT_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= "2.8"
 DEVICE = 0  # part index: the device's neurons
 HOST = 1  # the host's
 # The host part's neurons, where an expert has enough, are a multiple of this (row-aligned slices).
@@ -76,8 +79,8 @@ def wide_linear(x: torch.Tensor, weight, transposed: bool, counts: list[int] | N
     bits: `weight` [out, in] ([in, out] when `transposed`), or, with `counts` (rows per group), the next
     `counts[g]` rows through `weight[g]` (a sequence of such weights), one matmul per group (torch's grouped kernel
     gives no fp32 output of 16-bit operands). On CUDA torch's `mm` gives it from the 16-bit operands (`out_dtype`; a
-    wider weight, a host part stored widened, is narrowed first: exactly, as it was widened); elsewhere the operands
-    are widened (exactly) and multiplied in fp32. Returns [n, out] in fp32."""
+    wider weight, a host part stored widened, is narrowed first: exactly, as it was widened); elsewhere (and before
+    torch 2.8) the operands are widened (exactly) and multiplied in fp32. Returns [n, out] in fp32."""
     if counts is not None:
         parts, row = [], 0
         for w, n in zip(weight, counts):
@@ -85,7 +88,7 @@ def wide_linear(x: torch.Tensor, weight, transposed: bool, counts: list[int] | N
             row += n
         return parts[0] if len(parts) == 1 else torch.cat(parts)
     w = weight if transposed else weight.t()  # [in, out]
-    if x.device.type == "cuda":
+    if x.device.type == "cuda" and OUT_DTYPE:
         return torch.mm(x, w if w.dtype == x.dtype else w.to(x.dtype), out_dtype=WIDE)
     return x.to(WIDE) @ w.to(WIDE)
 
@@ -94,7 +97,7 @@ def wide_batched_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool)
     """`wide_linear` for every row x [S, in] by its own weights [S, out, in] ([S, in, out] if `transposed`), as
     batched_mm multiplies them. Returns [S, out] in fp32."""
     a, b = (x.unsqueeze(1), weight) if transposed else (weight, x.unsqueeze(-1))
-    if x.device.type == "cuda":
+    if x.device.type == "cuda" and OUT_DTYPE:
         out = torch.bmm(a, b, out_dtype=WIDE)
     else:
         out = torch.bmm(a.to(WIDE), b.to(WIDE))
@@ -270,7 +273,7 @@ class HostParts:
         for name, t in tensors.items():
             to = self._stored(layer, name, dtype)
             if t.dtype != to:
-                tensors[name] = self._empty(t.shape, to).copy_(t)
+                tensors[name] = self._empty(t.shape, to).copy_(t.to(dtype))  # rounded to `dtype` first, then widened
             elif to != dtype:  # widened: in place, its values rounded to `dtype`
                 t.copy_(t.to(dtype))
 

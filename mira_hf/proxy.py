@@ -485,7 +485,7 @@ class MiraExperts(nn.Module):
             a = at[rows] if at is not None else rows
             h = batched_linear(x[rows], weights[up[0]][a], bias(up, a), self._transposed)  # [n, I']
             h = self._activate(h)  # [n, I]
-            if self._wide(h):  # host_compute="split": the device parts' products kept in fp32 (`_part_down`)
+            if self._wide(h.dtype, h.device):  # host_compute="split": the device parts' products kept in fp32 (`_part_down`)
                 y = wide_batched_linear(h, weights[down[0]][a], self._transposed)
                 out.append(y if len(down) == 1 else y + bias(down, a))
             else:
@@ -594,7 +594,7 @@ class MiraExperts(nn.Module):
             at = _to(x.device, torch.repeat_interleave(torch.tensor(slots) - first, torch.tensor(counts)))  # [n] row -> slot
             up_bias, down_bias = w[self._up + "_bias"][at], w["down_proj_bias"][at]
         h = self._activate(grouped_linear(x, w[self._up], self._transposed, offs, up_bias))  # [n, I]
-        if self._wide(h):  # host_compute="split": the device parts' products kept in fp32 (`_part_down`)
+        if self._wide(h.dtype, h.device):  # host_compute="split": the device parts' products kept in fp32 (`_part_down`)
             y = wide_linear(h, [w["down_proj"][s - first] for s in slots], self._transposed, counts)
             return y if down_bias is None else y + down_bias
         return self._post(grouped_linear(h, w["down_proj"], self._transposed, offs, down_bias))  # [n, H]
@@ -673,20 +673,21 @@ class MiraExperts(nn.Module):
         """A split expert's part of its down projection, h [n, I'] -> [n, H]: in fp32 where the whole expert's would
         round to 16 bits (`_wide`), else as `_linear` computes it. The down bias is the device part's."""
         packed = isinstance(w, PackedWeights)
-        weight = w.decoded(self._down) if packed else w[self._down]
-        rows = h.to(weight.dtype) if kernel else h  # the grouped kernel casts the rows to the weight's dtype
-        if not self._wide(rows):
+        dtype = w.dtype if packed else w[self._down].dtype
+        lossy = packed and not self._kept_packed and not w.exact  # a lossy codec's own matmul gives its own product
+        if lossy or not self._wide(dtype if kernel else h.dtype, h.device):  # the grouped kernel casts rows to weights
             return self._linear(h, w, self._down, kernel)
-        y = wide_linear(rows, weight, self._down_transposed)
+        weight = w.decoded(self._down) if packed else w[self._down]
+        y = wide_linear(h.to(dtype) if kernel else h, weight, self._down_transposed)
         if not self._has_bias:
             return y
         bias = w.raw(self._down + "_bias") if packed else w.get(self._down + "_bias")  # none in a host part
         return y if bias is None else y + bias
 
-    def _wide(self, rows: torch.Tensor) -> bool:
-        """Whether a split expert's down projection of `rows` keeps its product in fp32 (`_part_down`): rows in 16
-        bits, outside autocast (whose dtype the unwrapped model's matmuls take)."""
-        return self._split and rows.dtype in NARROW and not torch.is_autocast_enabled(rows.device.type)
+    def _wide(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a split expert's down projection of rows in `dtype` on `device` keeps its product in fp32
+        (`_part_down`): rows in 16 bits, outside autocast (whose dtype the unwrapped model's matmuls take)."""
+        return self._split and dtype in NARROW and not torch.is_autocast_enabled(device.type)
 
     def _part_dtype(self, x_dtype: torch.dtype, kernel: bool) -> torch.dtype:
         """The dtype of an expert's output on rows of `x_dtype`: the weights' where the rows are cast to them (the

@@ -339,6 +339,17 @@ def test_the_weights_stay_exact_state_dict_load_cast_and_unload():
     assert all(torch.equal(back.get_parameter(k), other.get_parameter(k)) for k in experts)
 
 
+def test_a_cast_through_fp64_holds_the_values_the_direct_cast_holds():
+    # The host's 16-bit down projection is stored in fp32: a cast into 16 bits rounds it, whichever dtype it comes from.
+    ref = _tiny("mixtral")
+    direct = _split(copy.deepcopy(ref)).to(torch.bfloat16)
+    through = _split(copy.deepcopy(ref)).double().to(torch.bfloat16)
+    for layer, tensors in through.mira.host.parts.tensors.items():
+        assert torch.equal(tensors["down_proj"], direct.mira.host.parts.tensors[layer]["down_proj"])
+    with torch.no_grad():
+        assert torch.equal(through(IDS).logits, direct(IDS).logits)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("quantization", [None, "lossless"], ids=["uncompressed", "lossless"])

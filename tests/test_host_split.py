@@ -1,7 +1,7 @@
 """Experts split by neuron (`MiraConfig(host_compute="split")`): the GPU caches and receives each expert's device
-part, the host computes the rest at every use, and the two add. Not bit-exact (two partial sums, the host's
-rounding), so outputs are checked within the host-compute bound; the weights themselves (state dict, unload,
-casts) stay exact."""
+part, the host computes the rest at every use, and the two add (in 16 bits, in fp32 before one rounding). Not
+bit-exact (the host's rounding, the order of the fp32 sum), so outputs are checked within the host-compute bound; the
+weights themselves (state dict, unload, casts) stay exact."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ from .expert_keys import (
 from .fp8_partial_blocks import block_size, find_partial_block_weights, set_partial_block_weights
 from .load_report import LoadReport
 from .resources import available_host_bytes
-from .shards import NotStreamable, ShardEntry, ShardIndex
+from .shards import GENERATION_CONFIG, NotStreamable, ShardEntry, ShardIndex, refetch
 
 
 # -- loading ---------------------------------------------------------------------------------------------
@@ -261,6 +261,8 @@ def streaming_index(
         native = native_codec_name(quantization_config)
         index = ShardIndex.find(name_or_path, hf_kwargs)
         fetched = {k: v for k, v in hf_kwargs.items() if k != "force_download"}
+        if hf_kwargs.get("force_download"):  # transformers, loading without it, then reads the file downloaded now
+            refetch(name_or_path, GENERATION_CONFIG, hf_kwargs)
         available = available_host_bytes()
         stored = load_dtype(config_json.get("dtype") or config_json.get("torch_dtype"))
         too_large = available is not None and index.loaded_nbytes(load_dtype(hf_kwargs.get("dtype"), stored), stored) > available

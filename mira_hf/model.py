@@ -432,9 +432,13 @@ def _checkpoint_errors(name_or_path):
         raise
     except Exception as exc:
         if type(exc).__name__ == "SafetensorError" or isinstance(exc, (OSError, EOFError)):
+            said = str(exc).rstrip(". ")
+            if isinstance(exc, OSError) and "no file named" in said:  # transformers found no file for the arguments
+                what = "No weight file matches the arguments given (variant, use_safetensors, gguf_file): pass those the checkpoint's files have"
+            else:
+                what = "A weight file is missing, truncated or corrupted: copy or download it again"
             raise CheckpointError(
-                f"could not read the checkpoint at {name_or_path!s}: {exc}. A weight file is missing, truncated or "
-                "corrupted: copy or download it again (nothing was changed)."
+                f"could not read the checkpoint at {name_or_path!s}: {said}. {what} (nothing was changed)."
             ) from exc
         raise
 
@@ -558,9 +562,13 @@ def _find_targets(model: nn.Module, adapter: MoEAdapter, streamed: dict | None, 
 
 
 def _raw_config(name_or_path, hf_kwargs: dict) -> dict:
-    """config.json as a dict, without running any model code."""
+    """config.json as a dict, without running any model code; a config object given as `config=` instead, as
+    transformers then builds the model from it (a directory may hold the weights alone)."""
     from transformers import PretrainedConfig
 
+    given = hf_kwargs.get("config")
+    if isinstance(given, PretrainedConfig):
+        return given.to_dict()
     if os.path.isfile(name_or_path):  # transformers would read a config file given as such, then fail on the weights
         raise missing_checkpoint_error(name_or_path, hf_kwargs, FileNotFoundError(name_or_path))
     config_file = os.path.join(name_or_path, hf_kwargs.get("subfolder") or "", "config.json")

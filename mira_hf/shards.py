@@ -295,6 +295,17 @@ def _resolve(name_or_path, filename: str, hf_kwargs: dict) -> str | None:
         return None
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def refetch(name_or_path, filename: str, hf_kwargs: dict) -> None:
+    """Download `filename` of a hub checkpoint again where `hf_kwargs` asks for `force_download` (a file the
+    checkpoint lacks, or a local directory: nothing to do), so that a load continuing without `force_download` (the
+    weights are downloaded again once, by the shard index) still reads it fresh, as transformers' own load does."""
+    if hf_kwargs.get("force_download") and not os.path.isdir(name_or_path):
+        _resolve(name_or_path, filename, hf_kwargs)
+
+
 def missing_checkpoint_error(name_or_path, hf_kwargs: dict, exc: Exception) -> CheckpointError:
     """One line saying that `name_or_path` is neither a checkpoint directory nor a model the hub gave,
     and what to do (the hub's own message, first line only, says why; never the hub validator's text

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from mira_hf import (
     BudgetError,
+    CheckpointError,
     ConfigError,
     DeviceError,
     MiraConfig,
@@ -338,6 +339,33 @@ def test_a_device_map_onto_one_device_loads_there(tiny_checkpoint, device_map):
     assert model._mira_config.device == "cpu"
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, ref(IDS).logits)
+
+
+@pytest.mark.parametrize("stream_experts", [None, True], ids=["auto", "streamed"])
+def test_a_directory_of_weights_alone_loads_with_a_config_object_as_transformers_loads_it(
+    tiny_checkpoint, tmp_path, stream_experts
+):
+    # transformers builds the model from `config=` and never reads config.json; the directory may hold the weights alone
+    from transformers import AutoConfig
+
+    source = tiny_checkpoint("mixtral")
+    for name in os.listdir(source):
+        if name != "config.json":
+            os.symlink(os.path.join(source, name), tmp_path / name)
+    config = AutoConfig.from_pretrained(source)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, config=config).eval()
+    cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=stream_experts))
+    model = MiraMoEModel.from_pretrained(tmp_path, cfg, progress=False, config=config)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+
+
+@pytest.mark.parametrize("kwargs", [dict(variant="fp16"), dict(use_safetensors=False)], ids=["variant", "bin"])
+def test_arguments_naming_files_the_checkpoint_lacks_are_refused_as_such_not_as_damage(tiny_checkpoint, kwargs):
+    # transformers finds no weight file for the arguments; the files are intact, and the arguments are what to change
+    with pytest.raises(CheckpointError, match=r"no file named.*No weight file matches the arguments given") as info:
+        MiraMoEModel.from_pretrained(tiny_checkpoint("mixtral"), MiraConfig(device="cpu"), progress=False, **kwargs)
+    assert "corrupted" not in str(info.value) and ".." not in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -131,6 +131,9 @@ def test_force_download_downloads_each_file_again_once(hub, sharded, tmp_path, s
     (blob,) = {os.path.realpath(p) for p in tmp_path.glob(f"models--*/snapshots/*/{shard}")}
     with open(blob, "r+b") as f:
         f.truncate(os.path.getsize(blob) // 2)
+    (stale,) = {os.path.realpath(p) for p in tmp_path.glob("models--*/snapshots/*/generation_config.json")}
+    with open(stale, "w") as f:  # not the repository's: read by transformers' part of the load
+        json.dump({"max_new_tokens": 3}, f)
     hub.served.clear()
     cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=stream_experts))
     model = MiraMoEModel.from_pretrained(REPO, cfg, progress=False, cache_dir=str(tmp_path), force_download=True)
@@ -138,6 +141,8 @@ def test_force_download_downloads_each_file_again_once(hub, sharded, tmp_path, s
         assert sorted(_shards(hub)) == sorted(set(json.load(f)["weight_map"].values()))
     with torch.no_grad():
         assert torch.equal(model.eval()(IDS).logits, sharded[1])
+    with open(os.path.join(sharded[0], "generation_config.json")) as f:
+        assert model.generation_config.max_new_tokens == json.load(f).get("max_new_tokens") != 3
 
 
 def test_local_files_only_with_a_shard_not_in_the_cache_says_it_is_missing(hub, sharded, tmp_path):

@@ -261,8 +261,7 @@ def streaming_index(
         native = native_codec_name(quantization_config)
         index = ShardIndex.find(name_or_path, hf_kwargs)
         fetched = {k: v for k, v in hf_kwargs.items() if k != "force_download"}
-        if hf_kwargs.get("force_download"):  # transformers, loading without it, then reads the file downloaded now
-            refetch(name_or_path, GENERATION_CONFIG, hf_kwargs)
+        refetch(name_or_path, GENERATION_CONFIG, hf_kwargs)  # with force_download: transformers then reads it fresh
         available = available_host_bytes()
         stored = load_dtype(config_json.get("dtype") or config_json.get("torch_dtype"))
         too_large = available is not None and index.loaded_nbytes(load_dtype(hf_kwargs.get("dtype"), stored), stored) > available

@@ -320,7 +320,7 @@ class MiraExperts(nn.Module):
         for e, out, adds in host:  # [n, H] computed on the host (host_compute), into the rows the device fills
             y = out.new_empty((routed, H)) if y is None else y
             _put(y, slice(starts[e], starts[e] + counts[e]), out, adds)
-        y = self._parts_summed(y, self._part_dtype(x.dtype, kernel))
+        y = self._parts_summed(y, x.dtype, kernel)
         return self._combine(y, order, hidden_states, top_k_index, top_k_weights, impl, None)
 
     def _bad_routing(self, given: str):
@@ -380,7 +380,7 @@ class MiraExperts(nn.Module):
         for e, out, adds in host:  # host_compute
             y = (out.new_zeros((K, H)) if sentinel else out.new_empty((K, H))) if y is None else y
             _put(y, slot_of[e], out[0], adds)
-        y = self._parts_summed(y, self._part_dtype(hidden_states.dtype, kernel))
+        y = self._parts_summed(y, hidden_states.dtype, kernel)
         return self._combine(y, None, hidden_states, top_k_index, top_k_weights, impl, sentinel or None)
 
     def _combine(self, y, order, hidden_states, top_k_index, top_k_weights, impl: str, sentinel) -> torch.Tensor:
@@ -473,7 +473,7 @@ class MiraExperts(nn.Module):
             y = out.new_zeros((S, out.shape[1])) if y is None else y
             r = rows_of(e)
             _put(y, r, out if isinstance(r, torch.Tensor) else out[0], adds)
-        return self._parts_summed(y, self._part_dtype(x.dtype, True))
+        return self._parts_summed(y, x.dtype, True)
 
     def _bmm_rows(self, x: torch.Tensor, weights: dict[str, torch.Tensor], at, chunks, up, down) -> torch.Tensor:
         """batched_mm's output rows [S, H] for inputs x [S, H]: row r with the expert weights at entry `at[r]` of
@@ -694,12 +694,14 @@ class MiraExperts(nn.Module):
         grouped and batched kernels), else the rows' (a weight of another dtype is cast to them)."""
         return self.manager.store.dtype(self.layer) if kernel else x_dtype
 
-    def _parts_summed(self, y: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-        """A block's expert outputs y, each the sum of a split expert's two parts kept in fp32 (`_part_down`), rounded
-        once to `dtype`, the whole expert's output dtype. Others are returned as they are."""
-        if y is None or y.dtype == dtype or not self._split or dtype not in NARROW:
+    def _parts_summed(self, y: torch.Tensor | None, x_dtype: torch.dtype, kernel: bool) -> torch.Tensor | None:
+        """A block's expert outputs y on rows of `x_dtype`, each the sum of a split expert's two parts kept in fp32
+        (`_part_down`), rounded once to the whole expert's output dtype (`_part_dtype`). Others are returned as they
+        are (without the split, nothing is looked up)."""
+        if y is None or not self._split:
             return y
-        return y.to(dtype)
+        dtype = self._part_dtype(x_dtype, kernel)
+        return y if y.dtype == dtype or dtype not in NARROW else y.to(dtype)
 
     def _post(self, y: torch.Tensor) -> torch.Tensor:
         return self.base.post_expert_norm(y) if self._post_norm else y
@@ -869,7 +871,7 @@ class MiraScaledExperts(MiraExperts):
         for e, y, adds in self._serve(needed, compute, [x.shape[1]] * len(needed), x.__getitem__):  # host_compute
             out = x.new_zeros(x.shape, dtype=y.dtype) if out is None else out
             _put(out, e, y, adds)
-        out = self._parts_summed(out, self._part_dtype(x.dtype, False))
+        out = self._parts_summed(out, x.dtype, False)
         out = torch.zeros_like(x) if out is None else out  # no token chose an expert
         return out.view(hidden_states.shape)
 

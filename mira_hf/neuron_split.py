@@ -181,12 +181,15 @@ class NeuronSplit:
         meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in specs.items()}
         return tuple({n: (tuple(t.shape), t.dtype) for n, t in part.items()} for part in self.split(meta))
 
-    def combine(self, device: Tensors, host: Tensors) -> dict[str, torch.Tensor]:
-        """The whole tensors from their two parts (the inverse of `split`)."""
+    def combine(
+        self, device: Tensors, host: Tensors, alloc: Callable[..., torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The whole tensors from their two parts (the inverse of `split`); each written into `alloc(shape, dtype=...)`'s
+        tensor where given."""
         out = {}
         for name, d in device.items():
             if self._ranges(name, DEVICE) is None:
-                out[name] = d
+                out[name] = d if alloc is None else alloc(d.shape, dtype=d.dtype).copy_(d)
                 continue
             axis = d.dim() + self._ranges(name, DEVICE)[0]
             pieces = []  # (first column in the whole tensor, the columns)
@@ -195,7 +198,13 @@ class NeuronSplit:
                 for a, n in self._ranges(name, part)[1]:
                     pieces.append((a, t.narrow(axis, at, n)))
                     at += n
-            out[name] = torch.cat([p for _, p in sorted(pieces, key=lambda item: item[0])], dim=axis)
+            pieces = [p for _, p in sorted(pieces, key=lambda item: item[0])]
+            if alloc is None:
+                out[name] = torch.cat(pieces, dim=axis)
+                continue
+            shape = list(d.shape)
+            shape[axis] = sum(p.shape[axis] for p in pieces)
+            out[name] = torch.cat(pieces, dim=axis, out=alloc(shape, dtype=torch.result_type(d, host[name])))
         return out
 
 
@@ -302,8 +311,8 @@ class SplitWeights:
         host = {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in self.parts.expert_specs(layer).items()}
         return {n: (tuple(t.shape), t.dtype) for n, t in self.parts.splits[layer].combine(device, host).items()}
 
-    def fused(self, layer: int) -> dict[str, torch.Tensor]:
-        return self.parts.splits[layer].combine(self.device_store.fused(layer), self.parts.tensors_as_given(layer))
+    def fused(self, layer: int, alloc: Callable[..., torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        return self.parts.splits[layer].combine(self.device_store.fused(layer), self.parts.tensors_as_given(layer), alloc)
 
     def plan_rewrite(self, layer: int, fused: Tensors | None = None, dtype: torch.dtype | None = None):
         device = None if fused is None else self.parts.splits[layer].split(fused)[DEVICE]

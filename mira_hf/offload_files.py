@@ -6,6 +6,10 @@ not an error a write returns: the kernel ends the process (SIGBUS). So the block
 mapped (`posix_fallocate`, else by writing zeros), and a disk that filled up since the load checked it (another
 program, another load writing there) is a `BudgetError` naming the directory and the bytes, with the file removed.
 
+`save_pretrained` writes decoded experts that host memory cannot hold beside the store into such a file too (named
+`..._save_...`), unlinked as soon as it is mapped: the kernel writes its pages to the disk under memory pressure, and
+its blocks are freed once the save no longer maps it.
+
 A store removes its files itself (`ExpertStore.close`, or when it is dropped or the process exits); a process that is
 killed (`kill -9`, the kernel's OOM killer) cannot. Its files are named `mira_experts_<host>-<pid>_layerNNNN_<random>.bin`,
 so the next load on the same host that offloads to the directory finds them by the pid of a process no longer running
@@ -27,17 +31,19 @@ from .errors import BudgetError
 from .record_cache import alive
 
 PREFIX = "mira_experts_"
-_NAME = re.compile(rf"{PREFIX}([A-Za-z0-9.-]*)-(\d+)_layer\d+_[a-z0-9_]+\.bin")  # the last part: mkstemp's
+_NAME = re.compile(rf"{PREFIX}([A-Za-z0-9.-]*)-(\d+)_(?:layer\d+|save)_[a-z0-9_]+\.bin")  # the last part: mkstemp's
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})  # no room: the disk, or the user's quota on it
+OFFLOAD_REMEDY = "give offload_dir a disk with more room, or raise host_budget"
 _ZEROS_BYTES = 16 * 2**20  # written at a time where blocks are reserved by writing zeros
 
 
-def create(directory: str, layer: int, nbytes: int) -> str:
-    """A new file of `nbytes` in `directory` (made if missing) for MoE layer `layer`, its blocks reserved; its path.
-    `BudgetError` where the disk has not room for it, the file removed."""
+def create(directory: str, label: str, nbytes: int, what: str, place: str = "offload_dir", remedy: str = OFFLOAD_REMEDY) -> str:
+    """A new file of `nbytes` in `directory` (made if missing) for `what` (named by `label`: "layerNNNN" for a MoE
+    layer's records, "save" for `save_pretrained`'s buffer), its blocks reserved; its path. `BudgetError` where the disk
+    has not room for it (`no_room`, with `place` and `remedy`), the file removed."""
     os.makedirs(directory, exist_ok=True)
     # a name no other store has (another model, or another process, may offload to the same directory)
-    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{_host()}-{os.getpid()}_layer{layer:04d}_", suffix=".bin", dir=directory)
+    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{_host()}-{os.getpid()}_{label}_", suffix=".bin", dir=directory)
     try:
         try:
             _reserve(fd, nbytes)
@@ -46,7 +52,7 @@ def create(directory: str, layer: int, nbytes: int) -> str:
     except BaseException as exc:
         os.remove(path)
         if isinstance(exc, OSError) and exc.errno in _FULL:
-            raise no_room(directory, nbytes, f"MoE layer {layer}'s experts") from exc
+            raise no_room(directory, nbytes, what, place, remedy) from exc
         raise
     return path
 
@@ -88,14 +94,15 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())
 
 
-def check_room(directory: str, nbytes: int, what: str, remedy: str) -> None:
+def check_room(directory: str, nbytes: int, what: str, remedy: str, place: str = "offload_dir") -> None:
     """`BudgetError` where `directory`'s disk has not `nbytes` free for `what` (after the files of processes gone are
-    removed), raised before anything is written; `remedy`: what to do, besides freeing space."""
+    removed), raised before anything is written; `remedy`: what to do, besides freeing space; `place`: what the
+    directory is to the user."""
     remove_orphans(directory)
     free = shutil.disk_usage(existing(directory)).free
     if nbytes > free:
         raise BudgetError(
-            f"{what} writes {nbytes:,} bytes of experts to offload_dir={directory!r}, but only {free:,} bytes are free "
+            f"{what} writes {nbytes:,} bytes of experts to {place}={directory!r}, but only {free:,} bytes are free "
             f"there{held_clause(directory)}. Nothing was changed. Free space on that disk, or {remedy}."
         )
 
@@ -117,16 +124,15 @@ def existing(path: str) -> str:
     return path
 
 
-def no_room(directory: str, nbytes: int, what: str) -> BudgetError:
-    """The error for `what` (`nbytes`) not fitting in `directory` as it is now."""
+def no_room(directory: str, nbytes: int, what: str, place: str = "offload_dir", remedy: str = OFFLOAD_REMEDY) -> BudgetError:
+    """The error for `what` (`nbytes`) not fitting in `directory` (the user's `place`) as it is now."""
     try:
         free = f"only {shutil.disk_usage(directory).free:,} bytes are free there"
     except OSError:
         free = "the disk has not room for them"
     return BudgetError(
-        f"{what} need {nbytes:,} bytes in offload_dir={directory!r}, but {free}: the disk filled up since it was "
-        "checked (another program or another load writes there). Free space on that disk, give offload_dir a disk "
-        "with more room, or raise host_budget."
+        f"{what} need {nbytes:,} bytes in {place}={directory!r}, but {free}: the disk filled up since it was "
+        f"checked (another program or another load writes there). Free space on that disk, or {remedy}."
     )
 
 

@@ -33,6 +33,8 @@ from .layout import IdentityCodec, RawLayout, plan_layer
 from .pinned import pinned_empty
 from .quant.cast import CastCodec, CastLayout, records_layout, simplify
 
+Alloc = Callable[..., torch.Tensor]  # (shape, dtype=...) -> a new tensor, as torch.empty
+
 
 def codec_spec(codec) -> dict:
     """What identifies a codec's record format (saved records are only reused with the same one)."""
@@ -149,7 +151,9 @@ class ExpertStore:
         path = None
         try:
             if tier == "disk":
-                path = offload_files.create(self.offload_dir, layer, nbytes)  # its blocks reserved: no SIGBUS
+                path = offload_files.create(
+                    self.offload_dir, f"layer{layer:04d}", nbytes, f"MoE layer {layer}'s experts"
+                )  # its blocks reserved: no SIGBUS
                 self._files[path] = os.getpid()
                 with open(path, "r+b") as f:
                     if callable(records):  # straight into the file, through a shared mapping of it
@@ -318,14 +322,20 @@ class ExpertStore:
             out[s.tier] += s.data.numel()
         return out
 
-    def fused(self, layer: int) -> dict[str, torch.Tensor]:
-        """Rebuild one layer's fused tensors `name -> [E, ...]` (for unload and save)."""
+    def fused(self, layer: int, alloc: Alloc = torch.empty) -> dict[str, torch.Tensor]:
+        """Rebuild one layer's fused tensors `name -> [E, ...]` (for unload and save), each a new tensor of the
+        layer's dtype from `alloc(shape, dtype=...)`, filled expert by expert (`save_pretrained` gives a file-backed
+        buffer's)."""
         slab = self._slabs[layer]
         if not self.quantized:
-            return {name: view.clone() for name, view in self.expert_views(layer).items()}
-        E = slab.data.shape[0]
-        per_expert = [self.codec.decode(slab.data[e], slab.layout, slab.dtype) for e in range(E)]
-        return {name: torch.stack([p[name] for p in per_expert]).to(slab.dtype) for name in per_expert[0]}
+            return {name: alloc(view.shape, dtype=view.dtype).copy_(view) for name, view in self.expert_views(layer).items()}
+        out = {}
+        for e in range(slab.data.shape[0]):
+            for name, t in self.codec.decode(slab.data[e], slab.layout, slab.dtype).items():
+                if name not in out:
+                    out[name] = alloc((slab.data.shape[0], *t.shape), dtype=slab.dtype)
+                out[name][e].copy_(t)
+        return out
 
     def expert_views(self, layer: int) -> dict[str, torch.Tensor] | None:
         """`name -> [E, ...]` over every expert of `layer`: contiguous typed views of its slab (no copy;

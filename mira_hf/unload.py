@@ -3,17 +3,27 @@ checkpoint (experts included), as the unwrapped model would."""
 
 from __future__ import annotations
 
+import math
+import os
 import warnings
 
 import torch
 from torch import nn
 
+from . import offload_files
 from .errors import ConfigError, UnsupportedOperationError
 from .manager import ExpertManager
 from .proxy import give_back_hooks
+from .resources import available_host_bytes
 from .state import at_paths
 from .state import uninstall as uninstall_state
+from .store import own_storage
 from .targets import Target, places
+
+# Decoded experts that would take more than this share of the host memory available go to a file-backed buffer
+# (`SaveExperts`): transformers' save then holds at most a shard of its own beside them.
+SAVE_HOST_SHARE = 0.5
+BUFFER_ALIGN = 64  # bytes: each tensor's start in that buffer (any dtype's alignment)
 
 
 def warn_if_lossy(manager: ExpertManager, what: str) -> None:
@@ -110,27 +120,99 @@ def put_back_modules(targets: list[Target], model: nn.Module) -> None:
 def save_pretrained(model: nn.Module, save_directory, **kwargs):
     """Write an ordinary transformers checkpoint (experts included), as the unwrapped model would. A `state_dict`
     given is written as given, as transformers writes one (a subset, edited tensors), its expert tensors that are
-    the model's own (from `model.state_dict()`) each written from a tensor of its own."""
+    the model's own (from `model.state_dict()`) each written from a tensor of its own. The experts go to transformers
+    as `SaveExperts` gives them: views of an uncompressed store, else decoded layer by layer."""
     given = kwargs.pop("state_dict", None)  # None: transformers' default, which Trainer passes
     model._mira_state.edited()  # data given to expert parameters since the last step (`p.data = t`) is in the store
     warn_if_lossy(model.mira, "save_pretrained() writes")
+    if os.path.isfile(save_directory):  # transformers says so, and writes nothing
+        return type(model).save_pretrained(model, save_directory, **kwargs)
+    state = model._mira_state
     with warnings.catch_warnings():  # state_dict() would say it again for every layer
         warnings.simplefilter("ignore")
-        views = model.state_dict()
-    state = dict(views)
+        state.placeholders = True  # encoded layers' names and shapes: decoded once, below
+        try:
+            views = model.state_dict()
+        finally:
+            state.placeholders = False
     # Where each proxy sits now, as `state_dict()` names it: a layer removed or moved since wrapping (layer pruning)
     # takes its experts with it, and a proxy no longer in the model writes nothing.
     where: dict[int, list[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         where.setdefault(id(module), []).append(name)
-    for t in model._mira_targets:  # one tensor of its own each (views of raw records share their slab)
-        E = model.mira.store.num_experts(t.ordinal)
-        for prefix in where.get(id(t.proxy), ()):
-            for n, tensor in model.mira.whole.fused(t.ordinal).items():
-                state.update((f"{prefix}.{path}", part) for path, part in at_paths(t.layout, n, tensor, E))
+    # The model's own expert tensors among those given (an encoded layer's never are: state_dict() decodes copies).
+    own = None if given is None else {k for k, v in given.items() if k in views and _same_view(v, views[k])}
+    whole = model.mira.whole
+    sites = [(t, i, prefix) for t in model._mira_targets for i, prefix in enumerate(where.get(id(t.proxy), ()))]
+    if own is not None:
+        sites = [(t, i, prefix) for t, i, prefix in sites if own.intersection(_keys(whole, t, prefix))]
+    experts = SaveExperts(whole, sorted({t.ordinal for t, _, _ in sites}), model.mira.store.offload_dir or save_directory)
+    written = dict(views)
+    for t, i, prefix in sites:
+        E = whole.num_experts(t.ordinal)
+        for n, tensor in experts.fused(t.ordinal, again=i > 0).items():  # one tensor of its own at each place
+            written.update((f"{prefix}.{path}", part) for path, part in at_paths(t.layout, n, tensor, E))
     if given is not None:
-        state = {k: state[k] if k in views and _same_view(v, views[k]) else v for k, v in given.items()}
-    return type(model).save_pretrained(model, save_directory, state_dict=state, **kwargs)
+        written = {k: written[k] if k in own else v for k, v in given.items()}
+    return type(model).save_pretrained(model, save_directory, state_dict=written, **kwargs)
+
+
+def _keys(whole, target: Target, prefix: str) -> list[str]:
+    """The state dict keys of `target`'s expert tensors where its proxy sits at `prefix`."""
+    E = whole.num_experts(target.ordinal)
+    return [f"{prefix}.{path}" for n in whole.expert_specs(target.ordinal) for path in target.layout.paths(n, E)]
+
+
+class SaveExperts:
+    """The experts' tensors `save_pretrained` gives transformers, layer by layer (`fused`): views of an uncompressed
+    store (no copy), else decoded. Decoded layers go to host memory, unless together they would take more than
+    SAVE_HOST_SHARE of what the host has available beside the store: then to a buffer mapped from a file in
+    `directory` (the store's offload_dir, else the save directory), unlinked at once, whose pages the kernel writes to
+    the disk instead of the process running out of memory (its disk blocks are reserved first: `BudgetError`, before
+    anything is written, where the disk has not room; they are freed once the save has dropped the tensors)."""
+
+    def __init__(self, whole, layers: list[int], directory) -> None:
+        self.whole, self._buffer, self._at = whole, None, 0
+        need = sum(_decoded_bytes(whole, layer) for layer in layers if whole.expert_views(layer) is None)
+        room = available_host_bytes()
+        if not need or room is None or need <= SAVE_HOST_SHARE * room:
+            return
+        directory = os.path.abspath(directory)
+        what = "save_pretrained()"
+        remedy = (
+            f"free host memory (the decoded experts take {need:,} bytes; {room:,} are available), or load the model "
+            "with offload_dir set to a directory on a disk with room, where save_pretrained() decodes them first"
+        )
+        place = "offload_dir" if directory == os.path.abspath(whole.offload_dir or "") else "save_directory"
+        offload_files.check_room(directory, need, what, remedy, place=place)
+        path = offload_files.create(directory, "save", need, "save_pretrained()'s decoded experts", place, remedy)
+        try:
+            self._buffer = torch.from_file(path, shared=True, size=need, dtype=torch.uint8)
+        finally:
+            os.remove(path)  # mapped: its blocks stay taken until the buffer is dropped
+
+    def fused(self, layer: int, again: bool = False) -> dict[str, torch.Tensor]:
+        """name -> [E, ...] of `layer`'s experts; `again`: for another place of the same experts module, a copy of its
+        own in host memory (a tensor written under two names would be taken for one tied weight)."""
+        views = self.whole.expert_views(layer)
+        if views is not None:
+            return {n: v.clone() for n, v in views.items()} if again else views
+        return self.whole.fused(layer, torch.empty if again else self._alloc)
+
+    def _alloc(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor in the buffer (each on a storage of its own, as separate tensors are), or in host memory."""
+        n = math.prod(shape) * dtype.itemsize
+        if self._buffer is None or self._at + n > self._buffer.numel():
+            return torch.empty(shape, dtype=dtype)
+        t = own_storage(self._buffer[self._at : self._at + n].view(dtype).view(shape))
+        self._at += -(-n // BUFFER_ALIGN) * BUFFER_ALIGN
+        return t
+
+
+def _decoded_bytes(whole, layer: int) -> int:
+    """Bytes of `layer`'s experts decoded (`fused`), with each tensor's alignment in `SaveExperts`' buffer."""
+    E, size = whole.num_experts(layer), whole.dtype(layer).itemsize
+    return sum(-(-E * math.prod(shape) * size // BUFFER_ALIGN) * BUFFER_ALIGN for shape, _ in whole.expert_specs(layer).values())
 
 
 def _same_view(a: object, b: torch.Tensor) -> bool:

@@ -3,11 +3,14 @@
 import dataclasses
 import json
 import os
+import subprocess
+import sys
+from collections import namedtuple
 
 import numpy as np
 import pytest
 import torch
-from conftest import align_experts, load_reference
+from conftest import PEAK_ANON_SOURCE, align_experts, load_reference
 from tiny_models import build, make_config
 from transformers import AutoModelForCausalLM
 
@@ -26,6 +29,7 @@ from mira_hf.config import LoaderConfig, QuantConfig
 from mira_hf.proxy import MiraExperts
 
 IDS = torch.tensor([[4, 8, 15, 16, 23, 42], [1, 2, 3, 5, 8, 13]])
+_Usage = namedtuple("_Usage", "free")  # shutil.disk_usage's answer, as offload_files reads it
 
 
 def _logits(model):
@@ -106,6 +110,80 @@ def test_save_pretrained_writes_a_state_dict_given_as_given(name, tiny_checkpoin
     model.save_pretrained(tmp_path / "edited", state_dict=state)
     edited, info = AutoModelForCausalLM.from_pretrained(tmp_path / "edited", output_loading_info=True)
     assert torch.equal(edited.state_dict()[expert], state[expert]) and set(info["missing_keys"]) == {dropped}
+
+
+_SAVE = (
+    PEAK_ANON_SOURCE
+    + """
+import json, os, torch, mira_hf, mira_hf.unload
+from transformers import AutoModelForCausalLM
+if WRAP:
+    cfg = mira_hf.MiraConfig(device="cpu", gpu_budget=0.3, quantization=QUANT)
+    m = mira_hf.MiraMoEModel.from_pretrained(PATH, cfg, progress=False)
+    if SPILL:
+        mira_hf.unload.available_host_bytes = lambda: 2**20  # the decoded experts cannot stay in host memory
+else:
+    m = AutoModelForCausalLM.from_pretrained(PATH)
+peak = PeakAnon()
+m.save_pretrained(OUT)
+print(json.dumps(dict(growth=peak.stop(), files=sorted(os.listdir(OUT)))))
+"""
+)
+
+
+def test_save_pretrained_takes_no_more_host_memory_than_the_unwrapped_models_save(tmp_path):
+    """The peak growth of anonymous host memory while `save_pretrained` writes (each in a process of its own, as in
+    test_stream_load.py): an uncompressed store's experts are written from the store itself, as the unwrapped model's
+    from its parameters; encoded ones are decoded once, into host memory, or, where host memory cannot hold them,
+    into a buffer mapped from an unlinked file. Each writes the unwrapped model's checkpoint, and nothing else."""
+    from safetensors.torch import load_file
+
+    config = make_config("mixtral", hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_local_experts=16)
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    build(config).to(torch.bfloat16).save_pretrained(src)
+    experts = sum(t.numel() * t.element_size() for k, t in load_file(src / "model.safetensors").items() if ".experts." in k)
+    assert experts > 90 * 2**20  # far above what a process's allocations move by themselves
+
+    def save(name: str, wrap: bool, quant=None, spill=False) -> float:
+        code = _SAVE.replace("WRAP", str(wrap)).replace("QUANT", repr(quant)).replace("SPILL", str(spill))
+        code = code.replace("PATH", repr(str(src))).replace("OUT", repr(str(tmp_path / name)))
+        env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(2**20))  # as in test_stream_load.py
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env).stdout
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["files"] == ["config.json", "generation_config.json", "model.safetensors"]
+        return result["growth"] / experts
+
+    plain = save("plain", wrap=False)
+    assert save("raw", wrap=True) <= plain + 0.25  # the store's own bytes (a copy of each layer: plain + 1.0)
+    assert save("lossless", wrap=True, quant="lossless") <= plain + 1.4  # decoded once (twice: plain + 2.4)
+    assert save("spilled", wrap=True, quant="lossless", spill=True) <= plain + 0.3
+    expected = load_file(tmp_path / "plain" / "model.safetensors")
+    for name in ("raw", "lossless", "spilled"):
+        written = load_file(tmp_path / name / "model.safetensors")
+        assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in expected)
+
+
+def test_save_pretrained_refuses_a_buffer_the_disk_has_no_room_for_before_writing(tiny_checkpoint, tmp_path, monkeypatch):
+    import mira_hf.offload_files as offload_files
+    import mira_hf.unload as unload_module
+
+    path = tiny_checkpoint("mixtral")
+    ref = load_reference(path)
+    model = MiraMoEModel.from_pretrained(path, MiraConfig(gpu_budget=0.3, device="cpu", quantization="lossless"), progress=False)
+    monkeypatch.setattr(unload_module, "available_host_bytes", lambda: 1024)  # the decoded experts cannot stay in memory
+    monkeypatch.setattr(offload_files.shutil, "disk_usage", lambda p: _Usage(0))  # a full disk
+    out = tmp_path / "out"
+    with pytest.raises(
+        BudgetError,
+        match=r"save_pretrained\(\) writes [\d,]+ bytes of experts to save_directory='.*out', but only 0 bytes are free there\. Nothing was changed\. Free space on that disk, or free host memory \(the decoded experts take [\d,]+ bytes; 1,024 are available\), or load the model with offload_dir",
+    ):
+        model.save_pretrained(out)
+    assert not out.exists()
+    assert torch.equal(_logits(model), _logits(ref))
+    monkeypatch.undo()
+    model.save_pretrained(out)
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(out).eval()), _logits(ref))
 
 
 def test_from_pretrained_honours_dtype(tiny_checkpoint):

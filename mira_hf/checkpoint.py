@@ -48,7 +48,7 @@ from .expert_keys import (
 from .fp8_partial_blocks import block_size, find_partial_block_weights, set_partial_block_weights
 from .load_report import LoadReport
 from .resources import available_host_bytes
-from .shards import GENERATION_CONFIG, NotStreamable, ShardEntry, ShardIndex, refetch
+from .shards import GENERATION_CONFIG, NotStreamable, ShardEntry, ShardIndex, refetch, refetch_code
 
 
 # -- loading ---------------------------------------------------------------------------------------------
@@ -262,6 +262,7 @@ def streaming_index(
         index = ShardIndex.find(name_or_path, hf_kwargs)
         fetched = {k: v for k, v in hf_kwargs.items() if k != "force_download"}
         refetch(name_or_path, GENERATION_CONFIG, hf_kwargs)  # with force_download: transformers then reads it fresh
+        refetch_code(name_or_path, config_json, hf_kwargs)
         available = available_host_bytes()
         stored = load_dtype(config_json.get("dtype") or config_json.get("torch_dtype"))
         too_large = available is not None and index.loaded_nbytes(load_dtype(hf_kwargs.get("dtype"), stored), stored) > available

@@ -306,6 +306,24 @@ def refetch(name_or_path, filename: str, hf_kwargs: dict) -> None:
         _resolve(name_or_path, filename, hf_kwargs)
 
 
+def refetch_code(name_or_path, config_json: Mapping, hf_kwargs: dict) -> None:
+    """Download again the code files of a hub checkpoint that ships its own classes (config.json's `auto_map`, each
+    module with the modules it imports, from its own repository where a reference names another: "repo--module.Class")
+    where `hf_kwargs` asks for `force_download` and `trust_remote_code`, as transformers' own load does for the classes
+    it builds, so that the load continuing without `force_download` builds them from fresh files."""
+    if not (hf_kwargs.get("force_download") and hf_kwargs.get("trust_remote_code")) or os.path.isdir(name_or_path):
+        return
+    from transformers.dynamic_module_utils import get_cached_module_file
+
+    refs = set()
+    for ref in (config_json.get("auto_map") or {}).values():
+        refs.update(r for r in (ref if isinstance(ref, (list, tuple)) else [ref]) if isinstance(r, str))
+    hub = {k: hf_kwargs.get(k) for k in ("cache_dir", "token", "local_files_only") if hf_kwargs.get(k) is not None}
+    for repo, module in sorted({(r.rpartition("--")[0] or str(name_or_path), r.rpartition("--")[2].split(".")[0]) for r in refs}):
+        revision = hf_kwargs.get("code_revision") or hf_kwargs.get("revision") if repo == str(name_or_path) else None
+        get_cached_module_file(repo, f"{module}.py", force_download=True, revision=revision, **hub)
+
+
 def missing_checkpoint_error(name_or_path, hf_kwargs: dict, exc: Exception) -> CheckpointError:
     """One line saying that `name_or_path` is neither a checkpoint directory nor a model the hub gave,
     and what to do (the hub's own message, first line only, says why; never the hub validator's text

@@ -207,3 +207,59 @@ def test_a_missing_subfolder_is_named_with_the_folders_that_hold_a_checkpoint(tm
         assert "is not in" not in message and "\n" not in message
     kw = dict(subfolder="sub", cache_dir=str(tmp_path / "hub"))
     assert MiraMoEModel.from_pretrained("org/tiny-moe", MiraConfig(device="cpu"), progress=False, **kw).mira is not None
+
+
+# A model whose code ships with its checkpoint (its own config and causal-LM classes, Mixtral's underneath).
+_REMOTE_CODE = """
+from transformers import MixtralConfig, MixtralForCausalLM
+
+
+class RemoteMoeConfig(MixtralConfig):
+    model_type = "remote_moe"
+
+
+class RemoteMoeForCausalLM(MixtralForCausalLM):
+    config_class = RemoteMoeConfig
+"""
+
+
+@pytest.mark.parametrize("stream_experts", [None, False], ids=["auto", "whole"])
+def test_force_download_downloads_a_checkpoints_own_code_again(tmp_path, monkeypatch, stream_experts):
+    """`force_download=True` with `trust_remote_code=True`: the code files the checkpoint ships (config.json's
+    auto_map) are downloaded again too, as transformers' own load downloads them, so a damaged cached copy is
+    replaced before the classes are built."""
+    from huggingface_hub import constants
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(make_config("mixtral")).eval()
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    save_file(
+        {k: v.contiguous() for k, v in original.state_dict().items()}, repo / "model.safetensors", metadata={"format": "pt"}
+    )
+    (repo / "remote_moe.py").write_text(_REMOTE_CODE)
+    cfg = original.config.to_dict()
+    cfg.update(model_type="remote_moe", architectures=["RemoteMoeForCausalLM"],
+               auto_map={"AutoConfig": "remote_moe.RemoteMoeConfig", "AutoModelForCausalLM": "remote_moe.RemoteMoeForCausalLM"})  # fmt: skip
+    (repo / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr("transformers.dynamic_module_utils.HF_MODULES_CACHE", str(tmp_path / "modules"))
+    remote = "mira/tiny-remote-code"
+    with FakeHub(remote, str(repo)) as hub:
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        mira = MiraConfig(device="cpu", gpu_budget=0.5, loader=LoaderConfig(stream_experts=stream_experts))
+        kw = dict(progress=False, cache_dir=str(tmp_path / "cache"), trust_remote_code=True)
+        MiraMoEModel.from_pretrained(remote, mira, **kw)
+        (blob,) = {os.path.realpath(p) for p in (tmp_path / "cache").glob("models--*/snapshots/*/remote_moe.py")}
+        with open(blob, "w") as f:  # damaged: not the repository's
+            f.write("raise ImportError('a damaged copy')\n")
+        hub.served.clear()
+        model = MiraMoEModel.from_pretrained(remote, mira, force_download=True, **kw)
+    assert "remote_moe.py" in hub.served  # (transformers, loading the whole model, downloads it for each class)
+    assert type(model).__name__ == "RemoteMoeForCausalLM"
+    with torch.no_grad():
+        assert torch.equal(model.eval()(IDS).logits, original(IDS).logits)

@@ -94,15 +94,14 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())
 
 
-def check_room(directory: str, nbytes: int, what: str, remedy: str, place: str = "offload_dir") -> None:
+def check_room(directory: str, nbytes: int, what: str, remedy: str) -> None:
     """`BudgetError` where `directory`'s disk has not `nbytes` free for `what` (after the files of processes gone are
-    removed), raised before anything is written; `remedy`: what to do, besides freeing space; `place`: what the
-    directory is to the user."""
+    removed), raised before anything is written; `remedy`: what to do, besides freeing space."""
     remove_orphans(directory)
     free = shutil.disk_usage(existing(directory)).free
     if nbytes > free:
         raise BudgetError(
-            f"{what} writes {nbytes:,} bytes of experts to {place}={directory!r}, but only {free:,} bytes are free "
+            f"{what} writes {nbytes:,} bytes of experts to offload_dir={directory!r}, but only {free:,} bytes are free "
             f"there{held_clause(directory)}. Nothing was changed. Free space on that disk, or {remedy}."
         )
 

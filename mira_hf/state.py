@@ -23,6 +23,8 @@ and lets `fn` reach the other weights. A proxy never applies `fn` to its expert 
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -61,7 +63,8 @@ class ExpertState:
         self.proxies: Mapping[int, nn.Module] = weakref.WeakValueDictionary(proxies)
         self.replan = replan  # holds the model weakly too
         self.applying = False  # a cast or move of the whole model is under way (its proxies follow it)
-        self.placeholders = False  # state_dict() gives encoded layers' tensors as shapes alone (`save_pretrained`)
+        # `save_pretrained`'s experts (`unload.SaveExperts`), which state_dict() on its thread gives for encoded layers
+        self._saving = threading.local()
         # each layer's expert parameters and their version counts when exposed (`edited`)
         self._paths: dict[int, list[str]] = {}  # where each watched parameter is on its proxy
         self._entries: dict[int, list[tuple[dict, str]]] = {}  # and the parameter table entry that holds it
@@ -241,14 +244,24 @@ class ExpertState:
             table.pop(proxy.layer, None)
 
     # -- state dict -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def saving(self, experts) -> Iterator[None]:
+        """Within it, state_dict() on this thread takes encoded layers' tensors from `experts` (`unload.SaveExperts`:
+        decoded once, where host memory allows); other threads' decode their own copies."""
+        self._saving.experts = experts
+        try:
+            yield
+        finally:
+            self._saving.experts = None
+
     def save(self, proxy: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> bool:
-        """Put decoded copies of an encoded layer's tensors in `destination` (with `placeholders`, tensors on the meta
-        device: their names, shapes and dtypes, nothing decoded), and the parameters holders keep (`_HeldExperts`);
-        False where the proxy's own parameters (views of raw records) go in as they are."""
+        """Put decoded copies of an encoded layer's tensors in `destination` (within `saving`, those it gives), and the
+        parameters holders keep (`_HeldExperts`); False where the proxy's own parameters (views of raw records) go in
+        as they are."""
         store, layout = self.store, proxy.experts_layout
         if not store.quantized and not layout.nested:
             return False
-        if not store.exact and not self.placeholders:
+        if not store.exact:
             warnings.warn(
                 f"the experts are stored as {store.codec.name}: state_dict() gives their dequantized values, not "
                 "the checkpoint's. Load the model again without quantization for the original weights.",
@@ -259,14 +272,9 @@ class ExpertState:
             if param is not None:
                 destination[prefix + name] = param if keep_vars else param.detach()
         decoded = None
-        if store.quantized and self.placeholders:
-            E, dtype = store.num_experts(proxy.layer), store.dtype(proxy.layer)
-            decoded = {
-                n: torch.empty((E, *shape), dtype=dtype, device="meta")
-                for n, (shape, _) in store.expert_specs(proxy.layer).items()
-            }
-        elif store.quantized:
-            decoded = store.fused(proxy.layer)
+        if store.quantized:
+            saving = getattr(self._saving, "experts", None)
+            decoded = saving.fused(proxy.layer) if saving is not None else store.fused(proxy.layer)
         parts = {name: separate(layout.parts(name, t)) for name, t in decoded.items()} if decoded is not None else None
         for name, i, path in _entries(layout, store, proxy.layer):
             if parts is not None:

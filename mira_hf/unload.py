@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import warnings
 
 import torch
 from torch import nn
 
 from . import offload_files
-from .errors import ConfigError, UnsupportedOperationError
+from .errors import BudgetError, ConfigError, UnsupportedOperationError
 from .manager import ExpertManager
 from .proxy import give_back_hooks
 from .resources import available_host_bytes
@@ -121,79 +122,103 @@ def save_pretrained(model: nn.Module, save_directory, **kwargs):
     """Write an ordinary transformers checkpoint (experts included), as the unwrapped model would. A `state_dict`
     given is written as given, as transformers writes one (a subset, edited tensors), its expert tensors that are
     the model's own (from `model.state_dict()`) each written from a tensor of its own. The experts go to transformers
-    as `SaveExperts` gives them: views of an uncompressed store, else decoded layer by layer."""
+    as `SaveExperts` gives them: views of an uncompressed store, else decoded once, layer by layer."""
     given = kwargs.pop("state_dict", None)  # None: transformers' default, which Trainer passes
     model._mira_state.edited()  # data given to expert parameters since the last step (`p.data = t`) is in the store
     warn_if_lossy(model.mira, "save_pretrained() writes")
     if os.path.isfile(save_directory):  # transformers says so, and writes nothing
         return type(model).save_pretrained(model, save_directory, **kwargs)
-    state = model._mira_state
-    with warnings.catch_warnings():  # state_dict() would say it again for every layer
-        warnings.simplefilter("ignore")
-        state.placeholders = True  # encoded layers' names and shapes: decoded once, below
-        try:
-            views = model.state_dict()
-        finally:
-            state.placeholders = False
+    whole = model.mira.whole
     # Where each proxy sits now, as `state_dict()` names it: a layer removed or moved since wrapping (layer pruning)
     # takes its experts with it, and a proxy no longer in the model writes nothing.
     where: dict[int, list[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         where.setdefault(id(module), []).append(name)
-    # The model's own expert tensors among those given (an encoded layer's never are: state_dict() decodes copies).
-    own = None if given is None else {k for k, v in given.items() if k in views and _same_view(v, views[k])}
-    whole = model.mira.whole
-    sites = [(t, i, prefix) for t in model._mira_targets for i, prefix in enumerate(where.get(id(t.proxy), ()))]
-    if own is not None:
-        sites = [(t, i, prefix) for t, i, prefix in sites if own.intersection(_keys(whole, t, prefix))]
-    experts = SaveExperts(whole, sorted({t.ordinal for t, _, _ in sites}), model.mira.store.offload_dir or save_directory)
-    written = dict(views)
-    for t, i, prefix in sites:
-        E = whole.num_experts(t.ordinal)
-        for n, tensor in experts.fused(t.ordinal, again=i > 0).items():  # one tensor of its own at each place
-            written.update((f"{prefix}.{path}", part) for path, part in at_paths(t.layout, n, tensor, E))
-    if given is not None:
-        written = {k: written[k] if k in own else v for k, v in given.items()}
+    sites = [(t, prefix) for t in model._mira_targets for prefix in where.get(id(t.proxy), ())]
+    if given is None:  # encoded layers decoded once, by state_dict(), which runs the model's hooks on them
+        encoded = sorted({t.ordinal for t, _ in sites if whole.expert_views(t.ordinal) is None})
+        experts = SaveExperts(whole, encoded, model, save_directory)
+        with warnings.catch_warnings(), model._mira_state.saving(experts):  # state_dict() would warn for every layer
+            warnings.simplefilter("ignore")
+            written = model.state_dict()
+    else:  # an encoded layer's own parameters given (`dict(model.named_parameters())`: placeholders) are decoded
+        placeholders = [(t, prefix, keys) for t, prefix in sites for keys in [_placeholders(whole, t, prefix, given)] if keys]
+        experts, written = SaveExperts(whole, sorted({t.ordinal for t, _, _ in placeholders}), model, save_directory), dict(given)
+        for t, prefix, keys in placeholders:
+            written.update((k, v) for k, v in _tensors(whole, t, prefix, experts.fused(t.ordinal)) if k in keys)
+    # Views of an uncompressed store (not replaced by a hook, nor given otherwise): the store's, a tensor of its own at
+    # each place (a module at two is copied at the second).
+    for t, prefix in sites:
+        if whole.expert_views(t.ordinal) is not None:
+            keys = {k for k, v in _tensors(whole, t, prefix) if _same_view(written.get(k), v)}
+            if keys:
+                written.update((k, v) for k, v in _tensors(whole, t, prefix, experts.fused(t.ordinal)) if k in keys)
     return type(model).save_pretrained(model, save_directory, state_dict=written, **kwargs)
 
 
-def _keys(whole, target: Target, prefix: str) -> list[str]:
-    """The state dict keys of `target`'s expert tensors where its proxy sits at `prefix`."""
+def _placeholders(whole, target: Target, prefix: str, given: dict) -> set[str]:
+    """The keys of `target`'s experts (an encoded layer's, where its proxy sits at `prefix`) whose tensor in `given` is
+    on the meta device: the layer's own parameters, which hold no data."""
+    if whole.expert_views(target.ordinal) is not None:
+        return set()
     E = whole.num_experts(target.ordinal)
-    return [f"{prefix}.{path}" for n in whole.expert_specs(target.ordinal) for path in target.layout.paths(n, E)]
+    keys = (f"{prefix}.{path}" for n in whole.expert_specs(target.ordinal) for path in target.layout.paths(n, E))
+    return {k for k in keys if isinstance(given.get(k), torch.Tensor) and given[k].is_meta}
+
+
+def _tensors(whole, target: Target, prefix: str, fused=None) -> list[tuple[str, torch.Tensor]]:
+    """(state dict key, tensor) of `target`'s experts where its proxy sits at `prefix`: parts of `fused` (name ->
+    [E, ...]), by default the store's views (an uncompressed store)."""
+    E, fused = whole.num_experts(target.ordinal), fused or whole.expert_views(target.ordinal)
+    return [(f"{prefix}.{path}", part) for n, t in fused.items() for path, part in at_paths(target.layout, n, t, E)]
 
 
 class SaveExperts:
     """The experts' tensors `save_pretrained` gives transformers, layer by layer (`fused`): views of an uncompressed
     store (no copy), else decoded. Decoded layers go to host memory, unless together they would take more than
-    SAVE_HOST_SHARE of what the host has available beside the store: then to a buffer mapped from a file in
-    `directory` (the store's offload_dir, else the save directory), unlinked at once, whose pages the kernel writes to
-    the disk instead of the process running out of memory (its disk blocks are reserved first: `BudgetError`, before
-    anything is written, where the disk has not room; they are freed once the save has dropped the tensors)."""
+    SAVE_HOST_SHARE of what the host has available beside the store: then to a buffer mapped from a file in the
+    store's offload_dir, else in the save directory, unlinked at once, whose pages the kernel writes to the disk
+    instead of the process running out of memory. Its disk blocks are reserved first, where the disk has room for it
+    (and for the checkpoint, where the checkpoint goes to the same disk): else `BudgetError`, before anything is
+    written. They are freed once the save has dropped the tensors."""
 
-    def __init__(self, whole, layers: list[int], directory) -> None:
-        self.whole, self._buffer, self._at = whole, None, 0
-        need = sum(_decoded_bytes(whole, layer) for layer in layers if whole.expert_views(layer) is None)
+    def __init__(self, whole, layers: list[int], model: nn.Module, save_directory) -> None:
+        self.whole, self._buffer, self._at, self._handed = whole, None, 0, set()
+        need = sum(_decoded_bytes(whole, layer) for layer in layers)
         room = available_host_bytes()
         if not need or room is None or need <= SAVE_HOST_SHARE * room:
             return
-        directory = os.path.abspath(directory)
-        what = "save_pretrained()"
+        place, directory = ("offload_dir", whole.offload_dir) if whole.offload_dir else ("save_directory", save_directory)
+        directory, save_directory = os.path.abspath(directory), os.path.abspath(save_directory)
+        if os.path.isdir(directory):
+            offload_files.remove_orphans(directory)  # the buffers of saves whose process was killed
+        beside = 0  # the checkpoint's bytes, where it is written to the same disk
+        if os.stat(offload_files.existing(directory)).st_dev == os.stat(offload_files.existing(save_directory)).st_dev:
+            beside = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        free = shutil.disk_usage(offload_files.existing(directory)).free
         remedy = (
-            f"free host memory (the decoded experts take {need:,} bytes; {room:,} are available), or load the model "
-            "with offload_dir set to a directory on a disk with room, where save_pretrained() decodes them first"
+            f"free host memory (the decoded experts take {need:,} bytes; {room:,} are available), or load the model with "
+            "offload_dir set to a directory on a disk with room, where save_pretrained() decodes them first"
         )
-        place = "offload_dir" if directory == os.path.abspath(whole.offload_dir or "") else "save_directory"
-        offload_files.check_room(directory, need, what, remedy, place=place)
+        if need + beside > free:
+            also = f", and the checkpoint about {beside:,} more" if beside else ""
+            raise BudgetError(
+                f"save_pretrained() decodes the experts into a file in {place}={directory!r} first, as host memory "
+                f"cannot hold them beside the store: they take {need:,} bytes there{also}, but only {free:,} bytes are "
+                f"free. Nothing was written. Free space on that disk, {remedy}."
+            )
         path = offload_files.create(directory, "save", need, "save_pretrained()'s decoded experts", place, remedy)
         try:
             self._buffer = torch.from_file(path, shared=True, size=need, dtype=torch.uint8)
         finally:
             os.remove(path)  # mapped: its blocks stay taken until the buffer is dropped
 
-    def fused(self, layer: int, again: bool = False) -> dict[str, torch.Tensor]:
-        """name -> [E, ...] of `layer`'s experts; `again`: for another place of the same experts module, a copy of its
-        own in host memory (a tensor written under two names would be taken for one tied weight)."""
+    def fused(self, layer: int) -> dict[str, torch.Tensor]:
+        """name -> [E, ...] of `layer`'s experts: the store's views, or decoded; asked again (the experts module sits
+        at another place too), a copy of its own in host memory (one tensor under two names would be taken for one
+        tied weight)."""
+        again = layer in self._handed
+        self._handed.add(layer)
         views = self.whole.expert_views(layer)
         if views is not None:
             return {n: v.clone() for n, v in views.items()} if again else views

@@ -176,7 +176,10 @@ def test_save_pretrained_refuses_a_buffer_the_disk_has_no_room_for_before_writin
     out = tmp_path / "out"
     with pytest.raises(
         BudgetError,
-        match=r"save_pretrained\(\) writes [\d,]+ bytes of experts to save_directory='.*out', but only 0 bytes are free there\. Nothing was changed\. Free space on that disk, or free host memory \(the decoded experts take [\d,]+ bytes; 1,024 are available\), or load the model with offload_dir",
+        match=r"save_pretrained\(\) decodes the experts into a file in save_directory='.*out' first, as host memory cannot hold "
+        r"them beside the store: they take [\d,]+ bytes there, and the checkpoint about [\d,]+ more, but only 0 bytes are "
+        r"free\. Nothing was written\. Free space on that disk, free host memory \(the decoded experts take [\d,]+ bytes; "
+        r"1,024 are available\), or load the model with offload_dir",
     ):
         model.save_pretrained(out)
     assert not out.exists()
@@ -184,6 +187,31 @@ def test_save_pretrained_refuses_a_buffer_the_disk_has_no_room_for_before_writin
     monkeypatch.undo()
     model.save_pretrained(out)
     assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(out).eval()), _logits(ref))
+
+
+@pytest.mark.parametrize("quantization", [None, "lossless"], ids=["uncompressed", "lossless"])
+def test_save_pretrained_runs_the_models_state_dict_hooks_as_transformers_does(tiny_checkpoint, tmp_path, quantization):
+    """A state-dict hook on the model (one that reads every value, as a checksum a framework logs, and changes them)
+    sees the experts' values and its changes are written, as in the unwrapped model's save."""
+    from safetensors.torch import load_file
+
+    def checksum_and_cast(module, state, prefix, local_metadata):
+        module.checksum = sum(float(v.double().sum()) for v in state.values())
+        for k in state:
+            state[k] = state[k].to(torch.bfloat16)
+
+    path = tiny_checkpoint("mixtral")
+    ref = load_reference(path)
+    model = MiraMoEModel.from_pretrained(
+        path, MiraConfig(gpu_budget=0.3, device="cpu", quantization=quantization), progress=False
+    )
+    for m, name in ((ref, "ref"), (model, "own")):
+        m.register_state_dict_post_hook(checksum_and_cast)
+        m.save_pretrained(tmp_path / name)
+    assert model.checksum == ref.checksum
+    own, expected = load_file(tmp_path / "own" / "model.safetensors"), load_file(tmp_path / "ref" / "model.safetensors")
+    assert own.keys() == expected.keys() and all(torch.equal(own[k], expected[k]) for k in expected)
+    assert {t.dtype for t in own.values()} == {torch.bfloat16}
 
 
 def test_from_pretrained_honours_dtype(tiny_checkpoint):

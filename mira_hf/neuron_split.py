@@ -314,6 +314,10 @@ class SplitWeights:
     def fused(self, layer: int, alloc: Callable[..., torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         return self.parts.splits[layer].combine(self.device_store.fused(layer), self.parts.tensors_as_given(layer), alloc)
 
+    def drop(self, layer: int) -> None:
+        self.device_store.drop(layer)
+        self.parts.tensors.pop(layer, None)
+
     def plan_rewrite(self, layer: int, fused: Tensors | None = None, dtype: torch.dtype | None = None):
         device = None if fused is None else self.parts.splits[layer].split(fused)[DEVICE]
         return self.device_store.plan_rewrite(layer, device, dtype)

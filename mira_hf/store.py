@@ -503,6 +503,11 @@ class ExpertStore:
         """What identifies the record format (a saved store is only reused with the same one)."""
         return codec_spec(self.codec)
 
+    def drop(self, layer: int) -> None:
+        """Let go of `layer`'s records (`unload()`, once the model holds its experts as tensors of their own): their
+        memory is freed when nothing else holds it (a disk-tier file is removed by `close`)."""
+        self._slabs.pop(layer, None)
+
     def close(self) -> None:
         """Drop every record and remove the disk files this store wrote."""
         _remove_files(self._files)

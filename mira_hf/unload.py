@@ -53,6 +53,7 @@ def unload(model: nn.Module) -> nn.Module:
         model.to("cpu")
         for t in model._mira_targets:
             t.restore(manager.whole)
+            manager.whole.drop(t.ordinal)  # its records, rebuilt: freed now, so that unload() holds one layer twice at most
         put_back_modules(model._mira_targets, model)
         # last: a step that starts meanwhile meets them and waits for its turn, then runs the unwrapped modules
         for hook in model._mira_hooks:

@@ -164,6 +164,33 @@ def test_save_pretrained_takes_no_more_host_memory_than_the_unwrapped_models_sav
         assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in expected)
 
 
+_UNLOAD = (
+    PEAK_ANON_SOURCE
+    + """
+import json, torch, mira_hf
+cfg = mira_hf.MiraConfig(device="cpu", gpu_budget=0.3, quantization=QUANT)
+m = mira_hf.MiraMoEModel.from_pretrained(PATH, cfg, progress=False)
+peak = PeakAnon()
+m.unload()
+print(json.dumps(dict(growth=peak.stop())))
+"""
+)
+
+
+def test_unload_holds_one_layer_twice_at_most(tmp_path):
+    """`unload()` gives the model its experts layer by layer and frees each layer's records once the model holds them:
+    with uncompressed records in host memory, the process's anonymous memory grows by about one layer of experts at
+    most (here one of 4), not by all of them."""
+    config = make_config("mixtral", hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_local_experts=16)
+    torch.manual_seed(0)
+    build(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    experts = 4 * 16 * 3 * 256 * 1024 * 2
+    code = _UNLOAD.replace("QUANT", repr(None)).replace("PATH", repr(str(tmp_path)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(2**20))  # as in test_stream_load.py
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env).stdout
+    assert json.loads(out.strip().splitlines()[-1])["growth"] <= 0.5 * experts  # every layer's copy beside the store: 1.0
+
+
 def test_save_pretrained_refuses_a_buffer_the_disk_has_no_room_for_before_writing(tiny_checkpoint, tmp_path, monkeypatch):
     import mira_hf.offload_files as offload_files
     import mira_hf.unload as unload_module

@@ -16,6 +16,12 @@ from urllib.parse import unquote
 LFS_SUFFIXES = (".safetensors", ".bin")
 
 
+class _Server(ThreadingHTTPServer):
+    # A load asks for several files at once: with socketserver's backlog of 5, a busy machine (CI running tests
+    # beside) resets connections, and huggingface_hub's retry downloads a file twice.
+    request_queue_size = 128
+
+
 class FakeHub:
     def __init__(self, repo_id: str, directory: str, commit: str = "a" * 40, revisions: tuple[str, ...] = ("main",)):
         self.repo_id, self.directory, self.commit, self.revisions = repo_id, directory, commit, revisions
@@ -82,7 +88,7 @@ class FakeHub:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)

@@ -333,6 +333,30 @@ def test_load_time_smoke_times_three_loads_and_reads_the_cache(tmp_path):
     assert rows["first"]["store_bytes"] == rows["cached"]["store_bytes"] < rows["none"]["store_bytes"]
 
 
+@pytest.mark.slow  # four fresh processes
+def test_save_memory_smoke_measures_four_saves_of_the_same_checkpoint(tmp_path):
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "save_memory.py"),
+            "--smoke",
+            "--dir",
+            str(tmp_path / "ckpt"),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    (path,) = (tmp_path / "out").glob("*-cpu-save-memory.json")
+    rows = {r["run"]: r for r in json.loads(path.read_text())["rows"]}
+    assert list(rows) == ["unwrapped", "uncompressed", "lossless", "lossless-buffer"]
+    assert len({r["written_gb"] for r in rows.values()}) == 1 and all(r["save_s"] > 0 for r in rows.values())
+    assert not (tmp_path / "ckpt.out").exists()  # each save's output removed
+
+
 def benchmark_module(name: str):
     """benchmarks/NAME.py loaded as a module (its functions, without running its main)."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")

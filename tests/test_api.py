@@ -168,7 +168,7 @@ _UNLOAD = (
     PEAK_ANON_SOURCE
     + """
 import json, torch, mira_hf
-cfg = mira_hf.MiraConfig(device="cpu", gpu_budget=0.3, quantization=QUANT)
+cfg = mira_hf.MiraConfig(device="cpu", gpu_budget=0.3, quantization=None)
 m = mira_hf.MiraMoEModel.from_pretrained(PATH, cfg, progress=False)
 peak = PeakAnon()
 m.unload()
@@ -185,7 +185,7 @@ def test_unload_holds_one_layer_twice_at_most(tmp_path):
     torch.manual_seed(0)
     build(config).to(torch.bfloat16).save_pretrained(tmp_path)
     experts = 4 * 16 * 3 * 256 * 1024 * 2
-    code = _UNLOAD.replace("QUANT", repr(None)).replace("PATH", repr(str(tmp_path)))
+    code = _UNLOAD.replace("PATH", repr(str(tmp_path)))
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(2**20))  # as in test_stream_load.py
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env).stdout
     assert json.loads(out.strip().splitlines()[-1])["growth"] <= 0.5 * experts  # every layer's copy beside the store: 1.0

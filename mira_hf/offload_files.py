@@ -97,13 +97,19 @@ def _host() -> str:
 def check_room(directory: str, nbytes: int, what: str, remedy: str) -> None:
     """`BudgetError` where `directory`'s disk has not `nbytes` free for `what` (after the files of processes gone are
     removed), raised before anything is written; `remedy`: what to do, besides freeing space."""
-    remove_orphans(directory)
-    free = shutil.disk_usage(existing(directory)).free
+    free = free_bytes(directory)
     if nbytes > free:
         raise BudgetError(
             f"{what} writes {nbytes:,} bytes of experts to offload_dir={directory!r}, but only {free:,} bytes are free "
             f"there{held_clause(directory)}. Nothing was changed. Free space on that disk, or {remedy}."
         )
+
+
+def free_bytes(directory: str) -> int:
+    """Bytes free on `directory`'s disk (a directory not made yet: where it will be), after the files of processes gone
+    are removed from it."""
+    remove_orphans(directory)
+    return shutil.disk_usage(existing(directory)).free
 
 
 def held_clause(directory: str) -> str:

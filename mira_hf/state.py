@@ -102,7 +102,7 @@ class ExpertState:
                     param.data = part
                 else:
                     layout.set(proxy, path, parameter(name, path, part) if parameter is not None else nn.Parameter(part))
-        self._paths[layer] = _paths(layout, store, layer)
+        self._paths[layer] = expert_paths(layout, store, layer)
         self._watched[layer] = [layout.get(proxy, path) for path in self._paths[layer]]
         # the modules between the proxy and each owner of a parameter (experts kept on child modules), which an
         # assignment may replace with other modules; and where each parameter is kept (its owner's parameter table,
@@ -708,7 +708,8 @@ def _links(module: nn.Module, path: str) -> list[tuple[dict, str, nn.Module, str
     return out
 
 
-def _paths(layout, store, layer: int) -> list[str]:
+def expert_paths(layout, store, layer: int) -> list[str]:
+    """The paths of `layer`'s expert parameters on its proxy (relative to it), in the unwrapped module's order."""
     return [path for _, _, path in _entries(layout, store, layer)]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import warnings
 
 import torch
@@ -16,7 +15,7 @@ from .errors import BudgetError, ConfigError, UnsupportedOperationError
 from .manager import ExpertManager
 from .proxy import give_back_hooks
 from .resources import available_host_bytes
-from .state import at_paths
+from .state import at_paths, expert_paths
 from .state import uninstall as uninstall_state
 from .store import own_storage
 from .targets import Target, places
@@ -137,7 +136,7 @@ def save_pretrained(model: nn.Module, save_directory, **kwargs):
         where.setdefault(id(module), []).append(name)
     sites = [(t, prefix) for t in model._mira_targets for prefix in where.get(id(t.proxy), ())]
     if given is None:  # encoded layers decoded once, by state_dict(), which runs the model's hooks on them
-        encoded = sorted({t.ordinal for t, _ in sites if whole.expert_views(t.ordinal) is None})
+        encoded = sorted({t.ordinal for t, _ in sites}) if whole.quantized else []
         experts = SaveExperts(whole, encoded, model, save_directory)
         with warnings.catch_warnings(), model._mira_state.saving(experts):  # state_dict() would warn for every layer
             warnings.simplefilter("ignore")
@@ -149,21 +148,19 @@ def save_pretrained(model: nn.Module, save_directory, **kwargs):
             written.update((k, v) for k, v in _tensors(whole, t, prefix, experts.fused(t.ordinal)) if k in keys)
     # Views of an uncompressed store (not replaced by a hook, nor given otherwise): the store's, a tensor of its own at
     # each place (a module at two is copied at the second).
-    for t, prefix in sites:
-        if whole.expert_views(t.ordinal) is not None:
-            keys = {k for k, v in _tensors(whole, t, prefix) if _same_view(written.get(k), v)}
-            if keys:
-                written.update((k, v) for k, v in _tensors(whole, t, prefix, experts.fused(t.ordinal)) if k in keys)
+    for t, prefix in [] if whole.quantized else sites:
+        keys = {k for k, v in _tensors(whole, t, prefix) if _same_view(written.get(k), v)}
+        if keys:
+            written.update((k, v) for k, v in _tensors(whole, t, prefix, experts.fused(t.ordinal)) if k in keys)
     return type(model).save_pretrained(model, save_directory, state_dict=written, **kwargs)
 
 
 def _placeholders(whole, target: Target, prefix: str, given: dict) -> set[str]:
     """The keys of `target`'s experts (an encoded layer's, where its proxy sits at `prefix`) whose tensor in `given` is
     on the meta device: the layer's own parameters, which hold no data."""
-    if whole.expert_views(target.ordinal) is not None:
+    if not whole.quantized:
         return set()
-    E = whole.num_experts(target.ordinal)
-    keys = (f"{prefix}.{path}" for n in whole.expert_specs(target.ordinal) for path in target.layout.paths(n, E))
+    keys = (f"{prefix}.{path}" for path in expert_paths(target.layout, whole, target.ordinal))
     return {k for k in keys if isinstance(given.get(k), torch.Tensor) and given[k].is_meta}
 
 
@@ -191,12 +188,10 @@ class SaveExperts:
             return
         place, directory = ("offload_dir", whole.offload_dir) if whole.offload_dir else ("save_directory", save_directory)
         directory, save_directory = os.path.abspath(directory), os.path.abspath(save_directory)
-        if os.path.isdir(directory):
-            offload_files.remove_orphans(directory)  # the buffers of saves whose process was killed
         beside = 0  # the checkpoint's bytes, where it is written to the same disk
         if os.stat(offload_files.existing(directory)).st_dev == os.stat(offload_files.existing(save_directory)).st_dev:
             beside = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-        free = shutil.disk_usage(offload_files.existing(directory)).free
+        free = offload_files.free_bytes(directory)  # the buffers of saves whose process was killed removed first
         remedy = (
             f"free host memory (the decoded experts take {need:,} bytes; {room:,} are available), or load the model with "
             "offload_dir set to a directory on a disk with room, where save_pretrained() decodes them first"
@@ -231,14 +226,19 @@ class SaveExperts:
         if self._buffer is None or self._at + n > self._buffer.numel():
             return torch.empty(shape, dtype=dtype)
         t = own_storage(self._buffer[self._at : self._at + n].view(dtype).view(shape))
-        self._at += -(-n // BUFFER_ALIGN) * BUFFER_ALIGN
+        self._at += _aligned(n)
         return t
 
 
 def _decoded_bytes(whole, layer: int) -> int:
     """Bytes of `layer`'s experts decoded (`fused`), with each tensor's alignment in `SaveExperts`' buffer."""
     E, size = whole.num_experts(layer), whole.dtype(layer).itemsize
-    return sum(-(-E * math.prod(shape) * size // BUFFER_ALIGN) * BUFFER_ALIGN for shape, _ in whole.expert_specs(layer).values())
+    return sum(_aligned(E * math.prod(shape) * size) for shape, _ in whole.expert_specs(layer).values())
+
+
+def _aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to the next tensor start in `SaveExperts`' buffer."""
+    return -(-nbytes // BUFFER_ALIGN) * BUFFER_ALIGN
 
 
 def _same_view(a: object, b: torch.Tensor) -> bool:

@@ -262,6 +262,20 @@ def device_slug(env: dict, on_gpu: bool = True) -> str:
     return re.sub(r"[^a-z0-9]+", "-", str(env.get("device", "cpu")).lower()).strip("-")
 
 
+def budget_arg(text: str) -> str | float:
+    """A `--budget` argument as gpu_budget takes it: a fraction ("0.5") as a float, a size ("20GiB") as given."""
+    return float(text) if text.replace(".", "", 1).isdigit() and "." in text else text
+
+
+def status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status ("VmRSS", "RssAnon", ...) in bytes; 0 where there is none."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def write_json(path: str, data: dict) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

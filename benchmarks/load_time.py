@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
-from common import build_config, device_slug, environment, print_table, write_json  # noqa: E402
+from common import budget_arg, build_config, device_slug, environment, print_table, write_json  # noqa: E402
 
 RUNS = (("none", None), ("first", "default"), ("cached", "default"))  # in this order: "cached" reads what "first" wrote
 
@@ -145,8 +145,7 @@ def main() -> int:
     if args.smoke and args.quantization == "auto":
         args.quantization = "lossless"  # "auto" encodes only on a GPU
     if args.child:
-        if args.budget.replace(".", "", 1).isdigit() and "." in args.budget:
-            args.budget = float(args.budget)
+        args.budget = budget_arg(args.budget)
         child(args)
         return 0
 

@@ -28,28 +28,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
-from common import device_slug, environment, print_table, write_json  # noqa: E402
+from common import budget_arg, device_slug, environment, print_table, status_bytes, write_json  # noqa: E402
 from load_time import _dir_bytes, write_checkpoint  # noqa: E402
 
 RUNS = ("unwrapped", "uncompressed", "lossless", "lossless-buffer")
 
 
-def _anon_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 class PeakAnon:
     def __init__(self, period_s: float = 0.0005) -> None:
-        self.base = self.peak = _anon_bytes()
+        self.base = self.peak = status_bytes("RssAnon")
         self._done = False
 
         def poll() -> None:
             while not self._done:
-                self.peak = max(self.peak, _anon_bytes())
+                self.peak = max(self.peak, status_bytes("RssAnon"))
                 time.sleep(period_s)
 
         self._thread = threading.Thread(target=poll)
@@ -104,8 +96,7 @@ def main() -> int:
     if args.budget is None:
         args.budget = "0.5" if args.smoke else "4GiB"
     if args.child:
-        if args.budget.replace(".", "", 1).isdigit() and "." in args.budget:
-            args.budget = float(args.budget)
+        args.budget = budget_arg(args.budget)
         child(args)
         return 0
 

@@ -16,17 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_slug, environment, print_table, write_json  # noqa: E402
+from common import device_slug, environment, print_table, status_bytes, write_json  # noqa: E402
 
 from mira_hf import MiraConfig, MiraMoEModel, bundled_model_path  # noqa: E402
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def sizes(m) -> dict:
@@ -63,7 +55,7 @@ def main() -> None:
         s = model.mira.stats()
         row = dict(
             steps=done,
-            rss_mb=rss_bytes() / 1e6,
+            rss_mb=status_bytes("VmRSS") / 1e6,
             hit_rate=s["hit_rate"],
             resident_le_budget=s["resident_bytes"] <= s["budget_bytes"],
         )

@@ -2,8 +2,10 @@ import atexit
 import collections
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -233,3 +235,13 @@ class PeakAnon:
         self._thread.join()
         return self.peak - self.base
 """
+
+
+def run_measuring(code: str) -> dict:
+    """Run `code` (a script built on PEAK_ANON_SOURCE) in a fresh process and return the JSON its last line prints.
+    One torch thread; pieces of 1 MiB and more come from their own mappings, given back when freed, as a real
+    checkpoint's tensors (hundreds of MiB, above glibc's largest threshold) always are: a tiny model's pieces of 1-2 MiB
+    would otherwise come from malloc's heaps, whose freed chunks stay or go with thread timing (docs/RELIABILITY.md)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(2**20))
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])

@@ -3,14 +3,12 @@
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from collections import namedtuple
 
 import numpy as np
 import pytest
 import torch
-from conftest import PEAK_ANON_SOURCE, align_experts, load_reference
+from conftest import PEAK_ANON_SOURCE, align_experts, load_reference, run_measuring
 from tiny_models import build, make_config
 from transformers import AutoModelForCausalLM
 
@@ -148,9 +146,7 @@ def test_save_pretrained_takes_no_more_host_memory_than_the_unwrapped_models_sav
     def save(name: str, wrap: bool, quant=None, spill=False) -> float:
         code = _SAVE.replace("WRAP", str(wrap)).replace("QUANT", repr(quant)).replace("SPILL", str(spill))
         code = code.replace("PATH", repr(str(src))).replace("OUT", repr(str(tmp_path / name)))
-        env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(2**20))  # as in test_stream_load.py
-        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env).stdout
-        result = json.loads(out.strip().splitlines()[-1])
+        result = run_measuring(code)
         assert result["files"] == ["config.json", "generation_config.json", "model.safetensors"]
         return result["growth"] / experts
 
@@ -186,9 +182,7 @@ def test_unload_holds_one_layer_twice_at_most(tmp_path):
     build(config).to(torch.bfloat16).save_pretrained(tmp_path)
     experts = 4 * 16 * 3 * 256 * 1024 * 2
     code = _UNLOAD.replace("PATH", repr(str(tmp_path)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(2**20))  # as in test_stream_load.py
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env).stdout
-    assert json.loads(out.strip().splitlines()[-1])["growth"] <= 0.5 * experts  # every layer's copy beside the store: 1.0
+    assert run_measuring(code)["growth"] <= 0.5 * experts  # every layer's copy beside the store: 1.0
 
 
 def test_save_pretrained_refuses_a_buffer_the_disk_has_no_room_for_before_writing(tiny_checkpoint, tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import ALL_TINY, PEAK_ANON_SOURCE, load_reference
+from conftest import ALL_TINY, PEAK_ANON_SOURCE, load_reference, run_measuring
 from tiny_models import config_or_skip, make_config
 
 from mira_hf import BudgetError, CheckpointError, ConfigError, MiraConfig, MiraMoEModel, UnsupportedModelError
@@ -278,12 +278,7 @@ print(json.dumps(dict(growth=growth, arena=m.mira.cache.capacity_bytes, tiers=m.
 def _measure(path, offload, host_budget: int, stream: bool) -> dict:
     code = _MEASURE.replace("HOST_BUDGET", str(host_budget)).replace("OFFLOAD", repr(str(offload)))
     code = code.replace("STREAM", str(stream)).replace("PATH", repr(str(path)))
-    # Pieces of 1 MiB and more come from their own mappings, given back when freed, as a real checkpoint's tensors
-    # (hundreds of MiB, above glibc's largest threshold) always are; this model's pieces of 1-2 MiB would otherwise
-    # come from malloc's heaps, whose freed chunks stay or go with thread timing (docs/RELIABILITY.md).
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(2**20))
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return run_measuring(code)
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """Host memory and time of `save_pretrained` on a Mixtral-shape bf16 checkpoint: the unwrapped model's save against
-the wrapped model's with uncompressed records, with lossless records decoded into host memory, and with lossless
-records decoded into the file-backed buffer (forced here by telling the save that host memory is short).
+the wrapped model's with uncompressed records, with lossless records decoded into host memory, with lossless
+records decoded into the file-backed buffer (forced here by telling the save that host memory is short), and with
+lossless records decoded by the host's cores where the model serves on a GPU (as for a model whose device had no
+room to encode at load; otherwise the device decodes them).
 
     python benchmarks/save_memory.py --dir /data/mixtral-3l --layers 3     # GPU: real dims, ~9 GB, a few minutes
     python benchmarks/save_memory.py --dir /tmp/tiny --smoke               # CPU, tiny dims, seconds
@@ -31,7 +33,7 @@ sys.path.insert(0, ROOT)
 from common import budget_arg, device_slug, environment, print_table, status_bytes, write_json  # noqa: E402
 from load_time import _dir_bytes, write_checkpoint  # noqa: E402
 
-RUNS = ("unwrapped", "uncompressed", "lossless", "lossless-buffer")
+RUNS = ("unwrapped", "uncompressed", "lossless", "lossless-buffer", "lossless-host-decode")
 
 
 class PeakAnon:
@@ -59,6 +61,7 @@ def child(args) -> None:
 
     import mira_hf.unload
     from mira_hf import MiraConfig, MiraMoEModel
+    from mira_hf.encode import RecordEncoder
 
     if args.child == "unwrapped":
         model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16)
@@ -69,6 +72,8 @@ def child(args) -> None:
         )
         if args.child == "lossless-buffer":
             mira_hf.unload.available_host_bytes = lambda: 2**20  # host memory short: decoded into the buffer
+        if args.child == "lossless-host-decode":
+            model.mira.store.encoder = RecordEncoder("cpu")
     experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
     out = args.dir.rstrip("/") + ".out"
     shutil.rmtree(out, ignore_errors=True)
@@ -79,7 +84,15 @@ def child(args) -> None:
     growth = peak.stop()
     written = _dir_bytes(out)
     shutil.rmtree(out, ignore_errors=True)
-    result = dict(save_s=save_s, anon_growth_gb=growth / 1e9, experts_gb=experts / 1e9, growth_per_expert_byte=growth / experts)
+    store = getattr(getattr(model, "mira", None), "store", None)  # None: the unwrapped model
+    on_device = store.encoder.experts_decoded_on_device if store is not None else 0
+    result = dict(
+        save_s=save_s,
+        anon_growth_gb=growth / 1e9,
+        experts_gb=experts / 1e9,
+        growth_per_expert_byte=growth / experts,
+        experts_decoded_on_device=on_device,
+    )
     print("RESULT " + json.dumps(dict(result, written_gb=written / 1e9)), flush=True)
 
 
@@ -122,7 +135,8 @@ def main() -> int:
         rows.append(dict(run=label, **json.loads(line[0][len("RESULT ") :])))
         print(f"{label}: {rows[-1]['save_s']:.2f} s, {rows[-1]['anon_growth_gb']:.2f} GB", flush=True)
     if rows:
-        print_table(rows, ["run", "save_s", "anon_growth_gb", "growth_per_expert_byte", "experts_gb", "written_gb"])
+        columns = ["run", "save_s", "anon_growth_gb", "growth_per_expert_byte", "experts_gb", "written_gb"]
+        print_table(rows, columns + ["experts_decoded_on_device"])
     for f in failed:
         print("FAILED", f)
     env = environment()

@@ -9,6 +9,12 @@ bits are those of the codec's own `encode`: the device only changes where the sa
 Device memory while loading: one expert's tensors, one record and the codec's temporaries (bounded
 by its step size, ~1 GB for the lossless code), given back when the load ends; it is not taken from
 `gpu_budget`, which the cache allocates afterwards.
+
+The way back (`decode_layer`: `state_dict()`, `save_pretrained`, `unload()`, writes and casts) runs where the
+records were encoded too, for codecs whose values do not depend on where they are decoded (`exact`): the host's
+decode of lossless records is several times slower than the save around it (benchmarks/NOTES.md, "Saving").
+Device memory for one expert at a time, given back after each layer; where the device has no room for it, the
+host decodes.
 """
 
 from __future__ import annotations
@@ -27,11 +33,16 @@ from .cpu_threads import own_cpu_threads
 from .load_report import LoadReport
 
 Expert = Callable[[int], Mapping[str, torch.Tensor]]  # e -> {tensor name: expert e's tensor}
+Alloc = Callable[..., torch.Tensor]  # (shape, dtype=...) -> a new tensor, as torch.empty
 T = TypeVar("T")
 # Threads reading experts ahead of the encoder (each `pread`s one expert's pieces with the GIL released):
 # one thread copies the page cache at ~1.3 GB/s (benchmarks/NOTES.md, "Loading"); memory bandwidth and
 # the host-to-device link allow several times that.
 READERS = 8
+# Device memory left free beside a decode on the device (`RecordEncoder.decode_layer`), for a model that runs meanwhile.
+DECODE_MARGIN_BYTES = 2**30
+# The page-locked buffers a decode on the device copies its tensors back through (two; torch's allocator keeps them).
+BACK_CHUNK_BYTES = 32 * 2**20
 
 
 def default_workers() -> int:
@@ -71,6 +82,7 @@ class RecordEncoder:
         self.workers = 1 if self.device.type != "cpu" else (workers or default_workers())
         self.progress = progress
         self.experts_encoded = 0  # experts encoded by this encoder (tests count them)
+        self.experts_decoded_on_device = 0
         self._lock = threading.Lock()
         self._buffers = threading.local()
         self._bar = None
@@ -146,6 +158,60 @@ class RecordEncoder:
             self._count()
 
         self._map(num_experts, expert, one, _entries_bytes(layout), key)
+
+    def decode_layer(self, codec, records: torch.Tensor, layout, dtype: torch.dtype, alloc: Alloc = torch.empty):
+        """A layer's records (uint8 [E, R] in host memory) decoded into new host tensors `name -> [E, ...]` of
+        `dtype` from `alloc(shape, dtype=...)`, filled expert by expert. On a CUDA encoder, with an exact codec
+        and room on the device, each record is copied there, decoded by the codec's kernels and its tensors
+        copied back into their rows; else decoded on the host."""
+        E, out = records.shape[0], {}
+
+        def rows(e: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            """Expert e's rows of the outputs (allocated at the first expert decoded)."""
+            for name, t in tensors.items():
+                if name not in out:
+                    out[name] = alloc((E, *t.shape), dtype=dtype)
+            return {name: out[name][e] for name in tensors}
+
+        first = self._decode_on_device(codec, records, layout, dtype, rows) if self._decodes(codec, layout) else 0
+        for e in range(first, E):
+            decoded = codec.decode(records[e], layout, dtype)
+            for name, row in rows(e, decoded).items():
+                row.copy_(decoded[name])
+        return out
+
+    def _decodes(self, codec, layout) -> bool:
+        """Whether to decode on this device: CUDA, a codec whose values are the same wherever it decodes, and
+        free memory for a record, its tensors and the codec's temporaries with DECODE_MARGIN_BYTES to spare
+        (what a model running meanwhile may allocate)."""
+        if self.device.type != "cuda" or not codec.exact:
+            return False
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free > layout.nbytes + 2 * _entries_bytes(layout) + DECODE_MARGIN_BYTES
+
+    def _decode_on_device(self, codec, records: torch.Tensor, layout, dtype: torch.dtype, rows) -> int:
+        """Decode experts on the device in order, until done or out of its memory: the count whose rows are
+        written."""
+        done = 0
+        try:
+            back = _BackToHost()
+            record = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
+            for e in range(records.shape[0]):
+                # the record buffer is written again only after the last expert's decode: one stream orders them
+                record.copy_(records[e], non_blocking=True)  # asynchronous from a pinned slab
+                decoded = codec.decode(record, layout, dtype)
+                for name, row in rows(e, decoded).items():
+                    back.copy(decoded[name], row)
+                back.land()
+                done = e + 1
+                with self._lock:
+                    self.experts_decoded_on_device += 1
+        except torch.OutOfMemoryError:  # the model took the room meanwhile: the host decodes the rest
+            pass
+        finally:
+            back = record = decoded = None
+            torch.cuda.empty_cache()  # not kept outside gpu_budget
+        return done
 
     def finish(self) -> None:
         """Give back the device memory the encoding used (its buffers and the allocator's cache)."""
@@ -225,6 +291,38 @@ class RecordEncoder:
         finally:
             if own and bar is not None:
                 bar.close()
+
+
+class _BackToHost:
+    """Device tensors copied into host tensors through two page-locked buffers in turn: the host copies one
+    chunk into its destination while the next crosses the link (a copy straight into pageable memory crosses
+    at a fraction of the link's speed, and the host touches the destination's pages meanwhile)."""
+
+    def __init__(self, chunk_bytes: int = BACK_CHUNK_BYTES) -> None:
+        self._buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self._turn = 0
+        self._pending = None  # (destination bytes, buffer bytes, the event after its copy)
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the device tensor `src` into the contiguous host tensor `dst` (done once `land` returns)."""
+        src, dst = src.contiguous().view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
+        step = self._buffers[0].numel()
+        for a in range(0, src.numel(), step):
+            buffer = self._buffers[self._turn][: min(step, src.numel() - a)]
+            self._turn ^= 1  # the other buffer's chunk was copied out by the `land` below, before this one is reused
+            buffer.copy_(src[a : a + step], non_blocking=True)
+            crossed = torch.cuda.Event()
+            crossed.record()
+            self.land()
+            self._pending = (dst[a : a + step], buffer, crossed)
+
+    def land(self) -> None:
+        """Copy the chunk that crossed last into its destination."""
+        if self._pending is not None:
+            dst, buffer, crossed = self._pending
+            crossed.synchronize()
+            dst.copy_(buffer)
+            self._pending = None
 
 
 def read_ahead(n: int, read: Callable[[int], T], readers: int) -> Iterator[T]:

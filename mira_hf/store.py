@@ -28,12 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from . import offload_files
-from .encode import RecordEncoder, read_ahead
+from .encode import Alloc, RecordEncoder, read_ahead
 from .layout import IdentityCodec, RawLayout, plan_layer
 from .pinned import pinned_empty
 from .quant.cast import CastCodec, CastLayout, records_layout, simplify
-
-Alloc = Callable[..., torch.Tensor]  # (shape, dtype=...) -> a new tensor, as torch.empty
 
 
 def codec_spec(codec) -> dict:
@@ -325,17 +323,12 @@ class ExpertStore:
     def fused(self, layer: int, alloc: Alloc = torch.empty) -> dict[str, torch.Tensor]:
         """Rebuild one layer's fused tensors `name -> [E, ...]` (for unload and save), each a new tensor of the
         layer's dtype from `alloc(shape, dtype=...)`, filled expert by expert (`save_pretrained` gives a file-backed
-        buffer's)."""
+        buffer's). Encoded records are decoded by the store's encoder: on the device where it encodes, for exact
+        codecs (`RecordEncoder.decode_layer`)."""
         slab = self._slabs[layer]
         if not self.quantized:
             return {name: alloc(view.shape, dtype=view.dtype).copy_(view) for name, view in self.expert_views(layer).items()}
-        out = {}
-        for e in range(slab.data.shape[0]):
-            for name, t in self.codec.decode(slab.data[e], slab.layout, slab.dtype).items():
-                if name not in out:
-                    out[name] = alloc((slab.data.shape[0], *t.shape), dtype=slab.dtype)
-                out[name][e].copy_(t)
-        return out
+        return self.encoder.decode_layer(self.codec, slab.data, slab.layout, slab.dtype, alloc)  # where records are encoded
 
     def expert_views(self, layer: int) -> dict[str, torch.Tensor] | None:
         """`name -> [E, ...]` over every expert of `layer`: contiguous typed views of its slab (no copy;

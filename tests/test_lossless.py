@@ -364,6 +364,33 @@ def test_a_wrap_that_fails_on_a_damaged_saved_store_leaves_the_model_as_it_was(t
     assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_state_dict_and_save_decode_on_the_device_the_checkpoints_bits(tiny_checkpoint, tmp_path):
+    """Served on a GPU, lossless records are decoded for state_dict() and save_pretrained on the device that
+    encoded them (the host's decode reads ~0.1 GB/s): every expert tensor is the checkpoint's, bit for bit, as
+    transformers' own save writes it, and the decode keeps no device memory."""
+    from safetensors.torch import load_file
+
+    path = tiny_checkpoint("mixtral")
+    ref = load_reference(path, torch.bfloat16)
+    model = _wrapped(path, "lossless", dtype=torch.bfloat16, device="cuda")
+    store, encoder = model.mira.store, model.mira.store.encoder
+    experts = sum(store.num_experts(layer) for layer in store.layers)
+    allocated = torch.cuda.memory_allocated()
+    state, expected = model.state_dict(), ref.state_dict()
+    assert encoder.experts_decoded_on_device == experts
+    assert torch.cuda.memory_allocated() == allocated
+    keys = [k for k in expected if ".experts." in k]
+    assert keys and all(torch.equal(bits(state[k].cpu()), bits(expected[k])) for k in keys)
+    model.save_pretrained(tmp_path / "own")
+    ref.save_pretrained(tmp_path / "ref")
+    assert encoder.experts_decoded_on_device == 2 * experts
+    own, written = load_file(tmp_path / "own" / "model.safetensors"), load_file(tmp_path / "ref" / "model.safetensors")
+    assert own.keys() == written.keys()
+    assert all(torch.equal(bits(own[k]), bits(written[k])) for k in written if own[k].is_floating_point())
+
+
 # ------------------------------------------------------------------------------------------ budget
 
 

@@ -173,7 +173,10 @@ class RecordEncoder:
                     out[name] = alloc((E, *t.shape), dtype=dtype)
             return {name: out[name][e] for name in tensors}
 
-        first = self._decode_on_device(codec, records, layout, dtype, rows) if self._decodes(codec, layout) else 0
+        first = 0
+        if self._decodes(codec, layout):
+            with torch.cuda.device(self.device):  # its current stream orders the copies and the events
+                first = self._decode_on_device(codec, records, layout, dtype, rows)
         for e in range(first, E):
             decoded = codec.decode(records[e], layout, dtype)
             for name, row in rows(e, decoded).items():

@@ -368,8 +368,8 @@ def test_a_wrap_that_fails_on_a_damaged_saved_store_leaves_the_model_as_it_was(t
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_state_dict_and_save_decode_on_the_device_the_checkpoints_bits(tiny_checkpoint, tmp_path):
     """Served on a GPU, lossless records are decoded for state_dict() and save_pretrained on the device that
-    encoded them (the host's decode reads ~0.1 GB/s): every expert tensor is the checkpoint's, bit for bit, as
-    transformers' own save writes it, and the decode keeps no device memory."""
+    encoded them: every expert tensor is the checkpoint's, bit for bit, as transformers' own save writes it (and
+    its cast to fp32, through a cast of the wrapped model), and the decode keeps no device memory."""
     from safetensors.torch import load_file
 
     path = tiny_checkpoint("mixtral")
@@ -389,6 +389,10 @@ def test_cuda_state_dict_and_save_decode_on_the_device_the_checkpoints_bits(tiny
     own, written = load_file(tmp_path / "own" / "model.safetensors"), load_file(tmp_path / "ref" / "model.safetensors")
     assert own.keys() == written.keys()
     assert all(torch.equal(bits(own[k]), bits(written[k])) for k in written if own[k].is_floating_point())
+    model.float()  # the records stay bf16, decoded through the cast
+    state, expected = model.state_dict(), ref.float().state_dict()
+    assert encoder.experts_decoded_on_device == 3 * experts
+    assert all(state[k].dtype == torch.float32 and torch.equal(bits(state[k].cpu()), bits(expected[k])) for k in keys)
 
 
 # ------------------------------------------------------------------------------------------ budget

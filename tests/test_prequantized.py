@@ -131,13 +131,15 @@ def test_bf16_weights_are_transformers_bit_for_bit(quantized_checkpoint, family,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_cuda_decodes_the_checkpoints_bytes_as_the_host_does(quantized_checkpoint, family):
+def test_cuda_decodes_the_checkpoints_bytes_as_the_host_does(quantized_checkpoint, family, dtype):
     """Served on a GPU, state_dict() and unload() decode the checkpoint's own bytes (FP8 with block scales, MXFP4)
     on the device, into the same tensors bit for bit as the host's decode of the same records gives."""
     path = quantized_checkpoint(family)
-    expected = _load(path, gpu_budget=0.5).state_dict()  # decoded on the host
-    model = MiraMoEModel.from_pretrained(path, MiraConfig(device="cuda", gpu_budget=0.5), progress=False).eval()
+    expected = _load(path, gpu_budget=0.5, dtype=dtype).state_dict()  # decoded on the host
+    cfg = MiraConfig(device="cuda", gpu_budget=0.5)
+    model = MiraMoEModel.from_pretrained(path, cfg, progress=False, dtype=dtype).eval()
     store, state = model.mira.store, model.state_dict()
     assert store.encoder.experts_decoded_on_device == sum(store.num_experts(layer) for layer in store.layers)
     keys = [k for k in expected if ".experts." in k]

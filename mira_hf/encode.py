@@ -178,9 +178,12 @@ class RecordEncoder:
             with torch.cuda.device(self.device):  # its current stream orders the copies and the events
                 first = self._decode_on_device(codec, records, layout, dtype, rows)
         for e in range(first, E):
-            decoded = codec.decode(records[e], layout, dtype)
+            # into its rows where the codec writes into given tensors (once the first expert has made them)
+            given = {name: t[e] for name, t in out.items()} or None
+            decoded = codec.decode(records[e], layout, dtype, out=given)
             for name, row in rows(e, decoded).items():
-                row.copy_(decoded[name])
+                if decoded[name].data_ptr() != row.data_ptr():
+                    row.copy_(decoded[name])
         return out
 
     def _decodes(self, codec, layout) -> bool:

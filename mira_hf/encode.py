@@ -193,6 +193,7 @@ class RecordEncoder:
         if self.device.type != "cuda" or not codec.exact:
             return False
         free, _ = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # the allocator's own
         return free > layout.nbytes + 2 * _entries_bytes(layout) + DECODE_MARGIN_BYTES
 
     def _decode_on_device(self, codec, records: torch.Tensor, layout, dtype: torch.dtype, rows) -> int:

@@ -270,3 +270,30 @@ def test_peak_host_memory_while_loading_is_bounded(tmp_path):
     out = subprocess.run([sys.executable, "-c", measure], check=True, capture_output=True, text=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["growth"] - r["arena"] <= 1.3 * size, (r, size)
+
+
+@pytest.mark.parametrize("codec", ["identity", "lossless"])
+def test_a_layer_decoded_by_the_encoder_is_its_experts_in_tensors_of_their_own(codec):
+    """`RecordEncoder.decode_layer` on the host: every expert's tensors, bit for bit, in new tensors from the given
+    allocator, whether the codec writes into given tensors (lossless) or gives views of the record (none)."""
+    from mira_hf.encode import RecordEncoder
+    from mira_hf.layout import IdentityCodec
+    from mira_hf.quant import LosslessCodec
+
+    g = torch.Generator().manual_seed(0)
+    fused = {"up": torch.randn(3, 8, 16, generator=g).bfloat16(), "down": torch.randn(3, 16, 4, generator=g).bfloat16()}
+    c = IdentityCodec() if codec == "identity" else LosslessCodec()
+    layout = (
+        c.plan({n: (tuple(t.shape[1:]), t.dtype) for n, t in fused.items()}) if codec == "identity" else c.plan_experts(fused)
+    )
+    records = torch.empty(3, layout.nbytes, dtype=torch.uint8)
+    for e in range(3):
+        c.encode({n: t[e] for n, t in fused.items()}, layout, records[e])
+    made = []
+    out = RecordEncoder("cpu").decode_layer(
+        c, records, layout, torch.bfloat16, lambda *a, **k: made.append(1) or torch.empty(*a, **k)
+    )
+    assert out.keys() == fused.keys() and len(made) == 2
+    assert all(torch.equal(out[n].view(torch.int16), t.view(torch.int16)) for n, t in fused.items())
+    records.zero_()  # tensors of their own: the records can go
+    assert all(torch.equal(out[n], t) for n, t in fused.items())

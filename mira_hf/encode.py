@@ -192,7 +192,10 @@ class RecordEncoder:
         (what a model running meanwhile may allocate)."""
         if self.device.type != "cuda" or not codec.exact:
             return False
-        free, _ = torch.cuda.mem_get_info(self.device)
+        try:
+            free, _ = torch.cuda.mem_get_info(self.device)
+        except RuntimeError:  # no CUDA in this process (forked after its parent used it): the host decodes
+            return False
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # the allocator's own
         return free > layout.nbytes + 2 * _entries_bytes(layout) + DECODE_MARGIN_BYTES
 

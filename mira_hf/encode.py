@@ -82,7 +82,7 @@ class RecordEncoder:
         self.workers = 1 if self.device.type != "cpu" else (workers or default_workers())
         self.progress = progress
         self.experts_encoded = 0  # experts encoded by this encoder (tests count them)
-        self.experts_decoded_on_device = 0
+        self.experts_decoded_on_device = 0  # experts `decode_layer` decoded on the device (tests and benchmarks count them)
         self._lock = threading.Lock()
         self._buffers = threading.local()
         self._bar = None

@@ -441,11 +441,11 @@ def load_without_experts(
     block = block_size(quantization_dict(quantization)) if native is not None else None
     partial = []  # FP8 weights transformers cannot dequantize (see fp8_partial_blocks): set after the load
 
-    def ignore_keys(model: torch.nn.Module, names) -> None:
-        """Checkpoint keys under `names` are keys the model lacks: never read, and not reported."""
+    def ignore_keys(model: torch.nn.Module, names, exact: bool = False) -> None:
+        """Checkpoint keys under `names` (`exact`: named so) are keys the model lacks: never read, and not reported."""
         ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
         state.setdefault("ignored", ignored)
-        patterns = [re.escape(name) for name in names]
+        patterns = [re.escape(name) + ("$" if exact else "") for name in names]
         # (a set in recent transformers, a list in older ones: keep its type)
         if isinstance(ignored, list):
             model._keys_to_ignore_on_load_unexpected = ignored + patterns
@@ -482,7 +482,9 @@ def load_without_experts(
                 layout.put(module, n, None)
             module._is_hf_initialized = True  # nothing left for transformers to initialise
         state["stripped"] = [(module, originals[name]) for name, module in found]
-        ignore_keys(model, [name + "." for name in modules])  # the checkpoint's expert tensors
+        # the expert tensors mira reads, under the names transformers gives what it would load into them; any other
+        # key under an experts module is reported unexpected, as transformers' own load reports it
+        ignore_keys(model, [f"{name}.{n}" for name, tensors in modules.items() for n in tensors], exact=True)
         state["experts"] = StreamedExperts(index, modules, keys, native_keys, codec)
 
     def __init__(self, config, *args, **kwargs):

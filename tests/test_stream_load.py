@@ -716,16 +716,20 @@ def test_a_config_path_is_read_as_the_class_loading_it_reads_it(tiny_checkpoint,
 
 def test_output_loading_info_gives_the_wrapped_model_and_what_transformers_reports(tiny_checkpoint, tmp_path):
     """`output_loading_info=True`: (the wrapped model, the loading info transformers' own load of the checkpoint
-    reports), whole or streamed: a key missing and one unexpected are reported, the streamed experts are not."""
+    reports), whole or streamed: a key missing and keys unexpected are reported, those beside the experts' tensors
+    under an experts module too (named as transformers names them), the streamed experts are not."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     shutil.copytree(tiny_checkpoint("mixtral"), tmp_path / "ckpt")
     weights = load_file(tmp_path / "ckpt" / "model.safetensors")
     weights["model.extra.weight"] = weights.pop("model.norm.weight")
+    weights["model.layers.0.block_sparse_moe.experts.0.w1.stray"] = torch.zeros(3)
+    weights["model.layers.1.block_sparse_moe.experts.extra"] = torch.zeros(3)
     save_file(weights, tmp_path / "ckpt" / "model.safetensors", metadata={"format": "pt"})
     _, expected = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", output_loading_info=True)
-    assert expected["missing_keys"] == {"model.norm.weight"} and expected["unexpected_keys"] == {"model.extra.weight"}
+    stray = {"model.layers.0.mlp.experts.0.w1.stray", "model.layers.1.mlp.experts.extra"}
+    assert expected["missing_keys"] == {"model.norm.weight"} and expected["unexpected_keys"] == {"model.extra.weight", *stray}
     host_budget = dict(host_budget="100KB", offload_dir=str(tmp_path / "offload"))
     for kw in (dict(loader=WHOLE), dict(loader=STREAM), host_budget):
         cfg = MiraConfig(device="cpu", gpu_budget=0.5, **kw)

@@ -309,51 +309,22 @@ def test_prediction_cost_probe_smoke_times_each_charged_phase_per_block(tmp_path
 
 @pytest.mark.slow  # three fresh processes: ~1 min on a 2-core CPU
 def test_load_time_smoke_times_three_loads_and_reads_the_cache(tmp_path):
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "load_time.py"),
-            "--smoke",
-            "--dir",
-            str(tmp_path / "ckpt"),
-            "--out",
-            str(tmp_path / "out"),
-            "--cpu-encode-experts",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    (path,) = (tmp_path / "out").glob("*-cpu-load-time.json")
-    rows = {r["run"]: r for r in json.loads(path.read_text())["rows"]}
+    args = ("--smoke", "--dir", str(tmp_path / "ckpt"), "--cpu-encode-experts", "0")
+    result = run_benchmark("load_time", tmp_path / "out", *args, result="-cpu-load-time.json", timeout=600)
+    rows = {r["run"]: r for r in result["rows"]}
     assert rows["none"]["quantization"] is None and rows["first"]["quantization"] == "lossless"
     assert rows["first"]["encoded_experts"] > 0 and rows["cached"]["encoded_experts"] == 0
     assert rows["first"]["store_bytes"] == rows["cached"]["store_bytes"] < rows["none"]["store_bytes"]
 
 
-@pytest.mark.slow  # four fresh processes
-def test_save_memory_smoke_measures_four_saves_of_the_same_checkpoint(tmp_path):
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "save_memory.py"),
-            "--smoke",
-            "--dir",
-            str(tmp_path / "ckpt"),
-            "--out",
-            str(tmp_path / "out"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    (path,) = (tmp_path / "out").glob("*-cpu-save-memory.json")
-    rows = {r["run"]: r for r in json.loads(path.read_text())["rows"]}
-    assert list(rows) == ["unwrapped", "uncompressed", "lossless", "lossless-buffer"]
+@pytest.mark.slow  # five fresh processes
+def test_save_memory_smoke_measures_five_saves_of_the_same_checkpoint(tmp_path):
+    args = ("--smoke", "--dir", str(tmp_path / "ckpt"))
+    result = run_benchmark("save_memory", tmp_path / "out", *args, result="-cpu-save-memory.json", timeout=600)
+    rows = {r["run"]: r for r in result["rows"]}
+    assert list(rows) == ["unwrapped", "uncompressed", "lossless", "lossless-buffer", "lossless-host-decode"]
     assert len({r["written_gb"] for r in rows.values()}) == 1 and all(r["save_s"] > 0 for r in rows.values())
+    assert all(r["experts_decoded_on_device"] == 0 for r in rows.values())  # a CPU: the host decodes
     assert not (tmp_path / "ckpt.out").exists()  # each save's output removed
 
 

@@ -16,7 +16,7 @@ the order of its fp32 additions, seldom by a rounding step. Not bit-exact, like 
 How a gate function pairs its up projection's columns with neurons is read from the function itself
 (`pairing_of`): gate columns then up columns ("halves": Mixtral, Qwen, DeepSeek, Llama 4), gate and up
 alternating ("interleaved": gpt-oss), or one column per neuron (no gate). Biases of the up projection split with
-their neurons; the down projection's bias belongs to the device part (added once).
+their neurons; the down projection's bias belongs to the device part (added once, to the two parts' sum).
 """
 
 from __future__ import annotations

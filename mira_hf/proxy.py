@@ -290,6 +290,8 @@ class MiraExperts(nn.Module):
         # where its input starts (MKL: 64-byte alignment): an expert's rows that do not start so are copied first
         realign = impl == "eager" and x.device.type == "cpu" and self._fresh_gather
 
+        biases = _BiasRows((routed, H))  # host_compute="split": down biases added after the parts' sum is rounded
+
         def compute(plan, e: int, w) -> None:
             nonlocal y
             start, end = starts[e], starts[e] + counts[e]  # its rows, in the unwrapped model's order
@@ -302,6 +304,7 @@ class MiraExperts(nn.Module):
                 if y is None:
                     y = part.new_empty((routed, H))
                 y[a:b] = part
+                biases.put(slice(a, b), self._down_bias(w, rows, kernel))
 
         group = None
         if kernel and self._grouped_on(x) and (self.block_tokens is None or routed <= self.block_tokens):
@@ -315,12 +318,13 @@ class MiraExperts(nn.Module):
                 if y is None:
                     y = out.new_empty((routed, H))
                 y[rows] = out
+                biases.put(rows, self._slot_down_biases([slot for slot, _ in by_slot], sizes, out))
 
         host = self._serve(needed, compute, [counts[e] for e in needed], lambda e: x[starts[e] : starts[e] + counts[e]], group)
         for e, out, adds in host:  # [n, H] computed on the host (host_compute), into the rows the device fills
             y = out.new_empty((routed, H)) if y is None else y
             _put(y, slice(starts[e], starts[e] + counts[e]), out, adds)
-        y = self._parts_summed(y, x.dtype, kernel)
+        y = self._parts_summed(y, x.dtype, kernel, biases)
         return self._combine(y, order, hidden_states, top_k_index, top_k_weights, impl, None)
 
     def _bad_routing(self, given: str):
@@ -357,6 +361,7 @@ class MiraExperts(nn.Module):
             return self._combine(rows, None, hidden_states, top_k_index, top_k_weights, impl, sentinel or None)
         y = None  # [K, H], in the experts' output dtype
         kernel = impl == "grouped_mm"
+        biases = _BiasRows((K, H))  # host_compute="split": down biases added after the parts' sum is rounded
 
         def compute(plan, e: int, w) -> None:
             nonlocal y
@@ -364,6 +369,7 @@ class MiraExperts(nn.Module):
             if y is None:
                 y = part.new_zeros((K, H)) if sentinel else part.new_empty((K, H))
             y[slot_of[e]] = part[0]
+            biases.put(slot_of[e], self._down_bias(w, hidden_states, kernel))
 
         group = None
         if kernel and self._grouped_on(hidden_states):
@@ -374,13 +380,15 @@ class MiraExperts(nn.Module):
                 out = self._on_slots([s for s, _ in slots], [1] * len(slots), hidden_states.expand(len(slots), H).contiguous())
                 if y is None:
                     y = out.new_zeros((K, H)) if sentinel else out.new_empty((K, H))
-                y[_to(out.device, torch.tensor([k for _, k in slots]))] = out
+                rows = _to(out.device, torch.tensor([k for _, k in slots]))
+                y[rows] = out
+                biases.put(rows, self._slot_down_biases([s for s, _ in slots], [1] * len(slots), out))
 
         host = self._serve(sorted(slot_of), compute, [1] * len(slot_of), lambda e: hidden_states, group)
         for e, out, adds in host:  # host_compute
             y = (out.new_zeros((K, H)) if sentinel else out.new_empty((K, H))) if y is None else y
             _put(y, slot_of[e], out[0], adds)
-        y = self._parts_summed(y, hidden_states.dtype, kernel)
+        y = self._parts_summed(y, hidden_states.dtype, kernel, biases)
         return self._combine(y, None, hidden_states, top_k_index, top_k_weights, impl, sentinel or None)
 
     def _combine(self, y, order, hidden_states, top_k_index, top_k_weights, impl: str, sentinel) -> torch.Tensor:
@@ -418,6 +426,7 @@ class MiraExperts(nn.Module):
         entry = {e: j for j, e in enumerate(needed)}
         table: dict[str, torch.Tensor] = {}  # every row's weights [S, ...], or each needed expert's once [n (+1), ...]
         y = None  # [S, H]
+        biases = _BiasRows((S, hidden_states.shape[1]))  # host_compute="split": added after the parts' sum is rounded
 
         def put(w, names, e: int) -> None:
             for name in names:
@@ -449,7 +458,7 @@ class MiraExperts(nn.Module):
 
             def together(plan, experts: list[int]) -> None:  # every row's expert, acquired in its slot
                 nonlocal y  # computed from the pool while the slots are held: no copy of each expert beside it
-                y = self._bmm_rows(x, views, rows_at({e: plan.slots[e].index for e in experts}, 0), chunks, up, down)
+                y = self._bmm_rows(x, views, rows_at({e: plan.slots[e].index for e in experts}, 0), chunks, up, down, biases)
 
             def group(plan, experts: list[int]) -> None:  # resident experts, acquired
                 if len(experts) < len(needed) or written < S:  # some rows come later: each expert copied now
@@ -466,19 +475,20 @@ class MiraExperts(nn.Module):
         inputs = lambda e: hidden_states[tokens(rows_of(e))]  # noqa: E731
         host = self._serve(needed, compute, counts, inputs, group, together if written == S else None)
         if table:
-            y = self._bmm_rows(x, table, None if one_call else rows_at(entry, n), chunks, up, down)
+            y = self._bmm_rows(x, table, None if one_call else rows_at(entry, n), chunks, up, down, biases)
         if y is not None:
             y = self._post(y)
         for e, out, adds in host:  # [n, H] computed on the host (host_compute): its rows' bmm outputs are replaced
             y = out.new_zeros((S, out.shape[1])) if y is None else y
             r = rows_of(e)
             _put(y, r, out if isinstance(r, torch.Tensor) else out[0], adds)
-        return self._parts_summed(y, x.dtype, True)
+        return self._parts_summed(y, x.dtype, True, biases)
 
-    def _bmm_rows(self, x: torch.Tensor, weights: dict[str, torch.Tensor], at, chunks, up, down) -> torch.Tensor:
+    def _bmm_rows(self, x: torch.Tensor, weights: dict[str, torch.Tensor], at, chunks, up, down, biases) -> torch.Tensor:
         """batched_mm's output rows [S, H] for inputs x [S, H]: row r with the expert weights at entry `at[r]` of
         `weights` (each [n, ...]), gathered per chunk of rows (`chunks`), or (`at` None) with row r of each weight
-        ([S, ...]) in one call. `up`, `down`: the names of a projection's weight and its bias, if any."""
+        ([S, ...]) in one call. `up`, `down`: the names of a projection's weight and its bias, if any. A split
+        expert's down bias goes to its rows of `biases` (`_BiasRows`) instead."""
         bias = lambda names, a: weights[names[1]][a] if len(names) > 1 else None  # noqa: E731
         out = []
         for rows in chunks if at is not None else [slice(None)]:
@@ -486,8 +496,8 @@ class MiraExperts(nn.Module):
             h = batched_linear(x[rows], weights[up[0]][a], bias(up, a), self._transposed)  # [n, I']
             h = self._activate(h)  # [n, I]
             if self._wide(h.dtype, h.device):  # host_compute="split": the device parts' products kept in fp32 (`_part_down`)
-                y = wide_batched_linear(h, weights[down[0]][a], self._transposed)
-                out.append(y if len(down) == 1 else y + bias(down, a))
+                out.append(wide_batched_linear(h, weights[down[0]][a], self._transposed))
+                biases.put(rows, bias(down, a))
             else:
                 out.append(batched_linear(h, weights[down[0]][a], bias(down, a), self._transposed))  # [n, H]
         return out[0] if len(out) == 1 else torch.cat(out)
@@ -594,9 +604,8 @@ class MiraExperts(nn.Module):
             at = _to(x.device, torch.repeat_interleave(torch.tensor(slots) - first, torch.tensor(counts)))  # [n] row -> slot
             up_bias, down_bias = w[self._up + "_bias"][at], w["down_proj_bias"][at]
         h = self._activate(grouped_linear(x, w[self._up], self._transposed, offs, up_bias))  # [n, I]
-        if self._wide(h.dtype, h.device):  # host_compute="split": the device parts' products kept in fp32 (`_part_down`)
-            y = wide_linear(h, [w["down_proj"][s - first] for s in slots], self._transposed, counts)
-            return y if down_bias is None else y + down_bias
+        if self._wide(h.dtype, h.device):  # host_compute="split": the device parts' products kept in fp32, their down
+            return wide_linear(h, [w["down_proj"][s - first] for s in slots], self._transposed, counts)  # biases later
         return self._post(grouped_linear(h, w["down_proj"], self._transposed, offs, down_bias))  # [n, H]
 
     def _expert(self, plan, e: int, w, x: torch.Tensor, kernel: bool = False, at: int = 0) -> torch.Tensor:
@@ -670,19 +679,41 @@ class MiraExperts(nn.Module):
     # expert's one matmul, accumulating in fp32, rounds once. Two roundings would differ from it in about a third of
     # the output elements, one in well under 1% (benchmarks/NOTES.md, "Host compute").
     def _part_down(self, h: torch.Tensor, w, kernel: bool = False) -> torch.Tensor:
-        """A split expert's part of its down projection, h [n, I'] -> [n, H]: in fp32 where the whole expert's would
-        round to 16 bits (`_wide`), else as `_linear` computes it. The down bias is the device part's."""
-        packed = isinstance(w, PackedWeights)
-        dtype = w.dtype if packed else w[self._down].dtype
-        lossy = packed and not self._kept_packed and not w.exact  # a lossy codec's own matmul gives its own product
-        if lossy or not self._wide(dtype if kernel else h.dtype, h.device):  # the grouped kernel casts rows to weights
+        """A split expert's part of its down projection, h [n, I'] -> [n, H]: in fp32 and without the down bias
+        (`_down_bias`) where the whole expert's would round to 16 bits (`_keeps_wide`), else as `_linear` computes it
+        (the down bias is the device part's)."""
+        if not self._keeps_wide(w, h, kernel):
             return self._linear(h, w, self._down, kernel)
+        packed = isinstance(w, PackedWeights)
         weight = w.decoded(self._down) if packed else w[self._down]
-        y = wide_linear(h.to(dtype) if kernel else h, weight, self._down_transposed)
-        if not self._has_bias:
-            return y
-        bias = w.raw(self._down + "_bias") if packed else w.get(self._down + "_bias")  # none in a host part
-        return y if bias is None else y + bias
+        return wide_linear(h.to(weight.dtype) if kernel else h, weight, self._down_transposed)
+
+    def _keeps_wide(self, w, x: torch.Tensor, kernel: bool) -> bool:
+        """Whether a split expert with weights `w` keeps its down projection's product of rows `x` (its input, or
+        its activations: the same dtype) in fp32 (`_part_down`)."""
+        packed = isinstance(w, PackedWeights)
+        if packed and not self._kept_packed and not w.exact:  # a lossy codec's own matmul gives its own product
+            return False
+        dtype = w.dtype if packed else w[self._down].dtype
+        return self._wide(dtype if kernel else x.dtype, x.device)  # the grouped kernel casts rows to weights
+
+    # The whole expert adds its down bias to its product rounded to 16 bits (a second rounding); a split expert's
+    # device part leaves it out of its fp32 product, and the block adds it to the two parts' sum once that is rounded
+    # (`_parts_summed`): the same two roundings. Each path puts its experts' biases by output row (`_BiasRows`).
+    def _down_bias(self, w, x: torch.Tensor, kernel: bool) -> torch.Tensor | None:
+        """The down bias that `_part_down` left out of a split expert's product of rows `x` (weights `w`), else None."""
+        if not (self._split and self._has_bias) or not self._keeps_wide(w, x, kernel):
+            return None
+        return w.raw(self._down + "_bias") if isinstance(w, PackedWeights) else w.get(self._down + "_bias")
+
+    def _slot_down_biases(self, slots: list[int], counts: list[int], out: torch.Tensor) -> torch.Tensor | None:
+        """`_down_bias` for the resident experts `_on_slots` computed into `out`: slot `slots[i]`'s for its
+        `counts[i]` rows, [n, H]; None where `_on_window` added them (its rows cast to the weights' dtype)."""
+        views = self.manager.slot_views(self.layer)
+        if not (self._split and self._has_bias) or not self._wide(views[self._down].dtype, out.device):
+            return None
+        at = _to(out.device, torch.repeat_interleave(torch.tensor(slots), torch.tensor(counts)))
+        return views[self._down + "_bias"][at]
 
     def _wide(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a split expert's down projection of rows in `dtype` on `device` keeps its product in fp32
@@ -694,14 +725,16 @@ class MiraExperts(nn.Module):
         grouped and batched kernels), else the rows' (a weight of another dtype is cast to them)."""
         return self.manager.store.dtype(self.layer) if kernel else x_dtype
 
-    def _parts_summed(self, y: torch.Tensor | None, x_dtype: torch.dtype, kernel: bool) -> torch.Tensor | None:
+    def _parts_summed(self, y: torch.Tensor | None, x_dtype: torch.dtype, kernel: bool, biases=None) -> torch.Tensor | None:
         """A block's expert outputs y on rows of `x_dtype`, each the sum of a split expert's two parts kept in fp32
-        (`_part_down`), rounded once to the whole expert's output dtype (`_part_dtype`). Others are returned as they
-        are (without the split, nothing is looked up)."""
+        (`_part_down`), rounded once to the whole expert's output dtype (`_part_dtype`), then the down biases the
+        parts left out added (`biases`: `_BiasRows`). Others are returned as they are (without the split, nothing
+        is looked up)."""
         if y is None or not self._split:
             return y
         dtype = self._part_dtype(x_dtype, kernel)
-        return y if y.dtype == dtype or dtype not in NARROW else y.to(dtype)
+        y = y if y.dtype == dtype or dtype not in NARROW else y.to(dtype)
+        return y if biases is None or biases.rows is None else y.add_(biases.rows)
 
     def _post(self, y: torch.Tensor) -> torch.Tensor:
         return self.base.post_expert_norm(y) if self._post_norm else y
@@ -1238,6 +1271,22 @@ def _placed(t: torch.Tensor, elements: int) -> torch.Tensor:
     if not pad and t.data_ptr() % CPU_ALIGNMENT == 0:
         return t
     return t.new_empty(pad + t.numel())[pad:].view_as(t).copy_(t)
+
+
+class _BiasRows:
+    """A block's split experts' down biases by output row ([rows, H], zeros where none was put), made at the first
+    `put` of one; `rows` stays None where no part left its bias out (`MiraExperts._down_bias`)."""
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        self.shape = shape
+        self.rows: torch.Tensor | None = None
+
+    def put(self, at, bias: torch.Tensor | None) -> None:
+        if bias is None:
+            return
+        if self.rows is None:
+            self.rows = bias.new_zeros(self.shape)
+        self.rows[at] = bias
 
 
 def _put(y: torch.Tensor, rows, out: torch.Tensor, adds: bool) -> None:

@@ -239,6 +239,9 @@ class HostComputeOff:
     def copy_issued(self, nbytes: int) -> None:
         pass
 
+    def measured(self) -> None:
+        return None
+
     def close(self) -> None:
         pass
 
@@ -317,6 +320,29 @@ class HostCompute:
         if self.switch is not None:
             self.switch.forget()
         self._last_layer, self.sending = None, self.mode != "split"
+
+    def measured(self) -> dict | None:
+        """What the planner has measured on this machine, for `stats()["host_costs"]` (None while inactive): per
+        unit the host computes (a host part with host_compute="split", else a whole expert), of the first layer
+        measured, its seconds on the host at one row and its copy's seconds over the link's measured speed; the
+        link's speed; what host jobs took beyond their plan lately. A unit the host computes slower than the link
+        copies it gains little (see docs/usage.md, "Compute misses on the host")."""
+        if not self.active:
+            return None
+        c = self.costs
+        layer = min(c.host_s, default=None)
+        nbytes = None
+        if layer is not None:
+            nbytes = self.parts.expert_bytes(layer) if self.parts is not None else self.store.record_bytes(layer)
+        return dict(
+            unit="host part" if self.parts is not None else "expert",
+            layer=layer,
+            unit_bytes=nbytes,
+            host_s_one_row=c.host_time(layer, 1) if layer is not None and c.host_s[layer] else None,
+            copy_s=c.copy_s(nbytes) if nbytes is not None and c.link_bytes_per_s else None,
+            link_bytes_per_s=c.link_bytes_per_s,
+            host_lag_s=c.host_lag_s,
+        )
 
     def set_costs(self, costs: HostCosts) -> None:
         """Plan with `costs` from now on, kept as given (only what it lacks is measured: the link speed if None,
@@ -526,6 +552,7 @@ class HostCompute:
         self.costs.host_overhead_s = statistics.median(times)
 
     def close(self) -> None:
+        self.active = False  # unloaded: nothing is planned or measured any more
         if self._pid == os.getpid():  # a forked child's copy of the parent's pool has no thread to join
             self._pool.shutdown(wait=True)
 

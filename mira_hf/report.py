@@ -64,6 +64,7 @@ class NotebookViews:
                 kept_packed_experts=len(self.kept),  # placement "mixed": held packed beside the slots, decoded at each use
                 kept_packed_bytes=self.arena.kept_bytes,
                 host_part_bytes=self.host.parts.nbytes() if self.host.parts is not None else 0,  # host_compute="split"
+                host_costs=self.host.measured(),  # host compute: what its planner measured (None while inactive)
                 prediction_active=self.staging.predicting,  # the predictor runs now (False without one, or paused by the payoff gate)
                 prediction_paused_steps=self.staging.gate.paused_steps,
             )
@@ -271,6 +272,9 @@ def stats_table(stats: Mapping[str, Any], extra: Sequence[tuple[str, str]] = ())
             state = "paused now" if stats.get("prediction_active") is False else "running now"
             text += f"; paused {stats['prediction_paused_steps']} steps (it cost more host time than the stalls it could remove; {state})"
         pairs.append(("predictor", text))
+    costs = stats.get("host_costs")
+    if costs and costs.get("host_s_one_row") is not None and costs.get("copy_s") is not None:
+        pairs.append(("host compute", _host_costs_text(costs)))
     if stats.get("capacity_bytes") is not None:
         cache = f"{format_bytes(stats['capacity_bytes'])} in {g('slots')} slots on {g('device')}"
         pairs.append(("expert cache", f"{cache} (budget {format_bytes(stats.get('budget_bytes'))})"))
@@ -281,6 +285,15 @@ def stats_table(stats: Mapping[str, Any], extra: Sequence[tuple[str, str]] = ())
         rows = [_layer_row(layer, s) for layer, s in sorted(per_layer.items(), key=lambda kv: _layer_key(kv[0]))]
         lines += ["", *_columns(header, rows)]
     return "\n".join(lines)
+
+
+def _host_costs_text(costs: Mapping[str, Any]) -> str:
+    """One line of what the host-compute planner measured: a unit's time on the host and over the link."""
+    host, copy = costs["host_s_one_row"], costs["copy_s"]
+    link = costs.get("link_bytes_per_s")
+    speed = f" at {link / 1e9:.1f} GB/s" if link else ""
+    text = f"a {costs.get('unit', 'unit')} takes {host * 1e3:.3g} ms on the host at one row, {copy * 1e3:.3g} ms to copy{speed}"
+    return text + ("" if host <= copy else " (the host is the slower path here)")
 
 
 def _layer_row(layer: Any, s: Mapping[str, Any]) -> tuple[str, ...]:

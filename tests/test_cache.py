@@ -311,6 +311,7 @@ STATS_CHECKED_BY = {
         "test_lossless.py::test_mixed_placement_keeps_a_few_experts_packed_copies_nothing_more_and_...",
     ),
     "host_part_bytes": "test_host_split.py::test_the_store_holds_device_parts_so_the_same_budget_holds_more_experts",
+    "host_costs": "test_host_split.py::test_stats_give_what_the_planner_measured_per_host_part_and_the_report_prints_it",
     "parts_copied": "test_host_split.py::test_the_manager_places_each_host_part_as_the_costs_say",
     "host_computed": "test_host_compute.py::test_the_manager_splits_a_blocks_misses_as_the_costs_say",
     "buffer_bytes": "test_budget.py::test_codec_buffers_are_planned_out_of_the_budget",

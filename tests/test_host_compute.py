@@ -409,7 +409,7 @@ def test_unload_ends_the_host_worker():
     for t in workers:
         t.join(timeout=5)
     assert not any(t.is_alive() for t in workers)
-    assert manager.stats()["host_computed"] > 0
+    assert manager.stats()["host_computed"] > 0 and manager.stats()["host_costs"] is None  # nothing planned any more
 
 
 def test_the_host_worker_leaves_the_thread_count_of_threads_started_later_alone():

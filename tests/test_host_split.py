@@ -19,6 +19,7 @@ from mira_hf import ConfigError, MiraConfig, MiraMoEModel, bundled_model_path
 from mira_hf.host_compute import MAX_HOST_ROWS
 from mira_hf.layout import IdentityCodec
 from mira_hf.neuron_split import NeuronSplit, host_neurons, pairing_of
+from mira_hf.report import stats_table
 
 IDS = torch.tensor([[5, 9, 17, 33, 42, 7, 64, 100, 3]])
 FAMILIES = ["mixtral", "gpt_oss", "qwen3_moe", "deepseek_v3", "llama4", "nemotron_h"]
@@ -271,6 +272,39 @@ def test_the_manager_places_each_host_part_as_the_costs_say(link_bytes_per_s, ho
     uses = s["hits"] + s["misses"]
     assert uses == 2 * len(model.mira.layers)  # one token, top-2
     assert (s["parts_copied"], len(started)) == ((uses, 0) if host_s == 1.0 else (0, uses))
+
+
+def test_stats_give_what_the_planner_measured_per_host_part_and_the_report_prints_it():
+    """`stats()["host_costs"]`: a host part's time on the host at one row and its copy's time over the link, as the
+    planner holds them (here given: 3 ms on the host, a part copied in 2 ms at the link's speed; then refined by the
+    host parts the model computes)."""
+    model = _split(_tiny("mixtral"))
+    first = model.mira.first_ordinal
+    part = model.mira.host.parts.expert_bytes(first)
+    model.mira.host.set_costs(
+        costs(link_bytes_per_s=part / 2e-3, host_s={layer: {1: 3e-3, 4: 5e-3} for layer in model.mira.layers})
+    )
+    got = model.mira.stats()["host_costs"]
+    assert (got["unit"], got["layer"], got["unit_bytes"], got["link_bytes_per_s"]) == ("host part", first, part, part / 2e-3)
+    assert got["host_s_one_row"] == pytest.approx(3e-3) and got["copy_s"] == pytest.approx(2e-3)
+    line = next(row for row in stats_table(model.mira.stats()).splitlines() if row.startswith("host compute"))
+    assert "a host part takes 3 ms on the host at one row, 2 ms to copy" in line and "slower path" in line
+    with torch.no_grad():
+        model(IDS[:, :1])  # each host part computed refines its row count's time
+    refined = model.mira.host.costs.host_time(first, 1)
+    assert refined != 3e-3 and model.mira.stats()["host_costs"]["host_s_one_row"] == refined
+    assert _split(_tiny("mixtral"), gpu_budget=0.3).mira.stats()["host_costs"]["host_s_one_row"] is None  # not run yet
+    sends = MiraMoEModel.wrap(_tiny("mixtral"), MiraConfig(device="cpu", gpu_budget=0.3, host_compute="on"))
+    sends.mira.host.set_costs(costs(link_bytes_per_s=1e9, host_s={first: {1: 1e-3}}))
+    got = sends.mira.stats()["host_costs"]  # whole misses sent to the host: the unit is an expert's record
+    assert (got["unit"], got["unit_bytes"], got["copy_s"]) == (
+        "expert",
+        sends.mira.store.record_bytes(first),
+        got["unit_bytes"] / 1e9,
+    )
+    whole = MiraMoEModel.wrap(_tiny("mixtral"), MiraConfig(device="cpu", gpu_budget=0.3))
+    assert whole.mira.stats()["host_costs"] is None  # host compute off
+    assert not any(row.startswith("host compute") for row in stats_table(whole.mira.stats()).splitlines())
 
 
 @pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])

@@ -325,8 +325,8 @@ class HostCompute:
         """What the planner has measured on this machine, for `stats()["host_costs"]` (None while inactive): per
         unit the host computes (a host part with host_compute="split", else a whole expert), of the first layer
         measured, its seconds on the host at one row and its copy's seconds over the link's measured speed; the
-        link's speed; what host jobs took beyond their plan lately. A unit the host computes slower than the link
-        copies it gains little (see docs/usage.md, "Compute misses on the host")."""
+        link's speed; what host jobs took beyond their plan lately (docs/usage.md, "Split each expert between the host
+        and the GPU", says what these times told apart on the machines measured)."""
         if not self.active:
             return None
         c = self.costs

@@ -66,10 +66,10 @@ def bmm_rows_calls(monkeypatch, from_pool: bool) -> list[tuple[int, int]]:
     calls = []
     original = MiraExperts._bmm_rows
 
-    def counted(self, x, weights, at, chunks, up, down):
+    def counted(self, x, weights, at, chunks, up, down, *rest):
         if (weights is self.manager.slot_views(self.layer)) == from_pool:
             calls.append((weights[up[0]].shape[0], x.shape[0]))
-        return original(self, x, weights, at, chunks, up, down)
+        return original(self, x, weights, at, chunks, up, down, *rest)
 
     monkeypatch.setattr(MiraExperts, "_bmm_rows", counted)
     return calls

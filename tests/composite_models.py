@@ -73,6 +73,18 @@ def mistral_large4(transformers):
     return transformers.MistralLarge4ForConditionalGeneration(config)
 
 
+def muse_spark(transformers):
+    """Muse Spark: vision and audio encoders beside a MoE text decoder, each encoder validated against the decoder's
+    width (the audio one stage by stage)."""
+    text = make_auto_config("muse_spark_text").to_dict()
+    vision = dict(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, layer_types=["full_attention"]
+    )
+    audio = dict(hidden_sizes=[16] * 4, depths=[1] * 4, out_hidden_size=text["hidden_size"])
+    config = transformers.MuseSparkConfig(text_config=text, vision_config=vision, audio_config=audio)
+    return transformers.MuseSparkForConditionalGeneration(config)
+
+
 def kimi_k25(transformers):
     """Kimi K2.5: a vision-language model whose text decoder is DeepSeek-V3's, built from another family's code (its
     own modeling file builds no experts)."""
@@ -186,6 +198,7 @@ COMPOSITES = {
     "glm4v_moe": glm4v_moe,
     "mistral_large4": mistral_large4,
     "kimi_k25": kimi_k25,
+    "muse_spark": muse_spark,
     "llava_mixtral": llava_mixtral,
     "deepseek_ocr2": deepseek_ocr2,
     "gemma4": shrunk("gemma4", fix=_no_audio),  # a dense MLP beside the routed experts in every layer

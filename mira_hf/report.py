@@ -292,7 +292,9 @@ def _host_costs_text(costs: Mapping[str, Any]) -> str:
     host, copy = costs["host_s_one_row"], costs["copy_s"]
     link = costs.get("link_bytes_per_s")
     speed = f" at {link / 1e9:.1f} GB/s" if link else ""
-    text = f"a {costs.get('unit', 'unit')} takes {host * 1e3:.3g} ms on the host at one row, {copy * 1e3:.3g} ms to copy{speed}"
+    unit = costs.get("unit", "unit")
+    article = "an" if unit[:1] in "aeiou" else "a"
+    text = f"{article} {unit} takes {host * 1e3:.3g} ms on the host at one row, {copy * 1e3:.3g} ms to copy{speed}"
     return text + ("" if host <= copy else " (the host is the slower path here)")
 
 

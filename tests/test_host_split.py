@@ -302,6 +302,7 @@ def test_stats_give_what_the_planner_measured_per_host_part_and_the_report_print
         sends.mira.store.record_bytes(first),
         got["unit_bytes"] / 1e9,
     )
+    assert "an expert takes 1 ms on the host at one row" in stats_table(sends.mira.stats())
     whole = MiraMoEModel.wrap(_tiny("mixtral"), MiraConfig(device="cpu", gpu_budget=0.3))
     assert whole.mira.stats()["host_costs"] is None  # host compute off
     assert not any(row.startswith("host compute") for row in stats_table(whole.mira.stats()).splitlines())

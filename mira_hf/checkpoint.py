@@ -37,6 +37,7 @@ from .expert_keys import (
     NativeKeys,
     PerExpert,
     Rearranged,
+    across_prefix,
     expert_key,
     expert_rows,
     key_candidates,
@@ -484,7 +485,11 @@ def load_without_experts(
         state["stripped"] = [(module, originals[name]) for name, module in found]
         # the expert tensors mira reads, under the names transformers gives what it would load into them; any other
         # key under an experts module is reported unexpected, as transformers' own load reports it
-        ignore_keys(model, [f"{name}.{n}" for name, tensors in modules.items() for n in tensors], exact=True)
+        names = [f"{name}.{n}" for name, tensors in modules.items() for n in tensors]
+        across = across_prefix(model, index)
+        if across is not None:  # the checkpoint names the base model otherwise: transformers reports its names
+            names += [f"{path}.{n}" for name, tensors in modules.items() if (path := across.path(name)) for n in tensors]
+        ignore_keys(model, names, exact=True)
         state["experts"] = StreamedExperts(index, modules, keys, native_keys, codec)
 
     def __init__(self, config, *args, **kwargs):

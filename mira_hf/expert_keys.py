@@ -30,7 +30,8 @@ def key_candidates(
 ) -> list[tuple[str, KeysFn]]:
     """Checkpoint layouts to try, in order: the adapter's tables (or, without any, the keys transformers' own
     renaming gives the fused expert tensors of `modules`, `name -> {tensor: meta tensor [E, ...]}`), then the
-    fused in-memory names. With from_pretrained's `key_mapping` (regex -> replacement, applied to the checkpoint's
+    fused in-memory names; where the checkpoint names the base model otherwise than the model (`across_prefix`), each
+    of those again with the modules' paths as the checkpoint names them. With from_pretrained's `key_mapping` (regex -> replacement, applied to the checkpoint's
     keys), the keys transformers' renaming gives with it come first: the tables name keys as the family stores them.
     Raises `CheckpointError` where a layout finds more experts in the checkpoint than the config gives a module
     (`_refuse_extra_experts`): before any module's keys are planned, so before any expert is read."""
@@ -41,9 +42,51 @@ def key_candidates(
         if derived is not None:
             found.insert(0, ("transformers' key renaming" + (" with key_mapping" if key_mapping else ""), derived))
     found.append(("fused in-memory names", lambda path, tensor: (f"{path}.{tensor}",)))
+    across = across_prefix(model, index)
+    if across is not None:  # a base model's checkpoint in a model with a head, or the other way round
+        found += [(f"{label}, {across.what}", across.keys(keys)) for label, keys in found]
     for _, keys in found:
         _refuse_extra_experts(index, modules, keys)
     return found
+
+
+@dataclass(frozen=True)
+class AcrossPrefix:
+    """A checkpoint that names the base model otherwise than the model does: saved from a base model (no
+    `<prefix>.` before its keys) and loaded into a model with a head, or the other way round, as transformers loads
+    them (`base_model_prefix`). `path(module)`: the module's path as the checkpoint names it, None if it has none."""
+
+    prefix: str
+    strip: bool  # the model holds its base model under `prefix`; the checkpoint's keys do not start with it
+    what: str
+
+    def path(self, module: str) -> str | None:
+        if not self.strip:
+            return f"{self.prefix}.{module}"
+        return module[len(self.prefix) + 1 :] if module.startswith(self.prefix + ".") else None
+
+    def keys(self, keys: KeysFn) -> KeysFn:
+        """`keys` for modules named as the checkpoint names them."""
+
+        def across(module: str, tensor: str):
+            path = self.path(module)
+            return None if path is None else keys(path, tensor)
+
+        return across
+
+
+def across_prefix(model: torch.nn.Module, index: ShardIndex) -> AcrossPrefix | None:
+    """How the checkpoint names the base model where that differs from the model (`AcrossPrefix`), else None."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if not prefix:
+        return None
+    in_checkpoint = any(key.startswith(prefix + ".") for key in index.entries)
+    in_model = isinstance(getattr(model, prefix, None), torch.nn.Module)  # a head model holds its base model there
+    if in_model and not in_checkpoint:
+        return AcrossPrefix(prefix, True, f"keys without '{prefix}.' (a base model's checkpoint)")
+    if not in_model and in_checkpoint:
+        return AcrossPrefix(prefix, False, f"keys under '{prefix}.' (the checkpoint of a model with a head)")
+    return None
 
 
 def _refuse_extra_experts(index: ShardIndex, modules: dict[str, dict[str, torch.Tensor]], keys: KeysFn) -> None:

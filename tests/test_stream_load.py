@@ -97,6 +97,30 @@ def test_family_without_table_streams_through_transformers_mapping(tiny_checkpoi
         assert torch.equal(_load(path, STREAM, **cfg)(IDS).logits, _load(path, WHOLE, **cfg)(IDS).logits)
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_a_base_models_checkpoint_streams_into_a_model_with_a_head_and_the_other_way_round(tiny_checkpoint, name, tmp_path):
+    """A checkpoint saved from the base model (keys without `model.`) loads into the causal LM, and a causal LM's into
+    the base model (`model_class=AutoModel`), as transformers loads them: the experts streamed from the checkpoint's
+    own names, the base model's hidden states and every expert tensor equal to transformers' load, and the loading
+    info transformers reports (the head a base model's checkpoint lacks is missing; the causal LM's head unexpected)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    causal = tiny_checkpoint(name)
+    load_reference(causal).model.save_pretrained(tmp_path / "base")
+    for path, model_class in ((tmp_path / "base", AutoModelForCausalLM), (causal, AutoModel)):
+        torch.manual_seed(0)  # the head a base model's checkpoint lacks is initialised alike in both loads
+        ref, expected = model_class.from_pretrained(path, output_loading_info=True)
+        torch.manual_seed(0)
+        cfg = MiraConfig(device="cpu", gpu_budget=0.5, loader=STREAM)
+        model, info = MiraMoEModel.from_pretrained(path, cfg, progress=False, model_class=model_class, output_loading_info=True)
+        assert type(model) is type(ref) and info == expected and (expected["missing_keys"] or expected["unexpected_keys"])
+        with torch.no_grad():
+            assert torch.equal(model.base_model(IDS).last_hidden_state, ref.eval().base_model(IDS).last_hidden_state)
+        assert model.mira.stats()["loads"] > 0
+        got = model.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items() if ".experts." in k)
+
+
 def test_sharded_checkpoint_streams(tmp_path):
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM

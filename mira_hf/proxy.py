@@ -314,11 +314,12 @@ class MiraExperts(nn.Module):
                 by_slot = sorted((plan.slots[e].index, e) for e in experts)
                 sizes = [counts[e] for _, e in by_slot]
                 rows = _to(x.device, torch.from_numpy(_ranges([starts[e] for _, e in by_slot], sizes)))  # [n] slot by slot
-                out = self._on_slots([slot for slot, _ in by_slot], sizes, x[rows])  # [n, H]
+                group_biases = _BiasRows((len(rows), H))
+                out = self._on_slots([slot for slot, _ in by_slot], sizes, x[rows], group_biases)  # [n, H]
                 if y is None:
                     y = out.new_empty((routed, H))
                 y[rows] = out
-                biases.put(rows, self._slot_down_biases([slot for slot, _ in by_slot], sizes, out))
+                biases.put(rows, group_biases.rows)
 
         host = self._serve(needed, compute, [counts[e] for e in needed], lambda e: x[starts[e] : starts[e] + counts[e]], group)
         for e, out, adds in host:  # [n, H] computed on the host (host_compute), into the rows the device fills
@@ -377,12 +378,14 @@ class MiraExperts(nn.Module):
             def group(plan, experts: list[int]) -> None:  # resident experts: one grouped matmul per projection
                 nonlocal y
                 slots = sorted((plan.slots[e].index, slot_of[e]) for e in experts)  # (pool slot, output row k)
-                out = self._on_slots([s for s, _ in slots], [1] * len(slots), hidden_states.expand(len(slots), H).contiguous())
+                group_biases = _BiasRows((len(slots), H))
+                x = hidden_states.expand(len(slots), H).contiguous()
+                out = self._on_slots([s for s, _ in slots], [1] * len(slots), x, group_biases)
                 if y is None:
                     y = out.new_zeros((K, H)) if sentinel else out.new_empty((K, H))
                 rows = _to(out.device, torch.tensor([k for _, k in slots]))
                 y[rows] = out
-                biases.put(rows, self._slot_down_biases([s for s, _ in slots], [1] * len(slots), out))
+                biases.put(rows, group_biases.rows)
 
         host = self._serve(sorted(slot_of), compute, [1] * len(slot_of), lambda e: hidden_states, group)
         for e, out, adds in host:  # host_compute
@@ -576,11 +579,12 @@ class MiraExperts(nn.Module):
         with raw weights in the slots."""
         return x.device.type in self.GROUPED_SLOT_DEVICES and self.manager.slot_views(self.layer) is not None
 
-    def _on_slots(self, slots: list[int], counts: list[int], x: torch.Tensor) -> torch.Tensor:
+    def _on_slots(self, slots: list[int], counts: list[int], x: torch.Tensor, biases=None) -> torch.Tensor:
         """Resident experts, acquired, on their rows x [n, H] in one grouped matmul per projection over their
         pool's slots (`manager.slot_views`), as transformers' grouped_mm runs one over all experts: slot
         `slots[i]` (ascending) takes the next `counts[i]` rows; slots not listed get no rows. A pool of more slots
-        than torch's grouped kernel takes groups is covered by windows of `MAX_GROUPS` slots. Returns [n, H]."""
+        than torch's grouped kernel takes groups is covered by windows of `MAX_GROUPS` slots. Returns [n, H]. A split
+        expert's down bias goes to its rows of `biases` (`_BiasRows` of x's rows) instead (`_down_bias`)."""
         views = self.manager.slot_views(self.layer)  # name -> [n_slots, ...]
         parts, i, row = [], 0, 0
         while i < len(slots):
@@ -588,12 +592,15 @@ class MiraExperts(nn.Module):
             while j < len(slots) and slots[j] - slots[i] < MAX_GROUPS:
                 j += 1
             n = sum(counts[i:j])
-            parts.append(self._on_window(views, slots[i:j], counts[i:j], x[row : row + n]))
+            parts.append(self._on_window(views, slots[i:j], counts[i:j], x[row : row + n], biases, row))
             i, row = j, row + n
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _on_window(self, views: dict[str, torch.Tensor], slots: list[int], counts: list[int], x: torch.Tensor) -> torch.Tensor:
-        """`_on_slots` for slots that span fewer than `MAX_GROUPS`: one group per slot of the span."""
+    def _on_window(
+        self, views: dict[str, torch.Tensor], slots: list[int], counts: list[int], x: torch.Tensor, biases=None, row: int = 0
+    ) -> torch.Tensor:
+        """`_on_slots` for slots that span fewer than `MAX_GROUPS`: one group per slot of the span. `x`: the span's
+        rows, row `row` onwards of `_on_slots`' (where its down biases go in `biases`)."""
         first = slots[0]
         w = {name: t[first : slots[-1] + 1] for name, t in views.items()}  # [span, ...]
         sizes = np.zeros(slots[-1] + 1 - first, dtype=np.int32)
@@ -605,7 +612,9 @@ class MiraExperts(nn.Module):
             up_bias, down_bias = w[self._up + "_bias"][at], w["down_proj_bias"][at]
         h = self._activate(grouped_linear(x, w[self._up], self._transposed, offs, up_bias))  # [n, I]
         if self._wide(h.dtype, h.device):  # host_compute="split": the device parts' products kept in fp32, their down
-            return wide_linear(h, [w["down_proj"][s - first] for s in slots], self._transposed, counts)  # biases later
+            if down_bias is not None:  # biases added once the parts' sum is rounded
+                biases.put(slice(row, row + x.shape[0]), down_bias)
+            return wide_linear(h, [w["down_proj"][s - first] for s in slots], self._transposed, counts)
         return self._post(grouped_linear(h, w["down_proj"], self._transposed, offs, down_bias))  # [n, H]
 
     def _expert(self, plan, e: int, w, x: torch.Tensor, kernel: bool = False, at: int = 0) -> torch.Tensor:
@@ -705,15 +714,6 @@ class MiraExperts(nn.Module):
         if not (self._split and self._has_bias) or not self._keeps_wide(w, x, kernel):
             return None
         return w.raw(self._down + "_bias") if isinstance(w, PackedWeights) else w.get(self._down + "_bias")
-
-    def _slot_down_biases(self, slots: list[int], counts: list[int], out: torch.Tensor) -> torch.Tensor | None:
-        """`_down_bias` for the resident experts `_on_slots` computed into `out`: slot `slots[i]`'s for its
-        `counts[i]` rows, [n, H]; None where `_on_window` added them (its rows cast to the weights' dtype)."""
-        views = self.manager.slot_views(self.layer)
-        if not (self._split and self._has_bias) or not self._wide(views[self._down].dtype, out.device):
-            return None
-        at = _to(out.device, torch.repeat_interleave(torch.tensor(slots), torch.tensor(counts)))
-        return views[self._down + "_bias"][at]
 
     def _wide(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a split expert's down projection of rows in `dtype` on `device` keeps its product in fp32

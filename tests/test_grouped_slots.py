@@ -26,9 +26,9 @@ def grouped_on_cpu(monkeypatch):
     calls = []
     original = MiraExperts._on_slots
 
-    def counted(self, slots, counts, x):
+    def counted(self, slots, counts, x, *rest):
         calls.append((len(slots), sum(counts)))  # experts, rows
-        return original(self, slots, counts, x)
+        return original(self, slots, counts, x, *rest)
 
     monkeypatch.setattr(MiraExperts, "GROUPED_SLOT_DEVICES", frozenset({"cuda", "cpu"}))
     monkeypatch.setattr(MiraExperts, "_on_slots", counted)

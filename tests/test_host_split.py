@@ -167,6 +167,20 @@ def test_in_16_bits_the_two_parts_are_summed_before_one_rounding_as_the_whole_ex
         assert differing <= 0.01, (impl, ids.shape)
 
 
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_resident_experts_in_one_grouped_matmul_sum_the_two_parts_before_one_rounding(name, monkeypatch):
+    # The grouped path a GPU takes for the experts resident at a block's start (`_on_slots`), turned on for the CPU:
+    # its windows keep the down biases of the device parts for after the one rounding, as a single expert does.
+    from mira_hf.proxy import MiraExperts
+
+    windows, original = [], MiraExperts._on_window
+    monkeypatch.setattr(MiraExperts, "GROUPED_SLOT_DEVICES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(MiraExperts, "_on_window", lambda self, w, s, *a: windows.append(s) or original(self, w, s, *a))
+    for impl, ids, differing in _first_layer_differences(name, "cpu", gpu_budget=0.6):
+        assert differing <= 0.01, (impl, ids.shape, differing)
+    assert windows  # the grouped path ran
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
@@ -177,11 +191,12 @@ def test_on_a_gpu_the_two_parts_are_summed_before_one_rounding(name):
         assert differing <= 0.01, (impl, ids.shape, differing)
 
 
-def _first_layer_differences(name: str, device: str):
+def _first_layer_differences(name: str, device: str, gpu_budget: float | None = None):
     """(implementation, input ids, share of the first MoE layer's output elements that differ from the unwrapped
     model's) for a bf16 model with experts split, each input twice (the second time from the experts resident)."""
     ref = _tiny(name, torch.bfloat16).to(device)
-    cfg = MiraConfig(device=device, gpu_budget=0.3 if device == "cpu" else 0.6, host_compute="split", host_share=0.25)
+    gpu_budget = gpu_budget or (0.3 if device == "cpu" else 0.6)
+    cfg = MiraConfig(device=device, gpu_budget=gpu_budget, host_compute="split", host_share=0.25)
     model = MiraMoEModel.wrap(copy.deepcopy(ref), cfg)
     outs = {}
     for key, m in (("ref", ref), ("split", model)):

@@ -371,6 +371,10 @@ class MiraConfig:
     host_share: with host_compute="split", the share of each expert's intermediate neurons the host computes,
         in (0, 1), rounded so that both parts are whole multiples of 16 neurons (fewer for small experts) and the
         device's rows stay aligned. The host's time per layer grows with it and the link's shrinks (docs/usage.md).
+    host_part_cache: with host_compute="split", the share of the GPU budget that holds device copies of the host
+        parts of the experts used most (`mira_hf.part_cache`), in [0, 1): their uses need no host time and no copy
+        of the part, at any batch width; the rest of the budget holds device parts. 0: every use's host part is
+        computed on the host or copied for that use.
     """
 
     gpu_budget: Budget = None
@@ -384,6 +388,7 @@ class MiraConfig:
     expert_layer_path: str | None = None
     host_compute: str = "off"  # inexact (host rounding), so opt-in
     host_share: float = 0.25  # host_compute="split": faster than 0.35 on the Mixtral shape (benchmarks/NOTES.md, "Host compute")
+    host_part_cache: float = 0.0  # host_compute="split" (benchmarks/NOTES.md, "Host compute")
     predictor_path: str | None = None
     store_path: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -500,6 +505,18 @@ class MiraConfig:
                 f"host_share={share!r} is the share of each expert's neurons host_compute='split' computes on the host, "
                 f"but host_compute={self.host_compute!r}: it would change nothing. Pass host_compute='split', or leave "
                 "host_share out."
+            )
+        cache = self.host_part_cache
+        if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0.0 <= cache < 1.0:
+            raise ConfigError(
+                f"host_part_cache={cache!r}: the share of the GPU budget that holds device copies of host parts with "
+                "host_compute='split', a number in [0, 1) (e.g. 0.25; 0 keeps none)."
+            )
+        if self.host_compute != "split" and cache != MiraConfig.host_part_cache:
+            raise ConfigError(
+                f"host_part_cache={cache!r} is the share of the GPU budget that holds host parts with host_compute='split', "
+                f"but host_compute={self.host_compute!r}: it would change nothing. Pass host_compute='split', or leave "
+                "host_part_cache out."
             )
         if self.predictor_path is not None and self.predictor in PATHLESS_PREDICTORS:
             raise ConfigError(

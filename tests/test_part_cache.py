@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from test_host_compute import BOUND, costs
-from test_host_split import IDS, _split, _tiny
+from test_host_split import FAMILIES, IDS, _split, _tiny
 
 from mira_hf import ConfigError, MiraConfig, MiraMoEModel
 from mira_hf.budget import LayerInfo, least_bytes, plan_records
@@ -96,7 +96,8 @@ def test_the_part_cache_is_validated():
         MiraConfig(host_part_cache=0.25)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+@pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@pytest.mark.parametrize("name", FAMILIES)
 def test_held_parts_serve_their_uses_within_the_bound_and_the_budget_holds(name):
     """A batch decode with a quarter of the budget holding host parts: the parts used most are held, their later uses
     computed from them on the device, and the logits stay within the bound of the split without them."""

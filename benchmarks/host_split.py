@@ -15,6 +15,9 @@ wrapped once per system, one after the other in the same process:
     split-X-lossless  the same with the device parts in the lossless format
     split-X-auto    the same with quantization="auto" (the format `default` picks)
 
+`--part-caches C,...` measures every split system once per C with `host_part_cache=C` (named `<system>-cacheC`
+where C is not 0): a share C of the budget holds the most used experts' host parts on the device.
+
 `--speculate-mib N,...` measures every system but lru once more per N with `PredictorConfig(speculate_bytes=N MiB)`
 (named `<system>-specN`): how much of the next layer's likeliest guess is copied while the link would idle.
 

@@ -494,30 +494,30 @@ class MiraConfig:
                 "stores each expert's device part (read from the checkpoint at each load). Drop store_path, or use "
                 "another host_compute."
             )
-        share = self.host_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share < 1.0:
-            raise ConfigError(
-                f"host_share={share!r}: the share of each expert's neurons computed on the host with "
-                "host_compute='split', a number strictly between 0 and 1 (e.g. 0.25)."
-            )
-        if self.host_compute != "split" and share != MiraConfig.host_share:
-            raise ConfigError(
-                f"host_share={share!r} is the share of each expert's neurons host_compute='split' computes on the host, "
-                f"but host_compute={self.host_compute!r}: it would change nothing. Pass host_compute='split', or leave "
-                "host_share out."
-            )
-        cache = self.host_part_cache
-        if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0.0 <= cache < 1.0:
-            raise ConfigError(
-                f"host_part_cache={cache!r}: the share of the GPU budget that holds device copies of host parts with "
-                "host_compute='split', a number in [0, 1) (e.g. 0.25; 0 keeps none)."
-            )
-        if self.host_compute != "split" and cache != MiraConfig.host_part_cache:
-            raise ConfigError(
-                f"host_part_cache={cache!r} is the share of the GPU budget that holds host parts with host_compute='split', "
-                f"but host_compute={self.host_compute!r}: it would change nothing. Pass host_compute='split', or leave "
-                "host_part_cache out."
-            )
+        split_fields = (  # (field, what it is, whether 0 is a value, the values in words)
+            (
+                "host_share",
+                "the share of each expert's neurons computed on the host",
+                False,
+                "strictly between 0 and 1 (e.g. 0.25)",
+            ),
+            (
+                "host_part_cache",
+                "the share of the GPU budget that holds device copies of host parts",
+                True,
+                "in [0, 1) (e.g. 0.25; 0 keeps none)",
+            ),
+        )
+        for name, what, zero, values in split_fields:
+            value = getattr(self, name)
+            number = not isinstance(value, bool) and isinstance(value, (int, float))
+            if not number or not (0.0 <= value if zero else 0.0 < value) or not value < 1.0:
+                raise ConfigError(f"{name}={value!r}: {what} with host_compute='split', a number {values}.")
+            if self.host_compute != "split" and value != getattr(MiraConfig, name):
+                raise ConfigError(
+                    f"{name}={value!r} is {what} with host_compute='split', but host_compute={self.host_compute!r}: it "
+                    f"would change nothing. Pass host_compute='split', or leave {name} out."
+                )
         if self.predictor_path is not None and self.predictor in PATHLESS_PREDICTORS:
             raise ConfigError(
                 f"predictor_path={self.predictor_path!r} is a calibrated 'learned' predictor's, and "

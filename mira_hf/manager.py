@@ -221,6 +221,8 @@ class ExpertManager(NotebookViews):
             self.loader.synchronize()
             self.staging.drop_speculation()
             self.arena.close()
+            if self.part_cache is not None:
+                self.part_cache.close()  # its buffer goes before the new arena's is allocated
             self.staging.forget_ahead()
             self._place(store, budget, device)
 
@@ -892,5 +894,7 @@ class ExpertManager(NotebookViews):
         self.closed = True
         self.loader.synchronize()
         self.arena.close()
+        if self.part_cache is not None:
+            self.part_cache.close()
         self.cache = ExpertCache({}, {})
         self.host.close()

@@ -102,6 +102,12 @@ class PartCache:
             admitted.append(e)
         return admitted
 
+    def close(self) -> None:
+        """Hold nothing from now on, and let go of the device buffer (the arena is closed or planned anew)."""
+        self.buffer = None
+        self.layer_of, self.expert_of = self.layer_of[:0], self.expert_of[:0]
+        self.index.clear()
+
     def fill(self, key: Key) -> dict[str, torch.Tensor]:
         """Copy `key`'s host part into its entry (given by `admit`), on the current stream; its tensors there."""
         out = self.views(key)

@@ -4,6 +4,7 @@ from the budget, filled and replaced by use rate as hand-computed, and outputs w
 from __future__ import annotations
 
 import copy
+import weakref
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import torch
 from test_host_compute import BOUND, costs
 from test_host_split import FAMILIES, IDS, _split, _tiny
 
+import mira_hf.manager as manager_module
 from mira_hf import ConfigError, MiraConfig, MiraMoEModel
 from mira_hf.budget import LayerInfo, least_bytes, plan_records
 from mira_hf.layout import IdentityCodec
@@ -138,13 +140,17 @@ def test_a_slower_host_sends_held_parts_nowhere_and_copies_only_the_others():
     assert s["parts_cached"] + s["parts_copied"] == s["hits"] + s["misses"]
 
 
-def test_a_cast_empties_the_part_cache_and_sizes_its_entries_anew():
+def test_a_cast_empties_the_part_cache_and_sizes_its_entries_anew(monkeypatch):
     ref = _tiny("mixtral")
     model = _split(copy.deepcopy(ref), gpu_budget=0.5, host_part_cache=0.25)
     with torch.no_grad():
         model(IDS.expand(3, -1))
     assert model.mira.part_cache.index
+    old, alive = weakref.ref(model.mira.part_cache.buffer), []
+    arena = manager_module.DeviceArena
+    monkeypatch.setattr(manager_module, "DeviceArena", lambda *a, **kw: alive.append(old() is not None) or arena(*a, **kw))
     model.to(torch.bfloat16)
+    assert alive == [False]  # the old buffer was gone before the new arena allocated its own
     cache = model.mira.part_cache
     assert not cache.index and cache.buffer.numel() == model.mira.budget.buffer_bytes["host_parts"]
     half = ref.to(torch.bfloat16)
@@ -179,3 +185,13 @@ def test_on_a_gpu_held_parts_are_copied_in_stream_order_and_give_the_logits_of_p
     s = models[1].mira.stats()
     assert s["parts_cached"] > 0 and models[0].mira.stats()["parts_cached"] == 0
     assert len(models[1].mira.part_cache.index) == len(models[1].mira.part_cache) > 1
+
+
+def test_unload_lets_go_of_the_held_parts():
+    model = _split(_tiny("mixtral"), gpu_budget=0.5, host_part_cache=0.25)
+    with torch.no_grad():
+        model(IDS.expand(3, -1))
+    m = model.mira
+    buffer = weakref.ref(m.part_cache.buffer)
+    model.unload()
+    assert buffer() is None and len(m.part_cache) == 0 and not m.part_cache.index

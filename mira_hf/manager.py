@@ -521,11 +521,13 @@ class ExpertManager(NotebookViews):
         a host part it takes crosses the link instead."""
         layer, cache = plan.layer, self.part_cache
         misses = [self.store.record_bytes(layer)] * copies  # a speculative copy cut short counted whole
-        cached = [e for e in experts if (layer, e) in cache.index]
-        if cached:
-            rows = [n for e, n in zip(experts, rows) if (layer, e) not in cache.index]
-            experts = [e for e in experts if (layer, e) not in cache.index]
-        copied, host = self.host.place_parts(layer, list(experts), rows, misses)
+        cached, placed = [], []  # held on the device; (expert, rows) of the others, to place
+        for e, n in zip(experts, rows):
+            if (layer, e) in cache:
+                cached.append(e)
+            else:
+                placed.append((e, n))
+        copied, host = self.host.place_parts(layer, [e for e, _ in placed], [n for _, n in placed], misses)
         admitted = cache.admit(layer, copied, host, keep=cached)
         if admitted:
             taken = set(admitted) - set(copied)

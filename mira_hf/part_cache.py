@@ -14,7 +14,6 @@ computed on the host). The copy runs on the computing stream, after every earlie
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -46,17 +45,19 @@ class PartCache:
         rates: Callable[[np.ndarray, np.ndarray], np.ndarray],
     ) -> None:
         self.parts, self.rates, self.buffer = parts, rates, buffer
-        self.entry_bytes = max((self._layer_bytes(layer) for layer in layers), default=0)
+        # layer -> [(tensor name, its offset in an entry, bytes, shape, dtype)]: one expert's host part as stored
+        self._layout: dict[int, list[tuple[str, int, int, tuple[int, ...], torch.dtype]]] = {}
+        for layer in layers:
+            at, self._layout[layer] = 0, []
+            for name, t in parts.tensors[layer].items():
+                n = t[0].numel() * t.element_size()
+                self._layout[layer].append((name, at, n, tuple(t.shape[1:]), t.dtype))
+                at += _aligned(n)
+        self.entry_bytes = max((_aligned(o + n) for spec in self._layout.values() for _, o, n, _, _ in spec), default=0)
         n = buffer.numel() // self.entry_bytes if buffer is not None and self.entry_bytes else 0
         self.layer_of = np.full(n, -1, np.intp)  # each entry's expert (layer -1: free)
         self.expert_of = np.zeros(n, np.intp)
         self.index: dict[Key, int] = {}
-
-    def _specs(self, layer: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        return [(name, tuple(t.shape[1:]), t.dtype) for name, t in self.parts.tensors[layer].items()]
-
-    def _layer_bytes(self, layer: int) -> int:
-        return sum(_aligned(math.prod(shape) * dtype.itemsize) for _, shape, dtype in self._specs(layer))
 
     def __len__(self) -> int:
         return len(self.layer_of)
@@ -66,12 +67,11 @@ class PartCache:
 
     def views(self, key: Key) -> dict[str, torch.Tensor]:
         """The tensors of `key`'s entry (held: `key in self`), as `HostParts.weights` gives them on the host."""
-        start, out = self.index[key] * self.entry_bytes, {}
-        for name, shape, dtype in self._specs(key[0]):
-            n = math.prod(shape) * dtype.itemsize
-            out[name] = self.buffer[start : start + n].view(dtype).view(shape)
-            start += _aligned(n)
-        return out
+        start = self.index[key] * self.entry_bytes
+        return {
+            name: self.buffer[start + at : start + at + n].view(dtype).view(shape)
+            for name, at, n, shape, dtype in self._layout[key[0]]
+        }
 
     def admit(self, layer: int, copied: Sequence[int], host: Sequence[int], keep: Iterable[int] = ()) -> list[int]:
         """Of a block's host parts not held, those given an entry now (the caller fills each: `fill`): `copied`, those

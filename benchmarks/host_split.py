@@ -15,9 +15,6 @@ wrapped once per system, one after the other in the same process:
     split-X-lossless  the same with the device parts in the lossless format
     split-X-auto    the same with quantization="auto" (the format `default` picks)
 
-`--part-caches C,...` measures every split system once per C with `host_part_cache=C` (named `<system>-cacheC`
-where C is not 0): a share C of the budget holds the most used experts' host parts on the device.
-
 `--speculate-mib N,...` measures every system but lru once more per N with `PredictorConfig(speculate_bytes=N MiB)`
 (named `<system>-specN`): how much of the next layer's likeliest guess is copied while the link would idle.
 
@@ -98,8 +95,6 @@ COLUMNS = [
     "beam_tok_s",
     "b8_parts_copied",
     "beam_parts_copied",
-    "b8_parts_cached",
-    "beam_parts_cached",
     "logit_rel_diff",
 ]
 
@@ -112,11 +107,6 @@ def parse_args(argv=None, doc: str = __doc__, systems: str = "lru,without,lossle
     ap.add_argument("--models", default="mixtral", help="workloads: " + ",".join(WORKLOADS))
     ap.add_argument("--budgets", default="consumer,0.25", help="fractions of the expert bytes and/or 'consumer'")
     ap.add_argument("--shares", default="0.25", help="host_share values of the split systems")
-    ap.add_argument(
-        "--part-caches",
-        default="0",
-        help="host_part_cache values of the split systems (a value other than 0 is named -cacheX)",
-    )
     ap.add_argument("--systems", default=systems)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=24)
@@ -153,7 +143,6 @@ def parse_args(argv=None, doc: str = __doc__, systems: str = "lru,without,lossle
         ap.error(f"--models: unknown {bad}; choose from {', '.join(WORKLOADS)}")
     args.budgets = [b.strip() if b.strip() == "consumer" else float(b) for b in args.budgets.split(",") if b.strip()]
     args.shares = [float(s) for s in args.shares.split(",") if s.strip()]
-    args.part_caches = [float(s) for s in args.part_caches.split(",") if s.strip()] or [0.0]
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.speculate_mib = [int(v) for v in args.speculate_mib.split(",") if v.strip()]
     if args.smoke:
@@ -181,10 +170,8 @@ def configs(args, gpu_budget, device: str, facts: dict | None = None) -> list[tu
         elif system in ("split", "split-lossless", "split-auto"):
             q = {"split": None, "split-lossless": "lossless", "split-auto": "auto"}[system]
             for share in args.shares:
-                for cache in args.part_caches:
-                    name = system.replace("split", f"split-{share:g}") + (f"-cache{cache:g}" if cache else "")
-                    split = dict(host_compute="split", host_share=share, host_part_cache=cache)
-                    out.append((name, MiraConfig(**base, quantization=q, **split)))
+                name = system.replace("split", f"split-{share:g}")
+                out.append((name, MiraConfig(**base, quantization=q, host_compute="split", host_share=share)))
         else:
             raise SystemExit(
                 f"--systems: unknown {system!r}; choose from lru, without, lossless, lossless-dequant, default, split, split-lossless, split-auto"
@@ -304,7 +291,6 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
                     rate = timed_decode(gen, ids, args.batch_tokens)[0]
                     speeds.append(args.batch * rate if rate else None)
                 row["b8_parts_copied"] = copied_share(before, m.stats())
-                row["b8_parts_cached"] = copied_share(before, m.stats(), "parts_cached")
                 row["b8_tok_s"] = median_of(speeds, row, "b8_tok_s")
                 log(f"{key} / {budget_label} / {system}: batch {args.batch} {row['b8_tok_s'] or 0:.2f}")
             if system != "lru" and deadline.remaining() > 0 and args.beam_tokens > 0:
@@ -315,7 +301,6 @@ def run_workload(args, result, key, wl: Workload, budget, consumer, full_layers,
                     speeds.append(n / t)
                 row["beam_tok_s"] = median_of(speeds, row, "beam_tok_s")
                 row["beam_parts_copied"] = copied_share(before, m.stats())
-                row["beam_parts_cached"] = copied_share(before, m.stats(), "parts_cached")
                 log(f"{key} / {budget_label} / {system}: beam {row['beam_tok_s']:.2f}")
         except Exception as exc:  # recorded with its traceback; the next systems still run
             row["notes"] = f"failed: {type(exc).__name__}: {exc}"
@@ -363,11 +348,10 @@ def host_costs(m) -> dict:
     )
 
 
-def copied_share(before: dict, after: dict, counter: str = "parts_copied") -> float | None:
-    """Of the expert uses between two `stats()`, the share whose host part was copied to the device (split), or as
-    `counter` names: "parts_cached", held there."""
+def copied_share(before: dict, after: dict) -> float | None:
+    """Of the expert uses between two `stats()`, the share whose host part was copied to the device (split)."""
     uses = after["hits"] + after["misses"] - before["hits"] - before["misses"]
-    return (after[counter] - before[counter]) / uses if uses else None
+    return (after["parts_copied"] - before["parts_copied"]) / uses if uses else None
 
 
 def render(result: dict, title: str = TITLE) -> str:

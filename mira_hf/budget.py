@@ -151,12 +151,14 @@ def plan_budget(
     pool_of_layer = _pools_by_size(record_bytes)
     total = {g: 0 for g in set(pool_of_layer.values())}
     experts = dict.fromkeys(total, 0)
+    top_k = dict.fromkeys(total, 0)
     for li in layers:
         g = pool_of_layer[li.ordinal]
         total[g] += li.num_experts * g  # records of a pool fill at most a slot of g bytes
         experts[g] += li.num_experts
+        top_k[g] = max(top_k[g], li.top_k)
     all_bytes = sum(total.values())
-    least = _least(layers, pool_of_layer)  # bytes of each pool's smallest working set
+    least = {g: top_k[g] * g for g in total}  # bytes of each pool's smallest working set
     minimum = sum(least.values()) + reserved
     base = fraction_of or all_bytes
     if budget_bytes < minimum and round_up_from is not None:
@@ -178,20 +180,6 @@ def plan_budget(
     share = _shares(total, least, slots_budget)
     n_slots = {g: min(experts[g], share[g] // g) for g in total}
     return BudgetPlan(budget_bytes, pool_of_layer, {g: g for g in total}, n_slots, buffers, placement)
-
-
-def _least(layers: Sequence[LayerInfo], pool_of_layer: Mapping[int, int]) -> dict[int, int]:
-    """Bytes of each pool's smallest working set: the top-k experts of its layer that routes to the most."""
-    top_k: dict[int, int] = {}
-    for li in layers:
-        g = pool_of_layer[li.ordinal]
-        top_k[g] = max(top_k.get(g, 0), li.top_k)
-    return {g: k * g for g, k in top_k.items()}
-
-
-def least_bytes(layers: Sequence[LayerInfo], pool_of_layer: Mapping[int, int]) -> int:
-    """Bytes of the slots of the minimum working set of `layers` in pools `pool_of_layer` (without buffers)."""
-    return sum(_least(layers, pool_of_layer).values())
 
 
 def _shares(total: Mapping[int, int], least: Mapping[int, int], slots_budget: int) -> dict[int, int]:
@@ -266,22 +254,14 @@ def plan_records(
     raw_bytes: Mapping[int, int],
     round_up_from: float | None = None,
     fraction_of: int | None = None,
-    part_cache: float = 0.0,
 ) -> BudgetPlan:
     """The plan for records laid out as `layouts` (per layer; empty for uncompressed records, whose
     sizes are `raw_bytes`) held in slots by `placement`: a "packed" slot holds a record as it is, any
     other placement a record of the checkpoint dtype ("mixed": see `keep_packed`). `round_up_from`, `fraction_of`: see
-    `plan_budget`. `part_cache`: the share of the budget for the buffer "host_parts" (`MiraConfig.host_part_cache`,
-    `mira_hf.part_cache`), taken from what the slots hold beyond the minimum working set."""
+    `plan_budget`."""
     slot_bytes = {layer: layout.nbytes for layer, layout in layouts.items()} if placement == "packed" else dict(raw_bytes)
     buffers = device_buffers(placement, codec, layouts)
     plan = plan_budget(layers, slot_bytes, budget_bytes, buffers, placement, round_up_from, fraction_of)
-    if part_cache:
-        room = plan.budget_bytes - least_bytes(layers, plan.pool_of_layer) - sum(buffers.values())
-        cache = min(int(part_cache * plan.budget_bytes), room)
-        if cache > 0:
-            buffers["host_parts"] = cache
-            plan = plan_budget(layers, slot_bytes, plan.budget_bytes, buffers, placement, None, fraction_of)
     if placement == "mixed":
         return keep_packed(plan, layers, {layer: layout.nbytes for layer, layout in layouts.items()})
     return plan

@@ -371,10 +371,6 @@ class MiraConfig:
     host_share: with host_compute="split", the share of each expert's intermediate neurons the host computes,
         in (0, 1), rounded so that both parts are whole multiples of 16 neurons (fewer for small experts) and the
         device's rows stay aligned. The host's time per layer grows with it and the link's shrinks (docs/usage.md).
-    host_part_cache: with host_compute="split", the share of the GPU budget that holds device copies of the host
-        parts of the experts used most (`mira_hf.part_cache`), in [0, 1): their uses need no host time and no copy
-        of the part, at any batch width; the rest of the budget holds device parts. 0: every use's host part is
-        computed on the host or copied for that use.
     """
 
     gpu_budget: Budget = None
@@ -388,7 +384,6 @@ class MiraConfig:
     expert_layer_path: str | None = None
     host_compute: str = "off"  # inexact (host rounding), so opt-in
     host_share: float = 0.25  # host_compute="split": faster than 0.35 on the Mixtral shape (benchmarks/NOTES.md, "Host compute")
-    host_part_cache: float = 0.0  # host_compute="split" (benchmarks/NOTES.md, "Host compute")
     predictor_path: str | None = None
     store_path: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -494,30 +489,18 @@ class MiraConfig:
                 "stores each expert's device part (read from the checkpoint at each load). Drop store_path, or use "
                 "another host_compute."
             )
-        split_fields = (  # (field, what it is, whether 0 is a value, the values in words)
-            (
-                "host_share",
-                "the share of each expert's neurons computed on the host",
-                False,
-                "strictly between 0 and 1 (e.g. 0.25)",
-            ),
-            (
-                "host_part_cache",
-                "the share of the GPU budget that holds device copies of host parts",
-                True,
-                "in [0, 1) (e.g. 0.25; 0 keeps none)",
-            ),
-        )
-        for name, what, zero, values in split_fields:
-            value = getattr(self, name)
-            number = not isinstance(value, bool) and isinstance(value, (int, float))
-            if not number or not (0.0 <= value if zero else 0.0 < value) or not value < 1.0:
-                raise ConfigError(f"{name}={value!r}: {what} with host_compute='split', a number {values}.")
-            if self.host_compute != "split" and value != getattr(MiraConfig, name):
-                raise ConfigError(
-                    f"{name}={value!r} is {what} with host_compute='split', but host_compute={self.host_compute!r}: it "
-                    f"would change nothing. Pass host_compute='split', or leave {name} out."
-                )
+        share = self.host_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share < 1.0:
+            raise ConfigError(
+                f"host_share={share!r}: the share of each expert's neurons computed on the host with "
+                "host_compute='split', a number strictly between 0 and 1 (e.g. 0.25)."
+            )
+        if self.host_compute != "split" and share != MiraConfig.host_share:
+            raise ConfigError(
+                f"host_share={share!r} is the share of each expert's neurons host_compute='split' computes on the host, "
+                f"but host_compute={self.host_compute!r}: it would change nothing. Pass host_compute='split', or leave "
+                "host_share out."
+            )
         if self.predictor_path is not None and self.predictor in PATHLESS_PREDICTORS:
             raise ConfigError(
                 f"predictor_path={self.predictor_path!r} is a calibrated 'learned' predictor's, and "

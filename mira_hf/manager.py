@@ -37,7 +37,6 @@ from .host_compute import host_compute_for
 from .loader import Loader
 from .neuron_split import SplitWeights
 from .normal_tensors import builds_normal_tensors
-from .part_cache import PartCache
 from .policies import ExpectedDistance, PolicyContext
 from .registry import POLICIES
 from .report import NotebookViews
@@ -61,8 +60,6 @@ class BlockPlan:
     # host_compute="split": the experts whose host parts the host computes, and those copied to the device
     host_parts: list[int] = field(default_factory=list)
     parts_copied: list[int] = field(default_factory=list)
-    parts_cached: list[int] = field(default_factory=list)  # ... and those held on the device (`part_cache`)
-    part_weights: dict = field(default_factory=dict)  # expert -> its host part's tensors on the device, where held
     ready: int = 0  # how many experts at the head of `order` were resident with their copies landed at `begin`
     kept: int = 0  # how many experts after those are kept packed beside the cache (placement "mixed")
     job: object = None  # the block's host job (host_compute.HostJob), started by `begin` where given its inputs
@@ -208,8 +205,6 @@ class ExpertManager(NotebookViews):
         self.arena = DeviceArena(store, budget, device, self.loader, s.split_copies, s.split_min_bytes)
         self.cache = ExpertCache(pools, budget.pool_of_layer)
         self.host.place(store, self.layers, device)
-        parts, buffer = self.host.parts, self.arena.buffers.get("host_parts")
-        self.part_cache = PartCache(buffer, parts, self.layers, self.heat.use_rates) if parts is not None else None
         self.loader.time_link = self.host.active and self.loader.cuda  # the planner's link speed, from the copies
 
     def relocate(self, store: ExpertStore, budget: BudgetPlan, device: torch.device) -> None:
@@ -221,8 +216,6 @@ class ExpertManager(NotebookViews):
             self.loader.synchronize()
             self.staging.drop_speculation()
             self.arena.close()
-            if self.part_cache is not None:
-                self.part_cache.close()  # its buffer goes before the new arena's is allocated
             self.staging.forget_ahead()
             self._place(store, budget, device)
 
@@ -515,30 +508,13 @@ class ExpertManager(NotebookViews):
             return plan
 
     def _start_parts(self, plan: BlockPlan, experts: Sequence[int], rows: Sequence[int], inputs, copies: int) -> None:
-        """host_compute="split": place the block's host parts (`plan.parts_cached` held on the device, `plan.host_parts`
-        on the host, `plan.parts_copied` copied to the device) against the `copies` of its misses, which `begin` queues
-        next, and start the host's job (`inputs` given). The part cache takes the parts it admits (`PartCache.admit`):
-        a host part it takes crosses the link instead."""
-        layer, cache = plan.layer, self.part_cache
+        """host_compute="split": place the block's host parts (`plan.host_parts` on the host, `plan.parts_copied`
+        copied to the device) against the `copies` of its misses, which `begin` queues next, and start the
+        host's job (`inputs` given)."""
+        layer = plan.layer
         misses = [self.store.record_bytes(layer)] * copies  # a speculative copy cut short counted whole
-        cached, placed = [], []  # held on the device; (expert, rows) of the others, to place
-        for e, n in zip(experts, rows):
-            if (layer, e) in cache:
-                cached.append(e)
-            else:
-                placed.append((e, n))
-        copied, host = self.host.place_parts(layer, [e for e, _ in placed], [n for _, n in placed], misses)
-        admitted = cache.admit(layer, copied, host, keep=cached)
-        if admitted:
-            taken = set(admitted) - set(copied)
-            for _ in taken:
-                self.host.copy_issued(self.host.parts.expert_bytes(layer))
-            copied, host = copied + [e for e in host if e in taken], [e for e in host if e not in taken]
-        plan.parts_cached, plan.parts_copied, plan.host_parts = cached, copied, host
-        plan.part_weights = {e: cache.views((layer, e)) for e in cached} | {e: cache.fill((layer, e)) for e in admitted}
-        stats = self.telemetry.layer(layer)
-        stats.parts_copied += len(copied)
-        stats.parts_cached += len(cached)
+        plan.parts_copied, plan.host_parts = self.host.place_parts(layer, list(experts), rows, misses)
+        self.telemetry.layer(layer).parts_copied += len(plan.parts_copied)
         if plan.host_parts and inputs is not None:
             plan.job = self.host.start(layer, plan.host_parts, inputs)
 
@@ -896,7 +872,5 @@ class ExpertManager(NotebookViews):
         self.closed = True
         self.loader.synchronize()
         self.arena.close()
-        if self.part_cache is not None:
-            self.part_cache.close()
         self.cache = ExpertCache({}, {})
         self.host.close()

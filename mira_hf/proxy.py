@@ -562,18 +562,15 @@ class MiraExperts(nn.Module):
         return [(e, self._post(out), False) for e, out in done]
 
     def _copied_parts(self, plan, inputs) -> list[tuple[int, torch.Tensor]]:
-        """[(expert, output [n, H])] of the host parts computed here, on the device: those held there
-        (`plan.parts_cached`, `mira_hf.part_cache`) and `plan.parts_copied`, which the manager copies to the device:
-        the host parts of experts with many rows in the block (a prefill's: the host's time grows with rows, the
-        copy's does not), those the host would finish after the link (`HostCompute.place_parts`) and those the part
-        cache takes (copied into their entries: `plan.part_weights`)."""
-        host, held = self.manager.host, plan.part_weights
+        """[(expert, output [n, H])] of the host parts `plan.parts_copied`: the manager copies to the device the
+        host parts of experts with many rows in the block (a prefill's: the host's time grows with rows, the
+        copy's does not) and those the host would finish after the link (`HostCompute.place_parts`); they are
+        computed here, on the device."""
+        host = self.manager.host
         parts = []
-        for e in plan.parts_cached + plan.parts_copied:
+        for e in plan.parts_copied:
             x = inputs(e)  # [n, H]
-            w = held.get(e)
-            if w is None:
-                w = {name: t.to(x.device, non_blocking=True) for name, t in host.weights(self.layer, e).items()}
+            w = {name: t.to(x.device, non_blocking=True) for name, t in host.weights(self.layer, e).items()}
             parts.append((e, self._host_part(e, w, x)))
         return parts
 

@@ -233,7 +233,6 @@ def replan(
         raw_bytes,
         budget_fraction(cfg.gpu_budget),
         all_bytes,
-        cfg.host_part_cache,
     )
     check_device_memory(budget.device_bytes, device, model, targets, reclaim_bytes=manager.device_bytes if same else 0)
     return budget

@@ -32,7 +32,6 @@ class ManagerSettings:
     warmup_steps: int = 3  # first forward steps: prefetches only fill free slots, nothing is evicted
     quantization: str | None = None  # the transfer format in use (MiraConfig.quantization, "auto" resolved)
     host_compute: str = "off"  # MiraConfig.host_compute
-    host_part_cache: float = 0.0  # MiraConfig.host_part_cache: the budget's share planned for it (BudgetPlan.buffer_bytes)
 
     def __post_init__(self) -> None:
         POLICIES.get(self.policy)  # a ConfigError naming the registered policies
@@ -63,5 +62,4 @@ class ManagerSettings:
             predictor_config=cfg.prediction,
             quantization=cfg.quantization,
             host_compute=cfg.host_compute,
-            host_part_cache=cfg.host_part_cache,
         )

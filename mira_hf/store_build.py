@@ -167,15 +167,7 @@ def plan_store(
     layouts = layouts or {}
     try:  # experts kept on the device between the passes are given back if a check fails
         budget = plan_records(
-            layers,
-            budget_bytes,
-            placement,
-            codec,
-            layouts,
-            raw_bytes,
-            budget_fraction(cfg.gpu_budget),
-            all_bytes,
-            cfg.host_part_cache,
+            layers, budget_bytes, placement, codec, layouts, raw_bytes, budget_fraction(cfg.gpu_budget), all_bytes
         )
         check_device_memory(budget.device_bytes, device, model, targets)
         store_bytes = [(layouts[li.ordinal].nbytes if layouts else raw_bytes[li.ordinal]) * li.num_experts for li in layers]

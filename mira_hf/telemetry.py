@@ -20,7 +20,6 @@ class LayerStats:
     misses: int = 0
     host_computed: int = 0  # misses computed on the host instead of copied (MiraConfig.host_compute); also misses
     parts_copied: int = 0  # host_compute="split": uses whose host part was copied and computed on the device
-    parts_cached: int = 0  # ... whose host part was held on the device (`MiraConfig.host_part_cache`)
     loads: int = 0  # copies issued (demand + prefetch)
     prefetches: int = 0
     prefetch_used: int = 0  # prefetched experts used before eviction

@@ -313,7 +313,6 @@ STATS_CHECKED_BY = {
     "host_part_bytes": "test_host_split.py::test_the_store_holds_device_parts_so_the_same_budget_holds_more_experts",
     "host_costs": "test_host_split.py::test_stats_give_what_the_planner_measured_per_host_part_and_the_report_prints_it",
     "parts_copied": "test_host_split.py::test_the_manager_places_each_host_part_as_the_costs_say",
-    "parts_cached": "test_part_cache.py::test_a_slower_host_sends_held_parts_nowhere_and_copies_only_the_others",
     "host_computed": "test_host_compute.py::test_the_manager_splits_a_blocks_misses_as_the_costs_say",
     "buffer_bytes": "test_budget.py::test_codec_buffers_are_planned_out_of_the_budget",
     "quantization": "test_api.py::test_default_config_reports_the_format_it_resolved (None), test_codec_buffers_...",

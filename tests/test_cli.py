@@ -105,17 +105,15 @@ def test_generate_writes_a_stats_file(generated):
 def test_generate_splits_experts_between_host_and_device_when_asked(tmp_path):
     stats_file = tmp_path / "run.json"
     argv = ["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "4", "--device", "cpu"]
-    argv += ["--host-compute", "split", "--host-share", "0.3", "--host-part-cache", "0.2", "--stats-out", str(stats_file)]
+    argv += ["--host-compute", "split", "--host-share", "0.3", "--stats-out", str(stats_file)]
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         assert cli.main(argv) == 0
     record = json.loads(stats_file.read_text())
     assert record["stats"]["host_part_bytes"] > 0
-    assert record["stats"]["buffer_bytes"] == int(0.2 * record["stats"]["budget_bytes"])  # the part cache's share
     # an inexact mode is named in the settings printed and saved
     assert record["config"]["host_compute"] == "split" and record["config"]["host_share"] == 0.3
-    assert record["config"]["host_part_cache"] == 0.2
-    assert "host_compute=split, host_share=0.3, host_part_cache=0.2" in out.getvalue()
+    assert "host_compute=split, host_share=0.3" in out.getvalue()
 
 
 def test_generate_counts_an_encoder_decoders_new_tokens(tmp_path):
@@ -383,7 +381,6 @@ def test_env_suggests_the_budget_that_gpu_budget_none_gives(monkeypatch):
     "argv, says",
     [
         (["--host-share", "0.3"], "--host-share 0.3 applies to --host-compute split only"),
-        (["--host-part-cache", "0.2"], "--host-part-cache 0.2 applies to --host-compute split only"),
         (["--host-compute", "auto", "--host-share", "0.3"], "--host-share 0.3 applies to --host-compute split only"),
         (["--do-sample", "--temperature", "0"], "--temperature 0.0: must be > 0"),
     ],

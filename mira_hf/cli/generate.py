@@ -93,7 +93,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # inexact modes are named where chosen (None: left out of the settings line)
         host_compute=cfg.host_compute if cfg.host_compute != "off" else None,
         host_share=cfg.host_share if cfg.host_compute == "split" else None,
-        host_part_cache=cfg.host_part_cache if cfg.host_compute == "split" else None,
     )
     record = report.run_record(args.model, settings, generation, model.mira)
     print()

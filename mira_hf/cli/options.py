@@ -20,7 +20,7 @@ MODEL_HELP = f'model directory or hub id (downloaded as transformers downloads i
 
 
 def add_model_options(p: argparse.ArgumentParser, budget_default: str | None, predictors: bool = True, host: bool = True) -> None:
-    """--budget, --policy, (--predictor,) --quantization, (--host-compute, --host-share, --host-part-cache,) --device and --dtype: the
+    """--budget, --policy, (--predictor,) --quantization, (--host-compute, --host-share,) --device and --dtype: the
     MiraConfig a command loads with."""
     fit = "0.25" if budget_default else "all experts that fit in 90%% of free GPU memory"
     p.add_argument(
@@ -60,7 +60,7 @@ def add_model_options(p: argparse.ArgumentParser, budget_default: str | None, pr
 
 
 def add_host_options(p: argparse.ArgumentParser, defaults: dict) -> None:
-    """--host-compute, --host-share and --host-part-cache (`MiraConfig.host_compute`, `host_share`, `host_part_cache`)."""
+    """--host-compute and --host-share (`MiraConfig.host_compute`, `host_share`)."""
     p.add_argument(
         "--host-compute",
         default=defaults["host_compute"],
@@ -74,14 +74,6 @@ def add_host_options(p: argparse.ArgumentParser, defaults: dict) -> None:
         default=None,
         metavar="S",
         help=f"with --host-compute split: the share of each expert's neurons the host computes (default {defaults['host_share']})",
-    )
-    p.add_argument(
-        "--host-part-cache",
-        type=float,
-        default=None,
-        metavar="C",
-        help="with --host-compute split: the share of the GPU budget that holds the most used experts' host parts "
-        f"(default {defaults['host_part_cache']})",
     )
 
 
@@ -150,17 +142,15 @@ def mira_config(args: argparse.Namespace) -> MiraConfig:
             "--predictor learned needs --predictor-path DIR, a predictor mira calibrate wrote (mira calibrate MODEL "
             "--data CORPUS --out DIR); --predictor gate needs no training."
         )
-    for name, flag in (("host_share", "--host-share"), ("host_part_cache", "--host-part-cache")):
-        value = getattr(args, name, None)
-        if value is not None and str(getattr(args, "host_compute", None)).lower() != "split":
-            raise ValueError(f"{flag} {value} applies to --host-compute split only: add it, or drop {flag}.")
+    if getattr(args, "host_share", None) is not None and str(getattr(args, "host_compute", None)).lower() != "split":
+        raise ValueError(f"--host-share {args.host_share} applies to --host-compute split only: add it, or drop --host-share.")
     cfg = MiraConfig(
         gpu_budget=parse_budget(args.budget),
         device=args.device,
         policy=args.policy,
         predictor=getattr(args, "predictor", None),  # spelled as typed: MiraConfig reads "none", "Gate", ...
         quantization=args.quantization,
-        **{n: getattr(args, n) for n in ("host_compute", "host_share", "host_part_cache") if getattr(args, n, None) is not None},
+        **{name: getattr(args, name) for name in ("host_compute", "host_share") if getattr(args, name, None) is not None},
         **({"predictor_path": predictor_path} if predictor_path else {}),
     )
     if cfg.device is None:

@@ -263,8 +263,7 @@ def slot_plan(manager, budget_bytes: int, placement: str):
     layers = list(manager.layers.values())
     layouts = {li.ordinal: store.layout(li.ordinal) for li in layers} if store.quantized else {}
     raw_bytes = {li.ordinal: store.raw_layout(li.ordinal).nbytes for li in layers}
-    part_cache = manager.settings.host_part_cache
-    return plan_records(layers, budget_bytes, placement, store.codec, layouts, raw_bytes, part_cache=part_cache)
+    return plan_records(layers, budget_bytes, placement, store.codec, layouts, raw_bytes)
 
 
 def resize_expert_cache(model, budget_bytes: int) -> None:

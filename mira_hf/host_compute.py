@@ -324,9 +324,10 @@ class HostCompute:
     def measured(self) -> dict | None:
         """What the planner has measured on this machine, for `stats()["host_costs"]` (None while inactive): per
         unit the host computes (a host part with host_compute="split", else a whole expert), of the first layer
-        measured, its seconds on the host at one row and its copy's seconds over the link's measured speed; the
-        link's speed; what host jobs took beyond their plan lately (docs/usage.md, "Split each expert between the host
-        and the GPU", says what these times told apart on the machines measured)."""
+        measured, its seconds on the host at one row and at four (a 4-beam search's rows per expert) and its copy's
+        seconds over the link's measured speed; the link's speed; what host jobs took beyond their plan lately
+        (docs/usage.md, "Split each expert between the host and the GPU", says what these times told apart on the
+        machines measured)."""
         if not self.active:
             return None
         c = self.costs
@@ -339,6 +340,7 @@ class HostCompute:
             layer=layer,
             unit_bytes=nbytes,
             host_s_one_row=c.host_time(layer, 1) if layer is not None and c.host_s[layer] else None,
+            host_s_four_rows=c.host_time(layer, 4) if layer is not None and c.host_s[layer] else None,
             copy_s=c.copy_s(nbytes) if nbytes is not None and c.link_bytes_per_s else None,
             link_bytes_per_s=c.link_bytes_per_s,
             host_lag_s=c.host_lag_s,

@@ -294,7 +294,9 @@ def _host_costs_text(costs: Mapping[str, Any]) -> str:
     speed = f" at {link / 1e9:.1f} GB/s" if link else ""
     unit = costs.get("unit", "unit")
     article = "an" if unit[:1] in "aeiou" else "a"
-    text = f"{article} {unit} takes {host * 1e3:.3g} ms on the host at one row, {copy * 1e3:.3g} ms to copy{speed}"
+    four = costs.get("host_s_four_rows")
+    at_four = f" ({four * 1e3:.3g} at four)" if four is not None else ""
+    text = f"{article} {unit} takes {host * 1e3:.3g} ms on the host at one row{at_four}, {copy * 1e3:.3g} ms to copy{speed}"
     return text + ("" if host <= copy else " (the host is the slower path here)")
 
 

@@ -302,13 +302,15 @@ def test_stats_give_what_the_planner_measured_per_host_part_and_the_report_print
     got = model.mira.stats()["host_costs"]
     assert (got["unit"], got["layer"], got["unit_bytes"], got["link_bytes_per_s"]) == ("host part", first, part, part / 2e-3)
     assert got["host_s_one_row"] == pytest.approx(3e-3) and got["copy_s"] == pytest.approx(2e-3)
+    assert got["host_s_four_rows"] == pytest.approx(5e-3)
     line = next(row for row in stats_table(model.mira.stats()).splitlines() if row.startswith("host compute"))
-    assert "a host part takes 3 ms on the host at one row, 2 ms to copy" in line and "slower path" in line
+    assert "a host part takes 3 ms on the host at one row (5 at four), 2 ms to copy" in line and "slower path" in line
     with torch.no_grad():
         model(IDS[:, :1])  # each host part computed refines its row count's time
     refined = model.mira.host.costs.host_time(first, 1)
     assert refined != 3e-3 and model.mira.stats()["host_costs"]["host_s_one_row"] == refined
-    assert _split(_tiny("mixtral"), gpu_budget=0.3).mira.stats()["host_costs"]["host_s_one_row"] is None  # not run yet
+    unmeasured = _split(_tiny("mixtral"), gpu_budget=0.3).mira.stats()["host_costs"]  # not run yet
+    assert unmeasured["host_s_one_row"] is None and unmeasured["host_s_four_rows"] is None
     sends = MiraMoEModel.wrap(_tiny("mixtral"), MiraConfig(device="cpu", gpu_budget=0.3, host_compute="on"))
     sends.mira.host.set_costs(costs(link_bytes_per_s=1e9, host_s={first: {1: 1e-3}}))
     got = sends.mira.stats()["host_costs"]  # whole misses sent to the host: the unit is an expert's record
@@ -317,7 +319,8 @@ def test_stats_give_what_the_planner_measured_per_host_part_and_the_report_print
         sends.mira.store.record_bytes(first),
         got["unit_bytes"] / 1e9,
     )
-    assert "an expert takes 1 ms on the host at one row" in stats_table(sends.mira.stats())
+    assert got["host_s_four_rows"] == pytest.approx(4e-3)  # one row measured: extended in proportion to the rows
+    assert "an expert takes 1 ms on the host at one row (4 at four)" in stats_table(sends.mira.stats())
     whole = MiraMoEModel.wrap(_tiny("mixtral"), MiraConfig(device="cpu", gpu_budget=0.3))
     assert whole.mira.stats()["host_costs"] is None  # host compute off
     assert not any(row.startswith("host compute") for row in stats_table(whole.mira.stats()).splitlines())

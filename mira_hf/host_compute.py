@@ -332,15 +332,15 @@ class HostCompute:
             return None
         c = self.costs
         layer = min(c.host_s, default=None)
-        nbytes = None
+        nbytes, timed = None, layer is not None and bool(c.host_s[layer])
         if layer is not None:
             nbytes = self.parts.expert_bytes(layer) if self.parts is not None else self.store.record_bytes(layer)
         return dict(
             unit="host part" if self.parts is not None else "expert",
             layer=layer,
             unit_bytes=nbytes,
-            host_s_one_row=c.host_time(layer, 1) if layer is not None and c.host_s[layer] else None,
-            host_s_four_rows=c.host_time(layer, 4) if layer is not None and c.host_s[layer] else None,
+            host_s_one_row=c.host_time(layer, 1) if timed else None,
+            host_s_four_rows=c.host_time(layer, 4) if timed else None,
             copy_s=c.copy_s(nbytes) if nbytes is not None and c.link_bytes_per_s else None,
             link_bytes_per_s=c.link_bytes_per_s,
             host_lag_s=c.host_lag_s,

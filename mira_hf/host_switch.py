@@ -16,7 +16,9 @@ step is timed from its first block to the next step's first block (the time betw
 sampling, is the same either way); each choice keeps its last `history` times and is compared by their
 median, which a pause between two calls does not move. Widths above `max_width` (a prompt's prefill: its
 experts stay on the device anyway) always plan host sends and are not timed. The exploring steps run
-both ways, half of them the slower: the price of knowing.
+both ways, half of them the slower: the price of knowing. Where the answer is clear early, less is paid: once at
+least a window (and two steps) each way has been timed and every recent step with host sends took longer than every
+recent step without them by `stop_margin`, the width turns host sends off without timing the rest of its plan.
 
 Host sends can save at most the time a step waits for copies (a miss the host computes is one the link
 need not carry; a copy that lands in time costs the step nothing). So where the manager reports that
@@ -56,17 +58,19 @@ class HostSwitch:
         rounds: int = 1,
         recheck_steps: int = 128,
         margin: float = 0.03,
+        stop_margin: float = 0.1,
         history: int = 16,
         max_width: int = 64,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if window < 1 or rounds < 1 or recheck_steps < 1 or history < 1 or not 0 <= margin < 1:
+        if window < 1 or rounds < 1 or recheck_steps < 1 or history < 1 or not 0 <= margin < 1 or not stop_margin >= margin:
             raise ValueError(
                 f"HostSwitch(window={window}, rounds={rounds}, recheck_steps={recheck_steps}, history={history}, "
-                f"margin={margin}): window, rounds, recheck_steps and history must be at least 1, margin in [0, 1)"
+                f"margin={margin}, stop_margin={stop_margin}): window, rounds, recheck_steps and history must be at "
+                "least 1, margin in [0, 1), stop_margin at least margin"
             )
         self.window, self.rounds, self.recheck_steps = window, rounds, recheck_steps
-        self.margin, self.history, self.max_width, self.clock = margin, history, max_width, clock
+        self.margin, self.stop_margin, self.history, self.max_width, self.clock = margin, stop_margin, history, max_width, clock
         self.widths: dict[int, _Width] = {}
         # the step being timed: its width, choice, start, and the copy waits reported at its start (None: unknown)
         self._step: tuple[_Width, bool, float, float | None] | None = None
@@ -82,6 +86,8 @@ class HostSwitch:
                 w.stalls.append(max(stall_s - stall0, 0.0))  # the total restarts at zero when stats are reset
             if not w.plan:
                 self._decide(w)
+            elif True in w.plan and self._clearly_slower(w):  # the rest of this exploration could not change the choice
+                w.plan, w.choice, w.since = [], False, 0
         self._step = None
         if width > self.max_width:
             return True
@@ -110,6 +116,13 @@ class HostSwitch:
         if not w.stalls or not w.times[False]:
             return False
         return statistics.median(w.stalls) < self.margin * statistics.median(w.times[False])
+
+    def _clearly_slower(self, w: _Width) -> bool:
+        """Whether a window of steps each way has been timed and every recent step with host sends took longer than
+        every recent step without them by `stop_margin`: host sends are then turned off without timing more of them."""
+        on, off = w.times[True], w.times[False]
+        timed = len(on) >= max(self.window, 2) and len(off) >= self.window  # two: a layer's first use measures its host times
+        return timed and min(on) > (1 + self.stop_margin) * max(off)
 
     def _decide(self, w: _Width) -> None:
         """The faster choice from the times so far; with a choice not yet timed, a round of exploring first,

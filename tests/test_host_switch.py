@@ -34,8 +34,32 @@ def test_it_explores_abba_then_keeps_the_faster_choice():
     s = HostSwitch(window=2, rounds=1, recheck_steps=100, clock=clock)
     assert run(s, clock, 1, 12, host_s=0.010, without_s=0.012) == [True] * 2 + [False] * 4 + [True] * 6
     assert s.summary() == {1: {"host_ms": 10.0, "without_ms": 12.0, "host_sends": True}}
-    clock, s = Clock(), HostSwitch(window=2, rounds=1, recheck_steps=100, clock=clock)
-    assert run(s, clock, 1, 12, host_s=0.012, without_s=0.010) == [True] * 2 + [False] * 4 + [True] * 2 + [False] * 4
+    clock = Clock()
+    s = HostSwitch(window=2, rounds=1, recheck_steps=100, clock=clock)  # 5% slower with host sends: the whole round
+    assert run(s, clock, 1, 12, host_s=0.0105, without_s=0.010) == [True] * 2 + [False] * 4 + [True] * 2 + [False] * 4
+    assert s.summary()[1]["host_sends"] is False
+
+
+def test_host_sends_clearly_slower_stop_the_exploring_early():
+    # 20% slower, past stop_margin: once two steps each way are timed, the second window with host sends is left out
+    clock = Clock()
+    s = HostSwitch(window=2, rounds=1, recheck_steps=100, stop_margin=0.1, clock=clock)
+    assert run(s, clock, 1, 12, host_s=0.012, without_s=0.010) == [True] * 2 + [False] * 10
+    assert s.summary() == {1: {"host_ms": 12.0, "without_ms": 10.0, "host_sends": False}}
+    # where the steps without host sends are timed first (copy waits reported), right after the first window with them
+    clock = Clock()
+    s = HostSwitch(window=2, rounds=1, recheck_steps=100, stop_margin=0.1, clock=clock)
+    chosen = run_waiting(s, clock, 10, host_s=0.012, without_s=0.010, wait_s=0.004)
+    assert chosen == [False] * 2 + [True] * 2 + [False] * 6
+    # one slow step with host sends (a layer's first host use measures its host times) is not a clear loss
+    clock = Clock()
+    s = HostSwitch(window=2, rounds=1, recheck_steps=100, stop_margin=0.1, clock=clock)
+    chosen, host_times = [], iter([0.030] + [0.009] * 4)
+    for _ in range(9):
+        on = s.step(1)
+        chosen.append(on)
+        clock.t += next(host_times) if on else 0.010
+    assert chosen == [True] * 2 + [False] * 4 + [True] * 3
 
 
 def test_a_gain_within_the_margin_keeps_the_exact_path():
@@ -122,6 +146,8 @@ def test_bad_settings_say_what_is_allowed():
         HostSwitch(window=0)
     with pytest.raises(ValueError, match=r"margin=1.5"):
         HostSwitch(margin=1.5)
+    with pytest.raises(ValueError, match=r"stop_margin=0.01.*stop_margin at least margin"):
+        HostSwitch(margin=0.03, stop_margin=0.01)
 
 
 def test_only_auto_switches():

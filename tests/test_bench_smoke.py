@@ -557,3 +557,16 @@ def test_split_rounding_probe_finds_fewer_differences_with_one_rounding(tmp_path
         once["differing_share"]
         < min(rounded["differing_share"], host_fp32["differing_share"], device_fp32["differing_share"]) / 10
     )
+
+
+def test_host_switch_probe_smoke_alternates_every_variant_and_quiet_ones_send_nothing(tmp_path):
+    """benchmarks/host_switch_probe.py on the CPU: a row per variant, each decoded in every round; the variants
+    without host sends (the host path off, or on but never sending) computed no miss on the host."""
+    result = run_benchmark("host_switch_probe", tmp_path, "--smoke", result="-host-switch-probe-qwen3.json")
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == ["without", "auto", "auto-untimed", "auto-prefill", "quiet", "quiet-untimed"]
+    assert all(r["tok_s"] > 0 and len(r["rounds"]) == result["args"]["rounds"] for r in rows.values())
+    assert {v: rows[v]["host_computed"] for v in ("without", "quiet", "quiet-untimed")} == dict.fromkeys(
+        ("without", "quiet", "quiet-untimed"), 0
+    )
+    assert str(result["args"]["batch"]) in result["switch"]  # the decode steps' width was timed

@@ -86,7 +86,7 @@ class HostSwitch:
                 w.stalls.append(max(stall_s - stall0, 0.0))  # the total restarts at zero when stats are reset
             if not w.plan:
                 self._decide(w)
-            elif True in w.plan and self._clearly_slower(w):  # the rest of this exploration could not change the choice
+            elif True in w.plan and self._clearly_slower(w):  # a clear loss: the rest of the exploring is left out
                 w.plan, w.choice, w.since = [], False, 0
         self._step = None
         if width > self.max_width:

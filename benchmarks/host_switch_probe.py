@@ -45,13 +45,22 @@ from mira_hf.host_switch import HostSwitch  # noqa: E402
 VARIANTS = ("without", "auto", "auto-untimed", "auto-prefill", "quiet", "quiet-untimed")
 
 
-def apply(model, variant: str, switch, predictor, policy) -> None:
+class ProbeSwitch(HostSwitch):
+    """ "auto"'s switch, except that steps wider than `max_width` (prefills) plan host sends only while
+    `prefill_sends`."""
+
+    prefill_sends = True
+
+    def step(self, width: int, stall_s: float | None = None) -> bool:
+        return super().step(width, stall_s) and (self.prefill_sends or width <= self.max_width)
+
+
+def apply(model, variant: str, switch: ProbeSwitch, predictor, policy) -> None:
     m = model.mira
+    m.host.switch = switch  # attached while `use` relocates: the step a variant left pending is dropped, not timed
     hc.use(model, "without" if variant == "without" else "host", predictor, policy)
-    quiet = variant.startswith("quiet")
-    m.host.switch = None if quiet else switch
-    if quiet:
-        m.host.sending = False
+    if variant.startswith("quiet"):
+        m.host.switch, m.host.sending = None, False
     m.loader.time_link = m.host.active and not variant.endswith("untimed")
     switch.prefill_sends = variant != "auto-prefill"
 
@@ -90,12 +99,7 @@ def main(argv=None) -> int:
     m = model.mira
     if args.smoke:
         m.host.set_costs(HostCosts(link_bytes_per_s=hc.SMOKE_LINK_BYTES_PER_S))
-    switch = m.host.switch or HostSwitch()
-    if m.host.switch is None:  # "on" (smoke): the probe's switch decides as "auto"'s would
-        m.host.switch = switch
-    step = switch.step
-    switch.prefill_sends = True
-    switch.step = lambda width, stall_s=None: step(width, stall_s) and (switch.prefill_sends or width <= switch.max_width)
+    switch = m.host.switch = ProbeSwitch()  # also on the CPU (--smoke: "on"), where it decides as "auto"'s would
     predictor, policy = m.predictor, m.settings.policy
     ids = wl.prompts(args.batch, args.prompt_len, wl.facts["vocab_size"], device)
     pad = wl.facts["pad_token_id"]

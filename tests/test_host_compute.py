@@ -277,6 +277,33 @@ def test_logits_stay_within_the_bound_when_misses_run_on_the_host(name, dtype):
         assert model.mira.stats()["host_computed"] > 0, impl
 
 
+@pytest.mark.parametrize("mode", ["on", "split"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_under_autocast_the_host_computes_in_the_weights_dtype_within_the_bf16_bound(name, mode):
+    # An fp32 model under torch.autocast: the device's expert matmuls round to bf16 where the unwrapped model's do,
+    # while the host worker computes in the weights' dtype (autocast is a thread's state). The logits keep the
+    # unwrapped model's dtype and stay within the bf16 bound of its own logits under autocast.
+    ref = _tiny(name)
+    if mode == "on":
+        model = _forced(copy.deepcopy(ref))
+    else:
+        model = MiraMoEModel.wrap(
+            copy.deepcopy(ref), MiraConfig(device="cpu", gpu_budget=0.3, host_compute="split", host_share=0.25)
+        )
+    for impl in ("batched_mm", "eager"):  # grouped_mm runs outside autocast: fp32 on both paths
+        ref.set_experts_implementation(impl)
+        model.set_experts_implementation(impl)
+        model.mira.reset_stats()
+        for ids in (IDS, IDS[:, :1]):
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                expected, got = ref(ids).logits, model(ids).logits
+            assert got.dtype == expected.dtype, impl
+            diff = (got.float() - expected.float()).abs().max()
+            assert diff <= BOUND[torch.bfloat16] * expected.float().abs().max(), (impl, ids.shape, float(diff))
+        if mode == "on":
+            assert model.mira.stats()["host_computed"] > 0, impl
+
+
 @pytest.mark.filterwarnings("ignore:mira-hf. model_type")
 @pytest.mark.parametrize("name", ALL_TINY + MULTIMODAL + AUTO_FAMILIES)
 def test_every_family_computes_misses_on_the_host_within_the_bound(name):

@@ -359,8 +359,16 @@ class MoEAdapter:
     # called as `norm(rows [R, H], expert_ids [R])`. Default "": the module's forward is the interface's.
     route_norm: str = ""
     # Where the number of experts per token is found: the first of these attributes set on the block, its
-    # router, the model config or its text config (vision-language models).
-    top_k_attrs: tuple[str, ...] = ("top_k", "num_experts_per_tok", "moe_top_k", "num_experts_per_token")
+    # router, the model config or its text config (vision-language models). Gemma 4's config says `top_k_experts`,
+    # Aria's, Hunyuan's and LongCat's `moe_topk`.
+    top_k_attrs: tuple[str, ...] = (
+        "top_k",
+        "num_experts_per_tok",
+        "moe_top_k",
+        "num_experts_per_token",
+        "top_k_experts",
+        "moe_topk",
+    )
     # Where the experts module keeps its expert tensors and how each expert computes: transformers' fused layout,
     # or `SeparateGluExperts` for a module outside its experts interface (DBRX).
     experts_layout: FusedExperts = field(default=FUSED_EXPERTS, hash=False)

@@ -13,7 +13,7 @@ import composite_models as composites
 import pytest
 import torch
 from composite_models import COMPOSITES, qwen3_omni_thinker_config
-from conftest import align_experts
+from conftest import ALL_TINY, MULTIMODAL, align_experts
 from tiny_models import AUTO_FAMILIES as FAMILIES
 from tiny_models import AUTO_SMALL as SMALL
 from tiny_models import build, config_or_skip, make_auto_config, make_config
@@ -47,6 +47,20 @@ def test_unregistered_family_is_served_exactly_through_the_experts_interface(mod
         assert (model(IDS, use_cache=False).logits - ref(IDS, use_cache=False).logits).abs().max() <= 1e-5
         assert torch.equal(model.generate(IDS, **kw), ref.generate(IDS, **kw))
     assert model.mira.stats()["loads"] > 0  # the experts really were served from the store
+
+
+@pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@pytest.mark.parametrize("model_type", ALL_TINY + MULTIMODAL + FAMILIES)
+def test_each_layers_top_k_is_the_number_of_experts_its_router_picks_per_token(model_type):
+    # The top-k sizes every layer's smallest working set (the budget's slots), its prediction and its staging: it must
+    # be what the router gives the experts, whatever the config calls it (Gemma 4's `top_k_experts`).
+    model = MiraMoEModel.wrap(tiny(model_type), MiraConfig(device="cpu", gpu_budget=0.5))
+    picked = {}
+    model.mira.recorder = lambda layer, hidden, top_k_index: picked.setdefault(layer, top_k_index.shape[1])
+    with torch.no_grad():
+        model(IDS[:, :4])
+    assert picked.keys() == model.mira.layers.keys()
+    assert {layer: info.top_k for layer, info in model.mira.layers.items()} == picked
 
 
 def test_unknown_model_type_without_experts_modules_is_refused_and_untouched():

@@ -352,14 +352,15 @@ def _install(
         undo.callback(manager.close)
         proxies, installed = [], []
         undo.callback(put_back_modules, installed, model)
-        spots = places(model, [t.module for t in targets])
+        spots = places(model, [m for t in targets for m in (t.module, *(twin for _, _, twin in t.twins))])
         for t in targets:
             t.proxy = proxy_for(adapter, t.module, manager, t.ordinal, plan.cfg.cache.prefill_block_tokens)
             proxies.append(t.proxy)
             installed.append(t)
-            for parent, name in spots[id(t.module)] or [(t.parent, t.attr)]:  # every block the module serves
-                setattr(parent, name, t.proxy)
-            SERVED[t.module] = weakref.ref(manager)
+            for owner, attr, module in [(t.parent, t.attr, t.module), *t.twins]:
+                for parent, name in spots[id(module)] or [(owner, attr)]:  # every block the module (or a twin) serves
+                    setattr(parent, name, t.proxy)
+                SERVED[module] = weakref.ref(manager)
         undo.callback(model.to, where)
         model.to(device)
         # Per-instance hooks mark forward steps (the heat clock, serialised threads); always_call

@@ -5,6 +5,7 @@ routers by MoE layer for predictors (`RouterTable`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import warnings
@@ -71,6 +72,10 @@ class Target:
     # what stands for `module` in the model once wrapped (`_install`): found where it sits then (`places`), wherever
     # the model's owner has moved it since (another layer, inside a module of theirs)
     proxy: nn.Module | None = None
+    # experts modules that are `module` in all but identity (`_twin_of`: their expert parameters are its own objects, as
+    # where an encoder's experts are tied to its decoder's), with where each sits: the proxy stands there too, and
+    # the experts are stored once; `unload()` puts each back in its own place
+    twins: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
 
     def parameter(self, name: str, path: str, data: torch.Tensor) -> nn.Parameter:
         """The parameter at `path` (one holding tensor `name`) over `data`: the one kept there (`params`), else a new
@@ -110,16 +115,21 @@ class Target:
 
     def put_back(self) -> None:
         """Give the module back the tensors `release` took out of it, as they were, in the parameters that stood for
-        them."""
+        them (its twins' too)."""
         for (name, path), data in self.kept.items():
-            self.layout.set(self.module, path, self.parameter(name, path, data))
+            self._set(path, self.parameter(name, path, data))
 
     def restore(self, store: ExpertStore) -> None:
         """Give the module back its tensors, rebuilt from the store's records, in the parameters that stood for them
-        (`params`), each a tensor of its own."""
+        (`params`), each a tensor of its own (its twins the same parameters)."""
         for name, tensor in store.fused(self.ordinal).items():
             for path, part in at_paths(self.layout, name, tensor, self.num_experts):
-                self.layout.set(self.module, path, self.parameter(name, path, part))
+                self._set(path, self.parameter(name, path, part))
+
+    def _set(self, path: str, param: nn.Parameter) -> None:
+        self.layout.set(self.module, path, param)
+        for _, _, twin in self.twins:  # the same parameter, as before wrapping (a new one, where torch made one)
+            self.layout.set(twin, path, param)
 
 
 def places(model: nn.Module, modules: list[nn.Module]) -> dict[int, list[tuple[nn.Module, str]]]:
@@ -213,9 +223,15 @@ def find_targets(
             f"with experts elsewhere: {_HOW_TO_ADD}"
         )
     targets = []
-    for ordinal, (name, module) in enumerate(found):
+    for name, module in found:
         if isinstance(module, MiraExperts):
             raise ConfigError(f"{name} is already a MiraExperts proxy: this model is wrapped. Call model.unload() first.")
+        twin = _twin_of(module, targets, adapter.experts_layout) if streamed is None else None
+        if twin is not None:  # served by its twin's proxy, from its twin's records
+            parent_name, _, attr = name.rpartition(".")
+            twin.twins.append((model.get_submodule(parent_name) if parent_name else model, attr, module))
+            continue
+        ordinal = len(targets)
         serving = SERVED.get(module)
         if serving is not None and serving() is not None and not serving().closed:
             raise ConfigError(
@@ -284,6 +300,62 @@ def find_targets(
             stacklevel=4,
         )
     return targets
+
+
+def _twin_of(module: nn.Module, targets: list[Target], layout: FusedExperts) -> Target | None:
+    """The target whose experts module `module` computes as in all but identity, or None (`_alike`). Such a module
+    shares its experts with the other (Diffusion Gemma's encoder ties each layer's to its decoder's): one store layer
+    serves both, and the layer is visited twice per forward, as a looped decoder's is."""
+    if layout.nested or not any(True for _ in module.parameters()):
+        return None
+    return next((t for t in targets if not t.layout.nested and _alike(t.module, module)), None)
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"training"}  # what every module keeps: parameters, buffers, hooks
+
+
+def _alike(a: nn.Module, b: nn.Module) -> bool:
+    """Whether module `b` computes as `a` does, and may stand in `a`'s place: the same class, each parameter and
+    buffer the very tensor `a` holds under that name, its other attributes the same objects or equal, no hooks of its
+    own (they would not run where `a`'s proxy stands), and its children alike in turn."""
+    if type(a) is not type(b) or a is b:
+        return False
+    if any(table for key, table in vars(b).items() if "hook" in key and key != "_is_full_backward_hook"):
+        return False
+    if a._parameters.keys() != b._parameters.keys() or a._buffers.keys() != b._buffers.keys():
+        return False
+    tensors = [*zip(a._parameters.values(), b._parameters.values()), *zip(a._buffers.values(), b._buffers.values())]
+    if any(x is not y for x, y in tensors):
+        return False
+    own = lambda m: {k: v for k, v in vars(m).items() if k not in _MODULE_INTERNALS}  # noqa: E731
+    oa, ob = own(a), own(b)
+    if oa.keys() != ob.keys() or a._modules.keys() != b._modules.keys():
+        return False
+    if not all(_same_value(v, ob[key]) for key, v in oa.items()):
+        return False
+    children = zip(a._modules.values(), b._modules.values())
+    return all(x is y or (x is not None and y is not None and _alike(x, y)) for x, y in children)
+
+
+def _same_value(v: object, w: object) -> bool:
+    """Whether attribute values `v` and `w` are the same object or equal values of one type (a `functools.partial`, as
+    an activation keeps, by its function and arguments); an equality that raises (a per-layer config read globally)
+    or gives no bool (tensors) is not known to hold."""
+    if v is w:
+        return True
+    if type(v) is not type(w):
+        return False
+    if isinstance(v, functools.partial):
+        return (
+            v.func is w.func
+            and len(v.args) == len(w.args)
+            and all(map(_same_value, v.args, w.args))
+            and (v.keywords.keys() == w.keywords.keys() and all(_same_value(x, w.keywords[k]) for k, x in v.keywords.items()))
+        )
+    try:
+        return bool(v == w)
+    except Exception:
+        return False
 
 
 def _module_parameters(module: nn.Module, layout: FusedExperts, tensors: dict, E: int) -> dict[str, nn.Parameter]:

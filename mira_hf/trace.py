@@ -187,6 +187,12 @@ def record_trace(model, input_ids: torch.Tensor, progress: bool = True) -> Routi
         # h [B, H], top_k_index [B, K]: one new token per sequence
         if layer in seen:
             raise UnsupportedModelError(looped(layer))
+        if top_k_index.shape[0] != B:
+            raise UnsupportedModelError(
+                f"MoE layer {layer} routed {top_k_index.shape[0]} rows for the {B} new tokens of a step: this model "
+                "does not compute one row per new token (a diffusion model's canvas), and a routing trace records one "
+                "routing per layer and token, so it cannot record this model. Serving it is unaffected."
+            )
         if hidden is None:
             hidden = torch.zeros((S, L, B, h.shape[-1]), dtype=torch.float16)
         experts[step, layer, :, : top_k_index.shape[1]] = top_k_index.detach().cpu()
@@ -276,11 +282,12 @@ def require_every_layer_routed(layers, routed: dict[int, int], total: int) -> No
 
 
 def looped(layer: int, what: str = "twice in one forward step") -> str:
-    """The message for a model that runs an MoE layer more than once per token (a looped decoder)."""
+    """The message for a model that runs an MoE layer more than once per token (a looped decoder, or experts modules
+    tied to another block's, which one layer serves: `targets._twin_of`)."""
     return (
         f"MoE layer {layer} routed {what}: this model runs some of its layers more than once per token (looped "
-        "layers), and a routing trace or a calibration records one routing per layer and token, so it cannot record "
-        "this model. Serving it is unaffected."
+        "layers, or experts tied across blocks, which one layer serves), and a routing trace or a calibration records "
+        "one routing per layer and token, so it cannot record this model. Serving it is unaffected."
     )
 
 

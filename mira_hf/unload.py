@@ -112,10 +112,12 @@ def put_back_modules(targets: list[Target], model: nn.Module) -> None:
         give_back_hooks(t.proxy, t.module)
         t.proxy.restore_owners()
         found = spots[id(t.proxy)]
-        if t.parent._modules.get(t.attr) is t.proxy and all(p is not t.parent for p, _ in found):
-            found.append((t.parent, t.attr))  # its MoE block moved into another model: the module goes back there too
+        for parent, attr, _ in [(t.parent, t.attr, t.module), *t.twins]:
+            if parent._modules.get(attr) is t.proxy and all(p is not parent for p, _ in found):
+                found.append((parent, attr))  # its MoE block moved into another model: the module goes back there too
+        twin_at = {(id(parent), attr): twin for parent, attr, twin in t.twins}  # where a twin sat, it goes back
         for parent, name in found:
-            setattr(parent, name, t.module)
+            setattr(parent, name, twin_at.get((id(parent), name), t.module))
 
 
 def save_pretrained(model: nn.Module, save_directory, **kwargs):
@@ -182,6 +184,9 @@ class SaveExperts:
 
     def __init__(self, whole, layers: list[int], model: nn.Module, save_directory) -> None:
         self.whole, self._buffer, self._at, self._handed = whole, None, 0, set()
+        # layers whose experts modules have twins (`Target.twins`: tied to them), and the tensors handed for each
+        self._tied = {t.ordinal for t in getattr(model, "_mira_targets", ()) if t.twins}
+        self._first: dict[int, dict[str, torch.Tensor]] = {}
         need = sum(_decoded_bytes(whole, layer) for layer in layers)
         room = available_host_bytes()
         if not need or room is None or need <= SAVE_HOST_SHARE * room:
@@ -212,13 +217,20 @@ class SaveExperts:
     def fused(self, layer: int) -> dict[str, torch.Tensor]:
         """name -> [E, ...] of `layer`'s experts: the store's views, or decoded; asked again (the experts module sits
         at another place too), a copy of its own in host memory (one tensor under two names would be taken for one
-        tied weight)."""
+        tied weight), except for a layer whose experts are tied (its twins' places): the same tensors, as the unwrapped
+        model's state dict gives, which transformers writes once."""
         again = layer in self._handed
         self._handed.add(layer)
+        if again and layer in self._first:
+            return self._first[layer]
         views = self.whole.expert_views(layer)
         if views is not None:
-            return {n: v.clone() for n, v in views.items()} if again else views
-        return self.whole.fused(layer, torch.empty if again else self._alloc)
+            out = {n: v.clone() for n, v in views.items()} if again else views
+        else:
+            out = self.whole.fused(layer, torch.empty if again else self._alloc)
+        if layer in self._tied:
+            self._first[layer] = out
+        return out
 
     def _alloc(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A new tensor in the buffer (each on a storage of its own, as separate tensors are), or in host memory."""

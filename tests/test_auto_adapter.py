@@ -14,6 +14,7 @@ import pytest
 import torch
 from composite_models import COMPOSITES, qwen3_omni_thinker_config
 from conftest import ALL_TINY, MULTIMODAL, align_experts
+from safetensors.torch import load_file
 from tiny_models import AUTO_FAMILIES as FAMILIES
 from tiny_models import AUTO_SMALL as SMALL
 from tiny_models import build, config_or_skip, make_auto_config, make_config
@@ -217,7 +218,7 @@ def test_transposed_vision_language_checkpoint_streams(tmp_path):
     transposes as it loads them (where the shapes differ from the model's): read one expert at a time and
     transposed the same way, outputs are exact."""
     import transformers
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     if not hasattr(transformers, "Qwen3VLMoeForConditionalGeneration"):
         pytest.skip(f"transformers {transformers.__version__} has no qwen3_vl_moe")
@@ -328,10 +329,12 @@ def test_a_model_class_that_cannot_build_the_checkpoint_is_refused_before_loadin
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
 
 
-def test_experts_tied_across_two_stacks_are_served_exactly_and_never_streamed(tmp_path):
+def test_experts_tied_across_two_stacks_are_served_exactly_stored_once_and_never_streamed(tmp_path):
     """Diffusion Gemma's encoder and decoder share their experts' tensors; the checkpoint stores them once, under
-    the decoder. Wrapped or loaded whole, outputs are exact; the encoder's experts have no keys of their own, so
-    streaming them is refused before anything is read when asked for, and loads whole when automatic."""
+    the decoder. Wrapped or loaded whole, outputs are exact and the store holds one stack's experts, which one proxy
+    per layer serves in both stacks; `save_pretrained` writes the files the unwrapped model writes, and `unload()`
+    gives each stack its own modules back, still tied. The encoder's experts have no keys of their own, so streaming
+    them is refused before anything is read when asked for, and loads whole when automatic."""
     import transformers
 
     if not hasattr(transformers, "DiffusionGemmaConfig"):
@@ -366,8 +369,21 @@ def test_experts_tied_across_two_stacks_are_served_exactly_and_never_streamed(tm
         assert len(whole) == (cfg.host_budget is not None)  # automatic streaming (a host budget) falls back
         assert torch.equal(logits(model), expected)
         assert model.mira.stats()["loads"] > 0
+    decoder = [layer.experts for layer in ref.model.decoder.layers]
+    encoder = [layer.experts for layer in ref.model.encoder.language_model.layers]
+    assert [m.down_proj for m in encoder] == [m.down_proj for m in decoder]  # tied: the same tensors
+    one_stack = sum(p.numel() * p.element_size() for m in decoder for p in m.parameters())
+    ref.save_pretrained(tmp_path / "unwrapped")
     with pytest.warns(UserWarning, match="has no adapter"):
         MiraMoEModel.wrap(ref, MiraConfig(device="cpu", gpu_budget=0.5))
+    assert (len(ref.mira.layers), ref.mira.store.nbytes) == (len(decoder), one_stack)
+    assert torch.equal(logits(ref), expected)
+    ref.save_pretrained(tmp_path / "wrapped")
+    saved, unwrapped = (load_file(tmp_path / d / "model.safetensors") for d in ("wrapped", "unwrapped"))
+    assert saved.keys() == unwrapped.keys() and all(torch.equal(saved[k], unwrapped[k]) for k in saved)
+    ref.unload()
+    assert [layer.experts for layer in ref.model.encoder.language_model.layers] == encoder
+    assert all(e.down_proj is d.down_proj and e.gate_up_proj is d.gate_up_proj for e, d in zip(encoder, decoder))
     assert torch.equal(logits(ref), expected)
 
 

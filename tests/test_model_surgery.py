@@ -127,6 +127,71 @@ def test_one_experts_module_shared_by_two_blocks_is_served_in_both(name, tmp_pat
     assert b.mlp.experts is a.mlp.experts and not isinstance(a.mlp.experts, MiraExperts)
 
 
+def _tie(model) -> None:
+    """The second MoE block's experts take the first's parameters (the same tensors), in a module of their own."""
+    a, b = _blocks(model)[:2]
+    for name, param in a.mlp.experts.named_parameters(recurse=False):
+        setattr(b.mlp.experts, name, param)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_experts_modules_tied_to_each_other_are_stored_once_and_unloaded_in_their_own_places(name, tmp_path):
+    """Two experts modules of their own whose parameters are the same tensors (a layer's experts tied to another's,
+    as Diffusion Gemma ties its encoder's to its decoder's): the store holds them once and one proxy serves both
+    blocks; the model computes as the unwrapped one does, loading into either name reaches both, saving is refused as
+    transformers refuses it for the unwrapped model (the tie is not declared), and `unload()` puts each module back
+    in its own place, still tied."""
+    config = config_or_skip(name)
+    torch.manual_seed(0)
+    ref = build(config).eval()
+    model = build(config).eval()
+    model.load_state_dict(ref.state_dict())
+    for m in (ref, model):
+        _tie(m)
+    modules = [block.mlp.experts for block in _blocks(model)]
+    distinct = {id(p): p for m in modules for p in m.parameters()}.values()
+    model = MiraMoEModel.wrap(model, MiraConfig(gpu_budget=0.3, device="cpu"))
+    assert len(model.mira.layers) == len(modules) - 1
+    assert model.mira.store.nbytes == sum(p.numel() * p.element_size() for p in distinct)
+    a, b = _blocks(model)[:2]
+    assert isinstance(a.mlp.experts, MiraExperts) and b.mlp.experts is a.mlp.experts
+    assert set(model.state_dict()) == set(ref.state_dict())
+    assert torch.equal(_logits(model), _logits(ref))
+    paths = {id(m): path for path, m in ref.named_modules()}
+    key = f"{paths[id(_blocks(ref)[1].mlp.experts)]}.down_proj"  # the tied module's own name for the tensor
+    other = key.replace(paths[id(_blocks(ref)[1].mlp.experts)], paths[id(_blocks(ref)[0].mlp.experts)])
+    edited = ref.state_dict()[key] * 1.5
+    for m in (ref, model):
+        m.load_state_dict({key: edited}, strict=False)
+    assert torch.equal(model.state_dict()[other], edited)
+    assert torch.equal(_logits(model), _logits(ref))
+    with pytest.raises(RuntimeError, match="shared tensors") as refused:
+        ref.save_pretrained(tmp_path / "ref")
+    with pytest.raises(RuntimeError, match="shared tensors") as also:
+        model.save_pretrained(tmp_path / "saved")
+    assert str(also.value) == str(refused.value)
+    expected = _logits(ref)
+    model.unload()
+    assert [block.mlp.experts for block in _blocks(model)] == modules
+    assert all(p is modules[0]._parameters[n] for n, p in modules[1]._parameters.items())  # still tied
+    assert torch.equal(_logits(model), expected)
+
+
+def test_a_tied_experts_module_with_hooks_of_its_own_keeps_its_own_proxy():
+    """An experts module tied to another's but with a forward hook of its own is not served by the other's proxy (its
+    hook would not run there): it keeps a layer of its own, and its hook runs at each call as unwrapped."""
+    ref, model = _pair("mixtral")
+    model.unload()
+    calls = []
+    for m in (ref, model):
+        _tie(m)
+    _blocks(model)[1].mlp.experts.register_forward_hook(lambda *args: calls.append(1))
+    model = MiraMoEModel.wrap(model, MiraConfig(gpu_budget=0.3, device="cpu"))
+    assert len(model.mira.layers) == len(_blocks(model))
+    assert torch.equal(_logits(model), _logits(ref))
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize(
     "index",
     [[[-1, 2]], [[-1, 2], [1, 2], [0, 3]], [[11, 1]], [[9, 2], [1, 2], [0, 3]], [[1.0, 2.0], [1.0, 2.0], [0.0, 3.0]]],

@@ -272,6 +272,22 @@ def test_a_batch_of_prompts_is_one_block_per_layer_then_decodes_together():
     assert (r["misses"], r["hits"], r["uses"], r["steps"], r["tokens"], r["prompt_loads"]) == (2, 2, 4, 2, 4, 3)
 
 
+def test_recording_a_model_whose_experts_route_more_rows_than_new_tokens_is_refused_clearly():
+    """A model whose MoE layers compute more rows than a step's new tokens (a diffusion model's canvas; here a hook
+    that gives an experts module each row twice) cannot be traced one routing per token: refused, saying so, where
+    it had failed in the trace's own indexing."""
+    from tiny_models import build, config_or_skip
+
+    from mira_hf.errors import UnsupportedModelError
+
+    model = MiraMoEModel.wrap(build(config_or_skip("mixtral")).eval(), MiraConfig(device="cpu", gpu_budget=0.5))
+    experts = model.model.layers[0].mlp.experts
+    experts.register_forward_pre_hook(lambda module, args: tuple(torch.cat([a, a]) for a in args))
+    ids = torch.randint(3, 100, (1, 4), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(UnsupportedModelError, match=r"MoE layer 0 routed 2 rows for the 1 new tokens of a step"):
+        record_trace(model, ids, progress=False)
+
+
 def test_a_looped_decoder_counts_one_step_per_forward_and_recording_it_is_refused_clearly():
     """A decoder that runs some layers several times per token (Inkling 2's loop) calls those MoE layers again within
     one forward: that is still one step (counters, hit-rate history), and a trace or calibration, which records one

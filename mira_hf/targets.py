@@ -303,9 +303,9 @@ def find_targets(
 
 
 def _twin_of(module: nn.Module, targets: list[Target], layout: FusedExperts) -> Target | None:
-    """The target whose experts module `module` computes as in all but identity, or None (`_alike`). Such a module
-    shares its experts with the other (Diffusion Gemma's encoder ties each layer's to its decoder's): one store layer
-    serves both, and the layer is visited twice per forward, as a looped decoder's is."""
+    """The target whose experts module `module` matches in all but identity (`_alike`), or None. Such a module shares
+    its experts with the other (Diffusion Gemma's encoder ties each layer's to its decoder's): one store layer serves
+    both, and the layer is visited twice per forward, as a looped decoder's is."""
     if layout.nested or not any(True for _ in module.parameters()):
         return None
     return next((t for t in targets if not t.layout.nested and _alike(t.module, module)), None)

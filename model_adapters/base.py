@@ -10,8 +10,9 @@ That is what an adapter records; the proxy reads the rest (flags, gate function)
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,15 @@ class RouterLinear:
     bias: torch.Tensor | None  # [E]
     scoring: str  # "softmax", or "sigmoid" (plus `correction`, the DeepSeek-V3 selection bias)
     correction: torch.Tensor | None  # [E]
+    # Group-limited routing (DeepSeek's `num_group`, `topk_group`): the experts form `groups` equal groups and each
+    # token chooses only among those of its `topk_group` best groups, a group scored by the sum of its two best
+    # selection scores ("top2", DeepSeek-V3's and its kin's) or by its best ("max", DeepSeek-V2's group-limited greedy)
+    groups: int = 1
+    topk_group: int = 0
+    group_score: str = "top2"
+    # The router's own scoring function where it keeps one (`score_fn`: DeepSeek-V4's sqrt-softplus), in place of
+    # `scoring`'s; the selection bias is added to its scores
+    score_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, E], in the router's dtype."""
@@ -61,12 +71,21 @@ class RouterLinear:
         return self.probs_from(self.logits(hidden))
 
     def probs_from(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [T, E] -> [T, E] float32 probabilities."""
+        """`logits` [T, E] -> [T, E] float32 probabilities (selection scores: those of experts outside a token's
+        chosen groups are -inf, ranked last)."""
         logits = logits.float()
-        if self.scoring == "sigmoid":
-            scores = logits.sigmoid()
-            return scores + self.correction.float() if self.correction is not None else scores
-        return logits.softmax(dim=-1)
+        if self.score_fn is not None or self.scoring == "sigmoid":
+            scores = self.score_fn(logits) if self.score_fn is not None else logits.sigmoid()
+            scores = scores + self.correction.float() if self.correction is not None else scores
+        else:
+            scores = logits.softmax(dim=-1)
+        if not 0 < self.topk_group < self.groups:
+            return scores
+        T, E = scores.shape
+        by_group = scores.view(T, self.groups, E // self.groups)
+        rank = by_group.topk(2, dim=-1).values.sum(-1) if self.group_score == "top2" else by_group.amax(-1)  # [T, G]
+        chosen = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, rank.topk(self.topk_group, dim=-1).indices, True)
+        return scores.masked_fill(~chosen.repeat_interleave(E // self.groups, dim=1), float("-inf"))
 
 
 @dataclass(frozen=True)
@@ -401,13 +420,53 @@ class MoEAdapter:
         weight = None if router is None else _get_path(router, self.router_weight_attr)
         if not (isinstance(weight, torch.Tensor) and weight.dim() == 2):  # a quantized Linear's `weight` is a method
             return None
+        if _reads_token_ids(router):  # its choice is not the hidden states' (a hash router looks experts up by token)
+            return None
+        score_fn = getattr(router, "score_fn", None)
         return RouterLinear(
-            weight, getattr(router, "bias", None), self.scoring(router), getattr(router, "e_score_correction_bias", None)
+            weight,
+            getattr(router, "bias", None),
+            self.scoring(router, block),
+            _selection_bias(router, block),
+            *_groups(router, weight.shape[0]),
+            score_fn if callable(score_fn) else None,
         )
 
-    def scoring(self, router: nn.Module) -> str:
+    def scoring(self, router: nn.Module, block: nn.Module | None = None) -> str:
         """How this router's logits become probabilities: `router_scoring`."""
         return self.router_scoring
+
+
+def _groups(router: nn.Module, num_experts: int) -> tuple[int, int, str]:
+    """(groups, topk_group, group score) of a router with group-limited routing, as DeepSeek's routers keep them
+    (`num_group`, `topk_group`; a `topk_method` other than "greedy" scores a group by its best expert); (1, 0, "top2")
+    for one that chooses among all its experts."""
+    groups, topk_group = getattr(router, "num_group", None), getattr(router, "topk_group", None)
+    method = getattr(router, "topk_method", None)
+    if not (isinstance(groups, int) and isinstance(topk_group, int) and groups > 1 and num_experts % groups == 0):
+        return 1, 0, "top2"
+    if method == "greedy":
+        return 1, 0, "top2"
+    return groups, topk_group, "top2" if method is None else "max"
+
+
+def _reads_token_ids(router: nn.Module) -> bool:
+    """Whether `router`'s forward takes token ids (DeepSeek-V4's hash router looks its experts up by token): what it
+    chooses cannot be predicted from hidden states."""
+    try:
+        names = list(inspect.signature(type(router).forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return any(name in ("input_ids", "token_ids") for name in names)
+
+
+def _selection_bias(router: nn.Module, block: nn.Module | None) -> torch.Tensor | None:
+    """The bias added to a router's scores to choose experts (`e_score_correction_bias`, DeepSeek-V3's): the router's
+    own, or its block's, which passes it to the router (MiniMax-M2's)."""
+    bias = getattr(router, "e_score_correction_bias", None)
+    if bias is None and block is not None:
+        bias = getattr(block, "e_score_correction_bias", None)
+    return bias if isinstance(bias, torch.Tensor) else None
 
 
 def _get_path(obj: object, path: str):
@@ -496,15 +555,15 @@ class AutoAdapter(GenericAdapter):
     """For a model type without an adapter: every module transformers built with its experts interface is
     served (the proxy reads the layout flags and gate function from the module itself, so outputs are
     exact as for any family). The router is found beside the experts as in `GenericAdapter`; its logits
-    are scored with a sigmoid where it carries a selection bias (`e_score_correction_bias`, the
-    DeepSeek-V3 style), else a softmax. That only ranks predictions: a family whose routing differs costs
+    are scored with a sigmoid where it or its block carries a selection bias (`e_score_correction_bias`,
+    the DeepSeek-V3 style), else a softmax. That only ranks predictions: a family whose routing differs costs
     prefetch accuracy, never a token."""
 
     def find_experts(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return [(n, m) for n, m in model.named_modules() if is_transformers_experts(m)]
 
-    def scoring(self, router: nn.Module) -> str:
-        return "sigmoid" if getattr(router, "e_score_correction_bias", None) is not None else "softmax"
+    def scoring(self, router: nn.Module, block: nn.Module | None = None) -> str:
+        return "sigmoid" if _selection_bias(router, block) is not None else "softmax"
 
 
 def auto_adapter(model_type: str | None) -> AutoAdapter:

@@ -486,6 +486,63 @@ def test_qwen3_omni_loads_as_its_own_class_with_the_thinkers_and_the_talkers_exp
     assert model.mira.stats()["loads"] > 0
 
 
+# Routers whose choice is more than the top-k of one linear map's softmax: group-limited (DeepSeek-V3's and GLM-4.5's
+# groups ranked by their two best scores, DeepSeek-V2's group-limited greedy by their best), a selection bias kept on
+# the block (MiniMax-M2), a scoring function of the router's own (DeepSeek-V4's sqrt-softplus).
+ROUTERS = {
+    "deepseek_v3": dict(n_group=4, topk_group=2),
+    "deepseek_v2": dict(n_group=4, topk_group=2, topk_method="group_limited_greedy"),
+    "glm4_moe": dict(n_group=4, topk_group=2),
+    "minimax_m2": {},
+    "deepseek_v4": dict(mlp_layer_types=["moe", "moe"]),
+}
+
+
+@pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+@pytest.mark.parametrize("model_type", sorted(ROUTERS))
+def test_the_router_a_predictor_applies_chooses_what_the_model_routes(model_type):
+    """Router lookahead applies each layer's router to earlier hidden states. Applied to the layer's own rows, with
+    trained-looking selection biases, it must rank first the experts the model's router chooses for each token."""
+    overrides = ROUTERS[model_type]
+    config = make_config(model_type, **overrides) if model_type in ALL_TINY else make_auto_config(model_type, **overrides)
+    if config is None:
+        pytest.skip(f"this transformers has no {model_type}")
+    torch.manual_seed(0)
+    model = build(config).eval()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.05)
+    MiraMoEModel.wrap(model, MiraConfig(device="cpu", gpu_budget=0.5))
+    routed = []
+    model.mira.recorder = lambda layer, hidden, top_k_index: routed.append((layer, hidden.clone(), top_k_index.clone()))
+    with torch.no_grad():
+        model(torch.randint(3, 120, (1, 24), generator=torch.Generator().manual_seed(1)))
+    assert routed
+    for layer, hidden, chosen in routed:
+        router = model.mira.router_probs.linear(layer)
+        assert router is not None, layer
+        ranked = router.probs(hidden).topk(chosen.shape[1], dim=-1).indices
+        assert [set(r) for r in ranked.tolist()] == [set(c) for c in chosen.tolist()], layer
+
+
+def test_a_router_that_looks_experts_up_by_token_is_not_used_to_predict():
+    """DeepSeek-V4's first layers route by a table of token ids (hash routing): no hidden state predicts them, so the
+    predictor applies no router there; served exactly."""
+    config = make_auto_config("deepseek_v4", mlp_layer_types=["hash_moe", "moe"])
+    if config is None:
+        pytest.skip("this transformers has no deepseek_v4")
+    torch.manual_seed(0)
+    model = build(config).eval()
+    with torch.no_grad():
+        ref = model(IDS).logits
+    with pytest.warns(UserWarning, match="has no adapter"):
+        MiraMoEModel.wrap(model, MiraConfig(device="cpu", gpu_budget=0.5))
+    assert [model.mira.router_probs.linear(layer) is None for layer in sorted(model.mira.layers)] == [True, False]
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref)
+
+
 def test_router_reading_a_wider_state_than_its_experts_is_not_used_to_predict():
     """Muse Spark's router reads the hidden state; its experts take it projected down (moe_hidden_size). The
     predictor must not apply that router to the experts' rows: served exactly, with the default predictor."""

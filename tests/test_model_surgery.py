@@ -17,13 +17,19 @@ IDS = torch.tensor([[5, 9, 14, 33, 60, 71, 80], [7, 21, 4, 8, 11, 3, 99]])
 FAMILIES = ["mixtral", "deepseek_v3", "gpt_oss"]  # standard experts; a dense first layer; transposed, biased experts
 
 
-def _pair(name: str):
-    """(unwrapped, wrapped) copies of one tiny model, the second wrapped with room for a third of its experts."""
+def _copies(name: str):
+    """Two copies of one tiny model, unwrapped."""
     config = config_or_skip(name)
     torch.manual_seed(0)
     ref = build(config).eval()
     model = build(config).eval()
     model.load_state_dict(ref.state_dict())
+    return ref, model
+
+
+def _pair(name: str):
+    """(unwrapped, wrapped) copies of one tiny model, the second wrapped with room for a third of its experts."""
+    ref, model = _copies(name)
     return ref, MiraMoEModel.wrap(model, MiraConfig(gpu_budget=0.3, device="cpu"))
 
 
@@ -110,11 +116,7 @@ def test_one_experts_module_shared_by_two_blocks_is_served_in_both(name, tmp_pat
     """One experts module in two MoE blocks before wrapping (a layer's experts reused by another): both blocks call
     the proxy, the state dict names it at both paths as the unwrapped model's does, and `unload()` puts the module
     back in both."""
-    config = config_or_skip(name)
-    torch.manual_seed(0)
-    ref = build(config).eval()
-    model = build(config).eval()
-    model.load_state_dict(ref.state_dict())
+    ref, model = _copies(name)
     for m in (ref, model):
         a, b = _blocks(m)[:2]
         b.mlp.experts = a.mlp.experts
@@ -141,11 +143,7 @@ def test_experts_modules_tied_to_each_other_are_stored_once_and_unloaded_in_thei
     blocks; the model computes as the unwrapped one does, loading into either name reaches both, saving is refused as
     transformers refuses it for the unwrapped model (the tie is not declared), and `unload()` puts each module back
     in its own place, still tied."""
-    config = config_or_skip(name)
-    torch.manual_seed(0)
-    ref = build(config).eval()
-    model = build(config).eval()
-    model.load_state_dict(ref.state_dict())
+    ref, model = _copies(name)
     for m in (ref, model):
         _tie(m)
     modules = [block.mlp.experts for block in _blocks(model)]
@@ -180,8 +178,7 @@ def test_experts_modules_tied_to_each_other_are_stored_once_and_unloaded_in_thei
 def test_a_tied_experts_module_with_hooks_of_its_own_keeps_its_own_proxy():
     """An experts module tied to another's but with a forward hook of its own is not served by the other's proxy (its
     hook would not run there): it keeps a layer of its own, and its hook runs at each call as unwrapped."""
-    ref, model = _pair("mixtral")
-    model.unload()
+    ref, model = _copies("mixtral")
     calls = []
     for m in (ref, model):
         _tie(m)

@@ -418,6 +418,10 @@ class MoEAdapter:
         only to *predict* experts (never to route), so an approximation costs bandwidth, not correctness."""
         router = self.router(block)
         weight = None if router is None else _get_path(router, self.router_weight_attr)
+        linear = router
+        if weight is None and router is not None:  # its map is a Linear inside it, all its parameters (HunYuan's `wg`)
+            linear = _only_linear(router)
+            weight = None if linear is None else linear.weight
         if not (isinstance(weight, torch.Tensor) and weight.dim() == 2):  # a quantized Linear's `weight` is a method
             return None
         if _reads_token_ids(router):  # its choice is not the hidden states' (a hash router looks experts up by token)
@@ -425,7 +429,7 @@ class MoEAdapter:
         score_fn = getattr(router, "score_fn", None)
         return RouterLinear(
             weight,
-            getattr(router, "bias", None),
+            getattr(linear, "bias", None),
             self.scoring(router, block),
             _selection_bias(router, block),
             *_groups(router, weight.shape[0]),
@@ -461,12 +465,24 @@ def _reads_token_ids(router: nn.Module) -> bool:
 
 
 def _selection_bias(router: nn.Module, block: nn.Module | None) -> torch.Tensor | None:
-    """The bias added to a router's scores to choose experts (`e_score_correction_bias`, DeepSeek-V3's): the router's
-    own, or its block's, which passes it to the router (MiniMax-M2's)."""
-    bias = getattr(router, "e_score_correction_bias", None)
-    if bias is None and block is not None:
-        bias = getattr(block, "e_score_correction_bias", None)
-    return bias if isinstance(bias, torch.Tensor) else None
+    """The bias added to a router's scores to choose experts (`e_score_correction_bias`, DeepSeek-V3's; AFMoE's
+    `expert_bias`): the router's own, or its block's, which passes it to the router (MiniMax-M2's, AFMoE's)."""
+    for owner in (router, block):
+        for name in ("e_score_correction_bias", "expert_bias"):
+            bias = getattr(owner, name, None) if owner is not None else None
+            if isinstance(bias, torch.Tensor):
+                return bias
+    return None
+
+
+def _only_linear(router: nn.Module) -> nn.Linear | None:
+    """The `nn.Linear` inside `router` that holds every parameter it has (a router module around one linear map), or
+    None where it has others (a norm's scale, a second layer: then it is no single linear map)."""
+    linears = [m for m in router.modules() if isinstance(m, nn.Linear)]
+    if len(linears) != 1:
+        return None
+    params = {id(p) for p in router.parameters()}
+    return linears[0] if params == {id(p) for p in linears[0].parameters()} else None
 
 
 def _get_path(obj: object, path: str):
@@ -489,9 +505,14 @@ class GenericAdapter(MoEAdapter):
     def router(self, block: nn.Module) -> nn.Module | None:
         experts = getattr(block, "experts", None)
         E = getattr(experts, "num_experts", None)
-        for name, child in block.named_children():
-            w = getattr(child, "weight", None)
-            if name != "experts" and isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == E:
+        routes = lambda w: isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == E  # noqa: E731
+        children = [(name, child) for name, child in block.named_children() if name != "experts"]
+        for _, child in children:
+            if routes(getattr(child, "weight", None)):
+                return child
+        for _, child in children:  # a router module around one linear map (HunYuan's `gate.wg`, AFMoE's `router.gate`)
+            linear = _only_linear(child)
+            if linear is not None and routes(linear.weight):
                 return child
         return None
 

@@ -488,13 +488,16 @@ def test_qwen3_omni_loads_as_its_own_class_with_the_thinkers_and_the_talkers_exp
 
 # Routers whose choice is more than the top-k of one linear map's softmax: group-limited (DeepSeek-V3's and GLM-4.5's
 # groups ranked by their two best scores, DeepSeek-V2's group-limited greedy by their best), a selection bias kept on
-# the block (MiniMax-M2), a scoring function of the router's own (DeepSeek-V4's sqrt-softplus).
+# the block (MiniMax-M2, AFMoE), a scoring function of the router's own (DeepSeek-V4's sqrt-softplus); and routers
+# whose linear map is a module inside them (HunYuan's `gate.wg`, AFMoE's `router.gate`).
 ROUTERS = {
     "deepseek_v3": dict(n_group=4, topk_group=2),
     "deepseek_v2": dict(n_group=4, topk_group=2, topk_method="group_limited_greedy"),
     "glm4_moe": dict(n_group=4, topk_group=2),
     "minimax_m2": {},
     "deepseek_v4": dict(mlp_layer_types=["moe", "moe"]),
+    "afmoe": {},
+    "hunyuan_v1_moe": {},
 }
 
 
@@ -510,9 +513,9 @@ def test_the_router_a_predictor_applies_chooses_what_the_model_routes(model_type
     torch.manual_seed(0)
     model = build(config).eval()
     with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.05)
+        for name, bias in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
+                bias.normal_(0.0, 0.05)
     MiraMoEModel.wrap(model, MiraConfig(device="cpu", gpu_budget=0.5))
     routed = []
     model.mira.recorder = lambda layer, hidden, top_k_index: routed.append((layer, hidden.clone(), top_k_index.clone()))

@@ -546,6 +546,26 @@ def test_a_router_that_looks_experts_up_by_token_is_not_used_to_predict():
         assert torch.equal(model(IDS).logits, ref)
 
 
+@pytest.mark.filterwarnings("ignore:mira-hf. model_type")
+def test_a_family_whose_router_is_no_linear_map_is_predicted_once_calibrated():
+    """Gemma 4's router normalises and scales its input before its linear map: the gate has no router to apply on any
+    layer. `calibrate` trains the learned predictor on the model's own hidden states, which needs none; the outputs
+    stay the unwrapped model's."""
+    from mira_hf.calibrate import calibrate
+    from mira_hf.learned import LearnedPredictor
+
+    ref = tiny("gemma4_text")
+    with torch.no_grad():
+        expected = ref(IDS).logits
+    model = MiraMoEModel.wrap(ref, MiraConfig(device="cpu", gpu_budget=0.5))
+    assert all(model.mira.router_probs.linear(layer) is None for layer in model.mira.layers)
+    data = torch.randint(3, 120, (4, 64), generator=torch.Generator().manual_seed(0))
+    calibrate(model, data, epochs=2, progress=False)
+    assert isinstance(model.mira.predictor, LearnedPredictor)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, expected)
+
+
 def test_router_reading_a_wider_state_than_its_experts_is_not_used_to_predict():
     """Muse Spark's router reads the hidden state; its experts take it projected down (moe_hidden_size). The
     predictor must not apply that router to the experts' rows: served exactly, with the default predictor."""

@@ -372,12 +372,13 @@ def make_config(name: str, **overrides):
     return getattr(transformers, cls_name)(**{**kwargs, **overrides})
 
 
-def tiny_config(name: str):
+def tiny_config(name: str, **overrides):
     """The tiny config of any served family: its recipe (`make_config`), or for a family without an adapter
-    (`AUTO_FAMILIES`) its own defaults shrunk (`make_auto_config`); None if transformers lacks the family."""
+    (`AUTO_FAMILIES`) its own defaults shrunk (`make_auto_config`), with `overrides` on top; None if transformers
+    lacks the family."""
     if name not in ALL_RECIPES:
-        return make_auto_config(name)
-    return make_config(name) if hasattr(transformers, ALL_RECIPES[name][0]) else None
+        return make_auto_config(name, **overrides)
+    return make_config(name, **overrides) if hasattr(transformers, ALL_RECIPES[name][0]) else None
 
 
 # Per-expert parameters a family initialises to one value for every expert (norm scales), drawn at random by `build`

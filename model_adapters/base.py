@@ -447,9 +447,8 @@ def _groups(router: nn.Module, num_experts: int) -> tuple[int, int, str]:
     for one that chooses among all its experts."""
     groups, topk_group = getattr(router, "num_group", None), getattr(router, "topk_group", None)
     method = getattr(router, "topk_method", None)
-    if not (isinstance(groups, int) and isinstance(topk_group, int) and groups > 1 and num_experts % groups == 0):
-        return 1, 0, "top2"
-    if method == "greedy":
+    grouped = isinstance(groups, int) and isinstance(topk_group, int) and groups > 1 and num_experts % groups == 0
+    if not grouped or method == "greedy":
         return 1, 0, "top2"
     return groups, topk_group, "top2" if method is None else "max"
 

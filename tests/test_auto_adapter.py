@@ -506,10 +506,7 @@ ROUTERS = {
 def test_the_router_a_predictor_applies_chooses_what_the_model_routes(model_type):
     """Router lookahead applies each layer's router to earlier hidden states. Applied to the layer's own rows, with
     trained-looking selection biases, it must rank first the experts the model's router chooses for each token."""
-    overrides = ROUTERS[model_type]
-    config = make_config(model_type, **overrides) if model_type in ALL_TINY else make_auto_config(model_type, **overrides)
-    if config is None:
-        pytest.skip(f"this transformers has no {model_type}")
+    config = config_or_skip(model_type, **ROUTERS[model_type])
     torch.manual_seed(0)
     model = build(config).eval()
     with torch.no_grad():
@@ -532,9 +529,7 @@ def test_the_router_a_predictor_applies_chooses_what_the_model_routes(model_type
 def test_a_router_that_looks_experts_up_by_token_is_not_used_to_predict():
     """DeepSeek-V4's first layers route by a table of token ids (hash routing): no hidden state predicts them, so the
     predictor applies no router there; served exactly."""
-    config = make_auto_config("deepseek_v4", mlp_layer_types=["hash_moe", "moe"])
-    if config is None:
-        pytest.skip("this transformers has no deepseek_v4")
+    config = config_or_skip("deepseek_v4", mlp_layer_types=["hash_moe", "moe"])
     torch.manual_seed(0)
     model = build(config).eval()
     with torch.no_grad():

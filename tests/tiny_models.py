@@ -20,9 +20,9 @@ from mira_hf.testing import (  # noqa: F401
 )
 
 
-def config_or_skip(name: str):
-    """`tiny_config(name)`; the test is skipped where the installed transformers lacks the family."""
-    config = tiny_config(name)
+def config_or_skip(name: str, **overrides):
+    """`tiny_config(name, **overrides)`; the test is skipped where the installed transformers lacks the family."""
+    config = tiny_config(name, **overrides)
     if config is None:
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
     return config
